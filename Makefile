@@ -1,0 +1,55 @@
+# kvstore: `make run` installs everything and starts a local cluster with a demo workload;
+# `make test` installs everything and runs the whole suite. Both work as root on a fresh
+# Debian 12 with Python 3.11.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+STATE ?= .state/cluster
+
+.PHONY: all install deps-system proto run stop status test bench clean
+
+all: install
+
+deps-system:
+	@if ! command -v etcd >/dev/null 2>&1 || ! $(PY) -c 'import venv, ensurepip' >/dev/null 2>&1 \
+	    || ! command -v gcc >/dev/null 2>&1; then \
+	  echo "installing system packages (etcd-server, python3-venv, python3-dev, build-essential)"; \
+	  export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && \
+	  apt-get install -y -qq etcd-server python3-venv python3-dev build-essential >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml setup.py kvstore/_native.c
+	@$(MAKE) --no-print-directory deps-system
+	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+proto: install
+	tools/genproto.sh
+
+run: install
+	$(VPY) -m kvctl cluster up --agents 2 --state-dir $(STATE)
+	$(VPY) -m loadtest.demo --state-dir $(STATE)
+	@echo
+	@echo "The cluster keeps running. Inspect: $(VPY) -m kvctl cluster status --state-dir $(STATE)"
+	@echo "Stop it: make stop"
+
+stop:
+	@[ -x $(VPY) ] && $(VPY) -m kvctl cluster down --state-dir $(STATE) || true
+
+status: install
+	$(VPY) -m kvctl cluster status --state-dir $(STATE)
+
+test: install
+	$(VPY) -m pytest -q
+
+bench: install
+	$(VPY) -m loadtest.bench_agent
+
+clean:
+	rm -rf $(VENV) build *.egg-info .state

@@ -1,0 +1,1 @@
+"""kvctl: operator command-line tools for kvstore (status, flush, quotas, planning, trace analysis)."""

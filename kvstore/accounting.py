@@ -1,0 +1,54 @@
+"""Per-tenant byte accounting per tier, with limits (from configuration now, from etcd
+quotas later). Pure bookkeeping: the store decides what to evict."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from kvstore.events import Tier
+
+
+class TenantAccounts:
+    def __init__(self, limits: dict[str, dict[Tier, int]] | None = None) -> None:
+        self._used: dict[tuple[str, Tier], int] = defaultdict(int)
+        self._blocks: dict[tuple[str, Tier], int] = defaultdict(int)
+        self._limits: dict[tuple[str, Tier], int] = {}
+        for tenant, per_tier in (limits or {}).items():
+            for tier, limit in per_tier.items():
+                self.set_limit(tenant, tier, limit)
+
+    def set_limit(self, tenant: str, tier: Tier, limit: int | None) -> None:
+        """None or 0 removes the limit."""
+        if limit:
+            self._limits[(tenant, tier)] = int(limit)
+        else:
+            self._limits.pop((tenant, tier), None)
+
+    def limit(self, tenant: str, tier: Tier) -> int | None:
+        return self._limits.get((tenant, tier))
+
+    def used(self, tenant: str, tier: Tier) -> int:
+        return self._used.get((tenant, tier), 0)
+
+    def blocks(self, tenant: str, tier: Tier) -> int:
+        return self._blocks.get((tenant, tier), 0)
+
+    def add(self, tenant: str, tier: Tier, nbytes: int) -> None:
+        self._used[(tenant, tier)] += nbytes
+        self._blocks[(tenant, tier)] += 1
+
+    def sub(self, tenant: str, tier: Tier, nbytes: int) -> None:
+        key = (tenant, tier)
+        self._used[key] -= nbytes
+        self._blocks[key] -= 1
+        if self._used[key] < 0 or self._blocks[key] < 0:
+            raise AssertionError(f"accounting went negative for {tenant}/{tier.name}")
+
+    def overflow(self, tenant: str, tier: Tier, extra: int) -> int:
+        """Bytes over the limit if `extra` more were added (0 when within it)."""
+        limit = self._limits.get((tenant, tier))
+        if limit is None:
+            return 0
+        return max(0, self.used(tenant, tier) + extra - limit)
+
+    def tenants(self) -> list[str]:
+        return sorted({t for t, _ in self._used} | {t for t, _ in self._limits})

@@ -1,0 +1,118 @@
+"""Payload checksums for KV blocks.
+
+The checksum is XXH64 (seed 0) over the block's payload bytes.  It exists to
+detect corruption -- torn or partial writes, bit flips, truncated transfers,
+a slot reused before a copy finished -- not to authenticate data: XXH64 is
+not cryptographic and anyone can construct payloads with a chosen checksum.
+The security of block *identity* comes from the BLAKE2b-128 block ids
+(``kvstore.hashing``), never from this checksum.
+
+``copy_with_checksum`` is the hot path used when a block is moved into (or
+out of) a tier's preallocated slab: the C extension ``kvstore._native``
+hashes and copies in one pass with non-temporal stores, so the copy does
+not evict the working set from cache and the hash costs almost nothing on
+top of the copy.  Without the extension, the ``xxhash`` package plus a
+``memoryview`` copy give identical results.
+
+All functions accept any C-contiguous buffer (bytes, bytearray, memoryview,
+numpy arrays, mmap ...); lengths are in bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    if os.environ.get("KVSTORE_NO_NATIVE"):
+        raise ImportError("disabled by KVSTORE_NO_NATIVE")
+    from kvstore import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+NATIVE: bool = _native is not None
+
+__all__ = ["NATIVE", "checksum", "copy_with_checksum", "verify"]
+
+
+def _byte_view(buf: Any, what: str) -> memoryview:
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"{what} must be a bytes-like object, not {type(buf).__name__!r}") from None
+    if not mv.c_contiguous:
+        raise ValueError(f"{what} must be a C-contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _check_u64(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__!r}")
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{what} must be in [0, 2**64), got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------
+# Pure-Python fallbacks (always available when ``xxhash`` is installed)
+# --------------------------------------------------------------------------
+
+
+def _xxh64():
+    try:
+        import xxhash
+    except ImportError as exc:  # pragma: no cover - depends on environment
+        raise ImportError(
+            "kvstore checksums need the kvstore._native extension or the xxhash package"
+        ) from exc
+    return xxhash.xxh64_intdigest
+
+
+def py_checksum(buf: Any) -> int:
+    return _xxh64()(_byte_view(buf, "buf"))
+
+
+def py_copy_with_checksum(dst: Any, src: Any) -> int:
+    d = _byte_view(dst, "dst")
+    s = _byte_view(src, "src")
+    if d.readonly:
+        raise TypeError("dst must be a writable buffer")
+    if d.nbytes < s.nbytes:
+        raise ValueError(f"dst is too small: {d.nbytes} bytes < {s.nbytes} bytes of src")
+    digest = _xxh64()(s)  # before the copy: src and dst may overlap
+    d[: s.nbytes] = s
+    return digest
+
+
+def py_verify(buf: Any, expected: int) -> bool:
+    return py_checksum(buf) == _check_u64(expected, "expected")
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def checksum(buf: Any) -> int:
+    """XXH64 (seed 0) of ``buf`` as an unsigned 64-bit int."""
+    if _native is not None:
+        return _native.xxh64(buf)
+    return py_checksum(buf)
+
+
+def copy_with_checksum(dst: Any, src: Any) -> int:
+    """Copy ``src`` into the start of ``dst`` and return ``checksum(src)``.
+
+    ``dst`` must be writable and at least ``len(src)`` bytes (ValueError
+    otherwise); bytes of ``dst`` beyond ``len(src)`` are left untouched.
+    """
+    if _native is not None:
+        return _native.copy_checksum(dst, src)
+    return py_copy_with_checksum(dst, src)
+
+
+def verify(buf: Any, expected: int) -> bool:
+    """True when ``checksum(buf) == expected``."""
+    if _native is not None:
+        return _native.verify_checksum(buf, expected)
+    return py_verify(buf, expected)

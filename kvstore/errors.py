@@ -1,0 +1,51 @@
+"""Error hierarchy of the core. The gRPC edge maps each class to one status code
+(node_agent/interceptor), so the same failure reads the same everywhere."""
+from __future__ import annotations
+
+
+class KvError(Exception):
+    """Base class; `code` names the gRPC status the edge returns."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(KvError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(KvError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(KvError):
+    code = "FAILED_PRECONDITION"
+
+
+class StaleGeneration(FailedPrecondition):
+    """A request carried a namespace generation older than the one in force (fencing)."""
+
+
+class ResourceExhausted(KvError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDenied(KvError):
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(KvError):
+    code = "UNAUTHENTICATED"
+
+
+class Unavailable(KvError):
+    code = "UNAVAILABLE"
+
+
+class DataLoss(KvError):
+    """Checksum mismatch or a corrupt record."""
+
+    code = "DATA_LOSS"

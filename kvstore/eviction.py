@@ -1,0 +1,68 @@
+"""Eviction strategies. A strategy maps a block's metadata to a priority: the block with
+the lowest priority among the evictable ones goes first.
+
+Priorities must stay comparable over time without being recomputed for every block at
+every eviction, so each strategy's priority changes only when the block is touched: the
+store re-files a block in its heap on each access. Which blocks are evictable at all
+(leaves first, never pinned, never while being read) is the store's job, not the
+strategy's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class EvictionMeta(Protocol):
+    hits: int
+    last_access: float
+    depth: int
+    nbytes: int
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def priority(self, meta: EvictionMeta) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LRUPolicy:
+    """Least recently used first: the baseline to compare against."""
+
+    name: str = "lru"
+
+    def priority(self, meta: EvictionMeta) -> float:
+        return meta.last_access
+
+
+@dataclass(frozen=True, slots=True)
+class ValueAwarePolicy:
+    """Estimated prefill compute saved per byte held, decayed by age.
+
+    value = (hits + 1) x prefill_cost(depth) / bytes x 2^(-age / half_life)
+
+    prefill_cost(depth) is relative: every block pays its MLP/projection work (1) and
+    attention over everything before it (depth x attention_weight), so a deep block that
+    does get hit saves more than a shallow one. Taking log2 turns the decay into an additive
+    `last_access / half_life` term, which is fixed between touches, so heap order stays
+    valid as time passes.
+    """
+
+    half_life_s: float = 300.0
+    attention_weight: float = 0.05
+    name: str = "value"
+
+    def priority(self, meta: EvictionMeta) -> float:
+        cost = 1.0 + self.attention_weight * meta.depth
+        value = (meta.hits + 1) * cost / max(meta.nbytes, 1)
+        return math.log2(value) + meta.last_access / self.half_life_s
+
+
+def make_policy(name: str, **kwargs: float) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    if name == "value":
+        return ValueAwarePolicy(**kwargs)
+    raise ValueError(f"unknown eviction policy {name!r}: choose 'value' or 'lru'")

@@ -1,0 +1,673 @@
+"""BlockStore: what one node holds, across the device pool and the NVMe tier.
+
+Invariants the store keeps:
+- Prefix consistency: a block never stays on the node without its parent, so eviction
+  and removal take leaves first (a block with children on the node is never dropped).
+- A block is served from the pool when it has a slot, else from NVMe (and promoted).
+  It may have both (a demoted-then-promoted block keeps its NVMe copy until NVMe evicts it).
+- Every served payload is checked against its XXH64 during the copy; a mismatch drops the
+  block and its descendants and turns it into a miss.
+- Bulk copies run outside the lock: a block being read has `readers > 0` and a slot being
+  written is RESERVED, and neither can be evicted or reused meanwhile.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.accounting import TenantAccounts
+from kvstore.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound,
+                            ResourceExhausted, StaleGeneration)
+from kvstore.eviction import EvictionPolicy, ValueAwarePolicy
+from kvstore.events import EventKind, EventQueue, Tier
+from kvstore.namespace import Namespace
+from kvstore.payload import (BlockHeader, block_shape, decode_block, decode_header,
+                             encode_block)
+from kvstore.policy import NamespacePolicy
+from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.rocks import RocksTier
+
+ID_BYTES = 16
+_NS_META_PREFIX = b"ns:"
+
+
+@dataclass(slots=True, eq=False)
+class BlockMeta:
+    ns: "NsState"
+    block_id: bytes
+    parent_id: bytes
+    depth: int
+    nbytes: int
+    checksum: int
+    slot: int = -1
+    on_nvme: bool = False
+    hits: int = 0
+    last_access: float = 0.0
+    expires_at: float = 0.0
+    pinned: bool = False
+    readers: int = 0
+    children: int = 0
+    hbm_children: int = 0
+    version: int = 0
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.HBM if self.slot >= 0 else Tier.NVME
+
+
+@dataclass(slots=True, eq=False)
+class NsState:
+    spec: Namespace
+    ns_id: bytes
+    generation: int
+    policy: NamespacePolicy
+    blocks: dict[bytes, BlockMeta] = field(default_factory=dict)
+    pinned_bytes: int = 0
+
+    @property
+    def tenant(self) -> str:
+        return self.spec.tenant
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    block_id: bytes
+    parent_id: bytes
+    data: object  # any buffer of exactly the namespace's block bytes
+    checksum: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matched: int
+    hbm: int
+    nvme: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServedBlock:
+    block_id: bytes
+    tier: Tier
+    checksum: int
+
+
+class BlockStore:
+    def __init__(self, pool: DevicePool, rocks: RocksTier | None,
+                 eviction: EvictionPolicy | None = None,
+                 accounts: TenantAccounts | None = None,
+                 policy_for: Callable[[Namespace], NamespacePolicy] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.pool = pool
+        self.rocks = rocks
+        self.eviction = eviction or ValueAwarePolicy()
+        self.accounts = accounts or TenantAccounts()
+        self.policy_for = policy_for or (lambda ns: NamespacePolicy())
+        self.clock = clock
+        self.events = EventQueue()
+        self.counters: Counter[str] = Counter()
+        self.tenant_counters: dict[str, Counter[str]] = {}
+        self.lock = threading.RLock()
+        self._ns: dict[bytes, NsState] = {}
+        self._heaps: dict[tuple[str, Tier], list] = {}
+        self._tick = 0
+        self.nvme_used = 0
+
+    # ----------------------------------------------------------------- namespaces
+    def open_namespace(self, spec: Namespace) -> NsState:
+        if spec.block_bytes > self.pool.slot_bytes:
+            raise InvalidArgument(
+                f"namespace blocks are {spec.block_bytes} bytes but this node's pool slots "
+                f"hold {self.pool.slot_bytes}: raise pool.slot_bytes or shrink block_size")
+        with self.lock:
+            st = self._ns.get(spec.namespace_id)
+            if st is None:
+                st = NsState(spec, spec.namespace_id, 0, self.policy_for(spec))
+                self._ns[st.ns_id] = st
+                self._save_ns(st)
+            return st
+
+    def namespace(self, ns_id: bytes, generation: int) -> NsState:
+        st = self._ns.get(ns_id)
+        if st is None:
+            raise NotFound(f"unknown namespace {ns_id.hex() if ns_id else '(empty id)'}: "
+                           "call OpenNamespace first")
+        if generation < st.generation:
+            raise StaleGeneration(f"namespace {st.spec.key} generation {generation} is stale "
+                                  f"(current {st.generation})")
+        if generation > st.generation:
+            raise FailedPrecondition(f"namespace {st.spec.key} generation {generation} is "
+                                     f"ahead of this node ({st.generation}); retry shortly")
+        return st
+
+    def namespaces(self) -> list[NsState]:
+        return list(self._ns.values())
+
+    def set_policy(self, ns_id: bytes, policy: NamespacePolicy) -> None:
+        with self.lock:
+            st = self._ns[ns_id]
+            st.policy = policy
+            self._save_ns(st)
+
+    def set_generation(self, ns_id: bytes, generation: int) -> int:
+        """Move a namespace to `generation`, dropping every block of older ones.
+        Returns the number of blocks dropped."""
+        with self.lock:
+            st = self._ns.get(ns_id)
+            if st is None:
+                raise NotFound(f"unknown namespace {ns_id.hex()}")
+            if generation <= st.generation:
+                return 0
+            dropped = len(st.blocks)
+            for meta in list(st.blocks.values()):
+                self._free_resources(meta)
+            st.blocks.clear()
+            st.pinned_bytes = 0
+            st.generation = generation
+            if self.rocks is not None:
+                self.rocks.delete_prefix(ns_id)
+            self._save_ns(st)
+            self.counters["blocks_dropped_flush"] += dropped
+            self.events.append(EventKind.NAMESPACE_CLEARED, ns_id, generation=generation)
+            return dropped
+
+    def _save_ns(self, st: NsState) -> None:
+        if self.rocks is None:
+            return
+        rec = {"spec": st.spec.to_dict(), "generation": st.generation,
+               "policy": st.policy.to_dict()}
+        self.rocks.meta_put(_NS_META_PREFIX + st.ns_id, json.dumps(rec).encode())
+
+    # --------------------------------------------------------------------- lookup
+    def lookup(self, ns_id: bytes, generation: int, ids: list[bytes]) -> LookupResult:
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            now = self.clock()
+            get = st.blocks.get
+            matched = hbm = 0
+            for bid in ids:
+                m = get(bid)
+                if m is None or (m.expires_at and m.expires_at <= now):
+                    break
+                matched += 1
+                if m.slot >= 0:
+                    hbm += 1
+            tc = self.tenant_counters.setdefault(st.tenant, Counter())
+            for c in (self.counters, tc):
+                c["lookups"] += 1
+                c["lookup_hits"] += matched > 0
+                c["lookup_blocks"] += len(ids)
+                c["lookup_hit_blocks"] += matched
+            return LookupResult(matched, hbm, matched - hbm, st.generation)
+
+    # ------------------------------------------------------------------------ get
+    def get(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
+            dst_for: Callable[[int, int], object]) -> list[ServedBlock]:
+        """Copy the leading present blocks into `dst_for(i, nbytes)` buffers, verified.
+        Stops at the first missing, mis-chained or corrupt block."""
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            metas = self._leading(st, ids, parent_id)
+            for m in metas:
+                m.readers += 1
+        served: list[ServedBlock] = []
+        promote: list[tuple[BlockMeta, object]] = []
+        corrupt: BlockMeta | None = None
+        try:
+            for i, m in enumerate(metas):
+                dst = dst_for(i, m.nbytes)
+                if m.slot >= 0:
+                    ok = self.pool.read_into(m.slot, m.nbytes, dst) == m.checksum
+                    tier = Tier.HBM
+                else:
+                    ok = self._read_nvme(m, dst)
+                    tier = Tier.NVME
+                    if ok:
+                        promote.append((m, dst))
+                if not ok:
+                    corrupt = m
+                    break
+                served.append(ServedBlock(m.block_id, tier, m.checksum))
+        finally:
+            with self.lock:
+                self._finish_get(st, metas, served, promote, corrupt)
+        return served
+
+    def _leading(self, st: NsState, ids: list[bytes], parent_id: bytes) -> list[BlockMeta]:
+        now = self.clock()
+        out = []
+        prev = parent_id
+        for bid in ids:
+            m = st.blocks.get(bid)
+            if m is None or (m.expires_at and m.expires_at <= now):
+                break
+            if prev and m.parent_id != prev:
+                self.counters["chain_mismatch"] += 1
+                break
+            out.append(m)
+            prev = bid
+        return out
+
+    def _read_nvme(self, m: BlockMeta, dst) -> bool:
+        raw = self.rocks.get(m.ns.ns_id + m.block_id) if self.rocks else None
+        if raw is None:
+            return False
+        try:
+            hdr, payload = decode_block(raw)
+        except DataLoss:
+            return False
+        if hdr.block_id != m.block_id or hdr.checksum != m.checksum:
+            return False
+        memoryview(dst).cast("B")[: m.nbytes] = payload
+        return True
+
+    def _finish_get(self, st, metas, served, promote, corrupt) -> None:
+        now = self.clock()
+        for m in metas:
+            m.readers -= 1
+        ttl = st.policy.ttl_seconds
+        for sb in served:
+            m = st.blocks.get(sb.block_id)
+            if m is None:
+                continue
+            m.hits += 1
+            m.last_access = now
+            if ttl:
+                m.expires_at = now + ttl
+            self._refile(m)
+        promoted = [m.block_id for m, dst in promote if self._promote(m, dst)]
+        if promoted:
+            self.events.append(EventKind.TIER_CHANGED, st.ns_id, tuple(promoted), tier=Tier.HBM)
+        if corrupt is not None and corrupt.block_id in st.blocks:
+            self.counters["corrupt_dropped"] += 1
+            self._remove_subtrees(st, {corrupt.block_id}, "corrupt")
+        self.counters["get_blocks"] += len(served)
+        self.counters["get_bytes"] += sum(m.nbytes for m in metas[: len(served)])
+
+    def _promote(self, m: BlockMeta, src) -> bool:
+        if m.slot >= 0 or m.block_id not in m.ns.blocks:
+            return False
+        slot = self._reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
+        if slot is None:
+            return False
+        self.pool.write(slot, memoryview(src).cast("B")[: m.nbytes])
+        self.pool.commit(slot)
+        self._attach_slot(m, slot)
+        self.counters["promotions"] += 1
+        return True
+
+    # ------------------------------------------------------------------------ put
+    def put(self, ns_id: bytes, generation: int, items: list[PutItem]) -> tuple[int, int]:
+        """Store blocks (parent before child). Returns (stored, already_present)."""
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            plan, already = self._plan_put(st, items)
+        written: list[tuple[PutItem, int, int, BlockMeta | None]] = []
+        try:
+            for item, slot, depth, parent in plan:
+                digest = self.pool.write(slot, item.data)
+                if item.checksum is not None and digest != item.checksum:
+                    raise DataLoss(f"block {item.block_id.hex()[:12]} payload does not match "
+                                   "its checksum")
+                written.append((item, slot, digest, parent))
+        finally:
+            with self.lock:
+                stored = self._commit_put(st, plan, written)
+        return stored, already
+
+    def _plan_put(self, st: NsState, items: list[PutItem]):
+        size = st.spec.block_bytes
+        seen: dict[bytes, int] = {}
+        for i, it in enumerate(items):
+            if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
+                raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
+            n = memoryview(it.data).nbytes
+            if n != size:
+                raise InvalidArgument(f"block {i} is {n} bytes; namespace {st.spec.key} "
+                                      f"blocks are {size} bytes")
+        plan, already = [], 0
+        try:
+            for it in items:
+                if it.block_id in st.blocks or it.block_id in seen:
+                    already += 1
+                    continue
+                parent = st.blocks.get(it.parent_id)
+                if parent is not None:
+                    depth = parent.depth + 1
+                    parent.readers += 1
+                else:
+                    depth = seen.get(it.parent_id, -1) + 1
+                if depth + 1 < st.policy.min_prefix_blocks:
+                    self.counters["below_min_prefix"] += 1
+                    if parent is not None:
+                        parent.readers -= 1
+                    continue
+                slot = self._reserve_slot(st.tenant, extra=size)
+                if slot is None:
+                    if parent is not None:
+                        parent.readers -= 1
+                    raise ResourceExhausted(
+                        f"device pool cannot take more blocks for tenant {st.tenant}: "
+                        "every slot is pinned, in use or over the tenant's quota")
+                seen[it.block_id] = depth
+                plan.append((it, slot, depth, parent))
+        except BaseException:
+            self._abort_plan(plan)
+            raise
+        return plan, already
+
+    def _abort_plan(self, plan) -> None:
+        for _, slot, _, parent in plan:
+            self.pool.abort(slot)
+            if parent is not None:
+                parent.readers -= 1
+
+    def _commit_put(self, st, plan, written) -> int:
+        done = {id(w[0]) for w in written}
+        self._abort_plan([p for p in plan if id(p[0]) not in done])
+        now = self.clock()
+        stored: list[bytes] = []
+        for item, slot, digest, parent in written:
+            if parent is not None:
+                parent.readers -= 1
+            parent_meta = st.blocks.get(item.parent_id)
+            depth = parent_meta.depth + 1 if parent_meta else next(
+                p[2] for p in plan if p[0] is item)
+            if st.generation != self._ns[st.ns_id].generation or (depth and not parent_meta):
+                self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
+                continue
+            self.pool.commit(slot)
+            m = BlockMeta(st, item.block_id, item.parent_id, depth,
+                          memoryview(item.data).nbytes, digest, last_access=now,
+                          expires_at=now + st.policy.ttl_seconds if st.policy.ttl_seconds else 0)
+            st.blocks[m.block_id] = m
+            if parent_meta is not None:
+                parent_meta.children += 1
+            self._attach_slot(m, slot)
+            stored.append(m.block_id)
+        if stored:
+            self.events.append(EventKind.STORED, st.ns_id, tuple(stored),
+                               parent_id=plan[0][0].parent_id, tier=Tier.HBM)
+            self.counters["put_blocks"] += len(stored)
+        return len(stored)
+
+    # --------------------------------------------------------------------- pinning
+    def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> tuple[int, int]:
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            metas = [m for m in self._leading(st, ids, b"") if m.pinned != pin]
+            delta = sum(m.nbytes for m in metas)
+            if pin and st.pinned_bytes + delta > st.policy.pin_budget_bytes:
+                raise ResourceExhausted(
+                    f"pinning {len(metas)} blocks ({delta} bytes) exceeds namespace "
+                    f"{st.spec.key} pin budget of {st.policy.pin_budget_bytes} bytes "
+                    f"({st.pinned_bytes} already pinned)")
+            for m in metas:
+                m.pinned = pin
+                self._refile(m)
+            st.pinned_bytes += delta if pin else -delta
+            return len(metas), st.pinned_bytes
+
+    # -------------------------------------------------------------------- eviction
+    def _hbm_evictable(self, m: BlockMeta) -> bool:
+        return (m.slot >= 0 and not m.pinned and m.readers == 0 and m.hbm_children == 0
+                and (m.children == 0 or (m.ns.policy.persist and self.rocks is not None)))
+
+    def _nvme_evictable(self, m: BlockMeta) -> bool:
+        return m.on_nvme and not m.pinned and m.readers == 0 and (m.slot >= 0 or m.children == 0)
+
+    def _refile(self, m: BlockMeta) -> None:
+        """Re-enter a block in the eviction heaps after any change of its priority or of
+        its eligibility; stale heap entries are skipped when popped."""
+        m.version += 1
+        if m.block_id not in m.ns.blocks:
+            return
+        prio = self.eviction.priority(m)
+        for tier, ok in ((Tier.HBM, self._hbm_evictable(m)), (Tier.NVME, self._nvme_evictable(m))):
+            if ok:
+                self._tick += 1
+                heap = self._heaps.setdefault((m.ns.tenant, tier), [])
+                heapq.heappush(heap, (prio, self._tick, m.version, m))
+                if len(heap) > 4 * len(m.ns.blocks) + 4096:
+                    self._compact(heap, tier)
+
+    def _compact(self, heap: list, tier: Tier) -> None:
+        ok = self._hbm_evictable if tier == Tier.HBM else self._nvme_evictable
+        heap[:] = [e for e in heap if e[2] == e[3].version and ok(e[3])
+                   and e[3].block_id in e[3].ns.blocks]
+        heapq.heapify(heap)
+
+    def _victim(self, tier: Tier, tenant: str | None, protect=None) -> BlockMeta | None:
+        ok = self._hbm_evictable if tier == Tier.HBM else self._nvme_evictable
+        best = None
+        for (t, tr), heap in self._heaps.items():
+            if tr != tier or (tenant is not None and t != tenant):
+                continue
+            while heap:
+                _, _, ver, m = heap[0]
+                if ver == m.version and m is not protect and ok(m) and m.block_id in m.ns.blocks:
+                    break
+                heapq.heappop(heap)
+            if heap and (best is None or heap[0] < best):
+                best = heap[0]
+        if best is None:
+            return None
+        heapq.heappop(self._heaps[(best[3].ns.tenant, tier)])
+        return best[3]
+
+    def _reserve_slot(self, tenant: str, extra: int = 0, protect=None) -> int | None:
+        extra = extra or self.pool.slot_bytes
+        while self.accounts.overflow(tenant, Tier.HBM, extra):
+            victim = self._victim(Tier.HBM, tenant, protect)
+            if victim is None:
+                return None
+            self._evict_hbm(victim, "quota")
+        slot = self.pool.reserve()
+        while slot is None:
+            victim = self._victim(Tier.HBM, None, protect)
+            if victim is None:
+                return None
+            self._evict_hbm(victim, "capacity")
+            slot = self.pool.reserve()
+        return slot
+
+    def _evict_hbm(self, m: BlockMeta, reason: str) -> None:
+        self.counters[f"evict_hbm_{reason}"] += 1
+        if m.children == 0 and not (m.ns.policy.persist and self.rocks is not None):
+            self._remove(m)
+            self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
+            return
+        if not m.on_nvme and not self._write_nvme(m):
+            if m.children == 0:
+                self._remove(m)
+                self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
+            return
+        self._detach_slot(m)
+        self.counters["demotions"] += 1
+        self.events.append(EventKind.TIER_CHANGED, m.ns.ns_id, (m.block_id,), tier=Tier.NVME)
+
+    def _write_nvme(self, m: BlockMeta) -> bool:
+        st = m.ns
+        while (self.nvme_used + m.nbytes > self.rocks.capacity_bytes
+               or self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes)):
+            tenant = st.tenant if self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes) else None
+            victim = self._victim(Tier.NVME, tenant, protect=m)
+            if victim is None:
+                self.counters["nvme_full"] += 1
+                return False
+            self._evict_nvme(victim)
+        payload, digest = self.pool.read_bytes(m.slot, m.nbytes)
+        if digest != m.checksum:
+            self.counters["corrupt_dropped"] += 1
+            return False
+        hdr = BlockHeader(st.ns_id, st.generation, m.block_id, m.parent_id, m.depth,
+                          st.spec.kv_dtype, block_shape(st.spec), m.nbytes, m.checksum)
+        self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))])
+        m.on_nvme = True
+        self.nvme_used += m.nbytes
+        self.accounts.add(st.tenant, Tier.NVME, m.nbytes)
+        self._refile(m)
+        return True
+
+    def _evict_nvme(self, m: BlockMeta) -> None:
+        self.counters["evict_nvme"] += 1
+        if m.slot >= 0:
+            self._drop_nvme_copy(m)
+        else:
+            self._remove(m)
+            self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
+
+    def _drop_nvme_copy(self, m: BlockMeta) -> None:
+        if m.on_nvme:
+            self.rocks.delete_batch([m.ns.ns_id + m.block_id])
+            m.on_nvme = False
+            self.nvme_used -= m.nbytes
+            self.accounts.sub(m.ns.tenant, Tier.NVME, m.nbytes)
+
+    # ---------------------------------------------------------- slot bookkeeping
+    def _attach_slot(self, m: BlockMeta, slot: int) -> None:
+        m.slot = slot
+        self.accounts.add(m.ns.tenant, Tier.HBM, m.nbytes)
+        parent = m.ns.blocks.get(m.parent_id) if m.depth else None
+        if parent is not None:
+            parent.hbm_children += 1
+            self._refile(parent)
+        self._refile(m)
+
+    def _detach_slot(self, m: BlockMeta) -> None:
+        self.pool.release(m.slot)
+        m.slot = -1
+        self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
+        parent = m.ns.blocks.get(m.parent_id) if m.depth else None
+        if parent is not None:
+            parent.hbm_children -= 1
+            self._refile(parent)
+        self._refile(m)
+
+    def _free_resources(self, m: BlockMeta) -> None:
+        if m.slot >= 0:
+            self.pool.release(m.slot)
+            self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
+            m.slot = -1
+        if m.on_nvme:
+            self.nvme_used -= m.nbytes
+            self.accounts.sub(m.ns.tenant, Tier.NVME, m.nbytes)
+            m.on_nvme = False
+
+    def _remove(self, m: BlockMeta) -> None:
+        """Drop a leaf from the node, every tier."""
+        if m.children:
+            raise AssertionError("prefix consistency: removing a block that has children")
+        if m.slot >= 0:
+            self._detach_slot(m)
+        self._drop_nvme_copy(m)
+        st = m.ns
+        del st.blocks[m.block_id]
+        if m.pinned:
+            st.pinned_bytes -= m.nbytes
+        parent = st.blocks.get(m.parent_id) if m.depth else None
+        if parent is not None:
+            parent.children -= 1
+            self._refile(parent)
+        m.version += 1
+
+    def _remove_subtrees(self, st: NsState, roots: set[bytes], reason: str) -> int:
+        doomed = set(roots)
+        for m in sorted(st.blocks.values(), key=lambda b: b.depth):
+            if m.parent_id in doomed:
+                doomed.add(m.block_id)
+        gone = sorted((st.blocks[b] for b in doomed if b in st.blocks),
+                      key=lambda b: -b.depth)
+        for m in gone:
+            self._remove(m)
+        if gone:
+            self.events.append(EventKind.REMOVED, st.ns_id, tuple(m.block_id for m in gone))
+            self.counters[f"removed_{reason}"] += len(gone)
+        return len(gone)
+
+    # ---------------------------------------------------------------- maintenance
+    def recover(self, verify: bool = True) -> dict[str, int]:
+        """Rebuild the index from RocksDB after a restart. Blocks whose header or payload
+        checksum fails, of an old generation, or whose parent did not survive are deleted."""
+        if self.rocks is None:
+            return {"recovered": 0, "dropped": 0}
+        with self.lock:
+            for key, value in self.rocks.meta_items():
+                if key.startswith(_NS_META_PREFIX):
+                    rec = json.loads(value)
+                    spec = Namespace.from_dict(rec["spec"])
+                    self._ns[spec.namespace_id] = NsState(spec, spec.namespace_id,
+                                                          rec["generation"], self.policy_for(spec))
+            found, bad = [], []
+            for key, raw in self.rocks.scan():
+                hdr = self._check_record(key, raw, verify)
+                if hdr is None:
+                    bad.append(key)
+                else:
+                    found.append((key, hdr))
+            now = self.clock()
+            found.sort(key=lambda kh: kh[1].depth)
+            for key, hdr in found:
+                st = self._ns[hdr.namespace_id]
+                parent = st.blocks.get(hdr.parent_id)
+                if hdr.depth and parent is None:
+                    bad.append(key)
+                    continue
+                m = BlockMeta(st, hdr.block_id, hdr.parent_id, hdr.depth, hdr.length,
+                              hdr.checksum, on_nvme=True, last_access=now,
+                              expires_at=now + st.policy.ttl_seconds if st.policy.ttl_seconds
+                              else 0)
+                st.blocks[m.block_id] = m
+                if parent is not None:
+                    parent.children += 1
+                self.nvme_used += m.nbytes
+                self.accounts.add(st.tenant, Tier.NVME, m.nbytes)
+            for st in self._ns.values():
+                for m in st.blocks.values():
+                    self._refile(m)
+            if bad:
+                self.rocks.delete_batch(bad)
+            self.counters["recovered_blocks"] += len(found) - len(bad)
+            self.counters["recovery_dropped"] += len(bad)
+            return {"recovered": self.block_count(), "dropped": len(bad)}
+
+    def _check_record(self, key: bytes, raw: bytes, verify: bool) -> BlockHeader | None:
+        try:
+            hdr = decode_block(raw)[0] if verify else decode_header(raw)[0]
+        except DataLoss:
+            return None
+        st = self._ns.get(key[:ID_BYTES])
+        if (st is None or hdr.namespace_id != st.ns_id or hdr.block_id != key[ID_BYTES:]
+                or hdr.generation != st.generation or hdr.length != st.spec.block_bytes):
+            return None
+        return hdr
+
+    def expire(self) -> int:
+        """Drop blocks whose TTL ran out (with their descendants)."""
+        now = self.clock()
+        total = 0
+        with self.lock:
+            for st in self._ns.values():
+                if not st.policy.ttl_seconds:
+                    continue
+                dead = {b for b, m in st.blocks.items()
+                        if m.expires_at and m.expires_at <= now and not m.readers}
+                if dead:
+                    total += self._remove_subtrees(st, dead, "expired")
+        return total
+
+    def snapshot(self) -> tuple[int, list[tuple[bytes, list[tuple[bytes, Tier]]]]]:
+        """Every block held, per namespace, and the last event sequence it includes."""
+        with self.lock:
+            out = [(st.ns_id, [(m.block_id, m.tier) for m in
+                               sorted(st.blocks.values(), key=lambda b: b.depth)])
+                   for st in self._ns.values()]
+            return self.events.last_seq, out
+
+    def block_count(self) -> int:
+        return sum(len(st.blocks) for st in self._ns.values())

@@ -1,0 +1,1 @@
+"""Storage tiers: the device-memory pool and the NVMe tier on RocksDB."""

@@ -1,0 +1,137 @@
+"""Device-memory pool: preallocated fixed-size slots on one torch device.
+
+On a CUDA machine the pool lives in device memory (`cuda:N`); elsewhere it falls back to
+host memory. Every slot moves through an explicit state machine and writes are two-phase:
+reserve -> (copy) -> commit, or abort. Nothing is allocated on the hot path: the backing
+tensor is allocated and touched once at start-up, and the free list is a plain stack.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from kvstore import checksum as cks
+from kvstore.errors import InvalidArgument, KvError
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    RESERVED = 1
+    OCCUPIED = 2
+
+
+_ALLOWED = {
+    (SlotState.FREE, SlotState.RESERVED),
+    (SlotState.RESERVED, SlotState.OCCUPIED),
+    (SlotState.RESERVED, SlotState.FREE),
+    (SlotState.OCCUPIED, SlotState.FREE),
+}
+
+
+class SlotStateError(KvError):
+    """A slot transition the state machine does not allow: a bug, never user input."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` picks cuda:0 when CUDA is usable, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cuda", "cpu"):
+        raise InvalidArgument(f"device {device!r}: only cuda:N and cpu are supported")
+    return dev
+
+
+class DevicePool:
+    def __init__(self, n_slots: int, slot_bytes: int, device: str = "auto") -> None:
+        if n_slots <= 0 or slot_bytes <= 0:
+            raise InvalidArgument("pool needs n_slots > 0 and slot_bytes > 0")
+        self.device = resolve_device(device)
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self.tensor = torch.empty((n_slots, slot_bytes), dtype=torch.uint8, device=self.device)
+        self.tensor.zero_()  # touch every page now, not on the first put
+        self._host = self.tensor.numpy() if self.device.type == "cpu" else None
+        self._state = bytearray(n_slots)
+        self._free = list(range(n_slots - 1, -1, -1))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    def state(self, slot: int) -> SlotState:
+        return SlotState(self._state[slot])
+
+    def _move(self, slot: int, new: SlotState) -> None:
+        old = SlotState(self._state[slot])
+        if (old, new) not in _ALLOWED:
+            raise SlotStateError(f"slot {slot}: illegal transition {old.name} -> {new.name}")
+        self._state[slot] = new
+
+    def reserve(self) -> int | None:
+        """A free slot in RESERVED state, or None when the pool is full."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._move(slot, SlotState.RESERVED)
+        return slot
+
+    def commit(self, slot: int) -> None:
+        self._move(slot, SlotState.OCCUPIED)
+
+    def abort(self, slot: int) -> None:
+        self._move(slot, SlotState.FREE)
+        self._free.append(slot)
+
+    def release(self, slot: int) -> None:
+        self._move(slot, SlotState.FREE)
+        self._free.append(slot)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.slot_bytes:
+            raise InvalidArgument(f"block of {n} bytes does not fit a {self.slot_bytes}-byte slot")
+
+    def write(self, slot: int, src) -> int:
+        """Copy `src` (any buffer) into a RESERVED slot; returns the payload's XXH64."""
+        if self._state[slot] != SlotState.RESERVED:
+            raise SlotStateError(f"slot {slot} written while {self.state(slot).name}")
+        n = memoryview(src).nbytes
+        self._check_len(n)
+        if self._host is not None:
+            return cks.copy_with_checksum(self._host[slot, :n], src)
+        digest = cks.checksum(src)
+        self.tensor[slot, :n].copy_(torch.frombuffer(src, dtype=torch.uint8))
+        return digest
+
+    def read_into(self, slot: int, nbytes: int, dst) -> int:
+        """Copy an OCCUPIED slot's first `nbytes` into `dst`; returns their XXH64."""
+        if self._state[slot] != SlotState.OCCUPIED:
+            raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
+        self._check_len(nbytes)
+        if self._host is not None:
+            return cks.copy_with_checksum(dst, self._host[slot, :nbytes])
+        out = torch.frombuffer(dst, dtype=torch.uint8, count=nbytes)
+        out.copy_(self.tensor[slot, :nbytes])
+        return cks.checksum(memoryview(dst)[:nbytes])
+
+    def read_bytes(self, slot: int, nbytes: int) -> tuple[bytes, int]:
+        buf = bytearray(nbytes)
+        digest = self.read_into(slot, nbytes, buf)
+        return bytes(buf), digest
+
+    def raw_view(self, slot: int):
+        """Host view of a slot (CPU pools only): for fault injection and debugging tools."""
+        if self._host is None:
+            raise InvalidArgument("raw_view needs a host-memory pool")
+        return self._host[slot]

@@ -1,0 +1,1 @@
+"""Generated protobuf code (tools/genproto.sh); do not edit."""

@@ -1,0 +1,1 @@
+"""loadtest: realistic prompt traces and replay against a kvstore cluster."""

@@ -1,0 +1,1 @@
+"""Node agent: one process per GPU serving KV blocks over gRPC."""

@@ -1,0 +1,116 @@
+"""Node agent process: builds the store from config, recovers it from RocksDB, serves gRPC
+(data plane, events, health) and runs background maintenance."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.accounting import TenantAccounts
+from kvstore.config import AgentConfig
+from kvstore.eviction import make_policy
+from kvstore.events import Tier
+from kvstore.store import BlockStore
+from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.rocks import RocksTier
+from kvstore.v1 import agent_pb2_grpc
+from node_agent.events import EventHub
+from node_agent.interceptors import EdgeInterceptor
+from node_agent.servicer import AgentServicer
+from node_agent.shm import ShmRegistry
+
+log = logging.getLogger("kvstore.agent")
+
+
+def build_store(cfg: AgentConfig) -> BlockStore:
+    pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device)
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes) if cfg.nvme_bytes else None
+    limits = {t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
+              for t, tc in cfg.tenants.items()}
+    store = BlockStore(pool, rocks, make_policy(cfg.eviction), TenantAccounts(limits),
+                       policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name))
+    return store
+
+
+class AgentServer:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.store = build_store(cfg)
+        self.hub = EventHub(self.store, cfg.node_id)
+        self.shm = ShmRegistry()
+        self.servicer = AgentServicer(self.store, self.hub, self.shm, cfg.node_id,
+                                      cfg.max_blocks_per_request)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def address(self) -> str:
+        if self.cfg.advertise:
+            return self.cfg.advertise
+        host = self.cfg.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        rec = self.store.recover()
+        log.info("recovered %d blocks from %s (%d dropped)", rec["recovered"],
+                 self.cfg.data_dir, rec["dropped"])
+        opts = [("grpc.max_send_message_length", self.cfg.max_message_bytes),
+                ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
+        self.server = grpc.aio.server(
+            interceptors=[EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)], options=opts)
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(self.cfg.listen)
+        if not self.port:
+            raise RuntimeError(f"could not bind {self.cfg.listen}")
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("kvstore.v1.NodeAgent", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(self._maintenance()))
+        log.info("agent %s serving on %s (device %s, %d slots of %d bytes)", self.cfg.node_id,
+                 self.address, self.store.pool.device, self.store.pool.n_slots,
+                 self.store.pool.slot_bytes)
+
+    async def _maintenance(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.expire_interval_s)
+            n = self.store.expire()
+            if n:
+                log.info("expired %d blocks", n)
+            self.hub.publish_pending()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace)
+        self.shm.close()
+        if self.store.rocks is not None:
+            self.store.rocks.close()
+        log.info("agent %s stopped", self.cfg.node_id)
+
+
+async def serve(cfg: AgentConfig, ready_file: str | None = None) -> None:
+    agent = AgentServer(cfg)
+    await agent.start()
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(agent.address + "\n")
+        os.replace(tmp, ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await agent.stop()

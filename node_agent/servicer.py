@@ -1,0 +1,210 @@
+"""Thin gRPC servicer: protobuf <-> domain objects, then the BlockStore does the work.
+Errors are KvError subclasses; node_agent/interceptors.py turns them into status codes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvstore import errors
+from kvstore.events import Tier
+from kvstore.hashing import split_ids
+from kvstore.namespace import Namespace
+from kvstore.store import BlockStore, NsState, PutItem
+from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from node_agent.events import EventHub
+from node_agent.interceptors import check_access, current_tenant
+from node_agent.shm import ShmRegistry
+
+log = logging.getLogger("kvstore.agent")
+
+CLUSTER_TENANT = "_cluster"  # routers and peers authenticate as this tenant
+_NS_FIELDS = [f.name for f in common_pb2.Namespace.DESCRIPTOR.fields]
+# Copies above this many bytes run in a worker thread so the event loop keeps serving.
+_OFFLOAD_BYTES = 4 << 20
+_GRPC_CHUNK_BLOCKS = 8
+
+
+def namespace_from_proto(msg: common_pb2.Namespace) -> Namespace:
+    return Namespace.from_dict({f: getattr(msg, f) for f in _NS_FIELDS})
+
+
+def policy_to_proto(p) -> common_pb2.NamespacePolicy:
+    return common_pb2.NamespacePolicy(ttl_seconds=int(p.ttl_seconds),
+                                      min_prefix_blocks=p.min_prefix_blocks,
+                                      persist=p.persist, pin_budget_bytes=p.pin_budget_bytes)
+
+
+class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, store: BlockStore, hub: EventHub, shm: ShmRegistry, node_id: str,
+                 max_blocks: int) -> None:
+        self.store = store
+        self.hub = hub
+        self.shm = shm
+        self.node_id = node_id
+        self.max_blocks = max_blocks
+        self.in_flight = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _ids(self, packed: bytes, what: str = "block_ids") -> list[bytes]:
+        if len(packed) % 16:
+            raise errors.InvalidArgument(f"{what} is {len(packed)} bytes, not a multiple of 16")
+        n = len(packed) // 16
+        if n > self.max_blocks:
+            raise errors.InvalidArgument(f"request names {n} blocks; the limit is "
+                                         f"{self.max_blocks} per request")
+        return split_ids(packed)
+
+    def _ns(self, ref: agent_pb2.NamespaceRef, write: bool) -> NsState:
+        if len(ref.namespace_id) != 16:
+            raise errors.InvalidArgument("namespace_id must be 16 bytes")
+        st = self.store.namespace(ref.namespace_id, ref.generation)
+        check_access(st.spec.tenant, st.spec.public, write)
+        return st
+
+    async def _run(self, nbytes: int, fn, *args):
+        self.in_flight += 1
+        try:
+            if nbytes >= _OFFLOAD_BYTES:
+                return await asyncio.to_thread(fn, *args)
+            return fn(*args)
+        finally:
+            self.in_flight -= 1
+            self.hub.publish_pending()
+
+    # --------------------------------------------------------------------- RPCs
+    async def OpenNamespace(self, request, context):
+        if not request.HasField("spec"):
+            raise errors.InvalidArgument("OpenNamespace needs a spec")
+        spec = namespace_from_proto(request.spec)
+        tenant = current_tenant.get()
+        if tenant is not None and tenant != spec.tenant:
+            raise errors.PermissionDenied(f"tenant {tenant!r} may not open namespaces of "
+                                          f"tenant {spec.tenant!r}")
+        st = self.store.open_namespace(spec)
+        return agent_pb2.NamespaceInfo(namespace_id=st.ns_id, generation=st.generation,
+                                       block_bytes=spec.block_bytes,
+                                       policy=policy_to_proto(st.policy),
+                                       tenant=spec.tenant, name=spec.name)
+
+    async def Lookup(self, request, context):
+        st = self._ns(request.ns, write=False)
+        res = self.store.lookup(st.ns_id, request.ns.generation, self._ids(request.block_ids))
+        return agent_pb2.LookupResponse(matched=res.matched, hbm=res.hbm, nvme=res.nvme,
+                                        generation=res.generation)
+
+    async def Get(self, request, context):
+        st = self._ns(request.ns, write=False)
+        ids = self._ids(request.block_ids)
+        if request.parent_id and len(request.parent_id) != 16:
+            raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
+        if request.HasField("shm"):
+            yield await self._get_shm(st, request, ids)
+            return
+        parent = request.parent_id
+        for start in range(0, len(ids), _GRPC_CHUNK_BLOCKS):
+            chunk = ids[start: start + _GRPC_CHUNK_BLOCKS]
+            bufs: list[bytearray] = []
+
+            def dst_for(i, n, bufs=bufs):
+                bufs.append(bytearray(n))
+                return bufs[-1]
+
+            served = await self._run(len(chunk) * st.spec.block_bytes, self.store.get,
+                                     st.ns_id, request.ns.generation, chunk, parent, dst_for)
+            if served:
+                yield agent_pb2.GetResponse(
+                    count=len(served), first_index=start,
+                    data=[bytes(b) for b in bufs[: len(served)]],
+                    checksums=[s.checksum for s in served], tiers=[int(s.tier) for s in served])
+            if len(served) < len(chunk):
+                return
+            parent = chunk[-1]
+
+    async def _get_shm(self, st: NsState, request, ids: list[bytes]):
+        region = self.shm.get(request.shm.region_id, current_tenant.get())
+        offsets = list(request.shm.offsets)
+        if len(offsets) != len(ids):
+            raise errors.InvalidArgument(f"shm.offsets has {len(offsets)} entries for "
+                                         f"{len(ids)} blocks")
+        size = st.spec.block_bytes
+        for off in offsets:  # validate every range before touching any block
+            region.span(off, size)
+        served = await self._run(len(ids) * size, self.store.get, st.ns_id,
+                                 request.ns.generation, ids, request.parent_id,
+                                 lambda i, n: region.span(offsets[i], n))
+        return agent_pb2.GetResponse(count=len(served), first_index=0,
+                                     checksums=[s.checksum for s in served],
+                                     tiers=[int(s.tier) for s in served])
+
+    async def Put(self, request_iterator, context):
+        st = None
+        stored = already = total = 0
+        async for req in request_iterator:
+            if st is None:
+                if not req.HasField("ns"):
+                    raise errors.InvalidArgument("the first PutRequest must carry ns")
+                st = self._ns(req.ns, write=True)
+                generation = req.ns.generation
+            total += len(req.blocks)
+            if total > self.max_blocks:
+                raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
+            items = self._put_items(st, req)
+            s, a = await self._run(len(items) * st.spec.block_bytes, self.store.put,
+                                   st.ns_id, generation, items)
+            stored += s
+            already += a
+        if st is None:
+            raise errors.InvalidArgument("empty Put stream")
+        return agent_pb2.PutResponse(stored=stored, already_present=already)
+
+    def _put_items(self, st: NsState, req) -> list[PutItem]:
+        region = self.shm.get(req.shm_region_id, current_tenant.get()) \
+            if req.shm_region_id else None
+        items = []
+        for i, b in enumerate(req.blocks):
+            if region is not None:
+                data = region.span(b.shm_offset, st.spec.block_bytes)
+            else:
+                data = b.data
+            items.append(PutItem(b.block_id, b.parent_id, data,
+                                 b.checksum if b.has_checksum else None))
+        return items
+
+    async def Pin(self, request, context):
+        return self._pin(request, True)
+
+    async def Unpin(self, request, context):
+        return self._pin(request, False)
+
+    def _pin(self, request, pin: bool):
+        st = self._ns(request.ns, write=True)
+        n, total = self.store.pin(st.ns_id, request.ns.generation, self._ids(request.block_ids),
+                                  pin)
+        return agent_pb2.PinResponse(blocks=n, pinned_bytes=total)
+
+    async def RegisterShm(self, request, context):
+        region = self.shm.register(request.name, request.size, current_tenant.get())
+        return agent_pb2.RegisterShmResponse(region_id=region.region_id)
+
+    async def UnregisterShm(self, request, context):
+        self.shm.unregister(request.region_id, current_tenant.get())
+        return agent_pb2.UnregisterShmResponse()
+
+    async def Stats(self, request, context):
+        from node_agent.stats import build_stats
+        tenant = current_tenant.get()
+        if tenant is not None and request.tenant and request.tenant != tenant:
+            raise errors.PermissionDenied(f"tenant {tenant!r} may not read stats of "
+                                          f"{request.tenant!r}")
+        return build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
+
+    async def Subscribe(self, request, context):
+        tenant = current_tenant.get()
+        if tenant is not None and tenant != CLUSTER_TENANT:
+            raise errors.PermissionDenied("the event stream is for cluster components "
+                                          f"(tenant {CLUSTER_TENANT!r}) only")
+        async for batch in self.hub.subscribe(request.subscriber or context.peer()):
+            yield batch
+
+
+__all__ = ["AgentServicer", "namespace_from_proto", "Tier"]

@@ -1,0 +1,85 @@
+"""Same-host fast path: client-created POSIX shared-memory staging regions.
+
+A client on the same host creates /dev/shm/<name>, registers it, and then Get/Put move
+block payloads through it: the agent copies straight between its pool slots and the
+region (one copy, checksummed on the way), and gRPC carries only control. Each region is
+mapped only for the tenant that registered it, so tenants never see each other's bytes.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+MAX_REGION_BYTES = 1 << 40
+
+
+@dataclass(slots=True, eq=False)
+class Region:
+    region_id: int
+    name: str
+    tenant: str | None
+    mm: mmap.mmap
+    array: np.ndarray
+
+    def span(self, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or offset + nbytes > self.array.size:
+            raise InvalidArgument(f"shared-memory range [{offset}, {offset + nbytes}) is outside "
+                                  f"region {self.region_id} of {self.array.size} bytes")
+        return self.array[offset: offset + nbytes]
+
+
+class ShmRegistry:
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._ids = itertools.count(1)
+
+    def register(self, name: str, size: int, tenant: str | None) -> Region:
+        if not _NAME.match(name or ""):
+            raise InvalidArgument("shared-memory name must be 1-200 chars of [A-Za-z0-9_.-]")
+        if not 0 < size <= MAX_REGION_BYTES:
+            raise InvalidArgument(f"shared-memory size must be in (0, {MAX_REGION_BYTES}]")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise FailedPrecondition(f"shared memory {name!r} not found: client is not on "
+                                     "this host (use the gRPC path)") from None
+        try:
+            if os.fstat(fd).st_size < size:
+                raise InvalidArgument(f"shared memory {name!r} is smaller than {size} bytes")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        region = Region(next(self._ids), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
+        self._regions[region.region_id] = region
+        return region
+
+    def get(self, region_id: int, tenant: str | None) -> Region:
+        region = self._regions.get(region_id)
+        if region is None:
+            raise NotFound(f"unknown shared-memory region {region_id}")
+        if region.tenant != tenant:
+            raise PermissionDenied(f"shared-memory region {region_id} belongs to another tenant")
+        return region
+
+    def unregister(self, region_id: int, tenant: str | None) -> None:
+        region = self.get(region_id, tenant)
+        del self._regions[region_id]
+        region.array = np.empty(0, dtype=np.uint8)
+        try:
+            region.mm.close()
+        except BufferError:
+            pass  # a copy still holds a view; the mapping goes when it is collected
+
+    def close(self) -> None:
+        for rid in list(self._regions):
+            self.unregister(rid, self._regions[rid].tenant)
