@@ -97,6 +97,40 @@ class ServedBlock:
     checksum: int
 
 
+class PackedIds:
+    """Read-only sequence view over packed 16-byte ids: slices on demand, so a lookup that
+    probes 11 of 2,000 ids never splits the other 1,989."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % ID_BYTES:
+            raise InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple of 16")
+        self.buf = bytes(packed)
+        self.n = len(packed) // ID_BYTES
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.buf[i * ID_BYTES:(i + 1) * ID_BYTES]
+
+
+def _first_false(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Smallest i in [lo, hi) with pred(i) false, given pred is true then false."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class BlockStore:
     def __init__(self, pool: DevicePool, rocks: RocksTier | None,
                  eviction: EvictionPolicy | None = None,
@@ -184,19 +218,24 @@ class BlockStore:
         self.rocks.meta_put(_NS_META_PREFIX + st.ns_id, json.dumps(rec).encode())
 
     # --------------------------------------------------------------------- lookup
-    def lookup(self, ns_id: bytes, generation: int, ids: list[bytes]) -> LookupResult:
+    def lookup(self, ns_id: bytes, generation: int, ids) -> LookupResult:
+        """`ids` is any sequence of block ids (a list, or PackedIds over the wire bytes).
+
+        Cost is O(log n) dict probes, not O(n): presence on the node is prefix-closed
+        (leaves go first), presence in the pool is prefix-closed (a block enters the pool
+        only after its parent, and leaves the pool before it), and expiry is monotone
+        (a parent never expires before its child), so both lengths are binary searches."""
         with self.lock:
             st = self.namespace(ns_id, generation)
             now = self.clock()
             get = st.blocks.get
-            matched = hbm = 0
-            for bid in ids:
-                m = get(bid)
-                if m is None or (m.expires_at and m.expires_at <= now):
-                    break
-                matched += 1
-                if m.slot >= 0:
-                    hbm += 1
+
+            def live(i: int) -> bool:
+                m = get(ids[i])
+                return m is not None and not (m.expires_at and m.expires_at <= now)
+
+            matched = _first_false(live, 0, len(ids))
+            hbm = _first_false(lambda i: get(ids[i]).slot >= 0, 0, matched)
             tc = self.tenant_counters.setdefault(st.tenant, Counter())
             for c in (self.counters, tc):
                 c["lookups"] += 1
@@ -268,8 +307,6 @@ class BlockStore:
 
     def _finish_get(self, st, metas, served, promote, corrupt) -> None:
         now = self.clock()
-        for m in metas:
-            m.readers -= 1
         ttl = st.policy.ttl_seconds
         for sb in served:
             m = st.blocks.get(sb.block_id)
@@ -279,8 +316,16 @@ class BlockStore:
             m.last_access = now
             if ttl:
                 m.expires_at = now + ttl
+        if ttl and served and metas[0].depth:
+            self._raise_expiry(st.blocks.get(metas[0].parent_id), now + ttl)
+        promoted = []
+        for m, dst in promote:  # prefix order: a child only after its parent made it
+            if not self._promote(m, dst):
+                break
+            promoted.append(m.block_id)
+        for m in metas:  # readers kept until now so promotion cannot evict the chain
+            m.readers -= 1
             self._refile(m)
-        promoted = [m.block_id for m, dst in promote if self._promote(m, dst)]
         if promoted:
             self.events.append(EventKind.TIER_CHANGED, st.ns_id, tuple(promoted), tier=Tier.HBM)
         if corrupt is not None and corrupt.block_id in st.blocks:
@@ -289,8 +334,19 @@ class BlockStore:
         self.counters["get_blocks"] += len(served)
         self.counters["get_bytes"] += sum(m.nbytes for m in metas[: len(served)])
 
+    def _raise_expiry(self, m: BlockMeta | None, until: float) -> None:
+        """Keep expiry monotone along the chain: no ancestor expires before `until`."""
+        while m is not None and m.expires_at and m.expires_at < until:
+            m.expires_at = until
+            m = m.ns.blocks.get(m.parent_id) if m.depth else None
+
     def _promote(self, m: BlockMeta, src) -> bool:
+        """Copy an NVMe-only block into the pool, only if its parent is in the pool (or it
+        starts a chain): the pool stays prefix-closed."""
         if m.slot >= 0 or m.block_id not in m.ns.blocks:
+            return False
+        parent = m.ns.blocks.get(m.parent_id) if m.depth else None
+        if parent is not None and parent.slot < 0:
             return False
         slot = self._reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
         if slot is None:
@@ -300,6 +356,26 @@ class BlockStore:
         self._attach_slot(m, slot)
         self.counters["promotions"] += 1
         return True
+
+    def _promote_chain(self, m: BlockMeta) -> bool:
+        """Bring `m` and its NVMe-only ancestors into the pool (rare: a child is put while
+        its parent sits on NVMe). Returns whether `m` is in the pool afterwards."""
+        chain = []
+        while m is not None and m.slot < 0:
+            chain.append(m)
+            m = m.ns.blocks.get(m.parent_id) if m.depth else None
+        for b in chain:
+            b.readers += 1
+        try:
+            for b in reversed(chain):
+                buf = bytearray(b.nbytes)
+                if not self._read_nvme(b, buf) or not self._promote(b, buf):
+                    return False
+            return True
+        finally:
+            for b in chain:
+                b.readers -= 1
+                self._refile(b)
 
     # ------------------------------------------------------------------------ put
     def put(self, ns_id: bytes, generation: int, items: list[PutItem]) -> tuple[int, int]:
@@ -317,12 +393,11 @@ class BlockStore:
                 written.append((item, slot, digest, parent))
         finally:
             with self.lock:
-                stored = self._commit_put(st, plan, written)
+                stored = self._commit_put(st, generation, plan, written)
         return stored, already
 
     def _plan_put(self, st: NsState, items: list[PutItem]):
         size = st.spec.block_bytes
-        seen: dict[bytes, int] = {}
         for i, it in enumerate(items):
             if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
                 raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
@@ -330,23 +405,27 @@ class BlockStore:
             if n != size:
                 raise InvalidArgument(f"block {i} is {n} bytes; namespace {st.spec.key} "
                                       f"blocks are {size} bytes")
-        plan, already = [], 0
+        depths: dict[bytes, int] = {}
+        for it in items:
+            parent = st.blocks.get(it.parent_id)
+            depths[it.block_id] = parent.depth + 1 if parent else depths.get(it.parent_id, -1) + 1
+        if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
+            self.counters["below_min_prefix"] += 1
+            return [], 0
+        plan, already, skipped = [], 0, set()
         try:
             for it in items:
-                if it.block_id in st.blocks or it.block_id in seen:
+                if it.block_id in st.blocks or any(p[0].block_id == it.block_id for p in plan):
                     already += 1
                     continue
                 parent = st.blocks.get(it.parent_id)
-                if parent is not None:
-                    depth = parent.depth + 1
-                    parent.readers += 1
-                else:
-                    depth = seen.get(it.parent_id, -1) + 1
-                if depth + 1 < st.policy.min_prefix_blocks:
-                    self.counters["below_min_prefix"] += 1
-                    if parent is not None:
-                        parent.readers -= 1
+                if it.parent_id in skipped or (parent is not None and parent.slot < 0
+                                               and not self._promote_chain(parent)):
+                    skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
+                    self.counters["put_parent_cold"] += 1
                     continue
+                if parent is not None:
+                    parent.readers += 1
                 slot = self._reserve_slot(st.tenant, extra=size)
                 if slot is None:
                     if parent is not None:
@@ -354,8 +433,7 @@ class BlockStore:
                     raise ResourceExhausted(
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
                         "every slot is pinned, in use or over the tenant's quota")
-                seen[it.block_id] = depth
-                plan.append((it, slot, depth, parent))
+                plan.append((it, slot, depths[it.block_id], parent))
         except BaseException:
             self._abort_plan(plan)
             raise
@@ -366,8 +444,9 @@ class BlockStore:
             self.pool.abort(slot)
             if parent is not None:
                 parent.readers -= 1
+                self._refile(parent)
 
-    def _commit_put(self, st, plan, written) -> int:
+    def _commit_put(self, st, generation, plan, written) -> int:
         done = {id(w[0]) for w in written}
         self._abort_plan([p for p in plan if id(p[0]) not in done])
         now = self.clock()
@@ -375,19 +454,23 @@ class BlockStore:
         for item, slot, digest, parent in written:
             if parent is not None:
                 parent.readers -= 1
+                self._refile(parent)
             parent_meta = st.blocks.get(item.parent_id)
             depth = parent_meta.depth + 1 if parent_meta else next(
                 p[2] for p in plan if p[0] is item)
-            if st.generation != self._ns[st.ns_id].generation or (depth and not parent_meta):
+            if st.generation != generation or (depth and not parent_meta):
                 self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
                 continue
             self.pool.commit(slot)
+            ttl = st.policy.ttl_seconds
             m = BlockMeta(st, item.block_id, item.parent_id, depth,
                           memoryview(item.data).nbytes, digest, last_access=now,
-                          expires_at=now + st.policy.ttl_seconds if st.policy.ttl_seconds else 0)
+                          expires_at=now + ttl if ttl else 0)
             st.blocks[m.block_id] = m
             if parent_meta is not None:
                 parent_meta.children += 1
+                if ttl:
+                    self._raise_expiry(parent_meta, m.expires_at)
             self._attach_slot(m, slot)
             stored.append(m.block_id)
         if stored:

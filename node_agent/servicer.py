@@ -9,7 +9,7 @@ from kvstore import errors
 from kvstore.events import Tier
 from kvstore.hashing import split_ids
 from kvstore.namespace import Namespace
-from kvstore.store import BlockStore, NsState, PutItem
+from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.events import EventHub
 from node_agent.interceptors import check_access, current_tenant
@@ -88,7 +88,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     async def Lookup(self, request, context):
         st = self._ns(request.ns, write=False)
-        res = self.store.lookup(st.ns_id, request.ns.generation, self._ids(request.block_ids))
+        ids = PackedIds(request.block_ids)
+        if len(ids) > self.max_blocks:
+            raise errors.InvalidArgument(f"request names {len(ids)} blocks; the limit is "
+                                         f"{self.max_blocks} per request")
+        res = self.store.lookup(st.ns_id, request.ns.generation, ids)
         return agent_pb2.LookupResponse(matched=res.matched, hbm=res.hbm, nvme=res.nvme,
                                         generation=res.generation)
 

@@ -1,0 +1,217 @@
+"""Node-agent data-plane benchmark: `python -m loadtest.bench_agent`.
+
+Measures in one run, on this machine, against real agent processes:
+- memcpy_gbps: one large host copy (>= 1 GiB), the limit the transfer figures are set against
+- shm_put_gbps / shm_get_gbps: 2 MiB blocks (Llama-3-8B, 16 tokens, fp16) through a running
+  agent over the same-host shared-memory path (put from, and get into, the staging area)
+- shm_put_copy_gbps / shm_get_copy_gbps: the same including the copy between caller-owned
+  tensors and the staging area (KVClient.put / KVClient.get)
+- grpc_put_gbps / grpc_get_gbps: the same blocks through gRPC only
+- hash_mtok_s: chained block hashing of a 32k-token prompt (million tokens per second)
+- lookup_2000_us: p50 Lookup round trip of a 2,000-block prompt, agent holding >= 100k blocks
+Ends with one JSON line on stdout; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.client import KVClient
+from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
+from kvstore.namespace import Namespace
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def llama3_8b(name: str, **kw) -> Namespace:
+    base = dict(tenant="bench", name=name, model_name="llama-3-8b", model_revision="r1",
+                adapter_id="none", adapter_revision="none", tokenizer_id="llama3",
+                tokenizer_revision="r1", rope_type="llama3", rope_theta=500000.0,
+                rope_scaling="none", attention_impl="sdpa", kv_dtype="float16",
+                prompt_template_version="v1", num_layers=32, num_kv_heads=8, head_dim=128,
+                tp_rank=0, tp_size=1, block_size=16)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def memcpy_gbps(size: int = GiB, reps: int = 3) -> float:
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, size / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+class Agent:
+    def __init__(self, workdir: Path, **cfg) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        conf = {"node_id": "bench", "listen": "127.0.0.1:0", "device": "cpu",
+                "data_dir": str(workdir / "data"), "allow_unauthenticated": True,
+                "default_policy": {"persist": False}}
+        conf.update(cfg)
+        (workdir / "agent.json").write_text(json.dumps(conf))
+        ready = workdir / "ready"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "node_agent", "--config", str(workdir / "agent.json"),
+             "--ready-file", str(ready), "--log-level", "WARNING"],
+            stdout=open(workdir / "agent.log", "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (ready.exists() and ready.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("agent failed to start: "
+                                   + (workdir / "agent.log").read_text()[-2000:])
+            time.sleep(0.05)
+        self.address = ready.read_text().strip()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _rate(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with KVClient(address, tenant_secret="bench", use_shm=shm,
+                  shm_bytes=batch * 2 * MiB) as c:
+        ns = c.open_namespace(llama3_8b("shm" if shm else "grpc"))
+        nbytes = batch * ns.block_bytes
+        gen = torch.Generator().manual_seed(1)
+        blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
+        put_t, put_copy_t, get_t, get_copy_t = [], [], [], []
+        for r in range(rounds):
+            ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
+            if shm:
+                views = c.staging_views(ns, batch)
+                for v, b in zip(views, blocks):
+                    v.copy_(b)
+                t = time.perf_counter()
+                assert c.put_staged(ns, ids).stored == batch
+                put_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = c.get_views(ns, ids)
+                get_t.append(time.perf_counter() - t)
+                assert len(got) == batch and torch.equal(got[-1], blocks[-1])
+                ids2 = c.block_ids(ns, np.arange(10**6 + r * batch * 16,
+                                                 10**6 + (r + 1) * batch * 16, dtype=np.int32))
+                t = time.perf_counter()
+                c.put(ns, ids2, blocks)
+                put_copy_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = c.get(ns, ids2)
+                get_copy_t.append(time.perf_counter() - t)
+            else:
+                t = time.perf_counter()
+                assert c.put(ns, ids, blocks).stored == batch
+                put_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = c.get(ns, ids)
+                get_t.append(time.perf_counter() - t)
+            assert len(got) == batch and torch.equal(got[0], blocks[0])
+        key = "shm" if shm else "grpc"
+        out[f"{key}_put_gbps"] = _rate(nbytes, put_t)
+        out[f"{key}_get_gbps"] = _rate(nbytes, get_t)
+        if shm:
+            out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
+            out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
+    return out
+
+
+def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
+    toks = np.random.default_rng(0).integers(0, 128000, tokens, dtype=np.int32)
+    root = bytes(16)
+    hash_chain_packed(root, toks, 16)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        hash_chain_packed(root, toks, 16)
+        times.append(time.perf_counter() - t)
+    return tokens / statistics.median(times) / 1e6
+
+
+def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> tuple[float, int]:
+    ns_spec = llama3_8b("lookup", num_layers=1, num_kv_heads=1, head_dim=8)  # 512 B blocks
+    agent = Agent(workdir, pool_bytes=(n_blocks + 4096) * 512, slot_bytes=512, nvme_bytes=0,
+                  max_blocks_per_request=4096)
+    try:
+        with KVClient(agent.address, tenant_secret="bench", use_shm=False) as c:
+            ns = c.open_namespace(ns_spec)
+            payload = [torch.zeros((1, 2, 16, 1, 8), dtype=torch.float16)] * 2000
+            chains = []
+            for k in range(n_blocks // 2000):
+                ids = c.block_ids(ns, np.arange(k * 10**6, k * 10**6 + 32000, dtype=np.int32))
+                c.put(ns, ids, payload)
+                chains.append(ids)
+            held = c.stats().tiers[0].blocks
+            times = []
+            for i in range(reps):
+                ids = chains[i % len(chains)]
+                t = time.perf_counter()
+                r = c.lookup(ns, ids)
+                times.append(time.perf_counter() - t)
+                assert r.matched == 2000
+            return statistics.median(times) * 1e6, held
+    finally:
+        agent.stop()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64, help="2 MiB blocks per transfer")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--lookup-blocks", type=int, default=100_000)
+    args = p.parse_args(argv)
+    res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch,
+                              "native": NATIVE}
+    log("memcpy ...")
+    res["memcpy_gbps"] = memcpy_gbps()
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
+        pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
+        agent = Agent(Path(tmp) / "xfer", pool_bytes=pool, slot_bytes=2 * MiB, nvme_bytes=0)
+        try:
+            log("shared-memory path ...")
+            res.update(transfer(agent.address, True, args.batch, args.rounds))
+            log("gRPC path ...")
+            res.update(transfer(agent.address, False, args.batch, args.rounds))
+        finally:
+            agent.stop()
+        log("hashing ...")
+        res["hash_mtok_s"] = hash_rate()
+        log(f"lookup with {args.lookup_blocks} blocks held ...")
+        res["lookup_2000_us"], res["lookup_blocks_held"] = lookup_latency(
+            Path(tmp) / "lookup", args.lookup_blocks, 300)
+    m = res["memcpy_gbps"]
+    res["shm_get_ratio"] = res["shm_get_gbps"] / m
+    res["shm_put_ratio"] = res["shm_put_gbps"] / m
+    res = {k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
