@@ -38,6 +38,8 @@
 
 /* Inputs at least this large are processed with the GIL released. */
 #define GIL_RELEASE_BYTES ((Py_ssize_t)16 * 1024)
+#define RELEASE_GIL_IF(big) PyThreadState *ts_ = (big) ? PyEval_SaveThread() : NULL
+#define REACQUIRE_GIL() if (ts_) PyEval_RestoreThread(ts_)
 /* Software prefetch distance for the fused copy+hash loop. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
@@ -52,13 +54,9 @@
 /* Below this size non-temporal stores do not pay off: use memcpy. */
 #define NT_MIN_BYTES ((size_t)128 * 1024)
 
-/* ------------------------------------------------------------------------ */
-/* Little-endian loads/stores                                                */
-/* ------------------------------------------------------------------------ */
+/* ---- Little-endian loads/stores ---------------------------------------- */
 
-static inline uint64_t
-load64_le(const uint8_t *p)
-{
+static inline uint64_t load64_le(const uint8_t *p) {
 #if KV_LITTLE_ENDIAN
     uint64_t v;
     memcpy(&v, p, 8);
@@ -71,9 +69,7 @@ load64_le(const uint8_t *p)
 #endif
 }
 
-static inline uint32_t
-load32_le(const uint8_t *p)
-{
+static inline uint32_t load32_le(const uint8_t *p) {
 #if KV_LITTLE_ENDIAN
     uint32_t v;
     memcpy(&v, p, 4);
@@ -84,24 +80,18 @@ load32_le(const uint8_t *p)
 #endif
 }
 
-static inline void
-store64_le(uint8_t *p, uint64_t v)
-{
+static inline void store64_le(uint8_t *p, uint64_t v) {
 #if KV_LITTLE_ENDIAN
     memcpy(p, &v, 8);
 #else
-    for (int i = 0; i < 8; i++) {
-        p[i] = (uint8_t)(v >> (8 * i));
-    }
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
 #endif
 }
 
 static inline uint64_t rotr64(uint64_t x, unsigned n) { return (x >> n) | (x << (64 - n)); }
 static inline uint64_t rotl64(uint64_t x, unsigned n) { return (x << n) | (x >> (64 - n)); }
 
-/* ------------------------------------------------------------------------ */
-/* BLAKE2b (RFC 7693)                                                        */
-/* ------------------------------------------------------------------------ */
+/* ---- BLAKE2b (RFC 7693) ------------------------------------------------ */
 
 #define B2_BLOCK 128
 #define B2_OUT 16
@@ -131,16 +121,12 @@ static const uint8_t b2_sigma[12][16] = {
  * depth 1; all other parameter words are zero. */
 #define B2_PARAM0 (0x01010000ULL | B2_OUT)
 
-#define B2_G(a, b, c, d, x, y)          \
-    do {                                \
-        a = a + b + (x);                \
-        d = rotr64(d ^ a, 32);          \
-        c = c + d;                      \
-        b = rotr64(b ^ c, 24);          \
-        a = a + b + (y);                \
-        d = rotr64(d ^ a, 16);          \
-        c = c + d;                      \
-        b = rotr64(b ^ c, 63);          \
+#define B2_G(a, b, c, d, x, y)                                     \
+    do {                                                           \
+        a = a + b + (x); d = rotr64(d ^ a, 32);                    \
+        c = c + d;       b = rotr64(b ^ c, 24);                    \
+        a = a + b + (y); d = rotr64(d ^ a, 16);                    \
+        c = c + d;       b = rotr64(b ^ c, 63);                    \
     } while (0)
 
 #define B2_ROUND(r)                                                            \
@@ -157,41 +143,21 @@ static const uint8_t b2_sigma[12][16] = {
 
 /* Compression function F: h is updated in place.  t0/t1 is the 128-bit byte
  * counter including this block; last is nonzero for the final block. */
-static inline void
-b2_compress(uint64_t h[8], const uint8_t block[B2_BLOCK], uint64_t t0,
-            uint64_t t1, int last)
-{
+static inline void b2_compress(uint64_t h[8], const uint8_t block[B2_BLOCK], uint64_t t0,
+                               uint64_t t1, int last) {
     uint64_t m[16];
-    for (int i = 0; i < 16; i++) {
-        m[i] = load64_le(block + 8 * i);
-    }
+    for (int i = 0; i < 16; i++) m[i] = load64_le(block + 8 * i);
     uint64_t v0 = h[0], v1 = h[1], v2 = h[2], v3 = h[3];
     uint64_t v4 = h[4], v5 = h[5], v6 = h[6], v7 = h[7];
     uint64_t v8 = b2_iv[0], v9 = b2_iv[1], v10 = b2_iv[2], v11 = b2_iv[3];
     uint64_t v12 = b2_iv[4] ^ t0, v13 = b2_iv[5] ^ t1;
     uint64_t v14 = last ? ~b2_iv[6] : b2_iv[6], v15 = b2_iv[7];
 
-    B2_ROUND(0);
-    B2_ROUND(1);
-    B2_ROUND(2);
-    B2_ROUND(3);
-    B2_ROUND(4);
-    B2_ROUND(5);
-    B2_ROUND(6);
-    B2_ROUND(7);
-    B2_ROUND(8);
-    B2_ROUND(9);
-    B2_ROUND(10);
-    B2_ROUND(11);
+    B2_ROUND(0); B2_ROUND(1); B2_ROUND(2); B2_ROUND(3); B2_ROUND(4); B2_ROUND(5);
+    B2_ROUND(6); B2_ROUND(7); B2_ROUND(8); B2_ROUND(9); B2_ROUND(10); B2_ROUND(11);
 
-    h[0] ^= v0 ^ v8;
-    h[1] ^= v1 ^ v9;
-    h[2] ^= v2 ^ v10;
-    h[3] ^= v3 ^ v11;
-    h[4] ^= v4 ^ v12;
-    h[5] ^= v5 ^ v13;
-    h[6] ^= v6 ^ v14;
-    h[7] ^= v7 ^ v15;
+    h[0] ^= v0 ^ v8;  h[1] ^= v1 ^ v9;  h[2] ^= v2 ^ v10; h[3] ^= v3 ^ v11;
+    h[4] ^= v4 ^ v12; h[5] ^= v5 ^ v13; h[6] ^= v6 ^ v14; h[7] ^= v7 ^ v15;
 }
 
 typedef struct {
@@ -201,34 +167,22 @@ typedef struct {
     uint8_t buf[B2_BLOCK];
 } b2_state;
 
-static inline void
-b2_init16(b2_state *s)
-{
-    for (int i = 0; i < 8; i++) {
-        s->h[i] = b2_iv[i];
-    }
+static inline void b2_init16(b2_state *s) {
+    for (int i = 0; i < 8; i++) s->h[i] = b2_iv[i];
     s->h[0] ^= B2_PARAM0;
     s->t0 = s->t1 = 0;
     s->buflen = 0;
 }
 
-static inline void
-b2_count(b2_state *s, uint64_t n)
-{
+static inline void b2_count(b2_state *s, uint64_t n) {
     s->t0 += n;
-    if (s->t0 < n) {
-        s->t1++;
-    }
+    if (s->t0 < n) s->t1++;
 }
 
 /* The final block must be compressed with the "last" flag, so a full buffer
  * is only compressed once more input is known to follow. */
-static void
-b2_update(b2_state *s, const uint8_t *in, size_t inlen)
-{
-    if (inlen == 0) {
-        return;
-    }
+static void b2_update(b2_state *s, const uint8_t *in, size_t inlen) {
+    if (inlen == 0) return;
     size_t fill = B2_BLOCK - s->buflen;
     if (inlen > fill) {
         memcpy(s->buf + s->buflen, in, fill);
@@ -248,9 +202,7 @@ b2_update(b2_state *s, const uint8_t *in, size_t inlen)
     s->buflen += inlen;
 }
 
-static void
-b2_final16(b2_state *s, uint8_t out[B2_OUT])
-{
+static void b2_final16(b2_state *s, uint8_t out[B2_OUT]) {
     b2_count(s, s->buflen);
     memset(s->buf + s->buflen, 0, B2_BLOCK - s->buflen);
     b2_compress(s->h, s->buf, s->t0, s->t1, 1);
@@ -259,10 +211,8 @@ b2_final16(b2_state *s, uint8_t out[B2_OUT])
 }
 
 /* ids[i] = BLAKE2b-128(ids[i-1] || tokens[i*tb : (i+1)*tb] || extra) */
-static void
-b2_chain(const uint8_t root[B2_OUT], const uint8_t *tok, size_t tb,
-         size_t nblocks, const uint8_t *extra, size_t el, uint8_t *out)
-{
+static void b2_chain(const uint8_t root[B2_OUT], const uint8_t *tok, size_t tb, size_t nblocks,
+                     const uint8_t *extra, size_t el, uint8_t *out) {
     const uint8_t *prev = root;
     size_t msglen = B2_OUT + tb + el;
 
@@ -271,16 +221,12 @@ b2_chain(const uint8_t root[B2_OUT], const uint8_t *tok, size_t tb,
          * the extra suffix are fixed; only parent and tokens change. */
         uint8_t block[B2_BLOCK];
         memset(block, 0, sizeof(block));
-        if (el) {
-            memcpy(block + B2_OUT + tb, extra, el);
-        }
+        if (el) memcpy(block + B2_OUT + tb, extra, el);
         for (size_t i = 0; i < nblocks; i++) {
             uint64_t h[8];
             memcpy(block, prev, B2_OUT);
             memcpy(block + B2_OUT, tok + i * tb, tb);
-            for (int k = 0; k < 8; k++) {
-                h[k] = b2_iv[k];
-            }
+            for (int k = 0; k < 8; k++) h[k] = b2_iv[k];
             h[0] ^= B2_PARAM0;
             b2_compress(h, block, (uint64_t)msglen, 0, 1);
             store64_le(out, h[0]);
@@ -302,9 +248,7 @@ b2_chain(const uint8_t root[B2_OUT], const uint8_t *tok, size_t tb,
     }
 }
 
-/* ------------------------------------------------------------------------ */
-/* XXH64                                                                     */
-/* ------------------------------------------------------------------------ */
+/* ---- XXH64 ------------------------------------------------------------- */
 
 #define XP1 0x9E3779B185EBCA87ULL
 #define XP2 0xC2B2AE3D27D4EB4FULL
@@ -312,17 +256,13 @@ b2_chain(const uint8_t root[B2_OUT], const uint8_t *tok, size_t tb,
 #define XP4 0x85EBCA77C2B2AE63ULL
 #define XP5 0x27D4EB2F165667C5ULL
 
-static inline uint64_t
-xx_round(uint64_t acc, uint64_t input)
-{
+static inline uint64_t xx_round(uint64_t acc, uint64_t input) {
     acc += input * XP2;
     acc = rotl64(acc, 31);
     return acc * XP1;
 }
 
-static inline uint64_t
-xx_merge(uint64_t acc, uint64_t val)
-{
+static inline uint64_t xx_merge(uint64_t acc, uint64_t val) {
     acc ^= xx_round(0, val);
     return acc * XP1 + XP4;
 }
@@ -332,67 +272,44 @@ typedef struct {
     uint64_t seed;
 } xx_state;
 
-static inline void
-xx_init(xx_state *s, uint64_t seed)
-{
+static inline void xx_init(xx_state *s, uint64_t seed) {
     s->seed = seed;
-    s->v[0] = seed + XP1 + XP2;
-    s->v[1] = seed + XP2;
-    s->v[2] = seed;
-    s->v[3] = seed - XP1;
+    s->v[0] = seed + XP1 + XP2; s->v[1] = seed + XP2; s->v[2] = seed; s->v[3] = seed - XP1;
 }
 
+#define XX_STRIPE(p)                                                        \
+    do {                                                                    \
+        v1 = xx_round(v1, load64_le(p));      v2 = xx_round(v2, load64_le((p) + 8));  \
+        v3 = xx_round(v3, load64_le((p) + 16)); v4 = xx_round(v4, load64_le((p) + 24)); \
+    } while (0)
+
 /* Consume n 32-byte stripes. */
-static inline void
-xx_stripes(xx_state *s, const uint8_t *p, size_t n)
-{
+static inline void xx_stripes(xx_state *s, const uint8_t *p, size_t n) {
     uint64_t v1 = s->v[0], v2 = s->v[1], v3 = s->v[2], v4 = s->v[3];
     for (; n >= 2; n -= 2, p += 64) {
         KV_PREFETCH(p + PREFETCH_AHEAD);
-        v1 = xx_round(v1, load64_le(p));
-        v2 = xx_round(v2, load64_le(p + 8));
-        v3 = xx_round(v3, load64_le(p + 16));
-        v4 = xx_round(v4, load64_le(p + 24));
-        v1 = xx_round(v1, load64_le(p + 32));
-        v2 = xx_round(v2, load64_le(p + 40));
-        v3 = xx_round(v3, load64_le(p + 48));
-        v4 = xx_round(v4, load64_le(p + 56));
+        XX_STRIPE(p);
+        XX_STRIPE(p + 32);
     }
-    if (n) {
-        v1 = xx_round(v1, load64_le(p));
-        v2 = xx_round(v2, load64_le(p + 8));
-        v3 = xx_round(v3, load64_le(p + 16));
-        v4 = xx_round(v4, load64_le(p + 24));
-    }
-    s->v[0] = v1;
-    s->v[1] = v2;
-    s->v[2] = v3;
-    s->v[3] = v4;
+    if (n) XX_STRIPE(p);
+    s->v[0] = v1; s->v[1] = v2; s->v[2] = v3; s->v[3] = v4;
 }
 
 /* total: length of the whole input; tail: its last total % 32 bytes. */
-static uint64_t
-xx_finish(const xx_state *s, uint64_t total, const uint8_t *tail)
-{
+static uint64_t xx_finish(const xx_state *s, uint64_t total, const uint8_t *tail) {
     uint64_t h;
     size_t len = (size_t)(total & 31);
     if (total >= 32) {
         h = rotl64(s->v[0], 1) + rotl64(s->v[1], 7) + rotl64(s->v[2], 12) +
             rotl64(s->v[3], 18);
-        h = xx_merge(h, s->v[0]);
-        h = xx_merge(h, s->v[1]);
-        h = xx_merge(h, s->v[2]);
-        h = xx_merge(h, s->v[3]);
-    }
-    else {
+        for (int i = 0; i < 4; i++) h = xx_merge(h, s->v[i]);
+    } else {
         h = s->seed + XP5;
     }
     h += total;
-    while (len >= 8) {
+    for (; len >= 8; len -= 8, tail += 8) {
         h ^= xx_round(0, load64_le(tail));
         h = rotl64(h, 27) * XP1 + XP4;
-        tail += 8;
-        len -= 8;
     }
     if (len >= 4) {
         h ^= (uint64_t)load32_le(tail) * XP1;
@@ -400,23 +317,17 @@ xx_finish(const xx_state *s, uint64_t total, const uint8_t *tail)
         tail += 4;
         len -= 4;
     }
-    while (len > 0) {
+    for (; len > 0; len--, tail++) {
         h ^= (uint64_t)(*tail) * XP5;
         h = rotl64(h, 11) * XP1;
-        tail++;
-        len--;
     }
-    h ^= h >> 33;
-    h *= XP2;
-    h ^= h >> 29;
-    h *= XP3;
+    h ^= h >> 33; h *= XP2;
+    h ^= h >> 29; h *= XP3;
     h ^= h >> 32;
     return h;
 }
 
-static uint64_t
-xxh64_buf(const uint8_t *p, size_t n, uint64_t seed)
-{
+static uint64_t xxh64_buf(const uint8_t *p, size_t n, uint64_t seed) {
     xx_state s;
     xx_init(&s, seed);
     size_t stripes = n / 32;
@@ -424,71 +335,58 @@ xxh64_buf(const uint8_t *p, size_t n, uint64_t seed)
     return xx_finish(&s, (uint64_t)n, p + stripes * 32);
 }
 
-/* ------------------------------------------------------------------------ */
-/* Copies                                                                    */
-/* ------------------------------------------------------------------------ */
+/* ---- Copies ------------------------------------------------------------ */
+
+#if KV_HAVE_SSE2
+/* 64 bytes from src (any alignment) to dst (16-byte aligned), bypassing the cache. */
+#define NT_STORE64(d, s)                                                           \
+    do {                                                                           \
+        __m128i a_ = _mm_loadu_si128((const __m128i *)(s));                        \
+        __m128i b_ = _mm_loadu_si128((const __m128i *)((s) + 16));                 \
+        __m128i c_ = _mm_loadu_si128((const __m128i *)((s) + 32));                 \
+        __m128i d_ = _mm_loadu_si128((const __m128i *)((s) + 48));                 \
+        _mm_stream_si128((__m128i *)(d), a_);                                      \
+        _mm_stream_si128((__m128i *)((d) + 16), b_);                               \
+        _mm_stream_si128((__m128i *)((d) + 32), c_);                               \
+        _mm_stream_si128((__m128i *)((d) + 48), d_);                               \
+    } while (0)
+#endif
 
 /* Copy with non-temporal stores (no trailing sfence: callers fence once). */
-static void
-nt_copy(uint8_t *dst, const uint8_t *src, size_t n)
-{
+static void nt_copy(uint8_t *dst, const uint8_t *src, size_t n) {
 #if KV_HAVE_SSE2
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n) {
-        head = n;
-    }
+    if (head > n) head = n;
     if (head) {
         memcpy(dst, src, head);
         dst += head;
         src += head;
         n -= head;
     }
-    while (n >= 64) {
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
         KV_PREFETCH(src + PREFETCH_AHEAD);
-        __m128i a = _mm_loadu_si128((const __m128i *)(src));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)(dst), a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-        dst += 64;
-        src += 64;
-        n -= 64;
+        NT_STORE64(dst, src);
     }
-    while (n >= 16) {
+    for (; n >= 16; n -= 16, dst += 16, src += 16)
         _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
-        dst += 16;
-        src += 16;
-        n -= 16;
-    }
-    if (n) {
-        memcpy(dst, src, n);
-    }
+    if (n) memcpy(dst, src, n);
 #else
     memcpy(dst, src, n);
 #endif
 }
 
-static inline void
-nt_fence(void)
-{
+static inline void nt_fence(void) {
 #if KV_HAVE_SSE2
     _mm_sfence();
 #endif
 }
 
-static inline int
-ranges_overlap(const uint8_t *a, size_t an, const uint8_t *b, size_t bn)
-{
+static inline int ranges_overlap(const uint8_t *a, size_t an, const uint8_t *b, size_t bn) {
     uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
     return a0 < b0 + bn && b0 < a0 + an;
 }
 
-static void
-copy_plain_or_nt(uint8_t *dst, const uint8_t *src, size_t n)
-{
+static void copy_plain_or_nt(uint8_t *dst, const uint8_t *src, size_t n) {
     if (n < NT_MIN_BYTES || !KV_HAVE_SSE2) {
         memcpy(dst, src, n);
         return;
@@ -501,11 +399,9 @@ copy_plain_or_nt(uint8_t *dst, const uint8_t *src, size_t n)
  * streams the same (L1-hot) bytes into dst.  The hash is latency-bound on
  * its multiply chains, which leaves issue slots for the loads and the
  * non-temporal stores, so the two overlap instead of running back to back.
- * Hash stripes are aligned to src; the copy is aligned to dst and trails
- * the hash by at most 15 bytes. */
-static uint64_t
-copy_hash(uint8_t *dst, const uint8_t *src, size_t n, uint64_t seed)
-{
+ * Hash stripes are aligned to src; the copy is aligned to dst and runs
+ * ahead of the hash by `head` (< 16) bytes. */
+static uint64_t copy_hash(uint8_t *dst, const uint8_t *src, size_t n, uint64_t seed) {
     if (n < NT_MIN_BYTES || !KV_HAVE_SSE2) {
         uint64_t h = xxh64_buf(src, n, seed);
         memcpy(dst, src, n);
@@ -521,33 +417,14 @@ copy_hash(uint8_t *dst, const uint8_t *src, size_t n, uint64_t seed)
     const uint8_t *hp = src;
     const uint8_t *cs = src + head;
     uint8_t *cd = dst + head;
-    for (size_t k = 0; k < steps; k++) {
+    for (size_t k = 0; k < steps; k++, hp += 64, cs += 64, cd += 64) {
         KV_PREFETCH(hp + PREFETCH_AHEAD);
-        v1 = xx_round(v1, load64_le(hp));
-        v2 = xx_round(v2, load64_le(hp + 8));
-        v3 = xx_round(v3, load64_le(hp + 16));
-        v4 = xx_round(v4, load64_le(hp + 24));
-        v1 = xx_round(v1, load64_le(hp + 32));
-        v2 = xx_round(v2, load64_le(hp + 40));
-        v3 = xx_round(v3, load64_le(hp + 48));
-        v4 = xx_round(v4, load64_le(hp + 56));
-        __m128i a = _mm_loadu_si128((const __m128i *)(cs));
-        __m128i b = _mm_loadu_si128((const __m128i *)(cs + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(cs + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(cs + 48));
-        _mm_stream_si128((__m128i *)(cd), a);
-        _mm_stream_si128((__m128i *)(cd + 16), b);
-        _mm_stream_si128((__m128i *)(cd + 32), c);
-        _mm_stream_si128((__m128i *)(cd + 48), d);
-        hp += 64;
-        cs += 64;
-        cd += 64;
+        XX_STRIPE(hp);
+        XX_STRIPE(hp + 32);
+        NT_STORE64(cd, cs);
     }
-    s.v[0] = v1;
-    s.v[1] = v2;
-    s.v[2] = v3;
-    s.v[3] = v4;
-    /* Remaining whole stripes, then the remaining (< 64 + 16) copy bytes. */
+    s.v[0] = v1; s.v[1] = v2; s.v[2] = v3; s.v[3] = v4;
+    /* Remaining whole stripes, then the remaining (< 64) copy bytes. */
     size_t hashed = steps * 64;
     xx_stripes(&s, hp, (n - hashed) / 32);
     nt_copy(cd, cs, n - head - hashed);
@@ -558,16 +435,12 @@ copy_hash(uint8_t *dst, const uint8_t *src, size_t n, uint64_t seed)
 #endif
 }
 
-/* ------------------------------------------------------------------------ */
-/* Argument helpers                                                          */
-/* ------------------------------------------------------------------------ */
+/* ---- Argument helpers -------------------------------------------------- */
 
 /* Get a C-contiguous buffer view of obj.  Returns 0 on success, -1 with an
  * exception set (TypeError: not a buffer / not writable; ValueError: not
  * contiguous or the exporter refused). */
-static int
-get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable)
-{
+static int get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable) {
     if (!PyObject_CheckBuffer(obj)) {
         PyErr_Format(PyExc_TypeError,
                      "%s must be a bytes-like object (buffer protocol), not '%.100s'",
@@ -602,9 +475,7 @@ get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable)
 }
 
 /* Parse an int in [0, 2**64) (seed / expected hash). */
-static int
-get_u64(PyObject *obj, uint64_t *out, const char *name)
-{
+static int get_u64(PyObject *obj, uint64_t *out, const char *name) {
     if (PyBool_Check(obj) || !PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, not '%.100s'", name,
                      Py_TYPE(obj)->tp_name);
@@ -622,37 +493,15 @@ get_u64(PyObject *obj, uint64_t *out, const char *name)
 
 /* Accept raw bytes (itemsize 1) or 4-byte signed ints in little-endian
  * layout; anything else would be silently misinterpreted. */
-static int
-check_token_format(const Py_buffer *view)
-{
-    const char *fmt = view->format ? view->format : "B";
-    if (view->itemsize == 1 &&
-        (strcmp(fmt, "B") == 0 || strcmp(fmt, "b") == 0 || strcmp(fmt, "c") == 0 ||
-         strcmp(fmt, "@B") == 0 || strcmp(fmt, "@b") == 0 || strcmp(fmt, "=B") == 0 ||
-         strcmp(fmt, "<B") == 0)) {
+static int check_token_format(const Py_buffer *view) {
+    const char *fmt = view->format ? view->format : "B", *f = fmt;
+    int little = KV_LITTLE_ENDIAN; /* byte order of the items */
+    if (*f == '<') little = 1;
+    else if (*f == '>' || *f == '!') little = 0;
+    if (*f == '<' || *f == '>' || *f == '!' || *f == '@' || *f == '=') f++;
+    if (view->itemsize == 1 && (!strcmp(f, "B") || !strcmp(f, "b") || !strcmp(f, "c")))
         return 0;
-    }
-    if (view->itemsize == 4) {
-        const char *f = fmt;
-        int le_ok = 1;
-        if (*f == '<') {
-            f++;
-        }
-        else if (*f == '@' || *f == '=') {
-            f++;
-            le_ok = KV_LITTLE_ENDIAN;
-        }
-        else if (*f == '>' || *f == '!') {
-            le_ok = 0;
-            f++;
-        }
-        else {
-            le_ok = KV_LITTLE_ENDIAN;
-        }
-        if (le_ok && (strcmp(f, "i") == 0 || strcmp(f, "l") == 0)) {
-            return 0;
-        }
-    }
+    if (view->itemsize == 4 && little && (!strcmp(f, "i") || !strcmp(f, "l"))) return 0;
     PyErr_Format(PyExc_TypeError,
                  "tokens must be raw bytes or a little-endian int32 buffer, "
                  "got format '%s' with itemsize %zd",
@@ -660,9 +509,7 @@ check_token_format(const Py_buffer *view)
     return -1;
 }
 
-/* ------------------------------------------------------------------------ */
-/* Python functions                                                          */
-/* ------------------------------------------------------------------------ */
+/* ---- Python functions -------------------------------------------------- */
 
 PyDoc_STRVAR(chain_hash_doc,
 "chain_hash(root, tokens, block_size, extra=b\"\") -> bytes\n\n"
@@ -670,9 +517,7 @@ PyDoc_STRVAR(chain_hash_doc,
 "ignored): id_i = BLAKE2b-128(id_{i-1} || le_bytes(block_i) || extra),\n"
 "id_{-1} = root.  Returns the concatenated 16-byte ids.");
 
-static PyObject *
-kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs)
-{
+static PyObject *kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"root", "tokens", "block_size", "extra", NULL};
     PyObject *root_o, *tok_o, *bs_o, *extra_o = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:chain_hash", kwlist,
@@ -698,9 +543,7 @@ kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_buffer root, tok, extra;
     PyObject *result = NULL;
     int have_extra = 0;
-    if (get_buffer(root_o, &root, "root", 0) < 0) {
-        return NULL;
-    }
+    if (get_buffer(root_o, &root, "root", 0) < 0) return NULL;
     if (root.len != B2_OUT) {
         PyErr_Format(PyExc_ValueError, "root must be %d bytes, got %zd", B2_OUT, root.len);
         PyBuffer_Release(&root);
@@ -710,9 +553,7 @@ kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&root);
         return NULL;
     }
-    if (check_token_format(&tok) < 0) {
-        goto done;
-    }
+    if (check_token_format(&tok) < 0) goto done;
     if (tok.len % 4 != 0) {
         PyErr_Format(PyExc_ValueError,
                      "tokens buffer length must be a multiple of 4 (int32), got %zd bytes",
@@ -720,18 +561,14 @@ kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs)
         goto done;
     }
     if (extra_o != NULL && extra_o != Py_None) {
-        if (get_buffer(extra_o, &extra, "extra", 0) < 0) {
-            goto done;
-        }
+        if (get_buffer(extra_o, &extra, "extra", 0) < 0) goto done;
         have_extra = 1;
     }
 
     Py_ssize_t ntok = tok.len / 4;
     Py_ssize_t nblocks = ntok / block_size;
     result = PyBytes_FromStringAndSize(NULL, nblocks * B2_OUT);
-    if (result == NULL || nblocks == 0) {
-        goto done;
-    }
+    if (result == NULL || nblocks == 0) goto done;
     {
         uint8_t rootcopy[B2_OUT];
         memcpy(rootcopy, root.buf, B2_OUT);
@@ -740,19 +577,12 @@ kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs)
         const uint8_t *ep = have_extra ? (const uint8_t *)extra.buf : NULL;
         size_t el = have_extra ? (size_t)extra.len : 0;
         uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-        if (tok.len + (Py_ssize_t)el >= GIL_RELEASE_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            b2_chain(rootcopy, tp, tb, (size_t)nblocks, ep, el, out);
-            Py_END_ALLOW_THREADS
-        }
-        else {
-            b2_chain(rootcopy, tp, tb, (size_t)nblocks, ep, el, out);
-        }
+        RELEASE_GIL_IF(tok.len + (Py_ssize_t)el >= GIL_RELEASE_BYTES);
+        b2_chain(rootcopy, tp, tb, (size_t)nblocks, ep, el, out);
+        REACQUIRE_GIL();
     }
 done:
-    if (have_extra) {
-        PyBuffer_Release(&extra);
-    }
+    if (have_extra) PyBuffer_Release(&extra);
     PyBuffer_Release(&tok);
     PyBuffer_Release(&root);
     return result;
@@ -762,41 +592,24 @@ PyDoc_STRVAR(blake2b16_doc,
 "blake2b16(data) -> bytes\n\n"
 "Unkeyed BLAKE2b with a 16-byte digest (hashlib.blake2b(data, digest_size=16)).");
 
-static PyObject *
-kv_blake2b16(PyObject *self, PyObject *arg)
-{
+static PyObject *kv_blake2b16(PyObject *self, PyObject *arg) {
     Py_buffer data;
-    if (get_buffer(arg, &data, "data", 0) < 0) {
-        return NULL;
-    }
+    if (get_buffer(arg, &data, "data", 0) < 0) return NULL;
     uint8_t out[B2_OUT];
     b2_state s;
     b2_init16(&s);
-    if (data.len >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        b2_update(&s, (const uint8_t *)data.buf, (size_t)data.len);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        b2_update(&s, (const uint8_t *)data.buf, (size_t)data.len);
-    }
+    RELEASE_GIL_IF(data.len >= GIL_RELEASE_BYTES);
+    b2_update(&s, (const uint8_t *)data.buf, (size_t)data.len);
+    REACQUIRE_GIL();
     b2_final16(&s, out);
     PyBuffer_Release(&data);
     return PyBytes_FromStringAndSize((const char *)out, B2_OUT);
 }
 
-static uint64_t
-xxh64_view(const Py_buffer *v, uint64_t seed)
-{
-    uint64_t h;
-    if (v->len >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        h = xxh64_buf((const uint8_t *)v->buf, (size_t)v->len, seed);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        h = xxh64_buf((const uint8_t *)v->buf, (size_t)v->len, seed);
-    }
+static uint64_t xxh64_view(const Py_buffer *v, uint64_t seed) {
+    RELEASE_GIL_IF(v->len >= GIL_RELEASE_BYTES);
+    uint64_t h = xxh64_buf((const uint8_t *)v->buf, (size_t)v->len, seed);
+    REACQUIRE_GIL();
     return h;
 }
 
@@ -804,22 +617,15 @@ PyDoc_STRVAR(xxh64_doc,
 "xxh64(data, seed=0) -> int\n\n"
 "XXH64 of data (same as xxhash.xxh64_intdigest(data, seed)).");
 
-static PyObject *
-kv_xxh64(PyObject *self, PyObject *args, PyObject *kwargs)
-{
+static PyObject *kv_xxh64(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"data", "seed", NULL};
     PyObject *data_o, *seed_o = NULL;
     uint64_t seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:xxh64", kwlist, &data_o, &seed_o)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:xxh64", kwlist, &data_o, &seed_o))
         return NULL;
-    }
-    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) {
-        return NULL;
-    }
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
     Py_buffer data;
-    if (get_buffer(data_o, &data, "data", 0) < 0) {
-        return NULL;
-    }
+    if (get_buffer(data_o, &data, "data", 0) < 0) return NULL;
     uint64_t h = xxh64_view(&data, seed);
     PyBuffer_Release(&data);
     return PyLong_FromUnsignedLongLong(h);
@@ -829,9 +635,7 @@ PyDoc_STRVAR(verify_checksum_doc,
 "verify_checksum(data, expected, seed=0) -> bool\n\n"
 "True when xxh64(data, seed) == expected.");
 
-static PyObject *
-kv_verify_checksum(PyObject *self, PyObject *args, PyObject *kwargs)
-{
+static PyObject *kv_verify_checksum(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"data", "expected", "seed", NULL};
     PyObject *data_o, *exp_o, *seed_o = NULL;
     uint64_t seed = 0, expected;
@@ -839,40 +643,58 @@ kv_verify_checksum(PyObject *self, PyObject *args, PyObject *kwargs)
                                      &data_o, &exp_o, &seed_o)) {
         return NULL;
     }
-    if (get_u64(exp_o, &expected, "expected") < 0) {
-        return NULL;
-    }
-    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) {
-        return NULL;
-    }
+    if (get_u64(exp_o, &expected, "expected") < 0) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
     Py_buffer data;
-    if (get_buffer(data_o, &data, "data", 0) < 0) {
-        return NULL;
-    }
+    if (get_buffer(data_o, &data, "data", 0) < 0) return NULL;
     uint64_t h = xxh64_view(&data, seed);
     PyBuffer_Release(&data);
     return PyBool_FromLong(h == expected);
 }
 
-/* Shared argument handling for copy_checksum / copy_nt. */
-static int
-get_copy_views(PyObject *dst_o, PyObject *src_o, Py_buffer *dst, Py_buffer *src)
-{
-    if (get_buffer(dst_o, dst, "dst", 1) < 0) {
-        return -1;
+/* copy_checksum (with_hash) and copy_nt share everything but the hash. */
+static PyObject *do_copy(PyObject *args, PyObject *kwargs, int with_hash) {
+    static char *kw_hash[] = {"dst", "src", "seed", NULL};
+    static char *kw_copy[] = {"dst", "src", NULL};
+    PyObject *dst_o, *src_o, *seed_o = NULL;
+    uint64_t seed = 0, h = 0;
+    int ok = with_hash ? PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:copy_checksum", kw_hash,
+                                                     &dst_o, &src_o, &seed_o)
+                       : PyArg_ParseTupleAndKeywords(args, kwargs, "OO:copy_nt", kw_copy,
+                                                     &dst_o, &src_o);
+    if (!ok) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    Py_buffer dst, src;
+    if (get_buffer(dst_o, &dst, "dst", 1) < 0) return NULL;
+    if (get_buffer(src_o, &src, "src", 0) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
     }
-    if (get_buffer(src_o, src, "src", 0) < 0) {
-        PyBuffer_Release(dst);
-        return -1;
+    if (dst.len < src.len) {
+        PyErr_Format(PyExc_ValueError, "dst is too small: %zd bytes < %zd bytes of src",
+                     dst.len, src.len);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
     }
-    if (dst->len < src->len) {
-        PyErr_Format(PyExc_ValueError,
-                     "dst is too small: %zd bytes < %zd bytes of src", dst->len, src->len);
-        PyBuffer_Release(src);
-        PyBuffer_Release(dst);
-        return -1;
+    uint8_t *d = (uint8_t *)dst.buf;
+    const uint8_t *sp = (const uint8_t *)src.buf;
+    size_t n = (size_t)src.len;
+    RELEASE_GIL_IF(src.len >= GIL_RELEASE_BYTES);
+    if (ranges_overlap(d, n, sp, n)) {
+        /* Hash the original bytes before any of them is overwritten. */
+        if (with_hash) h = xxh64_buf(sp, n, seed);
+        memmove(d, sp, n);
+    } else if (with_hash) {
+        h = copy_hash(d, sp, n, seed);
+    } else {
+        copy_plain_or_nt(d, sp, n);
     }
-    return 0;
+    REACQUIRE_GIL();
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!with_hash) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(h);
 }
 
 PyDoc_STRVAR(copy_checksum_doc,
@@ -880,42 +702,8 @@ PyDoc_STRVAR(copy_checksum_doc,
 "Copy src into the start of dst (len(dst) >= len(src)) and return\n"
 "xxh64(src, seed), hashing and copying in one pass with streaming stores.");
 
-static PyObject *
-kv_copy_checksum(PyObject *self, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"dst", "src", "seed", NULL};
-    PyObject *dst_o, *src_o, *seed_o = NULL;
-    uint64_t seed = 0, h;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:copy_checksum", kwlist,
-                                     &dst_o, &src_o, &seed_o)) {
-        return NULL;
-    }
-    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) {
-        return NULL;
-    }
-    Py_buffer dst, src;
-    if (get_copy_views(dst_o, src_o, &dst, &src) < 0) {
-        return NULL;
-    }
-    uint8_t *d = (uint8_t *)dst.buf;
-    const uint8_t *s = (const uint8_t *)src.buf;
-    size_t n = (size_t)src.len;
-    int release = src.len >= GIL_RELEASE_BYTES;
-    PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
-    if (ranges_overlap(d, n, s, n)) {
-        /* Hash the original bytes before any of them is overwritten. */
-        h = xxh64_buf(s, n, seed);
-        memmove(d, s, n);
-    }
-    else {
-        h = copy_hash(d, s, n, seed);
-    }
-    if (release) {
-        PyEval_RestoreThread(ts);
-    }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    return PyLong_FromUnsignedLongLong(h);
+static PyObject *kv_copy_checksum(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return do_copy(args, kwargs, 1);
 }
 
 PyDoc_STRVAR(copy_nt_doc,
@@ -923,35 +711,8 @@ PyDoc_STRVAR(copy_nt_doc,
 "Copy src into the start of dst with non-temporal stores (memcpy for small\n"
 "or overlapping buffers).");
 
-static PyObject *
-kv_copy_nt(PyObject *self, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"dst", "src", NULL};
-    PyObject *dst_o, *src_o;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:copy_nt", kwlist, &dst_o, &src_o)) {
-        return NULL;
-    }
-    Py_buffer dst, src;
-    if (get_copy_views(dst_o, src_o, &dst, &src) < 0) {
-        return NULL;
-    }
-    uint8_t *d = (uint8_t *)dst.buf;
-    const uint8_t *s = (const uint8_t *)src.buf;
-    size_t n = (size_t)src.len;
-    int release = src.len >= GIL_RELEASE_BYTES;
-    PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
-    if (ranges_overlap(d, n, s, n)) {
-        memmove(d, s, n);
-    }
-    else {
-        copy_plain_or_nt(d, s, n);
-    }
-    if (release) {
-        PyEval_RestoreThread(ts);
-    }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    Py_RETURN_NONE;
+static PyObject *kv_copy_nt(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return do_copy(args, kwargs, 0);
 }
 
 static PyMethodDef kv_methods[] = {
@@ -969,40 +730,19 @@ static PyMethodDef kv_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int
-kv_exec(PyObject *m)
-{
-    if (PyModule_AddIntConstant(m, "BLOCK_ID_BYTES", B2_OUT) < 0) {
-        return -1;
-    }
-    if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) {
-        return -1;
-    }
-    if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) {
-        return -1;
-    }
+static int kv_exec(PyObject *m) {
+    if (PyModule_AddIntConstant(m, "BLOCK_ID_BYTES", B2_OUT) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) return -1;
     return 0;
 }
 
-static PyModuleDef_Slot kv_slots[] = {
-    {Py_mod_exec, kv_exec},
-    {0, NULL},
-};
+static PyModuleDef_Slot kv_slots[] = {{Py_mod_exec, kv_exec}, {0, NULL}};
 
 static struct PyModuleDef kv_module = {
-    PyModuleDef_HEAD_INIT,
-    "kvstore._native",
+    PyModuleDef_HEAD_INIT, "kvstore._native",
     "Native BLAKE2b-128 chain hashing, XXH64 and streaming copy+checksum.",
-    0,
-    kv_methods,
-    kv_slots,
-    NULL,
-    NULL,
-    NULL,
+    0, kv_methods, kv_slots, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC
-PyInit__native(void)
-{
-    return PyModuleDef_Init(&kv_module);
-}
+PyMODINIT_FUNC PyInit__native(void) { return PyModuleDef_Init(&kv_module); }

