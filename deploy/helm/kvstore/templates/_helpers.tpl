@@ -1,0 +1,137 @@
+{{/* Names, labels and the values the templates share. */}}
+
+{{- define "kvstore.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvstore.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Selector labels; call with (dict "root" $ "component" "agent"). */}}
+{{- define "kvstore.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvstore.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvstore.labels" -}}
+{{ include "kvstore.selectorLabels" . }}
+app.kubernetes.io/part-of: kvstore
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvstore.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "kvstore.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvstore.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.etcdName" -}}
+{{- printf "%s-etcd" (include "kvstore.fullname" .) -}}
+{{- end -}}
+
+{{/* host:port[,host:port] the agents, routers and kvctl dial. Bundled etcd: every member
+     through the headless Service, so a client fails over without a proxy. */}}
+{{- define "kvstore.etcdEndpoints" -}}
+{{- if eq .Values.etcd.mode "external" -}}
+{{- if not .Values.etcd.external.endpoints -}}
+{{- fail "etcd.mode is external but etcd.external.endpoints is empty" -}}
+{{- end -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- else -}}
+{{- $name := include "kvstore.etcdName" . -}}
+{{- $eps := list -}}
+{{- range $i := until (int .Values.etcd.bundled.replicas) -}}
+{{- $eps = append $eps (printf "%s-%d.%s-headless.%s.svc:2379" $name $i $name $.Release.Namespace) -}}
+{{- end -}}
+{{- join "," $eps -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.tenantsSecretName" -}}
+{{- default (printf "%s-tenants" (include "kvstore.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Tenants for inference workers (the chart's own "_cluster" entry does not count). */}}
+{{- define "kvstore.hasTenants" -}}
+{{- if or .Values.auth.existingSecret .Values.auth.tenants -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "kvstore.fullname" .)) .Values.auth.existingClusterTokenSecret -}}
+{{- end -}}
+
+{{- define "kvstore.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "kvstore.fullname" .)) .Values.tls.existingSecret -}}
+{{- end -}}
+
+{{/* Device string of agent container $i: the device plugin exposes a container's one GPU
+     as cuda:0; without it every container sees all GPUs and takes cuda:<i>. */}}
+{{- define "kvstore.agentDevice" -}}
+{{- $v := .root.Values.agent -}}
+{{- if eq $v.device "cpu" -}}cpu
+{{- else if $v.gpuResourceName -}}cuda:0
+{{- else -}}{{ printf "cuda:%d" (int .index) }}
+{{- end -}}
+{{- end -}}
+
+{{/* Host memory limit of one agent container, in MiB: the pool lives in host memory when
+     the device is cpu, so the limit must cover it. */}}
+{{- define "kvstore.agentMemoryMiB" -}}
+{{- $v := .Values.agent -}}
+{{- if eq $v.device "cpu" -}}
+{{- add (int $v.poolMiB) (int $v.memoryOverheadMiB) -}}
+{{- else -}}
+{{- int $v.memoryOverheadMiB -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.localVolumeGiB" -}}
+{{- $v := .Values.agent -}}
+{{- $need := mul (int $v.nvmeGiB) (int $v.gpusPerNode) -}}
+{{- $size := int $v.storage.localPersistentVolume.sizeGiB -}}
+{{- if eq $size 0 -}}
+{{- max 1 (div (mul $need 5) 4) -}}
+{{- else if lt $size $need -}}
+{{- fail (printf "agent.storage.localPersistentVolume.sizeGiB (%d) is smaller than nvmeGiB x gpusPerNode (%d)" $size $need) -}}
+{{- else -}}
+{{- $size -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.policy" -}}
+ttl_seconds: {{ .ttlSeconds | float64 }}
+min_prefix_blocks: {{ .minPrefixBlocks | int }}
+persist: {{ .persist }}
+pin_budget_bytes: {{ printf "%dMiB" (int .pinBudgetMiB) | quote }}
+{{- end -}}
+
+{{/* Restricted-profile container securityContext shared by every long-running container. */}}
+{{- define "kvstore.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
