@@ -49,16 +49,27 @@ class AgentConfig:
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
     lease_ttl_s: int = 5
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    peer_port: int = 0  # UCX peer-transfer listener port (0: pick a free one)
+    ucx_enabled: bool = True  # False: peers move blocks over the gRPC fallback only
 
     def __post_init__(self) -> None:
-        if self.slot_bytes <= 0 or self.pool_bytes < self.slot_bytes:
-            raise ValueError("pool_bytes must hold at least one slot of slot_bytes")
+        if self.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {self.slot_bytes}")
+        if self.pool_bytes < self.slot_bytes:
+            raise ValueError(f"pool_bytes ({self.pool_bytes}) must hold at least one slot of "
+                             f"slot_bytes ({self.slot_bytes})")
         if self.eviction not in ("value", "lru"):
             raise ValueError(f"eviction must be 'value' or 'lru', got {self.eviction!r}")
         if not self.node_id or "/" in self.node_id:
             raise ValueError("node_id must be non-empty and contain no '/'")
-        if self.max_blocks_per_request <= 0:
-            raise ValueError("max_blocks_per_request must be > 0")
+        # Zero or negative here would mean a busy maintenance loop, a lease that expires at
+        # once, or a server that refuses every message.
+        for name in ("max_blocks_per_request", "max_message_bytes", "expire_interval_s",
+                     "lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.nvme_bytes < 0 or self.metrics_port < 0:
+            raise ValueError("nvme_bytes and metrics_port must be >= 0")
 
     @property
     def pool_slots(self) -> int:
@@ -92,6 +103,17 @@ class RouterConfig:
 
 
 def _coerce(tp, value, name: str):
+    """`value` as type `tp`; every failure is a ValueError that starts with the field."""
+    try:
+        return _coerce_value(tp, value, name)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        if msg.startswith(name):
+            raise
+        raise ValueError(f"{name}: {msg}") from None
+
+
+def _coerce_value(tp, value, name: str):
     origin = typing.get_origin(tp)
     if tp is bool:
         if isinstance(value, bool):
@@ -112,12 +134,16 @@ def _coerce(tp, value, name: str):
             return value
         if isinstance(value, str):
             value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping of {tp.__name__} fields, got {value!r}")
         return _build(tp, value, name)
     if origin is dict:
         _, vt = typing.get_args(tp)
         if isinstance(value, str):
             value = json.loads(value)
-        return {str(k): _coerce(vt, v, f"{name}.{k}") for k, v in dict(value).items()}
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping, got {value!r}")
+        return {str(k): _coerce(vt, v, f"{name}.{k}") for k, v in value.items()}
     raise ValueError(f"{name}: unsupported type {tp}")
 
 
@@ -139,6 +165,9 @@ def load_config(cls, path: str | None = None, env_prefix: str | None = None,
     if path:
         text = Path(path).read_text()
         loaded = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of {cls.__name__} fields, "
+                             f"got {type(loaded).__name__}")
         data.update(loaded or {})
     if env_prefix:
         for f in dataclasses.fields(cls):

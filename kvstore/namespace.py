@@ -81,6 +81,9 @@ class Namespace:
                    or not getattr(self, f).strip()]
         missing += [f for f in _POSITIVE_INT_FIELDS if not _is_int(getattr(self, f))
                     or getattr(self, f) <= 0]
+        # An unset proto double reads 0.0: name it with the other missing fields.
+        if self.rope_theta == 0:
+            missing.append("rope_theta")
         if missing:
             raise InvalidArgument(
                 "namespace is missing required fields (empty or zero): " + ", ".join(missing))

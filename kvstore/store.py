@@ -95,6 +95,7 @@ class ServedBlock:
     block_id: bytes
     tier: Tier
     checksum: int
+    data: bytes | None = None  # set when the caller asked for bytes (dst_for returned None)
 
 
 class PackedIds:
@@ -151,9 +152,17 @@ class BlockStore:
         self._heaps: dict[tuple[str, Tier], list] = {}
         self._tick = 0
         self.nvme_used = 0
+        # Slots of blocks removed while a get still copies out of them: freed by the last
+        # reader, so a slot is never reused under a copy in flight.
+        self._parked: dict[BlockMeta, int] = {}
+        # Global kill switch (etcd `killswitch`, applied by node_agent/control.py): every
+        # lookup and get misses and every put is refused while it is on; nothing is dropped.
+        self.killed = False
 
     # ----------------------------------------------------------------- namespaces
-    def open_namespace(self, spec: Namespace) -> NsState:
+    def open_namespace(self, spec: Namespace, generation: int = 0) -> NsState:
+        """Register `spec` (idempotent). `generation` is the one in force cluster-wide (from
+        etcd); a namespace known locally at an older one is cleared up to it."""
         if spec.block_bytes > self.pool.slot_bytes:
             raise InvalidArgument(
                 f"namespace blocks are {spec.block_bytes} bytes but this node's pool slots "
@@ -161,9 +170,11 @@ class BlockStore:
         with self.lock:
             st = self._ns.get(spec.namespace_id)
             if st is None:
-                st = NsState(spec, spec.namespace_id, 0, self.policy_for(spec))
+                st = NsState(spec, spec.namespace_id, generation, self.policy_for(spec))
                 self._ns[st.ns_id] = st
                 self._save_ns(st)
+            elif generation > st.generation:
+                self.set_generation(st.ns_id, generation)
             return st
 
     def namespace(self, ns_id: bytes, generation: int) -> NsState:
@@ -227,6 +238,8 @@ class BlockStore:
         (a parent never expires before its child), so both lengths are binary searches."""
         with self.lock:
             st = self.namespace(ns_id, generation)
+            if self.killed:
+                return self._killed_lookup(st, len(ids))
             now = self.clock()
             get = st.blocks.get
 
@@ -248,30 +261,43 @@ class BlockStore:
     def get(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
             dst_for: Callable[[int, int], object]) -> list[ServedBlock]:
         """Copy the leading present blocks into `dst_for(i, nbytes)` buffers, verified.
-        Stops at the first missing, mis-chained or corrupt block."""
+        When `dst_for` returns None the payload comes back as bytes in ServedBlock.data
+        (the gRPC path needs bytes objects). Stops at the first missing, mis-chained or
+        corrupt block."""
         with self.lock:
             st = self.namespace(ns_id, generation)
+            if self.killed:
+                self.counters["killswitch_gets"] += 1
+                return []
             metas = self._leading(st, ids, parent_id)
+            slots = [m.slot for m in metas]  # read once, under the lock (see _parked)
             for m in metas:
                 m.readers += 1
         served: list[ServedBlock] = []
         promote: list[tuple[BlockMeta, object]] = []
         corrupt: BlockMeta | None = None
         try:
-            for i, m in enumerate(metas):
+            for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dst_for(i, m.nbytes)
-                if m.slot >= 0:
-                    ok = self.pool.read_into(m.slot, m.nbytes, dst) == m.checksum
+                data = None
+                if slot >= 0 and dst is None:
+                    data, digest = self.pool.read_bytes(slot, m.nbytes)
+                    ok = digest == m.checksum
+                    tier = Tier.HBM
+                elif slot >= 0:
+                    ok = self.pool.read_into(slot, m.nbytes, dst) == m.checksum
                     tier = Tier.HBM
                 else:
-                    ok = self._read_nvme(m, dst)
+                    buf = bytearray(m.nbytes) if dst is None else dst
+                    ok = self._read_nvme(m, buf)
                     tier = Tier.NVME
                     if ok:
-                        promote.append((m, dst))
+                        promote.append((m, buf))
+                        data = bytes(buf) if dst is None else None
                 if not ok:
                     corrupt = m
                     break
-                served.append(ServedBlock(m.block_id, tier, m.checksum))
+                served.append(ServedBlock(m.block_id, tier, m.checksum, data))
         finally:
             with self.lock:
                 self._finish_get(st, metas, served, promote, corrupt)
@@ -306,6 +332,11 @@ class BlockStore:
         return True
 
     def _finish_get(self, st, metas, served, promote, corrupt) -> None:
+        # A block removed while it was copied (flush, expiry, corruption found by another
+        # reader) is no hit, and neither is anything after it.
+        live = next((i for i, sb in enumerate(served) if st.blocks.get(sb.block_id)
+                     is not metas[i]), len(served))
+        del served[live:]
         now = self.clock()
         ttl = st.policy.ttl_seconds
         for sb in served:
@@ -324,8 +355,7 @@ class BlockStore:
                 break
             promoted.append(m.block_id)
         for m in metas:  # readers kept until now so promotion cannot evict the chain
-            m.readers -= 1
-            self._refile(m)
+            self._done_reading(m)
         if promoted:
             self.events.append(EventKind.TIER_CHANGED, st.ns_id, tuple(promoted), tier=Tier.HBM)
         if corrupt is not None and corrupt.block_id in st.blocks:
@@ -343,15 +373,28 @@ class BlockStore:
     def _promote(self, m: BlockMeta, src) -> bool:
         """Copy an NVMe-only block into the pool, only if its parent is in the pool (or it
         starts a chain): the pool stays prefix-closed."""
-        if m.slot >= 0 or m.block_id not in m.ns.blocks:
+        if m.slot >= 0 or m.ns.blocks.get(m.block_id) is not m:
             return False
         parent = m.ns.blocks.get(m.parent_id) if m.depth else None
         if parent is not None and parent.slot < 0:
             return False
-        slot = self._reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
+        if parent is not None:  # making room must not demote the parent from under m
+            parent.readers += 1
+        try:
+            slot = self._reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
+        finally:
+            if parent is not None:
+                self._done_reading(parent)
         if slot is None:
             return False
-        self.pool.write(slot, memoryview(src).cast("B")[: m.nbytes])
+        if m.ns.blocks.get(m.block_id) is not m or (parent is not None and parent.slot < 0):
+            self.pool.abort(slot)  # making room dropped m or its parent (found corrupt)
+            return False
+        # `src` may be a client's shared memory: what lands in the pool must still match.
+        if self.pool.write(slot, memoryview(src).cast("B")[: m.nbytes]) != m.checksum:
+            self.pool.abort(slot)
+            self.counters["promote_mismatch"] += 1
+            return False
         self.pool.commit(slot)
         self._attach_slot(m, slot)
         self.counters["promotions"] += 1
@@ -374,14 +417,17 @@ class BlockStore:
             return True
         finally:
             for b in chain:
-                b.readers -= 1
-                self._refile(b)
+                self._done_reading(b)
 
     # ------------------------------------------------------------------------ put
     def put(self, ns_id: bytes, generation: int, items: list[PutItem]) -> tuple[int, int]:
         """Store blocks (parent before child). Returns (stored, already_present)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
+            if self.killed:
+                self.counters["killswitch_puts"] += 1
+                raise FailedPrecondition("kill switch is on: writes are refused "
+                                         "(`kvctl killswitch off` to resume caching)")
             plan, already = self._plan_put(st, items)
         written: list[tuple[PutItem, int, int, BlockMeta | None]] = []
         try:
@@ -415,8 +461,11 @@ class BlockStore:
         plan, already, skipped = [], 0, set()
         try:
             for it in items:
-                if it.block_id in st.blocks or any(p[0].block_id == it.block_id for p in plan):
+                known = st.blocks.get(it.block_id)
+                if known is not None or any(p[0].block_id == it.block_id for p in plan):
                     already += 1
+                    if known is not None and st.policy.ttl_seconds:  # a re-put is a touch
+                        self._raise_expiry(known, self.clock() + st.policy.ttl_seconds)
                     continue
                 parent = st.blocks.get(it.parent_id)
                 if it.parent_id in skipped or (parent is not None and parent.slot < 0
@@ -426,10 +475,15 @@ class BlockStore:
                     continue
                 if parent is not None:
                     parent.readers += 1
-                slot = self._reserve_slot(st.tenant, extra=size)
+                # Slots reserved earlier in this plan are not in the accounts until
+                # commit: count them, or one put could overshoot the tenant's quota.
+                slot = self._reserve_slot(st.tenant, extra=size * (len(plan) + 1))
                 if slot is None:
                     if parent is not None:
-                        parent.readers -= 1
+                        self._done_reading(parent)
+                    if plan:  # keep the leading blocks that fit; the rest would be orphans
+                        self.counters["put_truncated"] += 1
+                        break
                     raise ResourceExhausted(
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
                         "every slot is pinned, in use or over the tenant's quota")
@@ -443,8 +497,7 @@ class BlockStore:
         for _, slot, _, parent in plan:
             self.pool.abort(slot)
             if parent is not None:
-                parent.readers -= 1
-                self._refile(parent)
+                self._done_reading(parent)
 
     def _commit_put(self, st, generation, plan, written) -> int:
         done = {id(w[0]) for w in written}
@@ -453,8 +506,7 @@ class BlockStore:
         stored: list[bytes] = []
         for item, slot, digest, parent in written:
             if parent is not None:
-                parent.readers -= 1
-                self._refile(parent)
+                self._done_reading(parent)
             parent_meta = st.blocks.get(item.parent_id)
             depth = parent_meta.depth + 1 if parent_meta else next(
                 p[2] for p in plan if p[0] is item)
@@ -472,12 +524,23 @@ class BlockStore:
                 if ttl:
                     self._raise_expiry(parent_meta, m.expires_at)
             self._attach_slot(m, slot)
-            stored.append(m.block_id)
-        if stored:
-            self.events.append(EventKind.STORED, st.ns_id, tuple(stored),
-                               parent_id=plan[0][0].parent_id, tier=Tier.HBM)
-            self.counters["put_blocks"] += len(stored)
+            stored.append(m)
+        self._stored_events(st, stored)
         return len(stored)
+
+    def _stored_events(self, st: NsState, stored: list[BlockMeta]) -> None:
+        """One STORED event per parent-to-child run: each names the parent of its first
+        block, even when blocks before it were skipped or already present."""
+        runs: list[tuple[bytes, list[bytes]]] = []
+        for m in stored:
+            if runs and runs[-1][1][-1] == m.parent_id:
+                runs[-1][1].append(m.block_id)
+            else:
+                runs.append((m.parent_id, [m.block_id]))
+        for parent_id, ids in runs:
+            self.events.append(EventKind.STORED, st.ns_id, tuple(ids), parent_id=parent_id,
+                               tier=Tier.HBM)
+        self.counters["put_blocks"] += len(stored)
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> tuple[int, int]:
@@ -545,34 +608,46 @@ class BlockStore:
 
     def _reserve_slot(self, tenant: str, extra: int = 0, protect=None) -> int | None:
         extra = extra or self.pool.slot_bytes
-        while self.accounts.overflow(tenant, Tier.HBM, extra):
-            victim = self._victim(Tier.HBM, tenant, protect)
-            if victim is None:
-                return None
-            self._evict_hbm(victim, "quota")
-        slot = self.pool.reserve()
-        while slot is None:
-            victim = self._victim(Tier.HBM, None, protect)
-            if victim is None:
-                return None
-            self._evict_hbm(victim, "capacity")
+        kept: list[BlockMeta] = []  # victims that could not leave (NVMe full)
+        try:
+            while self.accounts.overflow(tenant, Tier.HBM, extra):
+                victim = self._victim(Tier.HBM, tenant, protect)
+                if victim is None:
+                    return None
+                if not self._evict_hbm(victim, "quota"):
+                    kept.append(victim)
             slot = self.pool.reserve()
-        return slot
+            while slot is None:
+                victim = self._victim(Tier.HBM, None, protect)
+                if victim is None:
+                    return None
+                if not self._evict_hbm(victim, "capacity"):
+                    kept.append(victim)
+                slot = self.pool.reserve()
+            return slot
+        finally:
+            for m in kept:  # popped from the heaps: put them back, or they never leave
+                self._refile(m)
 
-    def _evict_hbm(self, m: BlockMeta, reason: str) -> None:
+    def _evict_hbm(self, m: BlockMeta, reason: str) -> bool:
+        """Demote or drop `m`; False when it has to stay (children, and NVMe is full)."""
         self.counters[f"evict_hbm_{reason}"] += 1
         if m.children == 0 and not (m.ns.policy.persist and self.rocks is not None):
             self._remove(m)
             self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
-            return
+            return True
         if not m.on_nvme and not self._write_nvme(m):
-            if m.children == 0:
-                self._remove(m)
-                self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
-            return
+            if m.ns.blocks.get(m.block_id) is not m:
+                return True  # found corrupt and dropped
+            if m.children:
+                return False
+            self._remove(m)
+            self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
+            return True
         self._detach_slot(m)
         self.counters["demotions"] += 1
         self.events.append(EventKind.TIER_CHANGED, m.ns.ns_id, (m.block_id,), tier=Tier.NVME)
+        return True
 
     def _write_nvme(self, m: BlockMeta) -> bool:
         st = m.ns
@@ -585,8 +660,9 @@ class BlockStore:
                 return False
             self._evict_nvme(victim)
         payload, digest = self.pool.read_bytes(m.slot, m.nbytes)
-        if digest != m.checksum:
+        if digest != m.checksum:  # never spill a corrupt block: drop it and its descendants
             self.counters["corrupt_dropped"] += 1
+            self._remove_subtrees(st, {m.block_id}, "corrupt")
             return False
         hdr = BlockHeader(st.ns_id, st.generation, m.block_id, m.parent_id, m.depth,
                           st.spec.kv_dtype, block_shape(st.spec), m.nbytes, m.checksum)
@@ -622,9 +698,25 @@ class BlockStore:
             self._refile(parent)
         self._refile(m)
 
-    def _detach_slot(self, m: BlockMeta) -> None:
-        self.pool.release(m.slot)
+    def _give_back_slot(self, m: BlockMeta) -> None:
+        """Free m's slot, or park it while a get still copies out of it."""
+        if m.readers:
+            self._parked[m] = m.slot
+        else:
+            self.pool.release(m.slot)
         m.slot = -1
+
+    def _done_reading(self, m: BlockMeta) -> None:
+        m.readers -= 1
+        if m.readers:
+            return
+        slot = self._parked.pop(m, None)
+        if slot is not None:
+            self.pool.release(slot)
+        self._refile(m)  # eligibility changed; heap entries popped meanwhile are gone
+
+    def _detach_slot(self, m: BlockMeta) -> None:
+        self._give_back_slot(m)
         self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
         parent = m.ns.blocks.get(m.parent_id) if m.depth else None
         if parent is not None:
@@ -634,9 +726,8 @@ class BlockStore:
 
     def _free_resources(self, m: BlockMeta) -> None:
         if m.slot >= 0:
-            self.pool.release(m.slot)
             self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
-            m.slot = -1
+            self._give_back_slot(m)
         if m.on_nvme:
             self.nvme_used -= m.nbytes
             self.accounts.sub(m.ns.tenant, Tier.NVME, m.nbytes)
@@ -694,6 +785,7 @@ class BlockStore:
                 else:
                     found.append((key, hdr))
             now = self.clock()
+            recovered = 0
             found.sort(key=lambda kh: kh[1].depth)
             for key, hdr in found:
                 st = self._ns[hdr.namespace_id]
@@ -710,12 +802,13 @@ class BlockStore:
                     parent.children += 1
                 self.nvme_used += m.nbytes
                 self.accounts.add(st.tenant, Tier.NVME, m.nbytes)
+                recovered += 1
             for st in self._ns.values():
                 for m in st.blocks.values():
                     self._refile(m)
             if bad:
                 self.rocks.delete_batch(bad)
-            self.counters["recovered_blocks"] += len(found) - len(bad)
+            self.counters["recovered_blocks"] += recovered
             self.counters["recovery_dropped"] += len(bad)
             return {"recovered": self.block_count(), "dropped": len(bad)}
 
@@ -744,6 +837,34 @@ class BlockStore:
                     total += self._remove_subtrees(st, dead, "expired")
         return total
 
+    def persist_pool(self, deadline_s: float | None = None) -> int:
+        """Copy pool-only blocks of persistent namespaces to NVMe, parents first, before a
+        clean shutdown. The pool does not survive a restart, and NVMe mostly holds chain
+        tails whose heads live in the pool: without their heads, recover() would drop them
+        all as orphans. NVMe-only leaves may be evicted to make room for heads; blocks
+        written here are held (readers) so they are not evicted in turn. Stops at the
+        deadline. Returns the number of blocks written."""
+        if self.rocks is None:
+            return 0
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        held: list[BlockMeta] = []
+        with self.lock:
+            todo = sorted((m for st in self._ns.values() if st.policy.persist
+                           for m in st.blocks.values() if m.slot >= 0 and not m.on_nvme),
+                          key=lambda m: m.depth)
+            try:
+                for m in todo:
+                    if end is not None and time.monotonic() > end:
+                        break
+                    if m.ns.blocks.get(m.block_id) is m and self._write_nvme(m):
+                        m.readers += 1
+                        held.append(m)
+            finally:
+                for m in held:
+                    self._done_reading(m)
+            self.counters["persisted_at_shutdown"] += len(held)
+            return len(held)
+
     def snapshot(self) -> tuple[int, list[tuple[bytes, list[tuple[bytes, Tier]]]]]:
         """Every block held, per namespace, and the last event sequence it includes."""
         with self.lock:
@@ -754,3 +875,38 @@ class BlockStore:
 
     def block_count(self) -> int:
         return sum(len(st.blocks) for st in self._ns.values())
+
+    # ------------------------------------------------ control plane (node_agent/control.py)
+    def _killed_lookup(self, st: NsState, n: int) -> LookupResult:
+        """Kill switch on: a miss, counted as one so hit rates show what callers saw."""
+        tc = self.tenant_counters.setdefault(st.tenant, Counter())
+        for c in (self.counters, tc):
+            c["lookups"] += 1
+            c["lookup_blocks"] += n
+        self.counters["killswitch_lookups"] += 1
+        return LookupResult(0, 0, 0, st.generation)
+
+    def set_tenant_limits(self, tenant: str, hbm: int | None, nvme: int | None) -> int:
+        """Apply a tenant's quota (None or 0: no limit) and evict the tenant's own blocks
+        until it fits: leaves first, by value, never another tenant's. Returns the number
+        of evictions (demotions count: the block stays on NVMe)."""
+        with self.lock:
+            self.accounts.set_limit(tenant, Tier.HBM, hbm)
+            self.accounts.set_limit(tenant, Tier.NVME, nvme)
+            done = 0
+            while self.accounts.overflow(tenant, Tier.HBM, 0):
+                victim = self._victim(Tier.HBM, tenant)
+                if victim is None:
+                    break
+                if not self._evict_hbm(victim, "quota"):
+                    self._refile(victim)  # popped from the heap: put it back
+                    break
+                done += 1
+            while self.rocks is not None and self.accounts.overflow(tenant, Tier.NVME, 0):
+                victim = self._victim(Tier.NVME, tenant)
+                if victim is None:
+                    break
+                self._evict_nvme(victim)
+                self.counters["evict_nvme_quota"] += 1
+                done += 1
+            return done

@@ -18,12 +18,16 @@ from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
 from kvstore.tiers.rocks import RocksTier
 from kvstore.v1 import agent_pb2_grpc
+from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
+from node_agent.peer import PeerService
+from node_agent.peer_grpc import PeerServicer
 from node_agent.servicer import AgentServicer
 from node_agent.shm import ShmRegistry
 
 log = logging.getLogger("kvstore.agent")
+SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
 
 
 def build_store(cfg: AgentConfig) -> BlockStore:
@@ -48,6 +52,9 @@ class AgentServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
+        self.registration = None  # etcd membership, when etcd_endpoints is set
+        self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
+        self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer.py
 
     @property
     def address(self) -> str:
@@ -56,10 +63,21 @@ class AgentServer:
         host = self.cfg.listen.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
+    @property
+    def peer_address(self) -> str:
+        """host:port of the UCX peer-transfer listener; '' when UCX is off/unavailable."""
+        return self.peer.peer_address
+
     async def start(self) -> None:
         rec = self.store.recover()
         log.info("recovered %d blocks from %s (%d dropped)", rec["recovered"],
                  self.cfg.data_dir, rec["dropped"])
+        if self.cfg.etcd_endpoints:  # catch up (flushes, kill switch) before serving
+            from node_agent.control import AgentControl
+            self.control = AgentControl(self.store, self.cfg.etcd_endpoints,
+                                        self.cfg.node_id, self.hub.publish_pending)
+            await self.control.start()
+            self.servicer.control = self.control
         opts = [("grpc.max_send_message_length", self.cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
@@ -69,13 +87,21 @@ class AgentServer:
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(self.peer), self.server)
         self.port = self.server.add_insecure_port(self.cfg.listen)
         if not self.port:
             raise RuntimeError(f"could not bind {self.cfg.listen}")
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.NodeAgent", health_pb2.HealthCheckResponse.SERVING)
+        await self.peer.start(self.address.rsplit(":", 1)[0], self.control)
+        await self.health.set("kvstore.v1.Peer", health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._maintenance()))
+        if self.cfg.etcd_endpoints:
+            from node_agent.registration import Registration
+            self.registration = Registration(self.cfg.etcd_endpoints, self.node_record,
+                                             self.cfg.lease_ttl_s)
+            await self.registration.start()
         log.info("agent %s serving on %s (device %s, %d slots of %d bytes)", self.cfg.node_id,
                  self.address, self.store.pool.device, self.store.pool.n_slots,
                  self.store.pool.slot_bytes)
@@ -88,14 +114,34 @@ class AgentServer:
                 log.info("expired %d blocks", n)
             self.hub.publish_pending()
 
+    def node_record(self):
+        """This agent as etcd publishes it (node_agent/registration.py)."""
+        from cluster.etcd import NodeRecord
+        pool = self.store.pool
+        with self.store.lock:
+            blocks = self.store.block_count()
+        return NodeRecord(self.cfg.node_id, self.address, self.peer_address, str(pool.device),
+                          pool.capacity_bytes, self.store.rocks.capacity_bytes
+                          if self.store.rocks is not None else 0,
+                          round(1.0 - pool.free_slots / pool.n_slots, 2), blocks, self.hub.epoch)
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self.registration is not None:  # leave the cluster before we stop serving
+            await self.registration.stop()
+        if self.control is not None:
+            await self.control.stop()
         for t in self._tasks:
             t.cancel()
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)
+        await self.peer.stop()
         self.shm.close()
         if self.store.rocks is not None:
+            # Pool contents die with the process; write chain heads to NVMe so the tails
+            # already there are not dropped as orphans when the agent comes back.
+            n = self.store.persist_pool(deadline_s=SHUTDOWN_PERSIST_S)
+            log.info("wrote %d pool blocks to NVMe before stopping", n)
             self.store.rocks.close()
         log.info("agent %s stopped", self.cfg.node_id)
 

@@ -21,7 +21,7 @@ CLUSTER_TENANT = "_cluster"  # routers and peers authenticate as this tenant
 _NS_FIELDS = [f.name for f in common_pb2.Namespace.DESCRIPTOR.fields]
 # Copies above this many bytes run in a worker thread so the event loop keeps serving.
 _OFFLOAD_BYTES = 4 << 20
-_GRPC_CHUNK_BLOCKS = 8
+_GRPC_CHUNK_BLOCKS = 2
 
 
 def namespace_from_proto(msg: common_pb2.Namespace) -> Namespace:
@@ -43,6 +43,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self.node_id = node_id
         self.max_blocks = max_blocks
         self.in_flight = 0
+        self.control = None  # node_agent/control.AgentControl when etcd is configured
 
     # ------------------------------------------------------------------ helpers
     def _ids(self, packed: bytes, what: str = "block_ids") -> list[bytes]:
@@ -77,10 +78,13 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.InvalidArgument("OpenNamespace needs a spec")
         spec = namespace_from_proto(request.spec)
         tenant = current_tenant.get()
-        if tenant is not None and tenant != spec.tenant:
+        # Another tenant may open a public namespace (to read it: Put and Pin still check
+        # write access), never a private one.
+        if tenant is not None and tenant != spec.tenant and not spec.public:
             raise errors.PermissionDenied(f"tenant {tenant!r} may not open namespaces of "
                                           f"tenant {spec.tenant!r}")
-        st = self.store.open_namespace(spec)
+        st = (await self.control.open_namespace(spec) if self.control is not None
+              else self.store.open_namespace(spec))
         return agent_pb2.NamespaceInfo(namespace_id=st.ns_id, generation=st.generation,
                                        block_bytes=spec.block_bytes,
                                        policy=policy_to_proto(st.policy),
@@ -107,18 +111,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         parent = request.parent_id
         for start in range(0, len(ids), _GRPC_CHUNK_BLOCKS):
             chunk = ids[start: start + _GRPC_CHUNK_BLOCKS]
-            bufs: list[bytearray] = []
-
-            def dst_for(i, n, bufs=bufs):
-                bufs.append(bytearray(n))
-                return bufs[-1]
-
             served = await self._run(len(chunk) * st.spec.block_bytes, self.store.get,
-                                     st.ns_id, request.ns.generation, chunk, parent, dst_for)
+                                     st.ns_id, request.ns.generation, chunk, parent,
+                                     lambda i, n: None)
             if served:
                 yield agent_pb2.GetResponse(
-                    count=len(served), first_index=start,
-                    data=[bytes(b) for b in bufs[: len(served)]],
+                    count=len(served), first_index=start, data=[s.data for s in served],
                     checksums=[s.checksum for s in served], tiers=[int(s.tier) for s in served])
             if len(served) < len(chunk):
                 return
@@ -143,6 +141,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
     async def Put(self, request_iterator, context):
         st = None
         stored = already = total = 0
+        pending: list[PutItem] = []
         async for req in request_iterator:
             if st is None:
                 if not req.HasField("ns"):
@@ -152,13 +151,20 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             total += len(req.blocks)
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
-            items = self._put_items(st, req)
-            s, a = await self._run(len(items) * st.spec.block_bytes, self.store.put,
-                                   st.ns_id, generation, items)
-            stored += s
-            already += a
+            pending += self._put_items(st, req)
+            # The store judges min_prefix_blocks per call: hold the first messages of a
+            # stream until the chain is long enough (later ones extend a cached prefix).
+            if len(pending) < st.policy.min_prefix_blocks:
+                continue
+            s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
+                                   st.ns_id, generation, pending)
+            stored, already, pending = stored + s, already + a, []
         if st is None:
             raise errors.InvalidArgument("empty Put stream")
+        if pending:
+            s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
+                                   st.ns_id, generation, pending)
+            stored, already = stored + s, already + a
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 
     def _put_items(self, st: NsState, req) -> list[PutItem]:

@@ -47,6 +47,10 @@ class ShmRegistry:
             raise InvalidArgument("shared-memory name must be 1-200 chars of [A-Za-z0-9_.-]")
         if not 0 < size <= MAX_REGION_BYTES:
             raise InvalidArgument(f"shared-memory size must be in (0, {MAX_REGION_BYTES}]")
+        # Names under /dev/shm are visible to every process on the host: a tenant must not
+        # map another tenant's staging region through the agent and read or write it.
+        if any(r.name == name and r.tenant != tenant for r in self._regions.values()):
+            raise PermissionDenied(f"shared memory {name!r} is registered by another tenant")
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR)

@@ -187,3 +187,100 @@ def make_namespace(**overrides) -> Namespace:
 @pytest.fixture
 def make_ns():
     return make_namespace
+
+
+# ---------------------------------------------------------------------------------------
+# In-process BlockStore helpers (test_store, test_eviction, test_accounting, test_agent).
+# Appended; the fixtures above are unchanged.
+
+class ManualClock:
+    """An injected clock: tests move time explicitly instead of sleeping."""
+
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+TEST_SECRET = b"tenant-secret-for-tests"
+
+
+def prompt_tokens(seed: int, n_tokens: int) -> list[int]:
+    """Deterministic token ids; the same seed always gives the same prompt."""
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(0, 128_000) for _ in range(n_tokens)]
+
+
+def block_payload(block_id: bytes, nbytes: int) -> bytes:
+    """Deterministic payload for a block id: equal prefixes carry equal KV, as in a model."""
+    import hashlib
+    return hashlib.shake_128(block_id).digest(nbytes)
+
+
+def chain_items(spec, tokens, secret=TEST_SECRET, generation: int = 0, start: int = 0):
+    """(ids, items) for the full blocks of `tokens`, items from block `start` on."""
+    from kvstore.hashing import hash_chain
+    from kvstore.store import PutItem
+    root = spec.root(generation, None if spec.public else secret)
+    ids = hash_chain(root, tokens, spec.block_size)
+    items = [PutItem(ids[i], ids[i - 1] if i else root, block_payload(ids[i], spec.block_bytes))
+             for i in range(start, len(ids))]
+    return ids, items
+
+
+def open_rocks_raw(path):
+    """The agent's RocksDB opened with rocksdict directly, for fault injection."""
+    from rocksdict import Options, Rdict
+    opts = Options(raw_mode=True)
+    return Rdict(str(path), opts, column_families={"blocks": Options(raw_mode=True),
+                                                   "meta": Options(raw_mode=True)})
+
+
+def flip_rocks_byte(path, key: bytes | None = None, offset: int = -1) -> bytes:
+    """Flip one byte of one stored block record (the first one when key is None), with the
+    owning process stopped. Returns the key that was damaged."""
+    db = open_rocks_raw(path)
+    try:
+        blocks = db.get_column_family("blocks")
+        if key is None:
+            it = blocks.iter()
+            it.seek_to_first()
+            assert it.valid(), "no block records on disk"
+            key = it.key()
+            del it
+        raw = bytearray(blocks[key])
+        raw[offset] ^= 0x5A
+        blocks[key] = bytes(raw)
+        db.flush()
+        del blocks
+    finally:
+        db.close()
+    return key
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    """`make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
+    BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path (nvme_bytes=0: none)."""
+    from kvstore.store import BlockStore
+    from kvstore.tiers.pool import DevicePool
+    from kvstore.tiers.rocks import RocksTier
+    made = []
+
+    def make(n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0,
+             **kwargs) -> BlockStore:
+        pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, "cpu")
+        rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
+        store = BlockStore(pool, rocks, **kwargs)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        if store.rocks is not None:
+            store.rocks.close()

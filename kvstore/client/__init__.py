@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvstore.client.convert import (block_tensor, blocks_to_kv, kv_to_blocks,
+from kvstore.client.convert import (block_tensor, blocks_to_kv, check_block, kv_to_blocks,
                                     tensor_bytes, torch_dtype)
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
@@ -216,6 +216,8 @@ class KVClient:
         root by default). Idempotent: blocks already present are skipped."""
         if len(ids) != len(blocks):
             raise ValueError(f"{len(ids)} ids for {len(blocks)} blocks")
+        for i, b in enumerate(blocks):
+            check_block(ns.spec, b, i)
         parent = ns.root if parent is None else parent
         if not ids:
             return agent_pb2.PutResponse()

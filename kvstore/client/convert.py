@@ -28,6 +28,17 @@ def block_tensor(ns: Namespace, buf) -> torch.Tensor:
     return flat.view(torch_dtype(ns.kv_dtype)).view(block_shape(ns))
 
 
+def check_block(ns: Namespace, t: torch.Tensor, i: int = 0) -> None:
+    """A block tensor must be in the namespace's KV dtype and hold exactly one block (any
+    layout of that many elements): never cast or pad silently."""
+    if t.dtype != torch_dtype(ns.kv_dtype):
+        raise ValueError(f"block {i} has dtype {t.dtype}; namespace {ns.key} stores "
+                         f"{ns.kv_dtype}")
+    if t.numel() * t.element_size() != ns.block_bytes:
+        raise ValueError(f"block {i} has shape {tuple(t.shape)}; namespace blocks are "
+                         f"{block_shape(ns)}")
+
+
 def tensor_bytes(t: torch.Tensor, nbytes: int) -> bytes:
     raw = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1)
     if raw.numel() != nbytes:

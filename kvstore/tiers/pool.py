@@ -73,9 +73,9 @@ class DevicePool:
     def state(self, slot: int) -> SlotState:
         return SlotState(self._state[slot])
 
-    def _move(self, slot: int, new: SlotState) -> None:
+    def _move(self, slot: int, new: SlotState, expect: SlotState | None = None) -> None:
         old = SlotState(self._state[slot])
-        if (old, new) not in _ALLOWED:
+        if (old, new) not in _ALLOWED or (expect is not None and old != expect):
             raise SlotStateError(f"slot {slot}: illegal transition {old.name} -> {new.name}")
         self._state[slot] = new
 
@@ -91,11 +91,14 @@ class DevicePool:
         self._move(slot, SlotState.OCCUPIED)
 
     def abort(self, slot: int) -> None:
-        self._move(slot, SlotState.FREE)
+        """Give back a RESERVED slot whose write did not complete."""
+        self._move(slot, SlotState.FREE, expect=SlotState.RESERVED)
         self._free.append(slot)
 
     def release(self, slot: int) -> None:
-        self._move(slot, SlotState.FREE)
+        """Free an OCCUPIED slot. Aborting a committed block or releasing a half-written
+        one would be a bookkeeping bug, so each path accepts only its own state."""
+        self._move(slot, SlotState.FREE, expect=SlotState.OCCUPIED)
         self._free.append(slot)
 
     def _check_len(self, n: int) -> None:
@@ -126,6 +129,13 @@ class DevicePool:
         return cks.checksum(memoryview(dst)[:nbytes])
 
     def read_bytes(self, slot: int, nbytes: int) -> tuple[bytes, int]:
+        """A slot's payload as a new bytes object (one copy) and its XXH64."""
+        if self._host is not None:
+            if self._state[slot] != SlotState.OCCUPIED:
+                raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
+            self._check_len(nbytes)
+            data = self._host[slot, :nbytes].tobytes()
+            return data, cks.checksum(data)
         buf = bytearray(nbytes)
         digest = self.read_into(slot, nbytes, buf)
         return bytes(buf), digest

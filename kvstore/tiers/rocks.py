@@ -83,6 +83,9 @@ class RocksTier:
         self._db.flush()
 
     def close(self) -> None:
+        """Flush and close; closing twice is a no-op (shutdown paths may overlap)."""
+        if getattr(self, "_db", None) is None:
+            return
         self._db.flush()
         del self._blocks, self._meta, self._blocks_handle
         self._db.close()

@@ -1,0 +1,506 @@
+"""Control plane on top of cluster/etcd.py: atomic namespace flush with acknowledgement,
+the kill switch, per-tenant quotas and the audit log of admin actions.
+
+Keys it adds under the EtcdClient prefix (see cluster/etcd.py for the others)::
+
+    acks/<tenant>/<ns_id hex>/<member>   {"generation": G, "dropped": N}
+    switch-acks/<member>                 {"enabled": bool, "revision": R}
+    routers/<router_id>                  {"router_id": ..., "address": ...}  (router lease)
+    audit/<ns since epoch, 20 digits>-<hex>   AuditRecord JSON
+
+A member is a node id (agents, from nodes/) or `router:<router_id>` (from routers/).
+A member writes its ack only after the new state is in force on it: an agent after its
+store refuses the old generation and dropped the old blocks, a router after it refuses
+routes for the old generation. So "every live member acknowledged" is the point after
+which no hit on the old generation can happen anywhere.
+
+Every admin write goes in one etcd transaction together with its audit record, so an
+action and its record are never separated; the record is updated with the final result
+(acknowledged or not) when the command finishes.
+"""
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from etcd3aio import prefix_range_end
+from etcd3aio._protobuf import Compare
+from etcd3aio.kv import KVService
+
+from cluster.etcd import KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient, killswitch_enabled
+from kvstore import errors
+from kvstore.units import format_size
+
+ACKS = "acks/"
+SWITCH_ACKS = "switch-acks/"
+ROUTERS = "routers/"
+AUDIT = "audit/"
+ROUTER_MEMBER = "router:"
+_CAS_ATTEMPTS = 16
+_TXN_MAX_OPS = 100  # etcd's default --max-txn-ops is 128
+_POLL_S = 0.1
+
+
+def router_member(router_id: str) -> str:
+    return ROUTER_MEMBER + router_id
+
+
+def ack_key(tenant: str, ns_hex: str, member: str) -> str:
+    return f"{ACKS}{tenant}/{ns_hex}/{member}"
+
+
+def default_operator() -> str:
+    """Who the audit log names: $KVSTORE_OPERATOR, else user@host."""
+    who = os.environ.get("KVSTORE_OPERATOR", "").strip()
+    if who:
+        return who
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
+# ------------------------------------------------------------------------- records
+def _loads(raw: bytes, what: str) -> dict:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A member's acknowledgement of a namespace generation."""
+
+    generation: int
+    dropped: int = 0  # blocks of older generations it dropped
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "Ack":
+        if raw.strip().isdigit():  # a bare generation is accepted too
+            return cls(int(raw))
+        d = _loads(raw, "ack")
+        return cls(int(d["generation"]), int(d.get("dropped", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchAck:
+    """A member's acknowledgement of the kill switch state as of an etcd revision."""
+
+    enabled: bool
+    revision: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "SwitchAck":
+        d = _loads(raw, "kill switch ack")
+        return cls(bool(d["enabled"]), int(d["revision"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Per-node byte limits of one tenant; None: not set here (the agent's configured
+    limit applies), 0: explicitly unlimited."""
+
+    hbm_limit_bytes: int | None = None
+    nvme_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_limit_bytes", "nvme_limit_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"quota {name} must be a byte count >= 0, got {v!r}")
+
+    def merged(self, other: "Quota") -> "Quota":
+        """`other`'s fields where set, ours elsewhere."""
+        return Quota(*(o if o is not None else s for s, o in (
+            (self.hbm_limit_bytes, other.hbm_limit_bytes),
+            (self.nvme_limit_bytes, other.nvme_limit_bytes))))
+
+    def to_json(self) -> bytes:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "Quota":
+        d = _loads(raw, "tenant quota")
+        return cls(d.get("hbm_limit_bytes"), d.get("nvme_limit_bytes"))
+
+    def describe(self) -> str:
+        def one(v):
+            return "(agent config)" if v is None else "unlimited" if v == 0 else format_size(v)
+        return f"hbm {one(self.hbm_limit_bytes)}, nvme {one(self.nvme_limit_bytes)}"
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    at: float  # unix seconds
+    who: str
+    action: str  # flush | killswitch | quota-set | quota-clear
+    target: str
+    ok: bool
+    result: str
+    params: dict = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "AuditRecord":
+        d = _loads(raw, "audit record")
+        return cls(float(d["at"]), str(d["who"]), str(d["action"]), str(d["target"]),
+                   bool(d["ok"]), str(d["result"]), dict(d.get("params") or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class FlushedNamespace:
+    ns_hex: str
+    name: str
+    old_generation: int
+    new_generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class AckProgress:
+    """Where an acknowledgement wait stands: live members, who acknowledged, who not."""
+
+    members: tuple[str, ...]
+    acked: tuple[str, ...]
+    missing: tuple[str, ...]
+    dropped: int = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    tenant: str
+    name: str
+    namespaces: tuple[FlushedNamespace, ...]
+    revision: int  # etcd revision of the flush transaction
+    progress: AckProgress
+    elapsed_s: float
+    audit_key: str
+
+    @property
+    def ok(self) -> bool:
+        return self.progress.done
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchReport:
+    enabled: bool
+    reason: str
+    revision: int
+    progress: AckProgress
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.progress.done
+
+
+# ----------------------------------------------------------------- etcd primitives
+async def txn(etcd: EtcdClient, what: str, compares: list[Compare], ops: list) -> tuple[bool, int]:
+    """One etcd transaction over several keys (EtcdClient's own helpers take one key).
+    Returns (succeeded, revision)."""
+    resp = await etcd._call(what, etcd._kv.txn(compares, ops))
+    return resp.succeeded, resp.header.revision
+
+
+def put_op(etcd: EtcdClient, key: str, value: bytes, lease: int = 0):
+    return KVService.txn_op_put(etcd._key(key), value, lease=lease)
+
+
+def delete_op(etcd: EtcdClient, key: str):
+    return KVService.txn_op_delete(etcd._key(key))
+
+
+def mod_equals(etcd: EtcdClient, key: str, mod_revision: int) -> Compare:
+    return Compare(result=Compare.EQUAL, target=Compare.MOD, key=etcd._key(key),
+                   mod_revision=mod_revision)
+
+
+async def put_many(etcd: EtcdClient, items: list[tuple[str, bytes]]) -> None:
+    """Unconditional puts, batched into transactions (one round trip per batch)."""
+    for i in range(0, len(items), _TXN_MAX_OPS):
+        batch = items[i:i + _TXN_MAX_OPS]
+        await txn(etcd, f"put {len(batch)} keys", [], [put_op(etcd, k, v) for k, v in batch])
+
+
+async def delete_prefix(etcd: EtcdClient, prefix: str) -> int:
+    start = etcd._key(prefix)
+    resp = await etcd._call(f"delete {prefix}",
+                            etcd._kv.delete(start, range_end=prefix_range_end(start)))
+    return resp.deleted
+
+
+def audit_key(at: float) -> str:
+    return f"{AUDIT}{int(at * 1e9):020d}-{os.urandom(3).hex()}"
+
+
+async def live_members(etcd: EtcdClient) -> list[str]:
+    """Agents (nodes/) and routers (routers/) that hold a live lease right now."""
+    _, nodes = await etcd.list(NODES)
+    _, routers = await etcd.list(ROUTERS)
+    return sorted([kv.key[len(NODES):] for kv in nodes]
+                  + [router_member(kv.key[len(ROUTERS):]) for kv in routers])
+
+
+# -------------------------------------------------------------------- admin actions
+class ControlPlane:
+    """Admin actions for kvctl. Every method raises kvstore.errors.Unavailable when etcd
+    cannot be reached, NotFound for unknown targets, InvalidArgument for bad input."""
+
+    def __init__(self, etcd: EtcdClient, who: str | None = None) -> None:
+        self.etcd = etcd
+        self.who = who or default_operator()
+
+    # ------------------------------------------------------------------- audit
+    def _audit_op(self, key: str, action: str, target: str, ok: bool, result: str,
+                  params: dict, at: float):
+        rec = AuditRecord(at, self.who, action, target, ok, result, params)
+        return put_op(self.etcd, key, rec.to_json())
+
+    async def audit(self, action: str, target: str, ok: bool, result: str,
+                    params: dict | None = None, key: str | None = None) -> str:
+        """Write (or, given `key`, rewrite) one audit record; returns its key."""
+        at = time.time()
+        key = key or audit_key(at)
+        rec = AuditRecord(at, self.who, action, target, ok, result, params or {})
+        await self.etcd.put(key, rec.to_json())
+        return key
+
+    async def audit_log(self, limit: int = 50) -> list[AuditRecord]:
+        _, items = await self.etcd.list(AUDIT)
+        out = []
+        for kv in items[-limit:] if limit else items:
+            try:
+                out.append(AuditRecord.parse(kv.value))
+            except (ValueError, KeyError, TypeError):
+                continue  # a damaged record is skipped, not fatal to the listing
+        return out
+
+    # ------------------------------------------------------------------- flush
+    async def _matching(self, tenant: str, name: str):
+        _, items = await self.etcd.list(f"{NAMESPACES}{tenant}/")
+        out = []
+        for kv in items:
+            ns_hex = kv.key.rsplit("/", 1)[-1]
+            try:
+                rec = json.loads(kv.value)
+                spec_name = rec["spec"]["name"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if spec_name == name or ns_hex == name.lower():
+                out.append((kv, ns_hex, spec_name, rec))
+        return out
+
+    async def commit_flush(self, tenant: str, name: str
+                           ) -> tuple[list[FlushedNamespace], int, str]:
+        """Raise the generation of every namespace record `tenant/name` (every spec and
+        revision under that name, or one namespace id) by one, in one transaction that
+        compares each record's mod revision (so a concurrent flush or open is never
+        overwritten) and carries the audit record. Returns (flushed, revision, audit key)."""
+        target = f"{tenant}/{name}"
+        if not tenant or not name or "/" in tenant or "/" in name:
+            raise errors.InvalidArgument(f"flush target must be TENANT/NAME, got {target!r}")
+        for _ in range(_CAS_ATTEMPTS):
+            matches = await self._matching(tenant, name)
+            if not matches:
+                raise errors.NotFound(f"no namespace named {target} in etcd (an agent "
+                                      "creates the record when a client opens it)")
+            flushed, compares, ops = [], [], []
+            for kv, ns_hex, spec_name, rec in matches:
+                old = int(rec.get("generation", 0))
+                rec["generation"] = old + 1
+                flushed.append(FlushedNamespace(ns_hex, spec_name, old, old + 1))
+                compares.append(mod_equals(self.etcd, kv.key, kv.mod_revision))
+                ops.append(put_op(self.etcd, kv.key, json.dumps(rec, sort_keys=True).encode()))
+            at = time.time()
+            akey = audit_key(at)
+            params = {"namespaces": [asdict(f) for f in flushed]}
+            ops.append(self._audit_op(akey, "flush", target, True,
+                                      "committed; waiting for acknowledgements", params, at))
+            ok, revision = await txn(self.etcd, f"flush {target}", compares, ops)
+            if ok:
+                return flushed, revision, akey
+        raise errors.Unavailable(f"flush {target}: the namespace records kept changing "
+                                 f"during {_CAS_ATTEMPTS} attempts; retry")
+
+    async def flush_progress(self, tenant: str, flushed: list[FlushedNamespace]) -> AckProgress:
+        members = await live_members(self.etcd)
+        acks: dict[str, list[Ack]] = {}
+        for f in flushed:
+            _, items = await self.etcd.list(f"{ACKS}{tenant}/{f.ns_hex}/")
+            for kv in items:
+                try:
+                    ack = Ack.parse(kv.value)
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if ack.generation >= f.new_generation:
+                    acks.setdefault(kv.key.rsplit("/", 1)[-1], []).append(ack)
+        acked = [m for m in members if len(acks.get(m, ())) == len(flushed)]
+        dropped = sum(a.dropped for m in acked for a in acks[m])
+        return AckProgress(tuple(members), tuple(acked),
+                           tuple(m for m in members if m not in acked), dropped)
+
+    async def flush(self, tenant: str, name: str, timeout_s: float = 30.0,
+                    progress: Callable[[AckProgress], None] | None = None,
+                    on_commit: Callable[[list[FlushedNamespace], int], None] | None = None
+                    ) -> FlushReport:
+        """Commit the flush, then wait (at most `timeout_s`) until every live agent and
+        router acknowledged the new generations. Members that leave meanwhile (lease
+        gone) stop counting; members that join catch up before they serve."""
+        t0 = time.monotonic()
+        flushed, revision, akey = await self.commit_flush(tenant, name)
+        if on_commit is not None:
+            on_commit(flushed, revision)
+        state = await self._wait(lambda: self.flush_progress(tenant, flushed), t0 + timeout_s,
+                                 progress)
+        elapsed = time.monotonic() - t0
+        target = f"{tenant}/{name}"
+        gens = ", ".join(f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}"
+                         for f in flushed)
+        result = (f"acknowledged by {len(state.acked)}/{len(state.members)} members in "
+                  f"{elapsed:.2f}s; {state.dropped} blocks dropped ({gens})" if state.done else
+                  f"generation committed ({gens}) but not acknowledged within {timeout_s:g}s "
+                  f"by: {', '.join(state.missing)}")
+        params = {"namespaces": [asdict(f) for f in flushed], "revision": revision,
+                  "acked": list(state.acked), "missing": list(state.missing)}
+        await self.audit("flush", target, state.done, result, params, key=akey)
+        return FlushReport(tenant, name, tuple(flushed), revision, state, elapsed, akey)
+
+    async def _wait(self, poll, deadline: float, progress) -> AckProgress:
+        """Poll until done or the deadline. Polling (not a watch) because both the acks
+        and the membership change, and one listing of each answers the question."""
+        last = None
+        while True:
+            state = await poll()
+            if progress is not None and state != last:
+                progress(state)
+            last = state
+            if state.done or time.monotonic() >= deadline:
+                return state
+            await asyncio.sleep(_POLL_S)
+
+    # -------------------------------------------------------------- kill switch
+    async def set_killswitch(self, enabled: bool, reason: str = "", timeout_s: float = 30.0,
+                             progress: Callable[[AckProgress], None] | None = None,
+                             on_commit: Callable[[int], None] | None = None) -> SwitchReport:
+        t0 = time.monotonic()
+        at = time.time()
+        akey = audit_key(at)
+        target = "on" if enabled else "off"
+        params = {"reason": reason}
+        op = (put_op(self.etcd, KILLSWITCH,
+                     json.dumps({"enabled": True, "reason": reason, "by": self.who,
+                                 "at": at}).encode())
+              if enabled else delete_op(self.etcd, KILLSWITCH))
+        _, revision = await txn(self.etcd, f"kill switch {target}", [], [
+            op, self._audit_op(akey, "killswitch", target, True,
+                               "set; waiting for acknowledgements", params, at)])
+        if on_commit is not None:
+            on_commit(revision)
+        state = await self._wait(lambda: self.switch_progress(enabled, revision),
+                                 t0 + timeout_s, progress)
+        elapsed = time.monotonic() - t0
+        result = (f"in force on {len(state.acked)}/{len(state.members)} members after "
+                  f"{elapsed:.2f}s" if state.done else
+                  f"set in etcd but not acknowledged within {timeout_s:g}s by: "
+                  f"{', '.join(state.missing)}")
+        await self.audit("killswitch", target, state.done, result,
+                         {**params, "revision": revision, "missing": list(state.missing)},
+                         key=akey)
+        return SwitchReport(enabled, reason, revision, state, elapsed)
+
+    async def switch_progress(self, enabled: bool, revision: int) -> AckProgress:
+        members = await live_members(self.etcd)
+        _, items = await self.etcd.list(SWITCH_ACKS)
+        good = set()
+        for kv in items:
+            try:
+                ack = SwitchAck.parse(kv.value)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if ack.enabled == enabled and ack.revision >= revision:
+                good.add(kv.key[len(SWITCH_ACKS):])
+        acked = tuple(m for m in members if m in good)
+        return AckProgress(tuple(members), acked, tuple(m for m in members if m not in good))
+
+    async def killswitch(self) -> tuple[bool, dict]:
+        kv = await self.etcd.get(KILLSWITCH)
+        if kv is None:
+            return False, {}
+        try:
+            info = json.loads(kv.value)
+        except ValueError:
+            info = {"raw": kv.value.decode(errors="replace")}
+        return killswitch_enabled(kv.value), info if isinstance(info, dict) else {}
+
+    # ------------------------------------------------------------------- quotas
+    async def set_quota(self, tenant: str, quota: Quota) -> Quota:
+        """Merge `quota` into the tenant's record (unset fields keep their value)."""
+        if not tenant or "/" in tenant:
+            raise errors.InvalidArgument(f"tenant name {tenant!r} is empty or contains '/'")
+        key = TENANTS + tenant
+        for _ in range(_CAS_ATTEMPTS):
+            kv = await self.etcd.get(key)
+            current = Quota()
+            if kv is not None:
+                try:
+                    current = Quota.parse(kv.value)
+                except (ValueError, TypeError):
+                    pass  # a damaged record is replaced
+            new = current.merged(quota)
+            at = time.time()
+            cmp = (mod_equals(self.etcd, key, kv.mod_revision) if kv is not None else
+                   KVService.txn_compare_create_revision(self.etcd._key(key), 0))
+            ok, _ = await txn(self.etcd, f"quota set {tenant}", [cmp], [
+                put_op(self.etcd, key, new.to_json()),
+                self._audit_op(audit_key(at), "quota-set", tenant, True, new.describe(),
+                               json.loads(new.to_json()), at)])
+            if ok:
+                return new
+        raise errors.Unavailable(f"quota {tenant}: the record kept changing; retry")
+
+    async def clear_quota(self, tenant: str) -> bool:
+        at = time.time()
+        ok, _ = await txn(self.etcd, f"quota clear {tenant}", [
+            KVService.txn_compare_create_revision(self.etcd._key(TENANTS + tenant), 0,
+                                                  result=Compare.GREATER)],
+            [delete_op(self.etcd, TENANTS + tenant),
+             self._audit_op(audit_key(at), "quota-clear", tenant, True,
+                            "removed; agents use their configured limits", {}, at)])
+        return ok
+
+    async def get_quota(self, tenant: str) -> Quota | None:
+        kv = await self.etcd.get(TENANTS + tenant)
+        return Quota.parse(kv.value) if kv is not None else None
+
+    async def list_quotas(self) -> dict[str, Quota]:
+        _, items = await self.etcd.list(TENANTS)
+        out = {}
+        for kv in items:
+            try:
+                out[kv.key[len(TENANTS):]] = Quota.parse(kv.value)
+            except (ValueError, TypeError):
+                continue
+        return out

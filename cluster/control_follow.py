@@ -1,0 +1,284 @@
+"""What agents and routers run to follow the control plane (cluster/control.py): namespace
+generations, the kill switch and tenant quotas, list-then-watch from etcd, applied by
+subclass hooks, then acknowledged in etcd.
+
+- Readiness: `start()` returns once the first full listing of every followed prefix has
+  been applied, so a process that was down during a flush catches up before it serves.
+- etcd down: the last applied state stays in force (the data path keeps serving); the
+  watches resume from the next revision, acks still to write are retried.
+- Acks are written only after a hook returned, i.e. once the new state is in force here.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from cluster.control import SWITCH_ACKS, Ack, Quota, SwitchAck, ack_key, put_many
+from cluster.etcd import KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient, KeyValue, \
+    WatchEvent, killswitch_enabled
+from kvstore import errors
+
+log = logging.getLogger("kvstore.control")
+
+
+async def follow_revisions(etcd: EtcdClient, prefix: str,
+                           reset: Callable[[list[KeyValue], int], None],
+                           apply: Callable[[list[WatchEvent]], None],
+                           retry_s: float = 0.2, max_retry_s: float = 2.0) -> None:
+    """Like EtcdClient.follow, but `reset` also gets the revision the listing reflects
+    (the kill switch ack needs it: a deleted key leaves no revision of its own)."""
+    next_rev = 0
+    delay = retry_s
+    down = False
+    while True:
+        try:
+            if not next_rev:
+                revision, items = await etcd.list(prefix)
+                reset(items, revision)
+                next_rev = revision + 1
+            async for batch in etcd.watch(prefix, next_rev):
+                if down:
+                    log.info("etcd watch on %s resumed at revision %d", prefix, next_rev)
+                    down, delay = False, retry_s
+                apply(batch)
+                next_rev = batch[-1].mod_revision + 1
+        except Compacted as exc:
+            log.warning("etcd watch on %s: %s; relisting", prefix, exc)
+            next_rev = 0
+            continue
+        except errors.Unavailable as exc:
+            if not down:
+                log.warning("%s; keeping the last known state, retrying", exc)
+            down = True
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_retry_s)
+
+
+class LeasedKey:
+    """Keep one key alive under our own lease (routers under routers/<id>); re-grant and
+    rewrite after the lease is lost, retry quietly while etcd is down."""
+
+    def __init__(self, etcd: EtcdClient, key: str, value: bytes, ttl_s: int = 5) -> None:
+        self.etcd, self.key, self.value, self.ttl_s = etcd, key, value, ttl_s
+        self.lease = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"lease-{self.key}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.lease:
+            try:
+                await self.etcd.revoke(self.lease)
+            except errors.KvError as exc:
+                log.warning("could not revoke lease of %s (expires in %ds): %s", self.key,
+                            self.ttl_s, exc)
+            self.lease = 0
+
+    async def _run(self) -> None:
+        complained = False
+        while True:
+            try:
+                if not self.lease:
+                    self.lease = await self.etcd.grant(self.ttl_s)
+                    await self.etcd.put(self.key, self.value, lease=self.lease)
+                    complained = False
+                await asyncio.sleep(max(self.ttl_s / 3.0, 0.2))
+                if await self.etcd.keepalive(self.lease) <= 0:
+                    self.lease = 0
+            except errors.NotFound:
+                self.lease = 0
+            except errors.KvError as exc:
+                if not complained:
+                    log.warning("keeping %s alive in etcd failed (retrying): %s", self.key, exc)
+                    complained = True
+                await asyncio.sleep(0.5)
+
+
+class ControlFollower:
+    """Follows namespaces/, killswitch and (optionally) tenants/, calls the hooks, acks.
+    Subclasses override the `on_*` hooks; the base keeps the applied state."""
+
+    def __init__(self, etcd: EtcdClient, member: str, follow_quotas: bool = False) -> None:
+        self.etcd = etcd
+        self.member = member
+        self.ready = asyncio.Event()
+        self._prefixes = [NAMESPACES, KILLSWITCH] + ([TENANTS] if follow_quotas else [])
+        self._synced: set[str] = set()
+        self._want_gen: dict[bytes, tuple[str, int]] = {}  # ns_id -> (tenant, generation)
+        self._applied_gen: dict[bytes, int] = {}
+        self._want_switch: tuple[bool, int] | None = None  # (enabled, revision)
+        self._applied_switch: tuple[bool, int] | None = None
+        self._want_quota: dict[str, Quota] = {}  # mirrors tenants/ in etcd
+        self._applied_quota: dict[str, Quota] = {}
+        self._acks: dict[str, bytes] = {}
+        self._dirty = asyncio.Event()
+        self._acks_dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ public
+    @property
+    def killed(self) -> bool:
+        return bool(self._applied_switch and self._applied_switch[0])
+
+    def generation(self, ns_id: bytes) -> int | None:
+        """The generation in force here for `ns_id`; None when etcd never named it."""
+        return self._applied_gen.get(ns_id)
+
+    def known_generation(self, ns_id: bytes) -> int | None:
+        """The newest generation seen in etcd (may not be applied yet)."""
+        want = self._want_gen.get(ns_id)
+        return want[1] if want else None
+
+    async def start(self, timeout_s: float | None = None, what: str = "") -> None:
+        """Start following; return once the first listing of everything is applied. With
+        no timeout this waits for etcd as long as it takes, logging every few seconds."""
+        for prefix in self._prefixes:
+            self._tasks.append(asyncio.create_task(self._follow(prefix),
+                                                   name=f"control-{prefix}"))
+        self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="control-apply"))
+        self._tasks.append(asyncio.create_task(self._ack_loop(), name="control-acks"))
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while not self.ready.is_set():
+            wait = 5.0 if deadline is None else min(5.0, max(0.0, deadline - loop.time()))
+            try:
+                await asyncio.wait_for(self.ready.wait(), wait)
+            except TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    await self.stop()
+                    raise errors.Unavailable(
+                        f"{what or self.member}: could not load generations and the kill "
+                        f"switch from etcd at {','.join(self.etcd.endpoints)} within "
+                        f"{timeout_s:g}s") from None
+                log.warning("%s waits for etcd at %s to load namespace generations and the "
+                            "kill switch before serving", what or self.member,
+                            ",".join(self.etcd.endpoints))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------- hooks
+    async def on_generation(self, ns_id: bytes, tenant: str, generation: int) -> int:
+        """Put `generation` in force; return the number of blocks dropped."""
+        return 0
+
+    async def on_killswitch(self, enabled: bool) -> None:
+        pass
+
+    async def on_quota(self, tenant: str, quota: Quota | None) -> None:
+        pass
+
+    # ------------------------------------------------------------------ follow
+    async def _follow(self, prefix: str) -> None:
+        def reset(items: list[KeyValue], revision: int) -> None:
+            if prefix == KILLSWITCH:
+                raw = next((kv.value for kv in items if kv.key == KILLSWITCH), b"")
+                self._want_switch = (killswitch_enabled(raw), revision)
+            elif prefix == TENANTS:
+                self._want_quota.clear()  # tenants gone from etcd fall back to config
+            for kv in items:
+                self._record(prefix, kv.key, kv.value, False, revision)
+            self._synced.add(prefix)
+            self._dirty.set()
+
+        def apply(events: list[WatchEvent]) -> None:
+            for ev in events:
+                self._record(prefix, ev.key, ev.value, ev.deleted, ev.mod_revision)
+            self._dirty.set()
+
+        await follow_revisions(self.etcd, prefix, reset, apply)
+
+    def _record(self, prefix: str, key: str, value: bytes, deleted: bool, rev: int) -> None:
+        try:
+            if prefix == KILLSWITCH:
+                if key == KILLSWITCH:
+                    self._want_switch = (not deleted and killswitch_enabled(value), rev)
+            elif prefix == TENANTS:
+                tenant = key[len(TENANTS):]
+                if deleted:
+                    self._want_quota.pop(tenant, None)
+                else:
+                    self._want_quota[tenant] = Quota.parse(value)
+            elif not deleted:  # a deleted namespace record keeps its last generation
+                tenant, ns_hex = key[len(NAMESPACES):].rsplit("/", 1)
+                ns_id = bytes.fromhex(ns_hex)
+                gen = int(json.loads(value)["generation"])
+                old = self._want_gen.get(ns_id, ("", -1))[1]
+                self._want_gen[ns_id] = (tenant, max(gen, old))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring malformed etcd record %s: %s", key, exc)
+
+    # --------------------------------------------------------------- reconcile
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            complete = self._synced.issuperset(self._prefixes)
+            try:
+                await self._reconcile()
+            except Exception:  # one bad hook must not stop the control plane
+                log.exception("applying control state failed; retrying")
+                await asyncio.sleep(0.5)
+                self._dirty.set()
+                continue
+            if complete and not self.ready.is_set():
+                log.info("%s caught up with etcd: %d namespaces, kill switch %s",
+                         self.member, len(self._want_gen), "ON" if self.killed else "off")
+                self.ready.set()
+
+    async def _reconcile(self) -> None:
+        want = self._want_switch
+        if want is not None and want != self._applied_switch:  # first: the most urgent
+            await self.on_killswitch(want[0])
+            self._applied_switch = want
+            self._ack(SWITCH_ACKS + self.member, SwitchAck(*want).to_json())
+        for ns_id, (tenant, gen) in list(self._want_gen.items()):
+            if self._applied_gen.get(ns_id, -1) >= gen:
+                continue
+            dropped = await self.on_generation(ns_id, tenant, gen)
+            self._applied_gen[ns_id] = gen
+            if gen > 0:  # generation 0 was never flushed: nobody waits for it
+                self._ack(ack_key(tenant, ns_id.hex(), self.member),
+                          Ack(gen, dropped).to_json())
+        for tenant in sorted(set(self._want_quota) | set(self._applied_quota)):
+            quota = self._want_quota.get(tenant)
+            if quota != self._applied_quota.get(tenant):
+                await self.on_quota(tenant, quota)
+                if quota is None:
+                    self._applied_quota.pop(tenant, None)
+                else:
+                    self._applied_quota[tenant] = quota
+
+    # -------------------------------------------------------------------- acks
+    def _ack(self, key: str, value: bytes) -> None:
+        self._acks[key] = value
+        self._acks_dirty.set()
+
+    async def _ack_loop(self) -> None:
+        delay = 0.2
+        while True:
+            await self._acks_dirty.wait()
+            self._acks_dirty.clear()
+            batch = dict(self._acks)
+            try:
+                await put_many(self.etcd, list(batch.items()))
+            except errors.KvError as exc:
+                log.debug("writing %d acks failed (retrying): %s", len(batch), exc)
+                self._acks_dirty.set()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.2
+            for k, v in batch.items():
+                if self._acks.get(k) == v:
+                    del self._acks[k]

@@ -1,0 +1,428 @@
+"""The one etcd module: key layout, leases, compare-and-swap transactions, list-then-watch.
+
+Key layout under a prefix (default ``/kvstore/``)::
+
+    nodes/<node_id>                 NodeRecord JSON, written under the agent's lease
+    namespaces/<tenant>/<ns_id hex> {"spec": {...}, "generation": N, "policy": {...}}
+    tenants/<tenant>                {"hbm_limit_bytes": ..., "nvme_limit_bytes": ...}
+    killswitch                      {"enabled": true, "reason": "..."}
+
+Every etcd failure (connection refused, timeout, lost quorum) surfaces as
+`kvstore.errors.Unavailable` with the operation and the endpoints in the message; callers
+never see etcd3aio or grpc exceptions. Watches resume from the revision after the last
+event they delivered (etcd keeps revisions across restarts) and report a compaction so
+the caller relists.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+
+import grpc
+from etcd3aio import (EtcdError, EtcdPermissionDeniedError, EtcdUnauthenticatedError,
+                      prefix_range_end)
+from etcd3aio._protobuf import (Compare, LeaseKeepAliveRequest, LeaseStub, WatchCreateRequest,
+                                WatchRequest, WatchStub)
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+
+from kvstore import errors
+
+log = logging.getLogger("kvstore.etcd")
+
+DEFAULT_PREFIX = "/kvstore/"
+NODES = "nodes/"
+NAMESPACES = "namespaces/"
+TENANTS = "tenants/"
+KILLSWITCH = "killswitch"
+_CAS_ATTEMPTS = 16
+# Reconnect quickly after an etcd restart; grpc's default backoff grows to two minutes.
+_CHANNEL_OPTIONS = [
+    ("grpc.lb_policy_name", "round_robin"),
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.keepalive_permit_without_calls", True),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """'host:port[,host:port]' (an http:// scheme is accepted and dropped)."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = []
+    for item in items:
+        item = item.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        item = item.rstrip("/")
+        if item:
+            host, sep, port = item.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {item!r} is not host:port")
+            out.append(item.replace("localhost", "127.0.0.1"))
+    if not out:
+        raise ValueError("no etcd endpoints given")
+    return out
+
+
+# ------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """What an agent publishes about itself under nodes/<node_id>."""
+
+    node_id: str
+    address: str  # gRPC data plane host:port
+    peer_address: str = ""  # peer-transfer endpoint (empty until peer transfer exists)
+    device: str = ""
+    hbm_capacity_bytes: int = 0
+    nvme_capacity_bytes: int = 0
+    utilization: float = 0.0  # device pool occupancy 0..1
+    blocks: int = 0  # blocks held, every tier
+    epoch: str = ""  # changes when the agent process restarts
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "/" in self.node_id:
+            raise ValueError(f"node_id must be non-empty without '/', got {self.node_id!r}")
+        if not self.address:
+            raise ValueError(f"node {self.node_id}: address is empty")
+        if not (isinstance(self.utilization, (int, float)) and math.isfinite(self.utilization)
+                and 0.0 <= self.utilization <= 1.0):
+            raise ValueError(f"node {self.node_id}: utilization must be in [0, 1]")
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "NodeRecord":
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"node record is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("node record must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        # Newer agents may add fields; an older router ignores what it does not know.
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str  # relative to the client's prefix
+    value: bytes
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    key: str  # relative to the client's prefix
+    value: bytes  # empty for deletes
+    mod_revision: int
+    deleted: bool
+
+
+class Compacted(Exception):
+    """The watch start revision was compacted away: relist, then watch again."""
+
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"revision compacted up to {revision}")
+        self.revision = revision
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details() or ''}".rstrip(": ")
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+# -------------------------------------------------------------------------- client
+class EtcdClient:
+    """Asyncio etcd v3 client scoped to a key prefix. Create it inside the event loop
+    that uses it; `close()` when done (or use `async with`)."""
+
+    def __init__(self, endpoints: str | Sequence[str], prefix: str = DEFAULT_PREFIX,
+                 timeout: float = 3.0) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        if not prefix.endswith("/"):
+            raise ValueError(f"etcd prefix must end with '/', got {prefix!r}")
+        self.prefix = prefix
+        self.timeout = timeout
+        target = "ipv4:" + ",".join(self.endpoints)
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._kv = KVService(self._channel, max_attempts=2)
+        self._lease = LeaseService(self._channel, max_attempts=2)
+        self._lease_stub = LeaseStub(self._channel)
+        self._watch_stub = WatchStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "EtcdClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _key(self, key: str) -> bytes:
+        return (self.prefix + key).encode()
+
+    def _rel(self, raw: bytes) -> str:
+        return raw.decode()[len(self.prefix):]
+
+    async def _call(self, what: str, aw: Awaitable):
+        """The edge: every etcd call goes through here so failures read the same."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await aw
+        except EtcdUnauthenticatedError as exc:
+            raise errors.Unauthenticated(f"etcd {what}: {exc}") from exc
+        except EtcdPermissionDeniedError as exc:
+            raise errors.PermissionDenied(f"etcd {what}: {exc}") from exc
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # e.g. an expired lease
+                raise errors.NotFound(f"etcd {what}: {exc.details()}") from exc
+            raise errors.Unavailable(
+                f"etcd unreachable at {','.join(self.endpoints)} ({what}): "
+                f"{_reason(exc)}") from exc
+        except (EtcdError, TimeoutError, OSError) as exc:
+            raise errors.Unavailable(
+                f"etcd unreachable at {','.join(self.endpoints)} ({what}): "
+                f"{_reason(exc)}") from exc
+
+    # -------------------------------------------------------------------- plain KV
+    async def get(self, key: str) -> KeyValue | None:
+        resp = await self._call(f"get {key}", self._kv.get(self._key(key)))
+        if not resp.kvs:
+            return None
+        kv = resp.kvs[0]
+        return KeyValue(key, kv.value, kv.mod_revision, kv.lease)
+
+    async def list(self, prefix: str) -> tuple[int, list[KeyValue]]:
+        """Every key under `prefix` and the store revision the listing reflects."""
+        start = self._key(prefix)
+        resp = await self._call(f"list {prefix}",
+                                self._kv.get(start, range_end=prefix_range_end(start)))
+        items = [KeyValue(self._rel(kv.key), kv.value, kv.mod_revision, kv.lease)
+                 for kv in resp.kvs]
+        return resp.header.revision, items
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        resp = await self._call(f"put {key}", self._kv.put(self._key(key), value, lease=lease))
+        return resp.header.revision
+
+    async def delete(self, key: str) -> bool:
+        resp = await self._call(f"delete {key}", self._kv.delete(self._key(key)))
+        return resp.deleted > 0
+
+    async def _txn(self, what: str, compare: Compare, key: str, value: bytes,
+                   lease: int) -> bool:
+        op = KVService.txn_op_put(self._key(key), value, lease=lease)
+        resp = await self._call(what, self._kv.txn([compare], [op]))
+        return resp.succeeded
+
+    async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        """Put only if the key does not exist (compare create_revision == 0)."""
+        cmp = KVService.txn_compare_create_revision(self._key(key), 0)
+        return await self._txn(f"create {key}", cmp, key, value, lease)
+
+    async def replace(self, key: str, value: bytes, mod_revision: int, lease: int = 0) -> bool:
+        """Put only if the key was last modified at `mod_revision` (optimistic CAS)."""
+        cmp = Compare(result=Compare.EQUAL, target=Compare.MOD, key=self._key(key),
+                      mod_revision=mod_revision)
+        return await self._txn(f"replace {key}", cmp, key, value, lease)
+
+    async def put_if_lease(self, key: str, value: bytes, lease: int) -> bool:
+        """Put only if the key exists and is attached to `lease` (we still own it)."""
+        cmp = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=self._key(key),
+                      lease=lease)
+        return await self._txn(f"update {key}", cmp, key, value, lease)
+
+    # ---------------------------------------------------------------------- leases
+    async def grant(self, ttl: int) -> int:
+        resp = await self._call("lease grant", self._lease.grant(ttl))
+        return resp.ID
+
+    async def keepalive(self, lease: int) -> int:
+        """Refresh a lease once; returns the TTL left (0: the lease is gone)."""
+        async def one():
+            yield LeaseKeepAliveRequest(ID=lease)
+
+        async def run() -> int:
+            call = self._lease_stub.LeaseKeepAlive(one())
+            try:
+                async for resp in call:
+                    return resp.TTL
+                return 0
+            finally:
+                call.cancel()
+
+        return await self._call("lease keepalive", run())
+
+    async def revoke(self, lease: int) -> None:
+        try:
+            await self._call("lease revoke", self._lease.revoke(lease))
+        except errors.NotFound:
+            pass  # already expired
+
+    # ----------------------------------------------------------------------- watch
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
+        """Events under `prefix` from `start_revision` on, batch by batch. One stream:
+        ends with Unavailable when etcd goes away, Compacted when history is gone."""
+        key = self._key(prefix)
+        create = WatchCreateRequest(key=key, range_end=prefix_range_end(key),
+                                    start_revision=start_revision)
+
+        async def requests():
+            yield WatchRequest(create_request=create)
+            await asyncio.Event().wait()  # keep the request side open
+
+        call = self._watch_stub.Watch(requests())
+        try:
+            async for resp in call:
+                if resp.compact_revision:
+                    raise Compacted(resp.compact_revision)
+                if resp.canceled:
+                    raise errors.Unavailable(f"etcd cancelled the watch on {prefix}: "
+                                             f"{resp.cancel_reason or 'no reason given'}")
+                if resp.created and resp.header.revision + 1 < start_revision:
+                    # The store is behind where we were: etcd lost its data. Relist.
+                    raise Compacted(resp.header.revision)
+                if resp.events:
+                    yield [WatchEvent(self._rel(ev.kv.key), ev.kv.value, ev.kv.mod_revision,
+                                      ev.type == ev.DELETE) for ev in resp.events]
+            raise errors.Unavailable(f"etcd closed the watch on {prefix}")
+        except grpc.aio.AioRpcError as exc:
+            raise errors.Unavailable(f"etcd watch on {prefix} at {','.join(self.endpoints)} "
+                                     f"broke: {_reason(exc)}") from exc
+        finally:
+            call.cancel()
+
+    async def follow(self, prefix: str, reset: Callable[[list[KeyValue]], None],
+                     apply: Callable[[list[WatchEvent]], None],
+                     retry_s: float = 0.5, max_retry_s: float = 3.0) -> None:
+        """List `prefix`, hand the full state to `reset`, then hand every later change
+        to `apply`, forever. Resumes from the next revision after an etcd outage and
+        relists (calling `reset` again) after a compaction. Cancel the task to stop."""
+        next_rev = 0
+        delay = retry_s
+        down = False
+        while True:
+            try:
+                if not next_rev:
+                    revision, items = await self.list(prefix)
+                    reset(items)
+                    next_rev = revision + 1
+                async for batch in self.watch(prefix, next_rev):
+                    if down:
+                        log.info("etcd watch on %s%s resumed at revision %d", self.prefix,
+                                 prefix, next_rev)
+                        down, delay = False, retry_s
+                    apply(batch)
+                    next_rev = batch[-1].mod_revision + 1
+            except Compacted as exc:
+                log.warning("etcd watch on %s%s: %s; relisting", self.prefix, prefix, exc)
+                next_rev = 0
+                continue
+            except errors.Unavailable as exc:
+                if not down:
+                    log.warning("%s; retrying every %.1fs up to %.1fs", exc, retry_s, max_retry_s)
+                down = True
+            except Exception:  # a bug in a callback must not end the follow silently
+                log.exception("following %s%s failed; relisting", self.prefix, prefix)
+                next_rev = 0
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_retry_s)
+
+    # --------------------------------------------------------------------- records
+    async def register_node(self, record: NodeRecord, lease: int) -> bool:
+        """Claim nodes/<id> under `lease`. False when another live lease holds it."""
+        key = NODES + record.node_id
+        if await self.create(key, record.to_json(), lease):
+            return True
+        current = await self.get(key)
+        if current is not None and current.lease == lease:
+            return await self.put_if_lease(key, record.to_json(), lease)
+        return False
+
+    async def update_node(self, record: NodeRecord, lease: int) -> bool:
+        """Rewrite our record; False when the key is gone or owned by another lease."""
+        return await self.put_if_lease(NODES + record.node_id, record.to_json(), lease)
+
+    async def list_nodes(self) -> list[NodeRecord]:
+        _, items = await self.list(NODES)
+        out = []
+        for kv in items:
+            try:
+                out.append(NodeRecord.from_json(kv.value))
+            except (ValueError, TypeError) as exc:
+                log.warning("ignoring malformed node record %s: %s", kv.key, exc)
+        return out
+
+    async def put_namespace(self, tenant: str, ns_id: bytes, spec: dict,
+                            policy: dict | None = None) -> int:
+        """Create the namespace record if missing; returns its generation."""
+        key = f"{NAMESPACES}{tenant}/{ns_id.hex()}"
+        rec = {"spec": spec, "generation": 0, "policy": policy or {}}
+        if await self.create(key, json.dumps(rec, sort_keys=True).encode()):
+            return 0
+        current = await self.get(key)
+        return int(json.loads(current.value)["generation"]) if current else 0
+
+    async def get_namespace(self, tenant: str, ns_id: bytes) -> dict | None:
+        kv = await self.get(f"{NAMESPACES}{tenant}/{ns_id.hex()}")
+        return json.loads(kv.value) if kv else None
+
+    async def bump_generation(self, tenant: str, ns_id: bytes) -> int:
+        """Atomically raise a namespace's generation by one (compare on mod revision, so
+        two concurrent flushes give two distinct generations). Returns the new one."""
+        key = f"{NAMESPACES}{tenant}/{ns_id.hex()}"
+        for _ in range(_CAS_ATTEMPTS):
+            kv = await self.get(key)
+            if kv is None:
+                raise errors.NotFound(f"namespace {tenant}/{ns_id.hex()} is not in etcd")
+            rec = json.loads(kv.value)
+            rec["generation"] = int(rec.get("generation", 0)) + 1
+            if await self.replace(key, json.dumps(rec, sort_keys=True).encode(),
+                                  kv.mod_revision):
+                return rec["generation"]
+        raise errors.Unavailable(f"namespace {tenant}/{ns_id.hex()}: generation kept changing "
+                                 f"under {_CAS_ATTEMPTS} attempts; retry")
+
+    async def put_tenant(self, tenant: str, quotas: dict) -> None:
+        if not tenant or "/" in tenant:
+            raise errors.InvalidArgument(f"tenant name {tenant!r} is empty or contains '/'")
+        await self.put(TENANTS + tenant, json.dumps(quotas, sort_keys=True).encode())
+
+    async def get_tenant(self, tenant: str) -> dict | None:
+        kv = await self.get(TENANTS + tenant)
+        return json.loads(kv.value) if kv else None
+
+    async def set_killswitch(self, enabled: bool, reason: str = "") -> None:
+        if enabled:
+            await self.put(KILLSWITCH, json.dumps({"enabled": True, "reason": reason}).encode())
+        else:
+            await self.delete(KILLSWITCH)
+
+    async def get_killswitch(self) -> bool:
+        kv = await self.get(KILLSWITCH)
+        return killswitch_enabled(kv.value if kv else b"")
+
+
+def killswitch_enabled(raw: bytes) -> bool:
+    """A present, parseable killswitch key with enabled=true; garbage counts as on, since
+    a half-written switch is more likely a pollution alarm than a typo worth ignoring."""
+    if not raw:
+        return False
+    try:
+        return bool(json.loads(raw).get("enabled", True))
+    except (ValueError, AttributeError):
+        return True

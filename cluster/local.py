@@ -1,0 +1,390 @@
+"""Local development cluster: one etcd, N node agents (CPU device, small pools) and a
+router on 127.0.0.1, detached from the shell that started them.
+
+Everything lives under a state directory::
+
+    cluster.json          what runs where (pids, addresses, logs)
+    etcd/  etcd.log       etcd data (fresh on every `up`) and log
+    agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
+    router/               router.log
+
+`up` starts the processes in their own sessions (a Ctrl-C in the shell does not reach
+them), waits until each answers gRPC health and the router has every agent in sync, and
+writes cluster.json. `down` sends SIGTERM (agents revoke their etcd leases), then SIGKILL
+after a grace period. `status` reports each process and what the router has indexed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STATE_FILE = "cluster.json"
+ROOT = Path(__file__).resolve().parent.parent
+_MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router"}
+
+
+class ClusterError(Exception):
+    """Something about the local cluster failed; `exit_code` is kvctl's exit status."""
+
+    exit_code = 1
+
+
+class EtcdUnreachable(ClusterError):
+    exit_code = 3
+
+
+class NodeUnreachable(ClusterError):
+    exit_code = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    name: str  # etcd, agent-0, ..., router
+    kind: str  # etcd | agent | router
+    pid: int
+    address: str  # what clients dial (etcd: its client endpoint)
+    log: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    state_dir: str
+    etcd_endpoint: str
+    router_address: str
+    procs: tuple[Proc, ...]
+    started_at: float
+
+    @property
+    def agents(self) -> list[Proc]:
+        return [p for p in self.procs if p.kind == "agent"]
+
+    def save(self) -> None:
+        path = Path(self.state_dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, state_dir: str | os.PathLike) -> "ClusterState":
+        path = Path(state_dir) / STATE_FILE
+        try:
+            data = json.loads(path.read_text())
+            data["procs"] = tuple(Proc(**p) for p in data["procs"])
+            return cls(**data)
+        except FileNotFoundError:
+            raise ClusterError(f"no local cluster in {state_dir} (no {STATE_FILE}); start "
+                               "one with: kvctl cluster up --state-dir "
+                               f"{state_dir}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClusterError(f"{path} is unreadable ({exc}); remove it and run "
+                               "kvctl cluster up again") from None
+
+
+# ----------------------------------------------------------------- process helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int, kind: str) -> bool:
+    """The process exists, is not a zombie, and is the kind we started (a recycled pid
+    running something else does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return state != "Z" and _MARKERS[kind] in cmdline
+
+
+def _reap(pid: int) -> None:
+    try:  # only our own children can be reaped; others are reaped by init
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
+    """SIGTERM every live one, wait up to `grace_s`, SIGKILL the rest. Returns names."""
+    live = [p for p in procs if alive(p.pid, p.kind)]
+    for p in live:
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for p in live:
+            _reap(p.pid)
+        if not any(alive(p.pid, p.kind) for p in live):
+            break
+        time.sleep(0.1)
+    for p in live:
+        if alive(p.pid, p.kind):
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            time.sleep(0.1)
+        _reap(p.pid)
+    return [p.name for p in live]
+
+
+def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
+                                     if env.get("PYTHONPATH") else "")
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=cwd or ROOT, env=env,
+                                start_new_session=True)
+
+
+def _tail(path: str | Path, n: int = 1500) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+# ------------------------------------------------------------------ health checks
+def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as r:
+            return b"true" in r.read()
+    except OSError:
+        return False
+
+
+def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def router_nodes(address: str, timeout: float = 2.0) -> list:
+    from kvstore.v1 import router_pb2, router_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        return list(router_pb2_grpc.RouterStub(ch).ListNodes(
+            router_pb2.ListNodesRequest(), timeout=timeout).nodes)
+
+
+def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, Path]]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc, log in procs:
+            if proc.poll() is not None:
+                raise ClusterError(f"{what}: a process exited with status {proc.returncode}; "
+                                   f"end of {log}:\n{_tail(log)}")
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+# -------------------------------------------------------------------------- up
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    agents: int = 2
+    pool_bytes: str = "256MiB"
+    slot_bytes: str = "64KiB"
+    nvme_bytes: str = "1GiB"
+    lease_ttl_s: int = 5
+    timeout_s: float = 180.0
+    router_log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.agents <= 64:
+            raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
+        if self.lease_ttl_s < 2:
+            raise ValueError("lease TTL must be >= 2 s (etcd's minimum)")
+
+
+def _start_etcd(state: Path) -> tuple[subprocess.Popen, str, Path]:
+    binary = shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.access(binary, os.X_OK):
+        raise ClusterError("etcd is not installed (apt-get install etcd-server)")
+    data = state / "etcd"
+    shutil.rmtree(data, ignore_errors=True)  # coordination state is fresh on every up
+    cport, pport = free_port(), free_port()
+    cu, pu = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    log = state / "etcd.log"
+    proc = _spawn([binary, "--name", "local", "--data-dir", str(data),
+                   "--listen-client-urls", cu, "--advertise-client-urls", cu,
+                   "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
+                   "--initial-cluster", f"local={pu}", "--log-level", "warn"], log)
+    return proc, f"127.0.0.1:{cport}", log
+
+
+def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
+    d = state / f"agent-{i}"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {"node_id": f"agent-{i}", "listen": "127.0.0.1:0", "device": "cpu",
+           "data_dir": str(d / "data"), "pool_bytes": opts.pool_bytes,
+           "slot_bytes": opts.slot_bytes, "nvme_bytes": opts.nvme_bytes,
+           "allow_unauthenticated": True, "etcd_endpoints": etcd,
+           "lease_ttl_s": opts.lease_ttl_s}
+    (d / "agent.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    ready = d / "ready"
+    ready.unlink(missing_ok=True)
+    log = d / "agent.log"
+    proc = _spawn([sys.executable, "-m", "node_agent", "--config", str(d / "agent.json"),
+                   "--ready-file", str(ready)], log)
+    return proc, ready, log
+
+
+def _start_router(state: Path, etcd: str, opts: UpOptions):
+    d = state / "router"
+    d.mkdir(parents=True, exist_ok=True)
+    ready = d / "ready"
+    ready.unlink(missing_ok=True)
+    log = d / "router.log"
+    proc = _spawn([sys.executable, "-m", "router", "--router-id", "router-0", "--listen",
+                   "127.0.0.1:0", "--etcd-endpoints", etcd, "--ready-file", str(ready),
+                   "--log-level", opts.router_log_level], log)
+    return proc, ready, log
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def up(state_dir: str | os.PathLike, opts: UpOptions = UpOptions(), say=print) -> ClusterState:
+    state = Path(state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    _refuse_if_running(state, state_dir)
+    started: list[Proc] = []
+    try:
+        return _up(state, opts, say, started)
+    except BaseException:
+        stop_procs(started, grace_s=5.0)
+        raise
+
+
+def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
+    try:
+        old = ClusterState.load(state)
+    except ClusterError:
+        return  # nothing recorded, or a record we are about to replace
+    running = [p.name for p in old.procs if alive(p.pid, p.kind)]
+    if running:
+        raise ClusterError(f"a cluster is already running in {state} ({', '.join(running)}); "
+                           f"stop it first: kvctl cluster down --state-dir {given}")
+
+
+def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
+    t0 = time.monotonic()
+    etcd, endpoint, elog = _start_etcd(state)
+    started.append(Proc("etcd", "etcd", etcd.pid, endpoint, str(elog)))
+    _wait(lambda: etcd_healthy(endpoint), 30, "etcd to become healthy", [(etcd, elog)])
+    say(f"etcd      {endpoint}")
+    agents = [_start_agent(state, i, endpoint, opts) for i in range(opts.agents)]
+    router, rready, rlog = _start_router(state, endpoint, opts)
+    for i, (proc, _, log) in enumerate(agents):
+        started.append(Proc(f"agent-{i}", "agent", proc.pid, "", str(log)))
+    started.append(Proc("router", "router", router.pid, "", str(rlog)))
+    watch = [(p, log) for p, _, log in agents] + [(router, rlog), (etcd, elog)]
+    readies = [r for _, r, _ in agents] + [rready]
+    _wait(lambda: all(_read(r) for r in readies), opts.timeout_s,
+          "every agent and the router to start", watch)
+    addrs = [_read(r) for _, r, _ in agents]
+    raddr = _read(rready)
+    _wait(lambda: all(grpc_healthy(a) for a in addrs + [raddr]), 30,
+          "gRPC health of every agent and the router", watch)
+
+    def router_in_sync():
+        try:
+            nodes = router_nodes(raddr)
+        except grpc.RpcError:
+            return False
+        return len(nodes) == opts.agents and all(n.synced for n in nodes)
+
+    _wait(router_in_sync, 60, "the router to follow every agent", watch)
+    procs = [started[0]] + [Proc(f"agent-{i}", "agent", p.pid, a, str(log))
+                            for i, ((p, _, log), a) in enumerate(zip(agents, addrs))]
+    procs.append(Proc("router", "router", router.pid, raddr, str(rlog)))
+    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time())
+    st.save()
+    for p in procs[1:]:
+        say(f"{p.name:<9} {p.address}")
+    say(f"cluster up in {time.monotonic() - t0:.1f}s; state in {state / STATE_FILE}")
+    return st
+
+
+# ------------------------------------------------------------------ down, status
+def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
+    """Stop router and agents (they revoke their leases), then etcd."""
+    st = ClusterState.load(state_dir)
+    first = [p for p in st.procs if p.kind != "etcd"]
+    stopped = stop_procs(first, grace_s) + stop_procs(
+        [p for p in st.procs if p.kind == "etcd"], grace_s)
+    (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+async def _registered(endpoint: str) -> set[str]:
+    from cluster.etcd import EtcdClient
+    async with EtcdClient(endpoint, timeout=2.0) as c:
+        return {r.node_id for r in await c.list_nodes()}
+
+
+def status(state_dir: str | os.PathLike) -> dict:
+    """What runs, what answers, what the router knows. Raises nothing for dead parts:
+    the caller decides the exit status from the report."""
+    st = ClusterState.load(state_dir)
+    etcd_ok = etcd_healthy(st.etcd_endpoint)
+    registered: set[str] = set()
+    if etcd_ok:
+        try:
+            registered = asyncio.run(_registered(st.etcd_endpoint))
+        except Exception:  # noqa: BLE001 - status reports, it does not fail
+            etcd_ok = False
+    indexed: dict[str, tuple[int, bool]] = {}
+    try:
+        indexed = {n.node_id: (n.indexed_blocks, n.synced)
+                   for n in router_nodes(st.router_address)}
+        router_ok = True
+    except grpc.RpcError:
+        router_ok = False
+    comps = []
+    for p in st.procs:
+        up_ = alive(p.pid, p.kind)
+        if p.kind == "etcd":
+            healthy = up_ and etcd_ok
+        elif p.kind == "router":
+            healthy = up_ and router_ok
+        else:
+            healthy = up_ and grpc_healthy(p.address)
+        row = {"name": p.name, "kind": p.kind, "pid": p.pid, "address": p.address,
+               "alive": up_, "healthy": healthy, "log": p.log}
+        if p.kind == "agent":
+            blocks, synced = indexed.get(p.name, (0, False))
+            row.update(registered=p.name in registered, indexed_blocks=blocks, synced=synced)
+        comps.append(row)
+    return {"state_dir": st.state_dir, "etcd_endpoint": st.etcd_endpoint,
+            "router_address": st.router_address, "uptime_s": round(time.time() - st.started_at),
+            "components": comps}

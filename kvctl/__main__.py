@@ -1,0 +1,47 @@
+"""`python -m kvctl` / `kvctl`: the operator CLI.
+
+Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
+5 a flush or kill switch change not acknowledged in time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvctl.analyze import add_analyze_arguments, analyze_command
+from kvctl.cluster_cmd import add_cluster_arguments, cluster_command
+from kvctl.control_cmd import register as register_control_commands
+from kvctl.plan import add_plan_arguments, plan_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvctl", description="Operator CLI for kvstore, the distributed KV-cache store.",
+        epilog="Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, "
+               "4 node unreachable, 5 not acknowledged in time. 'kvctl COMMAND --help' "
+               "describes each command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    commands = (
+        ("cluster", "local development cluster: up, down, status",
+         add_cluster_arguments, cluster_command),
+        ("plan", "capacity planning: KV bytes per token, blocks per tier",
+         add_plan_arguments, plan_command),
+        ("analyze", "prefix-ceiling analysis of a prompt trace",
+         add_analyze_arguments, analyze_command),
+    )
+    for name, help_, add, run in commands:
+        p = sub.add_parser(name, help=help_)
+        add(p)
+        p.set_defaults(func=run)
+    register_control_commands(sub)  # flush, killswitch, quota, status, nodes, stats, audit
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""What `kvctl status`, `kvctl nodes` and `kvctl stats` show, gathered from etcd (membership,
+kill switch, namespaces, quotas) and from each agent's Stats RPC. Plain data, no printing:
+kvctl/control_cmd.py renders it as tables or JSON.
+
+Hit rates are kept apart and never mixed:
+- request-weighted = lookups with at least one matched block / lookups;
+- token-weighted   = matched blocks / blocks asked for. Every block is `block_size` tokens
+  and only full blocks are looked up, so within a namespace this is exactly cached
+  tokens / cacheable prompt tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from cluster.control import ROUTERS, Quota
+from cluster.etcd import KILLSWITCH, NAMESPACES, TENANTS, EtcdClient, NodeRecord, \
+    killswitch_enabled
+from kvstore.events import Tier
+from kvstore.v1 import agent_pb2, agent_pb2_grpc
+
+# Counters of the store that say why blocks left (kvstore/store.py).
+EVICTION_REASONS = {
+    "evict_hbm_capacity": "hbm full (demoted or dropped)",
+    "evict_hbm_quota": "hbm over tenant quota",
+    "evict_nvme": "nvme full or over quota",
+    "evict_nvme_quota": "nvme over tenant quota (quota change)",
+    "removed_expired": "ttl expired",
+    "removed_corrupt": "checksum mismatch",
+    "blocks_dropped_flush": "namespace flushed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TierView:
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    tenant: str
+    hbm_bytes: int = 0
+    nvme_bytes: int = 0
+    hbm_limit_bytes: int = 0  # largest per-node limit seen (0: none)
+    nvme_limit_bytes: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+
+    @property
+    def request_hit_rate(self) -> float | None:
+        return self.lookup_hits / self.lookups if self.lookups else None
+
+    @property
+    def token_hit_rate(self) -> float | None:
+        return self.lookup_hit_blocks / self.lookup_blocks if self.lookup_blocks else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "request_hit_rate": self.request_hit_rate,
+                "token_hit_rate": self.token_hit_rate}
+
+    def plus(self, o: "TenantView") -> "TenantView":
+        return TenantView(self.tenant, self.hbm_bytes + o.hbm_bytes,
+                          self.nvme_bytes + o.nvme_bytes,
+                          max(self.hbm_limit_bytes, o.hbm_limit_bytes),
+                          max(self.nvme_limit_bytes, o.nvme_limit_bytes),
+                          self.lookups + o.lookups, self.lookup_hits + o.lookup_hits,
+                          self.lookup_blocks + o.lookup_blocks,
+                          self.lookup_hit_blocks + o.lookup_hit_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node_id: str
+    address: str
+    device: str
+    reachable: bool
+    error: str = ""
+    utilization: float = 0.0
+    in_flight: int = 0
+    tiers: tuple[TierView, ...] = ()
+    tenants: tuple[TenantView, ...] = ()
+    evictions: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tenants"] = [t.to_dict() for t in self.tenants]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    etcd_endpoints: tuple[str, ...]
+    etcd: dict  # version, revision, db size, leader
+    killswitch: bool
+    killswitch_info: dict
+    nodes: tuple[NodeView, ...]
+    routers: tuple[dict, ...]
+    namespaces: int
+    quotas: dict  # tenant -> Quota fields
+
+    @property
+    def unreachable(self) -> list[str]:
+        return [n.node_id for n in self.nodes if not n.reachable]
+
+    @property
+    def health(self) -> str:
+        if not self.nodes:
+            return "no agents"
+        if self.unreachable:
+            return "degraded"
+        return "kill switch on" if self.killswitch else "healthy"
+
+    def tenants(self, only: str | None = None) -> list[TenantView]:
+        total: dict[str, TenantView] = {}
+        for n in self.nodes:
+            for t in n.tenants:
+                if only is None or t.tenant == only:
+                    total[t.tenant] = total[t.tenant].plus(t) if t.tenant in total else t
+        return [total[k] for k in sorted(total)]
+
+    def evictions(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in self.nodes:
+            for k, v in n.evictions.items():
+                out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
+    def to_dict(self, tenant: str | None = None) -> dict:
+        return {"health": self.health, "etcd_endpoints": list(self.etcd_endpoints),
+                "etcd": self.etcd, "killswitch": self.killswitch,
+                "killswitch_info": self.killswitch_info,
+                "nodes": [n.to_dict() for n in self.nodes], "routers": list(self.routers),
+                "unreachable": self.unreachable, "namespaces": self.namespaces,
+                "quotas": self.quotas, "tenants": [t.to_dict() for t in self.tenants(tenant)],
+                "evictions": self.evictions()}
+
+
+# -------------------------------------------------------------------- gathering
+def _tenant(t: agent_pb2.TenantStats) -> TenantView:
+    return TenantView(t.tenant, t.hbm_bytes, t.nvme_bytes, t.hbm_limit_bytes,
+                      t.nvme_limit_bytes, t.lookups, t.lookup_hits, t.lookup_blocks,
+                      t.lookup_hit_blocks)
+
+
+async def node_view(rec: NodeRecord, token: str | None, timeout_s: float,
+                    tenant: str | None = None) -> NodeView:
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        async with grpc.aio.insecure_channel(rec.address) as channel:
+            resp = await agent_pb2_grpc.NodeAgentStub(channel).Stats(
+                agent_pb2.StatsRequest(tenant=tenant or ""), metadata=md, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return NodeView(rec.node_id, rec.address, rec.device, False,
+                        f"{exc.code().name}: {exc.details() or ''}".rstrip(": "))
+    tiers = tuple(TierView(Tier(t.tier).name.lower() if t.tier in (1, 2) else str(t.tier),
+                           t.capacity_bytes, t.used_bytes, t.blocks) for t in resp.tiers)
+    evictions = {k: int(v) for k, v in resp.counters.items() if k in EVICTION_REASONS}
+    return NodeView(rec.node_id, rec.address, resp.device or rec.device, True, "",
+                    round(resp.utilization, 4), resp.in_flight, tiers,
+                    tuple(_tenant(t) for t in resp.tenants), evictions)
+
+
+async def etcd_status(etcd: EtcdClient) -> dict:
+    """Server version, revision, db size and leader of the first endpoint that answers."""
+    from etcd3aio.maintenance import MaintenanceService
+    svc = MaintenanceService(etcd._channel, max_attempts=1)
+    st = await etcd._call("status", svc.status())
+    return {"version": st.version, "revision": st.header.revision, "db_size_bytes": st.dbSize,
+            "leader": f"{st.leader:x}", "member": f"{st.header.member_id:x}"}
+
+
+async def cluster_view(etcd: EtcdClient, token: str | None = None, timeout_s: float = 3.0,
+                       tenant: str | None = None, with_stats: bool = True) -> ClusterView:
+    """Everything from etcd (raises kvstore.errors.Unavailable when it cannot be reached),
+    then every registered agent's Stats in parallel (unreachable agents are marked)."""
+    info = await etcd_status(etcd)
+    nodes = await etcd.list_nodes()
+    _, routers = await etcd.list(ROUTERS)
+    switch = await etcd.get(KILLSWITCH)
+    _, namespaces = await etcd.list(NAMESPACES)
+    _, tenants = await etcd.list(TENANTS)
+    quotas = {}
+    for kv in tenants:
+        try:
+            quotas[kv.key[len(TENANTS):]] = json.loads(Quota.parse(kv.value).to_json())
+        except (ValueError, TypeError):
+            continue
+    router_list = []
+    for kv in routers:
+        try:
+            router_list.append(json.loads(kv.value))
+        except ValueError:
+            router_list.append({"router_id": kv.key[len(ROUTERS):]})
+    if with_stats:
+        views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant) for r in nodes))
+    else:
+        views = [NodeView(r.node_id, r.address, r.device, True) for r in nodes]
+    switch_info: dict = {}
+    if switch is not None:
+        try:
+            switch_info = json.loads(switch.value)
+        except ValueError:
+            switch_info = {}
+    return ClusterView(tuple(etcd.endpoints), info,
+                       killswitch_enabled(switch.value if switch else b""),
+                       switch_info if isinstance(switch_info, dict) else {},
+                       tuple(sorted(views, key=lambda v: v.node_id)), tuple(router_list),
+                       len(namespaces), quotas)

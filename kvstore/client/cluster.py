@@ -1,0 +1,180 @@
+"""Cluster-level client: ask the router which agent should serve a prompt, then load and
+store KV there with a per-agent KVClient.
+
+    cc = ClusterClient("127.0.0.1:50050", token="...", tenant_secret="...")
+    ns = cc.open_namespace(spec)
+    hit = cc.fetch(ns, prompt_tokens)        # routed; hit.node_id, hit.cached_tokens
+    ... prefill prompt_tokens[hit.cached_tokens:] ...
+    usage = cc.store(ns, hit, prompt_tokens, kv)   # on the same node; releases the route
+
+The router speaks no tenant auth (it sees block ids only); `token` is the tenant's
+bearer token for the agents. Namespaces are opened lazily on each agent the first time a
+request lands there. With the shared-memory path (use_shm) each agent's KVClient has one
+staging area, so use one ClusterClient per thread; with use_shm=False one can be shared.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
+from kvstore.hashing import hash_chain, pack_ids
+from kvstore.namespace import Namespace
+from kvstore.v1 import router_pb2, router_pb2_grpc
+
+__all__ = ["ClusterClient", "ClusterNamespace", "ClusterHit", "route_tokens"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNamespace:
+    spec: Namespace
+    namespace_id: bytes
+    generation: int
+    root: bytes
+    # per agent address: that agent's handle (filled lazily; shared, guarded by a lock)
+    handles: dict[str, NamespaceHandle] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHit:
+    node_id: str
+    address: str
+    request_id: str
+    hit: PrefixHit
+    route: router_pb2.RouteResponse | None  # None when the caller picked the node
+
+    @property
+    def block_ids(self) -> list[bytes]:
+        return self.hit.block_ids
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.hit.cached_blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.hit.cached_tokens
+
+
+def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
+                 request_id: str = "", dry_run: bool = False,
+                 weights: router_pb2.RouteWeights | None = None,
+                 timeout: float = 5.0) -> tuple[list[bytes], router_pb2.RouteResponse]:
+    """Hash a prompt into block ids (kvstore.hashing), then ask the router."""
+    ids = hash_chain(ns.root, tokens, ns.spec.block_size)
+    req = router_pb2.RouteRequest(namespace_id=ns.namespace_id, generation=ns.generation,
+                                  block_ids=pack_ids(ids), request_id=request_id,
+                                  dry_run=dry_run, weights=weights)
+    return ids, stub.Route(req, timeout=timeout)
+
+
+class ClusterClient:
+    def __init__(self, router_address: str, token: str | None = None,
+                 tenant_secret: str | bytes | None = None, use_shm: bool | None = None,
+                 shm_bytes: int = 64 * MiB, timeout: float = 10.0) -> None:
+        self.router_address = router_address
+        self.token = token
+        self.tenant_secret = tenant_secret
+        self.timeout = timeout
+        self._use_shm = use_shm
+        self._shm_bytes = shm_bytes
+        self._channel = grpc.insecure_channel(router_address)
+        self.router = router_pb2_grpc.RouterStub(self._channel)
+        self._clients: dict[str, KVClient] = {}
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+        self._channel.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def agent(self, address: str) -> KVClient:
+        """The cached KVClient for one agent."""
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = KVClient(address, self.token, self.tenant_secret,
+                                  use_shm=self._use_shm, shm_bytes=self._shm_bytes)
+                self._clients[address] = client
+            return client
+
+    def nodes(self) -> list[router_pb2.NodeInfo]:
+        return list(self.router.ListNodes(router_pb2.ListNodesRequest(),
+                                          timeout=self.timeout).nodes)
+
+    # --------------------------------------------------------------- namespaces
+    def open_namespace(self, spec: Namespace) -> ClusterNamespace:
+        """Open on one agent (for the id and generation); others open lazily."""
+        nodes = self.nodes()
+        if not nodes:
+            raise RuntimeError(f"the router at {self.router_address} knows no agents yet")
+        first = self.agent(nodes[0].address).open_namespace(spec)
+        ns = ClusterNamespace(spec, first.namespace_id, first.generation, first.root)
+        ns.handles[nodes[0].address] = first
+        return ns
+
+    def handle(self, ns: ClusterNamespace, address: str) -> NamespaceHandle:
+        h = ns.handles.get(address)
+        if h is None:
+            h = self.agent(address).open_namespace(ns.spec)
+            if h.generation != ns.generation:
+                raise RuntimeError(
+                    f"agent {address} has namespace {ns.spec.key} at generation "
+                    f"{h.generation}, this handle has {ns.generation}: open it again")
+            ns.handles[address] = h
+        return h
+
+    # ------------------------------------------------------------------ prompts
+    def route(self, ns: ClusterNamespace, tokens, request_id: str = "",
+              dry_run: bool = False, weights: router_pb2.RouteWeights | None = None):
+        """(block ids, RouteResponse) for a prompt."""
+        return route_tokens(self.router, ns, tokens, request_id, dry_run, weights,
+                            self.timeout)
+
+    def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu",
+              address: str | None = None, request_id: str = "") -> ClusterHit:
+        """Route the prompt (or use `address`), then load its longest cached prefix from
+        that agent. Pass the result to `store` (or `release`) when the request is done."""
+        if address is None:
+            ids, resp = self.route(ns, tokens, request_id)
+            node_id, address, rid = resp.node_id, resp.address, resp.request_id
+        else:
+            ids = hash_chain(ns.root, tokens, ns.spec.block_size)
+            resp, node_id, rid = None, "", ""
+        client = self.agent(address)
+        h = self.handle(ns, address)
+        matched = client.lookup(h, ids).matched if ids else 0
+        blocks = client.get(h, ids[:matched], device=device) if matched else []
+        return ClusterHit(node_id, address, rid, PrefixHit(ids, blocks, ns.spec.block_size),
+                          resp)
+
+    def store(self, ns: ClusterNamespace, hit: ClusterHit, tokens,
+              kv: torch.Tensor | list[torch.Tensor], release: bool = True) -> Usage:
+        """Store the prompt's new blocks on the node that served `hit`; then release the
+        route (the router stops counting the request as in flight)."""
+        try:
+            return self.agent(hit.address).store(self.handle(ns, hit.address), tokens, kv,
+                                                 cached_blocks=hit.cached_blocks)
+        finally:
+            if release:
+                self.release(hit)
+
+    def release(self, hit: ClusterHit | str) -> None:
+        rid = hit if isinstance(hit, str) else hit.request_id
+        if rid:
+            self.router.Release(router_pb2.ReleaseRequest(request_id=rid),
+                                timeout=self.timeout)

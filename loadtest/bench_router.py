@@ -1,0 +1,218 @@
+"""Router index benchmark: memory per (block, node) entry and route latency at scale.
+
+Builds the router's index the way a router does (STORED events per node) for 64 nodes and
+>= 1,000,000 distinct blocks with a realistic shape: prompt families (system prompts,
+shared documents) whose prefix lives on 1-3 home nodes, each family continued by
+conversations stored on one or two of those nodes, so every block sits on 1-3 nodes and
+every node's store is prefix-consistent. Then it routes 32k-token prompts (2048 blocks:
+a family prefix, part of a conversation, new blocks after that) and prints progress on
+stderr and ONE JSON line on stdout:
+
+    nodes, blocks, entries, bytes_per_entry (+ how it was measured), route_p50_us,
+    route_p99_us, route_tokens_p50_us (same prompts as tokens, hashing included),
+    routes_per_s, replicas_identical (a second index fed the same events in another
+    node order decides identically on every probe, stateful routing included)
+
+    python -m loadtest.bench_router [--blocks 1000000] [--nodes 64] [--probes 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+from cluster.etcd import NodeRecord
+from kvstore.hashing import hash_chain_packed, split_ids
+from router.routing import RouterCore
+from router.scoring import Weights
+
+BLOCK = 16
+PROMPT_BLOCKS = 2048
+ROOT = bytes(range(16))
+NS_ID = bytes(16)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Workload:
+    """Families of prompts as token arrays; block ids come from the real chain hash."""
+
+    def __init__(self, target_blocks: int, n_nodes: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.np_rng = np.random.default_rng(seed)
+        self.nodes = [f"node-{i:02d}" for i in range(n_nodes)]
+        self.events: dict[str, list[bytes]] = {n: [] for n in self.nodes}  # packed ids
+        self.families: list[tuple[np.ndarray, list[str], list[np.ndarray]]] = []
+        self.blocks = 0
+        while self.blocks < target_blocks:
+            self._family()
+
+    def _tokens(self, n_blocks: int) -> np.ndarray:
+        return self.np_rng.integers(0, 128_000, n_blocks * BLOCK, dtype=np.int32)
+
+    def _family(self) -> None:
+        prefix = self._tokens(self.rng.randint(32, 256))
+        homes = self.rng.sample(self.nodes, self.rng.choice((1, 1, 2, 2, 3)))
+        ids = hash_chain_packed(ROOT, prefix, BLOCK)
+        for n in homes:
+            self.events[n].append(ids)
+        self.blocks += len(ids) // 16
+        convs = []
+        for _ in range(self.rng.randint(1, 4)):
+            tail = self._tokens(self.rng.randint(16, 400))
+            full = hash_chain_packed(ROOT, np.concatenate([prefix, tail]), BLOCK)
+            new = full[len(ids):]
+            for n in self.rng.sample(homes, self.rng.randint(1, min(2, len(homes)))):
+                self.events[n].append(new)
+            self.blocks += len(new) // 16
+            convs.append(tail)
+        self.families.append((prefix, homes, convs))
+
+    def probe_tokens(self, i: int) -> np.ndarray:
+        """A 32k-token prompt: a family prefix, some of a conversation, then new tokens
+        (one probe in eight is entirely new)."""
+        if i % 8 == 7:
+            return self._tokens(PROMPT_BLOCKS)
+        prefix, _, convs = self.families[self.rng.randrange(len(self.families))]
+        conv = convs[self.rng.randrange(len(convs))]
+        keep = conv[: self.rng.randint(0, len(conv) // BLOCK) * BLOCK]
+        head = np.concatenate([prefix, keep])[: PROMPT_BLOCKS * BLOCK]
+        return np.concatenate([head, self._tokens(PROMPT_BLOCKS - len(head) // BLOCK)])
+
+
+def make_core(nodes: list[str], utils: list[float]) -> RouterCore:
+    # 100 Gbps between nodes: peer fetches are cheaper than recompute, so the peer
+    # pricing path runs too (at the 1 Gbps default it never does for 2 MiB blocks).
+    core = RouterCore(Weights(), prefill_tokens_per_s=8000.0, peer_gbps=100.0)
+    for n, u in zip(nodes, utils):
+        core.upsert_node(NodeRecord(n, f"10.0.0.{len(core.nodes)}:50051", utilization=u))
+        core.mark_synced(n)
+    return core
+
+
+def feed(core: RouterCore, events: dict[str, list[bytes]], order: list[str]) -> None:
+    for node in order:
+        for packed in events[node]:
+            core.index.store(node, split_ids(packed))
+
+
+def measure_build(wl: Workload, utils: list[float], use_tracemalloc: bool):
+    gc.collect()
+    rss0 = _rss_bytes()
+    if use_tracemalloc:
+        tracemalloc.start()
+    t0 = time.perf_counter()
+    core = make_core(wl.nodes, utils)
+    feed(core, wl.events, wl.nodes)
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    if use_tracemalloc:
+        used, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        how = "tracemalloc (Python allocations held by the index after building it)"
+    else:
+        used = _rss_bytes() - rss0
+        how = "RSS delta across building the index"
+    return core, used, how, build_s
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def time_routes(core: RouterCore, probes: list[bytes]) -> tuple[list[float], list[float], float]:
+    """Wall and CPU (this thread) microseconds per route, and routes per second. CPU time
+    is what the route costs; wall time also counts waiting for a core on a busy host."""
+    lat, cpu = [], []
+    t_all = time.perf_counter()
+    for i, packed in enumerate(probes):
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        d = core.route(NS_ID, packed, request_id=f"r{i}")
+        lat.append((time.perf_counter_ns() - t0) / 1000)
+        cpu.append((time.thread_time_ns() - c0) / 1000)
+        core.release(d.request_id)
+    return lat, cpu, len(probes) / (time.perf_counter() - t_all)
+
+
+def decisions_match(a: RouterCore, b: RouterCore, probes: list[bytes]) -> bool:
+    for packed in probes:
+        if a.route(NS_ID, packed, dry_run=True).scores != \
+                b.route(NS_ID, packed, dry_run=True).scores:
+            return False
+    # Stateful: the same request sequence without releases moves load identically.
+    for i, packed in enumerate(probes[:200]):
+        if a.route(NS_ID, packed, request_id=f"s{i}").scores != \
+                b.route(NS_ID, packed, request_id=f"s{i}").scores:
+            return False
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_router",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks to index")
+    p.add_argument("--nodes", type=int, default=64)
+    p.add_argument("--probes", type=int, default=1000, help="prompts routed")
+    p.add_argument("--token-probes", type=int, default=200,
+                   help="prompts routed from tokens (hashing included)")
+    p.add_argument("--memory", choices=("tracemalloc", "rss"), default="tracemalloc")
+    p.add_argument("--seed", type=int, default=7)
+    args = p.parse_args(argv)
+    if args.blocks < 1 or args.nodes < 1 or args.probes < 1:
+        p.error("--blocks, --nodes and --probes must be >= 1")
+
+    def say(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    wl = Workload(args.blocks, args.nodes, args.seed)
+    say(f"workload: {wl.blocks} blocks in {len(wl.families)} families "
+        f"({time.perf_counter() - t0:.1f}s)")
+    rng = random.Random(args.seed + 1)
+    utils = [round(rng.random() * 0.9, 2) for _ in wl.nodes]
+    core, used, how, build_s = measure_build(wl, utils, args.memory == "tracemalloc")
+    entries = core.index.entries
+    say(f"index: {len(core.index)} blocks, {entries} entries, {used / 2**20:.1f} MiB, "
+        f"{core.index.distinct_masks} distinct masks, built in {build_s:.1f}s")
+    probe_tokens = [wl.probe_tokens(i) for i in range(args.probes)]
+    probes = [hash_chain_packed(ROOT, t, BLOCK) for t in probe_tokens]
+    lat, cpu, rps = time_routes(core, probes)
+    tok_lat = []
+    for i, toks in enumerate(probe_tokens[: args.token_probes]):
+        t1 = time.perf_counter_ns()
+        core.route_tokens(NS_ID, ROOT, toks, BLOCK, dry_run=True)
+        tok_lat.append((time.perf_counter_ns() - t1) / 1000)
+    hits = sum(1 for pk in probes if core.route(NS_ID, pk, dry_run=True).chosen.local_blocks)
+    say(f"routes: p50 {statistics.median(lat):.1f}us p99 {percentile(lat, 0.99):.1f}us "
+        f"(cpu p50 {statistics.median(cpu):.1f}us), "
+        f"{rps:.0f}/s; {hits}/{len(probes)} probes routed to a node holding a prefix")
+    replica = make_core(wl.nodes, utils)
+    feed(replica, wl.events, list(reversed(wl.nodes)))
+    identical = decisions_match(core, replica, probes)
+    print(json.dumps({
+        "nodes": args.nodes, "blocks": len(core.index), "entries": entries,
+        "bytes_per_entry": round(used / entries, 1), "bytes_per_entry_method": how,
+        "route_p50_us": round(statistics.median(lat), 1),
+        "route_p99_us": round(percentile(lat, 0.99), 1),
+        "route_cpu_p50_us": round(statistics.median(cpu), 1),
+        "route_tokens_p50_us": round(statistics.median(tok_lat), 1),
+        "routes_per_s": round(rps), "prompt_blocks": PROMPT_BLOCKS,
+        "probes": len(probes), "probes_with_cached_prefix": hits,
+        "build_s": round(build_s, 1), "replicas_identical": identical}))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The agent's side of the control plane: namespace generations, tenant quotas and the
+kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
+
+- Start-up (catch-up): `AgentControl.start()` returns only after the current generations,
+  quotas and kill switch are in force, and the server starts serving after it. A node
+  that was down during a flush therefore drops the old blocks (which it recovered from
+  RocksDB) before it answers anything.
+- A new generation: `BlockStore.set_generation` makes the store refuse the old one
+  (fencing), drops every block of the namespace from every tier and emits
+  NAMESPACE_CLEARED (routers resync); then `acks/<tenant>/<ns>/<node_id>` is written.
+- Quotas (tenants/<tenant>): set as the tenant's per-node limits; a tenant over its new
+  limit has its own blocks evicted at once. A removed record restores the configured limit.
+- etcd down: the last applied state stays in force and the agent keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from cluster.control import Quota
+from cluster.control_follow import ControlFollower
+from cluster.etcd import DEFAULT_PREFIX, NAMESPACES, EtcdClient
+from kvstore import errors
+from kvstore.events import Tier
+from kvstore.namespace import Namespace
+from kvstore.store import BlockStore, NsState
+
+log = logging.getLogger("kvstore.agent")
+
+
+class AgentControl(ControlFollower):
+    def __init__(self, store: BlockStore, endpoints: str, node_id: str,
+                 publish: Callable[[], None] | None = None,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        super().__init__(EtcdClient(endpoints, prefix), node_id, follow_quotas=True)
+        self.store = store
+        self._publish = publish or (lambda: None)
+        acc = store.accounts
+        # The configured limits: what a tenant gets back when its etcd quota is removed.
+        self._config_limits = {t: (acc.limit(t, Tier.HBM), acc.limit(t, Tier.NVME))
+                               for t in acc.tenants()}
+
+    async def start(self, timeout_s: float | None = None, what: str = "") -> None:
+        await super().start(timeout_s, what or f"agent {self.member}")
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.etcd.close()
+
+    # ------------------------------------------------------------------- hooks
+    async def on_generation(self, ns_id: bytes, tenant: str, generation: int) -> int:
+        dropped = await asyncio.to_thread(self._set_generation, ns_id, generation)
+        self._publish()
+        if dropped:
+            log.info("namespace %s/%s now at generation %d: dropped %d blocks", tenant,
+                     ns_id.hex()[:12], generation, dropped)
+        return dropped
+
+    def _set_generation(self, ns_id: bytes, generation: int) -> int:
+        try:
+            return self.store.set_generation(ns_id, generation)
+        except errors.NotFound:  # not opened here (yet): open_namespace uses the new one
+            return 0
+
+    async def on_killswitch(self, enabled: bool) -> None:
+        if enabled != self.store.killed:
+            log.warning("kill switch %s: %s", "ON" if enabled else "off",
+                        "every lookup misses, writes are refused" if enabled
+                        else "caching resumes")
+        self.store.killed = enabled
+
+    async def on_quota(self, tenant: str, quota: Quota | None) -> None:
+        hbm, nvme = self._config_limits.get(tenant, (None, None))
+        if quota is not None:
+            hbm = hbm if quota.hbm_limit_bytes is None else quota.hbm_limit_bytes
+            nvme = nvme if quota.nvme_limit_bytes is None else quota.nvme_limit_bytes
+        evicted = await asyncio.to_thread(self.store.set_tenant_limits, tenant, hbm, nvme)
+        self._publish()
+        log.info("tenant %s limits: hbm %s, nvme %s bytes (%d blocks evicted to fit)", tenant,
+                 hbm or "unlimited", nvme or "unlimited", evicted)
+
+    # -------------------------------------------------------------- namespaces
+    async def open_namespace(self, spec: Namespace) -> NsState:
+        """OpenNamespace with etcd: the namespace record is created if absent (at this
+        node's generation for it, so a record lost with etcd's data never moves a
+        namespace backwards) and the generation in etcd is the one used."""
+        generation = self.known_generation(spec.namespace_id)
+        if generation is None:
+            generation = await self._ensure_record(spec)
+        return self.store.open_namespace(spec, generation)
+
+    async def _ensure_record(self, spec: Namespace) -> int:
+        ns_id = spec.namespace_id
+        local = next((st for st in self.store.namespaces() if st.ns_id == ns_id), None)
+        local_gen = local.generation if local is not None else 0
+        policy = local.policy if local is not None else self.store.policy_for(spec)
+        key = f"{NAMESPACES}{spec.tenant}/{ns_id.hex()}"
+        rec = {"spec": spec.to_dict(), "generation": local_gen, "policy": policy.to_dict()}
+        try:
+            if await self.etcd.create(key, json.dumps(rec, sort_keys=True).encode()):
+                return local_gen
+            current = await self.etcd.get(key)
+        except errors.Unavailable as exc:
+            # Our watch view is complete up to the outage and holds no record for it, so
+            # nobody could have flushed it: serve it at the local generation.
+            log.warning("namespace %s opened without etcd (%s); its record is created on "
+                        "the next open while etcd is reachable", spec.key, exc)
+            return local_gen
+        if current is None:  # deleted between our create and get: try once more later
+            return local_gen
+        try:
+            return max(local_gen, int(json.loads(current.value)["generation"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.FailedPrecondition(f"namespace record {key} in etcd is damaged: "
+                                            f"{exc}") from None

@@ -1,0 +1,308 @@
+"""Peer-to-peer block transfer between node agents: UCX (ucxx) first, gRPC as fallback.
+
+Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from agent B:
+
+- UCX: A connects to B's listener (`AgentServer.peer_address`, host:port) and sends a
+  FetchRequest. B answers per batch with a FetchChunk header (first index, count, XXH64 of
+  each payload) followed by one tag message per payload; A receives the payloads straight
+  into preallocated staging buffers, then sends an acknowledgement, and only then do both
+  close (closing first could drop the other side's last messages). UCX keeps same-tag
+  messages between two endpoints in order, so header and payloads pair up positionally.
+- gRPC: Peer.FetchBlocks (node_agent/peer_grpc.py) streams the same chunks with the
+  payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
+  address, and when a UCX transfer fails midway (it resumes after the blocks stored).
+
+Both sides pipeline: B reads batch k+1 from its store while batch k is on the wire, A
+stores batch k while batch k+1 arrives (two staging sets per transfer). A stores through
+BlockStore.put with the sender's checksums, which hashes while it copies into the pool
+slot: a mismatching block is not stored and it and the rest of the chain are a miss. The
+store has no public reserve/commit API to land payloads in pool slots directly, hence the
+staging buffers and one extra copy.
+
+Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
+dead or frozen peer turns the missing blocks into a miss in bounded time. Concurrent
+Prefetches of the same blocks are de-duplicated: the first claims a block, later ones wait
+for its outcome instead of transferring it again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.config import AgentConfig
+from kvstore.hashing import split_ids
+from kvstore.store import BlockStore, NsState
+from kvstore.v1 import peer_pb2
+from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef, StagingPool,
+                                    TokenTable, check_peer_access, control_buffer, init_ucx,
+                                    present_prefix, within)
+from node_agent.peer_fetch import FetchJob
+from node_agent.servicer import namespace_from_proto
+
+log = logging.getLogger("kvstore.agent.peer")
+
+
+class PeerService:
+    """Both ends of peer transfer for one agent: the UCX listener that serves this
+    node's blocks, and Prefetch, which pulls blocks from another agent into this store."""
+
+    def __init__(self, store: BlockStore, cfg: AgentConfig, publish=lambda: None,
+                 pcfg: PeerConfig | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.pcfg = pcfg or PeerConfig()
+        self.published = publish  # ship the store's pending events (event-loop thread)
+        self.tokens = TokenTable(cfg)
+        self.staging = StagingPool()
+        self.control = None  # node_agent/control.AgentControl when etcd is configured
+        self.peer_address = ""  # host:port of our UCX listener; '' when UCX is off
+        self.ucx = None  # the ucxx module once initialised
+        self._listener = None
+        self._serving: set = set()  # UCX endpoints being served, aborted at stop
+        self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
+        self._grpc = None  # node_agent.peer_grpc.GrpcFetcher, created on first use
+
+    @property
+    def ucx_ready(self) -> bool:
+        return self.ucx is not None
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.store.lock:  # worker threads update the same Counter
+            self.store.counters[name] += n
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self, host: str, control=None) -> None:
+        self.control = control
+        if not self.cfg.ucx_enabled:
+            log.info("UCX disabled by configuration: peers use the gRPC fallback")
+            return
+        try:
+            self.ucx = init_ucx()
+            self._listener = self.ucx.create_listener(self._serve_ucx, port=self.cfg.peer_port,
+                                                       endpoint_error_handling=True)
+        except Exception as exc:  # import failure, no transport, port taken
+            log.error("UCX unavailable (%s: %s): peers use the gRPC fallback",
+                      type(exc).__name__, exc)
+            self.ucx = self._listener = None
+            return
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        self.peer_address = f"{host}:{self._listener.port}"
+        log.info("UCX peer listener on %s (ucx %s)", self.peer_address,
+                 self.ucx.__ucx_version__)
+
+    async def stop(self) -> None:
+        for ep in list(self._serving):
+            ep.abort()
+        self._serving.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._grpc is not None:
+            await self._grpc.close()
+        if self.ucx is not None:
+            # The notifier thread would keep the process from exiting.
+            self.ucx.stop_notifier_thread()
+            self.ucx = None
+        self.peer_address = ""
+
+    # ------------------------------------------------------------ namespaces
+    async def namespace(self, ref, spec_msg, tenant: str | None, write: bool) -> NsState:
+        """The namespace a request names, opened from its spec if this node never saw it;
+        generation fencing applies (store.namespace)."""
+        if len(ref.namespace_id) != 16:
+            raise errors.InvalidArgument("namespace_id must be 16 bytes")
+        try:
+            st = self.store.namespace(ref.namespace_id, ref.generation)
+        except errors.NotFound:
+            if spec_msg is None:
+                raise
+            spec = namespace_from_proto(spec_msg)
+            if spec.namespace_id != ref.namespace_id:
+                raise errors.InvalidArgument("spec does not match namespace_id") from None
+            if self.control is not None:
+                await self.control.open_namespace(spec)
+            else:
+                self.store.open_namespace(spec)
+            st = self.store.namespace(ref.namespace_id, ref.generation)
+        check_peer_access(tenant, st, write)
+        return st
+
+    def _ids(self, packed: bytes) -> list[bytes]:
+        if len(packed) % 16:
+            raise errors.InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple "
+                                         "of 16")
+        if len(packed) // 16 > self.cfg.max_blocks_per_request:
+            raise errors.InvalidArgument(f"request names {len(packed) // 16} blocks; the "
+                                         f"limit is {self.cfg.max_blocks_per_request}")
+        return split_ids(packed)
+
+    # ---------------------------------------------------------- serving side
+    async def source(self, req: peer_pb2.FetchRequest, tenant: str | None):
+        """Validate a FetchRequest: (namespace, ids, parent, batch)."""
+        spec = req.spec if req.HasField("spec") else None
+        st = await self.namespace(req.ns, spec, tenant, write=False)
+        ids = self._ids(req.block_ids)
+        if req.parent_id and len(req.parent_id) != 16:
+            raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
+        batch = min(req.batch_blocks or self.pcfg.batch_blocks, self.pcfg.max_batch_blocks)
+        return st, ids, req.parent_id, batch
+
+    async def read_batches(self, st: NsState, generation: int, ids: list[bytes],
+                           parent_id: bytes, batch: int):
+        """Yield (first_index, served, buffers, last) per batch of verified payloads,
+        reading batch k+1 from the store while the caller sends batch k."""
+        size = st.spec.block_bytes
+        sets = [self.staging.take(batch, size), self.staging.take(batch, size)]
+        pending = None
+        try:
+            if not ids:
+                yield 0, [], [], True
+                return
+            pending = self._read(st, generation, ids, 0, parent_id, sets[0], batch)
+            for k, start in enumerate(range(0, len(ids), batch)):
+                served = await pending
+                pending = None
+                n = min(batch, len(ids) - start)
+                last = len(served) < n or start + n >= len(ids)
+                if not last:
+                    pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
+                                         sets[(k + 1) % 2], batch)
+                self.count("peer_blocks_served", len(served))
+                yield start, served, sets[k % 2], last
+                if last:
+                    return
+        finally:
+            # A read still running in a worker thread writes into its set: drop both.
+            clean = pending is None
+            if pending is not None:
+                pending.cancel()
+            for s in sets:
+                self.staging.give(s, clean)
+
+    def _read(self, st, generation, ids, start, parent, bufs, batch) -> asyncio.Future:
+        chunk = ids[start:start + batch]
+        size = st.spec.block_bytes
+        args = (st.ns_id, generation, chunk, parent, lambda i, n: bufs[i][:n])
+        if len(chunk) * size >= OFFLOAD_BYTES:
+            return asyncio.ensure_future(asyncio.to_thread(self.store.get, *args))
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            fut.set_result(self.store.get(*args))
+        except errors.KvError as exc:  # flushed meanwhile: surfaces at the await
+            fut.set_exception(exc)
+        return fut
+
+    async def _serve_ucx(self, ep) -> None:
+        """One UCX connection: one FetchRequest, then chunks, then wait for the ack."""
+        self._serving.add(ep)
+        clean = False
+        far = time.monotonic() + 1e9
+        io = self.pcfg.io_timeout_s
+        try:
+            raw = await within(ep.recv_obj(allocator=control_buffer), far, io, "request")
+            req = peer_pb2.FetchRequest.FromString(bytes(raw))
+            try:
+                st, ids, parent, batch = await self.source(
+                    req, self.tokens.tenant(req.authorization))
+            except errors.KvError as exc:
+                err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
+                await within(ep.send_obj(err.SerializeToString()), far, io, "refusal")
+            else:
+                await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
+            ack = np.empty(len(ACK), dtype=np.uint8)
+            await within(ep.recv(ack), far, io, "acknowledgement")
+            clean = True
+        except Exception as exc:  # the fetching side turns this into a miss or a fallback
+            log.warning("UCX peer transfer (serving side) ended early: %s: %s",
+                        type(exc).__name__, exc)
+        finally:
+            self._serving.discard(ep)
+            if clean:
+                await ep.close()
+            else:
+                ep.abort()
+
+    async def _send_batches(self, ep, st, generation, ids, parent, batch) -> None:
+        far = time.monotonic() + 1e9
+        io = self.pcfg.io_timeout_s
+        size = st.spec.block_bytes
+        async with aclosing(self.read_batches(st, generation, ids, parent, batch)) as it:
+            async for first, served, bufs, last in it:
+                hdr = peer_pb2.FetchChunk(first_index=first, count=len(served),
+                                          checksums=[s.checksum for s in served], done=last)
+                await within(ep.send_obj(hdr.SerializeToString()), far, io, "chunk header")
+                if served:
+                    await within(asyncio.gather(*(ep.send(bufs[i][:size])
+                                                   for i in range(len(served)))),
+                                  far, io, "payload send")
+
+    # --------------------------------------------------------- fetching side
+    async def prefetch(self, req: peer_pb2.PrefetchRequest, tenant: str | None,
+                       authorization: str, time_left: float | None
+                       ) -> peer_pb2.PrefetchResponse:
+        """Make the leading blocks of `req.block_ids` present here, pulling the missing
+        ones from the peer. Never raises for transfer trouble: that is a shorter result."""
+        spec = req.spec if req.HasField("spec") else None
+        st = await self.namespace(req.ns, spec, tenant, write=True)
+        gen = req.ns.generation
+        ids = self._ids(req.block_ids)
+        if req.parent_id and len(req.parent_id) != 16:
+            raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
+        if ids and not (req.peer_address or req.peer_ucx_address):
+            raise errors.InvalidArgument("Prefetch needs peer_address or peer_ucx_address")
+        budget = req.timeout_ms / 1000 if req.timeout_ms else self.pcfg.prefetch_timeout_s
+        if time_left is not None:
+            budget = min(budget, time_left)
+        deadline = time.monotonic() + budget
+        peer = PeerRef(req.peer_address, req.peer_ucx_address)
+        job = FetchJob(self, st, gen, ids, req.parent_id, peer, deadline, authorization)
+        await job.run()
+        present = present_prefix(self.store, st.ns_id, gen, ids, req.parent_id)
+        stopped = "" if present == len(ids) else (job.stopped or "blocks left after fetch")
+        if stopped:
+            log.info("prefetch of %d blocks from %s stopped at %d: %s", len(ids),
+                     peer.ucx_address or peer.grpc_address, present, stopped)
+        return peer_pb2.PrefetchResponse(present=present, fetched=job.fetched,
+                                         waited=job.waited, transport="+".join(job.used),
+                                         stopped=stopped)
+
+    def claim(self, st: NsState, gen: int, ids: list[bytes], start: int):
+        """Split ids[start:] into runs this call transfers (mine=True, with fresh futures)
+        and runs another call is already transferring (mine=False, its futures). Claims
+        happen without an await, so a later call only ever waits on earlier ones: no
+        cycle, no deadlock."""
+        runs: list[tuple[int, int, bool, list[asyncio.Future]]] = []
+        loop = asyncio.get_running_loop()
+        for i in range(start, len(ids)):
+            key = (st.ns_id, gen, ids[i])
+            fut = self._inflight.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._inflight[key] = loop.create_future()
+            if runs and runs[-1][2] == mine:
+                runs[-1] = (runs[-1][0], i + 1, mine, runs[-1][3] + [fut])
+            else:
+                runs.append((i, i + 1, mine, [fut]))
+        return runs
+
+    def release(self, st: NsState, gen: int, ids: list[bytes], futs: dict[int, asyncio.Future]
+                ) -> None:
+        """Resolve this call's claims (unstored ones as failed) and forget them."""
+        for i, fut in futs.items():
+            if not fut.done():
+                fut.set_result(False)
+            key = (st.ns_id, gen, ids[i])
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+
+    def grpc_fetcher(self):
+        if self._grpc is None:
+            from node_agent.peer_grpc import GrpcFetcher
+            self._grpc = GrpcFetcher(self.cfg.max_message_bytes)
+        return self._grpc

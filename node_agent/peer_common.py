@@ -1,0 +1,196 @@
+"""Shared pieces of peer transfer (node_agent/peer.py, peer_fetch.py, peer_grpc.py):
+tuning, errors, staging buffers, bounded awaits, access rules."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.config import AgentConfig
+from kvstore.namespace import Namespace
+from kvstore.store import BlockStore, NsState
+from kvstore.v1 import common_pb2
+from node_agent.servicer import CLUSTER_TENANT
+
+ACK = struct.pack("<Q", 0x4B56_4143_4B00_0001)  # "KVACK", version 1
+MAX_CONTROL_BYTES = 4 << 20  # FetchRequest / FetchChunk size cap (8192 ids = 128 KiB)
+OFFLOAD_BYTES = 1 << 20  # store copies at least this large run in a worker thread
+# gRPC status names that mean "the peer will not serve this", not "the transport broke".
+REFUSALS = ("NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "INVALID_ARGUMENT",
+            "UNAUTHENTICATED")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Transfer tuning. Defaults suit 2 MiB blocks on a 1-25 GB/s link."""
+
+    batch_blocks: int = 8  # blocks per chunk; two chunks in flight per transfer
+    io_timeout_s: float = 10.0  # bound on any single network wait
+    connect_timeout_s: float = 5.0
+    prefetch_timeout_s: float = 30.0  # default bound on a whole Prefetch call
+    max_batch_blocks: int = 256  # cap on a requested batch (staging memory)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.batch_blocks <= self.max_batch_blocks:
+            raise ValueError("batch_blocks must be in 1..max_batch_blocks")
+        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+class PeerTransportError(errors.Unavailable):
+    """The transfer broke (connection, timeout, protocol): another transport may work."""
+
+
+class PeerRefused(errors.KvError):
+    """The peer answered but will not serve (unknown namespace, generation, access)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRef:
+    grpc_address: str  # host:port of the peer's gRPC server ('' : none)
+    ucx_address: str  # host:port of the peer's UCX listener ('' : none)
+
+
+# --------------------------------------------------------------------------- staging
+class StagingPool:
+    """Reusable block buffers, carved in sets from one array each so UCX registers the
+    memory once and its registration cache keeps it. A set that a failed transfer may
+    still be writing into is dropped (`give(..., clean=False)`), never reused."""
+
+    def __init__(self, max_idle_sets: int = 8) -> None:
+        self._idle: dict[tuple[int, int], list[list[np.ndarray]]] = {}
+        self._max_idle = max_idle_sets
+
+    def take(self, n: int, nbytes: int) -> list[np.ndarray]:
+        idle = self._idle.get((n, nbytes))
+        if idle:
+            return idle.pop()
+        arena = np.empty(n * nbytes, dtype=np.uint8)
+        return [arena[i * nbytes:(i + 1) * nbytes] for i in range(n)]
+
+    def give(self, bufs: list[np.ndarray], clean: bool = True) -> None:
+        if not clean or not bufs:
+            return
+        idle = self._idle.setdefault((len(bufs), bufs[0].nbytes), [])
+        if len(idle) < self._max_idle:
+            idle.append(bufs)
+
+
+# ---------------------------------------------------------------------- helpers
+def present_prefix(store: BlockStore, ns_id: bytes, generation: int, ids: list[bytes],
+                   parent_id: bytes, start: int = 0) -> int:
+    """How many of ids[start:] continue a chain held here. Unlike store.lookup this counts
+    no lookup in the hit-rate statistics: it is bookkeeping, not a request."""
+    with store.lock:
+        try:
+            st = store.namespace(ns_id, generation)
+        except errors.KvError:
+            return 0
+        prev = ids[start - 1] if start else parent_id
+        n = 0
+        for bid in ids[start:]:
+            m = st.blocks.get(bid)
+            if m is None or (prev and m.parent_id != prev):
+                break
+            n += 1
+            prev = bid
+        return n
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise errors.InvalidArgument(f"peer address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+async def within(aw, deadline: float, io_timeout: float, what: str):
+    """Await `aw` for at most io_timeout and never past the deadline."""
+    left = min(io_timeout, deadline - time.monotonic())
+    if left <= 0:
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        elif isinstance(aw, asyncio.Future):
+            aw.cancel()
+        raise PeerTransportError(f"deadline passed before {what}")
+    try:
+        return await asyncio.wait_for(aw, left)
+    except asyncio.TimeoutError:
+        raise PeerTransportError(f"timed out after {left:.1f}s waiting for {what}") from None
+
+
+class TokenTable:
+    """Tenant of an `authorization` value, for the UCX path (gRPC goes through the edge
+    interceptor). Same rule as the interceptor: SHA-256 of the bearer token."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self._by_hash = {tc.token_sha256.lower(): t for t, tc in cfg.tenants.items()
+                         if tc.token_sha256}
+        self._allow_unauth = cfg.allow_unauthenticated
+
+    def tenant(self, authorization: str) -> str | None:
+        if not authorization:
+            if self._allow_unauth:
+                return None
+            raise errors.Unauthenticated("peer request without authorization")
+        if not authorization.startswith("Bearer "):
+            raise errors.Unauthenticated("authorization must be 'Bearer <token>'")
+        digest = hashlib.sha256(authorization[7:].strip().encode()).hexdigest()
+        tenant = self._by_hash.get(digest)
+        if tenant is None:
+            raise errors.Unauthenticated("unknown token")
+        return tenant
+
+
+def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
+    """Owners and cluster components (routers, peers) may move a namespace's blocks;
+    other tenants may only read public namespaces."""
+    if tenant is None or tenant == CLUSTER_TENANT or tenant == st.tenant:
+        return
+    if st.spec.public and not write:
+        return
+    raise errors.PermissionDenied(f"tenant {tenant!r} may not {'write' if write else 'read'} "
+                                  f"namespaces of tenant {st.tenant!r}")
+
+
+def control_buffer(n: int) -> bytearray:
+    if n > MAX_CONTROL_BYTES:
+        raise PeerTransportError(f"peer sent a {n}-byte control message (limit "
+                                 f"{MAX_CONTROL_BYTES})")
+    return bytearray(n)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def init_ucx():
+    """Import and initialise ucxx once per process, inside the running event loop (its
+    progress thread and request notifier bind to that loop)."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx
+    try:
+        # Python-future notification and put-based rendezvous: about 2x the bandwidth of
+        # the defaults on TCP here (loadtest/bench_peer.py). Environment variables
+        # (UCX_RNDV_SCHEME ...) still win, so operators can retune.
+        ucxx.init(options={"RNDV_SCHEME": "put_zcopy"}, env_takes_precedence=True,
+                  progress_mode="thread", enable_python_future=True)
+    except RuntimeError:
+        pass  # already initialised in this process
+    return ucxx
+
+
+def namespace_to_proto(spec: Namespace) -> common_pb2.Namespace:
+    return common_pb2.Namespace(**spec.to_dict())

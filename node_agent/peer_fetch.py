@@ -1,0 +1,306 @@
+"""The fetching side of peer transfer: one Prefetch call (FetchJob), the UCX transfer,
+and the sink that stores received batches. See node_agent/peer.py for the protocol."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.hashing import pack_ids
+from kvstore.store import NsState, PutItem
+from kvstore.v1 import agent_pb2, peer_pb2
+from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerRef, PeerRefused,
+                                    PeerTransportError, control_buffer, is_ip,
+                                    namespace_to_proto, present_prefix, split_host_port,
+                                    within)
+
+if TYPE_CHECKING:
+    from node_agent.peer import PeerService
+
+log = logging.getLogger("kvstore.agent.peer")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequestIds:
+    ids: list[bytes]
+    parent_id: bytes
+
+
+
+
+class BatchSink:
+    """A's side of one transfer: stores received batches in chain order, with one store
+    copy in flight while the next batch arrives. Tracks how many of `ids` are stored and
+    why it stopped early, and tells `on_stored` about each stored run."""
+
+    def __init__(self, peer: "PeerService", st: NsState, generation: int, ids: list[bytes],
+                 parent_id: bytes, on_stored) -> None:
+        self.peer = peer
+        self.st = st
+        self.generation = generation
+        self.ids = ids
+        self.parent_id = parent_id
+        self.on_stored = on_stored
+        self.stored = 0  # leading ids stored (or found present)
+        self.expect = 0  # index the next chunk must start at
+        self.base = 0  # index of the current request's first id within `ids`
+        self.remote_done = False
+        self.stop_reason = ""
+        self._task: asyncio.Task | None = None
+
+    def begin(self) -> FetchRequestIds:
+        """Start a (re)request for the ids not stored yet."""
+        self.base = self.expect = self.stored
+        self.remote_done = False
+        rest = self.ids[self.stored:]
+        parent = self.ids[self.stored - 1] if self.stored else self.parent_id
+        return FetchRequestIds(rest, parent)
+
+    def check(self, chunk: peer_pb2.FetchChunk, max_count: int) -> int:
+        """Validate a chunk header against what was asked; returns its absolute index."""
+        first = self.base + chunk.first_index
+        if first != self.expect or chunk.count > max_count or \
+                first + chunk.count > len(self.ids) or len(chunk.checksums) != chunk.count:
+            raise PeerTransportError(
+                f"malformed chunk from peer: first_index {chunk.first_index}, count "
+                f"{chunk.count}, {len(chunk.checksums)} checksums (expected index "
+                f"{self.expect - self.base}, at most {max_count})")
+        return first
+
+    async def push(self, first: int, bufs, checksums: list[int]) -> bool:
+        """Queue a received batch for storing; False when the transfer should stop."""
+        if not await self.drain():
+            return False
+        self.expect = first + len(bufs)
+        self.peer.count("peer_blocks_received", len(bufs))
+        size = sum(memoryview(b).nbytes for b in bufs)
+        if size >= OFFLOAD_BYTES:
+            self._task = asyncio.create_task(
+                asyncio.to_thread(self._store, first, bufs, checksums))
+        else:
+            self._task = asyncio.get_running_loop().create_future()
+            self._task.set_result(self._store(first, bufs, checksums))
+        return True
+
+    async def drain(self) -> bool:
+        """Wait for the batch being stored; False when it did not store completely."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            first, n, wanted, reason = await task
+            self.peer.published()
+            self.stored = first + n
+            if n:
+                self.on_stored(first, n)
+                self.peer.count("peer_blocks_stored", n)
+            if n < wanted and not self.stop_reason:
+                self.stop_reason = reason or f"block {first + n} was not stored"
+        return not self.stop_reason
+
+    async def drain_quietly(self) -> None:
+        """drain() for cleanup paths: the store copy must finish before its staging set
+        can go, whatever else went wrong."""
+        try:
+            await self.drain()
+        except Exception as exc:  # reported, the transfer already failed
+            log.warning("storing a received batch failed: %s: %s", type(exc).__name__, exc)
+
+    def _store(self, first: int, bufs, checksums: list[int]):
+        """Worker-thread part: put, then see how far the chain got (put may skip blocks
+        on a full pool or refuse them on a checksum mismatch)."""
+        items = [PutItem(self.ids[first + i],
+                         self.ids[first + i - 1] if first + i else self.parent_id,
+                         bufs[i], checksums[i]) for i in range(len(bufs))]
+        reason = ""
+        try:
+            self.peer.store.put(self.st.ns_id, self.generation, items)
+        except errors.DataLoss as exc:
+            self.peer.count("peer_checksum_mismatch")
+            reason = f"checksum mismatch: {exc}"
+        except errors.KvError as exc:
+            reason = f"not stored here: {exc}"
+        n = present_prefix(self.peer.store, self.st.ns_id, self.generation, self.ids,
+                           self.parent_id, first)
+        return first, min(n, len(bufs)), len(bufs), reason
+
+
+class FetchJob:
+    """One Prefetch: claims the missing blocks, waits for runs a concurrent call already
+    transfers, and transfers its own runs (UCX, then gRPC for whatever is left)."""
+
+    def __init__(self, svc: "PeerService", st: NsState, generation: int, ids: list[bytes],
+                 parent_id: bytes, peer: PeerRef, deadline: float, authorization: str) -> None:
+        self.svc = svc
+        self.st = st
+        self.generation = generation
+        self.ids = ids
+        self.parent_id = parent_id
+        self.peer = peer
+        self.deadline = deadline
+        self.authorization = authorization
+        self.fetched = self.waited = 0
+        self.used: list[str] = []
+        self.stopped = ""
+        self._mine: dict[int, asyncio.Future] = {}
+
+    async def run(self) -> None:
+        start = present_prefix(self.svc.store, self.st.ns_id, self.generation, self.ids,
+                               self.parent_id)
+        if start == len(self.ids):
+            return
+        runs = self.svc.claim(self.st, self.generation, self.ids, start)
+        for s, e, mine, futs in runs:
+            if mine:
+                self._mine.update(zip(range(s, e), futs))
+        try:
+            for s, e, mine, futs in runs:
+                ok = await (self._transfer(s, e) if mine else self._wait(s, e, futs))
+                if not ok:
+                    break
+        finally:
+            self.svc.release(self.st, self.generation, self.ids, self._mine)
+
+    async def _wait(self, s: int, e: int, futs: list[asyncio.Future]) -> bool:
+        left = self.deadline - time.monotonic()
+        try:
+            done = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.shield(f) for f in futs)), max(left, 0.001))
+        except asyncio.TimeoutError:
+            self.stopped = "deadline passed waiting for a concurrent fetch of these blocks"
+            return False
+        if not all(done):
+            self.stopped = "a concurrent fetch of these blocks did not get them"
+            return False
+        self.waited += e - s
+        self.svc.count("peer_dedup_blocks", e - s)
+        return True
+
+    def _request(self, ids: list[bytes], parent: bytes, batch: int,
+                 authorization: str) -> peer_pb2.FetchRequest:
+        return peer_pb2.FetchRequest(
+            ns=agent_pb2.NamespaceRef(namespace_id=self.st.ns_id, generation=self.generation),
+            spec=namespace_to_proto(self.st.spec), block_ids=pack_ids(ids), parent_id=parent,
+            batch_blocks=batch, authorization=authorization)
+
+    def _stored(self, offset: int):
+        def on_stored(first: int, n: int) -> None:
+            for i in range(offset + first, offset + first + n):
+                fut = self._mine.get(i)
+                if fut is not None and not fut.done():
+                    fut.set_result(True)
+        return on_stored
+
+    async def _transfer(self, s: int, e: int) -> bool:
+        pcfg = self.svc.pcfg
+        parent = self.ids[s - 1] if s else self.parent_id
+        sink = BatchSink(self.svc, self.st, self.generation, self.ids[s:e], parent,
+                         self._stored(s))
+        # The store refuses chains shorter than min_prefix_blocks per put: the first
+        # batch must be at least that long.
+        batch = max(pcfg.batch_blocks, min(self.st.policy.min_prefix_blocks,
+                                           pcfg.max_batch_blocks))
+        if self.svc.ucx_ready and self.peer.ucx_address:
+            await self._attempt("ucx", sink, batch)
+        if (sink.stored < e - s and not sink.stop_reason and not sink.remote_done
+                and self.peer.grpc_address and time.monotonic() < self.deadline):
+            size = self.st.spec.block_bytes
+            gbatch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
+            await self._attempt("grpc", sink, gbatch)
+        self.fetched += sink.stored
+        if sink.stored == e - s:
+            return True
+        self.stopped = sink.stop_reason or self.stopped or (
+            f"the peer holds only {s + sink.stored} of the blocks" if sink.remote_done
+            else "transfer incomplete")
+        return False
+
+    async def _attempt(self, transport: str, sink: "BatchSink", batch: int) -> None:
+        want = sink.begin()
+        self.used.append(transport)
+        self.svc.count(f"peer_fetch_{transport}")
+        try:
+            if transport == "ucx":
+                req = self._request(want.ids, want.parent_id, batch, self.authorization)
+                await ucx_fetch(self.svc, self.peer.ucx_address, req, sink, batch,
+                                self.deadline)
+            else:
+                req = self._request(want.ids, want.parent_id, batch, "")
+                await self.svc.grpc_fetcher().fetch(
+                    self.peer.grpc_address, req, sink, batch, self.deadline,
+                    self.svc.pcfg.io_timeout_s, self.authorization)
+        except PeerRefused as exc:
+            sink.stop_reason = str(exc)
+        except PeerTransportError as exc:
+            self.svc.count(f"peer_{transport}_failures")
+            self.stopped = f"{transport}: {exc}"
+            log.warning("%s fetch of %d blocks from %s failed after %d: %s", transport,
+                        len(sink.ids), self.peer.ucx_address if transport == "ucx"
+                        else self.peer.grpc_address, sink.stored, exc)
+
+
+async def ucx_fetch(svc: "PeerService", address: str, req: peer_pb2.FetchRequest,
+                    sink: BatchSink, batch: int, deadline: float) -> None:
+    """Pull `req` over UCX into `sink`. Raises PeerTransportError on transport trouble
+    (the caller may fall back), PeerRefused when the peer declines."""
+    io = svc.pcfg.io_timeout_s
+    ep = await _ucx_connect(svc, address, deadline)
+    size = sink.st.spec.block_bytes
+    sets = [svc.staging.take(batch, size), svc.staging.take(batch, size)]
+    clean = False
+    try:
+        await within(ep.send_obj(req.SerializeToString()), deadline, io, "request send")
+        k = 0
+        while not sink.remote_done:
+            raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
+                               "chunk header")
+            hdr = peer_pb2.FetchChunk.FromString(bytes(raw))
+            if hdr.error:
+                raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
+            first = sink.check(hdr, batch)
+            bufs = sets[k % 2][:hdr.count]
+            if bufs:
+                await within(asyncio.gather(*(ep.recv(b) for b in bufs)), deadline, io,
+                             f"{len(bufs)} payloads")
+            sink.remote_done = hdr.done
+            k += 1
+            if bufs and not await sink.push(first, bufs, list(hdr.checksums)):
+                break
+        if sink.remote_done:
+            await sink.drain()
+            await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)), deadline, io,
+                         "acknowledgement")
+            clean = True
+    except (PeerTransportError, PeerRefused):
+        raise
+    except Exception as exc:  # ucxx errors: reset by peer, truncation, closed endpoint
+        raise PeerTransportError(f"UCX transfer from {address}: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+    finally:
+        if not clean:
+            ep.abort()  # cancels receives still posted into the staging sets
+        await sink.drain_quietly()
+        for s in sets:
+            svc.staging.give(s, clean)
+        if clean:
+            await ep.close()
+
+
+async def _ucx_connect(svc: "PeerService", address: str, deadline: float):
+    host, port = split_host_port(address)
+    try:
+        if not is_ip(host):
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port)
+            host = infos[0][4][0]
+        return await within(svc.ucx.create_endpoint(
+            host, port, endpoint_error_handling=True,
+            connect_timeout=svc.pcfg.connect_timeout_s),
+            deadline, svc.pcfg.connect_timeout_s, f"UCX connect to {address}")
+    except PeerTransportError:
+        raise
+    except Exception as exc:
+        raise PeerTransportError(f"UCX connect to {address}: {type(exc).__name__}: "
+                                 f"{exc}") from exc

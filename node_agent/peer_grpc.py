@@ -1,0 +1,96 @@
+"""gRPC side of peer transfer: the Peer service (FetchBlocks, the fallback transport, and
+Prefetch, the entry point) and the client that pulls over FetchBlocks. The protocol and
+the UCX fast path are described in node_agent/peer.py."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvstore.v1 import peer_pb2, peer_pb2_grpc
+from node_agent.interceptors import current_tenant
+from node_agent.peer_common import REFUSALS, PeerRefused, PeerTransportError, within
+
+if TYPE_CHECKING:
+    from node_agent.peer import PeerService
+    from node_agent.peer_fetch import BatchSink
+
+log = logging.getLogger("kvstore.agent.peer")
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """Thin: validation and the work live in PeerService."""
+
+    def __init__(self, svc: "PeerService") -> None:
+        self.svc = svc
+
+    async def FetchBlocks(self, request, context):
+        st, ids, parent, batch = await self.svc.source(request, current_tenant.get())
+        size = st.spec.block_bytes
+        # Keep every chunk well inside the message size limit.
+        batch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
+        batches = self.svc.read_batches(st, request.ns.generation, ids, parent, batch)
+        async with aclosing(batches) as it:
+            async for first, served, bufs, last in it:
+                yield peer_pb2.FetchChunk(
+                    first_index=first, count=len(served),
+                    checksums=[s.checksum for s in served],
+                    data=[bufs[i][:size].tobytes() for i in range(len(served))], done=last)
+
+    async def Prefetch(self, request, context):
+        md = dict(context.invocation_metadata() or ())
+        return await self.svc.prefetch(request, current_tenant.get(),
+                                       md.get("authorization", ""), context.time_remaining())
+
+
+class GrpcFetcher:
+    """Pulls blocks over Peer.FetchBlocks; one channel per peer address, kept open."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._opts = [("grpc.max_send_message_length", max_message_bytes),
+                      ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> peer_pb2_grpc.PeerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=self._opts)
+        return peer_pb2_grpc.PeerStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: "BatchSink",
+                    batch: int, deadline: float, io_timeout: float,
+                    authorization: str) -> None:
+        """Pull `req` into `sink`; PeerTransportError / PeerRefused as the UCX path."""
+        md = (("authorization", authorization),) if authorization else None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTransportError("deadline passed before the gRPC fallback")
+        call = self._stub(address).FetchBlocks(req, timeout=left, metadata=md)
+        try:
+            while not sink.remote_done:
+                msg = await within(call.read(), deadline, io_timeout, "gRPC chunk")
+                if msg is grpc.aio.EOF:
+                    raise PeerTransportError(f"{address} ended the stream early")
+                first = sink.check(msg, batch)
+                if len(msg.data) != msg.count:
+                    raise PeerTransportError(f"{address} sent {len(msg.data)} payloads for "
+                                             f"a chunk of {msg.count}")
+                sink.remote_done = msg.done
+                if msg.count and not await sink.push(first, list(msg.data),
+                                                     list(msg.checksums)):
+                    break
+            await sink.drain()
+        except grpc.aio.AioRpcError as exc:
+            cls = PeerRefused if exc.code().name in REFUSALS else PeerTransportError
+            raise cls(f"{address}: {exc.code().name} {exc.details()}") from None
+        finally:
+            call.cancel()
+            await sink.drain_quietly()

@@ -1,0 +1,123 @@
+"""Agent membership in etcd: the agent's NodeRecord lives under nodes/<node_id>, attached to
+a lease it keeps alive. Routers discover agents from these keys and drop an agent when its
+key goes (clean shutdown revokes the lease; a crash lets it expire after lease_ttl_s).
+
+etcd is never on the data path: while etcd is down the agent keeps serving and this loop
+keeps retrying. A short outage keeps the old lease (etcd renews leases when it comes
+back); if the lease did expire meanwhile, the agent registers again with a new one.
+The record is claimed with compare-and-create, so a second agent started with the same
+node id waits (and says so in the log) until the first one's lease is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from cluster.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
+from kvstore import errors
+
+log = logging.getLogger("kvstore.agent")
+
+
+class Registration:
+    def __init__(self, endpoints: str, record: Callable[[], NodeRecord], ttl_s: int,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"lease_ttl_s must be >= 1, got {ttl_s}")
+        self._endpoints = endpoints
+        self._prefix = prefix
+        self._record = record
+        self.ttl_s = ttl_s
+        # Heartbeat three times per TTL so one lost keepalive does not expire the lease.
+        self.interval_s = max(ttl_s / 3.0, 0.2)
+        self.lease = 0
+        self.registered = asyncio.Event()
+        self._etcd: EtcdClient | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._etcd = EtcdClient(self._endpoints, self._prefix,
+                                timeout=max(1.0, min(3.0, self.ttl_s / 2)))
+        self._task = asyncio.create_task(self._run(), name="etcd-registration")
+
+    async def stop(self) -> None:
+        """Stop heartbeats and revoke the lease so routers drop this node at once."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._etcd is not None:
+            if self.lease:
+                try:
+                    await self._etcd.revoke(self.lease)
+                    log.info("revoked etcd lease %x", self.lease)
+                except errors.KvError as exc:
+                    log.warning("could not revoke etcd lease (it will expire in %ds): %s",
+                                self.ttl_s, exc)
+            await self._etcd.close()
+            self._etcd = None
+
+    async def _run(self) -> None:
+        delay = 0.2
+        complained = False
+        while True:
+            try:
+                if await self._register():
+                    delay, complained = 0.2, False
+                    await self._heartbeat()
+            except errors.NotFound:
+                self.lease = 0  # our lease expired while we waited: take a new one
+            except errors.KvError as exc:
+                if not complained:
+                    log.warning("etcd registration failing (the data path keeps serving): "
+                                "%s", exc)
+                    complained = True
+            self.registered.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.ttl_s / 2.0)
+
+    async def _register(self) -> bool:
+        rec = self._record()
+        if not self.lease:
+            self.lease = await self._etcd.grant(self.ttl_s)
+        if not await self._etcd.register_node(rec, self.lease):
+            log.warning("node id %s is held by another live agent in etcd; waiting for its "
+                        "lease to expire", rec.node_id)
+            return False
+        log.info("registered %s at %s in etcd (lease %x, ttl %ds)", rec.node_id, rec.address,
+                 self.lease, self.ttl_s)
+        self.registered.set()
+        self._last = rec
+        return True
+
+    async def _heartbeat(self) -> None:
+        """Keep the lease alive and the record fresh; returns when the lease is lost."""
+        failing = False
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                left = await self._etcd.keepalive(self.lease)
+                if left <= 0:
+                    log.warning("etcd lease %x expired; registering again", self.lease)
+                    self.lease = 0
+                    return
+                rec = self._record()
+                if rec != self._last:
+                    if not await self._etcd.update_node(rec, self.lease):
+                        log.warning("our etcd record disappeared; registering again")
+                        return
+                    self._last = rec
+                if failing:
+                    log.info("etcd reachable again; lease %x kept", self.lease)
+                    failing = False
+            except errors.NotFound:
+                self.lease = 0
+                return
+            except errors.Unavailable as exc:
+                if not failing:
+                    log.warning("etcd heartbeat failing (still serving): %s", exc)
+                    failing = True

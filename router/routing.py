@@ -1,0 +1,291 @@
+"""Router state and decisions, without I/O: the block index, the known nodes (from etcd),
+requests in flight (assigned by this router), namespace layouts for peer pricing.
+router/follower.py feeds it; router/server.py exposes it over gRPC; the benchmark drives
+it directly.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+from typing import NamedTuple
+
+from cluster.etcd import NodeRecord
+from kvstore import errors
+from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
+from router.index import BlockIndex
+from router.scoring import (NodeLoad, Pricing, Score, Weights, load_cost, score_nodes,
+                            score_ranked)
+
+MAX_CANDIDATES = 4  # candidates returned per decision: the chosen node and 3 fallbacks
+
+log = logging.getLogger("kvstore.router")
+
+
+class InFlight:
+    """Requests routed and not yet released, per node. Entries expire after `timeout_s`
+    so a client that never calls Release cannot pin load on a node forever."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[str], None] = lambda node_id: None) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._on_change = on_change
+        self._by_request: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._per_node: Counter[str] = Counter()
+
+    def add(self, request_id: str, node_id: str) -> None:
+        self.release(request_id)  # a retried request id moves, it does not double count
+        self._by_request[request_id] = (node_id, self._clock() + self.timeout_s)
+        self._per_node[node_id] += 1
+        self._on_change(node_id)
+
+    def release(self, request_id: str) -> bool:
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return False
+        self._per_node[entry[0]] -= 1
+        if self._per_node[entry[0]] <= 0:
+            del self._per_node[entry[0]]
+        self._on_change(entry[0])
+        return True
+
+    def expire(self) -> int:
+        """Drop entries past their deadline (insertion order is deadline order)."""
+        now, n = self._clock(), 0
+        while self._by_request:
+            rid, (_, deadline) = next(iter(self._by_request.items()))
+            if deadline > now:
+                break
+            self.release(rid)
+            n += 1
+        return n
+
+    def count(self, node_id: str) -> int:
+        return self._per_node.get(node_id, 0)
+
+    def forget_node(self, node_id: str) -> None:
+        for rid in [r for r, (n, _) in self._by_request.items() if n == node_id]:
+            self.release(rid)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
+class LoadBoard:
+    """The nodes routes may go to, kept sorted by (load cost under the configured
+    weights, node id), updated per change in O(log n) comparisons, so a route never
+    sorts or even visits every node (router/scoring.py:score_ranked)."""
+
+    def __init__(self, weights: Weights) -> None:
+        self.weights = weights
+        self._keys: list[tuple[float, str]] = []  # parallel to _ranked: C-speed bisect
+        self._ranked: list[NodeLoad] = []
+        self._by_id: dict[str, NodeLoad] = {}
+
+    def set(self, load: NodeLoad) -> None:
+        old = self._by_id.get(load.node_id)
+        if old == load:
+            return
+        if old is not None:
+            self.remove(load.node_id)
+        key = (load_cost(load, self.weights), load.node_id)
+        i = bisect.bisect_right(self._keys, key)
+        self._keys.insert(i, key)
+        self._ranked.insert(i, load)
+        self._by_id[load.node_id] = load
+
+    def remove(self, node_id: str) -> None:
+        old = self._by_id.pop(node_id, None)
+        if old is not None:
+            # Keys are unique (node id is part of them), so this finds exactly `old`.
+            i = bisect.bisect_left(self._keys, (load_cost(old, self.weights), node_id))
+            del self._keys[i]
+            del self._ranked[i]
+
+    @property
+    def ranked(self) -> list[NodeLoad]:
+        return self._ranked
+
+    @property
+    def by_id(self) -> dict[str, NodeLoad]:
+        return self._by_id
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._ranked)
+
+
+class Decision(NamedTuple):
+    """A NamedTuple rather than a frozen dataclass: built on every route (hot path)."""
+
+    request_id: str
+    total_blocks: int
+    scores: list[Score]  # cheapest first
+
+    @property
+    def chosen(self) -> Score:
+        return self.scores[0]
+
+
+@dataclass(slots=True)
+class NodeState:
+    record: NodeRecord
+    synced: bool = False
+    epoch: str = ""  # epoch of the event stream the index reflects
+
+
+class RouterCore:
+    def __init__(self, weights: Weights, prefill_tokens_per_s: float = 8000.0,
+                 peer_gbps: float = 1.0, inflight_timeout_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.weights = weights
+        self.index = BlockIndex()
+        self.nodes: dict[str, NodeState] = {}
+        self.board = LoadBoard(weights)
+        self.inflight = InFlight(inflight_timeout_s, clock, self._touch)
+        self.killswitch = False
+        self._default_pricing = Pricing(prefill_tokens_per_s, peer_gbps)
+        self._pricing: dict[bytes, Pricing] = {}
+        # Request ids for callers that send none: unique per router process, cheaper
+        # than uuid4 on the hot path.
+        self._rid_prefix = os.urandom(6).hex() + "-"
+        self._rid_seq = count(1)
+
+    @classmethod
+    def from_config(cls, cfg) -> "RouterCore":
+        return cls(Weights.from_config(cfg), cfg.prefill_tokens_per_s, cfg.peer_gbps,
+                   cfg.inflight_timeout_s)
+
+    def _load(self, node_id: str) -> NodeLoad:
+        return NodeLoad(node_id, self.inflight.count(node_id),
+                        self.nodes[node_id].record.utilization)
+
+    def _touch(self, node_id: str) -> None:
+        """Re-rank a node after its load, utilization or sync state changed."""
+        st = self.nodes.get(node_id)
+        if st is not None and st.synced:
+            self.board.set(self._load(node_id))
+        else:
+            self.board.remove(node_id)
+
+    # ------------------------------------------------------------- membership
+    def upsert_node(self, record: NodeRecord) -> bool:
+        """Add or refresh a node from etcd. True when it is new or moved address (the
+        caller then (re)starts its event stream)."""
+        st = self.nodes.get(record.node_id)
+        if st is None:
+            self.nodes[record.node_id] = NodeState(record)
+            self.index.add_node(record.node_id)
+            return True
+        moved = st.record.address != record.address
+        st.record = record
+        if moved:
+            st.synced = False
+        self._touch(record.node_id)
+        return moved
+
+    def remove_node(self, node_id: str) -> None:
+        if self.nodes.pop(node_id, None) is not None:
+            self.board.remove(node_id)
+            n = self.index.drop_node(node_id)
+            self.inflight.forget_node(node_id)
+            log.info("node %s left; dropped %d index entries", node_id, n)
+
+    def begin_snapshot(self, node_id: str, epoch: str) -> None:
+        st = self.nodes.get(node_id)
+        if st is None:
+            return
+        if st.epoch and st.epoch != epoch:
+            log.info("node %s restarted (epoch %s -> %s); resyncing", node_id, st.epoch[:8],
+                     epoch[:8])
+        st.epoch = epoch
+        self.mark_unsynced(node_id)
+        self.index.clear_node(node_id)
+
+    def mark_synced(self, node_id: str) -> None:
+        self._set_synced(node_id, True)
+
+    def mark_unsynced(self, node_id: str) -> None:
+        self._set_synced(node_id, False)
+
+    def _set_synced(self, node_id: str, synced: bool) -> None:
+        st = self.nodes.get(node_id)
+        if st is not None and st.synced != synced:
+            st.synced = synced
+            self._touch(node_id)
+
+    def set_namespace_layout(self, ns_id: bytes, block_bytes: int, block_tokens: int) -> None:
+        p = self._default_pricing
+        self._pricing[ns_id] = Pricing(p.prefill_tokens_per_s, p.peer_gbps, block_bytes,
+                                       block_tokens)
+
+    def forget_namespace(self, ns_id: bytes) -> None:
+        self._pricing.pop(ns_id, None)
+
+    def pricing(self, ns_id: bytes) -> Pricing:
+        return self._pricing.get(ns_id, self._default_pricing)
+
+    # --------------------------------------------------------------- routing
+    def _scores(self, total: int, local: dict[str, int], w: Weights,
+                pricing: Pricing) -> list[Score]:
+        if len(self.board) and (w.load, w.utilization) == (self.weights.load,
+                                                           self.weights.utilization):
+            return score_ranked(total, local, self.board.ranked, w, pricing, MAX_CANDIDATES,
+                                self.board.by_id)
+        # Slow path: load weights overridden (the board's order does not apply), or no
+        # node in sync yet (router just started): score every eligible node.
+        ids = [n.node_id for n in self.board.ranked] or list(self.nodes)
+        return score_nodes(total, local, [self._load(i) for i in ids], w, pricing,
+                           MAX_CANDIDATES)
+
+    def route(self, namespace_id: bytes, packed_ids: bytes, weights: Weights | None = None,
+              request_id: str = "", dry_run: bool = False) -> Decision:
+        if len(namespace_id) != 16:
+            raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got "
+                                         f"{len(namespace_id)}")
+        if len(packed_ids) % BLOCK_ID_BYTES:
+            raise errors.InvalidArgument(f"block_ids is {len(packed_ids)} bytes, not a "
+                                         f"multiple of {BLOCK_ID_BYTES}")
+        self.inflight.expire()
+        if not self.nodes:
+            raise errors.Unavailable("no node agents are registered in etcd")
+        total = len(packed_ids) // BLOCK_ID_BYTES
+        local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
+        scores = self._scores(total, local, weights or self.weights,
+                              self.pricing(namespace_id))
+        rid = request_id or f"{self._rid_prefix}{next(self._rid_seq):x}"
+        if not dry_run:
+            self.inflight.add(rid, scores[0].node_id)
+        if log.isEnabledFor(logging.DEBUG):
+            _log_decision(rid, namespace_id, total, scores)
+        return Decision(rid, total, scores)
+
+    def route_tokens(self, namespace_id: bytes, root: bytes, tokens, block_size: int,
+                     weights: Weights | None = None, request_id: str = "",
+                     dry_run: bool = False) -> Decision:
+        """Hash a prompt's tokens into block ids (kvstore.hashing), then route."""
+        packed = hash_chain_packed(root, tokens, block_size)
+        return self.route(namespace_id, packed, weights, request_id, dry_run)
+
+    def release(self, request_id: str) -> bool:
+        return self.inflight.release(request_id)
+
+
+def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]) -> None:
+    """Block counts and cost terms only: never tokens."""
+    c = scores[0]
+    log.debug("route %s ns=%s blocks=%d -> %s local=%d peer=%d(%s) recompute=%d "
+              "in_flight=%d util=%.2f cost=%.3f [recompute=%.3f peer=%.3f load=%.3f "
+              "util=%.3f] runner_up=%s", rid, namespace_id.hex()[:12], total, c.node_id,
+              c.local_blocks, c.peer_blocks, c.peer_node_id or "-", c.recompute_blocks,
+              c.in_flight, c.utilization, c.cost, c.recompute_cost, c.peer_cost, c.load_cost,
+              c.utilization_cost,
+              f"{scores[1].node_id}:{scores[1].cost:.3f}" if len(scores) > 1 else "-")

@@ -1,0 +1,163 @@
+"""Router process: grpc.aio server for kvstore.v1.Router plus grpc health, fed by etcd and
+the agents' event streams. The servicer only converts protobuf <-> RouterCore calls."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.etcd import EtcdClient
+from kvstore import errors
+from kvstore.config import RouterConfig
+from kvstore.v1 import router_pb2, router_pb2_grpc
+from router.follower import ClusterFollower
+from router.routing import RouterCore
+from router.scoring import Weights
+
+log = logging.getLogger("kvstore.router")
+
+MAX_ROUTE_BLOCKS = 1 << 16  # 1M tokens at 16 per block; bigger requests are malformed
+_CODES = {name: getattr(grpc.StatusCode, name) for name in (
+    "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE",
+    "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED")}
+
+
+def _status(exc: errors.KvError) -> grpc.StatusCode:
+    return _CODES.get(exc.code, grpc.StatusCode.INTERNAL)
+
+
+def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
+    cands = []
+    for s in d.scores:
+        st = core.nodes.get(s.node_id)
+        cands.append(router_pb2.Candidate(
+            node_id=s.node_id, address=st.record.address if st else "",
+            local_blocks=s.local_blocks, peer_blocks=s.peer_blocks,
+            peer_node_id=s.peer_node_id, recompute_blocks=s.recompute_blocks,
+            in_flight=s.in_flight, utilization=s.utilization, cost=s.cost))
+    c = cands[0]
+    return router_pb2.RouteResponse(node_id=c.node_id, address=c.address,
+                                    matched_blocks=c.local_blocks, candidates=cands,
+                                    request_id=d.request_id, peer_hint=c.peer_node_id)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+        # Generation fence (router/control.py): raises StaleGeneration for a flushed one.
+        self.fence = lambda namespace_id, generation: None
+
+    async def Route(self, request, context):
+        try:
+            if len(request.block_ids) > MAX_ROUTE_BLOCKS * 16:
+                raise errors.InvalidArgument(f"block_ids names more than {MAX_ROUTE_BLOCKS} "
+                                             "blocks")
+            self.fence(request.namespace_id, request.generation)
+            weights = None
+            if request.HasField("weights"):
+                w = request.weights
+                weights = self.core.weights.override(w.recompute, w.peer_fetch, w.load,
+                                                     w.utilization)
+            d = self.core.route(request.namespace_id, request.block_ids, weights,
+                                request.request_id, request.dry_run)
+        except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override
+            code = _status(exc) if isinstance(exc, errors.KvError) \
+                else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
+        return decision_to_proto(d, self.core)
+
+    async def Release(self, request, context):
+        self.core.release(request.request_id)
+        return router_pb2.ReleaseResponse()
+
+    async def ListNodes(self, request, context):
+        out = []
+        for node_id in sorted(self.core.nodes):
+            st = self.core.nodes[node_id]
+            r = st.record
+            out.append(router_pb2.NodeInfo(
+                node_id=node_id, address=r.address, peer_address=r.peer_address,
+                device=r.device, hbm_capacity_bytes=r.hbm_capacity_bytes,
+                nvme_capacity_bytes=r.nvme_capacity_bytes,
+                indexed_blocks=self.core.index.node_blocks(node_id)[0], synced=st.synced))
+        return router_pb2.ListNodesResponse(nodes=out)
+
+
+class RouterServer:
+    def __init__(self, cfg: RouterConfig, token: str | None = None,
+                 etcd_prefix: str | None = None, with_control: bool = False) -> None:
+        """with_control: also run router/control.RouterControl (generation fencing, kill
+        switch acknowledgements, presence under routers/); the router process does."""
+        self.cfg = cfg
+        self.with_control = with_control
+        self.control = None
+        self.core = RouterCore.from_config(cfg)
+        self.token = token
+        self.etcd_prefix = etcd_prefix
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+        self.follower: ClusterFollower | None = None
+        self._etcd: EtcdClient | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.listen.rsplit(':', 1)[0]}:{self.port}"
+
+    async def start(self) -> None:
+        Weights.from_config(self.cfg)  # validated once, before serving
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.servicer = RouterServicer(self.core)
+        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(self.cfg.listen)
+        if not self.port:
+            raise RuntimeError(f"could not bind {self.cfg.listen}")
+        kwargs = {"prefix": self.etcd_prefix} if self.etcd_prefix else {}
+        self._etcd = EtcdClient(self.cfg.etcd_endpoints, **kwargs)
+        self.follower = ClusterFollower(self.core, self._etcd, self.cfg.router_id, self.token)
+        self.follower.start()
+        if self.with_control:  # generations and kill switch loaded before serving
+            from router.control import RouterControl
+            self.control = RouterControl(self._etcd, self.cfg.router_id, core=self.core,
+                                         address=self.address)
+            await self.control.start()
+            self.servicer.fence = self.control.check
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("kvstore.v1.Router", health_pb2.HealthCheckResponse.SERVING)
+        log.info("router %s serving on %s (etcd %s)", self.cfg.router_id, self.address,
+                 self.cfg.etcd_endpoints)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace)
+        if self.control is not None:
+            await self.control.stop()
+        if self.follower is not None:
+            await self.follower.stop()
+        if self._etcd is not None:
+            await self._etcd.close()
+        log.info("router %s stopped", self.cfg.router_id)
+
+
+async def serve(cfg: RouterConfig, ready_file: str | None = None, token: str | None = None,
+                etcd_prefix: str | None = None) -> None:
+    router = RouterServer(cfg, token, etcd_prefix, with_control=True)
+    await router.start()
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(router.address + "\n")
+        os.replace(tmp, ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await router.stop()

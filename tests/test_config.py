@@ -1,0 +1,138 @@
+"""Typed configuration: file, then env, then overrides; every bad value names its field."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvstore.config import AgentConfig, RouterConfig, TenantConfig, load_config, to_dict
+from kvstore.policy import NamespacePolicy
+
+MiB = 1 << 20
+YAML = """\
+node_id: gpu-3
+listen: 127.0.0.1:0
+device: cpu
+pool_bytes: 16MiB
+slot_bytes: 64KiB
+nvme_bytes: 2GiB
+eviction: lru
+allow_unauthenticated: true
+default_policy:
+  ttl_seconds: 600
+  persist: false
+policies:
+  acme/chat:
+    min_prefix_blocks: 2
+    pin_budget_bytes: 1MiB
+tenants:
+  acme:
+    token_sha256: {digest}
+    hbm_limit_bytes: 8MiB
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+    for k in list(os.environ):
+        if k.startswith("KVSTORE_AGENT_"):
+            monkeypatch.delenv(k)
+
+
+def write(tmp_path, text, name="agent.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_load_from_yaml(tmp_path):
+    digest = hashlib.sha256(b"acme-token").hexdigest()
+    cfg = load_config(AgentConfig, write(tmp_path, YAML.format(digest=digest)))
+    assert cfg.node_id == "gpu-3" and cfg.device == "cpu" and cfg.eviction == "lru"
+    assert cfg.pool_bytes == 16 * MiB and cfg.slot_bytes == 64 << 10
+    assert cfg.nvme_bytes == 2 << 30 and cfg.pool_slots == 256
+    assert cfg.allow_unauthenticated is True
+    assert cfg.default_policy == NamespacePolicy(ttl_seconds=600.0, persist=False)
+    assert cfg.policy_for("acme", "chat") == NamespacePolicy(min_prefix_blocks=2,
+                                                             pin_budget_bytes=MiB)
+    assert cfg.policy_for("acme", "other") == cfg.default_policy
+    assert cfg.tenants == {"acme": TenantConfig(token_sha256=digest, hbm_limit_bytes=8 * MiB)}
+
+
+def test_load_from_json_and_round_trip(tmp_path):
+    import json
+    cfg = load_config(AgentConfig, write(tmp_path, json.dumps(
+        {"pool_bytes": 4 * MiB, "tenants": {"b": {"nvme_limit_bytes": "1GiB"}}}), "a.json"))
+    assert cfg.pool_bytes == 4 * MiB and cfg.tenants["b"].nvme_limit_bytes == 1 << 30
+    assert load_config(AgentConfig, overrides=to_dict(cfg)) == cfg
+
+
+def test_env(monkeypatch):
+    monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTES", "32MiB")
+    monkeypatch.setenv("KVSTORE_AGENT_ALLOW_UNAUTHENTICATED", "yes")
+    monkeypatch.setenv("KVSTORE_AGENT_EXPIRE_INTERVAL_S", "2.5")
+    monkeypatch.setenv("KVSTORE_AGENT_TENANTS", '{"acme": {"hbm_limit_bytes": "1MiB"}}')
+    cfg = load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
+    assert cfg.pool_bytes == 32 * MiB
+    assert cfg.allow_unauthenticated is True
+    assert cfg.expire_interval_s == 2.5
+    assert cfg.tenants["acme"].hbm_limit_bytes == MiB
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
+    path = write(tmp_path, "pool_bytes: 16MiB\nnode_id: from-file\ndevice: cpu\n")
+    monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTES", "32MiB")
+    monkeypatch.setenv("KVSTORE_AGENT_NODE_ID", "from-env")
+    cfg = load_config(AgentConfig, path, "KVSTORE_AGENT_", {"pool_bytes": "64MiB",
+                                                          "node_id": None})
+    assert cfg.pool_bytes == 64 * MiB  # override beats env beats file
+    assert cfg.node_id == "from-env"  # a None override is "not given"
+    assert cfg.device == "cpu"  # only in the file
+    assert load_config(AgentConfig, path).pool_bytes == 16 * MiB
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("pool_bytes", "lots", "pool_bytes"),
+    ("pool_bytes", -5, "pool_bytes"),
+    ("slot_bytes", "0", "slot_bytes"),
+    ("max_blocks_per_request", "many", "max_blocks_per_request"),
+    ("max_blocks_per_request", 0, "max_blocks_per_request"),
+    ("max_message_bytes", 0, "max_message_bytes"),
+    ("expire_interval_s", "soon", "expire_interval_s"),
+    ("expire_interval_s", 0, "expire_interval_s"),
+    ("lease_ttl_s", -1, "lease_ttl_s"),
+    ("allow_unauthenticated", "maybe", "allow_unauthenticated"),
+    ("eviction", "fifo", "eviction"),
+    ("node_id", "a/b", "node_id"),
+    ("tenants", {"acme": {"hbm_limit_bytes": "x"}}, r"tenants\.acme\.hbm_limit_bytes"),
+    ("tenants", {"acme": {"colour": 1}}, r"unknown tenants\.acme fields: colour"),
+    ("tenants", "[1, 2]", "tenants"),
+    ("default_policy", {"ttl_seconds": -1}, "ttl_seconds"),
+    ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
+    ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
+    ("colour", "blue", "unknown AgentConfig fields: colour"),
+])
+def test_bad_values_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(AgentConfig, overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB",
+                                            field: value})
+
+
+def test_pool_must_hold_a_slot():
+    with pytest.raises(ValueError, match="pool_bytes"):
+        AgentConfig(pool_bytes=MiB, slot_bytes=2 * MiB)
+
+
+def test_bad_file_contents(tmp_path):
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(AgentConfig, write(tmp_path, "- a\n- b\n"))
+    assert load_config(AgentConfig, write(tmp_path, "")) == AgentConfig()
+
+
+def test_router_config_validation():
+    assert load_config(RouterConfig, overrides={"weight_load": "2"}).weight_load == 2.0
+    with pytest.raises(ValueError, match="weight_load"):
+        RouterConfig(weight_load=-1)
+    with pytest.raises(ValueError, match="peer_gbps"):
+        RouterConfig(peer_gbps=0)

@@ -1,0 +1,337 @@
+"""Control plane against real etcd, real agent processes and a real router (in-process, see
+control_support.InProcessRouter): atomic flush racing lookups and routes, a node down
+during a flush, the kill switch across restarts, quotas isolating tenants, and an etcd
+outage (data path keeps serving, admin commands fail clearly)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import grpc
+import pytest
+from conftest import PY, ROOT, make_namespace, wait_for
+from control_support import (AgentClient, InProcessRouter, agent_cfg, chain, kvctl, kvctl_json,
+                             status_of, with_fake_member)
+
+from kvstore import errors
+from kvstore.hashing import pack_ids
+from kvstore.v1 import agent_pb2, agent_pb2_grpc
+
+SPEC = make_namespace()
+# Same name, another weights revision: `flush acme/chat` takes both in one transaction.
+SPEC_R2 = make_namespace(model_revision="r2")
+OTHER = make_namespace(name="code")
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _stale(client: AgentClient, spec, ids, generation) -> bool:
+    return status_of(client.lookup, spec, ids, generation) == FAILED_PRECONDITION
+
+
+# ------------------------------------------------------------- flush under load
+PER_PHASE = 1000  # lookups and routes each, before the flush starts and after it returns
+_STORM_LIMIT_S = 90.0  # safety bound only
+
+
+class Storm:
+    """Old-generation lookups (gRPC, every agent, 16 in flight) and routes (the router)
+    until PER_PHASE of each were sent after the flush returned; records (sent_at, kind,
+    outcome), outcome one of hit / miss / stale (refused: fenced). Bounded in count, and
+    in time as a safety net."""
+
+    def __init__(self, addresses, ids, router) -> None:
+        self.ids, self.router = ids, router
+        self.addresses = addresses
+        self.samples: list[tuple[float, str, str]] = []
+        self.done_at: float | None = None
+        self.counts = {"lookup": [0, 0], "route": [0, 0]}  # [before, after]
+
+    def _record(self, sent: float, kind: str, outcome: str) -> None:
+        self.samples.append((sent, kind, outcome))
+        self.counts[kind][self.done_at is not None and sent > self.done_at] += 1
+
+    def _more(self, kind: str, deadline: float) -> bool:
+        return (self.counts[kind][1] < PER_PHASE
+                and asyncio.get_running_loop().time() < deadline)
+
+    def ready(self) -> bool:
+        return all(c[0] >= PER_PHASE for c in self.counts.values())
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _STORM_LIMIT_S
+        channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        ref = agent_pb2.NamespaceRef(namespace_id=SPEC.namespace_id, generation=0)
+        req = agent_pb2.LookupRequest(ns=ref, block_ids=pack_ids(self.ids))
+
+        async def lookups(stub):
+            while self._more("lookup", deadline):
+                sent = loop.time()
+                try:
+                    resp = await stub.Lookup(req, timeout=10)
+                    self._record(sent, "lookup", "hit" if resp.matched else "miss")
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == FAILED_PRECONDITION, exc
+                    self._record(sent, "lookup", "stale")
+
+        async def routes():
+            while self._more("route", deadline):
+                sent = loop.time()
+                try:
+                    d = self.router.route(SPEC.namespace_id, 0, self.ids)
+                    self._record(sent, "route",
+                                 "hit" if d.scores[0].local_blocks else "miss")
+                except errors.StaleGeneration:
+                    self._record(sent, "route", "stale")
+                await asyncio.sleep(0.001)
+
+        stubs = [agent_pb2_grpc.NodeAgentStub(c) for c in channels]
+        try:
+            await asyncio.gather(*[lookups(s) for s in stubs for _ in range(8)],
+                                 *[routes() for _ in range(2)])
+        finally:
+            for c in channels:
+                await c.close()
+
+
+async def _flush_under_load(etcd, addresses, ids):
+    router = await InProcessRouter(etcd.endpoint).start()
+    try:
+        await router.wait_synced({"agent-0", "agent-1"})
+        for _ in range(100):  # the index takes the snapshots' blocks
+            if router.route(SPEC.namespace_id, 0, ids).scores[0].local_blocks == len(ids):
+                break
+            await asyncio.sleep(0.05)
+        storm = Storm(addresses, ids, router)
+        task = asyncio.create_task(storm.run())
+        for _ in range(600):
+            if storm.ready() or task.done():
+                break
+            await asyncio.sleep(0.05)
+        proc = await asyncio.create_subprocess_exec(
+            PY, "-m", "kvctl", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
+            cwd=ROOT, env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        storm.done_at = asyncio.get_running_loop().time()
+        await asyncio.wait_for(task, _STORM_LIMIT_S + 10)
+        assert proc.returncode == 0, stderr.decode()
+        return json.loads(stdout), storm
+    finally:
+        await router.stop()
+
+
+def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent):
+    agents = [spawn_agent(**agent_cfg(etcd)) for _ in range(2)]
+    clients = [AgentClient(a.address) for a in agents]
+    ids = []
+    for c in clients:
+        assert c.open(SPEC).generation == 0
+        assert c.open(SPEC_R2).generation == 0
+        ids = c.put_chain(SPEC, 1, 8, 0)
+        c.put_chain(SPEC_R2, 2, 4, 0)
+        c.open(OTHER)
+        other_ids = c.put_chain(OTHER, 3, 4, 0)
+    report, storm = asyncio.run(_flush_under_load(etcd, [a.address for a in agents], ids))
+
+    assert report["ok"] and report["missing"] == []
+    assert set(report["acknowledged"]) == {"agent-0", "agent-1", "router:r1"}
+    assert {(n["name"], n["new_generation"]) for n in report["namespaces"]} == {
+        ("chat", 1)}, "both revisions of acme/chat, nothing else"
+    assert len(report["namespaces"]) == 2
+    assert report["blocks_scheduled_for_deletion"] == 2 * (8 + 4)
+    assert storm.ready() and all(c[1] >= PER_PHASE for c in storm.counts.values()), \
+        storm.counts
+    before = [s for s in storm.samples if s[0] <= storm.done_at]
+    after = [s for s in storm.samples if s[0] > storm.done_at]
+    assert {k for _, k, outcome in before if outcome == "hit"} == {"lookup", "route"}
+    assert not [s for s in after if s[2] == "hit"], "an old-generation hit after the flush"
+    # and not by luck: every old-generation request after it was refused (fenced)
+    assert {outcome for _, _, outcome in after} == {"stale"}
+    for c in clients:
+        assert _stale(c, SPEC, ids, 0)
+        assert status_of(c.get_count, SPEC, ids, 0) == FAILED_PRECONDITION
+        assert c.open(SPEC).generation == 1
+        assert c.lookup(SPEC, chain(SPEC, 1, 8, 1)[0], 1).matched == 0
+        assert c.lookup(OTHER, other_ids, 0).matched == 4, "other namespaces keep their blocks"
+        counters = c.stats().counters
+        assert counters["blocks_dropped_flush"] == 12
+        assert c.stats().tiers[0].blocks == 4  # only `code` left in the pool
+        new_ids = c.put_chain(SPEC, 1, 8, 1)  # caching resumes at the new generation
+        assert c.lookup(SPEC, new_ids, 1).matched == 8
+        c.close()
+    audit = kvctl_json("audit", etcd=etcd)
+    assert [(a["action"], a["target"], a["ok"], a["who"]) for a in audit] == [
+        ("flush", "acme/chat", True, "test-operator")]
+
+
+# ------------------------------------------------------ node down during a flush
+def test_node_down_during_flush_catches_up_before_serving(etcd, spawn_agent):
+    a, b = (spawn_agent(**agent_cfg(etcd)) for _ in range(2))
+    ca, cb = AgentClient(a.address), AgentClient(b.address)
+    for c in (ca, cb):
+        c.open(SPEC)
+        ids = c.put_chain(SPEC, 5, 6, 0)
+    cb.close()
+    b.stop()  # clean stop: its blocks go to NVMe, its lease is revoked
+    # A crashed node: its lease lives until its TTL runs out, and the flush waits it out.
+    r = with_fake_member(etcd.endpoint, "crashed",
+                         lambda: kvctl("flush", "acme/chat", "--timeout", "20", etcd=etcd),
+                         ttl=2, keep=False)
+    assert r.returncode == 0, r.stderr
+    assert "waiting for crashed" in r.stderr, r.stderr  # progress while it was live
+    assert "nodes acknowledged:  1/1 (agent-0)" in r.stdout, r.stdout
+    assert "blocks scheduled for deletion: 6" in r.stdout
+    assert _stale(ca, SPEC, ids, 0)
+
+    b.restart()  # recovers the gen-0 blocks from RocksDB, then catches up before serving
+    cb = AgentClient(b.address)
+    counters = cb.stats().counters
+    assert counters["recovered_blocks"] == 6 and counters["blocks_dropped_flush"] == 6
+    assert _stale(cb, SPEC, ids, 0), "the restarted node served the old generation"
+    assert cb.open(SPEC).generation == 1
+    assert cb.lookup(SPEC, ids, 1).matched == 0
+    assert sum(t.blocks for t in cb.stats().tiers) == 0, "old blocks deleted from every tier"
+    assert "caught up with etcd" in b.log
+    # it is a member again: the next flush counts it from the start
+    r = kvctl_json("flush", "acme/chat", etcd=etcd)
+    assert sorted(r["acknowledged"]) == ["agent-0", "agent-1"]
+    assert r["namespaces"][0]["new_generation"] == 2
+
+
+def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
+    a = spawn_agent(**agent_cfg(etcd))
+    AgentClient(a.address).open(SPEC)
+    r = with_fake_member(etcd.endpoint, "ghost",
+                         lambda: kvctl("flush", "acme/chat", "--timeout", "1.5", etcd=etcd))
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    assert "ghost did not acknowledge" in r.stderr
+    assert "generation committed at etcd revision" in r.stderr
+    audit = kvctl_json("audit", etcd=etcd)[-1]
+    assert (audit["action"], audit["ok"]) == ("flush", False)
+    assert audit["params"]["missing"] == ["ghost"]
+    r = kvctl("flush", "acme/nope", etcd=etcd)
+    assert r.returncode == 1 and "no namespace named acme/nope" in r.stderr
+
+
+# ----------------------------------------------------------------- kill switch
+async def _router_killswitch(endpoint: str, ids) -> tuple[bool, int]:
+    router = await InProcessRouter(endpoint, "r-ks").start()
+    try:
+        return router.control.is_killed(), router.core.killswitch
+    finally:
+        await router.stop()
+
+
+def test_killswitch_on_off_survives_restarts(etcd, spawn_agent):
+    a = spawn_agent(**agent_cfg(etcd))
+    c = AgentClient(a.address)
+    c.open(SPEC)
+    ids = c.put_chain(SPEC, 7, 5, 0)
+    assert c.lookup(SPEC, ids, 0).matched == 5
+
+    r = kvctl("killswitch", "on", "--reason", "pollution suspected", etcd=etcd)
+    assert r.returncode == 0, r.stderr
+    assert "nodes acknowledged: 1/1" in r.stdout
+    assert c.lookup(SPEC, ids, 0).matched == 0
+    assert c.get_count(SPEC, ids, 0) == 0
+    code = status_of(c.put_chain, SPEC, 8, 2, 0)
+    assert code == FAILED_PRECONDITION
+    assert asyncio.run(_router_killswitch(etcd.endpoint, ids)) == (True, True)
+
+    a.restart()
+    c = AgentClient(a.address)
+    c.open(SPEC)
+    assert c.lookup(SPEC, ids, 0).matched == 0, "kill switch lost across a restart"
+    assert status_of(c.put_chain, SPEC, 8, 2, 0) == FAILED_PRECONDITION
+    st = kvctl_json("killswitch", "status", etcd=etcd)
+    assert st["enabled"] and st["info"]["reason"] == "pollution suspected"
+
+    r = kvctl_json("killswitch", "off", etcd=etcd)
+    assert r["ok"] and r["acknowledged"] == ["agent-0"]
+    new = c.put_chain(SPEC, 8, 2, 0)
+    assert c.lookup(SPEC, new, 0).matched == 2
+    assert asyncio.run(_router_killswitch(etcd.endpoint, ids)) == (False, False)
+    assert [x["target"] for x in kvctl_json("audit", etcd=etcd)] == ["on", "off"]
+
+
+# ---------------------------------------------------------------------- quotas
+def test_quotas_isolate_tenants(etcd, spawn_agent):
+    a = spawn_agent(**agent_cfg(etcd, pool_bytes="256KiB", slot_bytes="4KiB",
+                                nvme_bytes="1MiB"))
+    c = AgentClient(a.address)
+    noisy, quiet = make_namespace(tenant="noisy"), make_namespace(tenant="quiet")
+    for spec in (noisy, quiet):
+        c.open(spec)
+    quiet_ids = [c.put_chain(quiet, 100 + i, 4, 0) for i in range(5)]
+    blk = SPEC.block_bytes
+    r = kvctl("quota", "set", "noisy", "--hbm", str(8 * blk), "--nvme", str(12 * blk),
+              etcd=etcd)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: c.tenant("noisy").hbm_limit_bytes == 8 * blk, 10, what="quota applied")
+    for i in range(12):  # 48 blocks through an 8-block quota
+        c.put_chain(noisy, 200 + i, 4, 0)
+    t = c.tenant("noisy")
+    assert t.hbm_bytes <= 8 * blk and t.nvme_bytes <= 12 * blk
+    assert c.stats().counters["evict_hbm_quota"] > 0
+    for ids in quiet_ids:
+        assert c.lookup(quiet, ids, 0).hbm == 4, "another tenant's quota evicted quiet's blocks"
+    assert c.tenant("quiet").lookup_hit_blocks == c.tenant("quiet").lookup_blocks
+
+    # lowered live below what it holds: evicted down at once, its own blocks only
+    assert kvctl("quota", "set", "noisy", "--hbm", str(2 * blk), etcd=etcd).returncode == 0
+    wait_for(lambda: c.tenant("noisy").hbm_bytes <= 2 * blk, 10, what="noisy shrunk")
+    assert c.tenant("noisy").nvme_limit_bytes == 12 * blk, "--nvme kept its value"
+    # admission that cannot fit: RESOURCE_EXHAUSTED, and only for that tenant
+    assert kvctl("quota", "set", "noisy", "--hbm", "1KiB", etcd=etcd).returncode == 0
+    wait_for(lambda: c.tenant("noisy").hbm_limit_bytes == 1024, 10, what="quota applied")
+    assert status_of(c.put_chain, noisy, 300, 2, 0) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    c.put_chain(quiet, 400, 2, 0)
+    for ids in quiet_ids:
+        assert c.lookup(quiet, ids, 0).hbm == 4
+
+    assert kvctl("quota", "clear", "noisy", etcd=etcd).returncode == 0
+    wait_for(lambda: c.tenant("noisy").hbm_limit_bytes == 0, 10, what="quota removed")
+    c.put_chain(noisy, 300, 2, 0)
+
+
+# --------------------------------------------------------------------- etcd down
+def test_etcd_down_data_path_serves_last_known_generations(etcd, spawn_agent):
+    a = spawn_agent(**agent_cfg(etcd))
+    c = AgentClient(a.address)
+    c.open(SPEC)
+    c.put_chain(SPEC, 9, 3, 0)
+    assert kvctl("flush", "acme/chat", etcd=etcd).returncode == 0
+    ids = c.put_chain(SPEC, 9, 3, 1)
+
+    etcd.stop()
+    try:
+        assert c.lookup(SPEC, ids, 1).matched == 3, "data path stopped with etcd"
+        assert _stale(c, SPEC, ids, 0), "forgot the last known generation"
+        more = c.put_chain(SPEC, 10, 2, 1)
+        assert c.lookup(SPEC, more, 1).matched == 2
+        assert c.open(SPEC).generation == 1
+        for args, what in ((("flush", "acme/chat"), "flush"),
+                           (("killswitch", "on"), "killswitch"),
+                           (("quota", "set", "acme", "--hbm", "1GiB"), "quota set"),
+                           (("status",), "status"), (("audit",), "audit")):
+            t0 = time.monotonic()
+            r = kvctl(*args, "--etcd-timeout", "2", etcd=etcd)
+            assert r.returncode == 3, (args, r.stdout, r.stderr)
+            assert f"kvctl {what}: etcd unreachable at {etcd.endpoint}" in r.stderr
+            assert "is etcd running?" in r.stderr
+            assert time.monotonic() - t0 < 20
+    finally:
+        etcd.start()
+    # watches resume: the next flush reaches the agent and is acknowledged
+    r = kvctl_json("flush", "acme/chat", etcd=etcd)
+    assert r["ok"] and r["acknowledged"] == ["agent-0"]
+    assert _stale(c, SPEC, ids, 1)
+    assert [x["ok"] for x in kvctl_json("audit", etcd=etcd)] == [True, True]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_env(monkeypatch):
+    monkeypatch.delenv("KVSTORE_ETCD", raising=False)

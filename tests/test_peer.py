@@ -1,0 +1,289 @@
+"""Peer-to-peer block transfer between two real agent processes on loopback: UCX (ucxx)
+first, gRPC streaming as fallback (node_agent/peer.py). B holds blocks, the test asks A to
+Prefetch them from B, then reads them from A with a normal Get."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import (TEST_SECRET, AgentProc, free_port, make_namespace, prompt_tokens,
+                      wait_for)
+
+from kvstore.client import KVClient
+from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.hashing import pack_ids
+from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+pytest.importorskip("ucxx", reason="UCX tests need ucxx (pip install ucxx-cu12)")
+
+SMALL = make_namespace()  # 4 KiB blocks
+BIG = make_namespace(name="big", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
+HERE = Path(__file__).resolve().parent
+
+
+def random_blocks(spec, n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, spec.block_bytes), dtype=torch.uint8, generator=g)
+    return [r.view(torch_dtype(spec.kv_dtype)).view(block_shape(spec)) for r in raw]
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    # Byte equality: random bytes viewed as floats include NaNs, which never compare equal.
+    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                    for x, y in zip(a, b))
+
+
+def agent_config(workdir: Path, name: str, **overrides) -> dict:
+    cfg = {"node_id": name, "listen": "127.0.0.1:0", "data_dir": str(workdir / "data"),
+           "slot_bytes": "2MiB", "pool_bytes": "512MiB", "nvme_bytes": 0, "device": "cpu",
+           "allow_unauthenticated": True, "expire_interval_s": 0.5, "peer_port": free_port()}
+    cfg.update(overrides)
+    return cfg
+
+
+class Cluster:
+    """Agents started once for the module (each start costs seconds of imports): B and B2
+    hold blocks, A pulls them over UCX, G pulls with UCX disabled (gRPC only). Tests use
+    their own prompts and compare counter deltas, so they do not see each other."""
+
+    def __init__(self, root: Path) -> None:
+        self.procs: dict[str, AgentProc] = {}
+        self.clients: dict[str, KVClient] = {}
+        for name, extra in (("a", dict(pool_bytes="1GiB")), ("b", {}),
+                            ("g", dict(ucx_enabled=False, pool_bytes="64MiB"))):
+            self.start(root, name, **extra)
+
+    def start(self, root: Path, name: str, **extra) -> AgentProc:
+        proc = AgentProc(root / name, agent_config(root / name, name, **extra))
+        self.procs[name] = proc
+        proc.start()
+        self.clients[name] = KVClient(proc.address, tenant_secret=TEST_SECRET,
+                                      use_shm=name.startswith("b"), shm_bytes=64 << 20)
+        return proc
+
+    def ucx(self, name: str) -> str:
+        return f"127.0.0.1:{self.procs[name].config['peer_port']}"
+
+    def seed(self, spec, n: int, seed: int, src: str = "b", dst: str = "a"):
+        """Put an n-block prompt on `src`; returns (dst's handle, ids, tensors)."""
+        cb = self.clients[src]
+        nb = cb.open_namespace(spec)
+        ids = cb.block_ids(nb, prompt_tokens(seed, n * spec.block_size))
+        blocks = random_blocks(spec, n, seed)
+        r = cb.put(nb, ids, blocks)
+        assert r.stored == n
+        return self.clients[dst].open_namespace(spec), ids, blocks
+
+    def request(self, na, ids, src: str = "b", ucx: str | None = None,
+                timeout_ms: int = 0) -> peer_pb2.PrefetchRequest:
+        return peer_pb2.PrefetchRequest(
+            ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
+            parent_id=na.root, peer_address=self.procs[src].address,
+            peer_ucx_address=self.ucx(src) if ucx is None else ucx, timeout_ms=timeout_ms)
+
+    def peer_stub(self, dst: str) -> peer_pb2_grpc.PeerStub:
+        return peer_pb2_grpc.PeerStub(self.clients[dst].channel)
+
+    def prefetch(self, na, ids, dst: str = "a", **kw) -> peer_pb2.PrefetchResponse:
+        return self.peer_stub(dst).Prefetch(self.request(na, ids, **kw), timeout=120)
+
+    def counters(self, name: str) -> Counter:
+        return Counter(dict(self.clients[name].stats().counters))
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        for p in self.procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("peer"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class Delta:
+    """Counter changes on one agent across a block of test code."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.cluster, self.name = cluster, name
+        self.before = cluster.counters(name)
+
+    def now(self) -> Counter:
+        after = self.cluster.counters(self.name)
+        after.subtract(self.before)
+        return +after  # drop zero entries
+
+
+def test_prefetch_over_ucx_then_get_from_a_returns_equal_tensors(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=1)
+    ca = cluster.clients["a"]
+    assert ca.lookup(na, ids).matched == 0
+    da, db = Delta(cluster, "a"), Delta(cluster, "b")
+
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx", "")
+    assert same_bytes(ca.get(na, ids), blocks)
+    assert da.now()["peer_blocks_received"] == 20 and da.now()["peer_fetch_ucx"] == 1
+    assert da.now()["peer_fetch_grpc"] == 0 and da.now()["peer_ucx_failures"] == 0
+    assert db.now()["peer_blocks_served"] == 20
+
+    again = cluster.prefetch(na, ids)  # everything local now: no transfer at all
+    assert (again.present, again.fetched, again.transport) == (20, 0, "")
+    assert da.now()["peer_blocks_received"] == 20
+
+
+def test_prefetch_of_a_longer_prompt_stops_where_the_peer_stops(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 12, seed=2)
+    longer = cluster.clients["a"].block_ids(na, prompt_tokens(2, 20 * SMALL.block_size))
+    assert longer[:12] == ids
+    r = cluster.prefetch(na, longer)
+    assert (r.present, r.fetched) == (12, 12)
+    assert "peer holds only 12" in r.stopped
+    assert same_bytes(cluster.clients["a"].get(na, longer), blocks)
+
+
+def test_peer_that_never_saw_the_namespace_opens_it_from_the_spec(cluster):
+    unseen = make_namespace(name="unseen-by-b")
+    na = cluster.clients["a"].open_namespace(unseen)
+    ids = cluster.clients["a"].block_ids(na, prompt_tokens(3, 4 * unseen.block_size))
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched) == (0, 0) and "peer holds only 0" in r.stopped
+    cb = cluster.clients["b"]
+    assert cb.lookup(cb.open_namespace(unseen), ids).matched == 0
+
+
+def test_generation_fencing_on_the_pulling_agent(cluster):
+    na, ids, _ = cluster.seed(SMALL, 4, seed=4)
+    req = cluster.request(na, ids)
+    req.ns.generation = na.generation + 3  # ahead of this node: refused, nothing moved
+    da = Delta(cluster, "a")
+    with pytest.raises(grpc.RpcError) as ei:
+        cluster.peer_stub("a").Prefetch(req, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert da.now()["peer_blocks_received"] == 0
+
+
+def test_grpc_fallback_when_ucx_is_disabled(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=5, dst="g")
+    dg = Delta(cluster, "g")
+    r = cluster.prefetch(na, ids, dst="g")  # G runs with ucx_enabled=False
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "grpc", "")
+    assert same_bytes(cluster.clients["g"].get(na, ids), blocks)
+    assert dg.now()["peer_fetch_grpc"] == 1 and dg.now()["peer_fetch_ucx"] == 0
+
+
+def test_grpc_fallback_when_nothing_listens_on_the_ucx_address(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 10, seed=6)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=f"127.0.0.1:{free_port()}")
+    assert (r.present, r.fetched, r.transport, r.stopped) == (10, 10, "ucx+grpc", "")
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    assert da.now()["peer_ucx_failures"] == 1
+
+
+def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cluster):
+    n = 96
+    na, ids, blocks = cluster.seed(BIG, n, seed=7)
+    da = Delta(cluster, "a")
+    results: dict[str, peer_pb2.PrefetchResponse] = {}
+
+    def run(name: str, k: int) -> None:
+        results[name] = cluster.prefetch(na, ids[:k])
+
+    threads = [threading.Thread(target=run, args=("long", n)),
+               threading.Thread(target=run, args=("short", 64))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["long"].present == n and results["short"].present == 64
+    d = da.now()
+    assert d["peer_blocks_received"] == n  # the 64 shared blocks came over once
+    assert results["long"].waited + results["short"].waited == d["peer_dedup_blocks"] > 0
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+
+
+def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
+        cluster, tmp_path):
+    cluster.start(tmp_path, "b2")
+    n = 200  # 400 MiB: long enough to kill B2 in the middle
+    na, ids, blocks = cluster.seed(BIG, n, seed=8, src="b2")
+    da = Delta(cluster, "a")
+    call = cluster.peer_stub("a").Prefetch.future(
+        cluster.request(na, ids, src="b2", timeout_ms=20_000), timeout=60)
+    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+             timeout=60, interval=0.01, what="the transfer to start")
+    cluster.procs["b2"].kill()
+    r = call.result(timeout=60)  # returns (within the 20 s bound), never hangs
+    assert r.present < n and r.fetched == r.present, r
+    assert r.stopped and r.transport.startswith("ucx")
+    # Whatever A stored is exactly B2's data, and A keeps serving.
+    got = cluster.clients["a"].get(na, ids)
+    assert len(got) == r.present and same_bytes(got, blocks[: r.present])
+    assert da.now()["peer_checksum_mismatch"] == 0
+
+
+# ------------------------------------------------------------------- fault injection
+def run_fake_peer(tmp_path: Path, mode: str, blocks):
+    """tests/peer_fault.py: a UCX listener speaking the peer protocol that corrupts a
+    payload ('corrupt') or dies after the first chunk ('die')."""
+    data = tmp_path / f"fake-{mode}.npy"
+    np.save(data, np.stack([b.view(torch.uint8).reshape(-1).numpy() for b in blocks]))
+    port_file = tmp_path / f"fake-{mode}.port"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    proc = subprocess.Popen([sys.executable, str(HERE / "peer_fault.py"), mode, str(data),
+                             str(port_file)], cwd=HERE.parent, env=env,
+                            stdout=open(tmp_path / f"fake-{mode}.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 30,
+                    what="fake peer port")
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def fake_peer(tmp_path):
+    procs: list[subprocess.Popen] = []
+
+    def start(*args):
+        proc, address = run_fake_peer(tmp_path, *args)
+        procs.append(proc)
+        return address
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=9)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=fake_peer("corrupt", blocks))  # flips block 11
+    assert (r.present, r.transport) == (11, "ucx"), r
+    assert "checksum mismatch" in r.stopped
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks[:11])
+    assert da.now()["peer_checksum_mismatch"] == 1
+
+
+def test_ucx_peer_dying_mid_transfer_falls_back_to_grpc(cluster, fake_peer):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=10)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=fake_peer("die", blocks))  # one chunk, then exits
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx+grpc", ""), r
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    d = da.now()
+    assert d["peer_ucx_failures"] == 1 and d["peer_blocks_received"] == 20

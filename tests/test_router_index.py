@@ -1,0 +1,282 @@
+"""Pure tests of the router's index, cost function and in-flight bookkeeping."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.etcd import NodeRecord
+from kvstore import errors
+from kvstore.events import Tier
+from kvstore.hashing import hash_chain, hash_chain_packed, pack_ids
+from router.index import BlockIndex
+from router.routing import InFlight, RouterCore
+from router.scoring import NodeLoad, Pricing, Weights, score_nodes, score_ranked
+
+ROOT = bytes(16)
+NS = bytes(range(16))
+
+
+def chain(n: int, seed: int = 0) -> list[bytes]:
+    return hash_chain(ROOT, [seed * 1000 + i for i in range(n * 4)], 4)
+
+
+# --------------------------------------------------------------------------- index
+def test_store_remove_and_counts():
+    idx = BlockIndex()
+    ids = chain(10)
+    assert idx.store("a", ids) == 10
+    assert idx.store("a", ids[:3]) == 0  # idempotent
+    assert idx.store("b", ids[:4], Tier.NVME) == 4
+    assert len(idx) == 10 and idx.entries == 14
+    assert idx.holders(ids[0]) == {"a": Tier.HBM, "b": Tier.NVME}
+    assert idx.node_blocks("b") == (4, 4)
+    assert idx.remove("a", ids[5:]) == 5
+    assert idx.remove("a", ids[5:]) == 0
+    assert idx.node_blocks("a") == (5, 0)
+    assert idx.holders(ids[7]) == {}
+    assert len(idx) == 5  # blocks nobody holds leave the dict
+
+
+def test_tier_changes_track_nvme_counts():
+    idx = BlockIndex()
+    ids = chain(6)
+    idx.store("a", ids)
+    idx.set_tier("a", ids[3:], Tier.NVME)
+    assert idx.node_blocks("a") == (6, 3)
+    assert idx.holders(ids[4]) == {"a": Tier.NVME}
+    idx.set_tier("a", ids[3:], Tier.NVME)  # no double counting
+    assert idx.node_blocks("a") == (6, 3)
+    idx.store("a", ids[4:5], Tier.HBM)  # promoted by a STORED event
+    assert idx.node_blocks("a") == (6, 2)
+    idx.set_tier("zzz", ids, Tier.NVME)  # unknown node: ignored
+    idx.set_tier("a", chain(2, seed=9), Tier.NVME)  # blocks it does not hold: ignored
+    assert idx.node_blocks("a") == (6, 2)
+
+
+def test_prefix_lengths_finds_every_drop_point():
+    idx = BlockIndex()
+    ids = chain(100)
+    idx.store("a", ids[:100])
+    idx.store("b", ids[:37])
+    idx.store("c", ids[:1])
+    idx.store("d", chain(50, seed=3))  # another prompt entirely
+    assert idx.prefix_lengths(pack_ids(ids)) == {"a": 100, "b": 37, "c": 1}
+    longer = ids + chain(20, seed=5)
+    assert idx.prefix_lengths(pack_ids(longer)) == {"a": 100, "b": 37, "c": 1}
+    assert idx.prefix_lengths(pack_ids(ids[:20])) == {"a": 20, "b": 20, "c": 1}
+    assert idx.prefix_lengths(pack_ids(chain(5, seed=7))) == {}
+    assert idx.prefix_lengths(b"") == {}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 2048])
+def test_prefix_lengths_matches_a_linear_scan(n):
+    idx = BlockIndex()
+    ids = chain(n)
+    cuts = {f"n{k}": (k * 7919) % (n + 1) for k in range(12)}
+    for node, cut in cuts.items():
+        idx.store(node, ids[:cut])
+    expect = {node: cut for node, cut in cuts.items() if cut}
+    assert idx.prefix_lengths(pack_ids(ids)) == expect
+
+
+def test_drop_node_clears_entries_and_reuses_the_slot():
+    idx = BlockIndex()
+    ids = chain(8)
+    idx.store("a", ids)
+    idx.store("b", ids[:4])
+    assert idx.drop_node("a") == 8
+    assert idx.nodes == ["b"]
+    assert idx.prefix_lengths(pack_ids(ids)) == {"b": 4}
+    assert len(idx) == 4
+    idx.store("c", ids[:2])  # reuses a's slot: must not inherit its bits
+    assert idx.prefix_lengths(pack_ids(ids)) == {"b": 4, "c": 2}
+    assert idx.drop_node("missing") == 0
+
+
+def test_clear_node_keeps_membership():
+    idx = BlockIndex()
+    ids = chain(5)
+    idx.store("a", ids)
+    idx.store("b", ids)
+    assert idx.clear_node("a") == 5
+    assert idx.nodes == ["a", "b"]
+    assert idx.node_blocks("a") == (0, 0)
+    assert idx.prefix_lengths(pack_ids(ids)) == {"b": 5}
+
+
+def test_masks_are_interned():
+    idx = BlockIndex()
+    for seed in range(50):
+        ids = chain(20, seed)
+        idx.store("a", ids)
+        idx.store("b", ids)
+    assert idx.distinct_masks <= 3
+    values = {id(v) for v in idx._map.values()}  # noqa: SLF001 - the memory claim itself
+    assert len(values) == 1
+
+
+# ------------------------------------------------------------------------- scoring
+def test_peer_price():
+    slow = Pricing(prefill_tokens_per_s=8000, peer_gbps=1, block_bytes=2 << 20, block_tokens=16)
+    assert slow.peer_price == pytest.approx((2 << 20) * 8 / 1e9 / (16 / 8000))
+    assert slow.peer_price > 1
+    fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100, block_bytes=2 << 20,
+                   block_tokens=16)
+    assert fast.peer_price < 1
+    with pytest.raises(ValueError):
+        Pricing(peer_gbps=0)
+
+
+def test_scoring_prefers_the_holder_then_load():
+    w = Weights(recompute=1, peer_fetch=0.3, load=4, utilization=2)
+    nodes = [NodeLoad("a"), NodeLoad("b"), NodeLoad("c")]
+    s = score_nodes(100, {"b": 60}, nodes, w, Pricing())
+    assert s[0].node_id == "b" and s[0].local_blocks == 60 and s[0].recompute_blocks == 40
+    assert s[0].cost == pytest.approx(40)
+    # 1 Gbps for 2 MiB blocks is slower than recomputing: no peer blocks for a and c.
+    assert [x.peer_blocks for x in s] == [0, 0, 0]
+    assert [x.node_id for x in s[1:]] == ["a", "c"]  # equal cost: by node id
+    # 20 requests in flight on b cost 80, more than the 60 blocks its prefix saves.
+    busy = [NodeLoad("a"), NodeLoad("b", in_flight=20), NodeLoad("c")]
+    s = score_nodes(100, {"b": 60}, busy, w, Pricing())
+    assert [x.node_id for x in s] == ["a", "c", "b"]
+    assert s[0].cost == pytest.approx(100) and s[-1].cost == pytest.approx(120)
+    assert s[-1].load_cost == pytest.approx(80)
+
+
+def test_scoring_counts_peer_blocks_only_when_cheaper_than_recompute():
+    fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100)
+    w = Weights(recompute=1, peer_fetch=1, load=4, utilization=0)
+    nodes = [NodeLoad("a"), NodeLoad("b", in_flight=5)]
+    s = {x.node_id: x for x in score_nodes(100, {"b": 80}, nodes, w, fast)}
+    assert s["a"].peer_blocks == 80 and s["a"].peer_node_id == "b"
+    assert s["a"].recompute_blocks == 20
+    assert s["a"].peer_cost == pytest.approx(80 * fast.peer_price)
+    assert s["b"].peer_blocks == 0 and s["b"].peer_node_id == ""
+    slow = Pricing(prefill_tokens_per_s=8000, peer_gbps=1)
+    s = {x.node_id: x for x in score_nodes(100, {"b": 80}, nodes, w, slow)}
+    assert s["a"].peer_blocks == 0 and s["a"].recompute_blocks == 100
+
+
+def test_peer_of_the_longest_holder_is_the_second_longest():
+    fast = Pricing(peer_gbps=400)
+    w = Weights()
+    nodes = [NodeLoad(x) for x in "abcd"]
+    s = {x.node_id: x for x in score_nodes(50, {"a": 40, "b": 10, "c": 40}, nodes, w, fast)}
+    assert (s["a"].peer_node_id, s["a"].peer_blocks) == ("", 0)  # c has no more than a
+    assert (s["b"].peer_node_id, s["b"].peer_blocks) == ("a", 30)  # ties: smaller id
+    assert (s["d"].peer_node_id, s["d"].peer_blocks) == ("a", 40)
+
+
+def test_weights_override_and_validation():
+    base = Weights(recompute=1, peer_fetch=0.3, load=4, utilization=2)
+    assert base.override() is base
+    o = base.override(load=0.5, utilization=7)
+    assert (o.recompute, o.peer_fetch, o.load, o.utilization) == (1, 0.3, 0.5, 7)
+    with pytest.raises(ValueError):
+        base.override(load=-1)
+    with pytest.raises(ValueError):
+        Weights(recompute=float("nan"))
+    nodes = [NodeLoad("a", in_flight=3), NodeLoad("b")]
+    assert score_nodes(10, {"a": 10}, nodes, base, Pricing())[0].node_id == "b"
+    assert score_nodes(10, {"a": 10}, nodes, base.override(load=0.1),
+                       Pricing())[0].node_id == "a"
+
+
+def test_ranked_scoring_equals_full_scoring():
+    w = Weights(recompute=1, peer_fetch=0.5, load=3, utilization=2)
+    pricing = Pricing(peer_gbps=50)
+    nodes = [NodeLoad(f"n{i:02d}", in_flight=i % 4, utilization=(i * 37 % 10) / 10)
+             for i in range(30)]
+    ranked = sorted(nodes, key=lambda n: (3 * n.in_flight + 2 * n.utilization, n.node_id))
+    for local in ({}, {"n05": 90}, {"n07": 30, "n11": 100, "n29": 100}, {"n03": 0}):
+        full = score_nodes(100, local, nodes, w, pricing)
+        for limit in (1, 4, None):
+            assert score_ranked(100, local, ranked, w, pricing, limit) == full[:limit]
+            by_id = {n.node_id: n for n in nodes}
+            assert score_ranked(100, local, ranked, w, pricing, limit, by_id) == full[:limit]
+
+
+def test_zero_blocks_routes_by_load():
+    s = score_nodes(0, {}, [NodeLoad("b"), NodeLoad("a", utilization=0.5)], Weights(),
+                    Pricing())
+    assert [x.node_id for x in s] == ["b", "a"]
+
+
+# ------------------------------------------------------------------ core + in-flight
+def test_inflight_expiry_and_release():
+    now = [0.0]
+    inf = InFlight(10.0, clock=lambda: now[0])
+    inf.add("r1", "a")
+    inf.add("r2", "a")
+    inf.add("r3", "b")
+    assert inf.count("a") == 2
+    assert inf.release("r1") and not inf.release("r1")
+    inf.add("r3", "a")  # a retried id moves rather than doubles
+    assert (inf.count("a"), inf.count("b")) == (2, 0)
+    now[0] = 10.5
+    assert inf.expire() == 2 and len(inf) == 0 and inf.count("a") == 0
+
+
+def make_core(nodes=("a", "b", "c"), **kw) -> RouterCore:
+    core = RouterCore(Weights(), **kw)
+    for n in nodes:
+        core.upsert_node(NodeRecord(n, f"127.0.0.1:{1000 + ord(n[0])}"))
+        core.mark_synced(n)
+    return core
+
+
+def test_core_spreads_load_when_nobody_holds_the_prefix():
+    core = make_core()
+    packed = hash_chain_packed(ROOT, list(range(64)), 16)
+    chosen = [core.route(NS, packed, request_id=f"r{i}").chosen.node_id for i in range(6)]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+    for i in range(6):
+        core.release(f"r{i}")
+    assert [core.inflight.count(n) for n in "abc"] == [0, 0, 0]
+
+
+def test_core_routes_to_holder_and_respects_killswitch():
+    core = make_core()
+    ids = chain(32)
+    core.index.store("c", ids)
+    d = core.route(NS, pack_ids(ids), dry_run=True)
+    assert d.chosen.node_id == "c" and d.chosen.local_blocks == 32
+    assert len(core.inflight) == 0
+    core.killswitch = True
+    assert core.route(NS, pack_ids(ids), dry_run=True).chosen.local_blocks == 0
+
+
+def test_core_candidates_follow_sync_and_membership():
+    core = make_core()
+    core.mark_unsynced("a")
+    packed = pack_ids(chain(4))
+    assert [s.node_id for s in core.route(NS, packed, dry_run=True).scores] == ["b", "c"]
+    core.remove_node("b")
+    core.remove_node("c")
+    # Nothing in sync: fall back to every registered node rather than refusing.
+    assert core.route(NS, packed, dry_run=True).chosen.node_id == "a"
+    core.remove_node("a")
+    with pytest.raises(errors.Unavailable):
+        core.route(NS, packed)
+
+
+def test_core_rejects_malformed_requests():
+    core = make_core()
+    with pytest.raises(errors.InvalidArgument):
+        core.route(b"short", b"")
+    with pytest.raises(errors.InvalidArgument):
+        core.route(NS, b"x" * 17)
+
+
+def test_replicas_fed_in_different_orders_decide_identically():
+    streams = {n: [chain(40, seed=s)[: 10 + 7 * s] for s in range(5) if (s + ord(n)) % 2]
+               for n in "abcd"}
+    a, b = make_core("abcd"), make_core("dcba")
+    for core, order in ((a, "abcd"), (b, "dcba")):
+        for n in order:
+            for ids in streams[n]:
+                core.index.store(n, ids)
+    for s in range(6):
+        packed = pack_ids(chain(60, seed=s))
+        assert a.route(NS, packed, request_id=f"x{s}").scores == \
+            b.route(NS, packed, request_id=f"x{s}").scores
