@@ -370,7 +370,11 @@ class ControlPlane:
         router acknowledged the new generations. Members that leave meanwhile (lease
         gone) stop counting; members that join catch up before they serve."""
         t0 = time.monotonic()
-        flushed, revision, akey = await self.commit_flush(tenant, name)
+        try:
+            flushed, revision, akey = await self.commit_flush(tenant, name)
+        except (errors.NotFound, errors.InvalidArgument) as exc:
+            await self.audit("flush", f"{tenant}/{name}", False, str(exc))
+            raise
         if on_commit is not None:
             on_commit(flushed, revision)
         state = await self._wait(lambda: self.flush_progress(tenant, flushed), t0 + timeout_s,

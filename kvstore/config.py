@@ -51,6 +51,8 @@ class AgentConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     peer_port: int = 0  # UCX peer-transfer listener port (0: pick a free one)
     ucx_enabled: bool = True  # False: peers move blocks over the gRPC fallback only
+    metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
+    otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:
@@ -92,6 +94,8 @@ class RouterConfig:
     peer_gbps: float = 1.0  # expected peer transfer bandwidth
     inflight_timeout_s: float = 120.0  # forget a routed request never released
     metrics_port: int = 0
+    metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
+    otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
 
     def __post_init__(self) -> None:
         for name in ("weight_recompute", "weight_peer_fetch", "weight_load",

@@ -12,12 +12,12 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
-Both sides pipeline: B reads batch k+1 from its store while batch k is on the wire, A
-stores batch k while batch k+1 arrives (two staging sets per transfer). A stores through
-BlockStore.put with the sender's checksums, which hashes while it copies into the pool
-slot: a mismatching block is not stored and it and the rest of the chain are a miss. The
-store has no public reserve/commit API to land payloads in pool slots directly, hence the
-staging buffers and one extra copy.
+Both sides pipeline over three staging buffer sets each: B reads batch k+1 from its store
+and announces it while batch k is on the wire; A posts the receives of batch k+1 while it
+stores batch k. A stores through BlockStore.put with the sender's checksums, which hashes
+while it copies into the pool slot: a mismatching block is not stored, and it and the rest
+of the chain are a miss. The store has no public reserve/commit API to land payloads in
+pool slots directly, hence the staging buffers and one extra copy.
 
 Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
 dead or frozen peer turns the missing blocks into a miss in bounded time. Concurrent
@@ -38,8 +38,8 @@ from kvstore.config import AgentConfig
 from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import peer_pb2
-from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef, StagingPool,
-                                    TokenTable, check_peer_access, control_buffer, init_ucx,
+from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef, PeerTransportError,
+                                    StagingLease, StagingPool, TokenTable, check_peer_access, control_buffer, init_ucx,
                                     present_prefix, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
@@ -66,6 +66,8 @@ class PeerService:
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
         self._grpc = None  # node_agent.peer_grpc.GrpcFetcher, created on first use
+        # Connections to peers' listeners kept for the next fetch: address -> [(t, ep)].
+        self._idle: dict[str, list[tuple[float, object]]] = {}
 
     @property
     def ucx_ready(self) -> bool:
@@ -100,6 +102,10 @@ class PeerService:
         for ep in list(self._serving):
             ep.abort()
         self._serving.clear()
+        for eps in self._idle.values():
+            for _, ep in eps:
+                ep.abort()
+        self._idle.clear()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -154,17 +160,17 @@ class PeerService:
         return st, ids, req.parent_id, batch
 
     async def read_batches(self, st: NsState, generation: int, ids: list[bytes],
-                           parent_id: bytes, batch: int):
-        """Yield (first_index, served, buffers, last) per batch of verified payloads,
-        reading batch k+1 from the store while the caller sends batch k."""
-        size = st.spec.block_bytes
-        sets = [self.staging.take(batch, size), self.staging.take(batch, size)]
+                           parent_id: bytes, batch: int, lease: StagingLease):
+        """Yield (first_index, served, buffers, last) per batch of verified payloads, in
+        lease[k] for batch k. Batch k+1 is read from the store while the caller sends
+        batch k: a caller that keeps sends in flight after asking for the next batch must
+        have finished those of batch k+1-len(lease.sets) by then."""
         pending = None
         try:
             if not ids:
                 yield 0, [], [], True
                 return
-            pending = self._read(st, generation, ids, 0, parent_id, sets[0], batch)
+            pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch)
             for k, start in enumerate(range(0, len(ids), batch)):
                 served = await pending
                 pending = None
@@ -172,18 +178,15 @@ class PeerService:
                 last = len(served) < n or start + n >= len(ids)
                 if not last:
                     pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
-                                         sets[(k + 1) % 2], batch)
+                                         lease[k + 1], batch)
                 self.count("peer_blocks_served", len(served))
-                yield start, served, sets[k % 2], last
+                yield start, served, lease[k], last
                 if last:
                     return
         finally:
-            # A read still running in a worker thread writes into its set: drop both.
-            clean = pending is None
-            if pending is not None:
+            if pending is not None:  # a worker thread may still write into its set
                 pending.cancel()
-            for s in sets:
-                self.staging.give(s, clean)
+                lease.clean = False
 
     def _read(self, st, generation, ids, start, parent, bufs, batch) -> asyncio.Future:
         chunk = ids[start:start + batch]
@@ -199,48 +202,76 @@ class PeerService:
         return fut
 
     async def _serve_ucx(self, ep) -> None:
-        """One UCX connection: one FetchRequest, then chunks, then wait for the ack."""
+        """One UCX connection: FetchRequests one after another, each answered with its
+        chunks and closed by the fetcher's acknowledgement. The fetcher keeps the
+        connection for its next request (a connect costs tens of ms); it ends when the
+        fetcher goes, or after idle_endpoint_s without a request."""
         self._serving.add(ep)
-        clean = False
+        served = 0
         far = time.monotonic() + 1e9
         io = self.pcfg.io_timeout_s
         try:
-            raw = await within(ep.recv_obj(allocator=control_buffer), far, io, "request")
-            req = peer_pb2.FetchRequest.FromString(bytes(raw))
-            try:
-                st, ids, parent, batch = await self.source(
-                    req, self.tokens.tenant(req.authorization))
-            except errors.KvError as exc:
-                err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
-                await within(ep.send_obj(err.SerializeToString()), far, io, "refusal")
-            else:
-                await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
-            ack = np.empty(len(ACK), dtype=np.uint8)
-            await within(ep.recv(ack), far, io, "acknowledgement")
-            clean = True
+            while True:
+                try:
+                    raw = await within(ep.recv_obj(allocator=control_buffer), far,
+                                       self.pcfg.idle_endpoint_s if served else io, "request")
+                except Exception as exc:
+                    if served:  # the fetcher closed its end between requests: normal
+                        log.debug("UCX peer connection ends after %d requests", served)
+                        return
+                    raise PeerTransportError(f"no request: {exc}") from exc
+                await self._serve_request(ep, peer_pb2.FetchRequest.FromString(bytes(raw)))
+                ack = np.empty(len(ACK), dtype=np.uint8)
+                await within(ep.recv(ack), far, io, "acknowledgement")
+                served += 1
         except Exception as exc:  # the fetching side turns this into a miss or a fallback
             log.warning("UCX peer transfer (serving side) ended early: %s: %s",
                         type(exc).__name__, exc)
         finally:
             self._serving.discard(ep)
-            if clean:
-                await ep.close()
-            else:
-                ep.abort()
+            ep.abort()
+
+    async def _serve_request(self, ep, req: peer_pb2.FetchRequest) -> None:
+        far = time.monotonic() + 1e9
+        try:
+            st, ids, parent, batch = await self.source(req, self.tokens.tenant(req.authorization))
+        except errors.KvError as exc:
+            err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
+            await within(ep.send_obj(err.SerializeToString()), far, self.pcfg.io_timeout_s,
+                         "refusal")
+            return
+        await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
 
     async def _send_batches(self, ep, st, generation, ids, parent, batch) -> None:
+        """Header then payloads per batch, announcing the next batch before the payloads
+        of this one have landed; at most staging_sets - 2 batches stay in flight when
+        read_batches reads ahead, which keeps its buffer reuse safe."""
         far = time.monotonic() + 1e9
         io = self.pcfg.io_timeout_s
         size = st.spec.block_bytes
-        async with aclosing(self.read_batches(st, generation, ids, parent, batch)) as it:
-            async for first, served, bufs, last in it:
-                hdr = peer_pb2.FetchChunk(first_index=first, count=len(served),
-                                          checksums=[s.checksum for s in served], done=last)
-                await within(ep.send_obj(hdr.SerializeToString()), far, io, "chunk header")
-                if served:
-                    await within(asyncio.gather(*(ep.send(bufs[i][:size])
-                                                   for i in range(len(served)))),
-                                  far, io, "payload send")
+        lease = self.staging.lease(self.pcfg.staging_sets, batch, size)
+        inflight: list[asyncio.Future] = []
+        try:
+            batches = self.read_batches(st, generation, ids, parent, batch, lease)
+            async with aclosing(batches) as it:
+                async for first, served, bufs, last in it:
+                    hdr = peer_pb2.FetchChunk(first_index=first, count=len(served),
+                                              checksums=[s.checksum for s in served],
+                                              done=last)
+                    await within(ep.send_obj(hdr.SerializeToString()), far, io, "header")
+                    if served:
+                        inflight.append(asyncio.ensure_future(asyncio.gather(
+                            *(ep.send(bufs[i][:size]) for i in range(len(served))))))
+                    while len(inflight) > self.pcfg.staging_sets - 2:
+                        await within(inflight.pop(0), far, io, "payload send")
+                while inflight:
+                    await within(inflight.pop(0), far, io, "payload send")
+        finally:
+            if inflight:
+                lease.clean = False
+                for fut in inflight:
+                    fut.cancel()
+            lease.release()
 
     # --------------------------------------------------------- fetching side
     async def prefetch(self, req: peer_pb2.PrefetchRequest, tenant: str | None,
@@ -300,6 +331,23 @@ class PeerService:
             key = (st.ns_id, gen, ids[i])
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
+
+    def checkout(self, address: str):
+        """An idle connection to `address` young enough that the peer still keeps it."""
+        eps = self._idle.get(address, [])
+        while eps:
+            since, ep = eps.pop()
+            if time.monotonic() - since < self.pcfg.idle_endpoint_s / 2 and not ep.closed:
+                return ep
+            ep.abort()
+        return None
+
+    def checkin(self, address: str, ep) -> None:
+        eps = self._idle.setdefault(address, [])
+        if len(eps) < 4 and self.ucx is not None:
+            eps.append((time.monotonic(), ep))
+        else:
+            ep.abort()
 
     def grpc_fetcher(self):
         if self._grpc is None:

@@ -31,16 +31,22 @@ REFUSALS = ("NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "INVALID_AR
 class PeerConfig:
     """Transfer tuning. Defaults suit 2 MiB blocks on a 1-25 GB/s link."""
 
-    batch_blocks: int = 8  # blocks per chunk; two chunks in flight per transfer
+    batch_blocks: int = 8  # blocks per chunk
+    staging_sets: int = 3  # chunk buffers per transfer and side: >= 2 chunks in flight
     io_timeout_s: float = 10.0  # bound on any single network wait
     connect_timeout_s: float = 5.0
     prefetch_timeout_s: float = 30.0  # default bound on a whole Prefetch call
+    idle_endpoint_s: float = 60.0  # a server closes a peer connection idle this long
     max_batch_blocks: int = 256  # cap on a requested batch (staging memory)
 
     def __post_init__(self) -> None:
         if not 0 < self.batch_blocks <= self.max_batch_blocks:
             raise ValueError("batch_blocks must be in 1..max_batch_blocks")
-        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s"):
+        if self.staging_sets < 3:
+            raise ValueError("staging_sets must be >= 3 (one being read, one on the wire, "
+                             "one being written)")
+        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s",
+                     "idle_endpoint_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -62,10 +68,9 @@ class PeerRef:
 # --------------------------------------------------------------------------- staging
 class StagingPool:
     """Reusable block buffers, carved in sets from one array each so UCX registers the
-    memory once and its registration cache keeps it. A set that a failed transfer may
-    still be writing into is dropped (`give(..., clean=False)`), never reused."""
+    memory once and its registration cache keeps it."""
 
-    def __init__(self, max_idle_sets: int = 8) -> None:
+    def __init__(self, max_idle_sets: int = 12) -> None:
         self._idle: dict[tuple[int, int], list[list[np.ndarray]]] = {}
         self._max_idle = max_idle_sets
 
@@ -76,12 +81,33 @@ class StagingPool:
         arena = np.empty(n * nbytes, dtype=np.uint8)
         return [arena[i * nbytes:(i + 1) * nbytes] for i in range(n)]
 
-    def give(self, bufs: list[np.ndarray], clean: bool = True) -> None:
-        if not clean or not bufs:
-            return
+    def give(self, bufs: list[np.ndarray]) -> None:
         idle = self._idle.setdefault((len(bufs), bufs[0].nbytes), [])
         if len(idle) < self._max_idle:
             idle.append(bufs)
+
+    def lease(self, n_sets: int, batch: int, nbytes: int) -> "StagingLease":
+        return StagingLease(self, [self.take(batch, nbytes) for _ in range(n_sets)])
+
+
+class StagingLease:
+    """The buffer sets of one transfer, used round-robin (`lease[k]` for batch k). They go
+    back to the pool only while `clean`: a failed transfer may leave a UCX receive, a send
+    or a worker-thread copy still touching them, and such sets are dropped instead."""
+
+    def __init__(self, pool: StagingPool, sets: list[list[np.ndarray]]) -> None:
+        self.pool = pool
+        self.sets = sets
+        self.clean = True
+
+    def __getitem__(self, k: int) -> list[np.ndarray]:
+        return self.sets[k % len(self.sets)]
+
+    def release(self) -> None:
+        if self.clean:
+            for s in self.sets:
+                self.pool.give(s)
+        self.sets = []
 
 
 # ---------------------------------------------------------------------- helpers

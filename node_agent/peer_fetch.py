@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,13 +71,13 @@ class BatchSink:
                 f"malformed chunk from peer: first_index {chunk.first_index}, count "
                 f"{chunk.count}, {len(chunk.checksums)} checksums (expected index "
                 f"{self.expect - self.base}, at most {max_count})")
+        self.expect = first + chunk.count
         return first
 
     async def push(self, first: int, bufs, checksums: list[int]) -> bool:
         """Queue a received batch for storing; False when the transfer should stop."""
         if not await self.drain():
             return False
-        self.expect = first + len(bufs)
         self.peer.count("peer_blocks_received", len(bufs))
         size = sum(memoryview(b).nbytes for b in bufs)
         if size >= OFFLOAD_BYTES:
@@ -245,62 +246,134 @@ class FetchJob:
 async def ucx_fetch(svc: "PeerService", address: str, req: peer_pb2.FetchRequest,
                     sink: BatchSink, batch: int, deadline: float) -> None:
     """Pull `req` over UCX into `sink`. Raises PeerTransportError on transport trouble
-    (the caller may fall back), PeerRefused when the peer declines."""
-    io = svc.pcfg.io_timeout_s
+    (the caller may fall back), PeerRefused when the peer declines.
+
+    Batch k+1's header is awaited (and its receives posted) before batch k's payloads
+    are stored, so the wire never idles for a store copy. Buffer set k % 3 is reused by
+    batch k+3 only after batch k was stored (sink.push of batch k+1 waits for it)."""
+    ep = svc.checkout(address)
+    if ep is not None:
+        try:
+            return await _ucx_transfer(svc, ep, address, req, sink, batch, deadline, True)
+        except _StaleConnection as exc:
+            log.debug("kept UCX connection to %s was gone (%s); reconnecting", address, exc)
+            svc.count("peer_ucx_reconnects")
     ep = await _ucx_connect(svc, address, deadline)
-    size = sink.st.spec.block_bytes
-    sets = [svc.staging.take(batch, size), svc.staging.take(batch, size)]
+    await _ucx_transfer(svc, ep, address, req, sink, batch, deadline, False)
+
+
+class _StaleConnection(Exception):
+    """A kept connection failed before the peer answered: retry on a fresh one."""
+
+
+async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.FetchRequest,
+                        sink: BatchSink, batch: int, deadline: float, reused: bool) -> None:
+    io = svc.pcfg.io_timeout_s
+    lease = svc.staging.lease(svc.pcfg.staging_sets, batch, sink.st.spec.block_bytes)
+    received: list[tuple[int, list, list[int], asyncio.Future]] = []
     clean = False
+    k = 0  # batches posted
     try:
-        await within(ep.send_obj(req.SerializeToString()), deadline, io, "request send")
-        k = 0
-        while not sink.remote_done:
+        try:
+            await within(ep.send_obj(req.SerializeToString()), deadline, io, "request send")
             raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
-                               "chunk header")
+                               "first chunk header")
+        except Exception as exc:
+            if reused:  # nothing happened on this request yet: safe to retry elsewhere
+                raise _StaleConnection(f"{type(exc).__name__}: {exc}") from exc
+            raise
+        while True:
             hdr = peer_pb2.FetchChunk.FromString(bytes(raw))
             if hdr.error:
                 raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
             first = sink.check(hdr, batch)
-            bufs = sets[k % 2][:hdr.count]
-            if bufs:
-                await within(asyncio.gather(*(ep.recv(b) for b in bufs)), deadline, io,
-                             f"{len(bufs)} payloads")
             sink.remote_done = hdr.done
-            k += 1
-            if bufs and not await sink.push(first, bufs, list(hdr.checksums)):
+            if hdr.count:
+                bufs = lease[k][:hdr.count]
+                received.append((first, bufs, list(hdr.checksums), asyncio.ensure_future(
+                    asyncio.gather(*(ep.recv(b) for b in bufs)))))
+                k += 1
+            if len(received) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
+                    received, sink, deadline, io):
                 break
-        if sink.remote_done:
+            if sink.remote_done:
+                break
+            raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
+                               "chunk header")
+        while received and await _store_oldest(received, sink, deadline, io):
+            pass
+        if sink.remote_done and not received:
             await sink.drain()
             await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)), deadline, io,
                          "acknowledgement")
             clean = True
-    except (PeerTransportError, PeerRefused):
+    except (PeerTransportError, PeerRefused, _StaleConnection):
         raise
     except Exception as exc:  # ucxx errors: reset by peer, truncation, closed endpoint
         raise PeerTransportError(f"UCX transfer from {address}: {type(exc).__name__}: "
                                  f"{exc}") from exc
     finally:
         if not clean:
-            ep.abort()  # cancels receives still posted into the staging sets
+            ep.abort()  # cancels the receives still posted into the staging sets
+            for *_, fut in received:
+                fut.cancel()
+            lease.clean = not received
         await sink.drain_quietly()
-        for s in sets:
-            svc.staging.give(s, clean)
+        lease.release()
         if clean:
-            await ep.close()
+            svc.checkin(address, ep)  # the peer waits for our next request on it
+
+
+async def _store_oldest(received: list, sink: BatchSink, deadline: float, io: float) -> bool:
+    """Wait for the oldest posted batch to land, then hand it to the sink."""
+    first, bufs, checksums, fut = received[0]
+    await within(asyncio.shield(fut), deadline, io, f"{len(bufs)} payloads")
+    received.pop(0)
+    return await sink.push(first, bufs, checksums)
 
 
 async def _ucx_connect(svc: "PeerService", address: str, deadline: float):
     host, port = split_host_port(address)
+    timeout = svc.pcfg.connect_timeout_s
     try:
         if not is_ip(host):
             infos = await asyncio.get_running_loop().getaddrinfo(host, port)
             host = infos[0][4][0]
-        return await within(svc.ucx.create_endpoint(
-            host, port, endpoint_error_handling=True,
-            connect_timeout=svc.pcfg.connect_timeout_s),
-            deadline, svc.pcfg.connect_timeout_s, f"UCX connect to {address}")
+        return await within(connect_endpoint(svc.ucx, host, port, timeout), deadline,
+                            timeout, f"UCX connect to {address}")
     except PeerTransportError:
         raise
     except Exception as exc:
         raise PeerTransportError(f"UCX connect to {address}: {type(exc).__name__}: "
                                  f"{exc}") from exc
+
+
+async def connect_endpoint(ucx, host: str, port: int, timeout: float):
+    """ucxx.create_endpoint, minus a race: when the connection is refused before ucxx
+    posts its handshake receive, that receive never completes and create_endpoint waits
+    out its whole timeout (about half the time here). Same steps, but the endpoint's error
+    state is polled meanwhile. Uses ucxx internals (0.52); the public call otherwise."""
+    try:
+        from ucxx._lib import libucxx as api
+        from ucxx._lib_async.endpoint import Endpoint
+        from ucxx._lib_async.exchange_peer_info import exchange_peer_info
+        from ucxx._lib_async.utils import hash64bits
+        ctx = ucx.core._get_ctx()
+    except (ImportError, AttributeError):
+        return await ucx.create_endpoint(host, port, endpoint_error_handling=True,
+                                         connect_timeout=timeout)
+    ctx.continuous_ucx_progress()
+    raw = api.UCXEndpoint.create(ctx.worker, host, port, True)
+    msg_tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
+    task = asyncio.ensure_future(exchange_peer_info(endpoint=raw, msg_tag=msg_tag,
+                                                    listener=False, connect_timeout=timeout))
+    try:
+        while not (await asyncio.wait({task}, timeout=0.01))[0]:
+            raw.raise_on_error()
+        info = task.result()
+    except BaseException:
+        task.cancel()
+        raw.close_blocking(period=10**9, max_attempts=1)
+        raise
+    return Endpoint(endpoint=raw, ctx=ctx, tags={"msg_send": info["msg_tag"],
+                                                 "msg_recv": msg_tag})

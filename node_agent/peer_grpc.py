@@ -32,13 +32,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         size = st.spec.block_bytes
         # Keep every chunk well inside the message size limit.
         batch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
-        batches = self.svc.read_batches(st, request.ns.generation, ids, parent, batch)
-        async with aclosing(batches) as it:
-            async for first, served, bufs, last in it:
-                yield peer_pb2.FetchChunk(
-                    first_index=first, count=len(served),
-                    checksums=[s.checksum for s in served],
-                    data=[bufs[i][:size].tobytes() for i in range(len(served))], done=last)
+        lease = self.svc.staging.lease(2, batch, size)  # payloads are copied out at once
+        batches = self.svc.read_batches(st, request.ns.generation, ids, parent, batch, lease)
+        try:
+            async with aclosing(batches) as it:
+                async for first, served, bufs, last in it:
+                    yield peer_pb2.FetchChunk(
+                        first_index=first, count=len(served),
+                        checksums=[s.checksum for s in served],
+                        data=[bufs[i][:size].tobytes() for i in range(len(served))],
+                        done=last)
+        finally:
+            lease.release()
 
     async def Prefetch(self, request, context):
         md = dict(context.invocation_metadata() or ())

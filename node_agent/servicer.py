@@ -13,6 +13,7 @@ from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.events import EventHub
 from node_agent.interceptors import check_access, current_tenant
+from node_agent.metrics import AgentMetrics
 from node_agent.shm import ShmRegistry
 
 log = logging.getLogger("kvstore.agent")
@@ -44,6 +45,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self.max_blocks = max_blocks
         self.in_flight = 0
         self.control = None  # node_agent/control.AgentControl when etcd is configured
+        self.metrics = AgentMetrics()  # per-tenant tallies for Prometheus, span attributes
 
     # ------------------------------------------------------------------ helpers
     def _ids(self, packed: bytes, what: str = "block_ids") -> list[bytes]:
@@ -97,6 +99,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.InvalidArgument(f"request names {len(ids)} blocks; the limit is "
                                          f"{self.max_blocks} per request")
         res = self.store.lookup(st.ns_id, request.ns.generation, ids)
+        self.metrics.lookup(st, len(ids), res)
         return agent_pb2.LookupResponse(matched=res.matched, hbm=res.hbm, nvme=res.nvme,
                                         generation=res.generation)
 
@@ -114,6 +117,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             served = await self._run(len(chunk) * st.spec.block_bytes, self.store.get,
                                      st.ns_id, request.ns.generation, chunk, parent,
                                      lambda i, n: None)
+            self.metrics.served(st, served)
             if served:
                 yield agent_pb2.GetResponse(
                     count=len(served), first_index=start, data=[s.data for s in served],
@@ -134,6 +138,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         served = await self._run(len(ids) * size, self.store.get, st.ns_id,
                                  request.ns.generation, ids, request.parent_id,
                                  lambda i, n: region.span(offsets[i], n))
+        self.metrics.served(st, served)
         return agent_pb2.GetResponse(count=len(served), first_index=0,
                                      checksums=[s.checksum for s in served],
                                      tiers=[int(s.tier) for s in served])

@@ -1,9 +1,10 @@
 """Helpers for test_control.py and test_kvctl.py: raw gRPC calls to real agents, the kvctl
-CLI as a subprocess, an in-process router (real RouterServer, ClusterFollower and
-RouterControl on real etcd), and a fake etcd member for fault injection."""
+CLI as a subprocess, and a fake etcd member for fault injection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -81,74 +82,43 @@ def status_of(fn, *args, **kw) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def kvctl(*args: str, etcd=None, timeout: float = 60.0, **env) -> subprocess.CompletedProcess:
-    cmd = [PY, "-m", "kvctl", *args]
+def kvctl(*args: str, etcd=None, process: bool = False, timeout: float = 60.0,
+          **env) -> subprocess.CompletedProcess:
+    """Run kvctl with `--etcd` added. In-process by default (kvctl's main(), the code
+    `python -m kvctl` runs, without an interpreter start per call); process=True runs
+    the real `python -m kvctl`."""
+    argv = list(args)
     if etcd is not None:
-        cmd += ["--etcd", etcd.endpoint if hasattr(etcd, "endpoint") else etcd]
-    full_env = dict(os.environ, KVSTORE_OPERATOR="test-operator", **env)
-    full_env.pop("KVSTORE_ETCD", None)
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+        argv += ["--etcd", etcd.endpoint if hasattr(etcd, "endpoint") else etcd]
+    env = {"KVSTORE_OPERATOR": "test-operator", **env}
+    if process:
+        full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
+        return subprocess.run([PY, "-m", "kvctl", *argv], cwd=ROOT, env={**full_env, **env},
+                              capture_output=True, text=True, timeout=timeout)
+    from kvctl.__main__ import main
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in [*env, "KVSTORE_ETCD"]}
+    os.environ.pop("KVSTORE_ETCD", None)
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as exc:  # argparse usage errors
+                rc = exc.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["kvctl", *argv], rc, out.getvalue(), err.getvalue())
 
 
 def kvctl_json(*args: str, etcd=None, expect_rc: int = 0, **env):
     r = kvctl(*args, "--output", "json", etcd=etcd, **env)
     assert r.returncode == expect_rc, (r.returncode, r.stdout, r.stderr)
     return json.loads(r.stdout)
-
-
-class InProcessRouter:
-    """A real router (gRPC server, etcd membership follower, agent event streams) plus its
-    RouterControl, in the caller's event loop. `route` is what router/server.py's Route
-    does once wired: the generation fence, then the routing decision."""
-
-    def __init__(self, etcd_endpoint: str, router_id: str = "r1") -> None:
-        self.etcd_endpoint = etcd_endpoint
-        self.router_id = router_id
-        self.server = None
-        self.control = None
-        self._etcd = None
-
-    async def start(self) -> "InProcessRouter":
-        from cluster.etcd import EtcdClient
-        from kvstore.config import RouterConfig
-        from router.control import RouterControl
-        from router.server import RouterServer
-        self.server = RouterServer(RouterConfig(router_id=self.router_id,
-                                                listen="127.0.0.1:0",
-                                                etcd_endpoints=self.etcd_endpoint))
-        await self.server.start()
-        self._etcd = EtcdClient(self.etcd_endpoint)
-        self.control = RouterControl(self._etcd, self.router_id, core=self.server.core,
-                                     lease_ttl_s=2)
-        await self.control.start(timeout_s=20)
-        return self
-
-    @property
-    def core(self):
-        return self.server.core
-
-    def route(self, ns_id: bytes, generation: int, ids: list[bytes]):
-        self.control.check(ns_id, generation)
-        return self.core.route(ns_id, pack_ids(ids), dry_run=True)
-
-    async def wait_synced(self, node_ids: set[str], timeout: float = 30.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            nodes = self.core.nodes
-            if set(nodes) == node_ids and all(nodes[n].synced for n in node_ids):
-                return
-            await asyncio.sleep(0.05)
-        raise TimeoutError(f"router did not sync {node_ids}: {dict(self.core.nodes)}")
-
-    async def stop(self) -> None:
-        if self.control is not None:
-            await self.control.stop()
-        if self._etcd is not None:
-            await self._etcd.close()
-        if self.server is not None:
-            await self.server.stop(0.1)
 
 
 def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30,

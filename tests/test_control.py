@@ -1,7 +1,7 @@
-"""Control plane against real etcd, real agent processes and a real router (in-process, see
-control_support.InProcessRouter): atomic flush racing lookups and routes, a node down
-during a flush, the kill switch across restarts, quotas isolating tenants, and an etcd
-outage (data path keeps serving, admin commands fail clearly)."""
+"""Control plane against real etcd, real agent processes and a real router process: atomic
+flush racing lookups and routes, a node down during a flush, the kill switch across
+restarts, quotas isolating tenants, and an etcd outage (data path keeps serving, admin
+commands fail clearly)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +11,13 @@ import time
 
 import grpc
 import pytest
+from cluster_support import spawn_many, start_router  # noqa: F401  (fixture)
 from conftest import PY, ROOT, make_namespace, wait_for
-from control_support import (AgentClient, InProcessRouter, agent_cfg, chain, kvctl, kvctl_json,
-                             status_of, with_fake_member)
+from control_support import (AgentClient, agent_cfg, chain, kvctl, kvctl_json, status_of,
+                             with_fake_member)
 
-from kvstore import errors
 from kvstore.hashing import pack_ids
-from kvstore.v1 import agent_pb2, agent_pb2_grpc
+from kvstore.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 
 SPEC = make_namespace()
 # Same name, another weights revision: `flush acme/chat` takes both in one transaction.
@@ -36,14 +36,15 @@ _STORM_LIMIT_S = 90.0  # safety bound only
 
 
 class Storm:
-    """Old-generation lookups (gRPC, every agent, 16 in flight) and routes (the router)
-    until PER_PHASE of each were sent after the flush returned; records (sent_at, kind,
-    outcome), outcome one of hit / miss / stale (refused: fenced). Bounded in count, and
-    in time as a safety net."""
+    """Old-generation lookups (every agent, 16 in flight) and routes (the router, 4 in
+    flight), all over gRPC, until PER_PHASE of each were sent after the flush returned.
+    Records (sent_at, kind, outcome), outcome one of hit / miss / stale (refused:
+    fenced). Bounded in count, and in time as a safety net."""
 
-    def __init__(self, addresses, ids, router) -> None:
-        self.ids, self.router = ids, router
+    def __init__(self, addresses, ids, router_address: str) -> None:
+        self.ids = ids
         self.addresses = addresses
+        self.router_address = router_address
         self.samples: list[tuple[float, str, str]] = []
         self.done_at: float | None = None
         self.counts = {"lookup": [0, 0], "route": [0, 0]}  # [before, after]
@@ -65,6 +66,10 @@ class Storm:
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
         ref = agent_pb2.NamespaceRef(namespace_id=SPEC.namespace_id, generation=0)
         req = agent_pb2.LookupRequest(ns=ref, block_ids=pack_ids(self.ids))
+        router = grpc.aio.insecure_channel(self.router_address)
+        route_stub = router_pb2_grpc.RouterStub(router)
+        route_req = router_pb2.RouteRequest(namespace_id=SPEC.namespace_id, generation=0,
+                                            block_ids=pack_ids(self.ids), dry_run=True)
 
         async def lookups(stub):
             while self._more("lookup", deadline):
@@ -80,51 +85,41 @@ class Storm:
             while self._more("route", deadline):
                 sent = loop.time()
                 try:
-                    d = self.router.route(SPEC.namespace_id, 0, self.ids)
-                    self._record(sent, "route",
-                                 "hit" if d.scores[0].local_blocks else "miss")
-                except errors.StaleGeneration:
+                    resp = await route_stub.Route(route_req, timeout=10)
+                    self._record(sent, "route", "hit" if resp.matched_blocks else "miss")
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == FAILED_PRECONDITION, exc
                     self._record(sent, "route", "stale")
-                await asyncio.sleep(0.001)
 
         stubs = [agent_pb2_grpc.NodeAgentStub(c) for c in channels]
         try:
             await asyncio.gather(*[lookups(s) for s in stubs for _ in range(8)],
-                                 *[routes() for _ in range(2)])
+                                 *[routes() for _ in range(4)])
         finally:
-            for c in channels:
+            for c in channels + [router]:
                 await c.close()
 
 
-async def _flush_under_load(etcd, addresses, ids):
-    router = await InProcessRouter(etcd.endpoint).start()
-    try:
-        await router.wait_synced({"agent-0", "agent-1"})
-        for _ in range(100):  # the index takes the snapshots' blocks
-            if router.route(SPEC.namespace_id, 0, ids).scores[0].local_blocks == len(ids):
-                break
-            await asyncio.sleep(0.05)
-        storm = Storm(addresses, ids, router)
-        task = asyncio.create_task(storm.run())
-        for _ in range(600):
-            if storm.ready() or task.done():
-                break
-            await asyncio.sleep(0.05)
-        proc = await asyncio.create_subprocess_exec(
-            PY, "-m", "kvctl", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
-            cwd=ROOT, env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
-        storm.done_at = asyncio.get_running_loop().time()
-        await asyncio.wait_for(task, _STORM_LIMIT_S + 10)
-        assert proc.returncode == 0, stderr.decode()
-        return json.loads(stdout), storm
-    finally:
-        await router.stop()
+async def _flush_under_load(etcd, addresses, router_address, ids):
+    storm = Storm(addresses, ids, router_address)
+    task = asyncio.create_task(storm.run())
+    for _ in range(600):
+        if storm.ready() or task.done():
+            break
+        await asyncio.sleep(0.05)
+    proc = await asyncio.create_subprocess_exec(
+        PY, "-m", "kvctl", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
+        cwd=ROOT, env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    storm.done_at = asyncio.get_running_loop().time()
+    await asyncio.wait_for(task, _STORM_LIMIT_S + 10)
+    assert proc.returncode == 0, stderr.decode()
+    return json.loads(stdout), storm
 
 
-def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent):
-    agents = [spawn_agent(**agent_cfg(etcd)) for _ in range(2)]
+def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent, start_router):
+    agents = spawn_many(spawn_agent, 2, **agent_cfg(etcd))
     clients = [AgentClient(a.address) for a in agents]
     ids = []
     for c in clients:
@@ -134,7 +129,11 @@ def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent):
         c.put_chain(SPEC_R2, 2, 4, 0)
         c.open(OTHER)
         other_ids = c.put_chain(OTHER, 3, 4, 0)
-    report, storm = asyncio.run(_flush_under_load(etcd, [a.address for a in agents], ids))
+    router = start_router("r1")
+    router.wait_nodes({"agent-0": 16, "agent-1": 16})
+    assert router.route(SPEC.namespace_id, pack_ids(ids), dry_run=True).matched_blocks == 8
+    report, storm = asyncio.run(_flush_under_load(etcd, [a.address for a in agents],
+                                                  router.address, ids))
 
     assert report["ok"] and report["missing"] == []
     assert set(report["acknowledged"]) == {"agent-0", "agent-1", "router:r1"}
@@ -169,7 +168,7 @@ def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent):
 
 # ------------------------------------------------------ node down during a flush
 def test_node_down_during_flush_catches_up_before_serving(etcd, spawn_agent):
-    a, b = (spawn_agent(**agent_cfg(etcd)) for _ in range(2))
+    a, b = spawn_many(spawn_agent, 2, **agent_cfg(etcd))
     ca, cb = AgentClient(a.address), AgentClient(b.address)
     for c in (ca, cb):
         c.open(SPEC)
@@ -182,7 +181,7 @@ def test_node_down_during_flush_catches_up_before_serving(etcd, spawn_agent):
                          ttl=2, keep=False)
     assert r.returncode == 0, r.stderr
     assert "waiting for crashed" in r.stderr, r.stderr  # progress while it was live
-    assert "nodes acknowledged:  1/1 (agent-0)" in r.stdout, r.stdout
+    assert f"nodes acknowledged:  1/1 ({a.config['node_id']})" in r.stdout, r.stdout
     assert "blocks scheduled for deletion: 6" in r.stdout
     assert _stale(ca, SPEC, ids, 0)
 
@@ -214,46 +213,50 @@ def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     assert audit["params"]["missing"] == ["ghost"]
     r = kvctl("flush", "acme/nope", etcd=etcd)
     assert r.returncode == 1 and "no namespace named acme/nope" in r.stderr
+    audit = kvctl_json("audit", etcd=etcd)[-1]
+    assert (audit["action"], audit["target"], audit["ok"]) == ("flush", "acme/nope", False)
 
 
 # ----------------------------------------------------------------- kill switch
-async def _router_killswitch(endpoint: str, ids) -> tuple[bool, int]:
-    router = await InProcessRouter(endpoint, "r-ks").start()
-    try:
-        return router.control.is_killed(), router.core.killswitch
-    finally:
-        await router.stop()
-
-
-def test_killswitch_on_off_survives_restarts(etcd, spawn_agent):
+def test_killswitch_on_off_survives_restarts(etcd, spawn_agent, start_router):
     a = spawn_agent(**agent_cfg(etcd))
     c = AgentClient(a.address)
     c.open(SPEC)
     ids = c.put_chain(SPEC, 7, 5, 0)
     assert c.lookup(SPEC, ids, 0).matched == 5
+    router = start_router("r1")
+    router.wait_nodes({"agent-0": 5})
+
+    def routed(block_ids) -> int:
+        return router.route(SPEC.namespace_id, pack_ids(block_ids), dry_run=True).matched_blocks
+    assert routed(ids) == 5
 
     r = kvctl("killswitch", "on", "--reason", "pollution suspected", etcd=etcd)
     assert r.returncode == 0, r.stderr
-    assert "nodes acknowledged: 1/1" in r.stdout
+    assert "nodes acknowledged: 2/2" in r.stdout, r.stdout  # agent-0 and router:r1
     assert c.lookup(SPEC, ids, 0).matched == 0
     assert c.get_count(SPEC, ids, 0) == 0
-    code = status_of(c.put_chain, SPEC, 8, 2, 0)
-    assert code == FAILED_PRECONDITION
-    assert asyncio.run(_router_killswitch(etcd.endpoint, ids)) == (True, True)
+    assert status_of(c.put_chain, SPEC, 8, 2, 0) == FAILED_PRECONDITION
+    assert routed(ids) == 0, "the router still routes by cache"
 
+    c.close()
     a.restart()
+    router.stop()
+    router.start()
     c = AgentClient(a.address)
     c.open(SPEC)
-    assert c.lookup(SPEC, ids, 0).matched == 0, "kill switch lost across a restart"
+    assert c.lookup(SPEC, ids, 0).matched == 0, "kill switch lost across an agent restart"
     assert status_of(c.put_chain, SPEC, 8, 2, 0) == FAILED_PRECONDITION
+    router.wait_nodes({"agent-0"})
+    assert routed(ids) == 0, "kill switch lost across a router restart"
     st = kvctl_json("killswitch", "status", etcd=etcd)
     assert st["enabled"] and st["info"]["reason"] == "pollution suspected"
 
     r = kvctl_json("killswitch", "off", etcd=etcd)
-    assert r["ok"] and r["acknowledged"] == ["agent-0"]
+    assert r["ok"] and r["acknowledged"] == ["agent-0", "router:r1"]
     new = c.put_chain(SPEC, 8, 2, 0)
     assert c.lookup(SPEC, new, 0).matched == 2
-    assert asyncio.run(_router_killswitch(etcd.endpoint, ids)) == (False, False)
+    wait_for(lambda: routed(new) == 2, 10, what="routing by cache again")
     assert [x["target"] for x in kvctl_json("audit", etcd=etcd)] == ["on", "off"]
 
 

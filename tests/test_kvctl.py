@@ -91,7 +91,7 @@ def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
     e = ("--etcd", etcd.endpoint)
     agent = spawn_agent(**agent_cfg(etcd))
     _traffic(AgentClient(agent.address))
-    run(capsys, "flush", "acme/chat", *e)
+    assert run(capsys, "flush", "acme/chat", *e)[0] == 0
 
     rc, out, err = run(capsys, "status", *e)
     assert rc == 0, err
@@ -122,6 +122,10 @@ def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
     assert acme_row.split()[1:4] == ["2", "50.0%", "25.0%"]
     assert "blocks_dropped_flush  4" in out and "namespace flushed" in out
 
+    by_id = run_json(capsys, "flush", f"beta/{BETA.namespace_id.hex()}", *e)  # by namespace id
+    assert [(n["ns_hex"], n["new_generation"]) for n in by_id["namespaces"]] == [
+        (BETA.namespace_id.hex(), 1)]
+
     # a registered node that does not answer: exit 4, named, the rest still shown
     def check_unreachable():
         rc, out, err = run(capsys, "nodes", "--node-timeout", "1", *e)
@@ -151,12 +155,12 @@ def test_etcd_unreachable_and_state_dir(tmp_path, etcd, capsys):
 
 
 def test_real_process_exit_codes_and_wiring(etcd):
-    r = kvctl("killswitch", "status", "--output", "json", etcd=etcd)
+    r = kvctl("killswitch", "status", "--output", "json", etcd=etcd, process=True)
     assert r.returncode == 0 and json.loads(r.stdout) == {"enabled": False}, r.stderr
-    r = kvctl("status", etcd=f"127.0.0.1:{free_port()}")
+    r = kvctl("status", etcd=f"127.0.0.1:{free_port()}", process=True)
     assert r.returncode == 3 and "etcd unreachable" in r.stderr
-    r = kvctl("flush", "acme")
+    r = kvctl("flush", "acme", process=True)
     assert r.returncode == 2 and "TENANT/NAMESPACE" in r.stderr
     for cmd in ("plan", "analyze"):  # existing commands stay wired next to the new ones
-        r = kvctl(cmd, "--help")
+        r = kvctl(cmd, "--help", process=True)
         assert r.returncode == 0 and f"usage: kvctl {cmd}" in r.stdout

@@ -1,0 +1,273 @@
+"""Peer-transfer benchmark: `python -m loadtest.bench_peer`.
+
+Two real agents on this machine: B holds prompts of 2 MiB blocks (Llama-3-8B, 16 tokens,
+fp16), A pulls them with Peer.Prefetch, once over UCX and once over the gRPC fallback
+(each round a fresh prompt, so every block really moves). The time is the whole Prefetch
+call as a client sees it: connect, B's store reads, the wire, A's verified store writes.
+
+Reported (one JSON line on stdout at the end; progress on stderr):
+- limit_gbps: what the transport itself moves between two processes here, measured in the
+  same run: `ucx_perftest -t tag_bw -s 2097152` over UCX_TLS=tcp (limit_method "ucx_perftest
+  tcp"), or a raw Python socket loopback when ucx_perftest is not found
+- limit_shm_gbps: the same perftest over shared memory (sm), for context
+- ucx_gbps / grpc_gbps: median Prefetch bandwidth over the rounds; ucx_ratio: median of
+  ucx / limit per round (each UCX round right after a limit measurement: the load on a
+  shared machine changes quickly, and pairing keeps the ratio honest); ucx_best_gbps
+- batch_blocks: blocks per chunk (two chunks in flight per transfer)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.client import KVClient
+from kvstore.hashing import pack_ids
+from kvstore.namespace import Namespace
+from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from node_agent.peer_common import PeerConfig
+
+MiB = 1 << 20
+BLOCK = 2 * MiB
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama3_8b() -> Namespace:
+    return Namespace(tenant="bench", name="peer", model_name="llama-3-8b",
+                     model_revision="r1", adapter_id="none", adapter_revision="none",
+                     tokenizer_id="llama3", tokenizer_revision="r1", rope_type="llama3",
+                     rope_theta=500000.0, rope_scaling="none", attention_impl="sdpa",
+                     kv_dtype="float16", prompt_template_version="v1", num_layers=32,
+                     num_kv_heads=8, head_dim=128, tp_rank=0, tp_size=1, block_size=16)
+
+
+class Agent:
+    def __init__(self, workdir: Path, name: str, **cfg) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.peer_port = free_port()
+        conf = {"node_id": name, "listen": "127.0.0.1:0", "device": "cpu",
+                "data_dir": str(workdir / "data"), "allow_unauthenticated": True,
+                "slot_bytes": "2MiB", "nvme_bytes": 0, "peer_port": self.peer_port,
+                "default_policy": {"persist": False}}
+        conf.update(cfg)
+        (workdir / "agent.json").write_text(json.dumps(conf))
+        ready = workdir / "ready"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "node_agent", "--config", str(workdir / "agent.json"),
+             "--ready-file", str(ready), "--log-level", "WARNING"],
+            stdout=open(workdir / "agent.log", "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (ready.exists() and ready.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"agent {name} failed to start: "
+                                   + (workdir / "agent.log").read_text()[-2000:])
+            time.sleep(0.05)
+        self.address = ready.read_text().strip()
+        self.ucx_address = f"127.0.0.1:{self.peer_port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ------------------------------------------------------------------ transport limit
+def find_perftest() -> tuple[str, dict] | None:
+    """ucx_perftest from PATH or from the libucx wheel ucxx brings (with its libraries)."""
+    path = shutil.which("ucx_perftest")
+    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
+    if path:
+        return path, env
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return None
+    env["LD_LIBRARY_PATH"] = f"{root / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
+    return str(binary), env
+
+
+def perftest_gbps(binary: str, env: dict, tls: str, iters: int) -> float:
+    """tag_bw of 2 MiB messages between two processes; perftest prints MB/s = MiB/s."""
+    env = dict(env, UCX_TLS=tls)
+    port = free_port()
+    server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):  # the server needs a moment before it accepts
+            time.sleep(0.1)
+            out = subprocess.run([binary, "127.0.0.1", "-p", str(port), "-t", "tag_bw",
+                                  "-s", str(BLOCK), "-n", str(iters), "-w", "20"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+            final = [ln for ln in out.stdout.splitlines() if ln.startswith("Final:")]
+            if final:
+                return float(final[-1].split()[6]) * MiB / 1e9
+        raise RuntimeError(f"ucx_perftest gave no result: {out.stdout[-500:]} "
+                           f"{out.stderr[-500:]}")
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+
+
+def socket_gbps(total: int = 1 << 30) -> float:
+    """Raw loopback TCP between two threads, 2 MiB sends (stand-in for ucx_perftest)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    got = [0]
+
+    def sink() -> None:
+        conn, _ = srv.accept()
+        buf = bytearray(BLOCK)
+        with conn:
+            while got[0] < total:
+                n = conn.recv_into(buf)
+                if not n:
+                    break
+                got[0] += n
+
+    t = threading.Thread(target=sink)
+    t.start()
+    payload = b"\0" * BLOCK
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        start = time.perf_counter()
+        for _ in range(total // BLOCK):
+            c.sendall(payload)
+        t.join(60)
+        elapsed = time.perf_counter() - start
+    srv.close()
+    return total / elapsed / 1e9
+
+
+def transport_limit(iters: int):
+    """(method, function measuring GB/s once, shm figure or None)."""
+    found = find_perftest()
+    if found is None:
+        log("ucx_perftest not found: raw socket loopback as the limit")
+        return "python socket", socket_gbps, None
+    binary, env = found
+    try:
+        shm = round(perftest_gbps(binary, env, "sm,self", iters), 3)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        log(f"shm perftest failed: {exc}")
+        shm = None
+    return "ucx_perftest tcp", lambda: perftest_gbps(binary, env, "tcp", iters), shm
+
+
+# ----------------------------------------------------------------------- transfers
+def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
+    """Put `rounds` prompts of `blocks` blocks on B (distinct ids, shared payloads)."""
+    nb = cb.open_namespace(spec)
+    gen = torch.Generator().manual_seed(1)
+    payload = [torch.randint(0, 256, (spec.block_bytes,), dtype=torch.uint8, generator=gen)
+               .view(torch.float16).view(32, 2, 16, 8, 128) for _ in range(blocks)]
+    prompts = []
+    for r in range(rounds):
+        tokens = np.arange(r * blocks * 16, (r + 1) * blocks * 16, dtype=np.int32) + 7
+        ids = cb.block_ids(nb, tokens)
+        assert cb.put(nb, ids, payload).stored == blocks
+        prompts.append(ids)
+    return prompts
+
+
+def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool) -> float:
+    """One Prefetch of a prompt A does not hold; GB/s as the caller sees it."""
+    req = peer_pb2.PrefetchRequest(
+        ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
+        parent_id=na.root, peer_address=b.address,
+        peer_ucx_address=b.ucx_address if ucx else "", timeout_ms=120_000)
+    t = time.perf_counter()
+    r = stub.Prefetch(req, timeout=180)
+    dt = time.perf_counter() - t
+    want = "ucx" if ucx else "grpc"
+    if r.present != len(ids) or r.transport != want:
+        raise RuntimeError(f"{want} prefetch incomplete: {r}")
+    return len(ids) * BLOCK / dt / 1e9
+
+
+def measure(a: Agent, b: Agent, na, prompts, rounds: int, limit) -> dict[str, list[float]]:
+    """Interleaved rounds: limit, UCX, gRPC. This machine's load moves a lot from second
+    to second; pairing each UCX figure with a limit taken just before keeps the ratio
+    meaningful."""
+    out: dict[str, list[float]] = {"limit": [], "ucx": [], "grpc": [], "ratio": []}
+    with KVClient(a.address, use_shm=False) as ca:
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        prefetch(stub, a, b, na, prompts[0], ucx=True)  # warm-up: connection, buffers
+        for r in range(rounds):
+            out["limit"].append(limit())
+            out["ucx"].append(prefetch(stub, a, b, na, prompts[1 + 2 * r], ucx=True))
+            out["grpc"].append(prefetch(stub, a, b, na, prompts[2 + 2 * r], ucx=False))
+            out["ratio"].append(out["ucx"][-1] / out["limit"][-1])
+            log(f"  round {r}: limit {out['limit'][-1]:.2f}  ucx {out['ucx'][-1]:.2f}  "
+                f"grpc {out['grpc'][-1]:.2f} GB/s")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_peer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=64, help="2 MiB blocks per prompt")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds (limit, UCX, gRPC)")
+    ap.add_argument("--perftest-iters", type=int, default=200)
+    args = ap.parse_args(argv)
+    spec = llama3_8b()
+    n_prompts = 2 * args.rounds + 1
+    pool = f"{n_prompts * args.blocks * 2 + 16}MiB"
+    result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,
+                    "batch_blocks": PeerConfig().batch_blocks}
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+        method, limit, shm = transport_limit(args.perftest_iters)
+        agents: list[Agent] = []
+        try:
+            agents.append(Agent(Path(tmp) / "b", "peer-b", pool_bytes=pool))
+            agents.append(Agent(Path(tmp) / "a", "peer-a", pool_bytes=pool))
+            b, a = agents
+            with KVClient(b.address, tenant_secret="bench", use_shm=True,
+                          shm_bytes=args.blocks * BLOCK) as cb:
+                prompts = seed_prompts(cb, spec, n_prompts, args.blocks)
+            with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
+                na = ca.open_namespace(spec)
+            log(f"{args.rounds} rounds of {args.blocks} blocks")
+            m = measure(a, b, na, prompts, args.rounds, limit)
+        finally:
+            for ag in agents:
+                ag.stop()
+    med = {k: round(statistics.median(v), 3) for k, v in m.items()}
+    result.update(limit_gbps=med["limit"], limit_method=method, limit_shm_gbps=shm,
+                  ucx_gbps=med["ucx"], grpc_gbps=med["grpc"], ucx_ratio=med["ratio"],
+                  ucx_best_gbps=round(max(m["ucx"]), 3))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

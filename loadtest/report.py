@@ -1,0 +1,354 @@
+"""Metrics and the report of a trace replay (loadtest/replay.py): per policy and per
+tenant, token- and request-weighted hit rates against the trace's ceiling, TTFT
+percentiles with and without the cache, saved prefill per GB-hour of device pool, and
+requests per node; written as Markdown with PNG plots.
+
+Token-weighted (cached tokens / prompt tokens) and request-weighted (requests with a
+hit / requests) rates are kept apart everywhere, as the design brief asks.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GB = 1e9  # saved prefill per GB-hour uses decimal GB, as capacity planning does
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One replayed request under one policy. Times are simulated seconds, except
+    `transfer_s`, the measured wall time of route + peer prefetch + lookup + get."""
+
+    index: int
+    tenant: str
+    arrival: float
+    node: str
+    prompt_tokens: int
+    cached_tokens: int
+    ceiling_tokens: int  # what an unbounded single cache would have served
+    hbm_blocks: int  # of the cached blocks, found in the device pool (lookup's view)
+    nvme_blocks: int  # ... found only on NVMe
+    peer_blocks: int  # blocks the router expected to pull from a peer (ours only)
+    index_best_blocks: int  # longest prefix any node held per the router (-1: no router)
+    chosen_blocks: int  # local + peer blocks the router promised on its choice (-1: none)
+    transfer_s: float
+    prefill_s: float  # of the uncached suffix, from the calibrated cost model
+    full_prefill_s: float  # of the whole prompt: what the cache saved is the difference
+    wait_s: float
+    ttft_s: float
+    nocache_ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SliceStats:
+    """Metrics of one policy over one slice of the trace (all requests, or one tenant)."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    requests_with_hit: int
+    token_hit_rate: float
+    request_hit_rate: float
+    ceiling_token_hit_rate: float
+    ceiling_request_hit_rate: float
+    ttft_s: tuple[float, float, float]  # p50, p95, p99
+    nocache_ttft_s: tuple[float, float, float]
+    ttft_p50_ratio: float
+    ttft_p99_ratio: float
+    mean_wait_s: float
+    mean_transfer_s: float
+    mean_prefill_s: float
+    saved_prefill_s: float
+    saved_tokens_per_gb_hour: float
+    per_node: tuple[tuple[str, int], ...]
+    max_mean_load: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
+
+
+def max_mean(per_node: dict[str, int], nodes: Sequence[str]) -> float:
+    """Requests on the busiest node over the mean per node (every node counts, idle too)."""
+    counts = [per_node.get(n, 0) for n in nodes]
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return max(counts) / mean if mean else math.nan
+
+
+def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
+                hours: float) -> SliceStats:
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_tokens for r in rows)
+    hits = sum(r.cached_tokens > 0 for r in rows)
+    ceiling = sum(r.ceiling_tokens for r in rows)
+    ttft = [r.ttft_s for r in rows]
+    base = [r.nocache_ttft_s for r in rows]
+    q = tuple(percentile(ttft, p) for p in PERCENTILES)
+    qb = tuple(percentile(base, p) for p in PERCENTILES)
+    n = len(rows) or 1
+    per_node = Counter(r.node for r in rows)
+    gbh = pool_bytes / GB * hours
+    return SliceStats(
+        requests=len(rows), prompt_tokens=prompt, cached_tokens=cached,
+        requests_with_hit=hits, token_hit_rate=_ratio(cached, prompt),
+        request_hit_rate=_ratio(hits, len(rows)),
+        ceiling_token_hit_rate=_ratio(ceiling, prompt),
+        ceiling_request_hit_rate=_ratio(sum(r.ceiling_tokens > 0 for r in rows), len(rows)),
+        ttft_s=q, nocache_ttft_s=qb, ttft_p50_ratio=_ratio(q[0], qb[0]),
+        ttft_p99_ratio=_ratio(q[2], qb[2]),
+        mean_wait_s=sum(r.wait_s for r in rows) / n,
+        mean_transfer_s=sum(r.transfer_s for r in rows) / n,
+        mean_prefill_s=sum(r.prefill_s for r in rows) / n,
+        saved_prefill_s=sum(r.full_prefill_s - r.prefill_s for r in rows),
+        saved_tokens_per_gb_hour=_ratio(cached, gbh),
+        per_node=tuple(sorted(per_node.items())),
+        max_mean_load=max_mean(per_node, nodes))
+
+
+def summarize(outcomes: dict[str, list[Outcome]], nodes: Sequence[str], pool_bytes: int,
+              hours: float) -> dict[str, dict[str, SliceStats]]:
+    """policy -> slice ("all" or a tenant) -> stats."""
+    out: dict[str, dict[str, SliceStats]] = {}
+    for policy, rows in outcomes.items():
+        tenants = sorted({r.tenant for r in rows})
+        out[policy] = {"all": slice_stats(rows, nodes, pool_bytes, hours)}
+        for t in tenants:
+            out[policy][t] = slice_stats([r for r in rows if r.tenant == t], nodes,
+                                         pool_bytes, hours)
+    return out
+
+
+def shortfall(rows: Sequence[Outcome], block_size: int) -> dict[str, int]:
+    """Where a router-driven policy lost tokens against the ceiling, in tokens:
+
+    - capacity: the ceiling's prefix was on no node when routed (per the router's index:
+      evicted, or its blocks not stored yet because the request that makes them was
+      still in flight);
+    - routing: some node held more than the chosen node could serve with a peer fetch
+      (the load or utilization term outweighed those blocks);
+    - serving: the chosen node served less than the router promised (index lag, a block
+      evicted or a peer fetch cut short between the route and the get).
+    Needs the router's view: rows without one (index_best_blocks < 0) are skipped."""
+    out = {"capacity": 0, "routing": 0, "serving": 0}
+    for r in rows:
+        if r.index_best_blocks < 0:
+            continue
+        best = min(r.index_best_blocks * block_size, r.ceiling_tokens)
+        chosen = min(r.chosen_blocks * block_size, best)
+        out["capacity"] += r.ceiling_tokens - best
+        out["routing"] += best - chosen
+        out["serving"] += max(0, chosen - r.cached_tokens)
+    return out
+
+
+# ------------------------------------------------------------------------ rendering
+LABELS = {"ours": "router (ours)", "rr": "round robin", "chash": "consistent hash"}
+
+
+def label(policy: str) -> str:
+    return LABELS.get(policy, policy)
+
+
+def stats_dict(stats: dict[str, dict[str, SliceStats]]) -> dict:
+    """JSON-ready: NaN becomes null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return {p: {s: {k: clean(v) for k, v in asdict(st).items()} for s, st in slices.items()}
+            for p, slices in stats.items()}
+
+
+def _pct(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.1%}"
+
+
+def _ms(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x * 1e3:,.0f}"
+
+
+def _num(x: float, fmt: str = "{:.2f}") -> str:
+    return "-" if not math.isfinite(x) else fmt.format(x)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |",
+           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _policy_rows(stats: dict[str, dict[str, SliceStats]], key: str) -> list[list[str]]:
+    rows = []
+    for policy, slices in stats.items():
+        s = slices.get(key)
+        if s is None:
+            continue
+        rows.append([label(policy), _pct(s.token_hit_rate), _pct(s.ceiling_token_hit_rate),
+                     _pct(s.request_hit_rate), _pct(s.ceiling_request_hit_rate),
+                     " / ".join(_ms(x) for x in s.ttft_s),
+                     " / ".join(_ms(x) for x in s.nocache_ttft_s),
+                     _num(s.ttft_p50_ratio), _num(s.ttft_p99_ratio),
+                     _num(s.saved_tokens_per_gb_hour, "{:,.3g}"), _num(s.max_mean_load)])
+    return rows
+
+
+_HEADERS = ("policy", "token hit", "ceiling", "request hit", "ceiling", "TTFT p50/p95/p99 ms",
+            "no cache p50/p95/p99 ms", "p50 ratio", "p99 ratio", "saved tok / GB·h",
+            "max/mean load")
+
+
+def _time_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
+    rows = []
+    for policy, slices in stats.items():
+        s = slices["all"]
+        rows.append([label(policy), _ms(s.mean_wait_s), _ms(s.mean_transfer_s),
+                     _ms(s.mean_prefill_s), f"{s.saved_prefill_s:,.1f}",
+                     ", ".join(f"{n}: {c}" for n, c in s.per_node)])
+    return rows
+
+
+def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
+                    goals: Sequence[tuple[str, str, str, bool]],
+                    shortfalls: dict[str, dict[str, int]], notes: Sequence[str]) -> str:
+    lines = [f"# Trace replay: {meta.get('title', 'report')}", ""]
+    lines += _table(("setting", "value"), [[k, str(v)] for k, v in meta.items()
+                                           if k != "title"])
+    lines += ["", "## Goals", ""]
+    lines += _table(("goal", "measured", "target", "met"),
+                    [[g, v, t, "yes" if ok else "**no**"] for g, v, t, ok in goals])
+    lines += ["", "## All tenants", ""]
+    lines += _table(_HEADERS, _policy_rows(stats, "all"))
+    lines += ["", "Mean per request (simulated ms; transfer is measured wall time), "
+              "prefill seconds saved, requests per node:", ""]
+    lines += _table(("policy", "queue wait", "lookup+transfer", "suffix prefill",
+                     "prefill s saved", "requests per node"), _time_rows(stats))
+    tenants = sorted({t for slices in stats.values() for t in slices if t != "all"})
+    for t in tenants:
+        lines += ["", f"## Tenant {t}", ""]
+        lines += _table(_HEADERS, _policy_rows(stats, t))
+    if shortfalls:
+        lines += ["", "## Tokens lost against the ceiling (router-driven policies)", ""]
+        lines += _table(("policy", "capacity", "routing", "serving"),
+                        [[label(p), *(f"{v:,}" for v in d.values())]
+                         for p, d in shortfalls.items()])
+    lines += ["", "## Plots", "", "![hit rate by policy and tenant](hit_rate.png)", "",
+              "![TTFT CDF, cached vs no cache](ttft_cdf.png)", "",
+              "![requests per node](load_per_node.png)", ""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_hit_rates(path: Path, stats: dict[str, dict[str, SliceStats]]) -> None:
+    plt = _pyplot()
+    policies = list(stats)
+    slices = ["all"] + sorted({t for s in stats.values() for t in s if t != "all"})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    width = 0.8 / (len(policies) + 1)
+    for ax, attr, ceil_attr, title in (
+            (axes[0], "token_hit_rate", "ceiling_token_hit_rate", "token-weighted"),
+            (axes[1], "request_hit_rate", "ceiling_request_hit_rate", "request-weighted")):
+        for i, p in enumerate(policies):
+            ys = [getattr(stats[p][s], attr) if s in stats[p] else 0 for s in slices]
+            ax.bar([x + i * width for x in range(len(slices))], ys, width, label=label(p))
+        first = stats[policies[0]]
+        ys = [getattr(first[s], ceil_attr) if s in first else 0 for s in slices]
+        ax.bar([x + len(policies) * width for x in range(len(slices))], ys, width,
+               label="ceiling", color="lightgray", edgecolor="gray")
+        ax.set_xticks([x + width * len(policies) / 2 for x in range(len(slices))], slices)
+        ax.set_title(f"{title} hit rate")
+        ax.set_ylim(0, 1)
+    axes[0].legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_ttft_cdf(path: Path, outcomes: dict[str, list[Outcome]]) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for policy, rows in outcomes.items():
+        xs = sorted(r.ttft_s * 1e3 for r in rows)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label(policy))
+    any_rows = next(iter(outcomes.values()), [])
+    xs = sorted(r.nocache_ttft_s * 1e3 for r in any_rows)
+    if xs:
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], "k--", label="no cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (simulated ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF: cached vs no cache")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_load(path: Path, stats: dict[str, dict[str, SliceStats]],
+              nodes: Sequence[str]) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    policies = list(stats)
+    width = 0.8 / max(1, len(policies))
+    for i, p in enumerate(policies):
+        counts = dict(stats[p]["all"].per_node)
+        ax.bar([x + i * width for x in range(len(nodes))], [counts.get(n, 0) for n in nodes],
+               width, label=f"{label(p)} (max/mean {stats[p]['all'].max_mean_load:.2f})")
+    ax.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(nodes))], nodes)
+    ax.set_ylabel("requests")
+    ax.set_title("requests per node")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(out_dir: Path, meta: dict, outcomes: dict[str, list[Outcome]],
+                 stats: dict[str, dict[str, SliceStats]], nodes: Sequence[str],
+                 goals: Sequence[tuple[str, str, str, bool]],
+                 shortfalls: dict[str, dict[str, int]], notes: Sequence[str],
+                 headline: dict) -> Path:
+    """report.md, hit_rate.png, ttft_cdf.png, load_per_node.png, summary.json and
+    requests.jsonl (every Outcome) in `out_dir`. Returns the Markdown path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_hit_rates(out_dir / "hit_rate.png", stats)
+    plot_ttft_cdf(out_dir / "ttft_cdf.png", outcomes)
+    plot_load(out_dir / "load_per_node.png", stats, nodes)
+    md = out_dir / "report.md"
+    md.write_text(render_markdown(meta, stats, goals, shortfalls, notes))
+    summary = {"headline": headline, "meta": meta, "stats": stats_dict(stats),
+               "shortfall_tokens": shortfalls, "notes": list(notes)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    with open(out_dir / "requests.jsonl", "w") as f:
+        for policy, rows in outcomes.items():
+            for r in rows:
+                f.write(json.dumps({"policy": policy, **asdict(r)}) + "\n")
+    return md

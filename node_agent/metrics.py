@@ -1,0 +1,278 @@
+"""The agent's metrics and span attributes (wired up by node_agent/server.py).
+
+Per-lookup work on the data path is a few integer additions (`AgentMetrics.lookup` and
+`.served`, called by the servicer) plus one histogram record when Prometheus is on.
+Everything else is read from the store when Prometheus scrapes (observable instruments):
+occupancy per tier and tenant from `store.accounts`, evictions from `store.counters`.
+
+Exposed names (deploy/grafana and deploy/prometheus query them):
+  kvstore_requests_total{tenant}, kvstore_requests_hit_total{tenant}   request-weighted
+  kvstore_lookup_tokens_total{tenant}, kvstore_lookup_hit_tokens_total{tenant}  token-weighted
+  kvstore_hit_length_tokens{tenant} (histogram: tokens matched per lookup)
+  kvstore_saved_prefill_tokens_total{tenant} (tokens served by Get)
+  kvstore_tier_bytes{tier,tenant}, kvstore_tier_blocks{tier,tenant},
+  kvstore_tier_capacity_bytes{tier}, kvstore_evictions_total{tier,reason},
+  kvstore_removed_blocks_total{reason}, kvstore_tier_moves_total{to},
+  kvstore_inflight_requests, kvstore_flush_duration_seconds (histogram),
+  kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
+  kvstore_rpc_duration_seconds{method} (cluster/telemetry.RpcTelemetry).
+Tokens are counted in whole blocks (block_size tokens each): the agent sees block ids only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from cluster.telemetry import (MetricsEndpoint, RpcTelemetry, metrics_bind_host,
+                               pending_attributes, setup_tracing, tracing_enabled)
+from kvstore.events import Tier
+
+log = logging.getLogger("kvstore.agent")
+
+HIT_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                     65536, 131072)
+FLUSH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0, 60.0)
+PEER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0, 60.0)
+TIERS = ((Tier.HBM, "hbm"), (Tier.NVME, "nvme"))
+# Per-tenant tally slots, in the order of the counters that expose them.
+REQUESTS, REQUESTS_HIT, LOOKUP_TOKENS, HIT_TOKENS, SAVED_TOKENS = range(5)
+_TALLY_COUNTERS = (
+    ("kvstore_requests", "Lookups"),
+    ("kvstore_requests_hit", "Lookups that matched at least one block"),
+    ("kvstore_lookup_tokens", "Tokens in the full blocks looked up"),
+    ("kvstore_lookup_hit_tokens", "Tokens in the leading blocks found cached"),
+    ("kvstore_saved_prefill_tokens", "Tokens whose KV was served by Get"),
+)
+# (tier, reason) -> how to read it from store.counters. NVMe quota evictions are counted
+# both as evict_nvme and evict_nvme_quota, so capacity ones are the difference.
+_EVICTIONS = (
+    ("hbm", "capacity", lambda c: c.get("evict_hbm_capacity", 0)),
+    ("hbm", "quota", lambda c: c.get("evict_hbm_quota", 0)),
+    ("nvme", "capacity", lambda c: c.get("evict_nvme", 0) - c.get("evict_nvme_quota", 0)),
+    ("nvme", "quota", lambda c: c.get("evict_nvme_quota", 0)),
+)
+_REMOVED = (("flush", "blocks_dropped_flush"), ("expired", "removed_expired"),
+            ("corrupt", "removed_corrupt"))
+
+
+class AgentMetrics:
+    """Per-tenant lookup and Get tallies kept by the servicer, exported on scrape."""
+
+    def __init__(self) -> None:
+        self._tally: dict[str, list[int]] = {}
+        self._hit_length = None  # histogram, once exported
+        self._labels: dict[str, dict[str, str]] = {}
+
+    def _row(self, tenant: str) -> list[int]:
+        row = self._tally.get(tenant)
+        if row is None:
+            self._labels[tenant] = {"tenant": tenant}  # first: a scrape may run between
+            row = self._tally[tenant] = [0] * len(_TALLY_COUNTERS)
+        return row
+
+    def lookup(self, st, n_blocks: int, res) -> None:
+        """One Lookup of `n_blocks` ids in namespace `st` answered with `res`."""
+        bs = st.spec.block_size
+        row = self._row(st.tenant)
+        row[REQUESTS] += 1
+        row[REQUESTS_HIT] += res.matched > 0
+        row[LOOKUP_TOKENS] += n_blocks * bs
+        row[HIT_TOKENS] += res.matched * bs
+        if self._hit_length is not None:
+            self._hit_length.record(res.matched * bs, self._labels[st.tenant])
+        attrs = pending_attributes()
+        if attrs is not None:
+            attrs.update({"kvstore.tenant": st.tenant, "kvstore.namespace": st.spec.name,
+                          "kvstore.blocks": n_blocks, "kvstore.matched_blocks": res.matched,
+                          "kvstore.hbm_blocks": res.hbm, "kvstore.nvme_blocks": res.nvme})
+
+    def served(self, st, served) -> None:
+        """Blocks a Get served (called per chunk of a streamed Get)."""
+        if not served:
+            return
+        self._row(st.tenant)[SAVED_TOKENS] += len(served) * st.spec.block_size
+        attrs = pending_attributes()
+        if attrs is not None:
+            hbm = sum(1 for s in served if s.tier == Tier.HBM)
+            attrs["kvstore.tenant"] = st.tenant
+            attrs["kvstore.namespace"] = st.spec.name
+            for key, n in (("kvstore.blocks", len(served)), ("kvstore.hbm_blocks", hbm),
+                           ("kvstore.nvme_blocks", len(served) - hbm),
+                           ("kvstore.bytes", len(served) * st.spec.block_bytes)):
+                attrs[key] = attrs.get(key, 0) + n
+
+    def tally(self, tenant: str) -> tuple[int, ...]:
+        """(requests, requests hit, lookup tokens, hit tokens, saved tokens) so far."""
+        return tuple(self._tally.get(tenant, [0] * len(_TALLY_COUNTERS)))
+
+    # ------------------------------------------------------------------ export
+    def export(self, meter, store, servicer) -> None:
+        """Register every agent instrument with `meter` (once)."""
+        for i, (name, desc) in enumerate(_TALLY_COUNTERS):
+            meter.create_observable_counter(name, [self._tally_callback(i)],
+                                            description=desc)
+        self._hit_length = meter.create_histogram(
+            "kvstore_hit_length_tokens", description="Tokens matched per lookup",
+            explicit_bucket_boundaries_advisory=HIT_TOKEN_BUCKETS)
+        _StoreGauges(store, servicer).register(meter)
+
+    def _tally_callback(self, i: int):
+        def callback(options: CallbackOptions):
+            # list() of a dict is one C call under the GIL: safe against the event loop
+            # adding a tenant meanwhile.
+            rows = list(self._tally.items())
+            return [Observation(row[i], self._labels[t]) for t, row in rows]
+        return callback
+
+
+class _StoreGauges:
+    """Scrape-time reads of the store: occupancy, capacity, evictions, in-flight."""
+
+    def __init__(self, store, servicer) -> None:
+        self.store = store
+        self.servicer = servicer
+
+    def register(self, meter) -> None:
+        meter.create_observable_gauge("kvstore_tier_bytes", [self.tier_bytes], unit="By",
+                                      description="Bytes held per tier and tenant")
+        meter.create_observable_gauge("kvstore_tier_blocks", [self.tier_blocks],
+                                      description="Blocks held per tier and tenant")
+        meter.create_observable_gauge("kvstore_tier_capacity_bytes", [self.capacity],
+                                      unit="By", description="Capacity per tier")
+        meter.create_observable_counter("kvstore_evictions", [self.evictions],
+                                        description="Blocks evicted per tier and reason")
+        meter.create_observable_counter("kvstore_removed_blocks", [self.removed],
+                                        description="Blocks dropped by flush, expiry, "
+                                                    "corruption")
+        meter.create_observable_counter("kvstore_tier_moves", [self.moves],
+                                        description="Promotions (to=hbm), demotions "
+                                                    "(to=nvme)")
+        meter.create_observable_gauge("kvstore_inflight_requests", [self.inflight],
+                                      description="Data-path copies in progress")
+
+    def _per_tenant(self, read) -> list[Observation]:
+        with self.store.lock:
+            acc = self.store.accounts
+            return [Observation(read(acc, t, tier), {"tier": name, "tenant": t})
+                    for t in acc.tenants() for tier, name in TIERS]
+
+    def tier_bytes(self, options: CallbackOptions):
+        return self._per_tenant(lambda acc, t, tier: acc.used(t, tier))
+
+    def tier_blocks(self, options: CallbackOptions):
+        return self._per_tenant(lambda acc, t, tier: acc.blocks(t, tier))
+
+    def capacity(self, options: CallbackOptions):
+        out = [Observation(self.store.pool.capacity_bytes, {"tier": "hbm"})]
+        if self.store.rocks is not None:
+            out.append(Observation(self.store.rocks.capacity_bytes, {"tier": "nvme"}))
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        with self.store.lock:
+            return dict(self.store.counters)
+
+    def evictions(self, options: CallbackOptions):
+        c = self._counters()
+        return [Observation(read(c), {"tier": tier, "reason": reason})
+                for tier, reason, read in _EVICTIONS]
+
+    def removed(self, options: CallbackOptions):
+        c = self._counters()
+        return [Observation(c.get(key, 0), {"reason": reason}) for reason, key in _REMOVED]
+
+    def moves(self, options: CallbackOptions):
+        c = self._counters()
+        return [Observation(c.get("promotions", 0), {"to": "hbm"}),
+                Observation(c.get("demotions", 0), {"to": "nvme"})]
+
+    def inflight(self, options: CallbackOptions):
+        return [Observation(self.servicer.in_flight)]
+
+
+class AgentTelemetry:
+    """Prometheus endpoint (cfg.metrics_port), tracing (cfg.otlp_endpoint or the OTEL_*
+    env) and the RPC interceptor for one AgentServer. With both off: nothing is installed
+    and the data path pays only the servicer's tallies."""
+
+    def __init__(self, agent) -> None:
+        cfg = agent.cfg
+        self.agent = agent
+        self.tracer_provider = setup_tracing("kvstore-agent", cfg.node_id, cfg.otlp_endpoint)
+        self.endpoint: MetricsEndpoint | None = None
+        self._flush = self._peer = self._peer_blocks = None
+        meter = None
+        if cfg.metrics_port:
+            self.endpoint = MetricsEndpoint(
+                metrics_bind_host(cfg.metrics_host, cfg.listen), cfg.metrics_port,
+                {"service.name": "kvstore-agent", "service.instance.id": cfg.node_id})
+            meter = self.endpoint.meter
+            agent.servicer.metrics.export(meter, agent.store, agent.servicer)
+            self._flush = meter.create_histogram(
+                "kvstore_flush_duration_seconds", unit="s",
+                description="Time to put a flushed namespace generation in force here",
+                explicit_bucket_boundaries_advisory=FLUSH_BUCKETS)
+            self._peer = meter.create_histogram(
+                "kvstore_peer_transfer_seconds", unit="s",
+                description="Prefetch time for blocks pulled from a peer",
+                explicit_bucket_boundaries_advisory=PEER_BUCKETS)
+            self._peer_blocks = meter.create_counter(
+                "kvstore_peer_fetched_blocks", description="Blocks pulled from peers")
+        self.interceptors: list = []
+        if meter is not None or tracing_enabled():
+            self.interceptors.append(RpcTelemetry(
+                meter, {"kvstore.node": cfg.node_id},
+                {"Put": _observe_put, "Prefetch": self._observe_prefetch}))
+
+    def _observe_prefetch(self, request, response, seconds: float) -> None:
+        attrs = pending_attributes()
+        if attrs is not None:
+            attrs.update({"kvstore.blocks": len(request.block_ids) // 16,
+                          "kvstore.present_blocks": response.present,
+                          "kvstore.fetched_blocks": response.fetched,
+                          "kvstore.waited_blocks": response.waited,
+                          "kvstore.transport": response.transport,
+                          "kvstore.stopped": response.stopped})
+        if self._peer is not None and response.transport:  # something was pulled
+            labels = {"transport": response.transport}
+            self._peer.record(seconds, labels)
+            self._peer_blocks.add(response.fetched, labels)
+
+    def watch_generations(self, control) -> None:
+        """Time each flush this agent applies: wraps `control.on_generation`, the one
+        place a new namespace generation is put in force here (node_agent/control.py)."""
+        if self._flush is None:
+            return
+        apply, store, hist = control.on_generation, self.agent.store, self._flush
+
+        async def timed(ns_id: bytes, tenant: str, generation: int) -> int:
+            st = next((s for s in store.namespaces() if s.ns_id == ns_id), None)
+            before = st.generation if st is not None else generation
+            t0 = time.perf_counter()
+            dropped = await apply(ns_id, tenant, generation)
+            # Only a namespace held here at an older generation is a flush to apply; the
+            # start-up catch-up of unchanged generations is not.
+            if before < generation and st.generation == generation:
+                hist.record(time.perf_counter() - t0)
+            return dropped
+
+        control.on_generation = timed
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()  # flushes spans still batched
+            self.tracer_provider = None
+
+
+def _observe_put(request, response, seconds: float) -> None:
+    attrs = pending_attributes()
+    if attrs is not None:
+        attrs["kvstore.stored_blocks"] = response.stored
+        attrs["kvstore.already_present_blocks"] = response.already_present
