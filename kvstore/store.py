@@ -420,15 +420,22 @@ class BlockStore:
                 self._done_reading(b)
 
     # ------------------------------------------------------------------------ put
-    def put(self, ns_id: bytes, generation: int, items: list[PutItem]) -> tuple[int, int]:
-        """Store blocks (parent before child). Returns (stored, already_present)."""
+    def put(self, ns_id: bytes, generation: int, items: list[PutItem],
+            root: bytes | None = None) -> tuple[int, int]:
+        """Store blocks (parent before child). Returns (stored, already_present).
+
+        With `root` given (what clients send), a block whose parent is neither held, nor
+        earlier in this put, nor the chain root is refused as an orphan (its parent was
+        evicted meanwhile, or the client is wrong): the node then never holds a block
+        without its whole prefix, which the router's binary searches rely on. `root=None`
+        is for trusted in-process callers (peer transfer copies whole chains)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
             if self.killed:
                 self.counters["killswitch_puts"] += 1
                 raise FailedPrecondition("kill switch is on: writes are refused "
                                          "(`kvctl killswitch off` to resume caching)")
-            plan, already = self._plan_put(st, items)
+            plan, already = self._plan_put(st, items, root)
         written: list[tuple[PutItem, int, int, BlockMeta | None]] = []
         try:
             for item, slot, depth, parent in plan:
@@ -442,7 +449,7 @@ class BlockStore:
                 stored = self._commit_put(st, generation, plan, written)
         return stored, already
 
-    def _plan_put(self, st: NsState, items: list[PutItem]):
+    def _plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None):
         size = st.spec.block_bytes
         for i, it in enumerate(items):
             if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
@@ -458,16 +465,21 @@ class BlockStore:
         if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
             self.counters["below_min_prefix"] += 1
             return [], 0
-        plan, already, skipped = [], 0, set()
+        plan, already, skipped, planned = [], 0, set(), set()
         try:
             for it in items:
                 known = st.blocks.get(it.block_id)
-                if known is not None or any(p[0].block_id == it.block_id for p in plan):
+                if known is not None or it.block_id in planned:
                     already += 1
                     if known is not None and st.policy.ttl_seconds:  # a re-put is a touch
                         self._raise_expiry(known, self.clock() + st.policy.ttl_seconds)
                     continue
                 parent = st.blocks.get(it.parent_id)
+                if (root is not None and parent is None and it.parent_id != root
+                        and it.parent_id not in planned):
+                    skipped.add(it.block_id)
+                    self.counters["put_orphan"] += 1
+                    continue
                 if it.parent_id in skipped or (parent is not None and parent.slot < 0
                                                and not self._promote_chain(parent)):
                     skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
@@ -488,6 +500,7 @@ class BlockStore:
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
                         "every slot is pinned, in use or over the tenant's quota")
                 plan.append((it, slot, depths[it.block_id], parent))
+                planned.add(it.block_id)
         except BaseException:
             self._abort_plan(plan)
             raise

@@ -153,6 +153,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                     raise errors.InvalidArgument("the first PutRequest must carry ns")
                 st = self._ns(req.ns, write=True)
                 generation = req.ns.generation
+                if req.root and len(req.root) != 16:
+                    raise errors.InvalidArgument("root must be empty or 16 bytes")
+                root = req.root
             total += len(req.blocks)
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
@@ -162,13 +165,13 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             if len(pending) < st.policy.min_prefix_blocks:
                 continue
             s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
-                                   st.ns_id, generation, pending)
+                                   st.ns_id, generation, pending, root)
             stored, already, pending = stored + s, already + a, []
         if st is None:
             raise errors.InvalidArgument("empty Put stream")
         if pending:
             s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
-                                   st.ns_id, generation, pending)
+                                   st.ns_id, generation, pending, root)
             stored, already = stored + s, already + a
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 

@@ -44,7 +44,7 @@ class AgentClient:
         """Store an n-block prompt at `generation`; returns its block ids."""
         ids, items = chain(spec, seed, n_blocks, generation)
         ref = agent_pb2.NamespaceRef(namespace_id=spec.namespace_id, generation=generation)
-        req = agent_pb2.PutRequest(ns=ref, blocks=[
+        req = agent_pb2.PutRequest(ns=ref, root=items[0].parent_id, blocks=[
             agent_pb2.BlockPut(block_id=it.block_id, parent_id=it.parent_id, data=it.data)
             for it in items])
         self.stub.Put(iter([req]), timeout=10)

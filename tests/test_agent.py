@@ -12,7 +12,8 @@ from multiprocessing import shared_memory
 import grpc
 import pytest
 import torch
-from conftest import TEST_SECRET, flip_rocks_byte, make_namespace, open_rocks_raw, prompt_tokens
+from conftest import (TEST_SECRET, block_payload, flip_rocks_byte, make_namespace,
+                      open_rocks_raw, prompt_tokens)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import checksum as cks
@@ -205,7 +206,7 @@ def _put_req(ns, ids, datas, parent, **kw):
     for bid, d in zip(ids, datas):
         blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent, data=d, **kw))
         parent = bid
-    return agent_pb2.PutRequest(ns=ns.ref, blocks=blocks)
+    return agent_pb2.PutRequest(ns=ns.ref, blocks=blocks, root=ns.root)
 
 
 def test_bad_requests_get_precise_status_codes(spawn_agent):
@@ -260,7 +261,7 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
                 ns=ns.ref, block_ids=pack_ids(probe.ids), parent_id=ns.root,
                 shm=agent_pb2.ShmTarget(region_id=region, offsets=[0])), "offsets"),
             (IA, stub.Put, iter([agent_pb2.PutRequest(
-                ns=ns.ref, shm_region_id=region, blocks=[agent_pb2.BlockPut(
+                ns=ns.ref, shm_region_id=region, root=ns.root, blocks=[agent_pb2.BlockPut(
                     block_id=ids[0], parent_id=ns.root, shm_offset=1 << 40)])]),
              "outside region"),
             (grpc.StatusCode.NOT_FOUND, stub.Put, iter([agent_pb2.PutRequest(
@@ -435,3 +436,21 @@ def test_agent_rejects_bad_configuration(tmp_path):
     assert r.returncode == 2
     assert "pool_bytes" in r.stderr
 
+
+
+def test_orphan_blocks_are_refused(spawn_agent):
+    """A block whose parent the node does not hold (and that is not the chain root) is
+    refused: the node never holds a block without its whole prefix."""
+    agent = spawn_agent()
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(make_namespace())
+        tokens = list(range(64))
+        ids = c.block_ids(ns, tokens)
+        blocks = [block_payload(b, ns.block_bytes) for b in ids]
+        r = c.stub.Put(iter([_put_req(ns, ids[2:], blocks[2:], ids[1])]))
+        assert r.stored == 0
+        assert c.lookup(ns, ids).matched == 0
+        assert dict(c.stats().counters)["put_orphan"] == 2
+        r = c.stub.Put(iter([_put_req(ns, ids, blocks, ns.root)]))
+        assert r.stored == 4
+        assert c.lookup(ns, ids).matched == 4

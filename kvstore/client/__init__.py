@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import torch
 
+from cluster.telemetry import TRACER, annotate, traced_channel
 from kvstore.client.convert import (block_tensor, blocks_to_kv, check_block, kv_to_blocks,
                                     tensor_bytes, torch_dtype)
 from kvstore.hashing import hash_chain, pack_ids
@@ -81,9 +82,9 @@ class KVClient:
         self.address = address
         self.tenant_secret = tenant_secret
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self.channel = grpc.insecure_channel(address, options=[
+        self.channel = traced_channel(grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes)]))
         self.stub = agent_pb2_grpc.NodeAgentStub(self.channel)
         self._shm: shared_memory.SharedMemory | None = None
         self._staging: np.ndarray | None = None
@@ -207,7 +208,8 @@ class KVClient:
             blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
                                              shm_offset=(first_slot + i) * ns.block_bytes))
             parent = bid
-        req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, blocks=blocks)
+        req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, blocks=blocks,
+                                   root=ns.root)
         return self.stub.Put(iter([req]), metadata=self._md)
 
     def put(self, ns: NamespaceHandle, ids: list[bytes], blocks: list[torch.Tensor],
@@ -237,7 +239,7 @@ class KVClient:
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
         for start in range(0, len(ids), _GRPC_PUT_BLOCKS):
-            msg = agent_pb2.PutRequest(ns=ns.ref)
+            msg = agent_pb2.PutRequest(ns=ns.ref, root=ns.root if start == 0 else b"")
             for bid, blk in zip(ids[start: start + _GRPC_PUT_BLOCKS],
                                 blocks[start: start + _GRPC_PUT_BLOCKS]):
                 msg.blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
@@ -254,13 +256,17 @@ class KVClient:
         return self.stub.Stats(agent_pb2.StatsRequest(tenant=tenant), metadata=self._md)
 
     # ------------------------------------------------------------ prompt level
+    @TRACER.start_as_current_span("kvstore.client.fetch")
     def fetch(self, ns: NamespaceHandle, tokens, device: str | torch.device = "cpu") -> PrefixHit:
         """The longest cached prefix of `tokens` on this node, as block tensors."""
         ids = self.block_ids(ns, tokens)
         matched = self.lookup(ns, ids).matched if ids else 0
         blocks = self.get(ns, ids[:matched], device=device) if matched else []
+        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
+                  "kvstore.cached_blocks": len(blocks)})
         return PrefixHit(ids, blocks, ns.spec.block_size)
 
+    @TRACER.start_as_current_span("kvstore.client.store")
     def store(self, ns: NamespaceHandle, tokens, kv: torch.Tensor | list[torch.Tensor],
               cached_blocks: int = 0) -> Usage:
         """Store the full blocks of `tokens` past the first `cached_blocks` and report
@@ -274,6 +280,8 @@ class KVClient:
             parent = ids[cached_blocks - 1] if cached_blocks else ns.root
             r = self.put(ns, new_ids, blocks[cached_blocks: len(ids)], parent)
             written = r.stored
+        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
+                  "kvstore.cached_blocks": cached_blocks, "kvstore.stored_blocks": written})
         n = len(tokens)
         read = cached_blocks * ns.spec.block_size
         return Usage(n, read, written * ns.spec.block_size, n - read)

@@ -109,14 +109,16 @@ class BlockPut(_message.Message):
     def __init__(self, block_id: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("ns", "shm_region_id", "blocks")
+    __slots__ = ("ns", "shm_region_id", "blocks", "root")
     NS_FIELD_NUMBER: _ClassVar[int]
     SHM_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     shm_region_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPut]
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ...) -> None: ...
+    root: bytes
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "already_present")
