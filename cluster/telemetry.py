@@ -41,8 +41,8 @@ RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.0
 LONG_LIVED = frozenset({"Subscribe", "Watch"})
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-# Attributes gathered while one server RPC runs (see span_count / span_attr); None when the
-# RPC's span is not recording, so annotating costs one ContextVar read.
+# Attributes gathered while one server RPC runs (pending_attributes); None when the RPC's
+# span is not recording, so annotating costs one ContextVar read.
 _pending: ContextVar[dict | None] = ContextVar("kvstore_span_pending", default=None)
 
 
@@ -73,8 +73,9 @@ class MetricsEndpoint:
         # No target_info / otel_scope_* labels: the dashboards aggregate by our labels only.
         reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False,
                                         registry=self.registry)
-        self.provider = MeterProvider(metric_readers=[reader],
-                                      resource=Resource.create(resource or {}))
+        self.provider = MeterProvider(metric_readers=[reader],  # close() shuts it down
+                                      resource=Resource.create(resource or {}),
+                                      shutdown_on_exit=False)
         self.meter = self.provider.get_meter("kvstore")
         try:
             self._server, self._thread = start_http_server(port, host, registry=self.registry)
@@ -118,8 +119,8 @@ def setup_tracing(service: str, instance: str, endpoint: str = ""):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create(
-        {"service.name": service, "service.instance.id": instance}))
+    provider = TracerProvider(resource=Resource.create(  # the server's stop() shuts it down
+        {"service.name": service, "service.instance.id": instance}), shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
     log.info("exporting traces to %s", endpoint)
@@ -131,21 +132,6 @@ def pending_attributes() -> dict | None:
     """The attributes the current server RPC's span will get when it ends (update it in
     place), or None when there is no recording span: check once, annotate in bulk."""
     return _pending.get()
-
-
-def span_count(key: str, n: int) -> None:
-    """Add `n` to an integer attribute of the current server RPC's span (e.g. blocks
-    served over a stream of chunks); free when the span is not recording."""
-    pending = _pending.get()
-    if pending is not None:
-        pending[key] = pending.get(key, 0) + n
-
-
-def span_attr(key: str, value) -> None:
-    """Set an attribute of the current server RPC's span (written when the RPC ends)."""
-    pending = _pending.get()
-    if pending is not None:
-        pending[key] = value
 
 
 # Called with (request or None for client streams, response, seconds) after a unary
@@ -276,6 +262,13 @@ def trace_metadata(metadata=None):
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return tuple(metadata or ()) + tuple(carrier.items())
+
+
+def annotate(attrs: dict) -> None:
+    """Set attributes on the caller's current span (client side), if it records."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(attrs)
 
 
 class _CallDetails(NamedTuple):

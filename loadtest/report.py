@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +44,7 @@ class Outcome:
     wait_s: float
     ttft_s: float
     nocache_ttft_s: float
+    errors: tuple[str, ...] = ()  # calls that failed or fell short; the rest was recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,8 @@ class SliceStats:
     saved_tokens_per_gb_hour: float
     per_node: tuple[tuple[str, int], ...]
     max_mean_load: float
+    peer_blocks: int  # blocks the router had copied from a peer (duplicates in the pools)
+    nvme_share: float  # of the cached blocks served, those found only on NVMe
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -118,7 +123,10 @@ def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
         saved_prefill_s=sum(r.full_prefill_s - r.prefill_s for r in rows),
         saved_tokens_per_gb_hour=_ratio(cached, gbh),
         per_node=tuple(sorted(per_node.items())),
-        max_mean_load=max_mean(per_node, nodes))
+        max_mean_load=max_mean(per_node, nodes),
+        peer_blocks=sum(r.peer_blocks for r in rows),
+        nvme_share=_ratio(sum(r.nvme_blocks for r in rows),
+                          sum(r.hbm_blocks + r.nvme_blocks for r in rows)))
 
 
 def summarize(outcomes: dict[str, list[Outcome]], nodes: Sequence[str], pool_bytes: int,
@@ -141,7 +149,9 @@ def shortfall(rows: Sequence[Outcome], block_size: int) -> dict[str, int]:
       evicted, or its blocks not stored yet because the request that makes them was
       still in flight);
     - routing: some node held more than the chosen node could serve with a peer fetch
-      (the load or utilization term outweighed those blocks);
+      (the load or utilization term outweighed those blocks). With peer fetch the chosen
+      node reaches the longest holder, so routing costs land in `capacity` instead: the
+      copies it makes evict other blocks (see peer copies);
     - serving: the chosen node served less than the router promised (index lag, a block
       evicted or a peer fetch cut short between the route and the get).
     Needs the router's view: rows without one (index_best_blocks < 0) are skipped."""
@@ -155,6 +165,43 @@ def shortfall(rows: Sequence[Outcome], block_size: int) -> dict[str, int]:
         out["routing"] += best - chosen
         out["serving"] += max(0, chosen - r.cached_tokens)
     return out
+
+
+# ---------------------------------------------------------------------- progress
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal (at most 5 times a
+    second), one line per 10% otherwise (logs, CI)."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr) -> None:
+        self.total, self.label, self.stream = max(1, total), label, stream
+        self.done = 0
+        self.t0 = self._last = time.monotonic()
+        self._tty = stream.isatty()
+        self._decile = 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self._tty and (now - self._last >= 0.2 or self.done >= self.total):
+            self._last = now
+            self.stream.write("\r" + self._line(now))
+            self.stream.flush()
+        elif not self._tty and self.done * 10 // self.total > self._decile:
+            self._decile = self.done * 10 // self.total
+            self.stream.write(self._line(now) + "\n")
+            self.stream.flush()
+
+    def _line(self, now: float) -> str:
+        frac = self.done / self.total
+        bar = "#" * int(frac * 30)
+        rate = self.done / max(now - self.t0, 1e-9)
+        return (f"{self.label:<16} [{bar:<30}] {self.done}/{self.total} "
+                f"{rate:6.1f} req/s {now - self.t0:6.1f}s")
+
+    def close(self) -> None:
+        if self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 # ------------------------------------------------------------------------ rendering
@@ -223,6 +270,7 @@ def _time_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
         s = slices["all"]
         rows.append([label(policy), _ms(s.mean_wait_s), _ms(s.mean_transfer_s),
                      _ms(s.mean_prefill_s), f"{s.saved_prefill_s:,.1f}",
+                     _pct(s.nvme_share), f"{s.peer_blocks:,}",
                      ", ".join(f"{n}: {c}" for n, c in s.per_node)])
     return rows
 
@@ -238,10 +286,12 @@ def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
                     [[g, v, t, "yes" if ok else "**no**"] for g, v, t, ok in goals])
     lines += ["", "## All tenants", ""]
     lines += _table(_HEADERS, _policy_rows(stats, "all"))
-    lines += ["", "Mean per request (simulated ms; transfer is measured wall time), "
-              "prefill seconds saved, requests per node:", ""]
+    lines += ["", "Mean per request in ms (queue wait and prefill simulated, lookup+transfer "
+              "measured wall time), prefill seconds saved, share of served blocks found "
+              "only on NVMe, blocks copied from peers, requests per node:", ""]
     lines += _table(("policy", "queue wait", "lookup+transfer", "suffix prefill",
-                     "prefill s saved", "requests per node"), _time_rows(stats))
+                     "prefill s saved", "from NVMe", "peer copies", "requests per node"),
+                    _time_rows(stats))
     tenants = sorted({t for slices in stats.values() for t in slices if t != "all"})
     for t in tenants:
         lines += ["", f"## Tenant {t}", ""]
@@ -285,8 +335,9 @@ def plot_hit_rates(path: Path, stats: dict[str, dict[str, SliceStats]]) -> None:
         ax.set_xticks([x + width * len(policies) / 2 for x in range(len(slices))], slices)
         ax.set_title(f"{title} hit rate")
         ax.set_ylim(0, 1)
-    axes[0].legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -335,7 +386,7 @@ def write_report(out_dir: Path, meta: dict, outcomes: dict[str, list[Outcome]],
                  stats: dict[str, dict[str, SliceStats]], nodes: Sequence[str],
                  goals: Sequence[tuple[str, str, str, bool]],
                  shortfalls: dict[str, dict[str, int]], notes: Sequence[str],
-                 headline: dict) -> Path:
+                 headline: dict, extra: dict | None = None) -> Path:
     """report.md, hit_rate.png, ttft_cdf.png, load_per_node.png, summary.json and
     requests.jsonl (every Outcome) in `out_dir`. Returns the Markdown path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -345,10 +396,92 @@ def write_report(out_dir: Path, meta: dict, outcomes: dict[str, list[Outcome]],
     md = out_dir / "report.md"
     md.write_text(render_markdown(meta, stats, goals, shortfalls, notes))
     summary = {"headline": headline, "meta": meta, "stats": stats_dict(stats),
-               "shortfall_tokens": shortfalls, "notes": list(notes)}
+               "shortfall_tokens": shortfalls, "notes": list(notes), **(extra or {})}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     with open(out_dir / "requests.jsonl", "w") as f:
         for policy, rows in outcomes.items():
             for r in rows:
                 f.write(json.dumps({"policy": policy, **asdict(r)}) + "\n")
     return md
+
+
+# ------------------------------------------------------------- headline and goals
+def _r(x: float | None, nd: int = 4):
+    return None if x is None or not math.isfinite(x) else round(x, nd)
+
+
+def headline(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
+             ceiling_request: float, extra: dict) -> dict:
+    """The one-line JSON summary: ours, plus the hit rates and balance of the others."""
+    out: dict = {"ceiling": _r(ceiling_token), "ceiling_request": _r(ceiling_request)}
+    ours = stats.get("ours", {}).get("all")
+    for key in ("token_hit_rate", "request_hit_rate", "ttft_p50_ratio", "ttft_p99_ratio",
+                "max_mean_load"):
+        out[key] = _r(getattr(ours, key)) if ours else None
+    for policy, slices in stats.items():
+        if policy == "ours":
+            continue
+        s = slices["all"]
+        out[f"{policy}_token_hit_rate"] = _r(s.token_hit_rate)
+        out[f"{policy}_request_hit_rate"] = _r(s.request_hit_rate)
+        out[f"{policy}_ttft_p50_ratio"] = _r(s.ttft_p50_ratio)
+        out[f"{policy}_max_mean_load"] = _r(s.max_mean_load)
+    out.update(extra)
+    return out
+
+
+def goals(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
+          targets: dict[str, float]) -> list[tuple[str, str, str, bool]]:
+    ours = stats.get("ours", {}).get("all")
+    if ours is None:
+        return []
+    want_hit = targets["hit_vs_ceiling"] * ceiling_token
+    return [
+        ("token hit rate vs ceiling", f"{ours.token_hit_rate:.1%} "
+         f"({_num(ours.token_hit_rate / ceiling_token if ceiling_token else math.nan)} x)",
+         f">= {targets['hit_vs_ceiling']} x {ceiling_token:.1%} = {want_hit:.1%}",
+         ours.token_hit_rate >= want_hit),
+        ("TTFT p50 cached / no cache", _num(ours.ttft_p50_ratio),
+         f"<= {targets['ttft_p50_ratio']}", ours.ttft_p50_ratio <= targets["ttft_p50_ratio"]),
+        ("max / mean requests per node", _num(ours.max_mean_load),
+         f"<= {targets['max_mean_load']}", ours.max_mean_load <= targets["max_mean_load"]),
+    ]
+
+
+def error_counts(outcomes: dict[str, list[Outcome]]) -> dict[str, dict[str, int]]:
+    """policy -> failed gRPC call ("lookup: UNKNOWN") -> count."""
+    return {p: dict(Counter(e for r in rows for e in r.errors)) for p, rows in outcomes.items()}
+
+
+def notes(stats: dict[str, dict[str, SliceStats]], shortfalls: dict[str, dict[str, int]],
+          counters: dict[str, dict[str, int]], errors: dict[str, dict[str, int]]) -> list[str]:
+    """Plain-language observations: failed calls, which term dominates what was lost,
+    what TTFT is made of, what the agents did."""
+    out = []
+    for policy, errs in errors.items():
+        if errs:
+            out.append(f"**{label(policy)}: {sum(errs.values()):,} calls failed or fell "
+                       "short**; what they could not load was recomputed: "
+                       + ", ".join(f"{k} x{v}" for k, v in sorted(errs.items())))
+    for policy, parts in shortfalls.items():
+        lost = sum(parts.values())
+        if lost:
+            top = max(parts, key=parts.get)
+            share = ", ".join(f"{k} {v / lost:.0%}" for k, v in parts.items())
+            out.append(f"{label(policy)}: {lost:,} tokens short of the ceiling; the "
+                       f"dominant term is **{top}** ({share}).")
+    for policy, slices in stats.items():
+        s = slices["all"]
+        terms = {"queue wait": s.mean_wait_s, "lookup+transfer": s.mean_transfer_s,
+                 "suffix prefill": s.mean_prefill_s}
+        top = max(terms, key=terms.get)
+        out.append(f"{label(policy)}: mean TTFT is dominated by {top} "
+                   f"({', '.join(f'{k} {_ms(v)} ms' for k, v in terms.items())}).")
+    keys = ("put_blocks", "get_blocks", "peer_blocks_served", "promotions")
+    for policy, c in counters.items():
+        shown = {k: v for k, v in sorted(c.items())
+                 if k in keys or "evict" in k or "demot" in k or "drop" in k}
+        if shown:
+            out.append(f"{label(policy)} agent counters (all agents, this run): "
+                       + ", ".join(f"{k} {v:,}" for k, v in shown.items()))
+    return out

@@ -5,9 +5,10 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
 - UCX: A connects to B's listener (`AgentServer.peer_address`, host:port) and sends a
   FetchRequest. B answers per batch with a FetchChunk header (first index, count, XXH64 of
   each payload) followed by one tag message per payload; A receives the payloads straight
-  into preallocated staging buffers, then sends an acknowledgement, and only then do both
-  close (closing first could drop the other side's last messages). UCX keeps same-tag
-  messages between two endpoints in order, so header and payloads pair up positionally.
+  into preallocated staging buffers and acknowledges the end of the answer. Nobody closes
+  before that acknowledgement (closing first could drop the other side's last messages);
+  after it A keeps the connection for its next request to B. UCX keeps same-tag messages
+  between two endpoints in order, so headers and payloads pair up by position.
 - gRPC: Peer.FetchBlocks (node_agent/peer_grpc.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
@@ -38,8 +39,9 @@ from kvstore.config import AgentConfig
 from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import peer_pb2
-from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef, PeerTransportError,
-                                    StagingLease, StagingPool, TokenTable, check_peer_access, control_buffer, init_ucx,
+from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef,
+                                    PeerTransportError, StagingLease, StagingPool, TokenTable,
+                                    check_peer_access, control_buffer, init_ucx,
                                     present_prefix, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
@@ -234,7 +236,8 @@ class PeerService:
     async def _serve_request(self, ep, req: peer_pb2.FetchRequest) -> None:
         far = time.monotonic() + 1e9
         try:
-            st, ids, parent, batch = await self.source(req, self.tokens.tenant(req.authorization))
+            tenant = self.tokens.tenant(req.authorization)
+            st, ids, parent, batch = await self.source(req, tenant)
         except errors.KvError as exc:
             err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
             await within(ep.send_obj(err.SerializeToString()), far, self.pcfg.io_timeout_s,
@@ -308,7 +311,7 @@ class PeerService:
         and runs another call is already transferring (mine=False, its futures). Claims
         happen without an await, so a later call only ever waits on earlier ones: no
         cycle, no deadlock."""
-        runs: list[tuple[int, int, bool, list[asyncio.Future]]] = []
+        runs: list[list] = []  # [start, end, mine, futures]
         loop = asyncio.get_running_loop()
         for i in range(start, len(ids)):
             key = (st.ns_id, gen, ids[i])
@@ -317,10 +320,11 @@ class PeerService:
             if mine:
                 fut = self._inflight[key] = loop.create_future()
             if runs and runs[-1][2] == mine:
-                runs[-1] = (runs[-1][0], i + 1, mine, runs[-1][3] + [fut])
+                runs[-1][1] = i + 1
+                runs[-1][3].append(fut)
             else:
-                runs.append((i, i + 1, mine, [fut]))
-        return runs
+                runs.append([i, i + 1, mine, [fut]])
+        return [tuple(r) for r in runs]
 
     def release(self, st: NsState, gen: int, ids: list[bytes], futs: dict[int, asyncio.Future]
                 ) -> None:

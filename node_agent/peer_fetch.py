@@ -32,8 +32,6 @@ class FetchRequestIds:
     parent_id: bytes
 
 
-
-
 class BatchSink:
     """A's side of one transfer: stores received batches in chain order, with one store
     copy in flight while the next batch arrives. Tracks how many of `ids` are stored and

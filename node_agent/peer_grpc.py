@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from cluster.telemetry import trace_metadata
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
 from node_agent.peer_common import REFUSALS, PeerRefused, PeerTransportError, within
@@ -75,6 +76,7 @@ class GrpcFetcher:
                     authorization: str) -> None:
         """Pull `req` into `sink`; PeerTransportError / PeerRefused as the UCX path."""
         md = (("authorization", authorization),) if authorization else None
+        md = trace_metadata(md)  # the peer's FetchBlocks span joins this Prefetch's trace
         left = deadline - time.monotonic()
         if left <= 0:
             raise PeerTransportError("deadline passed before the gRPC fallback")

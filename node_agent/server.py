@@ -21,6 +21,7 @@ from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
+from node_agent.metrics import AgentTelemetry
 from node_agent.peer import PeerService
 from node_agent.peer_grpc import PeerServicer
 from node_agent.servicer import AgentServicer
@@ -55,6 +56,7 @@ class AgentServer:
         self.registration = None  # etcd membership, when etcd_endpoints is set
         self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
         self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer.py
+        self.telemetry: AgentTelemetry | None = None  # Prometheus, tracing (node_agent/metrics.py)
 
     @property
     def address(self) -> str:
@@ -69,6 +71,7 @@ class AgentServer:
         return self.peer.peer_address
 
     async def start(self) -> None:
+        self.telemetry = AgentTelemetry(self)
         rec = self.store.recover()
         log.info("recovered %d blocks from %s (%d dropped)", rec["recovered"],
                  self.cfg.data_dir, rec["dropped"])
@@ -76,6 +79,7 @@ class AgentServer:
             from node_agent.control import AgentControl
             self.control = AgentControl(self.store, self.cfg.etcd_endpoints,
                                         self.cfg.node_id, self.hub.publish_pending)
+            self.telemetry.watch_generations(self.control)
             await self.control.start()
             self.servicer.control = self.control
         opts = [("grpc.max_send_message_length", self.cfg.max_message_bytes),
@@ -83,7 +87,8 @@ class AgentServer:
                 ("grpc.so_reuseport", 0)]
         tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
         self.server = grpc.aio.server(
-            interceptors=[EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)], options=opts)
+            interceptors=[*self.telemetry.interceptors,
+                          EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)], options=opts)
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -143,6 +148,8 @@ class AgentServer:
             n = self.store.persist_pool(deadline_s=SHUTDOWN_PERSIST_S)
             log.info("wrote %d pool blocks to NVMe before stopping", n)
             self.store.rocks.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
         log.info("agent %s stopped", self.cfg.node_id)
 
 

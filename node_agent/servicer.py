@@ -15,6 +15,7 @@ from node_agent.events import EventHub
 from node_agent.interceptors import check_access, current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.shm import ShmRegistry
+from node_agent.stats import build_stats
 
 log = logging.getLogger("kvstore.agent")
 
@@ -209,8 +210,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.UnregisterShmResponse()
 
     async def Stats(self, request, context):
-        from node_agent.stats import build_stats
         tenant = current_tenant.get()
+        if tenant == CLUSTER_TENANT:  # operators and routers see every tenant
+            tenant = None
         if tenant is not None and request.tenant and request.tenant != tenant:
             raise errors.PermissionDenied(f"tenant {tenant!r} may not read stats of "
                                           f"{request.tenant!r}")

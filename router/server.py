@@ -15,6 +15,7 @@ from kvstore import errors
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.follower import ClusterFollower
+from router.metrics import RouterTelemetry
 from router.routing import RouterCore
 from router.scoring import Weights
 
@@ -102,6 +103,7 @@ class RouterServer:
         self.server: grpc.aio.Server | None = None
         self.follower: ClusterFollower | None = None
         self._etcd: EtcdClient | None = None
+        self.telemetry: RouterTelemetry | None = None  # Prometheus, tracing (router/metrics.py)
 
     @property
     def address(self) -> str:
@@ -109,7 +111,9 @@ class RouterServer:
 
     async def start(self) -> None:
         Weights.from_config(self.cfg)  # validated once, before serving
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.telemetry = RouterTelemetry(self.cfg, self.core)
+        self.server = grpc.aio.server(interceptors=self.telemetry.interceptors,
+                                      options=[("grpc.so_reuseport", 0)])
         self.servicer = RouterServicer(self.core)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -143,6 +147,8 @@ class RouterServer:
             await self.follower.stop()
         if self._etcd is not None:
             await self._etcd.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
         log.info("router %s stopped", self.cfg.router_id)
 
 

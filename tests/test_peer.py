@@ -3,7 +3,10 @@ first, gRPC streaming as fallback (node_agent/peer.py). B holds blocks, the test
 Prefetch them from B, then reads them from A with a normal Get."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +25,9 @@ from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.hashing import pack_ids
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-pytest.importorskip("ucxx", reason="UCX tests need ucxx (pip install ucxx-cu12)")
+# Without ucxx the agents run gRPC-only; the transport-agnostic tests still run.
+needs_ucx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                               reason="needs ucxx (pip install ucxx-cu12)")
 
 SMALL = make_namespace()  # 4 KiB blocks
 BIG = make_namespace(name="big", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
@@ -50,14 +55,15 @@ def agent_config(workdir: Path, name: str, **overrides) -> dict:
 
 
 class Cluster:
-    """Agents started once for the module (each start costs seconds of imports): B and B2
-    hold blocks, A pulls them over UCX, G pulls with UCX disabled (gRPC only). Tests use
-    their own prompts and compare counter deltas, so they do not see each other."""
+    """Agents started once for the module (each start costs seconds of imports): B holds
+    blocks, A pulls them over UCX, G pulls with UCX disabled (gRPC only); the kill and
+    freeze tests add a source of their own. Tests use their own prompts and compare
+    counter deltas, so they do not see each other."""
 
     def __init__(self, root: Path) -> None:
         self.procs: dict[str, AgentProc] = {}
         self.clients: dict[str, KVClient] = {}
-        for name, extra in (("a", dict(pool_bytes="1GiB")), ("b", {}),
+        for name, extra in (("a", dict(pool_bytes="2GiB")), ("b", {}),
                             ("g", dict(ucx_enabled=False, pool_bytes="64MiB"))):
             self.start(root, name, **extra)
 
@@ -127,6 +133,7 @@ class Delta:
         return +after  # drop zero entries
 
 
+@needs_ucx
 def test_prefetch_over_ucx_then_get_from_a_returns_equal_tensors(cluster):
     na, ids, blocks = cluster.seed(SMALL, 20, seed=1)
     ca = cluster.clients["a"]
@@ -185,6 +192,7 @@ def test_grpc_fallback_when_ucx_is_disabled(cluster):
     assert dg.now()["peer_fetch_grpc"] == 1 and dg.now()["peer_fetch_ucx"] == 0
 
 
+@needs_ucx
 def test_grpc_fallback_when_nothing_listens_on_the_ucx_address(cluster):
     na, ids, blocks = cluster.seed(SMALL, 10, seed=6)
     da = Delta(cluster, "a")
@@ -216,10 +224,11 @@ def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cl
     assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
 
 
+@needs_ucx
 def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
         cluster, tmp_path):
-    cluster.start(tmp_path, "b2")
-    n = 200  # 400 MiB: long enough to kill B2 in the middle
+    cluster.start(tmp_path, "b2", pool_bytes="1GiB")
+    n = 320  # 640 MiB: long enough to kill B2 in the middle
     na, ids, blocks = cluster.seed(BIG, n, seed=8, src="b2")
     da = Delta(cluster, "a")
     call = cluster.peer_stub("a").Prefetch.future(
@@ -234,6 +243,27 @@ def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
     got = cluster.clients["a"].get(na, ids)
     assert len(got) == r.present and same_bytes(got, blocks[: r.present])
     assert da.now()["peer_checksum_mismatch"] == 0
+
+
+@needs_ucx
+def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
+    b3 = cluster.start(tmp_path, "b3")
+    n = 160
+    na, ids, blocks = cluster.seed(BIG, n, seed=12, src="b3")
+    da = Delta(cluster, "a")
+    call = cluster.peer_stub("a").Prefetch.future(
+        cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60)
+    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+             timeout=60, interval=0.01, what="the transfer to start")
+    b3.proc.send_signal(signal.SIGSTOP)  # alive but silent: only timeouts can end this
+    try:
+        r = call.result(timeout=60)
+    finally:
+        b3.proc.send_signal(signal.SIGCONT)
+    assert r.present < n and r.transport == "ucx", r  # the deadline left no time for gRPC
+    assert "deadline" in r.stopped or "timed out" in r.stopped, r.stopped
+    got = cluster.clients["a"].get(na, ids)
+    assert len(got) == r.present and same_bytes(got, blocks[: r.present])
 
 
 # ------------------------------------------------------------------- fault injection
@@ -269,6 +299,7 @@ def fake_peer(tmp_path):
         proc.wait(10)
 
 
+@needs_ucx
 def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer):
     na, ids, blocks = cluster.seed(SMALL, 20, seed=9)
     da = Delta(cluster, "a")
@@ -279,6 +310,7 @@ def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_p
     assert da.now()["peer_checksum_mismatch"] == 1
 
 
+@needs_ucx
 def test_ucx_peer_dying_mid_transfer_falls_back_to_grpc(cluster, fake_peer):
     na, ids, blocks = cluster.seed(SMALL, 20, seed=10)
     da = Delta(cluster, "a")
@@ -287,3 +319,36 @@ def test_ucx_peer_dying_mid_transfer_falls_back_to_grpc(cluster, fake_peer):
     assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
     d = da.now()
     assert d["peer_ucx_failures"] == 1 and d["peer_blocks_received"] == 20
+
+
+@needs_ucx
+def test_prefetch_forwards_the_callers_token_and_checks_access(spawn_agent):
+    """The UCX path bypasses the gRPC edge: B checks the token A forwards in the request."""
+    tokens = {"acme": "acme-token", "other": "other-token"}
+    tenants = {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()}
+               for t, tok in tokens.items()}
+    cfg = dict(allow_unauthenticated=False, tenants=tenants)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **cfg)
+    a = spawn_agent(peer_port=free_port(), **cfg)
+    with KVClient(b.address, token="acme-token", tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, token="acme-token", tenant_secret=TEST_SECRET,
+                     use_shm=False) as ca:
+        nb = cb.open_namespace(SMALL)
+        ids = cb.block_ids(nb, prompt_tokens(11, 6 * SMALL.block_size))
+        blocks = random_blocks(SMALL, 6, 11)
+        assert cb.put(nb, ids, blocks).stored == 6
+        na = ca.open_namespace(SMALL)
+        req = peer_pb2.PrefetchRequest(
+            ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()), block_ids=pack_ids(ids),
+            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        for token, code in (("other-token", grpc.StatusCode.PERMISSION_DENIED),
+                            (None, grpc.StatusCode.UNAUTHENTICATED)):
+            md = (("authorization", f"Bearer {token}"),) if token else ()
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Prefetch(req, metadata=md, timeout=30)
+            assert ei.value.code() == code
+        r = stub.Prefetch(req, metadata=(("authorization", "Bearer acme-token"),), timeout=60)
+        assert (r.present, r.transport, r.stopped) == (6, "ucx", ""), r
+        assert same_bytes(ca.get(na, ids), blocks)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from cluster.telemetry import TRACER, annotate, traced_channel
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
@@ -83,7 +84,7 @@ class ClusterClient:
         self.timeout = timeout
         self._use_shm = use_shm
         self._shm_bytes = shm_bytes
-        self._channel = grpc.insecure_channel(router_address)
+        self._channel = traced_channel(grpc.insecure_channel(router_address))
         self.router = router_pb2_grpc.RouterStub(self._channel)
         self._clients: dict[str, KVClient] = {}
         self._lock = threading.Lock()
@@ -145,6 +146,7 @@ class ClusterClient:
         return route_tokens(self.router, ns, tokens, request_id, dry_run, weights,
                             self.timeout)
 
+    @TRACER.start_as_current_span("kvstore.cluster.fetch")
     def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu",
               address: str | None = None, request_id: str = "") -> ClusterHit:
         """Route the prompt (or use `address`), then load its longest cached prefix from
@@ -159,9 +161,12 @@ class ClusterClient:
         h = self.handle(ns, address)
         matched = client.lookup(h, ids).matched if ids else 0
         blocks = client.get(h, ids[:matched], device=device) if matched else []
+        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.node": node_id,
+                  "kvstore.blocks": len(ids), "kvstore.cached_blocks": len(blocks)})
         return ClusterHit(node_id, address, rid, PrefixHit(ids, blocks, ns.spec.block_size),
                           resp)
 
+    @TRACER.start_as_current_span("kvstore.cluster.store")
     def store(self, ns: ClusterNamespace, hit: ClusterHit, tokens,
               kv: torch.Tensor | list[torch.Tensor], release: bool = True) -> Usage:
         """Store the prompt's new blocks on the node that served `hit`; then release the

@@ -1,0 +1,546 @@
+"""Replay a prompt trace against a running local cluster and compare routing policies.
+
+Every request is served for real up to the point where a GPU would compute: route (our
+router, round robin, or a consistent hash of the first block), pull the blocks the
+router expects from a peer (Peer.Prefetch), look up and Get the cached prefix from the
+chosen agent, Put the prompt's new blocks there. Compute is simulated: the prefill of the
+uncached suffix costs what the calibrated cost model (loadtest/model.py) says, and each
+node serves one request at a time on a simulated clock, so
+
+    TTFT = queueing at the node (simulated) + route/prefetch/lookup/get (measured)
+           + suffix prefill (cost model)
+
+and the no-cache TTFT of the same request is a full prefill on the node that frees up
+first (join-shortest-queue, the best a cache-less cluster can do). Routes stay in flight
+at the router until their simulated finish time has passed, so the router's load term
+sees the simulated queues. Arrival times are rescaled so that full prefill with no cache
+would keep the agents 70% busy (--offered-load): with the trace's own times the result
+would hinge on how fast this host runs the tiny model.
+
+The KV layout is the tiny Llama's (2 layers x 2 KV heads x 32 head dim, fp16: 8 KiB per
+16-token block), so a 2,000-request trace fits in RAM. Started clusters get device pools
+of --pool-fraction (30%) of the trace's working set (distinct blocks x block bytes) and an
+NVMe tier of --nvme-fraction of it, both split across the agents. Each policy runs in
+fresh namespaces, flushed afterwards so the next one starts with empty pools. Our router
+is asked with a per-request weight override (WEIGHTS below, --weights).
+
+Output: progress and a summary on stderr, a report folder (report.md, PNG plots,
+summary.json, requests.jsonl) and one JSON line of headline figures on stdout.
+
+    python -m loadtest.replay                      # reference trace, 4 agents
+    python -m loadtest.replay --trace t.jsonl --state-dir .state/cluster --requests 200
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from cluster.local import ClusterError, ClusterState, down
+from kvctl.analyze import Request, analyze
+from kvstore.client import PrefixHit
+from kvstore.client.cluster import ClusterClient, ClusterHit, ClusterNamespace
+from kvstore.hashing import hash_chain, pack_ids
+from kvstore.namespace import Namespace
+from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc, router_pb2
+from loadtest import report
+from loadtest.replay_cluster import (Cluster, agent_counters, describe_cluster,
+                                     flush_namespaces, start_cluster)
+from loadtest.replay_sim import (BLOCK, CostModel, HashRing, LinearPrefill, TraceRequest,
+                                 calibrate, load_trace, nocache_ttft, simulated_requests,
+                                 time_scale)
+
+
+POLICIES = ("ours", "rr", "chash")
+LAYOUT = dict(model_name="tiny-llama", model_revision="seed0", adapter_id="none",
+              adapter_revision="none", tokenizer_id="synthetic", tokenizer_revision="v1",
+              rope_type="default", rope_theta=10000.0, rope_scaling="none",
+              attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
+              num_layers=2, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=1, block_size=BLOCK)
+SHM_BYTES = 2 << 20  # per agent client; Get/Put chunk larger prompts through it
+# Per-request override of the router's weights (recompute 1, peer_fetch 0.3, load 4,
+# utilization 2). With the defaults a node one request busier loses a prompt to an idle
+# node that copies the prefix from it (a peer copy is priced at ~1% of recomputing), so
+# hot prefixes are copied to every node, the copies evict other blocks from pools sized
+# at 30% of the working set, and the hit rate falls (2,000-request trace: 0.92 x the
+# ceiling, against 0.99 x with this override and the same balance).
+WEIGHTS = "peer_fetch=3,load=2"
+GOALS = {"hit_vs_ceiling": 0.9, "ttft_p50_ratio": 0.25, "max_mean_load": 1.25}
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What serving one request for real returned."""
+
+    node: str
+    request_id: str  # router route to release ("" when the policy bypassed the router)
+    cached_blocks: int
+    hbm_blocks: int
+    nvme_blocks: int
+    peer_blocks: int
+    index_best_blocks: int
+    chosen_blocks: int
+    transfer_s: float
+    errors: tuple[str, ...]  # calls that failed ("lookup: UNKNOWN") or fell short
+
+
+# ---------------------------------------------------------------------- policies
+class Session:
+    """One policy's run: its namespaces and one ClusterClient per (worker thread,
+    tenant) — a ClusterClient carries one tenant secret and, on the shared-memory path,
+    one staging area, so it must not be shared between threads."""
+
+    def __init__(self, cluster: Cluster, policy: str, nonce: str, peer_fetch: bool,
+                 weights: router_pb2.RouteWeights | None) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.nonce = nonce
+        self.peer_fetch = peer_fetch
+        self.weights = weights
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._clients: list[ClusterClient] = []
+        self.names: set[tuple[str, str]] = set()
+        gen = torch.Generator().manual_seed(11)
+        shape = (LAYOUT["num_layers"], 2, BLOCK, LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
+        # New blocks get random bytes; their content is irrelevant to the measurement,
+        # so one set of payloads is reused for every prompt.
+        self.filler = [torch.randn(shape, generator=gen).half() for _ in range(64)]
+
+    def spec(self, tenant: str, trace_ns: str) -> Namespace:
+        name = f"replay-{self.nonce}-{self.policy}-{trace_ns}"
+        with self._lock:
+            self.names.add((tenant, name))
+        return Namespace(tenant=tenant, name=name, **LAYOUT)
+
+    def _mine(self) -> tuple[dict, dict]:
+        """This thread's clients (by tenant) and namespaces (by tenant and trace ns)."""
+        if not hasattr(self._local, "clients"):
+            self._local.clients, self._local.spaces = {}, {}
+        return self._local.clients, self._local.spaces
+
+    def client(self, tenant: str) -> ClusterClient:
+        clients, _ = self._mine()
+        cc = clients.get(tenant)
+        if cc is None:
+            cc = ClusterClient(self.cluster.state.router_address,
+                               tenant_secret=f"replay-secret-{tenant}", shm_bytes=SHM_BYTES)
+            clients[tenant] = cc
+            with self._lock:
+                self._clients.append(cc)
+        return cc
+
+    def namespace(self, cc: ClusterClient, tenant: str, trace_ns: str) -> ClusterNamespace:
+        _, spaces = self._mine()
+        ns = spaces.get((tenant, trace_ns))
+        if ns is None:
+            ns = spaces[(tenant, trace_ns)] = cc.open_namespace(self.spec(tenant, trace_ns))
+        return ns
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for cc in clients:
+            cc.close()
+
+    def prefetch(self, cc: ClusterClient, ns: ClusterNamespace, address: str,
+                 ids: list[bytes], peer_node: str) -> str:
+        """Have the chosen agent pull the router's peer blocks (gRPC transport); returns
+        why it stopped short ("" when every block is there)."""
+        peer = self.cluster.nodes.get(peer_node)
+        if not peer or not ids:
+            return ""
+        h = cc.handle(ns, address)
+        req = peer_pb2.PrefetchRequest(ns=h.ref, spec=common_pb2.Namespace(**ns.spec.to_dict()),
+                                       block_ids=pack_ids(ids), parent_id=ns.root,
+                                       peer_address=peer, timeout_ms=10_000)
+        resp = peer_pb2_grpc.PeerStub(cc.agent(address).channel).Prefetch(req, timeout=15.0)
+        if resp.present >= len(ids):
+            return ""
+        # Reasons carry block counts: drop them so that equal causes count together.
+        return re.sub(r"\d+", "N", resp.stopped.split(":")[0])[:60]
+
+
+def _guard(errors: list[str], what: str, fn, *args, **kw):
+    """Call fn; on a gRPC error note it and return None. The worker then goes on as an
+    inference server would (recompute what it could not load) and the report counts it."""
+    try:
+        return fn(*args, **kw)
+    except grpc.RpcError as exc:
+        errors.append(f"{what}: {exc.code().name}")
+        return None
+
+
+def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> Measured:
+    """Route (when `address` is None), prefetch, look up, get, then put the new blocks."""
+    cc = sess.client(req.tenant)
+    ns = sess.namespace(cc, req.tenant, req.namespace)
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    rid, peer, best, chosen = "", 0, -1, -1
+    if address is None:
+        ids, resp = cc.route(ns, req.tokens, request_id=f"{sess.nonce}-{sess.policy}-"
+                             f"{req.index}", weights=sess.weights)
+        address, node, rid = resp.address, resp.node_id, resp.request_id
+        top = resp.candidates[0]
+        peer, chosen = top.peer_blocks, top.local_blocks + top.peer_blocks
+        best = max(c.local_blocks for c in resp.candidates)
+        if peer and sess.peer_fetch:
+            short = _guard(errors, "prefetch", sess.prefetch, cc, ns, address,
+                           ids[:chosen], top.peer_node_id)
+            if short:
+                errors.append(f"prefetch stopped short: {short}")
+    else:
+        ids = hash_chain(ns.root, req.tokens, BLOCK)
+    agent, h = cc.agent(address), cc.handle(ns, address)
+    found = _guard(errors, "lookup", agent.lookup, h, ids) if ids else None
+    blocks = []
+    if found and found.matched:  # Get serves the verified leading run: maybe fewer
+        blocks = _guard(errors, "get", agent.get, h, ids[: found.matched]) or []
+    transfer = time.perf_counter() - t0
+    hit = ClusterHit(node, address, rid, PrefixHit(ids, blocks, BLOCK), None)
+    fill = sess.filler
+    new = [fill[i % len(fill)] for i in range(len(blocks), len(ids))]
+    _guard(errors, "put", cc.store, ns, hit, req.tokens, blocks + new, release=False)
+    n = len(blocks)
+    hbm = min(n, found.hbm) if found else 0
+    return Measured(node, rid, n, hbm, n - hbm, peer, best, chosen, transfer, tuple(errors))
+
+
+# --------------------------------------------------------------------- replaying
+class Replayer:
+    """One policy over the trace: requests go to worker threads in arrival order and
+    their results are committed in the same order onto per-node simulated clocks (a node
+    serves one request at a time); a route is released at the router once the simulated
+    clock, advanced by arrivals, passes the request's finish."""
+
+    def __init__(self, sess: Session, reqs: list[TraceRequest], cal: CostModel,
+                 nocache: list[float], workers: int, speed: float) -> None:
+        self.sess, self.reqs, self.cal, self.nocache = sess, reqs, cal, nocache
+        self.workers, self.speed = workers, speed
+        self.nodes = sorted(sess.cluster.nodes)
+        self.ring = HashRing(self.nodes)
+        self.busy = {n: 0.0 for n in self.nodes}
+        self.releases: list[tuple[float, str]] = []
+        self.pending: dict[int, Future] = {}
+        self.next_commit = 0
+        self.out: list[report.Outcome] = []
+        self._router = ClusterClient(sess.cluster.state.router_address, use_shm=False)
+
+    def choose(self, req: TraceRequest) -> tuple[str | None, str]:
+        """(agent address, node id) for round robin and consistent hashing; (None, "")
+        lets serve() ask the router."""
+        if self.sess.policy == "ours":
+            return None, ""
+        if self.sess.policy == "rr":
+            node = self.nodes[req.index % len(self.nodes)]
+        else:  # chash: the first block id (names tenant, namespace and first 16 tokens)
+            cc = self.sess.client(req.tenant)
+            ns = self.sess.namespace(cc, req.tenant, req.namespace)
+            ids = hash_chain(ns.root, req.tokens[:BLOCK], BLOCK)
+            node = self.ring.node(ids[0] if ids else ns.root)
+        return self.sess.cluster.nodes[node], node
+
+    def commit(self) -> None:
+        req = self.reqs[self.next_commit]
+        m = self.pending.pop(self.next_commit).result()
+        self.next_commit += 1
+        cached = m.cached_blocks * BLOCK
+        prefill = self.cal.suffix_seconds(cached, len(req.tokens))
+        service = m.transfer_s + prefill
+        start = max(req.t, self.busy[m.node])
+        self.busy[m.node] = finish = start + service
+        if m.request_id:
+            heapq.heappush(self.releases, (finish, m.request_id))
+        self.out.append(report.Outcome(
+            req.index, req.tenant, req.t, m.node, len(req.tokens), cached, req.ceiling_tokens,
+            m.hbm_blocks, m.nvme_blocks, m.peer_blocks, m.index_best_blocks, m.chosen_blocks,
+            m.transfer_s, prefill, self.cal.prefill_seconds(len(req.tokens)), start - req.t,
+            finish - req.t, self.nocache[req.index], m.errors))
+
+    def release_due(self, now: float) -> None:
+        while self.releases and self.releases[0][0] <= now:
+            self._router.release(heapq.heappop(self.releases)[1])
+
+    def _pace(self, wall0: float, t: float) -> None:
+        if self.speed > 0:
+            delay = wall0 + (t - self.reqs[0].t) / self.speed - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+    def run(self, progress: report.Progress) -> list[report.Outcome]:
+        wall0 = time.monotonic()
+        try:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="replay") as pool:
+                try:
+                    for req in self.reqs:
+                        self._drain(self.workers - 1, progress)
+                        self.release_due(req.t)
+                        self._pace(wall0, req.t)
+                        address, node = self.choose(req)
+                        self.pending[req.index] = pool.submit(serve, self.sess, req, address,
+                                                              node)
+                    self._drain(0, progress)
+                finally:
+                    for f in self.pending.values():
+                        f.cancel()
+            self.release_due(math.inf)
+        finally:
+            self._router.close()
+        return self.out
+
+    def _drain(self, keep: int, progress: report.Progress) -> None:
+        """Commit finished requests in order; block on the oldest while more than
+        `keep` are outstanding."""
+        while self.pending and (len(self.pending) > keep
+                                or self.pending[self.next_commit].done()):
+            self.commit()
+            progress.update()
+
+
+def run_policy(cluster: Cluster, policy: str, reqs: list[TraceRequest],
+               cal: CostModel, nocache: list[float], args, nonce: str
+               ) -> tuple[list[report.Outcome], dict[str, int]]:
+    sess = Session(cluster, policy, nonce, not args.no_peer_fetch,
+                   parse_weights(args.weights) if policy == "ours" else None)
+    before = agent_counters(cluster)
+    progress = report.Progress(len(reqs), report.label(policy))
+    try:
+        out = Replayer(sess, reqs, cal, nocache, args.workers, args.speed).run(progress)
+    finally:
+        progress.close()
+        sess.close()
+    after = agent_counters(cluster)
+    # Empty the pools for the next policy: a flush drops the blocks on every agent.
+    asyncio.run(flush_namespaces(cluster.state.etcd_endpoint, sorted(sess.names)))
+    return out, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def parse_weights(text: str | None) -> router_pb2.RouteWeights | None:
+    """"load=2,recompute=1" -> RouteWeights (a per-request override of the router's);
+    None for "router" or "" (the router's own weights)."""
+    if not text or text == "router":
+        return None
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("recompute", "peer_fetch", "load", "utilization"):
+            raise ValueError(f"bad --weights entry {part!r}: use name=value with names "
+                             "recompute, peer_fetch, load, utilization")
+        fields[key] = float(value)
+        if not math.isfinite(fields[key]) or fields[key] <= 0:
+            raise ValueError(f"--weights {key} must be > 0 (0 means 'router default')")
+    return router_pb2.RouteWeights(**fields)
+
+
+# -------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.replay",
+        description="Replay a prompt trace against a local cluster; compare our router with "
+                    "round robin and consistent hashing; write a Markdown report with plots "
+                    "and print one JSON line of headline figures.")
+    p.add_argument("--trace", help="JSON Lines trace (default: generate the reference "
+                                   "trace with loadtest.tracegen)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests to generate (default 2000), or to take from --trace")
+    p.add_argument("--seed", type=int, default=7, help="tracegen seed (default 7)")
+    p.add_argument("--agents", type=int, default=4, help="agents to start (default 4)")
+    p.add_argument("--state-dir", help="use the running cluster of `kvctl cluster up` "
+                                       "there instead of starting one")
+    p.add_argument("--pool-fraction", type=float, default=0.3,
+                   help="device pools, all agents, as a fraction of the working set (0.3)")
+    p.add_argument("--nvme-fraction", type=float, default=1.0,
+                   help="NVMe tiers, all agents, as a fraction of the working set (1.0)")
+    p.add_argument("--workers", type=int, default=8, help="concurrent workers (default 8)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                   help="price prefill at this speed instead of calibrating the tiny Llama")
+    p.add_argument("--offered-load", type=float, default=0.7,
+                   help="rescale arrival times so full prefill (no cache) would keep the "
+                        "agents this busy (default 0.7; 0 keeps the trace's times)")
+    p.add_argument("--speed", type=float, default=0.0,
+                   help="pace dispatch at SPEED simulated seconds per real second "
+                        "(default 0: as fast as the workers go)")
+    p.add_argument("--weights", default=WEIGHTS,
+                   help=f"per-request router weight override (default {WEIGHTS}: a peer "
+                        "copy costs pool space the router's defaults do not price; "
+                        "'router' uses the router's own weights)")
+    p.add_argument("--no-peer-fetch", action="store_true",
+                   help="ignore the router's peer hints (serve only local blocks)")
+    p.add_argument("--out", default=None,
+                   help="report folder (default loadtest/out/replay-<timestamp>)")
+    return p
+
+
+def _check(args) -> list[str]:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise ValueError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    if args.requests is not None and args.requests < 1:
+        raise ValueError("--requests must be >= 1")
+    if args.workers < 1 or not 0 < args.pool_fraction <= 10 or args.nvme_fraction < 0:
+        raise ValueError("need --workers >= 1, 0 < --pool-fraction <= 10, --nvme-fraction >= 0")
+    if args.offered_load < 0 or args.speed < 0:
+        raise ValueError("--offered-load and --speed must be >= 0")
+    parse_weights(args.weights)
+    return policies
+
+
+def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request], analysis,
+            cal: CostModel, ws_bytes: int, say) -> tuple[dict, dict, dict, dict]:
+    nodes = sorted(cluster.nodes)
+    scale, native = time_scale(raw, cal, len(nodes), args.offered_load)
+    reqs = simulated_requests(raw, scale)
+    base = nocache_ttft(reqs, cal, nodes)
+    nonce = f"{int(time.time())}-{random.randrange(1 << 16):04x}"
+    outcomes, counters = {}, {}
+    for policy in policies:
+        outcomes[policy], counters[policy] = run_policy(cluster, policy, reqs, cal, base,
+                                                        args, nonce)
+    hours = (reqs[-1].t - reqs[0].t) / 3600.0
+    stats = report.summarize(outcomes, nodes, cluster.pool_bytes, hours)
+    meta = {"requests": len(reqs), "tenants": len({r.tenant for r in reqs}),
+            "agents": len(nodes),
+            "time scale": f"{scale:.3g} (no-cache offered load {native / scale:.2f}; "
+                          f"the trace's own {native:.2f})",
+            "simulated span": f"{reqs[-1].t - reqs[0].t:,.1f} s"}
+    return outcomes, counters, stats, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        policies = _check(args)
+    except ValueError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - stdout is JSON
+    t0 = time.monotonic()
+    try:
+        raw, source = load_trace(args.trace, args.requests, args.seed)
+        analysis = analyze(source, BLOCK)
+    except (ValueError, OSError) as exc:
+        print(f"replay: {args.trace or 'trace'}: {exc}", file=sys.stderr)
+        return 2
+    block_bytes = Namespace(tenant="-", name="-", **LAYOUT).block_bytes
+    ws_bytes = analysis.overall.distinct_blocks * block_bytes
+    say(f"trace: {len(raw)} requests, ceiling {analysis.overall.token_hit_rate:.1%} of "
+        f"tokens, working set {ws_bytes / 2**20:.0f} MiB ({analysis.overall.distinct_blocks:,}"
+        f" blocks of {block_bytes} B)")
+    cal = calibrate(args.prefill_tokens_per_s, max(len(r.tokens) for r in raw), say)
+    try:
+        cluster, (outcomes, counters, stats, meta) = _on_cluster(
+            args, lambda c: _replay(args, policies, c, raw, analysis, cal, ws_bytes, say),
+            ws_bytes, block_bytes, say)
+    except ClusterError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 1
+    headline = _write(args, cluster, analysis, cal, ws_bytes, block_bytes, outcomes,
+                      counters, stats, meta, time.monotonic() - t0)
+    _say_summary(stats, analysis.overall, say)
+    say(f"report: {headline['report']}")
+    print(json.dumps(headline), flush=True)
+    return 0
+
+
+def _on_cluster(args, work, ws_bytes: int, block_bytes: int, say):
+    """(cluster, work(cluster)) on the cluster of --state-dir, or on one started for the
+    run and stopped afterwards (its logs are kept when the run fails)."""
+    state, owned = None, not args.state_dir
+    try:
+        if owned:
+            say(f"starting a local cluster of {args.agents} agents ...")
+            state = start_cluster(args.agents, ws_bytes, block_bytes, args.pool_fraction,
+                                  args.nvme_fraction, say)
+        else:
+            state = ClusterState.load(args.state_dir)
+        cluster = describe_cluster(state, owned)
+        return cluster, work(cluster)
+    except BaseException:
+        if owned and state is not None:
+            say(f"replay failed; cluster logs kept in {state.state_dir}")
+            down(state.state_dir)
+            state = None
+        raise
+    finally:
+        if owned and state is not None:
+            down(state.state_dir)
+            shutil.rmtree(state.state_dir, ignore_errors=True)
+
+
+def _say_summary(stats, ceiling, say) -> None:
+    for policy, slices in stats.items():
+        a = slices["all"]
+        say(f"{report.label(policy):<16} token hit {a.token_hit_rate:6.1%}  request hit "
+            f"{a.request_hit_rate:6.1%}  TTFT p50 {a.ttft_p50_ratio:.2f} x no cache  "
+            f"max/mean load {a.max_mean_load:.2f}")
+    say(f"{'ceiling':<16} token hit {ceiling.token_hit_rate:6.1%}  request hit "
+        f"{ceiling.request_hit_rate:6.1%}")
+
+
+def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
+           block_bytes: int, outcomes, counters, stats, meta: dict, elapsed: float) -> dict:
+    out_dir = Path(args.out or f"loadtest/out/replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    pool_fraction = cluster.pool_blocks * block_bytes / ws_bytes if ws_bytes else math.nan
+    ceiling = analysis.overall
+    meta = {"title": f"{meta['requests']} requests, {meta['agents']} agents",
+            "trace": args.trace or f"loadtest.tracegen defaults, seed {args.seed}", **meta,
+            "KV layout": "2 layers x 2 KV heads x 32 head dim, fp16, 16-token blocks",
+            "block bytes": block_bytes,
+            "working set": f"{ws_bytes / 2**20:,.1f} MiB ({ceiling.distinct_blocks:,} blocks)",
+            "device pools": f"{cluster.pool_bytes / 2**20:,.1f} MiB, {cluster.pool_blocks:,} "
+                            f"slots = {pool_fraction:.0%} of the working set",
+            "NVMe tiers": f"{cluster.nvme_bytes / 2**20:,.1f} MiB",
+            "prefill cost": (f"{cal.tokens_per_s:,.0f} tokens/s (given)"
+                             if isinstance(cal, LinearPrefill) else "tiny Llama, measured: "
+                             + ", ".join(f"{n} tok {s * 1e3:.0f} ms"
+                                         for n, s in zip(cal.lengths, cal.seconds))),
+            "workers": args.workers, "peer fetch": not args.no_peer_fetch,
+            "router weight override": (args.weights if parse_weights(args.weights)
+                                       else "none (router defaults)"),
+            "cluster": "started by the replay" if cluster.owned else cluster.state.state_dir,
+            "wall time": f"{elapsed:.0f} s"}
+    errors = report.error_counts(outcomes)
+    shortfalls = {p: report.shortfall(rows, BLOCK) for p, rows in outcomes.items()
+                  if any(r.index_best_blocks >= 0 for r in rows)}
+    head = report.headline(stats, ceiling.token_hit_rate, ceiling.request_hit_rate, {
+        "requests": meta["requests"], "agents": meta["agents"],
+        "pool_fraction": round(pool_fraction, 4),
+        "nvme_fraction": round(cluster.nvme_bytes / ws_bytes, 4) if ws_bytes else None,
+        "block_bytes": block_bytes, "working_set_bytes": ws_bytes,
+        "elapsed_s": round(elapsed, 1),
+        "failed_calls": {p: sum(v for k, v in e.items() if not k.startswith("prefetch"))
+                         for p, e in errors.items()},
+        "prefetch_short": {p: sum(v for k, v in e.items() if k.startswith("prefetch stopped"))
+                           for p, e in errors.items()}})
+    goals = report.goals(stats, ceiling.token_hit_rate, GOALS)
+    head["goals_met"] = [g for g, _, _, ok in goals if ok]
+    head["report"] = str(out_dir / "report.md")
+    report.write_report(out_dir, meta, outcomes, stats, sorted(cluster.nodes), goals,
+                        shortfalls, report.notes(stats, shortfalls, counters, errors), head,
+                        {"agent_counters": counters, "rpc_errors": errors,
+                         "calibration": cal.to_dict(),
+                         "cluster_pids": [[p.pid, p.kind] for p in cluster.state.procs]})
+    return head
+
+
+if __name__ == "__main__":
+    sys.exit(main())

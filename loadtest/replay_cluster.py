@@ -1,0 +1,80 @@
+"""The local cluster of a trace replay (loadtest/replay.py): start one sized for the
+trace, or describe a running one; read agent counters; flush a run's namespaces so the
+next policy starts with empty pools."""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from cluster.local import ClusterError, ClusterState, UpOptions, up
+from kvstore.client import KVClient
+from kvstore.client.cluster import ClusterClient
+from kvstore.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    state: ClusterState
+    owned: bool  # started by this replay: stop it at the end
+    nodes: dict[str, str]  # node id -> gRPC address
+    pool_bytes: int  # device pool bytes, all agents
+    pool_blocks: int  # device pool slots, all agents (one block per slot)
+    nvme_bytes: int
+
+
+def start_cluster(agents: int, ws_bytes: int, block_bytes: int, pool_fraction: float,
+                  nvme_fraction: float, say) -> ClusterState:
+    def per_agent(fraction: float, floor: int) -> int:
+        want = fraction * ws_bytes / agents
+        return max(floor, math.ceil(want / block_bytes) * block_bytes) if fraction else 0
+
+    state_dir = tempfile.mkdtemp(prefix="kv-replay-")
+    opts = UpOptions(agents=agents, pool_bytes=str(per_agent(pool_fraction, 64 * block_bytes)),
+                     slot_bytes=str(block_bytes),
+                     nvme_bytes=str(per_agent(nvme_fraction, 0)), router_log_level="WARNING")
+    try:
+        return up(state_dir, opts, say=lambda m: say("  " + m))
+    except BaseException:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise
+
+
+def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
+    with ClusterClient(state.router_address, use_shm=False) as cc:
+        infos = cc.nodes()
+    if not infos:
+        raise ClusterError(f"the router at {state.router_address} knows no agents")
+    nodes = {n.node_id: n.address for n in sorted(infos, key=lambda n: n.node_id)}
+    pool = blocks = nvme = 0
+    for address in nodes.values():
+        with KVClient(address, use_shm=False) as c:
+            for tier in c.stats().tiers:
+                if tier.tier == common_pb2.HBM:
+                    pool += tier.capacity_bytes
+                    blocks += tier.slots_total
+                else:
+                    nvme += tier.capacity_bytes
+    return Cluster(state, owned, nodes, pool, blocks, nvme)
+
+
+def agent_counters(cluster: Cluster) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for address in cluster.nodes.values():
+        with KVClient(address, use_shm=False) as c:
+            for k, v in c.stats().counters.items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+async def flush_namespaces(endpoint: str, targets: list[tuple[str, str]]) -> None:
+    from cluster.control import ControlPlane
+    from cluster.etcd import EtcdClient
+    async with EtcdClient(endpoint, timeout=5.0) as etcd:
+        cp = ControlPlane(etcd, who="loadtest.replay")
+        for tenant, name in targets:
+            rep = await cp.flush(tenant, name, timeout_s=60.0)
+            if not rep.ok:
+                raise ClusterError(f"flush of {tenant}/{name} was not acknowledged by "
+                                   f"{', '.join(rep.progress.missing)}")

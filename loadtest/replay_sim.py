@@ -1,0 +1,160 @@
+"""The simulated side of a trace replay (loadtest/replay.py), no cluster I/O: the trace
+and its per-request ceiling, the prefill cost model (measured on the tiny Llama, or a
+given speed), the time scale that sets the offered load, the no-cache TTFT baseline, and
+the consistent-hash ring of the baseline policy."""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import TYPE_CHECKING, Union
+
+from kvctl.analyze import Request, iter_requests, keyspace_root
+from kvstore.hashing import hash_chain
+from loadtest.tracegen import TraceConfig, generate
+
+if TYPE_CHECKING:  # importing it pulls in transformers: only calibration needs that
+    from loadtest.model import PrefillCalibration
+
+BLOCK = 16  # tokens per block (the replay's KV layout)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    index: int
+    t: float  # simulated arrival, seconds (trace time x time scale)
+    tenant: str
+    namespace: str
+    tokens: list[int]
+    ceiling_tokens: int
+
+
+def load_trace(trace: str | None, requests: int | None, seed: int
+               ) -> tuple[list[Request], object]:
+    """Validated requests in arrival order (a file, else the reference trace from
+    loadtest.tracegen), and the same requests again as a source for kvctl's analyze()."""
+    if trace:
+        source: object = trace
+    else:
+        source = list(generate(TraceConfig(requests=requests or TraceConfig().requests,
+                                           seed=seed)))
+    reqs = list(iter_requests(source))
+    if trace and requests:
+        reqs = reqs[:requests]
+        source = [{"t": r.t, "tenant": r.tenant, "namespace": r.namespace,
+                   "tokens": r.tokens} for r in reqs]
+    if not reqs:
+        raise ValueError("the trace holds no requests")
+    return reqs, source
+
+
+def ceiling_per_request(reqs: list[Request]) -> list[int]:
+    """Cached tokens of each request under one unbounded cache, the way
+    kvctl.analyze counts them (one keyspace per tenant and namespace)."""
+    seen: set[bytes] = set()
+    roots: dict[tuple[str, str], bytes] = {}
+    out = []
+    for r in reqs:
+        key = (r.tenant, r.namespace)
+        root = roots.get(key) or roots.setdefault(key, keyspace_root(*key))
+        ids = hash_chain(root, r.tokens, BLOCK)
+        n = 0
+        while n < len(ids) and ids[n] in seen:
+            n += 1
+        seen.update(ids)
+        out.append(n * BLOCK)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPrefill:
+    """Prefill at a fixed speed: the part of loadtest.model.PrefillCalibration's
+    interface the replay uses, without importing transformers (seconds of start-up)."""
+
+    tokens_per_s: float
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return (1000,)
+
+    @property
+    def seconds(self) -> tuple[float, ...]:
+        return (1000 / self.tokens_per_s,)
+
+    def prefill_seconds(self, length: int) -> float:
+        return max(0, length) / self.tokens_per_s
+
+    def suffix_seconds(self, cached: int, total: int) -> float:
+        return max(0, total - cached) / self.tokens_per_s
+
+    def to_dict(self) -> dict:
+        return {"tokens_per_s": self.tokens_per_s}
+
+
+CostModel = Union["PrefillCalibration", LinearPrefill]
+
+
+def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
+    """A given throughput (linear cost), or a measurement of the tiny Llama's prefill."""
+    if tokens_per_s:
+        return LinearPrefill(tokens_per_s)
+    from loadtest.model import build_tiny_llama, measure_prefill
+    model = build_tiny_llama(0, max_positions=max(4096, max_len))
+    lengths = [n for n in (16, 128, 512, 2048) if n < max_len] + [max_len]
+    say(f"calibrating prefill of the tiny Llama at {lengths} tokens ...")
+    cal = measure_prefill(model, lengths, repeats=3, max_seconds=30.0)
+    say("  " + ", ".join(f"{n}: {s * 1e3:.0f} ms" for n, s in zip(cal.lengths, cal.seconds)))
+    return cal
+
+
+def time_scale(reqs: list[Request], cal: CostModel, agents: int,
+               offered_load: float) -> tuple[float, float]:
+    """(scale, native load): stretch or squeeze arrivals so full prefill (no cache)
+    would keep the agents `offered_load` busy; scale 1 when offered_load is 0."""
+    span = reqs[-1].t - reqs[0].t
+    work = sum(cal.prefill_seconds(len(r.tokens)) for r in reqs)
+    native = work / (agents * span) if span > 0 else math.inf
+    if offered_load <= 0 or not math.isfinite(native):
+        return 1.0, native
+    return native / offered_load, native
+
+
+def nocache_ttft(reqs: list[TraceRequest], cal: CostModel,
+                 nodes: list[str]) -> list[float]:
+    """Full prefill, each request on the node that frees up first."""
+    busy = {n: 0.0 for n in nodes}
+    out = []
+    for r in reqs:
+        node = min(nodes, key=lambda n: (busy[n], n))
+        start = max(r.t, busy[node])
+        busy[node] = start + cal.prefill_seconds(len(r.tokens))
+        out.append(busy[node] - r.t)
+    return out
+
+
+
+
+def simulated_requests(raw: list[Request], scale: float) -> list[TraceRequest]:
+    """Trace requests with arrivals from 0, scaled, and their ceilings."""
+    ceil = ceiling_per_request(raw)
+    return [TraceRequest(i, (r.t - raw[0].t) * scale, r.tenant, r.namespace, list(r.tokens),
+                         c) for i, (r, c) in enumerate(zip(raw, ceil))]
+
+
+class HashRing:
+    """Consistent hashing with virtual nodes: a key goes to the first point at or after
+    its hash, so adding a node moves only ~1/n of the keys."""
+
+    def __init__(self, nodes: list[str], vnodes: int = 64) -> None:
+        points = sorted((self._h(f"{n}#{i}".encode()), n) for n in nodes for i in range(vnodes))
+        self._keys = [k for k, _ in points]
+        self._nodes = [n for _, n in points]
+
+    @staticmethod
+    def _h(data: bytes) -> int:
+        return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+
+    def node(self, key: bytes) -> str:
+        i = bisect_right(self._keys, self._h(key))
+        return self._nodes[i % len(self._nodes)]
