@@ -115,6 +115,8 @@ class EvictionMixin:
                 self.counters["nvme_full"] += 1
                 return False
             self._evict_nvme(victim)
+            if tenant is not None:
+                self.counters["evict_nvme_quota"] += 1
         payload, digest = self.pool.read_bytes(m.slot, m.nbytes)
         if digest != m.checksum:  # never spill a corrupt block: drop it and its descendants
             self.counters["corrupt_dropped"] += 1

@@ -68,6 +68,9 @@ class PeerService:
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
         self._grpc = None  # node_agent.peer_grpc.GrpcFetcher, created on first use
+        # Bounds on concurrent transfers: each holds staging_sets chunk buffers.
+        self.fetch_slots = asyncio.Semaphore(self.pcfg.max_transfers)
+        self.serve_slots = asyncio.Semaphore(self.pcfg.max_transfers)
         # Connections to peers' listeners kept for the next fetch: address -> [(t, ep)].
         self._idle: dict[str, list[tuple[float, object]]] = {}
 
@@ -243,7 +246,8 @@ class PeerService:
             await within(ep.send_obj(err.SerializeToString()), far, self.pcfg.io_timeout_s,
                          "refusal")
             return
-        await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
+        async with self.serve_slots:
+            await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
 
     async def _send_batches(self, ep, st, generation, ids, parent, batch) -> None:
         """Header then payloads per batch, announcing the next batch before the payloads

@@ -38,8 +38,11 @@ class PeerConfig:
     prefetch_timeout_s: float = 30.0  # default bound on a whole Prefetch call
     idle_endpoint_s: float = 60.0  # a server closes a peer connection idle this long
     max_batch_blocks: int = 256  # cap on a requested batch (staging memory)
+    max_transfers: int = 4  # concurrent transfers per direction (staging memory, CPU)
 
     def __post_init__(self) -> None:
+        if self.max_transfers < 1:
+            raise ValueError("max_transfers must be >= 1")
         if not 0 < self.batch_blocks <= self.max_batch_blocks:
             raise ValueError("batch_blocks must be in 1..max_batch_blocks")
         if self.staging_sets < 3:
@@ -70,7 +73,7 @@ class StagingPool:
     """Reusable block buffers, carved in sets from one array each so UCX registers the
     memory once and its registration cache keeps it."""
 
-    def __init__(self, max_idle_sets: int = 12) -> None:
+    def __init__(self, max_idle_sets: int = 6) -> None:
         self._idle: dict[tuple[int, int], list[list[np.ndarray]]] = {}
         self._max_idle = max_idle_sets
 

@@ -221,6 +221,13 @@ class FetchJob:
         want = sink.begin()
         self.used.append(transport)
         self.svc.count(f"peer_fetch_{transport}")
+        slots = self.svc.fetch_slots
+        try:
+            await within(slots.acquire(), self.deadline, self.deadline - time.monotonic(),
+                         "a free transfer slot")
+        except PeerTransportError as exc:
+            self.stopped = f"{transport}: {exc}"
+            return
         try:
             if transport == "ucx":
                 req = self._request(want.ids, want.parent_id, batch, self.authorization)
@@ -239,6 +246,8 @@ class FetchJob:
             log.warning("%s fetch of %d blocks from %s failed after %d: %s", transport,
                         len(sink.ids), self.peer.ucx_address if transport == "ucx"
                         else self.peer.grpc_address, sink.stored, exc)
+        finally:
+            slots.release()
 
 
 async def ucx_fetch(svc: "PeerService", address: str, req: peer_pb2.FetchRequest,

@@ -33,8 +33,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         size = st.spec.block_bytes
         # Keep every chunk well inside the message size limit.
         batch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
+        chunks = self._chunks(st, request.ns.generation, ids, parent, batch)
+        async with self.svc.serve_slots, aclosing(chunks) as it:
+            async for chunk in it:
+                yield chunk
+
+    async def _chunks(self, st, generation: int, ids: list[bytes], parent: bytes,
+                      batch: int):
+        size = st.spec.block_bytes
         lease = self.svc.staging.lease(2, batch, size)  # payloads are copied out at once
-        batches = self.svc.read_batches(st, request.ns.generation, ids, parent, batch, lease)
+        batches = self.svc.read_batches(st, generation, ids, parent, batch, lease)
         try:
             async with aclosing(batches) as it:
                 async for first, served, bufs, last in it:
