@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml setup.py kvstore/_native.c
 	@$(MAKE) --no-print-directory deps-system
 	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[dev,hf]'
+	$(VPY) -m pip install -q -e '.[dev,hf,ucx]'
 	@touch $(STAMP)
 
 install: $(STAMP)

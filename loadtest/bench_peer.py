@@ -3,7 +3,8 @@
 Two real agents on this machine: B holds prompts of 2 MiB blocks (Llama-3-8B, 16 tokens,
 fp16), A pulls them with Peer.Prefetch, once over UCX and once over the gRPC fallback
 (each round a fresh prompt, so every block really moves). The time is the whole Prefetch
-call as a client sees it: connect, B's store reads, the wire, A's verified store writes.
+call as a client sees it: B's verified store reads, the wire, A's verified store writes
+(after one warm-up Prefetch, A reuses its connection to B as it does in service).
 
 Reported (one JSON line on stdout at the end; progress on stderr):
 - limit_gbps: what the transport itself moves between two processes here, measured in the
@@ -13,7 +14,8 @@ Reported (one JSON line on stdout at the end; progress on stderr):
 - ucx_gbps / grpc_gbps: median Prefetch bandwidth over the rounds; ucx_ratio: median of
   ucx / limit per round (each UCX round right after a limit measurement: the load on a
   shared machine changes quickly, and pairing keeps the ratio honest); ucx_best_gbps
-- batch_blocks: blocks per chunk (two chunks in flight per transfer)
+- batch_blocks: blocks per chunk (node_agent/peer_common.PeerConfig; three staging sets
+  per transfer and side keep two chunks in flight)
 """
 from __future__ import annotations
 

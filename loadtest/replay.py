@@ -496,6 +496,15 @@ def _say_summary(stats, ceiling, say) -> None:
         f"{ceiling.request_hit_rate:6.1%}")
 
 
+def _harness_note(workers: int) -> str:
+    return (f"Harness: {workers} worker threads share one Python process and this host's "
+            "cores with the agents and the router, so measured lookup+transfer includes CPU "
+            "and GIL contention, and the router counts requests the harness is still serving "
+            f"as in flight (up to {workers - 1} beyond the simulated queues), which spreads "
+            "load more than the simulated queues alone would. `--workers 1` makes the "
+            "router's view exact.")
+
+
 def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
            block_bytes: int, outcomes, counters, stats, meta: dict, elapsed: float) -> dict:
     out_dir = Path(args.out or f"loadtest/out/replay-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -535,7 +544,8 @@ def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
     head["goals_met"] = [g for g, _, _, ok in goals if ok]
     head["report"] = str(out_dir / "report.md")
     report.write_report(out_dir, meta, outcomes, stats, sorted(cluster.nodes), goals,
-                        shortfalls, report.notes(stats, shortfalls, counters, errors), head,
+                        shortfalls, report.notes(stats, shortfalls, counters, errors)
+                        + [_harness_note(args.workers)], head,
                         {"agent_counters": counters, "rpc_errors": errors,
                          "calibration": cal.to_dict(),
                          "cluster_pids": [[p.pid, p.kind] for p in cluster.state.procs]})
