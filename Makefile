@@ -35,6 +35,7 @@ proto: install
 run: install
 	$(VPY) -m kvctl cluster up --agents 2 --state-dir $(STATE)
 	$(VPY) -m loadtest.demo --state-dir $(STATE)
+	$(VPY) -m loadtest.replay --state-dir $(STATE) --requests 200 --prefill-tokens-per-s 8000
 	@echo
 	@echo "The cluster keeps running. Inspect: $(VPY) -m kvctl cluster status --state-dir $(STATE)"
 	@echo "Stop it: make stop"

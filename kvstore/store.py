@@ -153,7 +153,11 @@ class BlockStore(EvictionMixin, MaintenanceMixin):
                 return m is not None and not (m.expires_at and m.expires_at <= now)
 
             matched = _first_false(live, 0, len(ids))
-            hbm = _first_false(lambda i: get(ids[i]).slot >= 0, 0, matched)
+            def in_pool(i: int) -> bool:
+                m = get(ids[i])  # None only for a sequence that is not one chain
+                return m is not None and m.slot >= 0
+
+            hbm = _first_false(in_pool, 0, matched)
             tc = self.tenant_counters.setdefault(st.tenant, Counter())
             for c in (self.counters, tc):
                 c["lookups"] += 1

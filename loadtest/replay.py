@@ -105,11 +105,12 @@ class Session:
     one staging area, so it must not be shared between threads."""
 
     def __init__(self, cluster: Cluster, policy: str, nonce: str, peer_fetch: bool,
-                 weights: router_pb2.RouteWeights | None) -> None:
+                 weights: router_pb2.RouteWeights | None, ucx: bool = True) -> None:
         self.cluster = cluster
         self.policy = policy
         self.nonce = nonce
         self.peer_fetch = peer_fetch
+        self.ucx = ucx
         self.weights = weights
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -159,15 +160,17 @@ class Session:
 
     def prefetch(self, cc: ClusterClient, ns: ClusterNamespace, address: str,
                  ids: list[bytes], peer_node: str) -> str:
-        """Have the chosen agent pull the router's peer blocks (gRPC transport); returns
-        why it stopped short ("" when every block is there)."""
+        """Have the chosen agent pull the router's peer blocks (UCX when the peer
+        listens on it, else gRPC); returns why it stopped short ("" when all arrived)."""
         peer = self.cluster.nodes.get(peer_node)
         if not peer or not ids:
             return ""
         h = cc.handle(ns, address)
         req = peer_pb2.PrefetchRequest(ns=h.ref, spec=common_pb2.Namespace(**ns.spec.to_dict()),
                                        block_ids=pack_ids(ids), parent_id=ns.root,
-                                       peer_address=peer, timeout_ms=10_000)
+                                       peer_address=peer, timeout_ms=10_000,
+                                       peer_ucx_address=self.cluster.ucx.get(peer_node, "")
+                                       if self.ucx else "")
         resp = peer_pb2_grpc.PeerStub(cc.agent(address).channel).Prefetch(req, timeout=15.0)
         if resp.present >= len(ids):
             return ""
@@ -316,7 +319,8 @@ def run_policy(cluster: Cluster, policy: str, reqs: list[TraceRequest],
                cal: CostModel, nocache: list[float], args, nonce: str
                ) -> tuple[list[report.Outcome], dict[str, int]]:
     sess = Session(cluster, policy, nonce, not args.no_peer_fetch,
-                   parse_weights(args.weights) if policy == "ours" else None)
+                   parse_weights(args.weights) if policy == "ours" else None,
+                   args.peer_transport == "auto")
     before = agent_counters(cluster)
     progress = report.Progress(len(reqs), report.label(policy))
     try:
@@ -384,6 +388,8 @@ def _parser() -> argparse.ArgumentParser:
                         "'router' uses the router's own weights)")
     p.add_argument("--no-peer-fetch", action="store_true",
                    help="ignore the router's peer hints (serve only local blocks)")
+    p.add_argument("--peer-transport", choices=("auto", "grpc"), default="auto",
+                   help="auto: UCX where the peer listens on it, gRPC otherwise (default)")
     p.add_argument("--out", default=None,
                    help="report folder (default loadtest/out/replay-<timestamp>)")
     return p

@@ -22,6 +22,7 @@ class Cluster:
     pool_bytes: int  # device pool bytes, all agents
     pool_blocks: int  # device pool slots, all agents (one block per slot)
     nvme_bytes: int
+    ucx: dict[str, str]  # node id -> UCX listener of its peer service ("" when UCX is off)
 
 
 def start_cluster(agents: int, ws_bytes: int, block_bytes: int, pool_fraction: float,
@@ -47,6 +48,7 @@ def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
     if not infos:
         raise ClusterError(f"the router at {state.router_address} knows no agents")
     nodes = {n.node_id: n.address for n in sorted(infos, key=lambda n: n.node_id)}
+    ucx = {n.node_id: n.peer_address for n in infos}
     pool = blocks = nvme = 0
     for address in nodes.values():
         with KVClient(address, use_shm=False) as c:
@@ -56,7 +58,7 @@ def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
                     blocks += tier.slots_total
                 else:
                     nvme += tier.capacity_bytes
-    return Cluster(state, owned, nodes, pool, blocks, nvme)
+    return Cluster(state, owned, nodes, pool, blocks, nvme, ucx)
 
 
 def agent_counters(cluster: Cluster) -> dict[str, int]:

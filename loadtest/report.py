@@ -477,7 +477,7 @@ def notes(stats: dict[str, dict[str, SliceStats]], shortfalls: dict[str, dict[st
         top = max(terms, key=terms.get)
         out.append(f"{label(policy)}: mean TTFT is dominated by {top} "
                    f"({', '.join(f'{k} {_ms(v)} ms' for k, v in terms.items())}).")
-    keys = ("put_blocks", "get_blocks", "peer_blocks_served", "promotions")
+    keys = ("put_blocks", "get_blocks", "promotions", "peer_fetch_ucx", "peer_fetch_grpc")
     for policy, c in counters.items():
         shown = {k: v for k, v in sorted(c.items())
                  if k in keys or "evict" in k or "demot" in k or "drop" in k}

@@ -116,7 +116,9 @@ class BatchSink:
                          bufs[i], checksums[i]) for i in range(len(bufs))]
         reason = ""
         try:
-            self.peer.store.put(self.st.ns_id, self.generation, items)
+            # The request's parent_id is the chain root when the fetch starts at block 0;
+            # any other block whose parent is not held is refused as an orphan.
+            self.peer.store.put(self.st.ns_id, self.generation, items, root=self.parent_id)
         except errors.DataLoss as exc:
             self.peer.count("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
