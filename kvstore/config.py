@@ -53,6 +53,7 @@ class AgentConfig:
     ucx_enabled: bool = True  # False: peers move blocks over the gRPC fallback only
     metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
+    copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:

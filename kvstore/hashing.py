@@ -280,13 +280,19 @@ def split_ids(packed: Union[bytes, bytearray, memoryview]) -> List[BlockId]:
 
 
 def pack_ids(ids: Iterable[bytes]) -> bytes:
-    """Concatenate 16-byte ids; every id is length-checked."""
-    parts = []
-    for i, block_id in enumerate(ids):
+    """Concatenate 16-byte ids; every id is length-checked (in C via join/map: a
+    2,000-id prompt packs in tens of microseconds, it sits on every Lookup)."""
+    ids = ids if isinstance(ids, list) else list(ids)
+    try:
+        packed = b"".join(ids)
+        lengths_ok = set(map(len, ids)) <= {BLOCK_ID_BYTES}
+    except TypeError:
+        packed, lengths_ok = b"", False
+    if lengths_ok:
+        return packed
+    for i, block_id in enumerate(ids):  # slow path: name the offending id
         if not isinstance(block_id, (bytes, bytearray, memoryview)):
             raise TypeError(f"id #{i} must be bytes, not {type(block_id).__name__!r}")
-        raw = bytes(block_id)
-        if len(raw) != BLOCK_ID_BYTES:
-            raise ValueError(f"id #{i} must be {BLOCK_ID_BYTES} bytes, got {len(raw)}")
-        parts.append(raw)
-    return b"".join(parts)
+        if len(bytes(block_id)) != BLOCK_ID_BYTES:
+            raise ValueError(f"id #{i} must be {BLOCK_ID_BYTES} bytes, got {len(bytes(block_id))}")
+    return b"".join(bytes(b) for b in ids)

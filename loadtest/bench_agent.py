@@ -8,14 +8,15 @@ Measures in one run, on this machine, against real agent processes:
   tensors and the staging area (KVClient.put / KVClient.get)
 - grpc_put_gbps / grpc_get_gbps: the same blocks through gRPC only
 - hash_mtok_s: chained block hashing of a 32k-token prompt (million tokens per second)
-- lookup_2000_us: p50 Lookup round trip of a 2,000-block prompt, agent holding >= 100k blocks
+- lookup_2000_us: p50 Lookup round trip of a 2,000-block prompt, agent holding >= 100k blocks;
+  grpc_floor_us: p50 round trip of a gRPC health check on the same agent and channel (the
+  floor any unary RPC pays here); lookup_2000_inproc_us: the store's own Lookup, in process
 Ends with one JSON line on stdout; progress goes to stderr.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,9 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvstore.client import KVClient
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
 from kvstore.namespace import Namespace
+from kvstore.store import BlockStore, PackedIds, PutItem
+from kvstore.tiers.pool import DevicePool
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -175,9 +180,36 @@ def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> tuple[float, int]
                 r = c.lookup(ns, ids)
                 times.append(time.perf_counter() - t)
                 assert r.matched == 2000
-            return statistics.median(times) * 1e6, held
+            health = health_pb2_grpc.HealthStub(c.channel)
+            floor = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                health.Check(health_pb2.HealthCheckRequest())
+                floor.append(time.perf_counter() - t)
+            return statistics.median(times) * 1e6, held, statistics.median(floor) * 1e6
     finally:
         agent.stop()
+
+
+def lookup_inproc(n_blocks: int, reps: int) -> float:
+    """The store's Lookup alone: 2,000-block prompts against n_blocks held."""
+    spec = llama3_8b("lookup", num_layers=1, num_kv_heads=1, head_dim=8)
+    store = BlockStore(DevicePool(n_blocks + 16, 512, "cpu"), None)
+    st = store.open_namespace(spec)
+    payload = bytes(512)
+    chains = []
+    for k in range(n_blocks // 2000):
+        ids = hash_chain(bytes(16), np.arange(k * 10**6, k * 10**6 + 32000, dtype=np.int32), 16)
+        store.put(st.ns_id, 0, [PutItem(b, p, payload)
+                                for b, p in zip(ids, [bytes(16)] + ids[:-1])])
+        chains.append(PackedIds(b"".join(ids)))
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        r = store.lookup(st.ns_id, 0, chains[i % len(chains)])
+        times.append(time.perf_counter() - t)
+        assert r.matched == 2000
+    return statistics.median(times) * 1e6
 
 
 def main(argv=None) -> int:
@@ -203,8 +235,9 @@ def main(argv=None) -> int:
         log("hashing ...")
         res["hash_mtok_s"] = hash_rate()
         log(f"lookup with {args.lookup_blocks} blocks held ...")
-        res["lookup_2000_us"], res["lookup_blocks_held"] = lookup_latency(
-            Path(tmp) / "lookup", args.lookup_blocks, 300)
+        (res["lookup_2000_us"], res["lookup_blocks_held"],
+         res["grpc_floor_us"]) = lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300)
+        res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
     m = res["memcpy_gbps"]
     res["shm_get_ratio"] = res["shm_get_gbps"] / m
     res["shm_put_ratio"] = res["shm_put_gbps"] / m

@@ -37,8 +37,10 @@ def build_store(cfg: AgentConfig) -> BlockStore:
     rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes) if cfg.nvme_bytes else None
     limits = {t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
               for t, tc in cfg.tenants.items()}
+    threads = cfg.copy_threads or min(4, os.cpu_count() or 1)
     store = BlockStore(pool, rocks, make_policy(cfg.eviction), TenantAccounts(limits),
-                       policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name))
+                       policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name),
+                       copy_threads=threads)
     return store
 
 
