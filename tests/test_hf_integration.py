@@ -16,6 +16,7 @@ import contextlib
 
 import pytest
 import torch
+from cluster_support import start_router  # noqa: F401 (fixture)
 
 from kvstore.client import KVClient, NamespaceHandle
 from kvstore.client.convert import kv_to_blocks
@@ -242,3 +243,42 @@ def test_16bit_kv_round_trip(spawn_agent, dtype):
         torch.testing.assert_close(res.logits, ref, atol=1e-2, rtol=1e-2)
         print(f"max abs logits diff ({dtype}): {max_diff(res.logits, ref):.3g}")
         assert worker.generate_greedy(PROMPT_B, 8)[0] == reference_greedy(model, PROMPT_B, 8)
+
+
+# ------------------------------------------------------- through the router, two agents
+def test_cached_prefill_through_router_across_two_agents(model, spawn_agent, etcd,
+                                                         start_router):
+    """Prefixes stored through the router on two agents: every later request is routed to
+    the node holding its prefix, and logits and greedy tokens still equal a cache-free
+    run."""
+    from cluster_support import agent_config, spawn_many
+    from conftest import wait_for
+
+    from kvstore.client.cluster import ClusterClient, RoutedClient
+
+    spec = ns_for(model)
+    spawn_many(spawn_agent, 2, **agent_config(etcd, slot_bytes=spec.block_bytes,
+                                              pool_bytes=256 * spec.block_bytes))
+    router = start_router()
+    router.wait_nodes({"agent-0": 0, "agent-1": 0})
+    other = SYSTEM[:BS] + prompt(9, 3 * BS)  # shares one block with A and B
+    with ClusterClient(router.address, tenant_secret=SECRET, use_shm=False) as cc:
+        client = RoutedClient(cc)
+        worker = CachedPrefillWorker(model, client, cc.open_namespace(spec))
+        first = worker.prefill(PROMPT_A)
+        assert first.usage.cache_read_tokens == 0
+        holder_id = wait_for(lambda: next((k for k, n in router.nodes().items()
+                                           if n.indexed_blocks == 4), None),
+                             20, what="the router to index prompt A's 4 blocks")
+        hit_b = cc.fetch(cc.open_namespace(spec), PROMPT_B)
+        cc.release(hit_b)
+        assert hit_b.node_id == holder_id and hit_b.cached_blocks == 3
+        second = worker.prefill(PROMPT_B)
+        assert second.usage.cache_read_tokens == 3 * BS
+        torch.testing.assert_close(second.logits, reference_logits(model, PROMPT_B)[3 * BS:],
+                                   atol=ATOL, rtol=RTOL)
+        tokens, _ = worker.generate_greedy(PROMPT_B, 8)
+        assert tokens == reference_greedy(model, PROMPT_B, 8)
+        third = worker.prefill(other)
+        torch.testing.assert_close(third.last_logits, reference_logits(model, other)[-1],
+                                   atol=ATOL, rtol=RTOL)

@@ -61,6 +61,10 @@ class ClusterHit:
     def cached_tokens(self) -> int:
         return self.hit.cached_tokens
 
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return self.hit.blocks
+
 
 def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
                  request_id: str = "", dry_run: bool = False,
@@ -183,3 +187,27 @@ class ClusterClient:
         if rid:
             self.router.Release(router_pb2.ReleaseRequest(request_id=rid),
                                 timeout=self.timeout)
+
+
+class RoutedClient:
+    """KVClient's prompt-level `fetch`/`store` signatures over a cluster: each fetch is
+    routed, and the following store goes to the node that served it. Lets single-agent
+    code (kvstore.integrations.hf.CachedPrefillWorker) run through the router. One
+    request at a time per RoutedClient."""
+
+    def __init__(self, cluster: ClusterClient) -> None:
+        self.cluster = cluster
+        self.last: ClusterHit | None = None
+
+    def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu"):
+        self.last = self.cluster.fetch(ns, tokens, device=device)
+        return self.last
+
+    def store(self, ns: ClusterNamespace, tokens, kv, cached_blocks: int = 0) -> Usage:
+        if self.last is None:
+            raise RuntimeError("RoutedClient.store needs a fetch first")
+        hit, self.last = self.last, None
+        if cached_blocks != hit.cached_blocks:
+            raise ValueError(f"store says {cached_blocks} cached blocks, the fetch served "
+                             f"{hit.cached_blocks}")
+        return self.cluster.store(ns, hit, tokens, kv)
