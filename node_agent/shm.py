@@ -60,7 +60,8 @@ class ShmRegistry:
         try:
             if os.fstat(fd).st_size < size:
                 raise InvalidArgument(f"shared memory {name!r} is smaller than {size} bytes")
-            mm = mmap.mmap(fd, size)
+            # Populate the mapping now: page faults at registration, not mid-transfer.
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         region = Region(next(self._ids), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
