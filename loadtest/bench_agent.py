@@ -83,17 +83,21 @@ class Agent:
         deadline = time.monotonic() + 120
         while not (ready.exists() and ready.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("agent failed to start: "
+                self.stop()
+                raise RuntimeError(f"agent {conf['node_id']} failed to start: "
                                    + (workdir / "agent.log").read_text()[-2000:])
             time.sleep(0.05)
         self.address = ready.read_text().strip()
 
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.proc.terminate()
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(5)
 
 
 def _rate(nbytes: int, times: list[float]) -> float:

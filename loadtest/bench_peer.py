@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loadtest import bench_agent
 from kvstore.client import KVClient
 from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
@@ -55,48 +56,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama3_8b() -> Namespace:
-    return Namespace(tenant="bench", name="peer", model_name="llama-3-8b",
-                     model_revision="r1", adapter_id="none", adapter_revision="none",
-                     tokenizer_id="llama3", tokenizer_revision="r1", rope_type="llama3",
-                     rope_theta=500000.0, rope_scaling="none", attention_impl="sdpa",
-                     kv_dtype="float16", prompt_template_version="v1", num_layers=32,
-                     num_kv_heads=8, head_dim=128, tp_rank=0, tp_size=1, block_size=16)
+class Agent(bench_agent.Agent):
+    """A bench agent with a UCX peer listener on a known port."""
 
-
-class Agent:
     def __init__(self, workdir: Path, name: str, **cfg) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
         self.peer_port = free_port()
-        conf = {"node_id": name, "listen": "127.0.0.1:0", "device": "cpu",
-                "data_dir": str(workdir / "data"), "allow_unauthenticated": True,
-                "slot_bytes": "2MiB", "nvme_bytes": 0, "peer_port": self.peer_port,
-                "default_policy": {"persist": False}}
-        conf.update(cfg)
-        (workdir / "agent.json").write_text(json.dumps(conf))
-        ready = workdir / "ready"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node_agent", "--config", str(workdir / "agent.json"),
-             "--ready-file", str(ready), "--log-level", "WARNING"],
-            stdout=open(workdir / "agent.log", "wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not (ready.exists() and ready.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"agent {name} failed to start: "
-                                   + (workdir / "agent.log").read_text()[-2000:])
-            time.sleep(0.05)
-        self.address = ready.read_text().strip()
+        super().__init__(workdir, **{"node_id": name, "slot_bytes": "2MiB", "nvme_bytes": 0,
+                                     "peer_port": self.peer_port, **cfg})
         self.ucx_address = f"127.0.0.1:{self.peer_port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 # ------------------------------------------------------------------ transport limit
@@ -246,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds (limit, UCX, gRPC)")
     ap.add_argument("--perftest-iters", type=int, default=200)
     args = ap.parse_args(argv)
-    spec = llama3_8b()
+    spec = bench_agent.llama3_8b("peer")
     n_prompts = 2 * args.rounds + 1
     pool = f"{n_prompts * args.blocks * 2 + 16}MiB"
     result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.process import run_until_signalled
 from kvstore.accounting import TenantAccounts
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
@@ -156,16 +156,4 @@ class AgentServer:
 
 
 async def serve(cfg: AgentConfig, ready_file: str | None = None) -> None:
-    agent = AgentServer(cfg)
-    await agent.start()
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(agent.address + "\n")
-        os.replace(tmp, ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await agent.stop()
+    await run_until_signalled(AgentServer(cfg), ready_file)

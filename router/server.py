@@ -2,16 +2,14 @@
 the agents' event streams. The servicer only converts protobuf <-> RouterCore calls."""
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.etcd import EtcdClient
 from kvstore import errors
+from cluster.process import run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.follower import ClusterFollower
@@ -154,16 +152,4 @@ class RouterServer:
 
 async def serve(cfg: RouterConfig, ready_file: str | None = None, token: str | None = None,
                 etcd_prefix: str | None = None) -> None:
-    router = RouterServer(cfg, token, etcd_prefix, with_control=True)
-    await router.start()
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(router.address + "\n")
-        os.replace(tmp, ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await router.stop()
+    await run_until_signalled(RouterServer(cfg, token, etcd_prefix, with_control=True), ready_file)
