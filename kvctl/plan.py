@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import asdict, dataclass, replace
-from decimal import Decimal, InvalidOperation
+
+from kvstore.units import parse_size  # noqa: F401 (kvctl plan's size parser, re-exported)
 
 # Bits rather than bytes per element so that sub-byte dtypes stay integral:
 # 2 x bits is always a multiple of 8 for bits >= 4.
@@ -36,18 +36,6 @@ DTYPE_BITS: dict[str, int] = {
     "fp4": 4,
 }
 
-_SIZE_UNITS: dict[str, int] = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
@@ -118,27 +106,6 @@ class PlanReport:
     weights_bytes: int | None
     gpu_headroom_bytes: int | None
     warnings: tuple[str, ...]
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size such as ``"10GiB"``, ``"1.5 GB"`` or ``"4096"`` into bytes."""
-    if not isinstance(text, str):
-        raise ValueError(f"size must be a string like '10GiB', got {text!r}")
-    match = _SIZE_RE.match(text)
-    accepted = ", ".join(["B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"])
-    if match is None:
-        raise ValueError(f"invalid size {text!r}: expected a number and a unit ({accepted})")
-    number, unit = match.groups()
-    multiplier = _SIZE_UNITS.get(unit.lower() or "b")
-    if multiplier is None:
-        raise ValueError(f"invalid size unit {unit!r} in {text!r}: accepted units are {accepted}")
-    try:
-        value = Decimal(number) * multiplier
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"invalid size {text!r}") from exc
-    if value != value.to_integral_value():
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
 
 
 def format_size(num_bytes: int) -> str:

@@ -2,23 +2,36 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_ACCEPTED = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(value: str | int) -> int:
+    """Bytes from 4096, "512MiB", "1.5 GB"...: exact (decimal arithmetic), whole bytes."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"size must be >= 0, got {value}")
         return value
-    m = _RE.match(str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 4096, 512MiB, 10GiB, 2TB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if not isinstance(value, str):
+        raise ValueError(f"size must be a string like '10GiB', got {value!r}")
+    match = _RE.match(value)
+    if match is None:
+        raise ValueError(f"invalid size {value!r}: expected a number and a unit ({_ACCEPTED})")
+    number, unit = match.groups()
+    multiplier = _UNITS.get(unit.lower() or "b")
+    if multiplier is None:
+        raise ValueError(f"invalid size unit {unit!r} in {value!r}: accepted units are "
+                         f"{_ACCEPTED}")
+    exact = Decimal(number) * multiplier
+    if exact != exact.to_integral_value():
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return int(exact)
 
 
 def format_size(n: int | float) -> str:
