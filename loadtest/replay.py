@@ -58,8 +58,8 @@ from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc, router_pb2
 from loadtest import report
-from loadtest.replay_cluster import (Cluster, agent_counters, describe_cluster,
-                                     flush_namespaces, start_cluster)
+from loadtest.replay_cluster import (Cluster, TieredReader, agent_counters,
+                                     describe_cluster, flush_namespaces, start_cluster)
 from loadtest.replay_sim import (BLOCK, CostModel, HashRing, LinearPrefill, TraceRequest,
                                  calibrate, load_trace, nocache_ttft, simulated_requests,
                                  time_scale)
@@ -84,7 +84,8 @@ GOALS = {"hit_vs_ceiling": 0.9, "ttft_p50_ratio": 0.25, "max_mean_load": 1.25}
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """What serving one request for real returned."""
+    """What serving one request for real returned. Phases are wall seconds; TTFT counts
+    route + prefetch + get (`transfer_s`), not put (a server stores after prefill)."""
 
     node: str
     request_id: str  # router route to release ("" when the policy bypassed the router)
@@ -94,8 +95,15 @@ class Measured:
     peer_blocks: int
     index_best_blocks: int
     chosen_blocks: int
-    transfer_s: float
-    errors: tuple[str, ...]  # calls that failed ("lookup: UNKNOWN") or fell short
+    route_s: float  # hashing the prompt, plus the router's Route call (ours)
+    prefetch_s: float  # Peer.Prefetch of the router's peer blocks (0 when none)
+    get_s: float  # Get of the cached prefix, copied into memory the worker owns
+    put_s: float  # Put of the prompt's new blocks
+    errors: tuple[str, ...]  # calls that failed ("get: UNKNOWN") or fell short
+
+    @property
+    def transfer_s(self) -> float:
+        return self.route_s + self.prefetch_s + self.get_s
 
 
 # ---------------------------------------------------------------------- policies
@@ -115,6 +123,7 @@ class Session:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._clients: list[ClusterClient] = []
+        self._readers: list[TieredReader] = []
         self.names: set[tuple[str, str]] = set()
         gen = torch.Generator().manual_seed(11)
         shape = (LAYOUT["num_layers"], 2, BLOCK, LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
@@ -152,9 +161,23 @@ class Session:
             ns = spaces[(tenant, trace_ns)] = cc.open_namespace(self.spec(tenant, trace_ns))
         return ns
 
+    def reader(self, cc: ClusterClient, address: str) -> TieredReader:
+        """This thread's reader of the agent at `address` (see TieredReader)."""
+        if not hasattr(self._local, "readers"):
+            self._local.readers = {}
+        r = self._local.readers.get(address)
+        if r is None:
+            r = self._local.readers[address] = TieredReader(cc.agent(address), SHM_BYTES)
+            with self._lock:
+                self._readers.append(r)
+        return r
+
     def close(self) -> None:
         with self._lock:
             clients, self._clients = self._clients, []
+            readers, self._readers = self._readers, []
+        for r in readers:
+            r.close()
         for cc in clients:
             cc.close()
 
@@ -189,7 +212,10 @@ def _guard(errors: list[str], what: str, fn, *args, **kw):
 
 
 def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> Measured:
-    """Route (when `address` is None), prefetch, look up, get, then put the new blocks."""
+    """Route (when `address` is None), prefetch, get, then put the new blocks.
+
+    No Lookup: Get serves the verified leading run of the blocks asked for, with the
+    tier of each, so a Lookup first would only add a round trip."""
     cc = sess.client(req.tenant)
     ns = sess.namespace(cc, req.tenant, req.namespace)
     errors: list[str] = []
@@ -202,26 +228,32 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
         top = resp.candidates[0]
         peer, chosen = top.peer_blocks, top.local_blocks + top.peer_blocks
         best = max(c.local_blocks for c in resp.candidates)
-        if peer and sess.peer_fetch:
-            short = _guard(errors, "prefetch", sess.prefetch, cc, ns, address,
-                           ids[:chosen], top.peer_node_id)
-            if short:
-                errors.append(f"prefetch stopped short: {short}")
     else:
         ids = hash_chain(ns.root, req.tokens, BLOCK)
-    agent, h = cc.agent(address), cc.handle(ns, address)
-    found = _guard(errors, "lookup", agent.lookup, h, ids) if ids else None
-    blocks = []
-    if found and found.matched:  # Get serves the verified leading run: maybe fewer
-        blocks = _guard(errors, "get", agent.get, h, ids[: found.matched]) or []
-    transfer = time.perf_counter() - t0
+    t1 = t2 = time.perf_counter()
+    if peer and sess.peer_fetch:
+        short = _guard(errors, "prefetch", sess.prefetch, cc, ns, address, ids[:chosen],
+                       top.peer_node_id)
+        if short:
+            errors.append(f"prefetch stopped short: {short}")
+        t2 = time.perf_counter()
+    h = cc.handle(ns, address)
+    got = _guard(errors, "get", sess.reader(cc, address).get, h, ids) if ids else None
+    data, tiers = got or (None, [])
+    t3 = time.perf_counter()
+    n = len(tiers)
+    shape = sess.filler[0].shape
+    # The served payloads, as block tensors: store() skips the first n blocks anyway.
+    blocks = [torch.frombuffer(data, dtype=torch.float16, offset=i * h.block_bytes,
+                               count=h.block_bytes // 2).view(shape) for i in range(n)]
     hit = ClusterHit(node, address, rid, PrefixHit(ids, blocks, BLOCK), None)
     fill = sess.filler
-    new = [fill[i % len(fill)] for i in range(len(blocks), len(ids))]
+    new = [fill[i % len(fill)] for i in range(n, len(ids))]
     _guard(errors, "put", cc.store, ns, hit, req.tokens, blocks + new, release=False)
-    n = len(blocks)
-    hbm = min(n, found.hbm) if found else 0
-    return Measured(node, rid, n, hbm, n - hbm, peer, best, chosen, transfer, tuple(errors))
+    t4 = time.perf_counter()
+    hbm = sum(t == common_pb2.HBM for t in tiers)
+    return Measured(node, rid, n, hbm, n - hbm, peer, best, chosen, t1 - t0, t2 - t1,
+                    t3 - t2, t4 - t3, tuple(errors))
 
 
 # --------------------------------------------------------------------- replaying
@@ -273,7 +305,8 @@ class Replayer:
             req.index, req.tenant, req.t, m.node, len(req.tokens), cached, req.ceiling_tokens,
             m.hbm_blocks, m.nvme_blocks, m.peer_blocks, m.index_best_blocks, m.chosen_blocks,
             m.transfer_s, prefill, self.cal.prefill_seconds(len(req.tokens)), start - req.t,
-            finish - req.t, self.nocache[req.index], m.errors))
+            finish - req.t, self.nocache[req.index], m.errors, m.route_s, m.prefetch_s,
+            m.get_s, m.put_s))
 
     def release_due(self, now: float) -> None:
         while self.releases and self.releases[0][0] <= now:
@@ -504,7 +537,7 @@ def _say_summary(stats, ceiling, say) -> None:
 
 def _harness_note(workers: int) -> str:
     return (f"Harness: {workers} worker threads share one Python process and this host's "
-            "cores with the agents and the router, so measured lookup+transfer includes CPU "
+            "cores with the agents and the router, so measured route+prefetch+get includes CPU "
             "and GIL contention, and the router counts requests the harness is still serving "
             f"as in flight (up to {workers - 1} beyond the simulated queues), which spreads "
             "load more than the simulated queues alone would. `--workers 1` makes the "

@@ -24,7 +24,8 @@ PERCENTILES = (50, 95, 99)
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """One replayed request under one policy. Times are simulated seconds, except
-    `transfer_s`, the measured wall time of route + peer prefetch + lookup + get."""
+    `transfer_s` and its phases, measured wall time: transfer_s = route_s + prefetch_s +
+    get_s; put_s (after prefill, so not part of TTFT) is kept for the breakdown."""
 
     index: int
     tenant: str
@@ -45,6 +46,10 @@ class Outcome:
     ttft_s: float
     nocache_ttft_s: float
     errors: tuple[str, ...] = ()  # calls that failed or fell short; the rest was recomputed
+    route_s: float = 0.0  # prompt hashing + the router's Route call (router policies)
+    prefetch_s: float = 0.0  # Peer.Prefetch of the router's peer blocks
+    get_s: float = 0.0  # Get of the cached prefix
+    put_s: float = 0.0  # Put of the new blocks (after prefill: not in TTFT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,8 @@ class SliceStats:
     max_mean_load: float
     peer_blocks: int  # blocks the router had copied from a peer (duplicates in the pools)
     nvme_share: float  # of the cached blocks served, those found only on NVMe
+    phases_p50_s: tuple[tuple[str, float], ...] = ()  # see PHASES
+    prefetches: int = 0  # requests that pulled blocks from a peer
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -94,6 +101,31 @@ def max_mean(per_node: dict[str, int], nodes: Sequence[str]) -> float:
     counts = [per_node.get(n, 0) for n in nodes]
     mean = sum(counts) / len(counts) if counts else 0.0
     return max(counts) / mean if mean else math.nan
+
+
+# What a request's TTFT is made of (cached: route + prefetch + get measured, queue and
+# suffix prefill simulated), put (measured, after prefill), and the no-cache TTFT of the
+# same requests (queue + full prefill, simulated). Prefetch is over the requests that did
+# one; the p50s of the parts need not add up to the p50 of the whole.
+PHASES = ("route", "prefetch", "get", "transfer", "queue", "prefill", "ttft", "put",
+          "nocache_queue", "nocache_prefill", "nocache_ttft")
+
+
+def phases_p50(rows: Sequence[Outcome]) -> tuple[tuple[str, float], ...]:
+    cols = {
+        "route": [r.route_s for r in rows],
+        "prefetch": [r.prefetch_s for r in rows if r.prefetch_s > 0],
+        "get": [r.get_s for r in rows],
+        "transfer": [r.transfer_s for r in rows],
+        "queue": [r.wait_s for r in rows],
+        "prefill": [r.prefill_s for r in rows],
+        "ttft": [r.ttft_s for r in rows],
+        "put": [r.put_s for r in rows],
+        "nocache_queue": [r.nocache_ttft_s - r.full_prefill_s for r in rows],
+        "nocache_prefill": [r.full_prefill_s for r in rows],
+        "nocache_ttft": [r.nocache_ttft_s for r in rows],
+    }
+    return tuple((k, percentile(cols[k], 50)) for k in PHASES)
 
 
 def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
@@ -126,7 +158,8 @@ def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
         max_mean_load=max_mean(per_node, nodes),
         peer_blocks=sum(r.peer_blocks for r in rows),
         nvme_share=_ratio(sum(r.nvme_blocks for r in rows),
-                          sum(r.hbm_blocks + r.nvme_blocks for r in rows)))
+                          sum(r.hbm_blocks + r.nvme_blocks for r in rows)),
+        phases_p50_s=phases_p50(rows), prefetches=sum(r.prefetch_s > 0 for r in rows))
 
 
 def summarize(outcomes: dict[str, list[Outcome]], nodes: Sequence[str], pool_bytes: int,
@@ -275,6 +308,20 @@ def _time_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
     return rows
 
 
+def _phase_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
+    rows = []
+    for policy, slices in stats.items():
+        s = slices["all"]
+        p = dict(s.phases_p50_s)
+        fine = lambda x: "-" if not math.isfinite(x) else f"{x * 1e3:,.2f}"  # noqa: E731
+        rows.append([label(policy), fine(p["route"]),
+                     f"{fine(p['prefetch'])} ({s.prefetches:,})", fine(p["get"]),
+                     fine(p["transfer"]), _ms(p["queue"]), _ms(p["prefill"]), _ms(p["ttft"]),
+                     fine(p["put"]), _ms(p["nocache_queue"]), _ms(p["nocache_prefill"]),
+                     _ms(p["nocache_ttft"])])
+    return rows
+
+
 def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
                     goals: Sequence[tuple[str, str, str, bool]],
                     shortfalls: dict[str, dict[str, int]], notes: Sequence[str]) -> str:
@@ -286,12 +333,19 @@ def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
                     [[g, v, t, "yes" if ok else "**no**"] for g, v, t, ok in goals])
     lines += ["", "## All tenants", ""]
     lines += _table(_HEADERS, _policy_rows(stats, "all"))
-    lines += ["", "Mean per request in ms (queue wait and prefill simulated, lookup+transfer "
-              "measured wall time), prefill seconds saved, share of served blocks found "
-              "only on NVMe, blocks copied from peers, requests per node:", ""]
-    lines += _table(("policy", "queue wait", "lookup+transfer", "suffix prefill",
+    lines += ["", "Mean per request in ms (queue wait and prefill simulated, "
+              "route+prefetch+get measured wall time), prefill seconds saved, share of "
+              "served blocks found only on NVMe, blocks copied from peers, requests per node:", ""]
+    lines += _table(("policy", "queue wait", "route+prefetch+get", "suffix prefill",
                      "prefill s saved", "from NVMe", "peer copies", "requests per node"),
                     _time_rows(stats))
+    lines += ["", "Per-request phases, p50 in ms: measured route (hashing + Route), peer "
+              "prefetch (requests that did one), get and their sum; simulated queue wait, "
+              "suffix prefill and TTFT; measured put (after prefill, not in TTFT); and the "
+              "no-cache TTFT of the same requests (simulated queue + full prefill):", ""]
+    lines += _table(("policy", "route", "prefetch (n)", "get", "route+prefetch+get",
+                     "queue", "prefill", "TTFT", "put", "no cache: queue", "prefill",
+                     "TTFT"), _phase_rows(stats))
     tenants = sorted({t for slices in stats.values() for t in slices if t != "all"})
     for t in tenants:
         lines += ["", f"## Tenant {t}", ""]
@@ -418,6 +472,8 @@ def headline(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
     for key in ("token_hit_rate", "request_hit_rate", "ttft_p50_ratio", "ttft_p99_ratio",
                 "max_mean_load"):
         out[key] = _r(getattr(ours, key)) if ours else None
+    if ours:
+        out["phases_p50_ms"] = {k: _r(v * 1e3, 3) for k, v in ours.phases_p50_s}
     for policy, slices in stats.items():
         if policy == "ours":
             continue
@@ -472,7 +528,7 @@ def notes(stats: dict[str, dict[str, SliceStats]], shortfalls: dict[str, dict[st
                        f"dominant term is **{top}** ({share}).")
     for policy, slices in stats.items():
         s = slices["all"]
-        terms = {"queue wait": s.mean_wait_s, "lookup+transfer": s.mean_transfer_s,
+        terms = {"queue wait": s.mean_wait_s, "route+prefetch+get": s.mean_transfer_s,
                  "suffix prefill": s.mean_prefill_s}
         top = max(terms, key=terms.get)
         out.append(f"{label(policy)}: mean TTFT is dominated by {top} "
