@@ -28,38 +28,45 @@ log = logging.getLogger("kvstore.router")
 
 
 class InFlight:
-    """Requests routed and not yet released, per node. Entries expire after `timeout_s`
-    so a client that never calls Release cannot pin load on a node forever."""
+    """Requests routed and not yet released, per node, with the prefill work (in blocks)
+    each brought. Entries expire after `timeout_s` so a client that never calls Release
+    cannot pin load on a node forever."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[str], None] = lambda node_id: None) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_change = on_change
-        self._by_request: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._by_request: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self._per_node: Counter[str] = Counter()
+        self._work: dict[str, float] = {}
 
-    def add(self, request_id: str, node_id: str) -> None:
+    def add(self, request_id: str, node_id: str, work: float = 0.0) -> None:
         self.release(request_id)  # a retried request id moves, it does not double count
-        self._by_request[request_id] = (node_id, self._clock() + self.timeout_s)
+        self._by_request[request_id] = (node_id, self._clock() + self.timeout_s, work)
         self._per_node[node_id] += 1
+        self._work[node_id] = self._work.get(node_id, 0.0) + work
         self._on_change(node_id)
 
     def release(self, request_id: str) -> bool:
         entry = self._by_request.pop(request_id, None)
         if entry is None:
             return False
-        self._per_node[entry[0]] -= 1
-        if self._per_node[entry[0]] <= 0:
-            del self._per_node[entry[0]]
-        self._on_change(entry[0])
+        node_id = entry[0]
+        self._per_node[node_id] -= 1
+        if self._per_node[node_id] <= 0:
+            del self._per_node[node_id]
+            del self._work[node_id]  # exactly 0 again, whatever float rounding left
+        else:
+            self._work[node_id] -= entry[2]
+        self._on_change(node_id)
         return True
 
     def expire(self) -> int:
         """Drop entries past their deadline (insertion order is deadline order)."""
         now, n = self._clock(), 0
         while self._by_request:
-            rid, (_, deadline) = next(iter(self._by_request.items()))
+            rid, (_, deadline, _) = next(iter(self._by_request.items()))
             if deadline > now:
                 break
             self.release(rid)
@@ -69,8 +76,12 @@ class InFlight:
     def count(self, node_id: str) -> int:
         return self._per_node.get(node_id, 0)
 
+    def work(self, node_id: str) -> float:
+        """Prefill work of the node's in-flight requests, in blocks."""
+        return self._work.get(node_id, 0.0)
+
     def forget_node(self, node_id: str) -> None:
-        for rid in [r for r, (n, _) in self._by_request.items() if n == node_id]:
+        for rid in [r for r, (n, _, _) in self._by_request.items() if n == node_id]:
             self.release(rid)
 
     def __len__(self) -> int:
@@ -166,7 +177,7 @@ class RouterCore:
 
     def _load(self, node_id: str) -> NodeLoad:
         return NodeLoad(node_id, self.inflight.count(node_id),
-                        self.nodes[node_id].record.utilization)
+                        self.nodes[node_id].record.utilization, self.inflight.work(node_id))
 
     def _touch(self, node_id: str) -> None:
         """Re-rank a node after its load, utilization or sync state changed."""
@@ -236,8 +247,8 @@ class RouterCore:
     # --------------------------------------------------------------- routing
     def _scores(self, total: int, local: dict[str, int], w: Weights,
                 pricing: Pricing) -> list[Score]:
-        if len(self.board) and (w.load, w.utilization) == (self.weights.load,
-                                                           self.weights.utilization):
+        if len(self.board) and (w.load, w.utilization, w.queue) == (
+                self.weights.load, self.weights.utilization, self.weights.queue):
             return score_ranked(total, local, self.board.ranked, w, pricing, MAX_CANDIDATES,
                                 self.board.by_id)
         # Slow path: load weights overridden (the board's order does not apply), or no
@@ -259,11 +270,13 @@ class RouterCore:
             raise errors.Unavailable("no node agents are registered in etcd")
         total = len(packed_ids) // BLOCK_ID_BYTES
         local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
-        scores = self._scores(total, local, weights or self.weights,
-                              self.pricing(namespace_id))
+        pricing = self.pricing(namespace_id)
+        scores = self._scores(total, local, weights or self.weights, pricing)
         rid = request_id or f"{self._rid_prefix}{next(self._rid_seq):x}"
         if not dry_run:
-            self.inflight.add(rid, scores[0].node_id)
+            c = scores[0]  # the prefill it queues there: recompute, plus peer copies
+            self.inflight.add(rid, c.node_id,
+                              c.recompute_blocks + c.peer_blocks * min(pricing.peer_price, 1))
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores)
         return Decision(rid, total, scores)
@@ -283,9 +296,9 @@ def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]
     """Block counts and cost terms only: never tokens."""
     c = scores[0]
     log.debug("route %s ns=%s blocks=%d -> %s local=%d peer=%d(%s) recompute=%d "
-              "in_flight=%d util=%.2f cost=%.3f [recompute=%.3f peer=%.3f load=%.3f "
-              "util=%.3f] runner_up=%s", rid, namespace_id.hex()[:12], total, c.node_id,
-              c.local_blocks, c.peer_blocks, c.peer_node_id or "-", c.recompute_blocks,
-              c.in_flight, c.utilization, c.cost, c.recompute_cost, c.peer_cost, c.load_cost,
-              c.utilization_cost,
+              "in_flight=%d queued=%.1f util=%.2f cost=%.3f [recompute=%.3f peer=%.3f "
+              "space=%.3f load=%.3f util=%.3f] runner_up=%s", rid, namespace_id.hex()[:12],
+              total, c.node_id, c.local_blocks, c.peer_blocks, c.peer_node_id or "-",
+              c.recompute_blocks, c.in_flight, c.queued, c.utilization, c.cost,
+              c.recompute_cost, c.peer_cost, c.space_cost, c.load_cost, c.utilization_cost,
               f"{scores[1].node_id}:{scores[1].cost:.3f}" if len(scores) > 1 else "-")

@@ -1,16 +1,32 @@
 """Routing cost: a pure function over a snapshot (prefix lengths per node, load per node),
 weights from RouterConfig with a per-request override. Lower cost wins; ties go to the
 smaller node id so every router replica with the same snapshot picks the same node.
+Costs are in units of one block recomputed:
 
     cost(n) = w_recompute x blocks n must recompute
             + w_peer x peer_price x blocks n can fetch from a peer
+            + w_peer x blocks n would duplicate
             + w_load x requests in flight on n (as assigned by this router)
+            + w_queue x prefill work queued on n (blocks, of those requests)
             + w_util x n's pool utilization (0..1, reported by the agent)
 
 Peer blocks are the blocks past n's own prefix that the node with the longest prefix
 (other than n) holds. They count only when moving one is cheaper than recomputing it:
 peer_price = transfer time / recompute time of one block, from block bytes, peer
 bandwidth and prefill speed, and it must be < 1; otherwise those blocks are recomputed.
+
+Duplicates are those same blocks again: fetched or recomputed, n stores a second copy of
+blocks another node already holds, and in a full pool (the steady state of a cache) each
+copy evicts a block that may be wanted later, priced at one recompute. Without this term
+an idle node always takes a hot prefix from a busy holder (a copy costs ~1% of
+recomputing at 8 KiB blocks), hot prefixes end up on every node and the copies push the
+rest of the working set out. It is the same for every node that holds none of the prompt,
+so those still rank by load alone (score_ranked).
+
+Queued work is the recompute blocks (plus peer blocks at peer_price) of the requests in
+flight on n: a request waits behind that prefill, so one queued block weighs what one
+block recomputed here does (w_queue 1). The per-request term covers what does not scale
+with prompt length (scheduling, decode).
 """
 from __future__ import annotations
 
@@ -23,6 +39,7 @@ from typing import NamedTuple
 # etcd): Llama-3-8B in fp16 at 16 tokens per block, the brief's reference.
 DEFAULT_BLOCK_BYTES = 2 << 20
 DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_QUEUE_WEIGHT = 1.0  # for configs without weight_queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,24 +48,27 @@ class Weights:
     peer_fetch: float = 0.3
     load: float = 4.0
     utilization: float = 2.0
+    queue: float = DEFAULT_QUEUE_WEIGHT  # per block of prefill queued on the node
 
     def __post_init__(self) -> None:
-        for name in ("recompute", "peer_fetch", "load", "utilization"):
+        for name in ("recompute", "peer_fetch", "load", "utilization", "queue"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf"):
                 raise ValueError(f"weight {name} must be a finite number >= 0, got {v!r}")
 
     @classmethod
     def from_config(cls, cfg) -> "Weights":
+        # weight_queue is newer than some configs: they keep the default.
         return cls(cfg.weight_recompute, cfg.weight_peer_fetch, cfg.weight_load,
-                   cfg.weight_utilization)
+                   cfg.weight_utilization, getattr(cfg, "weight_queue", DEFAULT_QUEUE_WEIGHT))
 
     def override(self, recompute: float = 0.0, peer_fetch: float = 0.0, load: float = 0.0,
-                 utilization: float = 0.0) -> "Weights":
+                 utilization: float = 0.0, queue: float = 0.0) -> "Weights":
         """Per-request override: fields left at 0 keep this object's value (proto3 cannot
         tell 0 from unset, so a weight cannot be zeroed per request)."""
         given = {k: v for k, v in (("recompute", recompute), ("peer_fetch", peer_fetch),
-                                   ("load", load), ("utilization", utilization)) if v}
+                                   ("load", load), ("utilization", utilization),
+                                   ("queue", queue)) if v}
         return replace(self, **given) if given else self
 
 
@@ -80,6 +100,7 @@ class NodeLoad(NamedTuple):
     node_id: str
     in_flight: int = 0
     utilization: float = 0.0
+    queued: float = 0.0  # prefill work of the in-flight requests, in blocks
 
 
 class Score(NamedTuple):
@@ -96,13 +117,16 @@ class Score(NamedTuple):
     cost: float
     recompute_cost: float
     peer_cost: float
-    load_cost: float
+    load_cost: float  # per-request and queued-work terms together
     utilization_cost: float
+    queued: float
+    space_cost: float  # pool space taken by duplicates (included in cost)
 
 
 def load_cost(n: NodeLoad, weights: Weights) -> float:
     """The part of a node's cost that does not depend on the prompt."""
-    return weights.load * n.in_flight + weights.utilization * n.utilization
+    return (weights.load * n.in_flight + weights.queue * n.queued
+            + weights.utilization * n.utilization)
 
 
 def score_nodes(total_blocks: int, local: Mapping[str, int], nodes: Sequence[NodeLoad],
@@ -137,14 +161,15 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price = pricing.peer_price
     peer_ok = price < 1.0
-    args = (total_blocks, weights.recompute, weights.peer_fetch * price, weights.load,
-            weights.utilization)
+    args = (total_blocks, weights.recompute, weights.peer_fetch * price, weights.peer_fetch,
+            weights.load, weights.queue, weights.utilization)
     out = []
     for neg, node_id in held:
         plen, pnode = second if node_id == best[1] else best
         own = -neg
-        pb = plen - own if peer_ok and plen > own else 0
-        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", *args))
+        dup = plen - own if plen > own else 0
+        pb = dup if peer_ok else 0
+        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, *args))
     pb0 = best[0] if peer_ok else 0
     pnode0 = best[1] if pb0 else ""
     others = 0
@@ -152,20 +177,23 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
         if others >= limit:
             break
         if not local or not local.get(n.node_id):
-            out.append(_row(n, 0, pb0, pnode0, *args))
+            out.append(_row(n, 0, pb0, pnode0, best[0], *args))
             others += 1
     out.sort(key=_ORDER)
     return out[:limit]
 
 
-def _row(n: NodeLoad, own: int, peer_blocks: int, peer: str, total: int, w_recompute: float,
-         w_peer_priced: float, w_load: float, w_util: float) -> Score:
+def _row(n: NodeLoad, own: int, peer_blocks: int, peer: str, dup: int, total: int,
+         w_recompute: float, w_peer_priced: float, w_peer: float, w_load: float,
+         w_queue: float, w_util: float) -> Score:
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_peer_priced * peer_blocks
-    lc = w_load * n.in_flight
+    sc = w_peer * dup
+    lc = w_load * n.in_flight + w_queue * n.queued
     uc = w_util * n.utilization
     return _new(Score, (n.node_id, own, peer_blocks, peer, total - own - peer_blocks,
-                        n.in_flight, n.utilization, rc + pc + lc + uc, rc, pc, lc, uc))
+                        n.in_flight, n.utilization, rc + pc + sc + lc + uc, rc, pc, lc, uc,
+                        n.queued, sc))
 
 
 _ORDER = itemgetter(7, 0)  # (cost, node_id)

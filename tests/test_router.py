@@ -98,11 +98,14 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     assert all(c.peer_blocks == 0 for c in resp.candidates)
     assert [c.recompute_blocks for c in resp.candidates] == [5, 15, 15]
 
-    # The holder wins until its in-flight load outweighs the 10 blocks it saves.
+    # The holder wins until its load outweighs the 10 blocks it saves plus the pool space
+    # (0.3 per block) a second copy of them would take: 4 per request in flight and 1 per
+    # block of prefill they queued there (5 each). Then the others take turns.
     chosen = [slow.route(NS_ID, prompt, request_id=f"p{i}").node_id for i in range(4)]
-    assert chosen == ["agent-2", "agent-2", "agent-2", "agent-0"]
+    assert chosen == ["agent-2", "agent-2", "agent-0", "agent-1"]
     busy = slow.route(NS_ID, prompt, dry_run=True)
-    assert {c.node_id: c.in_flight for c in busy.candidates}["agent-2"] == 3
+    assert {c.node_id: c.in_flight for c in busy.candidates}["agent-2"] == 2
+    assert {c.node_id: c.cost for c in busy.candidates}["agent-2"] == pytest.approx(23)
     light = slow.route(NS_ID, prompt, dry_run=True, weights=router_pb2.RouteWeights(load=0.5))
     assert light.node_id == "agent-2"  # per-request weights override the config
     for i in range(4):

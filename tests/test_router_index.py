@@ -139,7 +139,9 @@ def test_scoring_prefers_the_holder_then_load():
     busy = [NodeLoad("a"), NodeLoad("b", in_flight=20), NodeLoad("c")]
     s = score_nodes(100, {"b": 60}, busy, w, Pricing())
     assert [x.node_id for x in s] == ["a", "c", "b"]
-    assert s[0].cost == pytest.approx(100) and s[-1].cost == pytest.approx(120)
+    # a recomputes all 100 and its copy of b's 60 blocks takes pool space (0.3 each)
+    assert s[0].cost == pytest.approx(118) and s[-1].cost == pytest.approx(120)
+    assert s[0].space_cost == pytest.approx(18) and s[-1].space_cost == 0
     assert s[-1].load_cost == pytest.approx(80)
 
 
@@ -176,18 +178,74 @@ def test_weights_override_and_validation():
         base.override(load=-1)
     with pytest.raises(ValueError):
         Weights(recompute=float("nan"))
-    nodes = [NodeLoad("a", in_flight=3), NodeLoad("b")]
+    nodes = [NodeLoad("a", in_flight=4), NodeLoad("b")]  # 16 against 10 + 3 for space
     assert score_nodes(10, {"a": 10}, nodes, base, Pricing())[0].node_id == "b"
     assert score_nodes(10, {"a": 10}, nodes, base.override(load=0.1),
                        Pricing())[0].node_id == "a"
 
 
+def test_duplicates_pay_for_pool_space_and_queued_work_counts_per_block():
+    fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100)  # a copy: 8% of a recompute
+    w = Weights(recompute=1, peer_fetch=0.3, load=4, utilization=0, queue=1)
+    # b holds 80 of 100 blocks. a would fetch the 80 (cheap to move) but then hold a
+    # second copy of them: 0.3 each for the pool space, on top of the transfer.
+    idle = [NodeLoad("a"), NodeLoad("b")]
+    s = {x.node_id: x for x in score_nodes(100, {"b": 80}, idle, w, fast)}
+    assert s["a"].peer_blocks == 80 and s["a"].space_cost == pytest.approx(0.3 * 80)
+    assert s["a"].cost == pytest.approx(20 + 80 * 0.3 * fast.peer_price + 24)
+    assert s["b"].cost == 20 and s["b"].space_cost == 0
+    # One request in flight on b: it counts 4, plus 1 per block of prefill it queued.
+    for queued, winner in ((20, "b"), (30, "a")):
+        busy = [NodeLoad("a"), NodeLoad("b", in_flight=1, queued=queued)]
+        s = {x.node_id: x for x in score_nodes(100, {"b": 80}, busy, w, fast)}
+        assert s["b"].load_cost == pytest.approx(4 + queued) and s["b"].queued == queued
+        assert min(s.values(), key=lambda x: (x.cost, x.node_id)).node_id == winner
+    # Without a faster peer path the duplicates are recomputed: still charged for space.
+    slow = Pricing(prefill_tokens_per_s=8000, peer_gbps=1)
+    s = {x.node_id: x for x in score_nodes(100, {"b": 80}, idle, w, slow)}
+    assert s["a"].peer_blocks == 0 and s["a"].cost == pytest.approx(100 + 24)
+
+
+def test_inflight_tracks_queued_work_per_node():
+    inf = InFlight(10.0)
+    inf.add("r1", "a", 12.5)
+    inf.add("r2", "a", 3.0)
+    inf.add("r3", "b", 7.0)
+    assert (inf.work("a"), inf.work("b"), inf.work("c")) == (15.5, 7.0, 0.0)
+    inf.add("r2", "b", 3.0)  # a retried id moves its work too
+    assert (inf.work("a"), inf.work("b")) == (12.5, 10.0)
+    inf.release("r1")
+    assert inf.work("a") == 0.0 and inf.count("a") == 0
+    inf.forget_node("b")
+    assert inf.work("b") == 0.0 and len(inf) == 0
+
+
+def test_core_counts_the_prefill_a_route_queues():
+    core = make_core(peer_gbps=100)
+    ids = chain(40)
+    core.index.store("c", ids[:30])
+    d = core.route(NS, pack_ids(ids), request_id="r0")
+    assert d.chosen.node_id == "c" and d.chosen.recompute_blocks == 10
+    assert core.inflight.work("c") == pytest.approx(10)
+    # The next identical prompt sees c's queue: 4 + 10 + its own 10 = 24, against
+    # 10 + 30 copied (transfer + 0.3 pool space each) on an idle node: ~19.
+    d = core.route(NS, pack_ids(ids), request_id="r1")
+    assert d.chosen.node_id == "a" and d.chosen.peer_blocks == 30
+    price = core.pricing(NS).peer_price
+    assert core.inflight.work("a") == pytest.approx(10 + 30 * price)
+    assert {s.node_id: s.queued for s in d.scores}["c"] == pytest.approx(10)
+    core.release("r0")
+    core.release("r1")
+    assert core.inflight.work("a") == core.inflight.work("c") == 0
+
+
 def test_ranked_scoring_equals_full_scoring():
     w = Weights(recompute=1, peer_fetch=0.5, load=3, utilization=2)
     pricing = Pricing(peer_gbps=50)
-    nodes = [NodeLoad(f"n{i:02d}", in_flight=i % 4, utilization=(i * 37 % 10) / 10)
-             for i in range(30)]
-    ranked = sorted(nodes, key=lambda n: (3 * n.in_flight + 2 * n.utilization, n.node_id))
+    nodes = [NodeLoad(f"n{i:02d}", in_flight=i % 4, utilization=(i * 37 % 10) / 10,
+                      queued=float(i * 13 % 7) * (i % 4 > 0)) for i in range(30)]
+    ranked = sorted(nodes, key=lambda n: (3 * n.in_flight + n.queued + 2 * n.utilization,
+                                          n.node_id))
     for local in ({}, {"n05": 90}, {"n07": 30, "n11": 100, "n29": 100}, {"n03": 0}):
         full = score_nodes(100, local, nodes, w, pricing)
         for limit in (1, 4, None):
