@@ -4,6 +4,10 @@ subclass hooks, then acknowledged in etcd.
 
 - Readiness: `start()` returns once the first full listing of every followed prefix has
   been applied, so a process that was down during a flush catches up before it serves.
+- Joining: `catch_up()`, called right after the member registered itself in etcd (agent:
+  nodes/<id>, router: routers/<id>), lists generations and the kill switch again and
+  returns once they are in force, so no flush can slip between `start()`'s listing and the
+  registration (see `catch_up` for the revision argument).
 - etcd down: the last applied state stays in force (the data path keeps serving); the
   watches resume from the next revision, acks still to write are retried.
 - Acks are written only after a hook returned, i.e. once the new state is in force here.
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from cluster.control import SWITCH_ACKS, Ack, Quota, SwitchAck, ack_key, put_many
 from cluster.etcd import KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient, KeyValue, \
@@ -58,11 +62,15 @@ async def follow_revisions(etcd: EtcdClient, prefix: str,
 
 class LeasedKey:
     """Keep one key alive under our own lease (routers under routers/<id>); re-grant and
-    rewrite after the lease is lost, retry quietly while etcd is down."""
+    rewrite after the lease is lost, retry quietly while etcd is down. `on_put` runs after
+    every (re)write of the key and before `live` is set (routers: `catch_up`)."""
 
-    def __init__(self, etcd: EtcdClient, key: str, value: bytes, ttl_s: int = 5) -> None:
+    def __init__(self, etcd: EtcdClient, key: str, value: bytes, ttl_s: int = 5,
+                 on_put: Callable[[], Awaitable[object]] | None = None) -> None:
         self.etcd, self.key, self.value, self.ttl_s = etcd, key, value, ttl_s
+        self.on_put = on_put
         self.lease = 0
+        self.live = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -86,9 +94,13 @@ class LeasedKey:
         while True:
             try:
                 if not self.lease:
-                    self.lease = await self.etcd.grant(self.ttl_s)
-                    await self.etcd.put(self.key, self.value, lease=self.lease)
+                    self.live.clear()
+                    lease = await self.etcd.grant(self.ttl_s)
+                    await self.etcd.put(self.key, self.value, lease=lease)
+                    self.lease = lease  # only once the key is written under it
                     complained = False
+                if not self.live.is_set():
+                    await self._after_put()
                 await asyncio.sleep(max(self.ttl_s / 3.0, 0.2))
                 if await self.etcd.keepalive(self.lease) <= 0:
                     self.lease = 0
@@ -99,6 +111,18 @@ class LeasedKey:
                     log.warning("keeping %s alive in etcd failed (retrying): %s", self.key, exc)
                     complained = True
                 await asyncio.sleep(0.5)
+
+    async def _after_put(self) -> None:
+        """Run on_put, then set `live`; on failure `live` stays clear and the next round
+        (after the keepalive, so the key is kept meanwhile) tries again."""
+        try:
+            if self.on_put is not None:
+                await self.on_put()
+            self.live.set()
+        except errors.KvError as exc:
+            log.warning("after writing %s to etcd (retrying): %s", self.key, exc)
+        except Exception:  # a failing hook must not end the keepalive loop
+            log.exception("after writing %s to etcd (retrying)", self.key)
 
 
 class ControlFollower:
@@ -120,6 +144,7 @@ class ControlFollower:
         self._acks: dict[str, bytes] = {}
         self._dirty = asyncio.Event()
         self._acks_dirty = asyncio.Event()
+        self._applying = asyncio.Lock()  # the reconcile loop and catch_up() take turns
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ public
@@ -161,6 +186,35 @@ class ControlFollower:
                             "kill switch before serving", what or self.member,
                             ",".join(self.etcd.endpoints))
 
+    async def catch_up(self) -> int:
+        """List generations and the kill switch again and return once they are in force
+        here; returns the revision listed. Call it after every (re-)registration, before
+        reporting ready.
+
+        Why this closes the join race: a flush commits at revision F, then polls
+        membership (nodes/, routers/) and acks. It finishes without us only if a
+        membership read at some revision M > F did not see our key, i.e. our registration
+        was committed at R > M > F. etcd reads are linearizable, so a listing started
+        after our registration returned reflects a revision L >= R > F and holds that
+        flush's generation. With it applied before we report ready, every flush either
+        waits for our ack or is in force here already. Without this such a flush reached
+        us only through the watch started at `start()`'s listing, a moment after we had
+        joined and served the old generation. The kill switch has the same race (its
+        acks are awaited from the same membership)."""
+        revision = 0
+        for prefix in (NAMESPACES, KILLSWITCH):
+            revision, items = await self.etcd.list(prefix)
+            if prefix == KILLSWITCH:
+                raw = next((kv.value for kv in items if kv.key == KILLSWITCH), b"")
+                if self._want_switch is None or self._want_switch[1] < revision:
+                    self._want_switch = (killswitch_enabled(raw), revision)
+            else:  # _record keeps the higher generation: the watch may be ahead of us
+                for kv in items:
+                    self._record(prefix, kv.key, kv.value, False, revision)
+        async with self._applying:
+            await self._reconcile()
+        return revision
+
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -201,7 +255,9 @@ class ControlFollower:
     def _record(self, prefix: str, key: str, value: bytes, deleted: bool, rev: int) -> None:
         try:
             if prefix == KILLSWITCH:
-                if key == KILLSWITCH:
+                # Older than what catch_up() listed: a lagging watch must not undo it.
+                if key == KILLSWITCH and (self._want_switch is None
+                                          or rev >= self._want_switch[1]):
                     self._want_switch = (not deleted and killswitch_enabled(value), rev)
             elif prefix == TENANTS:
                 tenant = key[len(TENANTS):]
@@ -225,7 +281,8 @@ class ControlFollower:
             self._dirty.clear()
             complete = self._synced.issuperset(self._prefixes)
             try:
-                await self._reconcile()
+                async with self._applying:
+                    await self._reconcile()
             except Exception:  # one bad hook must not stop the control plane
                 log.exception("applying control state failed; retrying")
                 await asyncio.sleep(0.5)

@@ -11,6 +11,12 @@ kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
 - Quotas (tenants/<tenant>): set as the tenant's per-node limits; a tenant over its new
   limit has its own blocks evicted at once. A removed record restores the configured limit.
 - etcd down: the last applied state stays in force and the agent keeps serving.
+- Joining: a flush that committed after the start-up listing but whose membership check
+  missed this agent (it registered a moment later) does not wait for it. `catch_up()`
+  (cluster/control_follow.py) lists again after registration and applies it.
+
+Wiring (node_agent/server.py): `await control.start()` before serving, and
+`Registration(..., on_registered=control.catch_up)` so `registered` is set only after that.
 """
 from __future__ import annotations
 

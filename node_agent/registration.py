@@ -7,12 +7,18 @@ keeps retrying. A short outage keeps the old lease (etcd renews leases when it c
 back); if the lease did expire meanwhile, the agent registers again with a new one.
 The record is claimed with compare-and-create, so a second agent started with the same
 node id waits (and says so in the log) until the first one's lease is gone.
+
+Joining: `on_registered` (the agent passes `AgentControl.catch_up`) runs after every
+successful registration and before `registered` is set: it applies the namespace
+generations and kill switch as of a revision after our record, so a flush whose
+membership check just missed us is in force before we count as registered
+(cluster/control_follow.py, `ControlFollower.catch_up`, has the argument).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from cluster.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
 from kvstore import errors
@@ -22,12 +28,14 @@ log = logging.getLogger("kvstore.agent")
 
 class Registration:
     def __init__(self, endpoints: str, record: Callable[[], NodeRecord], ttl_s: int,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX,
+                 on_registered: Callable[[], Awaitable[object]] | None = None) -> None:
         if ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {ttl_s}")
         self._endpoints = endpoints
         self._prefix = prefix
         self._record = record
+        self._on_registered = on_registered
         self.ttl_s = ttl_s
         # Heartbeat three times per TTL so one lost keepalive does not expire the lease.
         self.interval_s = max(ttl_s / 3.0, 0.2)
@@ -76,6 +84,8 @@ class Registration:
                     log.warning("etcd registration failing (the data path keeps serving): "
                                 "%s", exc)
                     complained = True
+            except Exception:  # on_registered's hook failed: keep trying, never give up
+                log.exception("applying etcd state after registering failed; retrying")
             self.registered.clear()
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.ttl_s / 2.0)
@@ -88,6 +98,10 @@ class Registration:
             log.warning("node id %s is held by another live agent in etcd; waiting for its "
                         "lease to expire", rec.node_id)
             return False
+        if self._on_registered is not None:
+            # After our record is committed, not before: see the module docstring. A
+            # failure here (etcd gone again) retries the whole registration.
+            await self._on_registered()
         log.info("registered %s at %s in etcd (lease %x, ttl %ds)", rec.node_id, rec.address,
                  self.lease, self.ttl_s)
         self.registered.set()

@@ -3,7 +3,8 @@ switch from etcd, fences Route by generation, and acknowledges as `router:<route
 
 The router announces itself under routers/<router_id> (its own lease), so a flush waits
 for its acknowledgement too; a router that stops (lease revoked or expired) stops
-counting. `start()` returns once the current generations and kill switch are loaded: the
+counting. `start()` returns once the current generations and kill switch are loaded, the
+router is announced and has caught up again as of its announcement (`catch_up`): the
 router should start serving after it.
 
 Wiring (router/server.py): create it next to the ClusterFollower with the RouterCore,
@@ -12,6 +13,7 @@ call `control.check(request.namespace_id, request.generation)` at the top of Rou
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -34,12 +36,23 @@ class RouterControl(ControlFollower):
         self.router_id = router_id
         self.core = core
         value = json.dumps({"router_id": router_id, "address": address}).encode()
-        self._presence = LeasedKey(etcd, ROUTERS + router_id, value, lease_ttl_s)
+        self._presence = LeasedKey(etcd, ROUTERS + router_id, value, lease_ttl_s,
+                                   on_put=self.catch_up)
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
-        await super().start(timeout_s, what or f"router {self.router_id}")
+        what = what or f"router {self.router_id}"
+        await super().start(timeout_s, what)
         # Announced only once caught up: a flush never waits on a router still loading.
+        # Then caught up again as of the announcement (`catch_up`, after every write of
+        # routers/<id>) before we return and the router serves: a flush whose membership
+        # check just missed us is in force here by then.
         self._presence.start()
+        try:
+            await asyncio.wait_for(self._presence.live.wait(), timeout_s)
+        except TimeoutError:
+            await self.stop()
+            raise errors.Unavailable(f"{what}: could not announce itself in etcd within "
+                                     f"{timeout_s:g}s") from None
 
     async def stop(self) -> None:
         await self._presence.stop()

@@ -138,3 +138,18 @@ def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30,
                 if keep:
                     await client.revoke(lease)
     return asyncio.run(main())
+
+
+def lagging_watches(client) -> asyncio.Event:
+    """Fault injection: every watch of `client` (an EtcdClient) delivers nothing until the
+    returned event is set, as a watch stream lagging behind etcd. Its owner then learns of
+    a change only by listing. Call it before the owner starts watching."""
+    release = asyncio.Event()
+    real = client.watch
+
+    async def watch(prefix: str, start_revision: int):
+        await release.wait()
+        async for batch in real(prefix, start_revision):
+            yield batch
+    client.watch = watch
+    return release

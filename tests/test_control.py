@@ -13,11 +13,17 @@ import grpc
 import pytest
 from cluster_support import spawn_many, start_router  # noqa: F401  (fixture)
 from conftest import PY, ROOT, make_namespace, wait_for
-from control_support import (AgentClient, agent_cfg, chain, kvctl, kvctl_json, status_of,
-                             with_fake_member)
+from control_support import (AgentClient, agent_cfg, chain, kvctl, kvctl_json,
+                             lagging_watches, status_of, with_fake_member)
 
+from cluster.control import ROUTERS, ControlPlane
+from cluster.etcd import EtcdClient, NodeRecord
+from kvstore import errors
 from kvstore.hashing import pack_ids
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
+from node_agent.control import AgentControl
+from node_agent.registration import Registration
+from router.control import RouterControl
 
 SPEC = make_namespace()
 # Same name, another weights revision: `flush acme/chat` takes both in one transaction.
@@ -215,6 +221,87 @@ def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     assert r.returncode == 1 and "no namespace named acme/nope" in r.stderr
     audit = kvctl_json("audit", etcd=etcd)[-1]
     assert (audit["action"], audit["target"], audit["ok"]) == ("flush", "acme/nope", False)
+
+
+# ------------------------------------------------- joining right after a flush
+# A flush stops waiting for members its membership check did not see. A member that
+# registers just after that check gets the new generation from its watch a moment later;
+# these tests stall its watches (fault injection) so that moment never comes, and check
+# that it still never serves the old generation once registered (ControlFollower.catch_up).
+def test_agent_registering_after_a_flush_never_serves_the_old_generation(etcd, make_store):
+    store = make_store()
+    ids, items = chain(SPEC, 11, 4, 0)
+
+    async def main():
+        control = AgentControl(store, etcd.endpoint, "agent-j")
+        release = lagging_watches(control.etcd)
+        reg = Registration(etcd.endpoint, lambda: NodeRecord("agent-j", "127.0.0.1:9"), 2,
+                           on_registered=control.catch_up)
+        try:
+            await control.start(timeout_s=15)  # first listing: generation 0
+            await control.open_namespace(SPEC)  # creates the namespace record in etcd
+            store.put(SPEC.namespace_id, 0, items)
+            assert store.lookup(SPEC.namespace_id, 0, ids).matched == 4
+            # The agent is delayed between that listing and its registration; the flush
+            # commits meanwhile, and its membership check does not see the agent.
+            async with EtcdClient(etcd.endpoint) as admin:
+                report = await ControlPlane(admin, who="test").flush("acme", "chat", 5.0)
+            assert report.ok and report.progress.members == (), report
+            await reg.start()
+            await asyncio.wait_for(reg.registered.wait(), 15)
+            with pytest.raises(errors.StaleGeneration):  # FAILED_PRECONDITION over gRPC
+                store.lookup(SPEC.namespace_id, 0, ids)
+            assert store.lookup(SPEC.namespace_id, 1, ids).matched == 0, "old blocks kept"
+            assert control.generation(SPEC.namespace_id) == 1
+            release.set()  # the watch catches up late: nothing moves backwards
+            async with EtcdClient(etcd.endpoint) as admin:  # and it is a member now
+                report = await ControlPlane(admin, who="test").flush("acme", "chat", 10.0)
+            assert report.ok and report.progress.acked == ("agent-j",), report
+            with pytest.raises(errors.StaleGeneration):
+                store.lookup(SPEC.namespace_id, 1, ids)
+        finally:
+            await reg.stop()
+            await control.stop()
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_router_announcing_after_a_flush_never_routes_the_old_generation(etcd):
+    async def main():
+        async with EtcdClient(etcd.endpoint) as admin, EtcdClient(etcd.endpoint) as client:
+            await admin.put_namespace("acme", SPEC.namespace_id, SPEC.to_dict())
+            plane = ControlPlane(admin, who="test")
+            release = lagging_watches(client)
+            real_put, reports = client.put, []
+
+            async def put(key: str, value: bytes, lease: int = 0) -> int:
+                # The flush and the kill switch commit right before the router announces
+                # itself: their membership checks do not see it.
+                if key.startswith(ROUTERS) and not reports:
+                    reports.append(await plane.flush("acme", "chat", 5.0))
+                    reports.append(await plane.set_killswitch(True, "test", 5.0))
+                return await real_put(key, value, lease=lease)
+            client.put = put
+            control = RouterControl(client, "rj", lease_ttl_s=2)
+            await control.start(timeout_s=15)  # the router serves from here on
+            announced_before_serving = await admin.get(ROUTERS + "rj") is not None
+            try:
+                for _ in range(200):
+                    if await admin.get(ROUTERS + "rj") is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [r.ok and r.progress.members == () for r in reports] == [True, True]
+                with pytest.raises(errors.StaleGeneration):
+                    control.check(SPEC.namespace_id, 0)
+                assert control.generation(SPEC.namespace_id) == 1
+                assert control.is_killed(), "routing by cache under the kill switch"
+                assert announced_before_serving
+                release.set()
+                report = await plane.set_killswitch(False, "", 10.0)
+                assert report.ok and report.progress.acked == ("router:rj",), report
+                assert not control.is_killed()
+            finally:
+                await control.stop()
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 # ----------------------------------------------------------------- kill switch
