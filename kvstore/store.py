@@ -29,6 +29,7 @@ from kvstore.payload import decode_block
 from kvstore.policy import NamespacePolicy
 from kvstore.tiers.pool import DevicePool
 from kvstore.store_eviction import EvictionMixin
+from kvstore.store_inplace import InPlaceMixin
 from kvstore.store_maintenance import MaintenanceMixin
 from kvstore.store_types import (ID_BYTES, NS_META_PREFIX, BlockMeta, LookupResult, NsState,
                                  PackedIds, PutItem, ServedBlock, _first_false)
@@ -38,7 +39,7 @@ __all__ = ["BlockStore", "BlockMeta", "NsState", "PutItem", "LookupResult", "Ser
            "PackedIds", "ID_BYTES"]
 
 
-class BlockStore(EvictionMixin, MaintenanceMixin):
+class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
     def __init__(self, pool: DevicePool, rocks: RocksTier | None,
                  eviction: EvictionPolicy | None = None,
                  accounts: TenantAccounts | None = None,

@@ -76,6 +76,44 @@ class ServedBlock:
     data: bytes | None = None  # set when the caller asked for bytes (dst_for returned None)
 
 
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Pool slots reserved for a run of a chain whose payloads land in place
+    (BlockStore.reserve): `views[i]` is where block i goes. Ends in exactly one of
+    BlockStore.commit or BlockStore.abort; `reason` says why it holds fewer blocks than
+    asked for ('' when it holds them all)."""
+
+    ns: NsState
+    generation: int
+    plan: list  # (PutItem over the slot view, slot, depth, held parent BlockMeta | None)
+    reason: str = ""
+
+    @property
+    def views(self) -> list:
+        return [p[0].data for p in self.plan]
+
+    @property
+    def last_depth(self) -> int:
+        return self.plan[-1][2] if self.plan else -1
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+
+@dataclass(slots=True, eq=False)
+class Borrowed:
+    """Verified, read-only views of pool slots (BlockStore.borrow). The blocks stay
+    readable (not evicted, their slots not reused) until BlockStore.release."""
+
+    ns: NsState
+    metas: list[BlockMeta]
+    views: list
+    served: list[ServedBlock]
+
+    def __len__(self) -> int:
+        return len(self.served)
+
+
 class PackedIds:
     """Read-only sequence view over packed 16-byte ids: slices on demand, so a lookup that
     probes 11 of 2,000 ids never splits the other 1,989."""

@@ -140,6 +140,22 @@ class DevicePool:
         digest = self.read_into(slot, nbytes, buf)
         return bytes(buf), digest
 
+    def slot_view(self, slot: int, nbytes: int, writable: bool):
+        """A slot's first `nbytes` as a host array, for transports that move payloads
+        themselves: writable while RESERVED (a two-phase write landing in place), read-only
+        while OCCUPIED (a borrowed read). Host pools only; None on a device pool."""
+        if self._host is None:
+            return None
+        want = SlotState.RESERVED if writable else SlotState.OCCUPIED
+        if self._state[slot] != want:
+            raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
+        self._check_len(nbytes)
+        view = self._host[slot, :nbytes]
+        if not writable:
+            view = view.view()
+            view.flags.writeable = False
+        return view
+
     def raw_view(self, slot: int):
         """Host view of a slot (CPU pools only): for fault injection and debugging tools."""
         if self._host is None:

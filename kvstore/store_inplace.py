@@ -1,0 +1,183 @@
+"""In-place transfers on pool slots, for transports that move payloads themselves (peer
+transfer over UCX): a two-phase write whose payloads land straight in reserved slots
+(reserve -> the transport fills `views` -> commit verifies in place / abort), and a borrowed
+read that hands out verified read-only slot views instead of copies (borrow -> release).
+
+Same guarantees as put and get: nothing is visible before its checksum was verified, a
+reserved slot is never reused before commit or abort, a borrowed block is never evicted
+(nor its slot reused) before release, and a corrupt block found by a borrow is dropped
+with its descendants. Host pools only (DevicePool.slot_view); callers keep the copying
+put/get for device pools.
+"""
+from __future__ import annotations
+
+from kvstore import checksum as cks
+from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.events import Tier
+from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock
+
+
+class InPlaceMixin:
+    """Mixed into BlockStore (kvstore/store.py)."""
+
+    @property
+    def supports_in_place(self) -> bool:
+        return not self.pool.is_cuda
+
+    # ----------------------------------------------------------------- writes
+    def reserve(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
+                root: bytes, after: Reservation | None = None) -> Reservation:
+        """Reserve slots for `ids`, a run of one chain whose first block's parent is
+        `parent_id`: held here, the chain `root` (a chain that starts at block 0), or the
+        last block of `after`, an earlier reservation not committed yet (pipelined
+        transfers reserve batch k+1 while batch k is still on the wire).
+
+        Keeps the leading blocks that fit; a shorter result says why in `reason` (pool or
+        quota full, orphan, cold parent, block already present, chain below the namespace's
+        minimum). Raises ResourceExhausted when not one slot can be had, like put."""
+        if not self.supports_in_place:
+            raise InvalidArgument("in-place writes need a host-memory pool")
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            if self.killed:
+                self.counters["killswitch_puts"] += 1
+                raise FailedPrecondition("kill switch is on: writes are refused")
+            res = Reservation(st, generation, [])
+            parent = st.blocks.get(parent_id)
+            if parent is not None:
+                depth = parent.depth + 1
+            elif after is not None and after.plan and after.plan[-1][0].block_id == parent_id:
+                depth = after.last_depth + 1
+            elif parent_id == root:
+                depth = 0
+            else:
+                self.counters["put_orphan"] += 1
+                res.reason = "orphan: the parent block is not held here"
+                return res
+            if depth + len(ids) < st.policy.min_prefix_blocks:
+                self.counters["below_min_prefix"] += 1
+                res.reason = "chain shorter than the namespace's min_prefix_blocks"
+                return res
+            if parent is not None and parent.slot < 0 and not self._promote_chain(parent):
+                self.counters["put_parent_cold"] += 1
+                res.reason = "the parent block could not be brought into the pool"
+                return res
+            self._plan_in_place(st, res, ids, parent_id, parent, depth, after)
+            return res
+
+    def _plan_in_place(self, st, res: Reservation, ids, parent_id, parent, depth,
+                       after: Reservation | None) -> None:
+        size = st.spec.block_bytes
+        pending = len(after.plan) if after is not None else 0  # reserved, not accounted yet
+        try:
+            for bid in ids:
+                if len(bid) != ID_BYTES:
+                    raise InvalidArgument("block ids must be 16 bytes")
+                if bid in st.blocks:
+                    res.reason = f"block {bid.hex()[:12]} is already held (stored meanwhile)"
+                    break
+                if parent is not None:
+                    parent.readers += 1  # not evicted before this child commits
+                slot = self._reserve_slot(st.tenant, extra=size * (len(res.plan) + 1 + pending))
+                if slot is None:
+                    if parent is not None:
+                        self._done_reading(parent)
+                    if not res.plan:
+                        raise ResourceExhausted(
+                            f"device pool cannot take more blocks for tenant {st.tenant}: "
+                            "every slot is pinned, in use or over the tenant's quota")
+                    self.counters["put_truncated"] += 1
+                    res.reason = "pool or quota full"
+                    break
+                view = self.pool.slot_view(slot, size, writable=True)
+                res.plan.append((PutItem(bid, parent_id, view), slot, depth, parent))
+                parent_id, parent, depth = bid, None, depth + 1
+        except BaseException:
+            self._abort_plan(res.plan)
+            res.plan = []
+            raise
+
+    def commit(self, res: Reservation, checksums: list[int], n: int | None = None) -> int:
+        """Verify the first `n` (default all) reserved payloads in place against
+        `checksums`, make the verified leading run visible, free the rest. Returns the
+        number stored; raises DataLoss (after storing the blocks before it) when a payload
+        does not match. Blocks whose parent left meanwhile, or whose namespace was flushed,
+        are not stored."""
+        plan, res.plan = res.plan, []
+        n = len(plan) if n is None else min(n, len(plan))
+        try:
+            digests = self._copy_all(lambda p: cks.checksum(p[0].data), plan[:n],
+                                     n * res.ns.spec.block_bytes)
+        except BaseException:
+            with self.lock:
+                self._abort_plan(plan)
+            raise
+        written, bad = [], None
+        for (item, slot, depth, parent), digest, want in zip(plan, digests, checksums):
+            if digest != want:
+                bad = item
+                break
+            written.append((item, slot, digest, parent))
+        with self.lock:
+            stored = self._commit_put(res.ns, res.generation, plan, written)
+        if bad is not None:
+            raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its "
+                           "checksum")
+        return stored
+
+    def abort(self, res: Reservation) -> None:
+        """Free every slot of `res` (the transfer failed). Only once nothing writes into
+        its views any more: the slots go straight back to the free list."""
+        plan, res.plan = res.plan, []
+        if plan:
+            with self.lock:
+                self._abort_plan(plan)
+
+    # ------------------------------------------------------------------ reads
+    def borrow(self, ns_id: bytes, generation: int, ids: list[bytes],
+               parent_id: bytes) -> Borrowed:
+        """Verified read-only views of the leading blocks of `ids` held in the pool (it
+        stops at the first block that is missing, mis-chained, corrupt or only on NVMe:
+        get copies those). Counts as a get (hits, expiry, statistics)."""
+        with self.lock:
+            st = self.namespace(ns_id, generation)
+            if self.killed or not self.supports_in_place:
+                self.counters["killswitch_gets"] += self.killed
+                return Borrowed(st, [], [], [])
+            metas = []
+            for m in self._leading(st, ids, parent_id):
+                if m.slot < 0:
+                    break
+                metas.append(m)
+            slots = [m.slot for m in metas]
+            for m in metas:
+                m.readers += 1
+        served: list[ServedBlock] = []
+        corrupt = None
+        try:
+            views = [self.pool.slot_view(s, m.nbytes, writable=False)
+                     for s, m in zip(slots, metas)]
+            digests = self._copy_all(lambda v: cks.checksum(v), views,
+                                     sum(m.nbytes for m in metas))
+            for m, digest in zip(metas, digests):
+                if digest != m.checksum:
+                    corrupt = m
+                    break
+                served.append(ServedBlock(m.block_id, Tier.HBM, m.checksum))
+        finally:
+            with self.lock:
+                for m in metas[: len(served)]:
+                    m.readers += 1  # the borrow's own hold, past _finish_get's release
+                held = len(served)
+                self._finish_get(st, metas, served, [], corrupt)
+                for m in metas[len(served):held]:  # removed while verified: not served
+                    self._done_reading(m)
+        return Borrowed(st, metas[: len(served)], views[: len(served)], served)
+
+    def release(self, b: Borrowed) -> None:
+        """End a borrow: its blocks may be evicted and their slots reused again."""
+        metas, b.metas, b.views = b.metas, [], []
+        if metas:
+            with self.lock:
+                for m in metas:
+                    self._done_reading(m)
