@@ -54,6 +54,7 @@ class AgentConfig:
     metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
+    local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:

@@ -79,6 +79,7 @@ __all__ = [
     "hash_chain_packed",
     "split_ids",
     "pack_ids",
+    "BlockIds",
 ]
 
 
@@ -249,9 +250,10 @@ def hash_chain_packed(root: BlockId, tokens: TokensLike, block_size: int, extra:
     return _py_chain_packed(*args)
 
 
-def hash_chain(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> List[BlockId]:
-    """Ids of all full blocks of ``tokens`` (see ``hash_chain_packed``)."""
-    return split_ids(hash_chain_packed(root, tokens, block_size, extra))
+def hash_chain(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> "BlockIds":
+    """Ids of all full blocks of ``tokens`` (see ``hash_chain_packed``), as a list that
+    keeps its packed form for the requests that carry it."""
+    return BlockIds(hash_chain_packed(root, tokens, block_size, extra))
 
 
 def py_hash_chain(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> List[BlockId]:
@@ -279,9 +281,55 @@ def split_ids(packed: Union[bytes, bytearray, memoryview]) -> List[BlockId]:
     return list(Struct("16s" * (len(packed) // BLOCK_ID_BYTES)).unpack(packed))
 
 
+class BlockIds(list):
+    """A list of 16-byte ids that remembers their concatenation, so the Lookup, Get and
+    Route of a prompt send hash_chain's packed output instead of joining and
+    length-checking every id again (that costs more than the Lookup itself on a
+    small host). Contiguous slices keep it; any change in place drops it."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Union[bytes, bytearray, memoryview] = b"") -> None:
+        super().__init__(split_ids(packed))
+        self.packed: bytes | None = bytes(packed)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            return list.__getitem__(self, key)
+        start, stop, step = key.indices(len(self))
+        if step != 1 or self.packed is None:
+            return list.__getitem__(self, key)
+        out = BlockIds.__new__(BlockIds)
+        list.extend(out, list.__getitem__(self, key))
+        stop = max(start, stop)
+        out.packed = self.packed[start * BLOCK_ID_BYTES: stop * BLOCK_ID_BYTES]
+        return out
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
+def _forgetting(name: str):
+    base = getattr(list, name)
+
+    def method(self, *args):
+        self.packed = None
+        return base(self, *args)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
+              "insert", "pop", "remove", "clear", "sort", "reverse"):
+    setattr(BlockIds, _name, _forgetting(_name))
+
+
 def pack_ids(ids: Iterable[bytes]) -> bytes:
     """Concatenate 16-byte ids; every id is length-checked (in C via join/map: a
-    2,000-id prompt packs in tens of microseconds, it sits on every Lookup)."""
+    2,000-id prompt packs in tens of microseconds, it sits on every Lookup). A BlockIds
+    from hash_chain is already packed."""
+    if type(ids) is BlockIds and ids.packed is not None:
+        return ids.packed
     ids = ids if isinstance(ids, list) else list(ids)
     try:
         packed = b"".join(ids)

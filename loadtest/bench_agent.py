@@ -8,7 +8,9 @@ Measures in one run, on this machine, against real agent processes:
   tensors and the staging area (KVClient.put / KVClient.get)
 - grpc_put_gbps / grpc_get_gbps: the same blocks through gRPC only
 - hash_mtok_s: chained block hashing of a 32k-token prompt (million tokens per second)
-- lookup_2000_us: p50 Lookup round trip of a 2,000-block prompt, agent holding >= 100k blocks;
+- lookup_2000_us: p50 of KVClient.lookup for a 2,000-block prompt, agent holding >= 100k
+  blocks, as a same-host client makes it (over the agent's local lane, kvstore/lane.py);
+  lookup_2000_grpc_us: the same call from a client that stays on gRPC (use_shm=False);
   grpc_floor_us: p50 round trip of a gRPC health check on the same agent and channel (the
   floor any unary RPC pays here); lookup_2000_inproc_us: the store's own Lookup, in process
 Ends with one JSON line on stdout; progress goes to stderr.
@@ -104,8 +106,8 @@ def _rate(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, float]:
-    out: dict[str, float] = {}
+def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, object]:
+    out: dict[str, object] = {}
     with KVClient(address, tenant_secret="bench", use_shm=shm,
                   shm_bytes=batch * 2 * MiB) as c:
         ns = c.open_namespace(llama3_8b("shm" if shm else "grpc"))
@@ -146,6 +148,7 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, floa
         out[f"{key}_put_gbps"] = _rate(nbytes, put_t)
         out[f"{key}_get_gbps"] = _rate(nbytes, get_t)
         if shm:
+            out["local_lane"] = c.uses_local_lane
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
     return out
@@ -163,34 +166,42 @@ def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
     return tokens / statistics.median(times) / 1e6
 
 
-def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> tuple[float, int]:
+def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> dict[str, float]:
     ns_spec = llama3_8b("lookup", num_layers=1, num_kv_heads=1, head_dim=8)  # 512 B blocks
     agent = Agent(workdir, pool_bytes=(n_blocks + 4096) * 512, slot_bytes=512, nvme_bytes=0,
                   max_blocks_per_request=4096)
+    out: dict[str, float] = {}
     try:
-        with KVClient(agent.address, tenant_secret="bench", use_shm=False) as c:
-            ns = c.open_namespace(ns_spec)
+        with KVClient(agent.address, tenant_secret="bench", shm_bytes=2000 * 512) as local, \
+                KVClient(agent.address, tenant_secret="bench", use_shm=False) as remote:
+            if not local.uses_local_lane:
+                raise RuntimeError("the same-host client did not get the agent's local lane")
+            ns = local.open_namespace(ns_spec)
             payload = [torch.zeros((1, 2, 16, 1, 8), dtype=torch.float16)] * 2000
             chains = []
             for k in range(n_blocks // 2000):
-                ids = c.block_ids(ns, np.arange(k * 10**6, k * 10**6 + 32000, dtype=np.int32))
-                c.put(ns, ids, payload)
+                ids = local.block_ids(ns, np.arange(k * 10**6, k * 10**6 + 32000,
+                                                    dtype=np.int32))
+                local.put(ns, ids, payload)
                 chains.append(ids)
-            held = c.stats().tiers[0].blocks
-            times = []
-            for i in range(reps):
-                ids = chains[i % len(chains)]
-                t = time.perf_counter()
-                r = c.lookup(ns, ids)
-                times.append(time.perf_counter() - t)
-                assert r.matched == 2000
-            health = health_pb2_grpc.HealthStub(c.channel)
+            out["lookup_blocks_held"] = local.stats().tiers[0].blocks
+            for key, c in (("lookup_2000_us", local), ("lookup_2000_grpc_us", remote)):
+                times = []
+                for i in range(reps):
+                    ids = chains[i % len(chains)]
+                    t = time.perf_counter()
+                    r = c.lookup(ns, ids)
+                    times.append(time.perf_counter() - t)
+                    assert r.matched == 2000
+                out[key] = statistics.median(times) * 1e6
+            health = health_pb2_grpc.HealthStub(remote.channel)
             floor = []
             for _ in range(reps):
                 t = time.perf_counter()
                 health.Check(health_pb2.HealthCheckRequest())
                 floor.append(time.perf_counter() - t)
-            return statistics.median(times) * 1e6, held, statistics.median(floor) * 1e6
+            out["grpc_floor_us"] = statistics.median(floor) * 1e6
+            return out
     finally:
         agent.stop()
 
@@ -239,8 +250,7 @@ def main(argv=None) -> int:
         log("hashing ...")
         res["hash_mtok_s"] = hash_rate()
         log(f"lookup with {args.lookup_blocks} blocks held ...")
-        (res["lookup_2000_us"], res["lookup_blocks_held"],
-         res["grpc_floor_us"]) = lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300)
+        res.update(lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300))
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
     m = res["memcpy_gbps"]
     res["shm_get_ratio"] = res["shm_get_gbps"] / m

@@ -21,6 +21,7 @@ from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
+from node_agent.local_lane import LocalLane
 from node_agent.metrics import AgentTelemetry
 from node_agent.peer import PeerService
 from node_agent.peer_grpc import PeerServicer
@@ -59,6 +60,7 @@ class AgentServer:
         self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
         self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer.py
         self.telemetry: AgentTelemetry | None = None  # Prometheus, tracing (node_agent/metrics.py)
+        self.lane: LocalLane | None = None  # same-host Unix-socket lane (cfg.local_lane)
 
     @property
     def address(self) -> str:
@@ -88,9 +90,9 @@ class AgentServer:
                 ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
         tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
-        self.server = grpc.aio.server(
-            interceptors=[*self.telemetry.interceptors,
-                          EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)], options=opts)
+        interceptors = [*self.telemetry.interceptors,
+                        EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)]
+        self.server = grpc.aio.server(interceptors=interceptors, options=opts)
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -99,6 +101,10 @@ class AgentServer:
         if not self.port:
             raise RuntimeError(f"could not bind {self.cfg.listen}")
         await self.server.start()
+        if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path
+            self.lane = LocalLane(self.servicer, interceptors)
+            await self.lane.start()
+            self.servicer.lane = self.lane
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.NodeAgent", health_pb2.HealthCheckResponse.SERVING)
         await self.peer.start(self.address.rsplit(":", 1)[0], self.control)
@@ -106,8 +112,11 @@ class AgentServer:
         self._tasks.append(asyncio.create_task(self._maintenance()))
         if self.cfg.etcd_endpoints:
             from node_agent.registration import Registration
+            # After each (re-)registration, list generations again: a flush that read
+            # membership before our key existed did not wait for us (cluster/control_follow).
             self.registration = Registration(self.cfg.etcd_endpoints, self.node_record,
-                                             self.cfg.lease_ttl_s)
+                                             self.cfg.lease_ttl_s,
+                                             on_registered=self.control.catch_up)
             await self.registration.start()
         log.info("agent %s serving on %s (device %s, %d slots of %d bytes)", self.cfg.node_id,
                  self.address, self.store.pool.device, self.store.pool.n_slots,
@@ -139,6 +148,9 @@ class AgentServer:
             await self.control.stop()
         for t in self._tasks:
             t.cancel()
+        if self.lane is not None:
+            self.servicer.lane = None
+            await self.lane.stop()
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)

@@ -46,6 +46,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self.max_blocks = max_blocks
         self.in_flight = 0
         self.control = None  # node_agent/control.AgentControl when etcd is configured
+        self.lane = None  # node_agent/local_lane.LocalLane when the agent runs one
         self.metrics = AgentMetrics()  # per-tenant tallies for Prometheus, span attributes
 
     # ------------------------------------------------------------------ helpers
@@ -203,7 +204,8 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     async def RegisterShm(self, request, context):
         region = self.shm.register(request.name, request.size, current_tenant.get())
-        return agent_pb2.RegisterShmResponse(region_id=region.region_id)
+        return agent_pb2.RegisterShmResponse(region_id=region.region_id,
+                                             local_socket=self.lane.path if self.lane else "")
 
     async def UnregisterShm(self, request, context):
         self.shm.unregister(request.region_id, current_tenant.get())
@@ -216,7 +218,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         if tenant is not None and request.tenant and request.tenant != tenant:
             raise errors.PermissionDenied(f"tenant {tenant!r} may not read stats of "
                                           f"{request.tenant!r}")
-        return build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
+        resp = build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
+        if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
+            resp.counters["local_lane_calls"] = self.lane.calls
+            resp.counters["local_lane_connections"] = self.lane.connections
+        return resp
 
     async def Subscribe(self, request, context):
         tenant = current_tenant.get()

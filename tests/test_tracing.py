@@ -148,6 +148,44 @@ def test_trace_spans_client_router_agent_and_peer(tmp_path, etcd, spans):
     assert_no_tokens(done)
 
 
+def test_local_lane_calls_carry_the_trace(tmp_path, spans):
+    """Same-host calls skip gRPC (the local lane) but not tracing: the agent's spans are
+    children of the caller's, as over gRPC."""
+    spans.clear()
+    cfg = AgentConfig(node_id="agent-l", listen="127.0.0.1:0", data_dir=str(tmp_path / "l"),
+                      pool_bytes=4 << 20, slot_bytes=64 << 10, nvme_bytes=0, device="cpu",
+                      allow_unauthenticated=True, ucx_enabled=False)
+
+    def work(address: str) -> None:
+        with KVClient(address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
+            assert c.uses_local_lane
+            ns = c.open_namespace(SPEC)
+            with TRACER.start_as_current_span("test.lane"):
+                c.store(ns, TOKENS, blocks_for(2, N_BLOCKS))
+                assert c.fetch(ns, TOKENS).cached_blocks == N_BLOCKS
+
+    async def run() -> None:
+        agent = AgentServer(cfg)
+        await agent.start()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(work, agent.address), 60)
+        finally:
+            await agent.stop(0)
+
+    asyncio.run(run())
+    done = spans.get_finished_spans()
+    parent = one(done, "test.lane")
+    fetch, store = one(done, "kvstore.client.fetch"), one(done, "kvstore.client.store")
+    for name, client_span in (("Put", store), ("Lookup", fetch), ("Get", fetch)):
+        server = one(done, f"/kvstore.v1.NodeAgent/{name}")
+        assert server.kind == trace.SpanKind.SERVER
+        assert server.context.trace_id == parent.context.trace_id
+        assert server.parent.span_id == client_span.context.span_id and server.parent.is_remote
+    assert one(done, "/kvstore.v1.NodeAgent/Lookup").attributes["kvstore.matched_blocks"] \
+        == N_BLOCKS
+    assert_no_tokens(done)
+
+
 def assert_no_tokens(spans) -> None:
     """Attribute values are scalars, none of them a token id or holding one as text."""
     token_text = [str(t) for t in TOKENS]

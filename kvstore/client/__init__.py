@@ -9,7 +9,10 @@
 Block tensors are shaped (layers, 2 [K, V], block_size, kv_heads, head_dim) in the
 namespace's KV dtype. When the agent runs on the same host, payloads move through a
 shared-memory staging region and gRPC carries only control; otherwise they stream over
-gRPC. `usage` reports prompt, cache-read, cache-write and uncached tokens per request.
+gRPC. On the same host the hot calls (Lookup, Get, Put) also skip gRPC's per-call cost:
+they go over the agent's local lane, a Unix socket carrying the same messages
+(kvstore/lane.py), and fall back to gRPC if it breaks. `usage` reports prompt,
+cache-read, cache-write and uncached tokens per request.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import torch
 from cluster.telemetry import TRACER, annotate, traced_channel
 from kvstore.client.convert import (block_tensor, blocks_to_kv, check_block, kv_to_blocks,
                                     tensor_bytes, torch_dtype)
+from kvstore import lane
+from kvstore.client.local_lane import LaneBroken, LaneChannel
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
@@ -78,7 +83,8 @@ class PrefixHit:
 class KVClient:
     def __init__(self, address: str, token: str | None = None,
                  tenant_secret: str | bytes | None = None, use_shm: bool | None = None,
-                 shm_bytes: int = 256 * MiB, max_message_bytes: int = 64 * MiB) -> None:
+                 shm_bytes: int = 256 * MiB, max_message_bytes: int = 64 * MiB,
+                 local_lane: bool = True) -> None:
         self.address = address
         self.tenant_secret = tenant_secret
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
@@ -89,11 +95,13 @@ class KVClient:
         self._shm: shared_memory.SharedMemory | None = None
         self._staging: np.ndarray | None = None
         self._region_id = 0
+        self._lane: LaneChannel | None = None
+        self.local_socket = ""  # the agent's local-lane socket, when it offered one
         if use_shm is not False:
-            self._try_shm(shm_bytes, required=bool(use_shm))
+            self._try_shm(shm_bytes, required=bool(use_shm), lane_ok=local_lane)
 
     # ---------------------------------------------------------------- plumbing
-    def _try_shm(self, size: int, required: bool) -> None:
+    def _try_shm(self, size: int, required: bool, lane_ok: bool) -> None:
         name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         arr = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
@@ -109,12 +117,34 @@ class KVClient:
                 raise
             return
         self._shm, self._staging, self._region_id = shm, arr, resp.region_id
+        self.local_socket = resp.local_socket
+        if lane_ok and resp.local_socket:
+            try:  # the agent mapped our region, so it is on this host: its socket is too
+                self._lane = LaneChannel(resp.local_socket, self._md)
+            except OSError:
+                self._lane = None  # e.g. /dev/shm shared but the socket not: stay on gRPC
 
     @property
     def uses_shm(self) -> bool:
         return self._shm is not None
 
+    @property
+    def uses_local_lane(self) -> bool:
+        return self._lane is not None
+
+    def _call(self, method: int, request, response_type, grpc_call):
+        """Over the local lane when there is one, else (or once it broke) over gRPC."""
+        if self._lane is not None:
+            try:
+                return self._lane.call(method, request, response_type)
+            except LaneBroken:
+                self._lane = None  # e.g. the agent restarted; calls are idempotent
+        return grpc_call(request, metadata=self._md)
+
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         if self._shm is not None:
             try:
                 self.stub.UnregisterShm(
@@ -147,8 +177,8 @@ class KVClient:
 
     # ------------------------------------------------------------------ blocks
     def lookup(self, ns: NamespaceHandle, ids: list[bytes]) -> agent_pb2.LookupResponse:
-        return self.stub.Lookup(agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids)),
-                                metadata=self._md)
+        req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids))
+        return self._call(lane.LOOKUP, req, agent_pb2.LookupResponse, self.stub.Lookup)
 
     def staging_capacity(self, ns: NamespaceHandle) -> int:
         return 0 if self._staging is None else self._staging.size // ns.block_bytes
@@ -176,8 +206,15 @@ class KVClient:
         req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent,
                                    shm=agent_pb2.ShmTarget(region_id=self._region_id,
                                                            offsets=offsets))
-        count = sum(r.count for r in self.stub.Get(req, metadata=self._md))
-        return self.staging_views(ns, count)
+        if self._lane is not None:
+            resp = self._call(lane.GET, req, agent_pb2.GetResponse, self._get_one)
+            return self.staging_views(ns, resp.count)
+        return self.staging_views(ns, self._get_one(req, metadata=self._md).count)
+
+    def _get_one(self, req: agent_pb2.GetRequest, metadata) -> agent_pb2.GetResponse:
+        """A shared-memory Get over gRPC: one response holding the count."""
+        return agent_pb2.GetResponse(count=sum(r.count for r in self.stub.Get(
+            req, metadata=metadata)))
 
     def get(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
             device: str | torch.device = "cpu") -> list[torch.Tensor]:
@@ -210,7 +247,8 @@ class KVClient:
             parent = bid
         req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, blocks=blocks,
                                    root=ns.root)
-        return self.stub.Put(iter([req]), metadata=self._md)
+        return self._call(lane.PUT, req, agent_pb2.PutResponse,
+                          lambda r, metadata: self.stub.Put(iter([r]), metadata=metadata))
 
     def put(self, ns: NamespaceHandle, ids: list[bytes], blocks: list[torch.Tensor],
             parent: bytes | None = None) -> agent_pb2.PutResponse:

@@ -222,10 +222,12 @@ class RegisterShmRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterShmResponse(_message.Message):
-    __slots__ = ("region_id",)
+    __slots__ = ("region_id", "local_socket")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     region_id: int
-    def __init__(self, region_id: _Optional[int] = ...) -> None: ...
+    local_socket: str
+    def __init__(self, region_id: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
 
 class UnregisterShmRequest(_message.Message):
     __slots__ = ("region_id",)
