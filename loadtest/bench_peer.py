@@ -10,12 +10,16 @@ Reported (one JSON line on stdout at the end; progress on stderr):
 - limit_gbps: what the transport itself moves between two processes here, measured in the
   same run: `ucx_perftest -t tag_bw -s 2097152` over UCX_TLS=tcp (limit_method "ucx_perftest
   tcp"), or a raw Python socket loopback when ucx_perftest is not found
-- limit_shm_gbps: the same perftest over shared memory (sm), for context
-- ucx_gbps / grpc_gbps: median Prefetch bandwidth over the rounds; ucx_ratio: median of
-  ucx / limit per round (each UCX round right after a limit measurement: the load on a
-  shared machine changes quickly, and pairing keeps the ratio honest); ucx_best_gbps
-- batch_blocks: blocks per chunk (node_agent/peer_common.PeerConfig; three staging sets
-  per transfer and side keep two chunks in flight)
+- limit_shm_gbps: the same perftest over shared memory (UCX_TLS=sm,self)
+- ucx_gbps / grpc_gbps: median Prefetch bandwidth over the rounds; ucx_best_gbps
+- ucx_ratio / ucx_ratio_shm: median of ucx / limit per round, against the TCP and the
+  shared-memory limit (each UCX round right after both limit measurements: the load on a
+  shared machine changes quickly, and pairing keeps the ratios honest)
+- ucx_transport: what carried the payloads, from UCX's own account of the protocol the
+  sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
+  "cma/memory: rendezvous zero-copy read from remote"
+- batch_blocks: blocks per chunk (node_agent/peer_common.PeerConfig, KVSTORE_PEER_* to
+  override); `--tcp` runs both agents with KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
 """
 from __future__ import annotations
 
@@ -138,7 +142,7 @@ def socket_gbps(total: int = 1 << 30) -> float:
 
 
 def transport_limit(iters: int):
-    """(method, function measuring GB/s once, shm figure or None)."""
+    """(method, function measuring GB/s once, shared-memory function or None)."""
     found = find_perftest()
     if found is None:
         log("ucx_perftest not found: raw socket loopback as the limit")
@@ -149,12 +153,33 @@ def transport_limit(iters: int):
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
         log(f"ucx_perftest does not run ({exc}): raw socket loopback as the limit")
         return "python socket", socket_gbps, None
-    try:
-        shm = round(perftest_gbps(binary, env, "sm,self", iters), 3)
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        log(f"shm perftest failed: {exc}")
-        shm = None
+
+    def shm() -> float | None:
+        try:
+            return perftest_gbps(binary, env, "sm,self", iters)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log(f"shm perftest failed: {exc}")
+            return None
+
     return "ucx_perftest tcp", lambda: perftest_gbps(binary, env, "tcp", iters), shm
+
+
+def used_transports(agent_log: Path) -> str:
+    """What carries messages of 8 KiB and more from a UCX_PROTO_INFO=y agent: the last
+    'tagged message by ucp_tag_send*' table UCX printed is the sending endpoint's
+    configuration after wireup (the first one is the TCP configuration a listener
+    connection starts with). 'transport: protocol'."""
+    last = "unknown"
+    in_table = False
+    if agent_log.exists():
+        for line in agent_log.read_text(errors="replace").splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) >= 3 and "tagged message by ucp_tag_send* from host" in cells[2]:
+                in_table = True
+            elif in_table and len(cells) >= 5 and cells[1].endswith("..inf"):
+                last = f"{cells[3]}: {cells[2].removeprefix('(?) ')}"
+                in_table = False
+    return last
 
 
 # ----------------------------------------------------------------------- transfers
@@ -188,20 +213,27 @@ def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool) -> float:
     return len(ids) * BLOCK / dt / 1e9
 
 
-def measure(a: Agent, b: Agent, na, prompts, rounds: int, limit) -> dict[str, list[float]]:
-    """Interleaved rounds: limit, UCX, gRPC. This machine's load moves a lot from second
-    to second; pairing each UCX figure with a limit taken just before keeps the ratio
+def measure(a: Agent, b: Agent, na, prompts, rounds: int, limit, limit_shm
+            ) -> dict[str, list[float]]:
+    """Interleaved rounds: limits, UCX, gRPC. This machine's load moves a lot from second
+    to second; pairing each UCX figure with limits taken just before keeps the ratios
     meaningful."""
-    out: dict[str, list[float]] = {"limit": [], "ucx": [], "grpc": [], "ratio": []}
+    out: dict[str, list[float]] = {k: [] for k in ("limit", "limit_shm", "ucx", "grpc",
+                                                   "ratio", "ratio_shm")}
     with KVClient(a.address, use_shm=False) as ca:
         stub = peer_pb2_grpc.PeerStub(ca.channel)
         prefetch(stub, a, b, na, prompts[0], ucx=True)  # warm-up: connection, buffers
         for r in range(rounds):
             out["limit"].append(limit())
+            shm = limit_shm() if limit_shm else None
             out["ucx"].append(prefetch(stub, a, b, na, prompts[1 + 2 * r], ucx=True))
             out["grpc"].append(prefetch(stub, a, b, na, prompts[2 + 2 * r], ucx=False))
             out["ratio"].append(out["ucx"][-1] / out["limit"][-1])
-            log(f"  round {r}: limit {out['limit'][-1]:.2f}  ucx {out['ucx'][-1]:.2f}  "
+            if shm:
+                out["limit_shm"].append(shm)
+                out["ratio_shm"].append(out["ucx"][-1] / shm)
+            log(f"  round {r}: limit tcp {out['limit'][-1]:.2f}  shm "
+                f"{shm or float('nan'):.2f}  ucx {out['ucx'][-1]:.2f}  "
                 f"grpc {out['grpc'][-1]:.2f} GB/s")
     return out
 
@@ -210,16 +242,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=64, help="2 MiB blocks per prompt")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds (limit, UCX, gRPC)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds (limits, UCX, gRPC)")
     ap.add_argument("--perftest-iters", type=int, default=200)
+    ap.add_argument("--tcp", action="store_true",
+                    help="agents keep payloads on TCP (KVSTORE_PEER_SHARED_MEMORY=0)")
     args = ap.parse_args(argv)
     spec = bench_agent.llama3_8b("peer")
     n_prompts = 2 * args.rounds + 1
     pool = f"{n_prompts * args.blocks * 2 + 16}MiB"
+    # The agents inherit these: UCX prints the protocols it selects per endpoint config.
+    os.environ["UCX_PROTO_INFO"] = "y"
+    if args.tcp:
+        os.environ["KVSTORE_PEER_SHARED_MEMORY"] = "0"
     result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,
-                    "batch_blocks": PeerConfig().batch_blocks}
+                    "batch_blocks": PeerConfig.from_env().batch_blocks}
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        method, limit, shm = transport_limit(args.perftest_iters)
+        method, limit, limit_shm = transport_limit(args.perftest_iters)
         agents: list[Agent] = []
         try:
             agents.append(Agent(Path(tmp) / "b", "peer-b", pool_bytes=pool))
@@ -231,14 +269,17 @@ def main(argv=None) -> int:
             with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
                 na = ca.open_namespace(spec)
             log(f"{args.rounds} rounds of {args.blocks} blocks")
-            m = measure(a, b, na, prompts, args.rounds, limit)
+            m = measure(a, b, na, prompts, args.rounds, limit, limit_shm)
         finally:
             for ag in agents:
                 ag.stop()
-    med = {k: round(statistics.median(v), 3) for k, v in m.items()}
-    result.update(limit_gbps=med["limit"], limit_method=method, limit_shm_gbps=shm,
-                  ucx_gbps=med["ucx"], grpc_gbps=med["grpc"], ucx_ratio=med["ratio"],
-                  ucx_best_gbps=round(max(m["ucx"]), 3))
+        transport = used_transports(Path(tmp) / "b" / "agent.log")
+    med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
+    result.update(limit_gbps=med["limit"], limit_method=method,
+                  limit_shm_gbps=med["limit_shm"], ucx_gbps=med["ucx"],
+                  grpc_gbps=med["grpc"], ucx_ratio=med["ratio"],
+                  ucx_ratio_shm=med["ratio_shm"], ucx_best_gbps=round(max(m["ucx"]), 3),
+                  ucx_transport=transport)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -4,21 +4,24 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
 
 - UCX: A connects to B's listener (`AgentServer.peer_address`, host:port) and sends a
   FetchRequest. B answers per batch with a FetchChunk header (first index, count, XXH64 of
-  each payload) followed by one tag message per payload; A receives the payloads straight
-  into preallocated staging buffers and acknowledges the end of the answer. Nobody closes
-  before that acknowledgement (closing first could drop the other side's last messages);
-  after it A keeps the connection for its next request to B. UCX keeps same-tag messages
-  between two endpoints in order, so headers and payloads pair up by position.
+  each payload) followed by one tag message per payload. Nobody closes before A's
+  acknowledgement of the end of the answer (closing first could drop the other side's
+  last messages); after it A keeps the connection for its next request to B. UCX keeps
+  same-tag messages between two endpoints in order, so headers and payloads pair up by
+  position. On one host UCX moves the payloads with one CMA read from B's pool slot into
+  A's (node_agent/peer_common.init_ucx), elsewhere over TCP.
 - gRPC: Peer.FetchBlocks (node_agent/peer_grpc.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
-Both sides pipeline over three staging buffer sets each: B reads batch k+1 from its store
-and announces it while batch k is on the wire; A posts the receives of batch k+1 while it
-stores batch k. A stores through BlockStore.put with the sender's checksums, which hashes
-while it copies into the pool slot: a mismatching block is not stored, and it and the rest
-of the chain are a miss. The store has no public reserve/commit API to land payloads in
-pool slots directly, hence the staging buffers and one extra copy.
+No copies on either side over UCX (host-memory pools): B sends from verified, borrowed
+read-only views of its pool slots (BlockStore.borrow: the blocks cannot be evicted nor
+their slots reused until the sends are done), copying into staging buffers only blocks
+that sit on NVMe; A receives into pool slots it reserved (BlockStore.reserve), verifies
+each payload against B's checksum in place and only then makes it visible
+(BlockStore.commit); a mismatching block is not stored, and it and the rest of the chain
+are a miss. Both sides pipeline: B borrows and verifies batch k+1 while batch k is on the
+wire; A reserves slots and posts the receives of batch k+1 before it verifies batch k.
 
 Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
 dead or frozen peer turns the missing blocks into a miss in bounded time. Concurrent
@@ -31,13 +34,15 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore import errors
 from kvstore.config import AgentConfig
 from kvstore.hashing import split_ids
-from kvstore.store import BlockStore, NsState
+from kvstore.store import BlockStore, NsState, ServedBlock
+from kvstore.store_types import Borrowed
 from kvstore.v1 import peer_pb2
 from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
@@ -49,6 +54,19 @@ from node_agent.servicer import namespace_from_proto
 log = logging.getLogger("kvstore.agent.peer")
 
 
+@dataclass(slots=True, eq=False)
+class ReadBatch:
+    """One batch B serves: `bufs[i]` holds the payload of `served[i]` (borrowed slot views
+    first, then staging copies of blocks read from NVMe). PeerService.done_with(batch)
+    once nothing reads `bufs` any more."""
+
+    first: int
+    served: list[ServedBlock]
+    bufs: list
+    borrowed: Borrowed | None
+    last: bool = False
+
+
 class PeerService:
     """Both ends of peer transfer for one agent: the UCX listener that serves this
     node's blocks, and Prefetch, which pulls blocks from another agent into this store."""
@@ -57,7 +75,7 @@ class PeerService:
                  pcfg: PeerConfig | None = None) -> None:
         self.store = store
         self.cfg = cfg
-        self.pcfg = pcfg or PeerConfig()
+        self.pcfg = pcfg or PeerConfig.from_env()
         self.published = publish  # ship the store's pending events (event-loop thread)
         self.tokens = TokenTable(cfg)
         self.staging = StagingPool()
@@ -89,7 +107,7 @@ class PeerService:
             log.info("UCX disabled by configuration: peers use the gRPC fallback")
             return
         try:
-            self.ucx = init_ucx()
+            self.ucx = init_ucx(self.pcfg.shared_memory)
             self._listener = self.ucx.create_listener(self._serve_ucx, port=self.cfg.peer_port,
                                                        endpoint_error_handling=True)
         except Exception as exc:  # import failure, no transport, port taken
@@ -166,45 +184,73 @@ class PeerService:
 
     async def read_batches(self, st: NsState, generation: int, ids: list[bytes],
                            parent_id: bytes, batch: int, lease: StagingLease):
-        """Yield (first_index, served, buffers, last) per batch of verified payloads, in
-        lease[k] for batch k. Batch k+1 is read from the store while the caller sends
-        batch k: a caller that keeps sends in flight after asking for the next batch must
-        have finished those of batch k+1-len(lease.sets) by then."""
+        """Yield a verified ReadBatch per batch, batch k's staging copies in lease[k]. Batch
+        k+1 is read from the store while the caller sends batch k: a caller that keeps
+        sends in flight after asking for the next batch must have finished those of batch
+        k+1-len(lease.sets) by then. The caller hands each batch to done_with()."""
         pending = None
         try:
             if not ids:
-                yield 0, [], [], True
+                yield ReadBatch(0, [], [], None, True)
                 return
             pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch)
             for k, start in enumerate(range(0, len(ids), batch)):
-                served = await pending
+                rb = await pending
                 pending = None
                 n = min(batch, len(ids) - start)
-                last = len(served) < n or start + n >= len(ids)
-                if not last:
+                rb.first, rb.last = start, len(rb.served) < n or start + n >= len(ids)
+                if not rb.last:
                     pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
                                          lease[k + 1], batch)
-                self.count("peer_blocks_served", len(served))
-                yield start, served, lease[k], last
-                if last:
+                self.count("peer_blocks_served", len(rb.served))
+                yield rb
+                if rb.last:
                     return
         finally:
-            if pending is not None:  # a worker thread may still write into its set
-                pending.cancel()
+            if pending is not None:  # a worker thread may still read into its set
+                pending.add_done_callback(self._drop_read)
                 lease.clean = False
+
+    def _drop_read(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.done_with(fut.result())
+
+    def done_with(self, rb: ReadBatch) -> None:
+        """End the borrow of a served batch (its blocks may be evicted again). Called when
+        its sends completed or failed: a slot reused under a send still in flight can only
+        reach a receiver that verifies every payload against the checksums we sent."""
+        if rb.borrowed is not None:
+            self.store.release(rb.borrowed)
+            rb.borrowed = None
 
     def _read(self, st, generation, ids, start, parent, bufs, batch) -> asyncio.Future:
         chunk = ids[start:start + batch]
-        size = st.spec.block_bytes
-        args = (st.ns_id, generation, chunk, parent, lambda i, n: bufs[i][:n])
-        if len(chunk) * size >= OFFLOAD_BYTES:
-            return asyncio.ensure_future(asyncio.to_thread(self.store.get, *args))
+        args = (st, generation, chunk, parent, bufs)
+        if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
+            return asyncio.ensure_future(asyncio.to_thread(self._read_sync, *args))
         fut = asyncio.get_running_loop().create_future()
         try:
-            fut.set_result(self.store.get(*args))
+            fut.set_result(self._read_sync(*args))
         except errors.KvError as exc:  # flushed meanwhile: surfaces at the await
             fut.set_exception(exc)
         return fut
+
+    def _read_sync(self, st, generation, chunk, parent, bufs) -> ReadBatch:
+        """Borrow the leading pool-resident blocks (verified in place), copy what follows
+        from NVMe into staging (get verifies and promotes it)."""
+        b = self.store.borrow(st.ns_id, generation, chunk, parent)
+        rb = ReadBatch(0, list(b.served), list(b.views), b)
+        k = len(rb.served)
+        if k < len(chunk):
+            try:
+                got = self.store.get(st.ns_id, generation, chunk[k:],
+                                     chunk[k - 1] if k else parent, lambda i, n: bufs[i][:n])
+            except BaseException:
+                self.done_with(rb)
+                raise
+            rb.served += got
+            rb.bufs += bufs[:len(got)]
+        return rb
 
     async def _serve_ucx(self, ep) -> None:
         """One UCX connection: FetchRequests one after another, each answered with its
@@ -257,28 +303,39 @@ class PeerService:
         io = self.pcfg.io_timeout_s
         size = st.spec.block_bytes
         lease = self.staging.lease(self.pcfg.staging_sets, batch, size)
-        inflight: list[asyncio.Future] = []
+        inflight: list[tuple[asyncio.Future | None, ReadBatch]] = []
         try:
             batches = self.read_batches(st, generation, ids, parent, batch, lease)
             async with aclosing(batches) as it:
-                async for first, served, bufs, last in it:
-                    hdr = peer_pb2.FetchChunk(first_index=first, count=len(served),
-                                              checksums=[s.checksum for s in served],
-                                              done=last)
+                async for rb in it:
+                    hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
+                                              checksums=[s.checksum for s in rb.served],
+                                              done=rb.last)
+                    inflight.append((None, rb))
                     await within(ep.send_obj(hdr.SerializeToString()), far, io, "header")
-                    if served:
-                        inflight.append(asyncio.ensure_future(asyncio.gather(
-                            *(ep.send(bufs[i][:size]) for i in range(len(served))))))
+                    if rb.served:
+                        inflight[-1] = (asyncio.ensure_future(asyncio.gather(
+                            *(ep.send(rb.bufs[i][:size]) for i in range(len(rb.served))))),
+                            rb)
                     while len(inflight) > self.pcfg.staging_sets - 2:
-                        await within(inflight.pop(0), far, io, "payload send")
+                        await self._sent(inflight, far, io)
                 while inflight:
-                    await within(inflight.pop(0), far, io, "payload send")
+                    await self._sent(inflight, far, io)
         finally:
             if inflight:
                 lease.clean = False
-                for fut in inflight:
-                    fut.cancel()
+                for fut, rb in inflight:
+                    if fut is not None:
+                        fut.cancel()
+                    self.done_with(rb)
             lease.release()
+
+    async def _sent(self, inflight: list, far: float, io: float) -> None:
+        fut, rb = inflight[0]
+        if fut is not None:
+            await within(asyncio.shield(fut), far, io, "payload send")
+        inflight.pop(0)
+        self.done_with(rb)
 
     # --------------------------------------------------------- fetching side
     async def prefetch(self, req: peer_pb2.PrefetchRequest, tenant: str | None,

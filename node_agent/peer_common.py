@@ -8,7 +8,7 @@ import ipaddress
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -39,6 +39,27 @@ class PeerConfig:
     idle_endpoint_s: float = 60.0  # a server closes a peer connection idle this long
     max_batch_blocks: int = 256  # cap on a requested batch (staging memory)
     max_transfers: int = 4  # concurrent transfers per direction (staging memory, CPU)
+    # On one host, let UCX move payloads through shared memory (CMA reads, shared-memory
+    # control messages) while it still detects a dead peer; False keeps them on TCP.
+    shared_memory: bool = True
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "PeerConfig":
+        """Defaults, overridden by KVSTORE_PEER_<FIELD> variables (operators, benchmarks)."""
+        kw = {}
+        defaults = cls()
+        for f in fields(cls):
+            raw = environ.get(f"KVSTORE_PEER_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = type(getattr(defaults, f.name))
+            try:
+                kw[f.name] = raw.strip().lower() in ("1", "true", "yes", "on") \
+                    if kind is bool else kind(raw)
+            except ValueError:
+                raise ValueError(f"KVSTORE_PEER_{f.name.upper()}={raw!r} is not a "
+                                 f"{kind.__name__}") from None
+        return cls(**kw)
 
     def __post_init__(self) -> None:
         if self.max_transfers < 1:
@@ -205,17 +226,32 @@ def is_ip(host: str) -> bool:
         return False
 
 
-def init_ucx():
+def init_ucx(shared_memory: bool = True):
     """Import and initialise ucxx once per process, inside the running event loop (its
-    progress thread and request notifier bind to that loop)."""
+    progress thread and request notifier bind to that loop).
+
+    Every endpoint keeps peer-failure handling (a dead peer must fail the transfer, not
+    hang or abort this process). UCX only picks transports that can report a failed peer
+    for such endpoints, which by default leaves TCP alone even between two processes of
+    one host. With `shared_memory`, the shared-memory transports declare that capability
+    (they detect a dead peer: tests/test_peer.py kills one mid-transfer) and payloads move
+    with one CMA copy straight from the sender's pool slot into the receiver's.
+
+    Rendezvous: auto, without the fragmented copy-in/copy-out variant. That is a
+    zero-copy put over TCP (written by this process as the bytes arrive, so nothing lands
+    after a connection is closed) and a zero-copy *read* from the sender over CMA: the
+    receiver's memory is only ever written by the receiver itself, so a peer that wakes up
+    after a timeout cannot write into a pool slot reused meanwhile. Environment variables
+    (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    flag = "y" if shared_memory else "n"
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", flag)
+    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", flag)
     import ucxx
     try:
-        # Python-future notification and put-based rendezvous: about 2x the bandwidth of
-        # the defaults on TCP here (loadtest/bench_peer.py). Environment variables
-        # (UCX_RNDV_SCHEME ...) still win, so operators can retune.
-        ucxx.init(options={"RNDV_SCHEME": "put_zcopy"}, env_takes_precedence=True,
-                  progress_mode="thread", enable_python_future=True)
+        ucxx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+                  env_takes_precedence=True, progress_mode="thread",
+                  enable_python_future=True)
     except RuntimeError:
         pass  # already initialised in this process
     return ucxx

@@ -14,6 +14,7 @@ import numpy as np
 from kvstore import errors
 from kvstore.hashing import pack_ids
 from kvstore.store import NsState, PutItem
+from kvstore.store_types import Reservation
 from kvstore.v1 import agent_pb2, peer_pb2
 from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerRef, PeerRefused,
                                     PeerTransportError, control_buffer, is_ip,
@@ -32,18 +33,40 @@ class FetchRequestIds:
     parent_id: bytes
 
 
+@dataclass(slots=True, eq=False)
+class Landing:
+    """Where the payloads of one UCX batch land: pool slots reserved for its leading
+    blocks (`res`, host pools), staging buffers for the others (device pools, or blocks
+    left without a slot, which are then not stored). `recvs` completes once UCX no longer
+    writes into any of them, whatever the outcome."""
+
+    first: int
+    count: int
+    checksums: list[int]
+    res: Reservation | None
+    scratch: list
+    recvs: asyncio.Future | None = None
+
+    @property
+    def bufs(self) -> list:
+        return (self.res.views if self.res is not None else []) + self.scratch
+
+
 class BatchSink:
     """A's side of one transfer: stores received batches in chain order, with one store
-    copy in flight while the next batch arrives. Tracks how many of `ids` are stored and
-    why it stopped early, and tells `on_stored` about each stored run."""
+    step in flight while the next batch arrives. Tracks how many of `ids` are stored and
+    why it stopped early, and tells `on_stored` about each stored run. `root` is the
+    chain root of the whole Prefetch: a block whose parent is neither held nor `root` is
+    refused as an orphan."""
 
     def __init__(self, peer: "PeerService", st: NsState, generation: int, ids: list[bytes],
-                 parent_id: bytes, on_stored) -> None:
+                 parent_id: bytes, root: bytes, on_stored) -> None:
         self.peer = peer
         self.st = st
         self.generation = generation
         self.ids = ids
         self.parent_id = parent_id
+        self.root = root
         self.on_stored = on_stored
         self.stored = 0  # leading ids stored (or found present)
         self.expect = 0  # index the next chunk must start at
@@ -73,18 +96,64 @@ class BatchSink:
         return first
 
     async def push(self, first: int, bufs, checksums: list[int]) -> bool:
-        """Queue a received batch for storing; False when the transfer should stop."""
+        """Queue a received batch for storing (a copying put); False when the transfer
+        should stop."""
+        size = sum(memoryview(b).nbytes for b in bufs)
+        return await self._queue(len(bufs), size, self._store, first, bufs, checksums)
+
+    async def land(self, ld: Landing) -> bool:
+        """Queue a batch received into a Landing for storing: verified in place, then
+        committed (put from staging on device pools)."""
+        if ld.res is None:
+            return await self.push(ld.first, ld.scratch, ld.checksums)
+        size = ld.count * self.st.spec.block_bytes
+        return await self._queue(ld.count, size, self._commit, ld)
+
+    async def _queue(self, n: int, size: int, fn, *args) -> bool:
         if not await self.drain():
             return False
-        self.peer.count("peer_blocks_received", len(bufs))
-        size = sum(memoryview(b).nbytes for b in bufs)
+        self.peer.count("peer_blocks_received", n)
         if size >= OFFLOAD_BYTES:
-            self._task = asyncio.create_task(
-                asyncio.to_thread(self._store, first, bufs, checksums))
+            self._task = asyncio.create_task(asyncio.to_thread(fn, *args))
         else:
             self._task = asyncio.get_running_loop().create_future()
-            self._task.set_result(self._store(first, bufs, checksums))
+            self._task.set_result(fn(*args))
         return True
+
+    def destination(self, first: int, count: int, checksums: list[int],
+                    after: Reservation | None) -> Landing:
+        """Reserve pool slots for blocks first..first+count (a Landing with no slots when
+        the store cannot take them in place; `reason` of a short reservation stops the
+        transfer after this batch). Worker thread when it may have to evict."""
+        store = self.peer.store
+        size = self.st.spec.block_bytes
+        res = None
+        if store.supports_in_place:
+            parent = self.ids[first - 1] if first else self.parent_id
+            res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
+                                parent, self.root, after=after)
+            scratch = self.peer.staging.take(count - len(res), size) if len(res) < count \
+                else []
+        else:
+            scratch = self.peer.staging.take(count, size)
+        return Landing(first, count, checksums, res, scratch)
+
+    def _commit(self, ld: Landing):
+        """Worker-thread part of land(): verify and commit the reserved blocks."""
+        reason = ""
+        n_res = len(ld.res)
+        try:
+            self.peer.store.commit(ld.res, ld.checksums[:n_res])
+        except errors.DataLoss as exc:
+            self.peer.count("peer_checksum_mismatch")
+            reason = f"checksum mismatch: {exc}"
+        except errors.KvError as exc:
+            reason = f"not stored here: {exc}"
+        if n_res < ld.count and not reason:
+            reason = f"not stored here: {ld.res.reason}"
+        n = present_prefix(self.peer.store, self.st.ns_id, self.generation, self.ids,
+                           self.parent_id, ld.first)
+        return ld.first, min(n, ld.count), ld.count, reason
 
     async def drain(self) -> bool:
         """Wait for the batch being stored; False when it did not store completely."""
@@ -116,9 +185,8 @@ class BatchSink:
                          bufs[i], checksums[i]) for i in range(len(bufs))]
         reason = ""
         try:
-            # The request's parent_id is the chain root when the fetch starts at block 0;
-            # any other block whose parent is not held is refused as an orphan.
-            self.peer.store.put(self.st.ns_id, self.generation, items, root=self.parent_id)
+            # A block whose parent is neither held nor the chain root is an orphan.
+            self.peer.store.put(self.st.ns_id, self.generation, items, root=self.root)
         except errors.DataLoss as exc:
             self.peer.count("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
@@ -199,7 +267,7 @@ class FetchJob:
         pcfg = self.svc.pcfg
         parent = self.ids[s - 1] if s else self.parent_id
         sink = BatchSink(self.svc, self.st, self.generation, self.ids[s:e], parent,
-                         self._stored(s))
+                         self.parent_id, self._stored(s))
         # The store refuses chains shorter than min_prefix_blocks per put: the first
         # batch must be at least that long.
         batch = max(pcfg.batch_blocks, min(self.st.policy.min_prefix_blocks,
@@ -257,9 +325,9 @@ async def ucx_fetch(svc: "PeerService", address: str, req: peer_pb2.FetchRequest
     """Pull `req` over UCX into `sink`. Raises PeerTransportError on transport trouble
     (the caller may fall back), PeerRefused when the peer declines.
 
-    Batch k+1's header is awaited (and its receives posted) before batch k's payloads
-    are stored, so the wire never idles for a store copy. Buffer set k % 3 is reused by
-    batch k+3 only after batch k was stored (sink.push of batch k+1 waits for it)."""
+    Batch k+1's header is awaited, its slots reserved and its receives posted before batch
+    k is verified and committed, so the wire never idles for a store step; at most
+    staging_sets - 1 batches are posted at a time."""
     ep = svc.checkout(address)
     if ep is not None:
         try:
@@ -278,10 +346,8 @@ class _StaleConnection(Exception):
 async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.FetchRequest,
                         sink: BatchSink, batch: int, deadline: float, reused: bool) -> None:
     io = svc.pcfg.io_timeout_s
-    lease = svc.staging.lease(svc.pcfg.staging_sets, batch, sink.st.spec.block_bytes)
-    received: list[tuple[int, list, list[int], asyncio.Future]] = []
-    clean = False
-    k = 0  # batches posted
+    posted: list[Landing] = []  # batches whose payloads are on their way, oldest first
+    clean = abandoned = False
     try:
         try:
             await within(ep.send_obj(req.SerializeToString()), deadline, io, "request send")
@@ -297,21 +363,19 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                 raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
             first = sink.check(hdr, batch)
             sink.remote_done = hdr.done
-            if hdr.count:
-                bufs = lease[k][:hdr.count]
-                received.append((first, bufs, list(hdr.checksums), asyncio.ensure_future(
-                    asyncio.gather(*(ep.recv(b) for b in bufs)))))
-                k += 1
-            if len(received) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
-                    received, sink, deadline, io):
+            if hdr.count and not await _post(svc, ep, sink, posted, first, hdr):
+                abandoned = True  # payloads of this batch come with no receive posted
+                break
+            if len(posted) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
+                    posted, sink, deadline, io):
                 break
             if sink.remote_done:
                 break
             raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
                                "chunk header")
-        while received and await _store_oldest(received, sink, deadline, io):
+        while posted and await _store_oldest(posted, sink, deadline, io):
             pass
-        if sink.remote_done and not received:
+        if sink.remote_done and not posted and not abandoned:
             await sink.drain()
             await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)), deadline, io,
                          "acknowledgement")
@@ -323,22 +387,78 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                                  f"{exc}") from exc
     finally:
         if not clean:
-            ep.abort()  # cancels the receives still posted into the staging sets
-            for *_, fut in received:
-                fut.cancel()
-            lease.clean = not received
+            ep.abort()  # completes (cancels) the receives still posted into `posted`
+        await _settle(svc, posted)
         await sink.drain_quietly()
-        lease.release()
         if clean:
             svc.checkin(address, ep)  # the peer waits for our next request on it
 
 
-async def _store_oldest(received: list, sink: BatchSink, deadline: float, io: float) -> bool:
+async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], first: int,
+                hdr: peer_pb2.FetchChunk) -> bool:
+    """Reserve the batch's destination and post its receives; False (the sink knows why)
+    when not one block of it can be stored here."""
+    after = posted[-1].res if posted else None
+    args = (first, hdr.count, list(hdr.checksums), after)
+    try:
+        if svc.store.pool.free_slots < hdr.count:  # making room may write NVMe: off-loop
+            ld = await asyncio.to_thread(sink.destination, *args)
+        else:
+            ld = sink.destination(*args)
+    except errors.KvError as exc:
+        sink.stop_reason = sink.stop_reason or f"not stored here: {exc}"
+        return False
+    if ld.res is not None and not ld.res.plan:
+        sink.stop_reason = sink.stop_reason or f"not stored here: {ld.res.reason}"
+        _give_back(svc, ld)
+        return False
+    # return_exceptions: the future completes only once every receive has, so nothing
+    # writes into the slots or buffers any more when it is done (see _settle).
+    ld.recvs = asyncio.ensure_future(asyncio.gather(*(ep.recv(b) for b in ld.bufs),
+                                                    return_exceptions=True))
+    posted.append(ld)
+    return True
+
+
+async def _store_oldest(posted: list[Landing], sink: BatchSink, deadline: float,
+                        io: float) -> bool:
     """Wait for the oldest posted batch to land, then hand it to the sink."""
-    first, bufs, checksums, fut = received[0]
-    await within(asyncio.shield(fut), deadline, io, f"{len(bufs)} payloads")
-    received.pop(0)
-    return await sink.push(first, bufs, checksums)
+    ld = posted[0]
+    results = await within(asyncio.shield(ld.recvs), deadline, io, f"{ld.count} payloads")
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise PeerTransportError(f"receiving a payload: {type(failed).__name__}: {failed}")
+    posted.pop(0)
+    ok = await sink.land(ld)
+    if ld.res is not None:  # its scratch only took payloads that are not stored
+        _give_back(sink.peer, ld)
+    return ok
+
+
+async def _settle(svc: "PeerService", posted: list[Landing]) -> None:
+    """After a failed transfer: free the slots of batches not stored, once their receives
+    completed (the endpoint abort completes them). A receive UCX never completes keeps
+    its slots reserved for good rather than let a late write land in a reused slot."""
+    for ld in posted:
+        if ld.recvs is not None and not ld.recvs.done():
+            await asyncio.wait([ld.recvs], timeout=1.0)
+        if ld.recvs is None or ld.recvs.done():
+            if ld.res is not None:
+                svc.store.abort(ld.res)
+            _give_back(svc, ld)
+        else:
+            log.error("a UCX receive did not complete after abort: %d slots stay reserved "
+                      "until it does", len(ld.res) if ld.res is not None else 0)
+            if ld.res is not None:
+                res = ld.res
+                ld.recvs.add_done_callback(lambda _f, res=res: svc.store.abort(res))
+    posted.clear()
+
+
+def _give_back(svc: "PeerService", ld: Landing) -> None:
+    if ld.scratch:
+        svc.staging.give(ld.scratch)
+        ld.scratch = []
 
 
 async def _ucx_connect(svc: "PeerService", address: str, deadline: float):

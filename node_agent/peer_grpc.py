@@ -45,12 +45,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         batches = self.svc.read_batches(st, generation, ids, parent, batch, lease)
         try:
             async with aclosing(batches) as it:
-                async for first, served, bufs, last in it:
-                    yield peer_pb2.FetchChunk(
-                        first_index=first, count=len(served),
-                        checksums=[s.checksum for s in served],
-                        data=[bufs[i][:size].tobytes() for i in range(len(served))],
-                        done=last)
+                async for rb in it:
+                    try:
+                        chunk = peer_pb2.FetchChunk(
+                            first_index=rb.first, count=len(rb.served),
+                            checksums=[s.checksum for s in rb.served],
+                            data=[rb.bufs[i][:size].tobytes() for i in range(len(rb.served))],
+                            done=rb.last)
+                    finally:
+                        self.svc.done_with(rb)
+                    yield chunk
         finally:
             lease.release()
 

@@ -24,8 +24,14 @@ CORRUPT_INDEX = 11
 async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
     # Only ucxx, numpy and the generated messages: importing the agent would pull in
     # torch and cost seconds per test.
+    # The agents' UCX settings (node_agent/peer_common.init_ucx): two processes of one
+    # host only connect when they agree on which transports may carry peer endpoints.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
     import ucxx as ucx
+    ucx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+             env_takes_precedence=True, progress_mode="thread", enable_python_future=True)
     done = asyncio.Event()
 
     async def handler(ep) -> None:
