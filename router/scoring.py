@@ -5,7 +5,7 @@ Costs are in units of one block recomputed:
 
     cost(n) = w_recompute x blocks n must recompute
             + w_peer x peer_price x blocks n can fetch from a peer
-            + w_peer x blocks n would duplicate
+            + w_peer x DUPLICATE_PRICE x blocks n would duplicate
             + w_load x requests in flight on n (as assigned by this router)
             + w_queue x prefill work queued on n (blocks, of those requests)
             + w_util x n's pool utilization (0..1, reported by the agent)
@@ -17,7 +17,7 @@ bandwidth and prefill speed, and it must be < 1; otherwise those blocks are reco
 
 Duplicates are those same blocks again: fetched or recomputed, n stores a second copy of
 blocks another node already holds, and in a full pool (the steady state of a cache) each
-copy evicts a block that may be wanted later, priced at one recompute. Without this term
+copy evicts a block that may be wanted later (DUPLICATE_PRICE recomputes each). Without this term
 an idle node always takes a hot prefix from a busy holder (a copy costs ~1% of
 recomputing at 8 KiB blocks), hot prefixes end up on every node and the copies push the
 rest of the working set out. It is the same for every node that holds none of the prompt,
@@ -40,6 +40,11 @@ from typing import NamedTuple
 DEFAULT_BLOCK_BYTES = 2 << 20
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_QUEUE_WEIGHT = 1.0  # for configs without weight_queue
+# What a block pushed out of a full pool costs later, in recomputes: it moves to the NVMe
+# tier or, that full too, is dropped. Half, from the reference replay (loadtest.replay):
+# at 1 the busiest node got 1.32 x the mean requests (hit rate 0.99 x the ceiling), at
+# 0.5 1.26 x (0.975 x); lower spreads hot prefixes further, over a slow peer path.
+DUPLICATE_PRICE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +166,8 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price = pricing.peer_price
     peer_ok = price < 1.0
-    args = (total_blocks, weights.recompute, weights.peer_fetch * price, weights.peer_fetch,
+    args = (total_blocks, weights.recompute, weights.peer_fetch * price,
+            weights.peer_fetch * DUPLICATE_PRICE,
             weights.load, weights.queue, weights.utilization)
     out = []
     for neg, node_id in held:
@@ -184,11 +190,11 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
 
 
 def _row(n: NodeLoad, own: int, peer_blocks: int, peer: str, dup: int, total: int,
-         w_recompute: float, w_peer_priced: float, w_peer: float, w_load: float,
+         w_recompute: float, w_peer_priced: float, w_space: float, w_load: float,
          w_queue: float, w_util: float) -> Score:
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_peer_priced * peer_blocks
-    sc = w_peer * dup
+    sc = w_space * dup
     lc = w_load * n.in_flight + w_queue * n.queued
     uc = w_util * n.utilization
     return _new(Score, (n.node_id, own, peer_blocks, peer, total - own - peer_blocks,

@@ -99,7 +99,7 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     assert [c.recompute_blocks for c in resp.candidates] == [5, 15, 15]
 
     # The holder wins until its load outweighs the 10 blocks it saves plus the pool space
-    # (0.3 per block) a second copy of them would take: 4 per request in flight and 1 per
+    # (0.15 per block) a second copy of them would take: 4 per request in flight and 1 per
     # block of prefill they queued there (5 each). Then the others take turns.
     chosen = [slow.route(NS_ID, prompt, request_id=f"p{i}").node_id for i in range(4)]
     assert chosen == ["agent-2", "agent-2", "agent-0", "agent-1"]

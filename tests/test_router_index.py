@@ -139,9 +139,9 @@ def test_scoring_prefers_the_holder_then_load():
     busy = [NodeLoad("a"), NodeLoad("b", in_flight=20), NodeLoad("c")]
     s = score_nodes(100, {"b": 60}, busy, w, Pricing())
     assert [x.node_id for x in s] == ["a", "c", "b"]
-    # a recomputes all 100 and its copy of b's 60 blocks takes pool space (0.3 each)
-    assert s[0].cost == pytest.approx(118) and s[-1].cost == pytest.approx(120)
-    assert s[0].space_cost == pytest.approx(18) and s[-1].space_cost == 0
+    # a recomputes all 100 and its copy of b's 60 blocks takes pool space (0.15 each)
+    assert s[0].cost == pytest.approx(109) and s[-1].cost == pytest.approx(120)
+    assert s[0].space_cost == pytest.approx(9) and s[-1].space_cost == 0
     assert s[-1].load_cost == pytest.approx(80)
 
 
@@ -178,7 +178,7 @@ def test_weights_override_and_validation():
         base.override(load=-1)
     with pytest.raises(ValueError):
         Weights(recompute=float("nan"))
-    nodes = [NodeLoad("a", in_flight=4), NodeLoad("b")]  # 16 against 10 + 3 for space
+    nodes = [NodeLoad("a", in_flight=4), NodeLoad("b")]  # 16 against 10 + 1.5 for space
     assert score_nodes(10, {"a": 10}, nodes, base, Pricing())[0].node_id == "b"
     assert score_nodes(10, {"a": 10}, nodes, base.override(load=0.1),
                        Pricing())[0].node_id == "a"
@@ -188,14 +188,14 @@ def test_duplicates_pay_for_pool_space_and_queued_work_counts_per_block():
     fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100)  # a copy: 8% of a recompute
     w = Weights(recompute=1, peer_fetch=0.3, load=4, utilization=0, queue=1)
     # b holds 80 of 100 blocks. a would fetch the 80 (cheap to move) but then hold a
-    # second copy of them: 0.3 each for the pool space, on top of the transfer.
+    # second copy of them: 0.3 x 0.5 each for the pool space, on top of the transfer.
     idle = [NodeLoad("a"), NodeLoad("b")]
     s = {x.node_id: x for x in score_nodes(100, {"b": 80}, idle, w, fast)}
-    assert s["a"].peer_blocks == 80 and s["a"].space_cost == pytest.approx(0.3 * 80)
-    assert s["a"].cost == pytest.approx(20 + 80 * 0.3 * fast.peer_price + 24)
+    assert s["a"].peer_blocks == 80 and s["a"].space_cost == pytest.approx(12)
+    assert s["a"].cost == pytest.approx(20 + 80 * 0.3 * fast.peer_price + 12)
     assert s["b"].cost == 20 and s["b"].space_cost == 0
     # One request in flight on b: it counts 4, plus 1 per block of prefill it queued.
-    for queued, winner in ((20, "b"), (30, "a")):
+    for queued, winner in ((5, "b"), (15, "a")):
         busy = [NodeLoad("a"), NodeLoad("b", in_flight=1, queued=queued)]
         s = {x.node_id: x for x in score_nodes(100, {"b": 80}, busy, w, fast)}
         assert s["b"].load_cost == pytest.approx(4 + queued) and s["b"].queued == queued
@@ -203,7 +203,7 @@ def test_duplicates_pay_for_pool_space_and_queued_work_counts_per_block():
     # Without a faster peer path the duplicates are recomputed: still charged for space.
     slow = Pricing(prefill_tokens_per_s=8000, peer_gbps=1)
     s = {x.node_id: x for x in score_nodes(100, {"b": 80}, idle, w, slow)}
-    assert s["a"].peer_blocks == 0 and s["a"].cost == pytest.approx(100 + 24)
+    assert s["a"].peer_blocks == 0 and s["a"].cost == pytest.approx(100 + 12)
 
 
 def test_inflight_tracks_queued_work_per_node():
@@ -228,7 +228,7 @@ def test_core_counts_the_prefill_a_route_queues():
     assert d.chosen.node_id == "c" and d.chosen.recompute_blocks == 10
     assert core.inflight.work("c") == pytest.approx(10)
     # The next identical prompt sees c's queue: 4 + 10 + its own 10 = 24, against
-    # 10 + 30 copied (transfer + 0.3 pool space each) on an idle node: ~19.
+    # 10 + 30 copied (transfer + 0.15 pool space each) on an idle node: ~15.
     d = core.route(NS, pack_ids(ids), request_id="r1")
     assert d.chosen.node_id == "a" and d.chosen.peer_blocks == 30
     price = core.pricing(NS).peer_price
