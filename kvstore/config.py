@@ -92,6 +92,7 @@ class RouterConfig:
     weight_peer_fetch: float = 0.3  # cost of one block fetched from a peer
     weight_load: float = 4.0  # per in-flight request on a node
     weight_utilization: float = 2.0  # per unit of pool utilization
+    weight_queue: float = 1.0  # per block of prefill queued on a node (in-flight routes)
     prefill_tokens_per_s: float = 8000.0  # recompute speed, to price peer fetches
     peer_gbps: float = 1.0  # expected peer transfer bandwidth
     inflight_timeout_s: float = 120.0  # forget a routed request never released
@@ -101,7 +102,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("weight_recompute", "weight_peer_fetch", "weight_load",
-                     "weight_utilization"):
+                     "weight_utilization", "weight_queue"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:

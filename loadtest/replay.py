@@ -380,9 +380,9 @@ def parse_weights(text: str | None) -> router_pb2.RouteWeights | None:
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in ("recompute", "peer_fetch", "load", "utilization"):
+        if not sep or key not in ("recompute", "peer_fetch", "load", "utilization", "queue"):
             raise ValueError(f"bad --weights entry {part!r}: use name=value with names "
-                             "recompute, peer_fetch, load, utilization")
+                             "recompute, peer_fetch, load, utilization, queue")
         fields[key] = float(value)
         if not math.isfinite(fields[key]) or fields[key] <= 0:
             raise ValueError(f"--weights {key} must be > 0 (0 means 'router default')")

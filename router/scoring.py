@@ -39,7 +39,7 @@ from typing import NamedTuple
 # etcd): Llama-3-8B in fp16 at 16 tokens per block, the brief's reference.
 DEFAULT_BLOCK_BYTES = 2 << 20
 DEFAULT_BLOCK_TOKENS = 16
-DEFAULT_QUEUE_WEIGHT = 1.0  # for configs without weight_queue
+DEFAULT_QUEUE_WEIGHT = 1.0  # RouterConfig.weight_queue's default
 # What a block pushed out of a full pool costs later, in recomputes: it moves to the NVMe
 # tier or, that full too, is dropped. Half, from the reference replay (loadtest.replay):
 # at 1 the busiest node got 1.32 x the mean requests (hit rate 0.99 x the ceiling), at
@@ -63,9 +63,8 @@ class Weights:
 
     @classmethod
     def from_config(cls, cfg) -> "Weights":
-        # weight_queue is newer than some configs: they keep the default.
         return cls(cfg.weight_recompute, cfg.weight_peer_fetch, cfg.weight_load,
-                   cfg.weight_utilization, getattr(cfg, "weight_queue", DEFAULT_QUEUE_WEIGHT))
+                   cfg.weight_utilization, cfg.weight_queue)
 
     def override(self, recompute: float = 0.0, peer_fetch: float = 0.0, load: float = 0.0,
                  utilization: float = 0.0, queue: float = 0.0) -> "Weights":

@@ -60,7 +60,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if request.HasField("weights"):
                 w = request.weights
                 weights = self.core.weights.override(w.recompute, w.peer_fetch, w.load,
-                                                     w.utilization)
+                                                     w.utilization, w.queue)
             d = self.core.route(request.namespace_id, request.block_ids, weights,
                                 request.request_id, request.dry_run)
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override

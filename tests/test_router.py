@@ -205,7 +205,8 @@ def test_router_rejects_malformed_requests(etcd, start_router):
     assert "no node agents" in ei.value.details()
     for bad, what in (({"namespace_id": b"x"}, "namespace_id"),
                       ({"block_ids": b"y" * 17}, "multiple of 16"),
-                      ({"weights": router_pb2.RouteWeights(load=-1)}, "load")):
+                      ({"weights": router_pb2.RouteWeights(load=-1)}, "load"),
+                      ({"weights": router_pb2.RouteWeights(queue=-2)}, "queue")):
         req = {"namespace_id": NS_ID, "block_ids": b"", **bad}
         with pytest.raises(grpc.RpcError) as ei:
             router.stub.Route(router_pb2.RouteRequest(**req), timeout=5)

@@ -5,6 +5,7 @@ import pytest
 
 from cluster.etcd import NodeRecord
 from kvstore import errors
+from kvstore.config import RouterConfig
 from kvstore.events import Tier
 from kvstore.hashing import hash_chain, hash_chain_packed, pack_ids
 from router.index import BlockIndex
@@ -172,8 +173,11 @@ def test_peer_of_the_longest_holder_is_the_second_longest():
 def test_weights_override_and_validation():
     base = Weights(recompute=1, peer_fetch=0.3, load=4, utilization=2)
     assert base.override() is base
-    o = base.override(load=0.5, utilization=7)
-    assert (o.recompute, o.peer_fetch, o.load, o.utilization) == (1, 0.3, 0.5, 7)
+    o = base.override(load=0.5, utilization=7, queue=3)
+    assert (o.recompute, o.peer_fetch, o.load, o.utilization, o.queue) == (1, 0.3, 0.5, 7, 3)
+    assert Weights.from_config(RouterConfig(weight_queue=0.25)).queue == 0.25
+    with pytest.raises(ValueError, match="weight_queue"):
+        RouterConfig(weight_queue=-1)
     with pytest.raises(ValueError):
         base.override(load=-1)
     with pytest.raises(ValueError):

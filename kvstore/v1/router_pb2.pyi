@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteWeights(_message.Message):
-    __slots__ = ("recompute", "peer_fetch", "load", "utilization")
+    __slots__ = ("recompute", "peer_fetch", "load", "utilization", "queue")
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
     recompute: float
     peer_fetch: float
     load: float
     utilization: float
-    def __init__(self, recompute: _Optional[float] = ..., peer_fetch: _Optional[float] = ..., load: _Optional[float] = ..., utilization: _Optional[float] = ...) -> None: ...
+    queue: float
+    def __init__(self, recompute: _Optional[float] = ..., peer_fetch: _Optional[float] = ..., load: _Optional[float] = ..., utilization: _Optional[float] = ..., queue: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("namespace_id", "generation", "block_ids", "weights", "request_id", "dry_run")
