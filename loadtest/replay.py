@@ -59,7 +59,7 @@ from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc, router_pb2
 from loadtest import report
-from loadtest.replay_cluster import (Cluster, TieredReader, agent_counters,
+from loadtest.replay_cluster import (Cluster, agent_counters,
                                      describe_cluster, flush_namespaces, start_cluster)
 from loadtest.replay_sim import (BLOCK, CostModel, HashRing, LinearPrefill, TraceRequest,
                                  calibrate, load_trace, nocache_ttft, simulated_requests,
@@ -127,7 +127,6 @@ class Session:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._clients: list[ClusterClient] = []
-        self._readers: list[TieredReader] = []
         self.names: set[tuple[str, str]] = set()
         gen = torch.Generator().manual_seed(11)
         shape = (LAYOUT["num_layers"], 2, BLOCK, LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
@@ -165,23 +164,9 @@ class Session:
             ns = spaces[(tenant, trace_ns)] = cc.open_namespace(self.spec(tenant, trace_ns))
         return ns
 
-    def reader(self, cc: ClusterClient, address: str) -> TieredReader:
-        """This thread's reader of the agent at `address` (see TieredReader)."""
-        if not hasattr(self._local, "readers"):
-            self._local.readers = {}
-        r = self._local.readers.get(address)
-        if r is None:
-            r = self._local.readers[address] = TieredReader(cc.agent(address), SHM_BYTES)
-            with self._lock:
-                self._readers.append(r)
-        return r
-
     def close(self) -> None:
         with self._lock:
             clients, self._clients = self._clients, []
-            readers, self._readers = self._readers, []
-        for r in readers:
-            r.close()
         for cc in clients:
             cc.close()
 
@@ -242,14 +227,11 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
             errors.append(f"prefetch stopped short: {short}")
         t2 = time.perf_counter()
     h = cc.handle(ns, address)
-    got = _guard(errors, "get", sess.reader(cc, address).get, h, ids) if ids else None
-    data, tiers = got or (None, [])
+    # Get alone (no Lookup first): it serves the verified leading run, with its tiers.
+    got = _guard(errors, "get", cc.agent(address).get_tiered, h, ids) if ids else None
+    blocks, tiers = (got.blocks, got.tiers) if got else ([], [])
     t3 = time.perf_counter()
-    n = len(tiers)
-    shape = sess.filler[0].shape
-    # The served payloads, as block tensors: store() skips the first n blocks anyway.
-    blocks = [torch.frombuffer(data, dtype=torch.float16, offset=i * h.block_bytes,
-                               count=h.block_bytes // 2).view(shape) for i in range(n)]
+    n = len(blocks)
     hit = ClusterHit(node, address, rid, PrefixHit(ids, blocks, BLOCK), None)
     fill = sess.filler
     new = [fill[i % len(fill)] for i in range(n, len(ids))]

@@ -19,6 +19,7 @@ from kvstore import lane
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.client.local_lane import LaneBroken, LaneChannel, LaneError
+from kvstore.events import Tier
 from kvstore.v1 import agent_pb2
 
 SPEC = make_namespace()
@@ -227,3 +228,28 @@ def test_meta_encoding_round_trips_and_refuses_newlines():
     assert lane.decode_meta(b"") == ()
     with pytest.raises(ValueError):
         lane.encode_meta((("authorization", "Bearer a\nb"),))
+
+
+def test_get_tiered_names_the_tier_of_each_block_on_every_path(spawn_agent):
+    agent = spawn_agent(pool_bytes=f"{8 * 64}KiB")  # 8 slots: a second prompt spills the first
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c, \
+            KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as g:
+        assert c.uses_local_lane
+        ns, ns_g = c.open_namespace(SPEC), g.open_namespace(SPEC)
+        ids_a, blocks_a = c.block_ids(ns, prompt_tokens(7, 6 * BS)), blocks_for(7, 6)
+        c.put(ns, ids_a, blocks_a)
+        c.put(ns, c.block_ids(ns, prompt_tokens(8, 6 * BS)), blocks_for(8, 6))
+        before = c.lookup(ns, ids_a)
+        assert before.matched == 6 and before.nvme > 0  # some of A now lives on NVMe only
+        got = c.get_tiered(ns, ids_a)
+        assert all(torch.equal(x, y) for x, y in zip(got.blocks, blocks_a))
+        assert len(got.tiers) == len(got.blocks) == 6
+        assert (got.tiers.count(Tier.HBM), got.tiers.count(Tier.NVME)) == \
+            (before.hbm, before.nvme)
+        assert got.tiers == sorted(got.tiers)  # the pool holds prefixes: HBM blocks lead
+        # The gRPC stream reports tiers too (A was promoted by the Get above).
+        now = g.lookup(ns_g, ids_a)
+        again = g.get_tiered(ns_g, ids_a)
+        assert all(torch.equal(x, y) for x, y in zip(again.blocks, blocks_a))
+        assert (again.tiers.count(Tier.HBM), again.tiers.count(Tier.NVME)) == \
+            (now.hbm, now.nvme)

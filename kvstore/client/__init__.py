@@ -34,7 +34,7 @@ from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
-__all__ = ["KVClient", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
+__all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
            "blocks_to_kv", "torch_dtype"]
 
 MiB = 1 << 20
@@ -63,6 +63,14 @@ class Usage:
     cache_read_tokens: int
     cache_write_tokens: int
     uncached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """The verified leading run of a Get, and the tier each block was served from."""
+
+    blocks: list[torch.Tensor]
+    tiers: list[int]  # kvstore.events.Tier values, one per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +204,11 @@ class KVClient:
                   parent: bytes | None = None) -> list[torch.Tensor]:
         """Leading present blocks as views over the staging area (zero-copy; valid until
         the next call on this client). Needs the shared-memory path."""
+        return self.get_views_tiered(ns, ids, parent).blocks
+
+    def get_views_tiered(self, ns: NamespaceHandle, ids: list[bytes],
+                         parent: bytes | None = None) -> "Blocks":
+        """get_views, with the tier each block was served from."""
         if self._staging is None:
             raise RuntimeError("get_views needs the same-host shared-memory path")
         cap = self.staging_capacity(ns)
@@ -206,34 +219,45 @@ class KVClient:
         req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent,
                                    shm=agent_pb2.ShmTarget(region_id=self._region_id,
                                                            offsets=offsets))
-        if self._lane is not None:
-            resp = self._call(lane.GET, req, agent_pb2.GetResponse, self._get_one)
-            return self.staging_views(ns, resp.count)
-        return self.staging_views(ns, self._get_one(req, metadata=self._md).count)
+        resp = self._call(lane.GET, req, agent_pb2.GetResponse, self._get_one)
+        return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
     def _get_one(self, req: agent_pb2.GetRequest, metadata) -> agent_pb2.GetResponse:
-        """A shared-memory Get over gRPC: one response holding the count."""
-        return agent_pb2.GetResponse(count=sum(r.count for r in self.stub.Get(
-            req, metadata=metadata)))
+        """A shared-memory Get over gRPC, its responses folded into one."""
+        out = agent_pb2.GetResponse()
+        for r in self.stub.Get(req, metadata=metadata):
+            out.count += r.count
+            out.tiers.extend(r.tiers)
+            out.checksums.extend(r.checksums)
+        return out
 
     def get(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
             device: str | torch.device = "cpu") -> list[torch.Tensor]:
         """Leading present blocks as tensors owned by the caller (on `device`)."""
+        return self.get_tiered(ns, ids, parent, device).blocks
+
+    def get_tiered(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
+                   device: str | torch.device = "cpu") -> "Blocks":
+        """`get`, with the tier each block was served from (kvstore.events.Tier: HBM for
+        the device pool, NVME for a block read from RocksDB and promoted)."""
         parent = ns.root if parent is None else parent
-        out: list[torch.Tensor] = []
+        out = Blocks([], [])
         if self._staging is not None:
             cap = self.staging_capacity(ns)
             for start in range(0, len(ids), cap):
                 chunk = ids[start: start + cap]
-                views = self.get_views(ns, chunk, parent if start == 0 else ids[start - 1])
-                out.extend(v.to(device, copy=True) for v in views)
-                if len(views) < len(chunk):
+                got = self.get_views_tiered(ns, chunk,
+                                            parent if start == 0 else ids[start - 1])
+                out.blocks.extend(v.to(device, copy=True) for v in got.blocks)
+                out.tiers.extend(got.tiers)
+                if len(got.blocks) < len(chunk):
                     break
             return out
         req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent)
         for resp in self.stub.Get(req, metadata=self._md):
             for data in resp.data:
-                out.append(block_tensor(ns.spec, bytearray(data)).to(device))
+                out.blocks.append(block_tensor(ns.spec, bytearray(data)).to(device))
+            out.tiers.extend(resp.tiers)
         return out
 
     def put_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
