@@ -14,6 +14,11 @@ Measures in one run, on this machine, against real agent processes:
   grpc_floor_us: p50 round trip of a gRPC health check on the same agent and channel (the
   floor any unary RPC pays here); lookup_2000_inproc_us: the store's own Lookup, in process
 Ends with one JSON line on stdout; progress goes to stderr.
+
+The benchmark's own torch runs single-threaded: after a parallel tensor copy (filling the
+staging area) torch's OpenMP workers spin for a while, and on a small host that spinning
+takes the cores the agent's copy threads need for the very transfer being timed (an
+inference worker fills staging from the GPU, with no such spinning).
 """
 from __future__ import annotations
 
@@ -233,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lookup-blocks", type=int, default=100_000)
     args = p.parse_args(argv)
+    torch.set_num_threads(1)  # see the module docstring
     res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch,
                               "native": NATIVE}
     log("memcpy ...")
