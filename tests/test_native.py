@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import platform
 import random
 import threading
 from pathlib import Path
@@ -55,9 +56,45 @@ def rand_tokens(n: int) -> np.ndarray:
 # ---------------------------------------------------------------- BLAKE2b
 
 
+def _cpu_has_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " avx2" in line for line in cpuinfo.splitlines())
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def compression(request):
+    """Run the test once with each BLAKE2b compression (set_simd), restoring the default."""
+    if _native is None:
+        pytest.skip("kvstore._native not built")
+    use_simd = request.param == "avx2"
+    if _native.set_simd(use_simd) != use_simd:
+        _native.set_simd(True)
+        pytest.skip("this CPU or build has no AVX2 compression")
+    yield request.param
+    _native.set_simd(True)
+
+
+@needs_native
+def test_set_simd_selects_the_compression():
+    assert isinstance(_native.HAVE_AVX2, bool)
+    if _cpu_has_avx2():  # on such machines both paths must really be under test
+        assert _native.HAVE_AVX2
+    try:
+        assert _native.set_simd(False) is False
+        assert _native.set_simd(True) is _native.HAVE_AVX2
+        assert _native.set_simd(0) is False and _native.set_simd(1) is _native.HAVE_AVX2
+    finally:
+        _native.set_simd(True)
+
+
 @needs_native
 @pytest.mark.parametrize("n", ALL_SMALL + LARGE)
-def test_blake2b16_matches_hashlib(n):
+def test_blake2b16_matches_hashlib(n, compression):
     data = rbytes(n)
     assert _native.blake2b16(data) == ref_b2(data)
 
@@ -138,7 +175,7 @@ EXTRAS = [b"", b"m", b"\x00\x01\x02\x03", b"\x00\x01\x02\x03\x04", bytes(range(4
 @needs_native
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("extra", EXTRAS, ids=lambda e: f"extra{len(e)}")
-def test_chain_hash_matches_reference(block_size, extra):
+def test_chain_hash_matches_reference(block_size, extra, compression):
     root = rbytes(16)
     for ntok in (0, block_size - 1, block_size, 3 * block_size + 1, 301):
         toks = rand_tokens(max(ntok, 0))
@@ -147,6 +184,35 @@ def test_chain_hash_matches_reference(block_size, extra):
         assert _native.chain_hash(root, toks, block_size, extra) == want
         assert _native.chain_hash(root, toks.tobytes(), block_size, extra=extra) == want
         assert _native.chain_hash(bytearray(root), memoryview(toks), block_size, extra) == want
+
+
+@needs_native
+def test_chain_hash_random_inputs_match_hashlib(compression):
+    """Random roots, tokens, extras and block sizes on both sides of the
+    one-block (128-byte message) boundary, compared with hashlib."""
+    rng = random.Random(f"chain-{compression}")
+    for case in range(300):
+        block_size = rng.choice([rng.randint(1, 28), rng.randint(29, 80), 16])
+        extra = rng.randbytes(rng.choice([0, 0, rng.randint(1, 16), rng.randint(17, 160)]))
+        root = rng.randbytes(16)
+        ntok = rng.randint(0, 6 * block_size + 3)
+        toks = np.frombuffer(rng.randbytes(4 * ntok), dtype="<i4")
+        want = ref_chain(root, toks.tobytes(), block_size, extra)
+        got = _native.chain_hash(root, toks, block_size, extra)
+        assert got == want, (case, block_size, len(extra), ntok)
+
+
+@needs_native
+def test_chain_hash_paths_agree_on_a_long_prompt():
+    root = rbytes(16)
+    toks = rand_tokens(32768 + 7)
+    try:
+        _native.set_simd(False)
+        scalar = _native.chain_hash(root, toks, 16, b"tenant")
+    finally:
+        _native.set_simd(True)
+    assert _native.chain_hash(root, toks, 16, b"tenant") == scalar
+    assert scalar == ref_chain(root, toks.tobytes(), 16, b"tenant")
 
 
 @needs_native
