@@ -62,6 +62,19 @@ class InFlight:
         self._on_change(node_id)
         return True
 
+    def prefill_done(self, request_id: str) -> bool:
+        """The request's prefill finished: its queued work goes, the request stays in
+        flight (decoding) until released."""
+        entry = self._by_request.get(request_id)
+        if entry is None:
+            return False
+        node_id, deadline, work = entry
+        if work:
+            self._by_request[request_id] = (node_id, deadline, 0.0)
+            self._work[node_id] = max(0.0, self._work[node_id] - work)
+            self._on_change(node_id)
+        return True
+
     def expire(self) -> int:
         """Drop entries past their deadline (insertion order is deadline order)."""
         now, n = self._clock(), 0
@@ -288,7 +301,10 @@ class RouterCore:
         packed = hash_chain_packed(root, tokens, block_size)
         return self.route(namespace_id, packed, weights, request_id, dry_run)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, prefill_done: bool = False) -> bool:
+        """The request completed (or, with prefill_done, only its prefill did)."""
+        if prefill_done:
+            return self.inflight.prefill_done(request_id)
         return self.inflight.release(request_id)
 
 

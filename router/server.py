@@ -70,7 +70,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decision_to_proto(d, self.core)
 
     async def Release(self, request, context):
-        self.core.release(request.request_id)
+        self.core.release(request.request_id, request.prefill_done)
         return router_pb2.ReleaseResponse()
 
     async def ListNodes(self, request, context):

@@ -85,8 +85,9 @@ class RouterProc:
         return self.stub.Route(router_pb2.RouteRequest(namespace_id=ns_id, block_ids=packed,
                                                        **kw), timeout=5)
 
-    def release(self, request_id: str) -> None:
-        self.stub.Release(router_pb2.ReleaseRequest(request_id=request_id), timeout=5)
+    def release(self, request_id: str, prefill_done: bool = False) -> None:
+        self.stub.Release(router_pb2.ReleaseRequest(request_id=request_id,
+                                                    prefill_done=prefill_done), timeout=5)
 
     def wait_nodes(self, expect: dict[str, int] | set[str], timeout: float = 30.0):
         """Until the router lists exactly these nodes, all in sync (and, for a dict, with

@@ -108,6 +108,12 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     assert {c.node_id: c.cost for c in busy.candidates}["agent-2"] == pytest.approx(23)
     light = slow.route(NS_ID, prompt, dry_run=True, weights=router_pb2.RouteWeights(load=0.5))
     assert light.node_id == "agent-2"  # per-request weights override the config
+    # Their prefill done, p0 and p1 decode on: agent-2 still counts them, not their work.
+    for i in range(2):
+        slow.release(f"p{i}", prefill_done=True)
+    decoding = {c.node_id: c for c in slow.route(NS_ID, prompt, dry_run=True).candidates}
+    assert decoding["agent-2"].in_flight == 2
+    assert decoding["agent-2"].cost == pytest.approx(23 - 2 * 5)
     for i in range(4):
         slow.release(f"p{i}")
 

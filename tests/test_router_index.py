@@ -224,6 +224,24 @@ def test_inflight_tracks_queued_work_per_node():
     assert inf.work("b") == 0.0 and len(inf) == 0
 
 
+def test_prefill_done_drops_the_queued_work_and_keeps_the_request():
+    inf = InFlight(10.0)
+    inf.add("r1", "a", 12.0)
+    inf.add("r2", "a", 3.0)
+    assert inf.prefill_done("r1") and inf.prefill_done("r1")  # idempotent
+    assert (inf.count("a"), inf.work("a")) == (2, 3.0)  # r1 decodes on: still in flight
+    assert not inf.prefill_done("never-routed")
+    inf.release("r1")
+    assert (inf.count("a"), inf.work("a")) == (1, 3.0)
+    core = make_core(peer_gbps=100)
+    ids = chain(40)
+    core.index.store("c", ids[:30])
+    core.route(NS, pack_ids(ids), request_id="r0")
+    assert core.release("r0", prefill_done=True)
+    assert core.inflight.work("c") == 0.0 and core.inflight.count("c") == 1
+    assert core.release("r0") and core.inflight.count("c") == 0
+
+
 def test_core_counts_the_prefill_a_route_queues():
     core = make_core(peer_gbps=100)
     ids = chain(40)

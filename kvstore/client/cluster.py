@@ -182,10 +182,15 @@ class ClusterClient:
             if release:
                 self.release(hit)
 
-    def release(self, hit: ClusterHit | str) -> None:
+    def release(self, hit: ClusterHit | str, prefill_done: bool = False) -> None:
+        """The request completed: the router stops counting it on its node. With
+        `prefill_done`, only its prefill did (first token out): the router stops counting
+        its queued prefill work but keeps the request in flight while it decodes; call
+        release again without the flag when it completes."""
         rid = hit if isinstance(hit, str) else hit.request_id
         if rid:
-            self.router.Release(router_pb2.ReleaseRequest(request_id=rid),
+            self.router.Release(router_pb2.ReleaseRequest(request_id=rid,
+                                                          prefill_done=prefill_done),
                                 timeout=self.timeout)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/router.proto\x12\nkvstore.v1\"g\n\x0cRouteWeights\x12\x11\n\trecompute\x18\x01 \x01(\x01\x12\x12\n\npeer_fetch\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x01\"\x9b\x01\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12)\n\x07weights\x18\x04 \x01(\x0b\x32\x18.kvstore.v1.RouteWeights\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\"\xbe\x01\n\tCandidate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpeer_node_id\x18\x05 \x01(\t\x12\x18\n\x10recompute_blocks\x18\x06 \x01(\r\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x0c\n\x04\x63ost\x18\t \x01(\x01\"\x9b\x01\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.Candidate\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tpeer_hint\x18\x06 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x12\n\x10ListNodesRequest\"\xb3\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12hbm_capacity_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\x0e\n\x06synced\x18\x08 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo2\xd4\x01\n\x06Router\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/router.proto\x12\nkvstore.v1\"g\n\x0cRouteWeights\x12\x11\n\trecompute\x18\x01 \x01(\x01\x12\x12\n\npeer_fetch\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x01\"\x9b\x01\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12)\n\x07weights\x18\x04 \x01(\x0b\x32\x18.kvstore.v1.RouteWeights\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\"\xbe\x01\n\tCandidate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpeer_node_id\x18\x05 \x01(\t\x12\x18\n\x10recompute_blocks\x18\x06 \x01(\r\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x0c\n\x04\x63ost\x18\t \x01(\x01\"\x9b\x01\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.Candidate\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tpeer_hint\x18\x06 \x01(\t\":\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_done\x18\x02 \x01(\x08\"\x11\n\x0fReleaseResponse\"\x12\n\x10ListNodesRequest\"\xb3\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12hbm_capacity_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\x0e\n\x06synced\x18\x08 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo2\xd4\x01\n\x06Router\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERESPONSE']._serialized_start=496
   _globals['_ROUTERESPONSE']._serialized_end=651
   _globals['_RELEASEREQUEST']._serialized_start=653
-  _globals['_RELEASEREQUEST']._serialized_end=689
-  _globals['_RELEASERESPONSE']._serialized_start=691
-  _globals['_RELEASERESPONSE']._serialized_end=708
-  _globals['_LISTNODESREQUEST']._serialized_start=710
-  _globals['_LISTNODESREQUEST']._serialized_end=728
-  _globals['_NODEINFO']._serialized_start=731
-  _globals['_NODEINFO']._serialized_end=910
-  _globals['_LISTNODESRESPONSE']._serialized_start=912
-  _globals['_LISTNODESRESPONSE']._serialized_end=968
-  _globals['_ROUTER']._serialized_start=971
-  _globals['_ROUTER']._serialized_end=1183
+  _globals['_RELEASEREQUEST']._serialized_end=711
+  _globals['_RELEASERESPONSE']._serialized_start=713
+  _globals['_RELEASERESPONSE']._serialized_end=730
+  _globals['_LISTNODESREQUEST']._serialized_start=732
+  _globals['_LISTNODESREQUEST']._serialized_end=750
+  _globals['_NODEINFO']._serialized_start=753
+  _globals['_NODEINFO']._serialized_end=932
+  _globals['_LISTNODESRESPONSE']._serialized_start=934
+  _globals['_LISTNODESRESPONSE']._serialized_end=990
+  _globals['_ROUTER']._serialized_start=993
+  _globals['_ROUTER']._serialized_end=1205
 # @@protoc_insertion_point(module_scope)

@@ -75,10 +75,12 @@ class RouteResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., request_id: _Optional[str] = ..., peer_hint: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "prefill_done")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    prefill_done: bool
+    def __init__(self, request_id: _Optional[str] = ..., prefill_done: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
