@@ -97,17 +97,27 @@ class InPlaceMixin:
             res.plan = []
             raise
 
-    def commit(self, res: Reservation, checksums: list[int], n: int | None = None) -> int:
+    def commit(self, res: Reservation, checksums: list[int], n: int | None = None,
+               sources: list | None = None) -> int:
         """Verify the first `n` (default all) reserved payloads in place against
         `checksums`, make the verified leading run visible, free the rest. Returns the
         number stored; raises DataLoss (after storing the blocks before it) when a payload
         does not match. Blocks whose parent left meanwhile, or whose namespace was flushed,
-        are not stored."""
+        are not stored.
+
+        With `sources` the payloads are not in the slots yet: each slot is filled from
+        `sources[i]` by one fused copy + checksum pass (transports that move small
+        blocks a batch per message, into one staging buffer)."""
         plan, res.plan = res.plan, []
         n = len(plan) if n is None else min(n, len(plan))
+        if sources is not None:
+            n = min(n, len(sources))
+            fill = [(p[0].data, src) for p, src in zip(plan[:n], sources)]
+            digest_of, args = (lambda a: cks.copy_with_checksum(*a)), fill
+        else:
+            digest_of, args = (lambda p: cks.checksum(p[0].data)), plan[:n]
         try:
-            digests = self._copy_all(lambda p: cks.checksum(p[0].data), plan[:n],
-                                     n * res.ns.spec.block_bytes)
+            digests = self._copy_all(digest_of, args, n * res.ns.spec.block_bytes)
         except BaseException:
             with self.lock:
                 self._abort_plan(plan)

@@ -18,8 +18,12 @@ Reported (one JSON line on stdout at the end; progress on stderr):
 - ucx_transport: what carried the payloads, from UCX's own account of the protocol the
   sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
   "cma/memory: rendezvous zero-copy read from remote"
-- batch_blocks: blocks per chunk (node_agent/peer_common.PeerConfig, KVSTORE_PEER_* to
-  override); `--tcp` runs both agents with KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
+- batch_blocks: blocks per chunk of 2 MiB blocks (PeerConfig.batch_bytes,
+  node_agent/peer_common.py; KVSTORE_PEER_* to override); `--tcp` runs both agents with
+  KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
+- prefetch_60x8k_ms_ucx / prefetch_60x8k_ms_grpc: median latency of a Prefetch of 60
+  blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
+  per-call and per-message costs that bandwidth figures hide (`--small-rounds`)
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from node_agent.peer_common import PeerConfig
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
+SMALL_BLOCKS = 60  # a replay prompt's worth of 8 KiB blocks
 
 
 def log(msg: str) -> None:
@@ -187,8 +192,9 @@ def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
     """Put `rounds` prompts of `blocks` blocks on B (distinct ids, shared payloads)."""
     nb = cb.open_namespace(spec)
     gen = torch.Generator().manual_seed(1)
+    shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     payload = [torch.randint(0, 256, (spec.block_bytes,), dtype=torch.uint8, generator=gen)
-               .view(torch.float16).view(32, 2, 16, 8, 128) for _ in range(blocks)]
+               .view(torch.float16).view(shape) for _ in range(blocks)]
     prompts = []
     for r in range(rounds):
         tokens = np.arange(r * blocks * 16, (r + 1) * blocks * 16, dtype=np.int32) + 7
@@ -198,7 +204,7 @@ def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
     return prompts
 
 
-def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool) -> float:
+def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool, block: int = BLOCK) -> float:
     """One Prefetch of a prompt A does not hold; GB/s as the caller sees it."""
     req = peer_pb2.PrefetchRequest(
         ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
@@ -210,7 +216,7 @@ def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool) -> float:
     want = "ucx" if ucx else "grpc"
     if r.present != len(ids) or r.transport != want:
         raise RuntimeError(f"{want} prefetch incomplete: {r}")
-    return len(ids) * BLOCK / dt / 1e9
+    return len(ids) * block / dt / 1e9
 
 
 def measure(a: Agent, b: Agent, na, prompts, rounds: int, limit, limit_shm
@@ -238,12 +244,47 @@ def measure(a: Agent, b: Agent, na, prompts, rounds: int, limit, limit_shm
     return out
 
 
+def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
+    """Median ms of a Prefetch of SMALL_BLOCKS 8 KiB blocks, per transport (fresh blocks
+    every round; one warm-up round each, as in service the connection is kept)."""
+    spec = bench_agent.llama3_8b("peer-small", num_layers=2, num_kv_heads=2, head_dim=32)
+    assert spec.block_bytes == 8192
+    agents: list[Agent] = []
+    out: dict[str, float] = {}
+    try:
+        for name in ("b", "a"):
+            agents.append(Agent(workdir / f"small-{name}", f"peer-small-{name}",
+                                pool_bytes="64MiB", slot_bytes="8KiB"))
+        b, a = agents
+        with KVClient(b.address, tenant_secret="bench", use_shm=False) as cb:
+            prompts = seed_prompts(cb, spec, 2 * (rounds + 1), SMALL_BLOCKS)
+        with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
+            na = ca.open_namespace(spec)
+            stub = peer_pb2_grpc.PeerStub(ca.channel)
+            for k, transport in enumerate(("ucx", "grpc")):
+                times = []
+                for r in range(rounds + 1):
+                    gbps = prefetch(stub, a, b, na, prompts[k * (rounds + 1) + r],
+                                    ucx=transport == "ucx", block=spec.block_bytes)
+                    if r:
+                        times.append(SMALL_BLOCKS * spec.block_bytes / gbps / 1e6)
+                out[transport] = round(statistics.median(times), 2)
+                log(f"  {SMALL_BLOCKS} x 8 KiB over {transport}: p50 {out[transport]} ms "
+                    f"(min {min(times):.2f})")
+    finally:
+        for ag in agents:
+            ag.stop()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=64, help="2 MiB blocks per prompt")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (limits, UCX, gRPC)")
     ap.add_argument("--perftest-iters", type=int, default=200)
+    ap.add_argument("--small-rounds", type=int, default=15,
+                    help="rounds of the 60 x 8 KiB latency figure (0: skip it)")
     ap.add_argument("--tcp", action="store_true",
                     help="agents keep payloads on TCP (KVSTORE_PEER_SHARED_MEMORY=0)")
     args = ap.parse_args(argv)
@@ -255,7 +296,7 @@ def main(argv=None) -> int:
     if args.tcp:
         os.environ["KVSTORE_PEER_SHARED_MEMORY"] = "0"
     result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,
-                    "batch_blocks": PeerConfig.from_env().batch_blocks}
+                    "batch_blocks": PeerConfig.from_env().batch_for(BLOCK)}
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         method, limit, limit_shm = transport_limit(args.perftest_iters)
         agents: list[Agent] = []
@@ -274,12 +315,14 @@ def main(argv=None) -> int:
             for ag in agents:
                 ag.stop()
         transport = used_transports(Path(tmp) / "b" / "agent.log")
+        small = small_latency(Path(tmp), args.small_rounds) if args.small_rounds else {}
     med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
     result.update(limit_gbps=med["limit"], limit_method=method,
                   limit_shm_gbps=med["limit_shm"], ucx_gbps=med["ucx"],
                   grpc_gbps=med["grpc"], ucx_ratio=med["ratio"],
                   ucx_ratio_shm=med["ratio_shm"], ucx_best_gbps=round(max(m["ucx"]), 3),
-                  ucx_transport=transport)
+                  ucx_transport=transport,
+                  prefetch_60x8k_ms_ucx=small.get("ucx"), prefetch_60x8k_ms_grpc=small.get("grpc"))
     print(json.dumps(result), flush=True)
     return 0
 

@@ -4,23 +4,29 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
 
 - UCX: A connects to B's listener (`AgentServer.peer_address`, host:port) and sends a
   FetchRequest. B answers per batch with a FetchChunk header (first index, count, XXH64 of
-  each payload) followed by one tag message per payload. Nobody closes before A's
-  acknowledgement of the end of the answer (closing first could drop the other side's
-  last messages); after it A keeps the connection for its next request to B. UCX keeps
-  same-tag messages between two endpoints in order, so headers and payloads pair up by
-  position. On one host UCX moves the payloads with one CMA read from B's pool slot into
-  A's (node_agent/peer_common.init_ucx), elsewhere over TCP.
+  each payload) followed by the payloads: one tag message per block for large blocks,
+  ONE message holding the whole batch back to back for small ones (peer_common.packed:
+  per-message costs would dominate, and copying a few hundred KiB costs tens of µs).
+  Nobody closes before A's acknowledgement of the end of the answer (closing first could
+  drop the other side's last messages); after it A keeps the connection for its next
+  request to B. UCX keeps same-tag messages between two endpoints in order, so headers
+  and payloads pair up by position. On one host UCX moves the payloads with one CMA read
+  from B's memory into A's (node_agent/peer_common.init_ucx), elsewhere over TCP.
 - gRPC: Peer.FetchBlocks (node_agent/peer_grpc.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
-No copies on either side over UCX (host-memory pools): B sends from verified, borrowed
+Large blocks, no copies on either side over UCX (host-memory pools): B sends from verified, borrowed
 read-only views of its pool slots (BlockStore.borrow: the blocks cannot be evicted nor
 their slots reused until the sends are done), copying into staging buffers only blocks
 that sit on NVMe; A receives into pool slots it reserved (BlockStore.reserve), verifies
 each payload against B's checksum in place and only then makes it visible
 (BlockStore.commit); a mismatching block is not stored, and it and the rest of the chain
-are a miss. Both sides pipeline: B borrows and verifies batch k+1 while batch k is on the
+are a miss. Small blocks: B copies the borrowed blocks into a staging buffer (and
+ends the borrow at once), A receives the batch into a staging buffer and fills the
+reserved slots with one fused copy + checksum pass before committing. Batches are sized
+in bytes (PeerConfig.batch_bytes), so small blocks also travel in few batches. Both sides
+pipeline: B borrows and verifies batch k+1 while batch k is on the
 wire; A reserves slots and posts the receives of batch k+1 before it verifies batch k.
 
 Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
@@ -46,8 +52,8 @@ from kvstore.store_types import Borrowed
 from kvstore.v1 import peer_pb2
 from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
-                                    check_peer_access, control_buffer, init_ucx,
-                                    present_prefix, within)
+                                    check_peer_access, contiguous, control_buffer, init_ucx,
+                                    packed, post_obj, present_prefix, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
 
@@ -57,7 +63,8 @@ log = logging.getLogger("kvstore.agent.peer")
 @dataclass(slots=True, eq=False)
 class ReadBatch:
     """One batch B serves: `bufs[i]` holds the payload of `served[i]` (borrowed slot views
-    first, then staging copies of blocks read from NVMe). PeerService.done_with(batch)
+    first, then staging copies of blocks read from NVMe), or, packed, `bufs[0]` holds every
+    payload back to back in staging. PeerService.done_with(batch)
     once nothing reads `bufs` any more."""
 
     first: int
@@ -91,10 +98,17 @@ class PeerService:
         self.serve_slots = asyncio.Semaphore(self.pcfg.max_transfers)
         # Connections to peers' listeners kept for the next fetch: address -> [(t, ep)].
         self._idle: dict[str, list[tuple[float, object]]] = {}
+        self._background: set[asyncio.Task] = set()  # acknowledgements finishing
 
     @property
     def ucx_ready(self) -> bool:
         return self.ucx is not None
+
+    def spawn(self, coro) -> None:
+        """Run `coro` in the background (nobody waits for it; kept referenced)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def count(self, name: str, n: int = 1) -> None:
         with self.store.lock:  # worker threads update the same Counter
@@ -179,12 +193,15 @@ class PeerService:
         ids = self._ids(req.block_ids)
         if req.parent_id and len(req.parent_id) != 16:
             raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
-        batch = min(req.batch_blocks or self.pcfg.batch_blocks, self.pcfg.max_batch_blocks)
+        batch = min(req.batch_blocks or self.pcfg.batch_for(st.spec.block_bytes),
+                    self.pcfg.max_batch_blocks)
         return st, ids, req.parent_id, batch
 
     async def read_batches(self, st: NsState, generation: int, ids: list[bytes],
-                           parent_id: bytes, batch: int, lease: StagingLease):
-        """Yield a verified ReadBatch per batch, batch k's staging copies in lease[k]. Batch
+                           parent_id: bytes, batch: int, lease: StagingLease,
+                           pack: bool = False):
+        """Yield a verified ReadBatch per batch, batch k's staging copies in lease[k]
+        (`pack`: all of its payloads, contiguous, and no borrow outlives the read). Batch
         k+1 is read from the store while the caller sends batch k: a caller that keeps
         sends in flight after asking for the next batch must have finished those of batch
         k+1-len(lease.sets) by then. The caller hands each batch to done_with()."""
@@ -193,7 +210,7 @@ class PeerService:
             if not ids:
                 yield ReadBatch(0, [], [], None, True)
                 return
-            pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch)
+            pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch, pack)
             for k, start in enumerate(range(0, len(ids), batch)):
                 rb = await pending
                 pending = None
@@ -201,7 +218,7 @@ class PeerService:
                 rb.first, rb.last = start, len(rb.served) < n or start + n >= len(ids)
                 if not rb.last:
                     pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
-                                         lease[k + 1], batch)
+                                         lease[k + 1], batch, pack)
                 self.count("peer_blocks_served", len(rb.served))
                 yield rb
                 if rb.last:
@@ -223,9 +240,9 @@ class PeerService:
             self.store.release(rb.borrowed)
             rb.borrowed = None
 
-    def _read(self, st, generation, ids, start, parent, bufs, batch) -> asyncio.Future:
+    def _read(self, st, generation, ids, start, parent, bufs, batch, pack) -> asyncio.Future:
         chunk = ids[start:start + batch]
-        args = (st, generation, chunk, parent, bufs)
+        args = (st, generation, chunk, parent, bufs, pack)
         if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
             return asyncio.ensure_future(asyncio.to_thread(self._read_sync, *args))
         fut = asyncio.get_running_loop().create_future()
@@ -235,21 +252,33 @@ class PeerService:
             fut.set_exception(exc)
         return fut
 
-    def _read_sync(self, st, generation, chunk, parent, bufs) -> ReadBatch:
+    def _read_sync(self, st, generation, chunk, parent, bufs, pack) -> ReadBatch:
         """Borrow the leading pool-resident blocks (verified in place), copy what follows
-        from NVMe into staging (get verifies and promotes it)."""
+        from NVMe into staging (get verifies and promotes it). Packed, the borrowed blocks
+        are copied into staging too and the borrow ends here."""
         b = self.store.borrow(st.ns_id, generation, chunk, parent)
         rb = ReadBatch(0, list(b.served), list(b.views), b)
         k = len(rb.served)
+        if pack:
+            try:
+                for dst, view in zip(bufs, b.views):
+                    np.copyto(dst[:view.nbytes], view)
+            finally:
+                self.done_with(rb)
+            rb.bufs = bufs[:k]
         if k < len(chunk):
+            off = k if pack else 0  # staging index of the first block read from NVMe
             try:
                 got = self.store.get(st.ns_id, generation, chunk[k:],
-                                     chunk[k - 1] if k else parent, lambda i, n: bufs[i][:n])
+                                     chunk[k - 1] if k else parent,
+                                     lambda i, n: bufs[off + i][:n])
             except BaseException:
                 self.done_with(rb)
                 raise
             rb.served += got
-            rb.bufs += bufs[:len(got)]
+            rb.bufs += bufs[off:off + len(got)]
+        if pack and rb.served:
+            rb.bufs = [contiguous(bufs, len(rb.served))]
         return rb
 
     async def _serve_ucx(self, ep) -> None:
@@ -289,34 +318,38 @@ class PeerService:
             st, ids, parent, batch = await self.source(req, tenant)
         except errors.KvError as exc:
             err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
-            await within(ep.send_obj(err.SerializeToString()), far, self.pcfg.io_timeout_s,
-                         "refusal")
+            await within(asyncio.gather(*post_obj(ep, err.SerializeToString())), far,
+                         self.pcfg.io_timeout_s, "refusal")
             return
         async with self.serve_slots:
             await self._send_batches(ep, st, req.ns.generation, ids, parent, batch)
 
     async def _send_batches(self, ep, st, generation, ids, parent, batch) -> None:
-        """Header then payloads per batch, announcing the next batch before the payloads
-        of this one have landed; at most staging_sets - 2 batches stay in flight when
-        read_batches reads ahead, which keeps its buffer reuse safe."""
+        """Header then payloads per batch, all posted at once (one completion wait per
+        batch), announcing the next batch before the payloads of this one have landed; at
+        most staging_sets - 2 batches stay in flight when read_batches reads ahead, which
+        keeps its buffer reuse safe."""
         far = time.monotonic() + 1e9
         io = self.pcfg.io_timeout_s
         size = st.spec.block_bytes
+        pack = packed(size)
         lease = self.staging.lease(self.pcfg.staging_sets, batch, size)
-        inflight: list[tuple[asyncio.Future | None, ReadBatch]] = []
+        inflight: list[tuple[asyncio.Future, ReadBatch]] = []
         try:
-            batches = self.read_batches(st, generation, ids, parent, batch, lease)
+            batches = self.read_batches(st, generation, ids, parent, batch, lease, pack)
             async with aclosing(batches) as it:
                 async for rb in it:
                     hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
                                               checksums=[s.checksum for s in rb.served],
                                               done=rb.last)
-                    inflight.append((None, rb))
-                    await within(ep.send_obj(hdr.SerializeToString()), far, io, "header")
-                    if rb.served:
-                        inflight[-1] = (asyncio.ensure_future(asyncio.gather(
-                            *(ep.send(rb.bufs[i][:size]) for i in range(len(rb.served))))),
-                            rb)
+                    sends = post_obj(ep, hdr.SerializeToString())
+                    if rb.served and pack:
+                        sends.append(asyncio.ensure_future(
+                            ep.send(rb.bufs[0][:len(rb.served) * size])))
+                    elif rb.served:
+                        sends += [asyncio.ensure_future(ep.send(rb.bufs[i][:size]))
+                                  for i in range(len(rb.served))]
+                    inflight.append((asyncio.gather(*sends), rb))
                     while len(inflight) > self.pcfg.staging_sets - 2:
                         await self._sent(inflight, far, io)
                 while inflight:
@@ -325,15 +358,13 @@ class PeerService:
             if inflight:
                 lease.clean = False
                 for fut, rb in inflight:
-                    if fut is not None:
-                        fut.cancel()
+                    fut.cancel()
                     self.done_with(rb)
             lease.release()
 
     async def _sent(self, inflight: list, far: float, io: float) -> None:
         fut, rb = inflight[0]
-        if fut is not None:
-            await within(asyncio.shield(fut), far, io, "payload send")
+        await within(asyncio.shield(fut), far, io, "header and payload sends")
         inflight.pop(0)
         self.done_with(rb)
 

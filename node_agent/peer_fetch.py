@@ -17,9 +17,9 @@ from kvstore.store import NsState, PutItem
 from kvstore.store_types import Reservation
 from kvstore.v1 import agent_pb2, peer_pb2
 from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerRef, PeerRefused,
-                                    PeerTransportError, control_buffer, is_ip,
-                                    namespace_to_proto, present_prefix, split_host_port,
-                                    within)
+                                    PeerTransportError, contiguous, control_buffer, is_ip,
+                                    namespace_to_proto, packed, post_obj, present_prefix,
+                                    split_host_port, within)
 
 if TYPE_CHECKING:
     from node_agent.peer import PeerService
@@ -37,18 +37,23 @@ class FetchRequestIds:
 class Landing:
     """Where the payloads of one UCX batch land: pool slots reserved for its leading
     blocks (`res`, host pools), staging buffers for the others (device pools, or blocks
-    left without a slot, which are then not stored). `recvs` completes once UCX no longer
-    writes into any of them, whatever the outcome."""
+    left without a slot, which are then not stored). Packed (small blocks), the whole
+    batch lands in one staging set, `scratch`, and the store step copies it into the
+    slots. `recvs` completes once UCX no longer writes into any of them, whatever the
+    outcome."""
 
     first: int
     count: int
     checksums: list[int]
     res: Reservation | None
     scratch: list
+    pack: bool = False
     recvs: asyncio.Future | None = None
 
     @property
     def bufs(self) -> list:
+        if self.pack:
+            return [contiguous(self.scratch, self.count)]
         return (self.res.views if self.res is not None else []) + self.scratch
 
 
@@ -74,6 +79,7 @@ class BatchSink:
         self.remote_done = False
         self.stop_reason = ""
         self._task: asyncio.Task | None = None
+        self._staging: list | None = None  # the staging set the store step reads
 
     def begin(self) -> FetchRequestIds:
         """Start a (re)request for the ids not stored yet."""
@@ -95,23 +101,31 @@ class BatchSink:
         self.expect = first + chunk.count
         return first
 
-    async def push(self, first: int, bufs, checksums: list[int]) -> bool:
+    async def push(self, first: int, bufs, checksums: list[int],
+                   staging: list | None = None) -> bool:
         """Queue a received batch for storing (a copying put); False when the transfer
-        should stop."""
+        should stop. `staging`: a set that goes back to the pool once the put is done."""
         size = sum(memoryview(b).nbytes for b in bufs)
-        return await self._queue(len(bufs), size, self._store, first, bufs, checksums)
+        return await self._queue(len(bufs), size, staging, self._store, first, bufs,
+                                 checksums)
 
     async def land(self, ld: Landing) -> bool:
-        """Queue a batch received into a Landing for storing: verified in place, then
-        committed (put from staging on device pools)."""
+        """Queue a batch received into a Landing for storing: verified in place (packed:
+        copied from staging into the slots and verified in one pass), then committed (put
+        from staging on device pools)."""
+        staging, ld.scratch = (ld.scratch, []) if ld.pack else (None, ld.scratch)
         if ld.res is None:
-            return await self.push(ld.first, ld.scratch, ld.checksums)
+            return await self.push(ld.first, (staging or ld.scratch)[:ld.count],
+                                   ld.checksums, staging)
         size = ld.count * self.st.spec.block_bytes
-        return await self._queue(ld.count, size, self._commit, ld)
+        return await self._queue(ld.count, size, staging, self._commit, ld, staging)
 
-    async def _queue(self, n: int, size: int, fn, *args) -> bool:
+    async def _queue(self, n: int, size: int, staging: list | None, fn, *args) -> bool:
         if not await self.drain():
+            if staging:
+                self.peer.staging.give(staging)
             return False
+        self._staging = staging
         self.peer.count("peer_blocks_received", n)
         if size >= OFFLOAD_BYTES:
             self._task = asyncio.create_task(asyncio.to_thread(fn, *args))
@@ -121,13 +135,21 @@ class BatchSink:
         return True
 
     def destination(self, first: int, count: int, checksums: list[int],
-                    after: Reservation | None) -> Landing:
+                    after: Reservation | None, batch: int) -> Landing:
         """Reserve pool slots for blocks first..first+count (a Landing with no slots when
         the store cannot take them in place; `reason` of a short reservation stops the
         transfer after this batch). Worker thread when it may have to evict."""
         store = self.peer.store
         size = self.st.spec.block_bytes
+        pack = packed(size)
         res = None
+        if pack and store.supports_in_place:
+            parent = self.ids[first - 1] if first else self.parent_id
+            res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
+                                parent, self.root, after=after)
+        if pack:  # a whole set (not `count` buffers), so that sets are reused across batches
+            return Landing(first, count, checksums, res, self.peer.staging.take(batch, size),
+                           pack=True)
         if store.supports_in_place:
             parent = self.ids[first - 1] if first else self.parent_id
             res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
@@ -138,12 +160,14 @@ class BatchSink:
             scratch = self.peer.staging.take(count, size)
         return Landing(first, count, checksums, res, scratch)
 
-    def _commit(self, ld: Landing):
-        """Worker-thread part of land(): verify and commit the reserved blocks."""
+    def _commit(self, ld: Landing, staging: list | None):
+        """Worker-thread part of land(): verify (packed: copy from `staging` and verify)
+        and commit the reserved blocks."""
         reason = ""
         n_res = len(ld.res)
         try:
-            self.peer.store.commit(ld.res, ld.checksums[:n_res])
+            self.peer.store.commit(ld.res, ld.checksums[:n_res],
+                                   sources=staging[:n_res] if staging else None)
         except errors.DataLoss as exc:
             self.peer.count("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
@@ -159,7 +183,12 @@ class BatchSink:
         """Wait for the batch being stored; False when it did not store completely."""
         if self._task is not None:
             task, self._task = self._task, None
-            first, n, wanted, reason = await task
+            staging, self._staging = self._staging, None
+            try:
+                first, n, wanted, reason = await task
+            finally:
+                if staging and task.done() and not task.cancelled():
+                    self.peer.staging.give(staging)  # nothing reads it any more
             self.peer.published()
             self.stored = first + n
             if n:
@@ -270,13 +299,13 @@ class FetchJob:
                          self.parent_id, self._stored(s))
         # The store refuses chains shorter than min_prefix_blocks per put: the first
         # batch must be at least that long.
-        batch = max(pcfg.batch_blocks, min(self.st.policy.min_prefix_blocks,
-                                           pcfg.max_batch_blocks))
+        size = self.st.spec.block_bytes
+        batch = max(pcfg.batch_for(size), min(self.st.policy.min_prefix_blocks,
+                                              pcfg.max_batch_blocks))
         if self.svc.ucx_ready and self.peer.ucx_address:
             await self._attempt("ucx", sink, batch)
         if (sink.stored < e - s and not sink.stop_reason and not sink.remote_done
                 and self.peer.grpc_address and time.monotonic() < self.deadline):
-            size = self.st.spec.block_bytes
             gbatch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
             await self._attempt("grpc", sink, gbatch)
         self.fetched += sink.stored
@@ -350,9 +379,7 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
     clean = abandoned = False
     try:
         try:
-            await within(ep.send_obj(req.SerializeToString()), deadline, io, "request send")
-            raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
-                               "first chunk header")
+            raw = await _ask(ep, req, deadline, io)
         except Exception as exc:
             if reused:  # nothing happened on this request yet: safe to retry elsewhere
                 raise _StaleConnection(f"{type(exc).__name__}: {exc}") from exc
@@ -363,7 +390,7 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                 raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
             first = sink.check(hdr, batch)
             sink.remote_done = hdr.done
-            if hdr.count and not await _post(svc, ep, sink, posted, first, hdr):
+            if hdr.count and not await _post(svc, ep, sink, posted, first, hdr, batch):
                 abandoned = True  # payloads of this batch come with no receive posted
                 break
             if len(posted) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
@@ -376,10 +403,11 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
         while posted and await _store_oldest(posted, sink, deadline, io):
             pass
         if sink.remote_done and not posted and not abandoned:
-            await sink.drain()
-            await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)), deadline, io,
-                         "acknowledgement")
+            # The answer is complete: acknowledge it without waiting (the connection goes
+            # back to the idle set once the acknowledgement is out).
+            svc.spawn(_acknowledge(svc, ep, address))
             clean = True
+            await sink.drain()
     except (PeerTransportError, PeerRefused, _StaleConnection):
         raise
     except Exception as exc:  # ucxx errors: reset by peer, truncation, closed endpoint
@@ -390,16 +418,49 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
             ep.abort()  # completes (cancels) the receives still posted into `posted`
         await _settle(svc, posted)
         await sink.drain_quietly()
-        if clean:
-            svc.checkin(address, ep)  # the peer waits for our next request on it
+
+
+async def _ask(ep, req: peer_pb2.FetchRequest, deadline: float, io: float):
+    """Send the request and receive the first chunk header, the receive posted without
+    waiting for the sends to complete (one completion wait less); a failed send ends
+    the wait at once."""
+    sending = asyncio.gather(*post_obj(ep, req.SerializeToString()))
+    answer = asyncio.ensure_future(ep.recv_obj(allocator=control_buffer))
+    try:
+        await within(asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
+                     deadline, io, "first chunk header")
+        if sending.done() and sending.exception() is not None:
+            raise sending.exception()
+        return answer.result()
+    finally:
+        for fut in (sending, answer):
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # retrieved: no "never retrieved" warning
+
+
+async def _acknowledge(svc: "PeerService", ep, address: str) -> None:
+    """Acknowledge a complete answer, then keep the connection for the next request to
+    this peer (it waits for that on it); a connection whose acknowledgement fails is
+    dropped."""
+    try:
+        await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)),
+                     time.monotonic() + svc.pcfg.io_timeout_s, svc.pcfg.io_timeout_s,
+                     "acknowledgement")
+    except Exception as exc:
+        log.debug("acknowledging to %s failed (%s); dropping the connection", address, exc)
+        ep.abort()
+        return
+    svc.checkin(address, ep)
 
 
 async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], first: int,
-                hdr: peer_pb2.FetchChunk) -> bool:
+                hdr: peer_pb2.FetchChunk, batch: int) -> bool:
     """Reserve the batch's destination and post its receives; False (the sink knows why)
     when not one block of it can be stored here."""
     after = posted[-1].res if posted else None
-    args = (first, hdr.count, list(hdr.checksums), after)
+    args = (first, hdr.count, list(hdr.checksums), after, batch)
     try:
         if svc.store.pool.free_slots < hdr.count:  # making room may write NVMe: off-loop
             ld = await asyncio.to_thread(sink.destination, *args)
@@ -431,7 +492,7 @@ async def _store_oldest(posted: list[Landing], sink: BatchSink, deadline: float,
     posted.pop(0)
     ok = await sink.land(ld)
     if ld.res is not None:  # its scratch only took payloads that are not stored
-        _give_back(sink.peer, ld)
+        _give_back(sink.peer, ld)  # (packed, land() took the set: the sink gives it back)
     return ok
 
 

@@ -3,7 +3,7 @@ node_agent/peer.py over real ucxx, serving the payloads in a .npy file (row i an
 i-th requested block), and misbehaves on purpose:
 
 - corrupt: flips one byte of block 11 after computing its checksum;
-- die: sends the first chunk, then exits without closing anything.
+- die: sends a first chunk of at most 8 blocks, then exits without closing anything.
 
 Usage: python tests/peer_fault.py MODE DATA.npy PORT_FILE
 """
@@ -19,6 +19,8 @@ from kvstore import checksum as cks
 from kvstore.v1 import peer_pb2
 
 CORRUPT_INDEX = 11
+DIE_BATCH = 8
+PACKED_MAX_BLOCK_BYTES = 128 << 10  # node_agent/peer_common.py (not imported: see below)
 
 
 async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
@@ -39,6 +41,9 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         req = peer_pb2.FetchRequest.FromString(bytes(raw))
         n = len(req.block_ids) // 16
         batch = req.batch_blocks or 8
+        if mode == "die":
+            batch = min(batch, DIE_BATCH)  # a legal (smaller) chunk that is not the last
+        pack = data.shape[1] <= PACKED_MAX_BLOCK_BYTES
         for start in range(0, n, batch):
             rows = [data[i].copy() for i in range(start, min(n, start + batch))]
             sums = [cks.checksum(r) for r in rows]
@@ -48,7 +53,10 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
             hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums,
                                       done=last)
             await asyncio.wait_for(ep.send_obj(hdr.SerializeToString()), 10)
-            await asyncio.wait_for(asyncio.gather(*(ep.send(r) for r in rows)), 10)
+            if pack:  # small blocks: the whole batch as one message
+                await asyncio.wait_for(ep.send(np.concatenate(rows)), 10)
+            else:
+                await asyncio.wait_for(asyncio.gather(*(ep.send(r) for r in rows)), 10)
             if mode == "die":
                 os._exit(3)  # mid-transfer, no goodbye
         ack = np.empty(8, dtype=np.uint8)

@@ -352,3 +352,36 @@ def test_prefetch_forwards_the_callers_token_and_checks_access(spawn_agent):
         r = stub.Prefetch(req, metadata=(("authorization", "Bearer acme-token"),), timeout=60)
         assert (r.present, r.transport, r.stopped) == (6, "ucx", ""), r
         assert same_bytes(ca.get(na, ids), blocks)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, monkeypatch,
+                                                               transport):
+    """Small blocks travel a whole batch per message (node_agent/peer_common.packed):
+    several batches and a short last one, two prompts over the kept connection."""
+    if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("needs ucxx (pip install ucxx-cu12)")
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(16 * SMALL.block_bytes))  # agents
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, slot_bytes="4KiB")
+    a = spawn_agent(peer_port=free_port(), slot_bytes="4KiB")
+    n = 100  # six batches of 16 and one of 4
+    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb, na = cb.open_namespace(SMALL), ca.open_namespace(SMALL)
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        for seed in (21, 22):
+            ids = cb.block_ids(nb, prompt_tokens(seed, n * SMALL.block_size))
+            blocks = random_blocks(SMALL, n, seed)
+            assert cb.put(nb, ids, blocks).stored == n
+            req = peer_pb2.PrefetchRequest(
+                ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()),
+                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}" if transport == "ucx" else "")
+            r = stub.Prefetch(req, timeout=60)
+            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, transport, ""), r
+            assert same_bytes(ca.get(na, ids), blocks)
+        counters = Counter(dict(ca.stats().counters))
+        assert counters["peer_blocks_received"] == 2 * n
+        assert counters["peer_checksum_mismatch"] == 0
+        assert counters[f"peer_{transport}_failures"] == 0
