@@ -49,6 +49,7 @@ class Request:
     tenant: str
     namespace: str
     tokens: tuple[int, ...] | list[int]
+    output_tokens: int = 0  # tokens generated after the prompt (optional in a trace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,12 +174,16 @@ def parse_record(line: int, record: object) -> Request:
     t = record["t"]
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise _fail(line, f"'t' must be a finite number of seconds, got {t!r}")
+    out = record.get("output_tokens", 0)
+    if type(out) is not int or not 0 <= out <= _INT32_MAX:
+        raise _fail(line, f"'output_tokens' must be an integer >= 0, got {out!r}")
     return Request(
         line=line,
         t=float(t),
         tenant=_check_text(line, record, "tenant"),
         namespace=_check_text(line, record, "namespace"),
         tokens=_check_tokens(line, record["tokens"]),
+        output_tokens=out,
     )
 
 

@@ -21,7 +21,8 @@ from typing import Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["tiny_llama_config", "build_tiny_llama", "PrefillCalibration", "measure_prefill"]
+__all__ = ["tiny_llama_config", "build_tiny_llama", "PrefillCalibration", "measure_prefill",
+           "measure_decode"]
 
 
 def tiny_llama_config(*, layers: int = 2, hidden: int = 128, heads: int = 4,
@@ -134,6 +135,27 @@ def measure_prefill(model, lengths: Sequence[int], *, repeats: int = 3, warmup: 
             # and pricing must not say a longer prompt is cheaper.
             out.append(max(statistics.median(times), out[-1] if out else 0.0))
     return PrefillCalibration(tuple(lengths), tuple(out))
+
+
+def measure_decode(model, context: int = 512, steps: int = 16, *, seed: int = 0) -> float:
+    """Seconds per generated token: single-token forward passes on top of a KV cache of
+    `context` tokens (median of `steps`, after one warm-up step)."""
+    if context < 1 or steps < 1:
+        raise ValueError("context and steps must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(device)
+    times = []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for _ in range(steps + 1):
+            nxt = out.logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, cache=out["cache"], use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

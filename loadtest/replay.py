@@ -13,8 +13,12 @@ node serves one request at a time on a simulated clock, so
 
 and the no-cache TTFT of the same request is a full prefill on the node that frees up
 first (join-shortest-queue, the best a cache-less cluster can do). Routes stay in flight
-at the router until their simulated finish time has passed, so the router's load term
-sees the simulated queues. Arrival times are rescaled so that full prefill with no cache
+at the router as they would in service: at the simulated end of its prefill a request
+tells the router its prefill is done (its queued prefill work stops counting), and it
+leaves once it has decoded the trace's output_tokens at the measured decode speed of the
+tiny Llama (--decode-ms-per-token). Decoding is not simulated on the node's clock: with
+continuous batching it interleaves with other requests' prefill, and TTFT ends with the
+first token anyway. Arrival times are rescaled so that full prefill with no cache
 would keep the agents 70% busy (--offered-load): with the trace's own times the result
 would hinge on how fast this host runs the tiny model.
 
@@ -62,8 +66,8 @@ from loadtest import report
 from loadtest.replay_cluster import (Cluster, agent_counters,
                                      describe_cluster, flush_namespaces, start_cluster)
 from loadtest.replay_sim import (BLOCK, CostModel, HashRing, LinearPrefill, TraceRequest,
-                                 calibrate, load_trace, nocache_ttft, simulated_requests,
-                                 time_scale)
+                                 calibrate, decode_seconds_per_token, load_trace,
+                                 nocache_ttft, simulated_requests, time_scale)
 
 
 POLICIES = ("ours", "rr", "chash")
@@ -250,13 +254,14 @@ class Replayer:
     clock, advanced by arrivals, passes the request's finish."""
 
     def __init__(self, sess: Session, reqs: list[TraceRequest], cal: CostModel,
-                 nocache: list[float], workers: int, speed: float) -> None:
+                 nocache: list[float], workers: int, speed: float,
+                 decode_s: float = 0.0) -> None:
         self.sess, self.reqs, self.cal, self.nocache = sess, reqs, cal, nocache
-        self.workers, self.speed = workers, speed
+        self.workers, self.speed, self.decode_s = workers, speed, decode_s
         self.nodes = sorted(sess.cluster.nodes)
         self.ring = HashRing(self.nodes)
         self.busy = {n: 0.0 for n in self.nodes}
-        self.releases: list[tuple[float, str]] = []
+        self.releases: list[tuple[float, int, str]] = []  # (when, prefill_done, id)
         self.pending: dict[int, Future] = {}
         self.next_commit = 0
         self.out: list[report.Outcome] = []
@@ -286,7 +291,12 @@ class Replayer:
         start = max(req.t, self.busy[m.node])
         self.busy[m.node] = finish = start + service
         if m.request_id:
-            heapq.heappush(self.releases, (finish, m.request_id))
+            # The router hears of the first token (prefill done: its queued work goes)
+            # and, once the request has decoded its output, of its end (it leaves).
+            decode = req.output_tokens * self.decode_s
+            if decode > 0:
+                heapq.heappush(self.releases, (finish, 1, m.request_id))
+            heapq.heappush(self.releases, (finish + decode, 0, m.request_id))
         self.out.append(report.Outcome(
             req.index, req.tenant, req.t, m.node, len(req.tokens), cached, req.ceiling_tokens,
             m.hbm_blocks, m.nvme_blocks, m.peer_blocks, m.index_best_blocks, m.chosen_blocks,
@@ -296,7 +306,8 @@ class Replayer:
 
     def release_due(self, now: float) -> None:
         while self.releases and self.releases[0][0] <= now:
-            self._router.release(heapq.heappop(self.releases)[1])
+            _, prefill_only, rid = heapq.heappop(self.releases)
+            self._router.release(rid, prefill_done=bool(prefill_only))
 
     def _pace(self, wall0: float, t: float) -> None:
         if self.speed > 0:
@@ -343,7 +354,8 @@ def run_policy(cluster: Cluster, policy: str, reqs: list[TraceRequest],
     before = agent_counters(cluster)
     progress = report.Progress(len(reqs), report.label(policy))
     try:
-        out = Replayer(sess, reqs, cal, nocache, args.workers, args.speed).run(progress)
+        out = Replayer(sess, reqs, cal, nocache, args.workers, args.speed,
+                       args.decode_s).run(progress)
     finally:
         progress.close()
         sess.close()
@@ -396,6 +408,11 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=None,
                    help="price prefill at this speed instead of calibrating the tiny Llama")
+    p.add_argument("--decode-ms-per-token", type=float, default=None,
+                   help="how long a request decodes per output token (the trace's "
+                        "output_tokens) after its first token, during which the router "
+                        "still counts it on its node (default: the tiny Llama's measured "
+                        "decode step; 0: requests leave the router when prefill ends)")
     p.add_argument("--offered-load", type=float, default=0.7,
                    help="rescale arrival times so full prefill (no cache) would keep the "
                         "agents this busy (default 0.7; 0 keeps the trace's times)")
@@ -425,6 +442,8 @@ def _check(args) -> list[str]:
         raise ValueError("need --workers >= 1, 0 < --pool-fraction <= 10, --nvme-fraction >= 0")
     if args.offered_load < 0 or args.speed < 0:
         raise ValueError("--offered-load and --speed must be >= 0")
+    if args.decode_ms_per_token is not None and not 0 <= args.decode_ms_per_token < 1e6:
+        raise ValueError("--decode-ms-per-token must be >= 0")
     parse_weights(args.weights)
     return policies
 
@@ -446,7 +465,8 @@ def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request], ana
             "agents": len(nodes),
             "time scale": f"{scale:.3g} (no-cache offered load {native / scale:.2f}; "
                           f"the trace's own {native:.2f})",
-            "simulated span": f"{reqs[-1].t - reqs[0].t:,.1f} s"}
+            "simulated span": f"{reqs[-1].t - reqs[0].t:,.1f} s",
+            "mean output": sum(r.output_tokens for r in reqs) / len(reqs)}
     return outcomes, counters, stats, meta
 
 
@@ -471,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, working set {ws_bytes / 2**20:.0f} MiB ({analysis.overall.distinct_blocks:,}"
         f" blocks of {block_bytes} B)")
     cal = calibrate(args.prefill_tokens_per_s, max(len(r.tokens) for r in raw), say)
+    args.decode_s = decode_seconds_per_token(args.decode_ms_per_token, say)
     try:
         cluster, (outcomes, counters, stats, meta) = _on_cluster(
             args, lambda c: _replay(args, policies, c, raw, analysis, cal, ws_bytes, say),
@@ -535,6 +556,7 @@ def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
     out_dir = Path(args.out or f"loadtest/out/replay-{time.strftime('%Y%m%d-%H%M%S')}")
     pool_fraction = cluster.pool_blocks * block_bytes / ws_bytes if ws_bytes else math.nan
     ceiling = analysis.overall
+    mean_out = meta.pop("mean output")
     meta = {"title": f"{meta['requests']} requests, {meta['agents']} agents",
             "trace": args.trace or f"loadtest.tracegen defaults, seed {args.seed}", **meta,
             "KV layout": "2 layers x 2 KV heads x 32 head dim, fp16, 16-token blocks",
@@ -547,6 +569,10 @@ def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
                              if isinstance(cal, LinearPrefill) else "tiny Llama, measured: "
                              + ", ".join(f"{n} tok {s * 1e3:.0f} ms"
                                          for n, s in zip(cal.lengths, cal.seconds))),
+            "decode": (f"{args.decode_s * 1e3:.1f} ms per output token"
+                       + (" (given)" if args.decode_ms_per_token is not None
+                          else " (tiny Llama, measured)")
+                       + f"; mean output {mean_out:.0f} tokens"),
             "workers": args.workers, "peer fetch": not args.no_peer_fetch,
             "router weight override": (args.weights if parse_weights(args.weights)
                                        else "none (router defaults)"),

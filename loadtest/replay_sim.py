@@ -28,6 +28,7 @@ class TraceRequest:
     namespace: str
     tokens: list[int]
     ceiling_tokens: int
+    output_tokens: int = 0  # generated after the prompt: the request decodes this long
 
 
 def load_trace(trace: str | None, requests: int | None, seed: int
@@ -116,6 +117,19 @@ def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
     return cal
 
 
+def decode_seconds_per_token(ms_per_token: float | None, say) -> float:
+    """A given decode speed, or the tiny Llama's measured decode step (at 512 tokens of
+    context: each output token is one forward pass over the KV cache)."""
+    if ms_per_token is not None:
+        return ms_per_token / 1e3
+    from loadtest.model import build_tiny_llama, measure_decode
+    model = build_tiny_llama(0)
+    # The faster of two passes, as for prefill: one stall must not price every token.
+    s = min(measure_decode(model, 512, 16, seed=i) for i in range(2))
+    say(f"  decode: {s * 1e3:.1f} ms per output token")
+    return s
+
+
 def time_scale(reqs: list[Request], cal: CostModel, agents: int,
                offered_load: float) -> tuple[float, float]:
     """(scale, native load): stretch or squeeze arrivals so full prefill (no cache)
@@ -147,7 +161,7 @@ def simulated_requests(raw: list[Request], scale: float) -> list[TraceRequest]:
     """Trace requests with arrivals from 0, scaled, and their ceilings."""
     ceil = ceiling_per_request(raw)
     return [TraceRequest(i, (r.t - raw[0].t) * scale, r.tenant, r.namespace, list(r.tokens),
-                         c) for i, (r, c) in enumerate(zip(raw, ceil))]
+                         c, r.output_tokens) for i, (r, c) in enumerate(zip(raw, ceil))]
 
 
 class HashRing:

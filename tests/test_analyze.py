@@ -213,3 +213,12 @@ def test_analyze_command_success_and_bad_input(tmp_path, capsys):
     bs = _parser().parse_args([str(good), "--block-size", "0"])
     assert analyze_command(bs) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_output_tokens_are_optional_and_checked():
+    from kvctl.analyze import iter_requests
+    reqs = list(iter_requests([_req(0, range(16)), {**_req(1, range(16)), "output_tokens": 7}]))
+    assert [r.output_tokens for r in reqs] == [0, 7]
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="output_tokens"):
+            list(iter_requests([{**_req(0, range(16)), "output_tokens": bad}]))

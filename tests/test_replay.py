@@ -172,4 +172,15 @@ def test_cli_refuses_bad_arguments(capsys):
     from loadtest.replay import main
     assert main(["--policies", "ours,random"]) == 2
     assert "unknown policies" in capsys.readouterr().err
+    assert main(["--decode-ms-per-token", "-1"]) == 2
+    assert "--decode-ms-per-token" in capsys.readouterr().err
     assert main(["--requests", "0"]) == 2
+
+
+def test_decode_speed_given_or_measured_on_the_tiny_llama():
+    from loadtest.replay_sim import decode_seconds_per_token
+    said = []
+    assert decode_seconds_per_token(2.5, said.append) == pytest.approx(0.0025)
+    assert decode_seconds_per_token(0, said.append) == 0 and not said
+    measured = decode_seconds_per_token(None, said.append)
+    assert 0 < measured < 5 and "ms per output token" in said[-1]
