@@ -39,6 +39,7 @@ __all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to
 
 MiB = 1 << 20
 _GRPC_PUT_BLOCKS = 8
+_COPY_OUT_BYTES = 4 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +266,14 @@ class KVClient:
             for start in range(0, len(ids), cap):
                 chunk = ids[start: start + cap]
                 resp = self._get_staged(ns, chunk, parent if start == 0 else ids[start - 1])
-                # One copy out of staging for the whole run; the blocks are views of it.
-                run = self._staging_blocks(ns)[:resp.count].to(device, copy=True)
-                out.blocks.extend(run.unbind(0))
+                # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
+                # per block costs ~20 us each on small blocks, and one huge buffer is
+                # freshly mapped (page faults) on every call.
+                stage = self._staging_blocks(ns)
+                per = max(1, _COPY_OUT_BYTES // ns.block_bytes)
+                for i in range(0, resp.count, per):
+                    piece = stage[i: min(i + per, resp.count)].to(device, copy=True)
+                    out.blocks.extend(piece.unbind(0))
                 out.tiers.extend(resp.tiers)
                 if resp.count < len(chunk):
                     break
