@@ -256,7 +256,10 @@ class PeerService:
         """Borrow the leading pool-resident blocks (verified in place), copy what follows
         from NVMe into staging (get verifies and promotes it). Packed, the borrowed blocks
         are copied into staging too and the borrow ends here."""
-        b = self.store.borrow(st.ns_id, generation, chunk, parent)
+        # Sent straight from the slots, blocks are verified by the receiver against the
+        # checksums in the header (end to end), so a second pass here is skipped; packed
+        # into staging they are verified here as before.
+        b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=pack)
         rb = ReadBatch(0, list(b.served), list(b.views), b)
         k = len(rb.served)
         if pack:

@@ -179,3 +179,21 @@ def test_borrow_stops_at_blocks_only_on_nvme(make_store):
     served, data = get(store, ids)
     assert data == [it.data for it in items]
     check_invariants(store)
+
+
+def test_unverified_borrow_leaves_checking_to_the_receiver(make_store):
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(15, 3)
+    put(store, items)
+    slot = store.namespace(NS, 0).blocks[ids[1]].slot
+    store.pool.raw_view(slot)[0] ^= 0xFF
+    b = store.borrow(NS, 0, ids, ROOT, verify=False)
+    assert len(b) == 3 and bytes(b.views[1]) != items[1].data  # sent as it is ...
+    assert [s.checksum for s in b.served] == [cks.checksum(it.data) for it in items]
+    store.release(b)  # ... with the checksum of what was stored: the receiver refuses it
+    assert store.counters.get("corrupt_dropped", 0) == 0
+    b = store.borrow(NS, 0, ids, ROOT)  # a verifying read finds it
+    assert len(b) == 1 and store.counters["corrupt_dropped"] == 1
+    store.release(b)
+    check_invariants(store)
