@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import secrets
+import socket
 from typing import NamedTuple
 
 import grpc
@@ -75,6 +76,9 @@ class LocalLane:
         self.connections = 0  # connections accepted
 
     async def start(self) -> None:
+        stale = remove_stale_sockets(os.path.dirname(self.path))
+        if stale:
+            log.info("removed %d local-lane sockets of agents that are gone", stale)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         # Anyone who can reach /dev/shm may connect, as anyone may reach the gRPC port:
         # every call still authenticates with the tenant's bearer token.
@@ -161,3 +165,30 @@ def _error(code: grpc.StatusCode, details: str) -> tuple[int, bytes]:
 
 def _serialize(msg) -> bytes:
     return msg.SerializeToString()
+
+
+def remove_stale_sockets(directory: str) -> int:
+    """Unlink local-lane sockets nobody listens on (their agent was killed, so it could
+    not remove its own); a live agent's socket accepts the probe and stays."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not (name.startswith("kvstore-agent-") and name.endswith(".sock")):
+            continue
+        path = os.path.join(directory, name)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except OSError:
+                    pass
+            except OSError:
+                pass  # not ours to judge (permissions, a slow agent): leave it
+    return removed

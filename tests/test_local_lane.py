@@ -253,3 +253,20 @@ def test_get_tiered_names_the_tier_of_each_block_on_every_path(spawn_agent):
         assert all(torch.equal(x, y) for x, y in zip(again.blocks, blocks_a))
         assert (again.tiers.count(Tier.HBM), again.tiers.count(Tier.NVME)) == \
             (now.hbm, now.nvme)
+
+
+def test_stale_sockets_of_killed_agents_are_removed(tmp_path):
+    from node_agent.local_lane import remove_stale_sockets
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(tmp_path / "kvstore-agent-1-dead.sock"))
+    dead.close()  # bound, never listening: what a SIGKILLed agent leaves behind
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "kvstore-agent-2-live.sock"))
+    live.listen(1)
+    (tmp_path / "other.sock").write_text("")  # not ours: never touched
+    try:
+        assert remove_stale_sockets(str(tmp_path)) == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kvstore-agent-2-live.sock",
+                                                              "other.sock"]
+    finally:
+        live.close()
