@@ -6,6 +6,10 @@ Measures in one run, on this machine, against real agent processes:
   agent over the same-host shared-memory path (put from, and get into, the staging area)
 - shm_put_copy_gbps / shm_get_copy_gbps: the same including the copy between caller-owned
   tensors and the staging area (KVClient.put / KVClient.get)
+- staging_write_gbps / private_write_gbps (diagnostics): the same block copies, single
+  threaded, into the client's staging area and into private memory; shm_get_gbps has been
+  seen bimodal across runs on a VM, and these show whether the staging memory itself was
+  slow in that run
 - grpc_put_gbps / grpc_get_gbps: the same blocks through gRPC only
 - hash_mtok_s: chained block hashing of a 32k-token prompt (million tokens per second)
 - lookup_2000_us: p50 of KVClient.lookup for a 2,000-block prompt, agent holding >= 100k
@@ -120,6 +124,8 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
         gen = torch.Generator().manual_seed(1)
         blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
         put_t, put_copy_t, get_t, get_copy_t = [], [], [], []
+        if shm:  # is the staging memory itself slow in this run? (see the docstring)
+            out.update(staging_copy_rates(c.staging_views(ns, batch), blocks))
         for r in range(rounds):
             ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
             if shm:
@@ -157,6 +163,23 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
     return out
+
+
+def staging_copy_rates(views: list[torch.Tensor], blocks: list[torch.Tensor]
+                       ) -> dict[str, float]:
+    """Diagnostics: the same single-threaded block copies into the client's staging area
+    (tmpfs, shared with the agent) and into private memory, best of three each."""
+    private = [torch.empty_like(b) for b in blocks]
+    rates = {}
+    for key, dsts in (("staging_write_gbps", views), ("private_write_gbps", private)):
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            for d, b in zip(dsts, blocks):
+                d.copy_(b)
+            best = max(best, sum(b.nbytes for b in blocks) / (time.perf_counter() - t) / 1e9)
+        rates[key] = best
+    return rates
 
 
 def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
