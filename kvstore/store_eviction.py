@@ -114,9 +114,7 @@ class EvictionMixin:
             if victim is None:
                 self.counters["nvme_full"] += 1
                 return False
-            self._evict_nvme(victim)
-            if tenant is not None:
-                self.counters["evict_nvme_quota"] += 1
+            self._evict_nvme(victim, quota=tenant is not None)
         payload, digest = self.pool.read_bytes(m.slot, m.nbytes)
         if digest != m.checksum:  # never spill a corrupt block: drop it and its descendants
             self.counters["corrupt_dropped"] += 1
@@ -131,8 +129,12 @@ class EvictionMixin:
         self._refile(m)
         return True
 
-    def _evict_nvme(self, m: BlockMeta) -> None:
+    def _evict_nvme(self, m: BlockMeta, quota: bool = False) -> None:
+        """Drop a block's NVMe copy (and the block, if that was its only copy); `quota`:
+        evicted for its tenant's NVMe quota, which is counted apart as well."""
         self.counters["evict_nvme"] += 1
+        if quota:
+            self.counters["evict_nvme_quota"] += 1
         if m.slot >= 0:
             self._drop_nvme_copy(m)
         else:

@@ -112,8 +112,8 @@ class InPlaceMixin:
         n = len(plan) if n is None else min(n, len(plan))
         if sources is not None:
             n = min(n, len(sources))
-            fill = [(p[0].data, src) for p, src in zip(plan[:n], sources)]
-            digest_of, args = (lambda a: cks.copy_with_checksum(*a)), fill
+            fill = [(p[1], src) for p, src in zip(plan[:n], sources)]
+            digest_of, args = (lambda a: self.pool.write(*a)), fill
         else:
             digest_of, args = (lambda p: cks.checksum(p[0].data)), plan[:n]
         try:

@@ -157,7 +157,6 @@ class MaintenanceMixin:
                 victim = self._victim(Tier.NVME, tenant)
                 if victim is None:
                     break
-                self._evict_nvme(victim)
-                self.counters["evict_nvme_quota"] += 1
+                self._evict_nvme(victim, quota=True)
                 done += 1
             return done

@@ -253,35 +253,29 @@ class PeerService:
         return fut
 
     def _read_sync(self, st, generation, chunk, parent, bufs, pack) -> ReadBatch:
-        """Borrow the leading pool-resident blocks (verified in place), copy what follows
-        from NVMe into staging (get verifies and promotes it). Packed, the borrowed blocks
-        are copied into staging too and the borrow ends here."""
+        """Borrow the leading pool-resident blocks, copy what follows from NVMe into
+        staging (get verifies and promotes it). Packed, every block is copied into staging
+        by get (one verified copy each) and nothing stays borrowed."""
+        if pack:
+            served = self.store.get(st.ns_id, generation, chunk, parent,
+                                    lambda i, n: bufs[i][:n])
+            return ReadBatch(0, served, [contiguous(bufs, len(served))] if served else [],
+                             None)
         # Sent straight from the slots, blocks are verified by the receiver against the
-        # checksums in the header (end to end), so a second pass here is skipped; packed
-        # into staging they are verified here as before.
-        b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=pack)
+        # checksums in the header (end to end), so a second pass here is skipped.
+        b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=False)
         rb = ReadBatch(0, list(b.served), list(b.views), b)
         k = len(rb.served)
-        if pack:
-            try:
-                for dst, view in zip(bufs, b.views):
-                    np.copyto(dst[:view.nbytes], view)
-            finally:
-                self.done_with(rb)
-            rb.bufs = bufs[:k]
         if k < len(chunk):
-            off = k if pack else 0  # staging index of the first block read from NVMe
             try:
                 got = self.store.get(st.ns_id, generation, chunk[k:],
                                      chunk[k - 1] if k else parent,
-                                     lambda i, n: bufs[off + i][:n])
+                                     lambda i, n: bufs[i][:n])
             except BaseException:
                 self.done_with(rb)
                 raise
             rb.served += got
-            rb.bufs += bufs[off:off + len(got)]
-        if pack and rb.served:
-            rb.bufs = [contiguous(bufs, len(rb.served))]
+            rb.bufs += bufs[:len(got)]
         return rb
 
     async def _serve_ucx(self, ep) -> None:
@@ -419,7 +413,7 @@ class PeerService:
                 runs[-1][3].append(fut)
             else:
                 runs.append([i, i + 1, mine, [fut]])
-        return [tuple(r) for r in runs]
+        return runs
 
     def release(self, st: NsState, gen: int, ids: list[bytes], futs: dict[int, asyncio.Future]
                 ) -> None:

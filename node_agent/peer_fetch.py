@@ -141,23 +141,16 @@ class BatchSink:
         transfer after this batch). Worker thread when it may have to evict."""
         store = self.peer.store
         size = self.st.spec.block_bytes
-        pack = packed(size)
         res = None
-        if pack and store.supports_in_place:
-            parent = self.ids[first - 1] if first else self.parent_id
-            res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
-                                parent, self.root, after=after)
-        if pack:  # a whole set (not `count` buffers), so that sets are reused across batches
-            return Landing(first, count, checksums, res, self.peer.staging.take(batch, size),
-                           pack=True)
         if store.supports_in_place:
             parent = self.ids[first - 1] if first else self.parent_id
             res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
                                 parent, self.root, after=after)
-            scratch = self.peer.staging.take(count - len(res), size) if len(res) < count \
-                else []
-        else:
-            scratch = self.peer.staging.take(count, size)
+        if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
+            return Landing(first, count, checksums, res, self.peer.staging.take(batch, size),
+                           pack=True)
+        left = count - (len(res) if res is not None else 0)
+        scratch = self.peer.staging.take(left, size) if left else []
         return Landing(first, count, checksums, res, scratch)
 
     def _commit(self, ld: Landing, staging: list | None):

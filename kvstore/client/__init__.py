@@ -132,7 +132,7 @@ class KVClient:
             try:  # the agent mapped our region, so it is on this host: its socket is too
                 self._lane = LaneChannel(resp.local_socket, self._md)
             except OSError:
-                self._lane = None  # e.g. /dev/shm shared but the socket not: stay on gRPC
+                pass  # e.g. /dev/shm shared but the socket not: stay on gRPC
 
     @property
     def uses_shm(self) -> bool:
@@ -247,7 +247,6 @@ class KVClient:
         for r in self.stub.Get(req, metadata=metadata):
             out.count += r.count
             out.tiers.extend(r.tiers)
-            out.checksums.extend(r.checksums)
         return out
 
     def get(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
