@@ -225,7 +225,8 @@ def iter_requests(source: str | os.PathLike | Iterable) -> Iterator[Request]:
         yield request
 
 
-def _cached_blocks(ids: list[bytes], seen: set[bytes]) -> int:
+def cached_blocks(ids: list[bytes], seen: set[bytes]) -> int:
+    """How many leading blocks of `ids` an unbounded cache holding `seen` would serve."""
     count = 0
     for block_id in ids:
         if block_id not in seen:
@@ -249,7 +250,7 @@ def analyze(source: str | os.PathLike | Iterable, block_size: int = 16) -> Analy
         if root is None:
             root = roots[key] = keyspace_root(*key)
         ids = hash_chain(root, req.tokens, block_size)
-        hit = _cached_blocks(ids, seen)
+        hit = cached_blocks(ids, seen)
         before = len(seen)
         seen.update(ids)
         new_blocks = len(seen) - before

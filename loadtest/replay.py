@@ -448,8 +448,8 @@ def _check(args) -> list[str]:
     return policies
 
 
-def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request], analysis,
-            cal: CostModel, ws_bytes: int, say) -> tuple[dict, dict, dict, dict]:
+def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request],
+            cal: CostModel) -> tuple[dict, dict, dict, dict]:
     nodes = sorted(cluster.nodes)
     scale, native = time_scale(raw, cal, len(nodes), args.offered_load)
     reqs = simulated_requests(raw, scale)
@@ -490,11 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     say(f"trace: {len(raw)} requests, ceiling {analysis.overall.token_hit_rate:.1%} of "
         f"tokens, working set {ws_bytes / 2**20:.0f} MiB ({analysis.overall.distinct_blocks:,}"
         f" blocks of {block_bytes} B)")
-    cal = calibrate(args.prefill_tokens_per_s, max(len(r.tokens) for r in raw), say)
-    args.decode_s = decode_seconds_per_token(args.decode_ms_per_token, say)
+    max_len = max(len(r.tokens) for r in raw)
+    cal = calibrate(args.prefill_tokens_per_s, max_len, say)
+    args.decode_s = decode_seconds_per_token(args.decode_ms_per_token, say, max_len)
     try:
         cluster, (outcomes, counters, stats, meta) = _on_cluster(
-            args, lambda c: _replay(args, policies, c, raw, analysis, cal, ws_bytes, say),
+            args, lambda c: _replay(args, policies, c, raw, cal),
             ws_bytes, block_bytes, say)
     except ClusterError as exc:
         print(f"replay: {exc}", file=sys.stderr)

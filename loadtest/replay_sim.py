@@ -4,13 +4,14 @@ given speed), the time scale that sets the offered load, the no-cache TTFT basel
 the consistent-hash ring of the baseline policy."""
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Union
 
-from kvctl.analyze import Request, iter_requests, keyspace_root
+from kvctl.analyze import Request, cached_blocks, iter_requests, keyspace_root
 from kvstore.hashing import hash_chain
 from loadtest.tracegen import TraceConfig, generate
 
@@ -60,28 +61,17 @@ def ceiling_per_request(reqs: list[Request]) -> list[int]:
         key = (r.tenant, r.namespace)
         root = roots.get(key) or roots.setdefault(key, keyspace_root(*key))
         ids = hash_chain(root, r.tokens, BLOCK)
-        n = 0
-        while n < len(ids) and ids[n] in seen:
-            n += 1
+        out.append(cached_blocks(ids, seen) * BLOCK)
         seen.update(ids)
-        out.append(n * BLOCK)
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class LinearPrefill:
-    """Prefill at a fixed speed: the part of loadtest.model.PrefillCalibration's
-    interface the replay uses, without importing transformers (seconds of start-up)."""
+    """Prefill at a fixed speed: the pricing part of loadtest.model.PrefillCalibration's
+    interface, without importing transformers (seconds of start-up)."""
 
     tokens_per_s: float
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return (1000,)
-
-    @property
-    def seconds(self) -> tuple[float, ...]:
-        return (1000 / self.tokens_per_s,)
 
     def prefill_seconds(self, length: int) -> float:
         return max(0, length) / self.tokens_per_s
@@ -100,8 +90,8 @@ def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
     """A given throughput (linear cost), or a measurement of the tiny Llama's prefill."""
     if tokens_per_s:
         return LinearPrefill(tokens_per_s)
-    from loadtest.model import PrefillCalibration, build_tiny_llama, measure_prefill
-    model = build_tiny_llama(0, max_positions=max(4096, max_len))
+    from loadtest.model import PrefillCalibration, measure_prefill
+    model = _tiny_llama(max(4096, max_len))
     lengths = [n for n in (16, 128, 512, 2048) if n < max_len] + [max_len]
     say(f"calibrating prefill of the tiny Llama at {lengths} tokens ...")
     # Two passes, the faster of the two per length: on a shared host one stall (or the
@@ -117,13 +107,20 @@ def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
     return cal
 
 
-def decode_seconds_per_token(ms_per_token: float | None, say) -> float:
+@functools.cache
+def _tiny_llama(max_positions: int):
+    """The seeded tiny Llama both calibrations time (built once per run)."""
+    from loadtest.model import build_tiny_llama
+    return build_tiny_llama(0, max_positions=max_positions)
+
+
+def decode_seconds_per_token(ms_per_token: float | None, say, max_len: int = 0) -> float:
     """A given decode speed, or the tiny Llama's measured decode step (at 512 tokens of
     context: each output token is one forward pass over the KV cache)."""
     if ms_per_token is not None:
         return ms_per_token / 1e3
-    from loadtest.model import build_tiny_llama, measure_decode
-    model = build_tiny_llama(0)
+    from loadtest.model import measure_decode
+    model = _tiny_llama(max(4096, max_len))
     # The faster of two passes, as for prefill: one stall must not price every token.
     s = min(measure_decode(model, 512, 16, seed=i) for i in range(2))
     say(f"  decode: {s * 1e3:.1f} ms per output token")

@@ -289,7 +289,7 @@ class RouterCore:
         if not dry_run:
             c = scores[0]  # the prefill it queues there: recompute, plus peer copies
             self.inflight.add(rid, c.node_id,
-                              c.recompute_blocks + c.peer_blocks * min(pricing.peer_price, 1))
+                              c.recompute_blocks + c.peer_blocks * pricing.peer_price)
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores)
         return Decision(rid, total, scores)
