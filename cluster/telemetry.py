@@ -151,6 +151,30 @@ class _Md:
         return [k for k, _ in carrier]
 
 
+class ServiceTelemetry:
+    """Tracing and, with `cfg.metrics_port`, a Prometheus endpoint for one server process
+    (agent or router); subclasses add their metrics on `meter` (None when metrics are
+    off) and their RPC interceptor."""
+
+    def __init__(self, cfg, service: str, instance: str) -> None:
+        self.tracer_provider = setup_tracing(service, instance, cfg.otlp_endpoint)
+        self.endpoint: MetricsEndpoint | None = None
+        self.meter = None
+        if cfg.metrics_port:
+            self.endpoint = MetricsEndpoint(
+                metrics_bind_host(cfg.metrics_host, cfg.listen), cfg.metrics_port,
+                {"service.name": service, "service.instance.id": instance})
+            self.meter = self.endpoint.meter
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()  # flushes spans still batched
+            self.tracer_provider = None
+
+
 class RpcTelemetry(grpc.aio.ServerInterceptor):
     """Times and traces every RPC but health checks and long-lived subscriptions.
     Put it first in the server's interceptor list so it also covers authentication."""

@@ -25,8 +25,8 @@ import time
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cluster.telemetry import (MetricsEndpoint, RpcTelemetry, metrics_bind_host,
-                               pending_attributes, setup_tracing, tracing_enabled)
+from cluster.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
+                               tracing_enabled)
 from kvstore.events import Tier
 
 log = logging.getLogger("kvstore.agent")
@@ -194,23 +194,18 @@ class _StoreGauges:
         return [Observation(self.servicer.in_flight)]
 
 
-class AgentTelemetry:
+class AgentTelemetry(ServiceTelemetry):
     """Prometheus endpoint (cfg.metrics_port), tracing (cfg.otlp_endpoint or the OTEL_*
     env) and the RPC interceptor for one AgentServer. With both off: nothing is installed
     and the data path pays only the servicer's tallies."""
 
     def __init__(self, agent) -> None:
         cfg = agent.cfg
+        super().__init__(cfg, "kvstore-agent", cfg.node_id)
         self.agent = agent
-        self.tracer_provider = setup_tracing("kvstore-agent", cfg.node_id, cfg.otlp_endpoint)
-        self.endpoint: MetricsEndpoint | None = None
         self._flush = self._peer = self._peer_blocks = None
-        meter = None
-        if cfg.metrics_port:
-            self.endpoint = MetricsEndpoint(
-                metrics_bind_host(cfg.metrics_host, cfg.listen), cfg.metrics_port,
-                {"service.name": "kvstore-agent", "service.instance.id": cfg.node_id})
-            meter = self.endpoint.meter
+        meter = self.meter
+        if meter is not None:
             agent.servicer.metrics.export(meter, agent.store, agent.servicer)
             self._flush = meter.create_histogram(
                 "kvstore_flush_duration_seconds", unit="s",
@@ -261,14 +256,6 @@ class AgentTelemetry:
             return dropped
 
         control.on_generation = timed
-
-    def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()  # flushes spans still batched
-            self.tracer_provider = None
 
 
 def _observe_put(request, response, seconds: float) -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cluster.telemetry import (MetricsEndpoint, RpcTelemetry, metrics_bind_host,
-                               pending_attributes, setup_tracing, tracing_enabled)
+from cluster.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
+                               tracing_enabled)
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                  65536)
@@ -74,22 +74,14 @@ class RouterMetrics:
                 Observation(len(states) - sum(states), {"state": "syncing"})]
 
 
-class RouterTelemetry:
+class RouterTelemetry(ServiceTelemetry):
     """Prometheus endpoint, tracing and the RPC interceptor for one RouterServer; with
     metrics_port 0 and no OTLP endpoint nothing is installed."""
 
     def __init__(self, cfg, core) -> None:
-        self.tracer_provider = setup_tracing("kvstore-router", cfg.router_id,
-                                             cfg.otlp_endpoint)
-        self.endpoint: MetricsEndpoint | None = None
-        self.metrics: RouterMetrics | None = None
-        meter = None
-        if cfg.metrics_port:
-            self.endpoint = MetricsEndpoint(
-                metrics_bind_host(cfg.metrics_host, cfg.listen), cfg.metrics_port,
-                {"service.name": "kvstore-router", "service.instance.id": cfg.router_id})
-            meter = self.endpoint.meter
-            self.metrics = RouterMetrics(meter, core)
+        super().__init__(cfg, "kvstore-router", cfg.router_id)
+        meter = self.meter
+        self.metrics = RouterMetrics(meter, core) if meter is not None else None
         self.interceptors: list = []
         if meter is not None or tracing_enabled():
             self.interceptors.append(RpcTelemetry(meter, {"kvstore.router": cfg.router_id},
@@ -113,11 +105,3 @@ class RouterTelemetry:
                           "kvstore.cost": chosen.cost,
                           "kvstore.candidates": len(response.candidates),
                           "kvstore.dry_run": request.dry_run})
-
-    def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
-            self.tracer_provider = None
