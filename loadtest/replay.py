@@ -588,7 +588,10 @@ def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
         "nvme_fraction": round(cluster.nvme_bytes / ws_bytes, 4) if ws_bytes else None,
         "block_bytes": block_bytes, "working_set_bytes": ws_bytes,
         "elapsed_s": round(elapsed, 1),
-        "failed_calls": {p: sum(v for k, v in e.items() if not k.startswith("prefetch"))
+        # A failed Prefetch call ("prefetch: UNAVAILABLE") is a failed call; one that
+        # returned short ("prefetch stopped short: ...") is counted apart.
+        "failed_calls": {p: sum(v for k, v in e.items()
+                                if not k.startswith("prefetch stopped"))
                          for p, e in errors.items()},
         "prefetch_short": {p: sum(v for k, v in e.items() if k.startswith("prefetch stopped"))
                            for p, e in errors.items()}})
