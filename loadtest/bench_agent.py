@@ -6,10 +6,6 @@ Measures in one run, on this machine, against real agent processes:
   agent over the same-host shared-memory path (put from, and get into, the staging area)
 - shm_put_copy_gbps / shm_get_copy_gbps: the same including the copy between caller-owned
   tensors and the staging area (KVClient.put / KVClient.get)
-- staging_write_gbps / private_write_gbps (diagnostics): the same block copies, single
-  threaded, into the client's staging area and into private memory; shm_get_gbps has been
-  seen bimodal across runs on a VM, and these show whether the staging memory itself was
-  slow in that run
 - grpc_put_gbps / grpc_get_gbps: the same blocks through gRPC only
 - hash_mtok_s: chained block hashing of a 32k-token prompt (million tokens per second)
 - lookup_2000_us: p50 of KVClient.lookup for a 2,000-block prompt, agent holding >= 100k
@@ -18,6 +14,12 @@ Measures in one run, on this machine, against real agent processes:
   grpc_floor_us: p50 round trip of a gRPC health check on the same agent and channel (the
   floor any unary RPC pays here); lookup_2000_inproc_us: the store's own Lookup, in process
 Ends with one JSON line on stdout; progress goes to stderr.
+
+Each timed call starts with nothing of the previous round still held: `got = c.get(...)`
+frees the previous round's 64 output tensors (128 MiB) only after the new call returns,
+inside the timed region. Whether glibc had served those from the heap or from mmap (its
+threshold adapts to the order of earlier frees) made that free cost ~0 or ~15 ms (a
+munmap of 32k pages), which once made shm_get_gbps look bimodal across runs.
 
 The benchmark's own torch runs single-threaded: after a parallel tensor copy (filling the
 staging area) torch's OpenMP workers spin for a while, and on a small host that spinning
@@ -124,8 +126,7 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
         gen = torch.Generator().manual_seed(1)
         blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
         put_t, put_copy_t, get_t, get_copy_t = [], [], [], []
-        if shm:  # is the staging memory itself slow in this run? (see the docstring)
-            out.update(staging_copy_rates(c.staging_views(ns, batch), blocks))
+        got = None
         for r in range(rounds):
             ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
             if shm:
@@ -135,6 +136,7 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
                 t = time.perf_counter()
                 assert c.put_staged(ns, ids).stored == batch
                 put_t.append(time.perf_counter() - t)
+                got = None  # freed outside the timed region (see the docstring)
                 t = time.perf_counter()
                 got = c.get_views(ns, ids)
                 get_t.append(time.perf_counter() - t)
@@ -144,6 +146,7 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
                 t = time.perf_counter()
                 c.put(ns, ids2, blocks)
                 put_copy_t.append(time.perf_counter() - t)
+                got = None
                 t = time.perf_counter()
                 got = c.get(ns, ids2)
                 get_copy_t.append(time.perf_counter() - t)
@@ -151,6 +154,7 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
                 t = time.perf_counter()
                 assert c.put(ns, ids, blocks).stored == batch
                 put_t.append(time.perf_counter() - t)
+                got = None
                 t = time.perf_counter()
                 got = c.get(ns, ids)
                 get_t.append(time.perf_counter() - t)
@@ -163,23 +167,6 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
     return out
-
-
-def staging_copy_rates(views: list[torch.Tensor], blocks: list[torch.Tensor]
-                       ) -> dict[str, float]:
-    """Diagnostics: the same single-threaded block copies into the client's staging area
-    (tmpfs, shared with the agent) and into private memory, best of three each."""
-    private = [torch.empty_like(b) for b in blocks]
-    rates = {}
-    for key, dsts in (("staging_write_gbps", views), ("private_write_gbps", private)):
-        best = 0.0
-        for _ in range(3):
-            t = time.perf_counter()
-            for d, b in zip(dsts, blocks):
-                d.copy_(b)
-            best = max(best, sum(b.nbytes for b in blocks) / (time.perf_counter() - t) / 1e9)
-        rates[key] = best
-    return rates
 
 
 def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
