@@ -4,9 +4,13 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
 
 - UCX: A connects to B's listener (`AgentServer.peer_address`, host:port) and sends a
   FetchRequest. B answers per batch with a FetchChunk header (first index, count, XXH64 of
-  each payload) followed by the payloads: one tag message per block for large blocks,
-  ONE message holding the whole batch back to back for small ones (peer_common.packed:
-  per-message costs would dominate, and copying a few hundred KiB costs tens of µs).
+  each payload) followed by the payloads: for large blocks one tag message per run of
+  blocks that lie back to back in B's pool (the header's `runs`; slots filled one after
+  another usually do), ONE message holding the whole batch back to back for small ones
+  (peer_common.packed: per-message costs would dominate, and copying a few hundred KiB
+  costs tens of µs). Each message costs a round of thread hand-offs on both sides (UCX
+  progress thread, ucxx notifier, event loop), which on a small host cost more than the
+  copy of a 2 MiB block.
   Nobody closes before A's acknowledgement of the end of the answer (closing first could
   drop the other side's last messages); after it A keeps the connection for its next
   request to B. UCX keeps same-tag messages between two endpoints in order, so headers
@@ -19,8 +23,11 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
 Large blocks, no copies on either side over UCX (host-memory pools): B sends from verified, borrowed
 read-only views of its pool slots (BlockStore.borrow: the blocks cannot be evicted nor
 their slots reused until the sends are done), copying into staging buffers only blocks
-that sit on NVMe; A receives into pool slots it reserved (BlockStore.reserve), verifies
-each payload against B's checksum in place and only then makes it visible
+that sit on NVMe; A receives into pool slots it reserved (BlockStore.reserve), one run
+per message when the slots it reserved for that run lie back to back too (else the
+batch lands in a staging buffer and is copied into the slots in the verifying pass, as
+for small blocks), verifies each payload against B's checksum in place and only then
+makes it visible
 (BlockStore.commit); a mismatching block is not stored, and it and the rest of the chain
 are a miss. Small blocks: B copies the borrowed blocks into a staging buffer (and
 ends the borrow at once), A receives the batch into a staging buffer and fills the
@@ -53,7 +60,7 @@ from kvstore.v1 import peer_pb2
 from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
-                                    packed, post_obj, present_prefix, within)
+                                    packed, post_obj, present_prefix, runs_of, spans, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
 
@@ -241,41 +248,55 @@ class PeerService:
             rb.borrowed = None
 
     def _read(self, st, generation, ids, start, parent, bufs, batch, pack) -> asyncio.Future:
+        """Read one batch. Borrowing is bookkeeping only (no bytes move: the receiver
+        verifies), so it runs right here; copies (packed batches, blocks on NVMe) run in a
+        worker thread when big enough."""
         chunk = ids[start:start + batch]
-        args = (st, generation, chunk, parent, bufs, pack)
-        if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
-            return asyncio.ensure_future(asyncio.to_thread(self._read_sync, *args))
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         try:
-            fut.set_result(self._read_sync(*args))
+            rb = None if pack else self._borrow(st, generation, chunk, parent)
         except errors.KvError as exc:  # flushed meanwhile: surfaces at the await
+            fut.set_exception(exc)
+            return fut
+        if rb is not None and len(rb.served) == len(chunk):
+            fut.set_result(rb)
+            return fut
+        args = (st, generation, chunk, parent, bufs, rb)
+        if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
+            return asyncio.ensure_future(asyncio.to_thread(self._copy_rest, *args))
+        try:
+            fut.set_result(self._copy_rest(*args))
+        except errors.KvError as exc:
             fut.set_exception(exc)
         return fut
 
-    def _read_sync(self, st, generation, chunk, parent, bufs, pack) -> ReadBatch:
-        """Borrow the leading pool-resident blocks, copy what follows from NVMe into
-        staging (get verifies and promotes it). Packed, every block is copied into staging
-        by get (one verified copy each) and nothing stays borrowed."""
-        if pack:
+    def _borrow(self, st, generation, chunk, parent) -> ReadBatch:
+        """The leading pool-resident blocks, borrowed. Sent straight from the slots, they
+        are verified by the receiver against the checksums in the header (end to end), so
+        a pass here is skipped."""
+        b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=False)
+        return ReadBatch(0, list(b.served), list(b.views), b)
+
+    def _copy_rest(self, st, generation, chunk, parent, bufs, rb: ReadBatch | None
+                   ) -> ReadBatch:
+        """Copy into staging what `rb` did not borrow (get verifies, and promotes blocks
+        read from NVMe). Packed (`rb` None), every block is copied by get (one verified
+        copy each) and nothing stays borrowed."""
+        if rb is None:
             served = self.store.get(st.ns_id, generation, chunk, parent,
                                     lambda i, n: bufs[i][:n])
             return ReadBatch(0, served, [contiguous(bufs, len(served))] if served else [],
                              None)
-        # Sent straight from the slots, blocks are verified by the receiver against the
-        # checksums in the header (end to end), so a second pass here is skipped.
-        b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=False)
-        rb = ReadBatch(0, list(b.served), list(b.views), b)
         k = len(rb.served)
-        if k < len(chunk):
-            try:
-                got = self.store.get(st.ns_id, generation, chunk[k:],
-                                     chunk[k - 1] if k else parent,
-                                     lambda i, n: bufs[i][:n])
-            except BaseException:
-                self.done_with(rb)
-                raise
-            rb.served += got
-            rb.bufs += bufs[:len(got)]
+        try:
+            got = self.store.get(st.ns_id, generation, chunk[k:], chunk[k - 1] if k else parent,
+                                 lambda i, n: bufs[i][:n])
+        except BaseException:
+            self.done_with(rb)
+            raise
+        rb.served += got
+        rb.bufs += bufs[:len(got)]
         return rb
 
     async def _serve_ucx(self, ep) -> None:
@@ -336,16 +357,7 @@ class PeerService:
             batches = self.read_batches(st, generation, ids, parent, batch, lease, pack)
             async with aclosing(batches) as it:
                 async for rb in it:
-                    hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
-                                              checksums=[s.checksum for s in rb.served],
-                                              done=rb.last)
-                    sends = post_obj(ep, hdr.SerializeToString())
-                    if rb.served and pack:
-                        sends.append(asyncio.ensure_future(
-                            ep.send(rb.bufs[0][:len(rb.served) * size])))
-                    elif rb.served:
-                        sends += [asyncio.ensure_future(ep.send(rb.bufs[i][:size]))
-                                  for i in range(len(rb.served))]
+                    sends = self._announce(ep, rb, size, pack)
                     inflight.append((asyncio.gather(*sends), rb))
                     while len(inflight) > self.pcfg.staging_sets - 2:
                         await self._sent(inflight, far, io)
@@ -358,6 +370,22 @@ class PeerService:
                     fut.cancel()
                     self.done_with(rb)
             lease.release()
+
+    def _announce(self, ep, rb: ReadBatch, size: int, pack: bool) -> list[asyncio.Future]:
+        """Post the header of `rb` and its payloads (packed: the batch as one message;
+        else one per run of blocks back to back in memory); the sends' futures."""
+        hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
+                                  checksums=[s.checksum for s in rb.served], done=rb.last)
+        payloads = []
+        if rb.served and pack:
+            payloads = [rb.bufs[0][:len(rb.served) * size]]
+        elif rb.served:
+            views = rb.bufs[:len(rb.served)]
+            hdr.runs.extend(runs_of(views, size))
+            payloads = spans(views, hdr.runs, size)
+        self.count("peer_payload_messages", len(payloads))
+        return post_obj(ep, hdr.SerializeToString()) + \
+            [asyncio.ensure_future(ep.send(p)) for p in payloads]
 
     async def _sent(self, inflight: list, far: float, io: float) -> None:
         fut, rb = inflight[0]

@@ -16,10 +16,11 @@ from kvstore.hashing import pack_ids
 from kvstore.store import NsState, PutItem
 from kvstore.store_types import Reservation
 from kvstore.v1 import agent_pb2, peer_pb2
-from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerRef, PeerRefused,
-                                    PeerTransportError, contiguous, control_buffer, is_ip,
-                                    namespace_to_proto, packed, post_obj, present_prefix,
-                                    split_host_port, within)
+from node_agent.peer_common import (ACK, GRPC_CHUNK_BYTES, OFFLOAD_BYTES, PeerRef,
+                                    PeerRefused, PeerTransportError, check_runs,
+                                    contiguous, control_buffer, is_ip, namespace_to_proto,
+                                    packed, post_obj, present_prefix, spans, split_host_port,
+                                    within)
 
 if TYPE_CHECKING:
     from node_agent.peer import PeerService
@@ -37,10 +38,11 @@ class FetchRequestIds:
 class Landing:
     """Where the payloads of one UCX batch land: pool slots reserved for its leading
     blocks (`res`, host pools), staging buffers for the others (device pools, or blocks
-    left without a slot, which are then not stored). Packed (small blocks), the whole
-    batch lands in one staging set, `scratch`, and the store step copies it into the
-    slots. `recvs` completes once UCX no longer writes into any of them, whatever the
-    outcome."""
+    left without a slot, which are then not stored), one receive per run of `runs`
+    (blocks per payload message). Packed (small blocks, or large ones whose slots do not
+    lie back to back as the runs need), the whole batch lands in one staging set,
+    `scratch`, and the store step copies it into the slots. `recvs` completes once UCX no
+    longer writes into any of them, whatever the outcome."""
 
     first: int
     count: int
@@ -48,13 +50,17 @@ class Landing:
     res: Reservation | None
     scratch: list
     pack: bool = False
+    runs: list[int] | None = None  # blocks per payload message (None: packed, one)
     recvs: asyncio.Future | None = None
 
-    @property
-    def bufs(self) -> list:
+    def bufs(self, size: int) -> list:
+        """One receive buffer per payload message."""
         if self.pack:
-            return [contiguous(self.scratch, self.count)]
-        return (self.res.views if self.res is not None else []) + self.scratch
+            if self.runs is None:
+                return [contiguous(self.scratch, self.count)]
+            return spans(self.scratch[:self.count], self.runs, size)  # a set is contiguous
+        dests = (self.res.views if self.res is not None else []) + self.scratch
+        return spans(dests, self.runs, size)
 
 
 class BatchSink:
@@ -135,10 +141,14 @@ class BatchSink:
         return True
 
     def destination(self, first: int, count: int, checksums: list[int],
-                    after: Reservation | None, batch: int) -> Landing:
+                    after: Reservation | None, batch: int, runs: list[int] | None
+                    ) -> Landing:
         """Reserve pool slots for blocks first..first+count (a Landing with no slots when
         the store cannot take them in place; `reason` of a short reservation stops the
-        transfer after this batch). Worker thread when it may have to evict."""
+        transfer after this batch). `runs`: blocks per payload message (large blocks).
+        When the slots reserved for a run do not lie back to back, the batch lands in a
+        staging set instead and the verifying pass copies it into the slots. Worker thread
+        when it may have to evict."""
         store = self.peer.store
         size = self.st.spec.block_bytes
         res = None
@@ -151,7 +161,13 @@ class BatchSink:
                            pack=True)
         left = count - (len(res) if res is not None else 0)
         scratch = self.peer.staging.take(left, size) if left else []
-        return Landing(first, count, checksums, res, scratch)
+        ld = Landing(first, count, checksums, res, scratch, runs=runs)
+        if spans((res.views if res is not None else []) + scratch, runs, size) is None:
+            if scratch:
+                self.peer.staging.give(scratch)
+            ld.scratch, ld.pack = self.peer.staging.take(batch, size), True
+            self.peer.count("peer_blocks_staged", count)
+        return ld
 
     def _commit(self, ld: Landing, staging: list | None):
         """Worker-thread part of land(): verify (packed: copy from `staging` and verify)
@@ -299,7 +315,8 @@ class FetchJob:
             await self._attempt("ucx", sink, batch)
         if (sink.stored < e - s and not sink.stop_reason and not sink.remote_done
                 and self.peer.grpc_address and time.monotonic() < self.deadline):
-            gbatch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
+            gbatch = max(1, min(batch, GRPC_CHUNK_BYTES // size,
+                                (self.svc.cfg.max_message_bytes // 2) // size))
             await self._attempt("grpc", sink, gbatch)
         self.fetched += sink.stored
         if sink.stored == e - s:
@@ -453,7 +470,8 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
     """Reserve the batch's destination and post its receives; False (the sink knows why)
     when not one block of it can be stored here."""
     after = posted[-1].res if posted else None
-    args = (first, hdr.count, list(hdr.checksums), after, batch)
+    runs = None if packed(sink.st.spec.block_bytes) else check_runs(hdr.runs, hdr.count)
+    args = (first, hdr.count, list(hdr.checksums), after, batch, runs)
     try:
         if svc.store.pool.free_slots < hdr.count:  # making room may write NVMe: off-loop
             ld = await asyncio.to_thread(sink.destination, *args)
@@ -468,7 +486,8 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
         return False
     # return_exceptions: the future completes only once every receive has, so nothing
     # writes into the slots or buffers any more when it is done (see _settle).
-    ld.recvs = asyncio.ensure_future(asyncio.gather(*(ep.recv(b) for b in ld.bufs),
+    size = sink.st.spec.block_bytes
+    ld.recvs = asyncio.ensure_future(asyncio.gather(*(ep.recv(b) for b in ld.bufs(size)),
                                                     return_exceptions=True))
     posted.append(ld)
     return True

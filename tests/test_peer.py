@@ -385,3 +385,94 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
         assert counters["peer_blocks_received"] == 2 * n
         assert counters["peer_checksum_mismatch"] == 0
         assert counters[f"peer_{transport}_failures"] == 0
+
+
+# 256 KiB blocks: above the packed limit, so they travel in runs (one UCX message per run
+# of blocks that lie back to back in the sender's pool).
+MID = make_namespace(name="mid", num_layers=4, num_kv_heads=8, head_dim=128)
+assert MID.block_bytes == 256 << 10
+
+
+def put_one_by_one(client: KVClient, chains) -> None:
+    """Put the chains block by block, taking turns: their slots interleave in the pool
+    (a fresh pool hands out slots in order), so no two blocks of a chain are adjacent."""
+    for i in range(max(len(ids) for _, ids, _ in chains)):
+        for handle, ids, blocks in chains:
+            if i < len(ids):
+                parent = ids[i - 1] if i else None
+                assert client.put(handle, ids[i:i + 1], blocks[i:i + 1], parent).stored == 1
+
+
+@needs_ucx
+def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
+                                                                    monkeypatch):
+    """Blocks lying back to back in B's pool travel as one message per run; A receives a
+    run in place when the slots it reserved lie back to back too, else into staging and
+    copies in its verifying pass. Every layout arrives intact, over several chunks."""
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(5 * MID.block_bytes))  # agents
+    big = dict(slot_bytes="256KiB", pool_bytes="32MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **big)
+    a = spawn_agent(peer_port=free_port(), policies={"acme/short": {"ttl_seconds": 1}}, **big)
+    n = 12  # chunks of 5, 5 and 2 blocks
+    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb = cb.open_namespace(MID)
+
+        def chain(client, handle, seed):
+            return (handle, client.block_ids(handle, prompt_tokens(seed, n * MID.block_size)),
+                    random_blocks(MID, n, seed))
+
+        contiguous_on_b = chain(cb, nb, 31)
+        assert cb.put(*contiguous_on_b).stored == n
+        scattered_on_b = chain(cb, nb, 32)
+        put_one_by_one(cb, [scattered_on_b, chain(cb, nb, 33)])
+        # A: interleave a chain that expires with one that stays, so that once it expired
+        # the free slots A hands out next lie two apart.
+        short = chain(ca, ca.open_namespace(make_namespace(name="short", num_layers=4,
+                                                           num_kv_heads=8, head_dim=128)), 34)
+        put_one_by_one(ca, [short, chain(ca, ca.open_namespace(MID), 35)])
+        wait_for(lambda: ca.stats().tiers[0].blocks == n, timeout=15)  # swept: slots free
+        na = ca.open_namespace(MID)
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        before = Counter(dict(ca.stats().counters))
+        for (_, ids, blocks), staged, messages in ((contiguous_on_b, n, 3),
+                                                   (scattered_on_b, 0, n)):
+            sent = Counter(dict(cb.stats().counters))["peer_payload_messages"]
+            req = peer_pb2.PrefetchRequest(
+                ns=na.ref, spec=common_pb2.Namespace(**MID.to_dict()),
+                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}")
+            r = stub.Prefetch(req, timeout=60)
+            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+            assert same_bytes(ca.get(na, ids), blocks)
+            after = Counter(dict(ca.stats().counters))
+            # The first prompt lands in the expired chain's slots (two apart): staged.
+            assert after["peer_blocks_staged"] - before["peer_blocks_staged"] == staged
+            before = after
+            # B: one message per chunk when its blocks lie back to back, else one each.
+            assert Counter(dict(cb.stats().counters))["peer_payload_messages"] - sent == \
+                messages
+        assert before["peer_checksum_mismatch"] == 0 and before["peer_ucx_failures"] == 0
+
+
+def test_runs_and_spans_follow_memory_layout():
+    from node_agent.peer_common import check_runs, runs_of, spans
+    arena = np.arange(8 * 4, dtype=np.uint8)
+    slot = [arena[i * 4:(i + 1) * 4] for i in range(8)]
+    bufs = [slot[0], slot[1], slot[2], slot[5], slot[4], slot[6], slot[7]]
+    assert runs_of(bufs, 4) == [3, 1, 1, 2]
+    got = spans(bufs, [3, 1, 1, 2], 4)
+    assert [bytes(g) for g in got] == [bytes(arena[0:12]), bytes(arena[20:24]),
+                                       bytes(arena[16:20]), bytes(arena[24:32])]
+    got[0][5] = 99  # a span is a view: receiving into it fills the slots
+    assert slot[1][1] == 99
+    assert spans(bufs, [4, 3], 4) is None  # slots 2 and 5 are not adjacent
+    ro = slot[0].view()
+    ro.flags.writeable = False
+    assert not spans([ro, slot[1]], [2], 4)[0].flags.writeable
+    assert check_runs([], 3) == [1, 1, 1]
+    assert check_runs([2, 1], 3) == [2, 1]
+    for bad in ([2, 2], [3, 0], [4]):
+        with pytest.raises(Exception, match="malformed chunk"):
+            check_runs(bad, 3)

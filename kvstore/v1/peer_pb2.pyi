@@ -25,7 +25,7 @@ class FetchRequest(_message.Message):
     def __init__(self, ns: _Optional[_Union[_agent_pb2.NamespaceRef, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., batch_blocks: _Optional[int] = ..., authorization: _Optional[str] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code")
+    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code", "runs")
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class FetchChunk(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     first_index: int
     count: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -40,7 +41,8 @@ class FetchChunk(_message.Message):
     done: bool
     error: str
     error_code: str
-    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("ns", "spec", "block_ids", "parent_id", "peer_address", "peer_ucx_address", "timeout_ms")
