@@ -98,7 +98,7 @@ class InPlaceMixin:
             raise
 
     def commit(self, res: Reservation, checksums: list[int], n: int | None = None,
-               sources: list | None = None) -> int:
+               sources: list | None = None, digests: list[int] | None = None) -> int:
         """Verify the first `n` (default all) reserved payloads in place against
         `checksums`, make the verified leading run visible, free the rest. Returns the
         number stored; raises DataLoss (after storing the blocks before it) when a payload
@@ -107,7 +107,9 @@ class InPlaceMixin:
 
         With `sources` the payloads are not in the slots yet: each slot is filled from
         `sources[i]` by one fused copy + checksum pass (transports that move small
-        blocks a batch per message, into one staging buffer)."""
+        blocks a batch per message, into one staging buffer). With `digests` the caller
+        already hashed the payloads in the slots, after the last write into them (a
+        transport that verifies each message as it lands, while later ones arrive)."""
         plan, res.plan = res.plan, []
         n = len(plan) if n is None else min(n, len(plan))
         if sources is not None:
@@ -117,7 +119,10 @@ class InPlaceMixin:
         else:
             digest_of, args = (lambda p: cks.checksum(p[0].data)), plan[:n]
         try:
-            digests = self._copy_all(digest_of, args, n * res.ns.spec.block_bytes)
+            if digests is None:
+                digests = self._copy_all(digest_of, args, n * res.ns.spec.block_bytes)
+            else:  # blocks past the given digests are not stored
+                digests = list(digests[:n])
         except BaseException:
             with self.lock:
                 self._abort_plan(plan)

@@ -57,7 +57,7 @@ from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState, ServedBlock
 from kvstore.store_types import Borrowed
 from kvstore.v1 import peer_pb2
-from node_agent.peer_common import (ACK, OFFLOAD_BYTES, PeerConfig, PeerRef,
+from node_agent.peer_common import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
                                     packed, post_obj, present_prefix, runs_of, spans, within)
@@ -381,7 +381,7 @@ class PeerService:
             payloads = [rb.bufs[0][:len(rb.served) * size]]
         elif rb.served:
             views = rb.bufs[:len(rb.served)]
-            hdr.runs.extend(runs_of(views, size))
+            hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
             payloads = spans(views, hdr.runs, size)
         self.count("peer_payload_messages", len(payloads))
         return post_obj(ep, hdr.SerializeToString()) + \

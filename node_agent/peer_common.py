@@ -23,6 +23,10 @@ ACK = struct.pack("<Q", 0x4B56_4143_4B00_0001)  # "KVACK", version 1
 MAX_CONTROL_BYTES = 4 << 20  # FetchRequest / FetchChunk size cap (8192 ids = 128 KiB)
 OFFLOAD_BYTES = 1 << 20  # store copies at least this large run in a worker thread
 GRPC_CHUNK_BYTES = 16 << 20  # payload per gRPC chunk: larger messages only add copy time
+# Largest UCX payload message of large blocks (a run of adjacent blocks is cut in pieces
+# of this size): the receiver verifies each piece as soon as it lands, while the next ones
+# are still being copied, so only the last piece's verification is left at the end.
+MESSAGE_BYTES = 16 << 20
 # Protocol: over UCX, a batch of blocks up to this size travels as ONE payload message
 # (the blocks back to back, copied into a staging buffer on both sides); larger blocks
 # travel one message per block, zero-copy between pool slots. Each message costs thread
@@ -168,16 +172,18 @@ def contiguous(bufs: list[np.ndarray], n: int) -> np.ndarray:
     return bufs[0].base[:n * bufs[0].nbytes]
 
 
-def runs_of(bufs: list[np.ndarray], size: int) -> list[int]:
+def runs_of(bufs: list[np.ndarray], size: int, cap: int = 0) -> list[int]:
     """Lengths of the runs of `bufs` (1-D uint8 arrays of at least `size` bytes) that lie
-    back to back in memory: each next one starting `size` bytes after the previous. Pool
-    slots reserved or filled one after another usually do, and such a run travels over UCX
-    as one message (one completion, one round of thread hand-offs) instead of one each."""
+    back to back in memory: each next one starting `size` bytes after the previous; at
+    most `cap` buffers each when cap > 0. Pool slots reserved or filled one after another
+    usually do, and such a run travels over UCX as one message (one completion, one round
+    of thread hand-offs) instead of one each."""
     runs: list[int] = []
     prev = None
     for b in bufs:
         addr = b.__array_interface__["data"][0]
-        if prev is not None and addr == prev + size and b.strides == (1,):
+        if prev is not None and addr == prev + size and b.strides == (1,) and \
+                (cap <= 0 or runs[-1] < cap):
             runs[-1] += 1
         else:
             runs.append(1)

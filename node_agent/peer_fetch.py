@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore import checksum as cks
 from kvstore import errors
 from kvstore.hashing import pack_ids
 from kvstore.store import NsState, PutItem
@@ -52,6 +53,9 @@ class Landing:
     pack: bool = False
     runs: list[int] | None = None  # blocks per payload message (None: packed, one)
     recvs: asyncio.Future | None = None
+    # In place: per message, the XXH64s of its blocks that have a slot, computed as soon as
+    # it landed (None inside: that message failed)
+    digests: list[asyncio.Future] | None = None
 
     def bufs(self, size: int) -> list:
         """One receive buffer per payload message."""
@@ -120,6 +124,10 @@ class BatchSink:
         copied from staging into the slots and verified in one pass), then committed (put
         from staging on device pools)."""
         staging, ld.scratch = (ld.scratch, []) if ld.pack else (None, ld.scratch)
+        if ld.digests is not None:
+            parts = await asyncio.gather(*ld.digests)
+            ld.digests = None if any(p is None for p in parts) else \
+                [d for part in parts for d in part]
         if ld.res is None:
             return await self.push(ld.first, (staging or ld.scratch)[:ld.count],
                                    ld.checksums, staging)
@@ -176,7 +184,8 @@ class BatchSink:
         n_res = len(ld.res)
         try:
             self.peer.store.commit(ld.res, ld.checksums[:n_res],
-                                   sources=staging[:n_res] if staging else None)
+                                   sources=staging[:n_res] if staging else None,
+                                   digests=ld.digests)
         except errors.DataLoss as exc:
             self.peer.count("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
@@ -487,10 +496,27 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
     # return_exceptions: the future completes only once every receive has, so nothing
     # writes into the slots or buffers any more when it is done (see _settle).
     size = sink.st.spec.block_bytes
-    ld.recvs = asyncio.ensure_future(asyncio.gather(*(ep.recv(b) for b in ld.bufs(size)),
-                                                    return_exceptions=True))
+    recvs = [asyncio.ensure_future(ep.recv(b)) for b in ld.bufs(size)]
+    ld.recvs = asyncio.ensure_future(asyncio.gather(*recvs, return_exceptions=True))
+    if ld.res is not None and not ld.pack:
+        views, i, ld.digests = ld.res.views, 0, []
+        for recv, r in zip(recvs, ld.runs):
+            if i >= len(views):
+                break
+            ld.digests.append(asyncio.ensure_future(_digest_landed(recv, views[i:i + r])))
+            i += r
     posted.append(ld)
     return True
+
+
+async def _digest_landed(recv: asyncio.Future, views: list) -> list[int] | None:
+    """XXH64 of each of `views` once `recv` (the message filling them) landed, in a worker
+    thread; None when the receive failed (the transfer fails on its own)."""
+    try:
+        await recv
+    except Exception:
+        return None
+    return await asyncio.to_thread(lambda: [cks.checksum(v) for v in views])
 
 
 async def _store_oldest(posted: list[Landing], sink: BatchSink, deadline: float,

@@ -31,6 +31,10 @@ needs_ucx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
 
 SMALL = make_namespace()  # 4 KiB blocks
 BIG = make_namespace(name="big", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
+# 256 KiB blocks: above the packed limit, so they travel in runs (one UCX message per run
+# of blocks that lie back to back in the sender's pool).
+MID = make_namespace(name="mid", num_layers=4, num_kv_heads=8, head_dim=128)
+assert MID.block_bytes == 256 << 10
 HERE = Path(__file__).resolve().parent
 
 
@@ -300,8 +304,11 @@ def fake_peer(tmp_path):
 
 
 @needs_ucx
-def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer):
-    na, ids, blocks = cluster.seed(SMALL, 20, seed=9)
+@pytest.mark.parametrize("spec", [SMALL, MID], ids=["packed", "in-place"])
+def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer, spec):
+    """Packed: the fused copy + verify pass catches it; in place: the digest of its
+    message, taken as the message landed."""
+    na, ids, blocks = cluster.seed(spec, 20, seed=9)
     da = Delta(cluster, "a")
     r = cluster.prefetch(na, ids, ucx=fake_peer("corrupt", blocks))  # flips block 11
     assert (r.present, r.transport) == (11, "ucx"), r
@@ -387,11 +394,6 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
         assert counters[f"peer_{transport}_failures"] == 0
 
 
-# 256 KiB blocks: above the packed limit, so they travel in runs (one UCX message per run
-# of blocks that lie back to back in the sender's pool).
-MID = make_namespace(name="mid", num_layers=4, num_kv_heads=8, head_dim=128)
-assert MID.block_bytes == 256 << 10
-
 
 def put_one_by_one(client: KVClient, chains) -> None:
     """Put the chains block by block, taking turns: their slots interleave in the pool
@@ -468,6 +470,7 @@ def test_runs_and_spans_follow_memory_layout():
     got[0][5] = 99  # a span is a view: receiving into it fills the slots
     assert slot[1][1] == 99
     assert spans(bufs, [4, 3], 4) is None  # slots 2 and 5 are not adjacent
+    assert runs_of(slot, 4, cap=3) == [3, 3, 2]  # runs cut at a message-size cap
     ro = slot[0].view()
     ro.flags.writeable = False
     assert not spans([ro, slot[1]], [2], 4)[0].flags.writeable

@@ -82,6 +82,30 @@ def test_mismatch_stores_the_verified_prefix_and_frees_the_rest(make_store):
     check_invariants(store)
 
 
+def test_commit_with_digests_hashed_as_the_payloads_landed(make_store):
+    """A transport that hashed the slots itself passes the digests: they are checked
+    against the sender's checksums exactly as the store's own pass would be, and blocks
+    past the digests given are not stored."""
+    store = make_store()
+    store.open_namespace(SPEC)
+    ids, items = prompt(9, 5)
+    res = reserve(store, ids)
+    sums = fill(res, items)
+    res.views[3][0] ^= 0xFF  # corrupted on the wire: its digest no longer matches
+    digests = [cks.checksum(v) for v in res.views]
+    with pytest.raises(DataLoss):
+        store.commit(res, sums, digests=digests)
+    assert lookup(store, ids) == (3, 3, 0)
+    assert store.pool.free_slots == store.pool.n_slots - 3
+    ids2, items2 = prompt(10, 4)
+    res = reserve(store, ids2)
+    sums = fill(res, items2)
+    assert store.commit(res, sums, digests=[cks.checksum(v) for v in res.views][:2]) == 2
+    assert get(store, ids2)[1] == [it.data for it in items2[:2]]
+    assert store.pool.free_slots == store.pool.n_slots - 5
+    check_invariants(store)
+
+
 def test_abort_frees_every_slot_and_orphans_are_refused(make_store):
     store = make_store(n_slots=4)
     store.open_namespace(SPEC)
