@@ -251,8 +251,10 @@ def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
 
 @needs_ucx
 def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
-    b3 = cluster.start(tmp_path, "b3")
-    n = 160
+    b3 = cluster.start(tmp_path, "b3", pool_bytes="1GiB")
+    # 640 MiB in 5 chunks: B3 is stopped while A still needs chunks B3 has not posted
+    # (CMA reads what B3 posted even from a stopped process).
+    n = 320
     na, ids, blocks = cluster.seed(BIG, n, seed=12, src="b3")
     da = Delta(cluster, "a")
     call = cluster.peer_stub("a").Prefetch.future(
