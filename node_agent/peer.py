@@ -60,7 +60,8 @@ from kvstore.v1 import peer_pb2
 from node_agent.peer_common import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
-                                    packed, post_obj, present_prefix, runs_of, spans, within)
+                                    packed, post_obj, present_prefix, recv_control, runs_of,
+                                    spans, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
 
@@ -306,12 +307,13 @@ class PeerService:
         fetcher goes, or after idle_endpoint_s without a request."""
         self._serving.add(ep)
         served = 0
+        control = control_buffer()
         far = time.monotonic() + 1e9
         io = self.pcfg.io_timeout_s
         try:
             while True:
                 try:
-                    raw = await within(ep.recv_obj(allocator=control_buffer), far,
+                    raw = await within(recv_control(ep, control), far,
                                        self.pcfg.idle_endpoint_s if served else io, "request")
                 except Exception as exc:
                     if served:  # the fetcher closed its end between requests: normal

@@ -303,19 +303,33 @@ def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
 
 
 def post_obj(ep, payload: bytes) -> list[asyncio.Future]:
-    """ep.send_obj without its wait between the size message and the body: both sends are
-    posted now, in order (tasks start in creation order; UCX keeps same-tag messages in
-    order), for a receiver's recv_obj. Every completion wait costs thread hand-offs (UCX
-    progress thread, ucxx notifier, event loop): on a busy host a few ms each."""
-    size = np.array([len(payload)], dtype="<u8")
-    return [asyncio.ensure_future(ep.send(size)), asyncio.ensure_future(ep.send(payload))]
+    """Post a control message (request, chunk header, refusal) as ONE UCX message: a
+    4-byte little-endian length, then the bytes, for a receiver's recv_control. (ucxx's
+    send_obj/recv_obj take two messages, a size then the body, and every receive
+    completion costs thread hand-offs: UCX progress thread, ucxx notifier, event loop.)"""
+    frame = np.empty(4 + len(payload), dtype=np.uint8)
+    frame[:4] = np.frombuffer(struct.pack("<I", len(payload)), dtype=np.uint8)
+    frame[4:] = np.frombuffer(payload, dtype=np.uint8)
+    return [asyncio.ensure_future(ep.send(frame))]
 
 
-def control_buffer(n: int) -> bytearray:
-    if n > MAX_CONTROL_BYTES:
-        raise PeerTransportError(f"peer sent a {n}-byte control message (limit "
+def control_buffer() -> np.ndarray:
+    """A receive buffer for recv_control, for one endpoint's control messages in turn
+    (only the bytes a message brings are ever touched)."""
+    return np.empty(4 + MAX_CONTROL_BYTES, dtype=np.uint8)
+
+
+async def recv_control(ep, buf: np.ndarray) -> bytes:
+    """Receive one post_obj message into `buf` (control_buffer); its bytes. A message
+    larger than the buffer fails in UCX (truncated); a length that does not fit what a
+    message can hold is a protocol error."""
+    buf[:4] = 0
+    await ep.recv(buf)
+    n = int.from_bytes(buf[:4].tobytes(), "little")
+    if n > buf.nbytes - 4:
+        raise PeerTransportError(f"peer sent a control message claiming {n} bytes (limit "
                                  f"{MAX_CONTROL_BYTES})")
-    return bytearray(n)
+    return buf[4:4 + n].tobytes()
 
 
 def is_ip(host: str) -> bool:

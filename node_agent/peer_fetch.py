@@ -20,8 +20,8 @@ from kvstore.v1 import agent_pb2, peer_pb2
 from node_agent.peer_common import (ACK, GRPC_CHUNK_BYTES, OFFLOAD_BYTES, PeerRef,
                                     PeerRefused, PeerTransportError, check_runs,
                                     contiguous, control_buffer, is_ip, namespace_to_proto,
-                                    packed, post_obj, present_prefix, spans, split_host_port,
-                                    within)
+                                    packed, post_obj, present_prefix, recv_control, spans,
+                                    split_host_port, within)
 
 if TYPE_CHECKING:
     from node_agent.peer import PeerService
@@ -394,11 +394,12 @@ class _StaleConnection(Exception):
 async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.FetchRequest,
                         sink: BatchSink, batch: int, deadline: float, reused: bool) -> None:
     io = svc.pcfg.io_timeout_s
+    control = control_buffer()  # chunk headers, one after another
     posted: list[Landing] = []  # batches whose payloads are on their way, oldest first
     clean = abandoned = False
     try:
         try:
-            raw = await _ask(ep, req, deadline, io)
+            raw = await _ask(ep, req, control, deadline, io)
         except Exception as exc:
             if reused:  # nothing happened on this request yet: safe to retry elsewhere
                 raise _StaleConnection(f"{type(exc).__name__}: {exc}") from exc
@@ -417,7 +418,7 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                 break
             if sink.remote_done:
                 break
-            raw = await within(ep.recv_obj(allocator=control_buffer), deadline, io,
+            raw = await within(recv_control(ep, control), deadline, io,
                                "chunk header")
         while posted and await _store_oldest(posted, sink, deadline, io):
             pass
@@ -439,12 +440,12 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
         await sink.drain_quietly()
 
 
-async def _ask(ep, req: peer_pb2.FetchRequest, deadline: float, io: float):
+async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float):
     """Send the request and receive the first chunk header, the receive posted without
     waiting for the sends to complete (one completion wait less); a failed send ends
     the wait at once."""
     sending = asyncio.gather(*post_obj(ep, req.SerializeToString()))
-    answer = asyncio.ensure_future(ep.recv_obj(allocator=control_buffer))
+    answer = asyncio.ensure_future(recv_control(ep, control))
     try:
         await within(asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
                      deadline, io, "first chunk header")

@@ -37,8 +37,12 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
     done = asyncio.Event()
 
     async def handler(ep) -> None:
-        raw = await asyncio.wait_for(ep.recv_obj(), 10)
-        req = peer_pb2.FetchRequest.FromString(bytes(raw))
+        # Control messages: one UCX message each, a 4-byte little-endian length and then
+        # the bytes (node_agent/peer_common.post_obj / recv_control).
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        await asyncio.wait_for(ep.recv(buf), 10)
+        n_req = int.from_bytes(buf[:4].tobytes(), "little")
+        req = peer_pb2.FetchRequest.FromString(buf[4:4 + n_req].tobytes())
         n = len(req.block_ids) // 16
         batch = req.batch_blocks or 8
         if mode == "die":
@@ -52,7 +56,9 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
             last = start + len(rows) >= n
             hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums,
                                       done=last)
-            await asyncio.wait_for(ep.send_obj(hdr.SerializeToString()), 10)
+            raw = hdr.SerializeToString()
+            frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
+            await asyncio.wait_for(ep.send(frame), 10)
             if pack:  # small blocks: the whole batch as one message
                 await asyncio.wait_for(ep.send(np.concatenate(rows)), 10)
             else:

@@ -481,3 +481,32 @@ def test_runs_and_spans_follow_memory_layout():
     for bad in ([2, 2], [3, 0], [4]):
         with pytest.raises(Exception, match="malformed chunk"):
             check_runs(bad, 3)
+
+
+def test_control_frames_carry_their_length_and_refuse_impossible_ones():
+    """One UCX message per control message: length, then bytes (post_obj/recv_control)."""
+    import asyncio
+
+    from node_agent.peer_common import (MAX_CONTROL_BYTES, PeerTransportError,
+                                        control_buffer, post_obj, recv_control)
+
+    class Wire:  # stands in for a UCX endpoint: what was sent is what the next recv gets
+        data = b""
+
+        async def send(self, frame):
+            self.data = frame.tobytes()
+
+        async def recv(self, buf):
+            buf[:len(self.data)] = np.frombuffer(self.data, dtype=np.uint8)
+
+    async def round_trip(wire, payload):
+        await asyncio.gather(*post_obj(wire, payload))
+        return await recv_control(wire, buf)
+
+    buf = control_buffer()
+    wire = Wire()
+    assert asyncio.run(round_trip(wire, b"hello")) == b"hello"
+    assert asyncio.run(round_trip(wire, b"")) == b""  # stale bytes in the buffer do not leak
+    wire.data = (MAX_CONTROL_BYTES + 1).to_bytes(4, "little") + b"x"
+    with pytest.raises(PeerTransportError, match="claiming"):
+        asyncio.run(recv_control(wire, buf))
