@@ -20,21 +20,21 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
-Large blocks, no copies on either side over UCX (host-memory pools): B sends from verified, borrowed
-read-only views of its pool slots (BlockStore.borrow: the blocks cannot be evicted nor
-their slots reused until the sends are done), copying into staging buffers only blocks
-that sit on NVMe; A receives into pool slots it reserved (BlockStore.reserve), one run
-per message when the slots it reserved for that run lie back to back too (else the
-batch lands in a staging buffer and is copied into the slots in the verifying pass, as
-for small blocks), verifies each payload against B's checksum in place and only then
-makes it visible
-(BlockStore.commit); a mismatching block is not stored, and it and the rest of the chain
-are a miss. Small blocks: B copies the borrowed blocks into a staging buffer (and
-ends the borrow at once), A receives the batch into a staging buffer and fills the
-reserved slots with one fused copy + checksum pass before committing. Batches are sized
-in bytes (PeerConfig.batch_bytes), so small blocks also travel in few batches. Both sides
-pipeline: B borrows and verifies batch k+1 while batch k is on the
-wire; A reserves slots and posts the receives of batch k+1 before it verifies batch k.
+Large blocks, no copies on either side over UCX (host-memory pools): B sends from
+borrowed read-only views of its pool slots (BlockStore.borrow: the blocks cannot be
+evicted nor their slots reused until the sends are done; not re-verified, since A checks
+every payload end to end), copying into staging buffers only blocks that sit on NVMe. A
+receives into pool slots it reserved (BlockStore.reserve), one run per message when the
+slots it reserved for that run lie back to back too (else the batch lands in a staging
+buffer and is copied into the slots in the verifying pass, as for small blocks), hashes
+each message's payloads as soon as it lands, and only makes blocks whose hash matches
+B's checksum visible (BlockStore.commit); a mismatching block is not stored, and it and
+the rest of the chain are a miss. Small blocks: B copies the borrowed blocks into a
+staging buffer (and ends the borrow at once), A receives the batch into a staging buffer
+and fills the reserved slots with one fused copy + checksum pass before committing.
+Batches are sized in bytes (PeerConfig.batch_bytes), so small blocks also travel in few
+batches. Both sides pipeline: B borrows batch k+1 while batch k is on the wire; A
+reserves slots and posts the receives of batch k+1 before it commits batch k.
 
 Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
 dead or frozen peer turns the missing blocks into a miss in bounded time. Concurrent
@@ -60,7 +60,7 @@ from kvstore.v1 import peer_pb2
 from node_agent.peer_common import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
-                                    packed, post_obj, present_prefix, recv_control, runs_of,
+                                    packed, post_control, present_prefix, recv_control, runs_of,
                                     spans, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
@@ -253,22 +253,16 @@ class PeerService:
         verifies), so it runs right here; copies (packed batches, blocks on NVMe) run in a
         worker thread when big enough."""
         chunk = ids[start:start + batch]
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         try:
             rb = None if pack else self._borrow(st, generation, chunk, parent)
-        except errors.KvError as exc:  # flushed meanwhile: surfaces at the await
-            fut.set_exception(exc)
-            return fut
-        if rb is not None and len(rb.served) == len(chunk):
+            if rb is None or len(rb.served) < len(chunk):
+                args = (st, generation, chunk, parent, bufs, rb)
+                if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
+                    return asyncio.ensure_future(asyncio.to_thread(self._copy_rest, *args))
+                rb = self._copy_rest(*args)
             fut.set_result(rb)
-            return fut
-        args = (st, generation, chunk, parent, bufs, rb)
-        if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
-            return asyncio.ensure_future(asyncio.to_thread(self._copy_rest, *args))
-        try:
-            fut.set_result(self._copy_rest(*args))
-        except errors.KvError as exc:
+        except errors.KvError as exc:  # flushed meanwhile: surfaces at the await
             fut.set_exception(exc)
         return fut
 
@@ -338,7 +332,7 @@ class PeerService:
             st, ids, parent, batch = await self.source(req, tenant)
         except errors.KvError as exc:
             err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
-            await within(asyncio.gather(*post_obj(ep, err.SerializeToString())), far,
+            await within(post_control(ep, err.SerializeToString()), far,
                          self.pcfg.io_timeout_s, "refusal")
             return
         async with self.serve_slots:
@@ -386,7 +380,7 @@ class PeerService:
             hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
             payloads = spans(views, hdr.runs, size)
         self.count("peer_payload_messages", len(payloads))
-        return post_obj(ep, hdr.SerializeToString()) + \
+        return [post_control(ep, hdr.SerializeToString())] + \
             [asyncio.ensure_future(ep.send(p)) for p in payloads]
 
     async def _sent(self, inflight: list, far: float, io: float) -> None:

@@ -29,7 +29,8 @@ GRPC_CHUNK_BYTES = 16 << 20  # payload per gRPC chunk: larger messages only add 
 MESSAGE_BYTES = 16 << 20
 # Protocol: over UCX, a batch of blocks up to this size travels as ONE payload message
 # (the blocks back to back, copied into a staging buffer on both sides); larger blocks
-# travel one message per block, zero-copy between pool slots. Each message costs thread
+# travel one message per run of blocks back to back in the sender's pool (at most
+# MESSAGE_BYTES), zero-copy between pool slots. Each message costs thread
 # hand-offs (UCX progress thread, ucxx notifier, event loop: 0.2-0.5 ms per completion on
 # an idle host, several ms on a busy one), far more than copying a small block; for
 # large blocks the copies would dominate.
@@ -302,15 +303,13 @@ def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
                                   f"namespaces of tenant {st.tenant!r}")
 
 
-def post_obj(ep, payload: bytes) -> list[asyncio.Future]:
+def post_control(ep, payload: bytes) -> asyncio.Future:
     """Post a control message (request, chunk header, refusal) as ONE UCX message: a
     4-byte little-endian length, then the bytes, for a receiver's recv_control. (ucxx's
     send_obj/recv_obj take two messages, a size then the body, and every receive
     completion costs thread hand-offs: UCX progress thread, ucxx notifier, event loop.)"""
-    frame = np.empty(4 + len(payload), dtype=np.uint8)
-    frame[:4] = np.frombuffer(struct.pack("<I", len(payload)), dtype=np.uint8)
-    frame[4:] = np.frombuffer(payload, dtype=np.uint8)
-    return [asyncio.ensure_future(ep.send(frame))]
+    frame = np.frombuffer(struct.pack("<I", len(payload)) + payload, dtype=np.uint8)
+    return asyncio.ensure_future(ep.send(frame))
 
 
 def control_buffer() -> np.ndarray:
@@ -320,7 +319,7 @@ def control_buffer() -> np.ndarray:
 
 
 async def recv_control(ep, buf: np.ndarray) -> bytes:
-    """Receive one post_obj message into `buf` (control_buffer); its bytes. A message
+    """Receive one post_control message into `buf` (control_buffer); its bytes. A message
     larger than the buffer fails in UCX (truncated); a length that does not fit what a
     message can hold is a protocol error."""
     buf[:4] = 0

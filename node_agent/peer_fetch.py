@@ -20,7 +20,7 @@ from kvstore.v1 import agent_pb2, peer_pb2
 from node_agent.peer_common import (ACK, GRPC_CHUNK_BYTES, OFFLOAD_BYTES, PeerRef,
                                     PeerRefused, PeerTransportError, check_runs,
                                     contiguous, control_buffer, is_ip, namespace_to_proto,
-                                    packed, post_obj, present_prefix, recv_control, spans,
+                                    packed, post_control, present_prefix, recv_control, spans,
                                     split_host_port, within)
 
 if TYPE_CHECKING:
@@ -39,32 +39,23 @@ class FetchRequestIds:
 class Landing:
     """Where the payloads of one UCX batch land: pool slots reserved for its leading
     blocks (`res`, host pools), staging buffers for the others (device pools, or blocks
-    left without a slot, which are then not stored), one receive per run of `runs`
-    (blocks per payload message). Packed (small blocks, or large ones whose slots do not
-    lie back to back as the runs need), the whole batch lands in one staging set,
-    `scratch`, and the store step copies it into the slots. `recvs` completes once UCX no
-    longer writes into any of them, whatever the outcome."""
+    left without a slot, which are then not stored), received as `msgs`. Packed (small
+    blocks, or large ones whose slots do not lie back to back as the sender's runs need),
+    the whole batch lands in one staging set, `scratch`, and the store step copies it into
+    the slots. `recvs` completes once UCX no longer writes into any of them, whatever the
+    outcome."""
 
     first: int
     count: int
     checksums: list[int]
     res: Reservation | None
     scratch: list
+    msgs: list  # one receive buffer per payload message, in order
     pack: bool = False
-    runs: list[int] | None = None  # blocks per payload message (None: packed, one)
     recvs: asyncio.Future | None = None
-    # In place: per message, the XXH64s of its blocks that have a slot, computed as soon as
-    # it landed (None inside: that message failed)
+    # In place: per message, a future of the XXH64s of its blocks that have a slot, taken
+    # as soon as it landed (None: that message failed)
     digests: list[asyncio.Future] | None = None
-
-    def bufs(self, size: int) -> list:
-        """One receive buffer per payload message."""
-        if self.pack:
-            if self.runs is None:
-                return [contiguous(self.scratch, self.count)]
-            return spans(self.scratch[:self.count], self.runs, size)  # a set is contiguous
-        dests = (self.res.views if self.res is not None else []) + self.scratch
-        return spans(dests, self.runs, size)
 
 
 class BatchSink:
@@ -124,15 +115,16 @@ class BatchSink:
         copied from staging into the slots and verified in one pass), then committed (put
         from staging on device pools)."""
         staging, ld.scratch = (ld.scratch, []) if ld.pack else (None, ld.scratch)
-        if ld.digests is not None:
-            parts = await asyncio.gather(*ld.digests)
-            ld.digests = None if any(p is None for p in parts) else \
-                [d for part in parts for d in part]
         if ld.res is None:
             return await self.push(ld.first, (staging or ld.scratch)[:ld.count],
                                    ld.checksums, staging)
+        digests = None  # taken as the messages landed; else the store step hashes
+        if ld.digests is not None:
+            parts = await asyncio.gather(*ld.digests)
+            if all(p is not None for p in parts):
+                digests = [d for part in parts for d in part]
         size = ld.count * self.st.spec.block_bytes
-        return await self._queue(ld.count, size, staging, self._commit, ld, staging)
+        return await self._queue(ld.count, size, staging, self._commit, ld, staging, digests)
 
     async def _queue(self, n: int, size: int, staging: list | None, fn, *args) -> bool:
         if not await self.drain():
@@ -165,27 +157,30 @@ class BatchSink:
             res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
                                 parent, self.root, after=after)
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
-            return Landing(first, count, checksums, res, self.peer.staging.take(batch, size),
-                           pack=True)
+            scratch = self.peer.staging.take(batch, size)
+            return Landing(first, count, checksums, res, scratch,
+                           [contiguous(scratch, count)], pack=True)
         left = count - (len(res) if res is not None else 0)
         scratch = self.peer.staging.take(left, size) if left else []
-        ld = Landing(first, count, checksums, res, scratch, runs=runs)
-        if spans((res.views if res is not None else []) + scratch, runs, size) is None:
-            if scratch:
-                self.peer.staging.give(scratch)
-            ld.scratch, ld.pack = self.peer.staging.take(batch, size), True
-            self.peer.count("peer_blocks_staged", count)
-        return ld
+        msgs = spans((res.views if res is not None else []) + scratch, runs, size)
+        if msgs is not None:
+            return Landing(first, count, checksums, res, scratch, msgs)
+        if scratch:
+            self.peer.staging.give(scratch)
+        scratch = self.peer.staging.take(batch, size)  # a set is contiguous
+        self.peer.count("peer_blocks_staged", count)
+        return Landing(first, count, checksums, res, scratch,
+                       spans(scratch[:count], runs, size), pack=True)
 
-    def _commit(self, ld: Landing, staging: list | None):
-        """Worker-thread part of land(): verify (packed: copy from `staging` and verify)
-        and commit the reserved blocks."""
+    def _commit(self, ld: Landing, staging: list | None, digests: list[int] | None):
+        """Worker-thread part of land(): verify (packed: copy from `staging` and verify;
+        in place with `digests`: check those) and commit the reserved blocks."""
         reason = ""
         n_res = len(ld.res)
         try:
             self.peer.store.commit(ld.res, ld.checksums[:n_res],
                                    sources=staging[:n_res] if staging else None,
-                                   digests=ld.digests)
+                                   digests=digests)
         except errors.DataLoss as exc:
             self.peer.count("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
@@ -444,7 +439,7 @@ async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: flo
     """Send the request and receive the first chunk header, the receive posted without
     waiting for the sends to complete (one completion wait less); a failed send ends
     the wait at once."""
-    sending = asyncio.gather(*post_obj(ep, req.SerializeToString()))
+    sending = post_control(ep, req.SerializeToString())
     answer = asyncio.ensure_future(recv_control(ep, control))
     try:
         await within(asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
@@ -496,16 +491,17 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
         return False
     # return_exceptions: the future completes only once every receive has, so nothing
     # writes into the slots or buffers any more when it is done (see _settle).
-    size = sink.st.spec.block_bytes
-    recvs = [asyncio.ensure_future(ep.recv(b)) for b in ld.bufs(size)]
+    recvs = [asyncio.ensure_future(ep.recv(m)) for m in ld.msgs]
     ld.recvs = asyncio.ensure_future(asyncio.gather(*recvs, return_exceptions=True))
-    if ld.res is not None and not ld.pack:
-        views, i, ld.digests = ld.res.views, 0, []
-        for recv, r in zip(recvs, ld.runs):
-            if i >= len(views):
+    if ld.res is not None and not ld.pack:  # in place: hash each message as it lands
+        size = sink.st.spec.block_bytes
+        ld.digests, i = [], 0
+        for recv, msg in zip(recvs, ld.msgs):
+            views = ld.res.views[i:i + msg.nbytes // size]
+            if not views:
                 break
-            ld.digests.append(asyncio.ensure_future(_digest_landed(recv, views[i:i + r])))
-            i += r
+            ld.digests.append(asyncio.ensure_future(_digest_landed(recv, views)))
+            i += len(views)
     posted.append(ld)
     return True
 

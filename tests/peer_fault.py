@@ -38,7 +38,7 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
 
     async def handler(ep) -> None:
         # Control messages: one UCX message each, a 4-byte little-endian length and then
-        # the bytes (node_agent/peer_common.post_obj / recv_control).
+        # the bytes (node_agent/peer_common.post_control / recv_control).
         buf = np.zeros(1 << 20, dtype=np.uint8)
         await asyncio.wait_for(ep.recv(buf), 10)
         n_req = int.from_bytes(buf[:4].tobytes(), "little")

@@ -484,11 +484,11 @@ def test_runs_and_spans_follow_memory_layout():
 
 
 def test_control_frames_carry_their_length_and_refuse_impossible_ones():
-    """One UCX message per control message: length, then bytes (post_obj/recv_control)."""
+    """One UCX message per control message: length, then bytes (post_control/recv_control)."""
     import asyncio
 
     from node_agent.peer_common import (MAX_CONTROL_BYTES, PeerTransportError,
-                                        control_buffer, post_obj, recv_control)
+                                        control_buffer, post_control, recv_control)
 
     class Wire:  # stands in for a UCX endpoint: what was sent is what the next recv gets
         data = b""
@@ -500,7 +500,7 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
             buf[:len(self.data)] = np.frombuffer(self.data, dtype=np.uint8)
 
     async def round_trip(wire, payload):
-        await asyncio.gather(*post_obj(wire, payload))
+        await post_control(wire, payload)
         return await recv_control(wire, buf)
 
     buf = control_buffer()
