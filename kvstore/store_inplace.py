@@ -112,17 +112,17 @@ class InPlaceMixin:
         transport that verifies each message as it lands, while later ones arrive)."""
         plan, res.plan = res.plan, []
         n = len(plan) if n is None else min(n, len(plan))
-        if sources is not None:
-            n = min(n, len(sources))
-            fill = [(p[1], src) for p, src in zip(plan[:n], sources)]
-            digest_of, args = (lambda a: self.pool.write(*a)), fill
-        else:
-            digest_of, args = (lambda p: cks.checksum(p[0].data)), plan[:n]
         try:
-            if digests is None:
-                digests = self._copy_all(digest_of, args, n * res.ns.spec.block_bytes)
-            else:  # blocks past the given digests are not stored
+            if digests is not None:  # hashed by the caller; blocks past them are not stored
                 digests = list(digests[:n])
+            elif sources is not None:
+                n = min(n, len(sources))
+                digests = self._copy_all(lambda a: self.pool.write(a[0][1], a[1]),
+                                         list(zip(plan[:n], sources)),
+                                         n * res.ns.spec.block_bytes)
+            else:
+                digests = self._copy_all(lambda p: cks.checksum(p[0].data), plan[:n],
+                                         n * res.ns.spec.block_bytes)
         except BaseException:
             with self.lock:
                 self._abort_plan(plan)
