@@ -45,6 +45,7 @@ import torch
 
 from loadtest import bench_agent
 from kvstore.client import KVClient
+from kvstore.client.convert import block_shape
 from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
@@ -192,9 +193,8 @@ def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
     """Put `rounds` prompts of `blocks` blocks on B (distinct ids, shared payloads)."""
     nb = cb.open_namespace(spec)
     gen = torch.Generator().manual_seed(1)
-    shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     payload = [torch.randint(0, 256, (spec.block_bytes,), dtype=torch.uint8, generator=gen)
-               .view(torch.float16).view(shape) for _ in range(blocks)]
+               .view(torch.float16).view(block_shape(spec)) for _ in range(blocks)]
     prompts = []
     for r in range(rounds):
         tokens = np.arange(r * blocks * 16, (r + 1) * blocks * 16, dtype=np.int32) + 7
