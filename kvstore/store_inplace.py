@@ -97,6 +97,14 @@ class InPlaceMixin:
             res.plan = []
             raise
 
+    def trim(self, res: Reservation, n: int) -> None:
+        """Keep the first `n` slots of `res` and free the others (nothing wrote into them:
+        a transport reserved ahead for more blocks than the sender then announced)."""
+        if n < len(res.plan):
+            rest, res.plan = res.plan[n:], res.plan[:n]
+            with self.lock:
+                self._abort_plan(rest)
+
     def commit(self, res: Reservation, checksums: list[int], n: int | None = None,
                sources: list | None = None, digests: list[int] | None = None) -> int:
         """Verify the first `n` (default all) reserved payloads in place against

@@ -34,7 +34,9 @@ staging buffer (and ends the borrow at once), A receives the batch into a stagin
 and fills the reserved slots with one fused copy + checksum pass before committing.
 Batches are sized in bytes (PeerConfig.batch_bytes), so small blocks also travel in few
 batches. Both sides pipeline: B borrows batch k+1 while batch k is on the wire; A
-reserves slots and posts the receives of batch k+1 before it commits batch k.
+reserves the first batch's slots while its request travels to B, and the slots and
+receives of batch k+1 before it commits batch k (a batch hashed as it landed is committed
+on the event loop: bookkeeping only, cheaper than two thread hand-offs).
 
 Every await on the network has a timeout, and a Prefetch has an overall deadline, so a
 dead or frozen peer turns the missing blocks into a miss in bounded time. Concurrent

@@ -123,10 +123,14 @@ class BatchSink:
             parts = await asyncio.gather(*ld.digests)
             if all(p is not None for p in parts):
                 digests = [d for part in parts for d in part]
-        size = ld.count * self.st.spec.block_bytes
+        # Hashed already, committing is bookkeeping only: right here, without two thread
+        # hand-offs (else the commit copies or hashes the batch: a worker thread).
+        size = 0 if digests is not None and not staging else ld.count * self.st.spec.block_bytes
         return await self._queue(ld.count, size, staging, self._commit, ld, staging, digests)
 
     async def _queue(self, n: int, size: int, staging: list | None, fn, *args) -> bool:
+        """Store a batch (fn(*args)): in a worker thread when `size` bytes are copied or
+        hashed and that is worth the hand-off, else right here."""
         if not await self.drain():
             if staging:
                 self.peer.staging.give(staging)
@@ -140,19 +144,40 @@ class BatchSink:
             self._task.set_result(fn(*args))
         return True
 
+    def reserve_ahead(self, count: int) -> Reservation | None:
+        """Slots for the next `count` blocks, reserved while the request is on its way so
+        that the first header finds them ready (destination() takes them, trimmed to what
+        the header announces; the caller aborts them when no header comes). None when the
+        store does not take payloads in place or the pool lacks free slots (making room
+        may write NVMe: not on the event loop), or when the reservation fails (the one
+        made for the header then says why)."""
+        store = self.peer.store
+        if not count or not store.supports_in_place or store.pool.free_slots < count:
+            return None
+        first = self.expect
+        parent = self.ids[first - 1] if first else self.parent_id
+        try:
+            return store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
+                                 parent, self.root)
+        except errors.KvError:
+            return None
+
     def destination(self, first: int, count: int, checksums: list[int],
-                    after: Reservation | None, batch: int, runs: list[int] | None
-                    ) -> Landing:
+                    after: Reservation | None, batch: int, runs: list[int] | None,
+                    ahead: Reservation | None = None) -> Landing:
         """Reserve pool slots for blocks first..first+count (a Landing with no slots when
         the store cannot take them in place; `reason` of a short reservation stops the
-        transfer after this batch). `runs`: blocks per payload message (large blocks).
-        When the slots reserved for a run do not lie back to back, the batch lands in a
-        staging set instead and the verifying pass copies it into the slots. Worker thread
-        when it may have to evict."""
+        transfer after this batch), or take `ahead` (reserve_ahead) for them. `runs`:
+        blocks per payload message (large blocks). When the slots reserved for a run do
+        not lie back to back, the batch lands in a staging set instead and the verifying
+        pass copies it into the slots. Worker thread when it may have to evict."""
         store = self.peer.store
         size = self.st.spec.block_bytes
         res = None
-        if store.supports_in_place:
+        if ahead is not None:
+            store.trim(ahead, count)
+            res = ahead
+        elif store.supports_in_place:
             parent = self.ids[first - 1] if first else self.parent_id
             res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
                                 parent, self.root, after=after)
@@ -391,10 +416,17 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
     io = svc.pcfg.io_timeout_s
     control = control_buffer()  # chunk headers, one after another
     posted: list[Landing] = []  # batches whose payloads are on their way, oldest first
+    ahead: list[Reservation] = []  # the first batch's slots, reserved during the request
     clean = abandoned = False
+
+    def reserve_first() -> None:
+        res = sink.reserve_ahead(min(batch, len(sink.ids) - sink.expect))
+        if res is not None:
+            ahead.append(res)
+
     try:
         try:
-            raw = await _ask(ep, req, control, deadline, io)
+            raw = await _ask(ep, req, control, deadline, io, reserve_first)
         except Exception as exc:
             if reused:  # nothing happened on this request yet: safe to retry elsewhere
                 raise _StaleConnection(f"{type(exc).__name__}: {exc}") from exc
@@ -405,7 +437,11 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                 raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
             first = sink.check(hdr, batch)
             sink.remote_done = hdr.done
-            if hdr.count and not await _post(svc, ep, sink, posted, first, hdr, batch):
+            take = ahead.pop() if ahead else None  # _post owns it from here
+            if not hdr.count:
+                if take is not None:
+                    svc.store.abort(take)
+            elif not await _post(svc, ep, sink, posted, first, hdr, batch, take):
                 abandoned = True  # payloads of this batch come with no receive posted
                 break
             if len(posted) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
@@ -429,19 +465,25 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
         raise PeerTransportError(f"UCX transfer from {address}: {type(exc).__name__}: "
                                  f"{exc}") from exc
     finally:
+        for res in ahead:  # no header came to take them: nothing wrote into them
+            svc.store.abort(res)
         if not clean:
             ep.abort()  # completes (cancels) the receives still posted into `posted`
         await _settle(svc, posted)
         await sink.drain_quietly()
 
 
-async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float):
+async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float,
+               meanwhile=None):
     """Send the request and receive the first chunk header, the receive posted without
     waiting for the sends to complete (one completion wait less); a failed send ends
-    the wait at once."""
+    the wait at once. `meanwhile()` runs once both are posted, while the peer works."""
     sending = post_control(ep, req.SerializeToString())
     answer = asyncio.ensure_future(recv_control(ep, control))
     try:
+        if meanwhile is not None:
+            await asyncio.sleep(0)  # the send and the receive reach UCX first
+            meanwhile()
         await within(asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
                      deadline, io, "first chunk header")
         if sending.done() and sending.exception() is not None:
@@ -471,14 +513,22 @@ async def _acknowledge(svc: "PeerService", ep, address: str) -> None:
 
 
 async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], first: int,
-                hdr: peer_pb2.FetchChunk, batch: int) -> bool:
-    """Reserve the batch's destination and post its receives; False (the sink knows why)
-    when not one block of it can be stored here."""
+                hdr: peer_pb2.FetchChunk, batch: int, ahead: Reservation | None = None
+                ) -> bool:
+    """Reserve the batch's destination (or take `ahead`, slots reserved for it before its
+    header came) and post its receives; False (the sink knows why) when not one block of
+    it can be stored here."""
     after = posted[-1].res if posted else None
-    runs = None if packed(sink.st.spec.block_bytes) else check_runs(hdr.runs, hdr.count)
-    args = (first, hdr.count, list(hdr.checksums), after, batch, runs)
     try:
-        if svc.store.pool.free_slots < hdr.count:  # making room may write NVMe: off-loop
+        runs = None if packed(sink.st.spec.block_bytes) else check_runs(hdr.runs, hdr.count)
+    except PeerTransportError:
+        if ahead is not None:
+            svc.store.abort(ahead)
+        raise
+    args = (first, hdr.count, list(hdr.checksums), after, batch, runs, ahead)
+    try:
+        if ahead is None and svc.store.pool.free_slots < hdr.count:
+            # making room may write NVMe: off the event loop
             ld = await asyncio.to_thread(sink.destination, *args)
         else:
             ld = sink.destination(*args)

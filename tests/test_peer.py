@@ -156,22 +156,31 @@ def test_prefetch_over_ucx_then_get_from_a_returns_equal_tensors(cluster):
     assert da.now()["peer_blocks_received"] == 20
 
 
+def free_slots(client: KVClient) -> int:
+    return client.stats().tiers[0].slots_free
+
+
 def test_prefetch_of_a_longer_prompt_stops_where_the_peer_stops(cluster):
     na, ids, blocks = cluster.seed(SMALL, 12, seed=2)
     longer = cluster.clients["a"].block_ids(na, prompt_tokens(2, 20 * SMALL.block_size))
     assert longer[:12] == ids
+    free = free_slots(cluster.clients["a"])
     r = cluster.prefetch(na, longer)
     assert (r.present, r.fetched) == (12, 12)
     assert "peer holds only 12" in r.stopped
     assert same_bytes(cluster.clients["a"].get(na, longer), blocks)
+    # A reserved 20 slots while its request was on the way; the 8 B lacked went back.
+    assert free_slots(cluster.clients["a"]) == free - 12
 
 
 def test_peer_that_never_saw_the_namespace_opens_it_from_the_spec(cluster):
     unseen = make_namespace(name="unseen-by-b")
     na = cluster.clients["a"].open_namespace(unseen)
     ids = cluster.clients["a"].block_ids(na, prompt_tokens(3, 4 * unseen.block_size))
+    free = free_slots(cluster.clients["a"])
     r = cluster.prefetch(na, ids)
     assert (r.present, r.fetched) == (0, 0) and "peer holds only 0" in r.stopped
+    assert free_slots(cluster.clients["a"]) == free  # the slots reserved ahead went back
     cb = cluster.clients["b"]
     assert cb.lookup(cb.open_namespace(unseen), ids).matched == 0
 
@@ -361,6 +370,32 @@ def test_prefetch_forwards_the_callers_token_and_checks_access(spawn_agent):
         r = stub.Prefetch(req, metadata=(("authorization", "Bearer acme-token"),), timeout=60)
         assert (r.present, r.transport, r.stopped) == (6, "ucx", ""), r
         assert same_bytes(ca.get(na, ids), blocks)
+
+
+@needs_ucx
+@pytest.mark.parametrize("spec", [SMALL, BIG], ids=["packed", "runs"])
+def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
+    """A reserves the first batch's slots while its request travels; B refuses it (more
+    blocks than B takes per request): nothing moves, no fallback, every slot is back."""
+    b_port = free_port()
+    mem = dict(slot_bytes="2MiB", pool_bytes="64MiB")
+    b = spawn_agent(peer_port=b_port, max_blocks_per_request=4, **mem)
+    a = spawn_agent(peer_port=free_port(), **mem)
+    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb = cb.open_namespace(spec)
+        ids = cb.block_ids(nb, prompt_tokens(12, 6 * spec.block_size))
+        assert cb.put(nb, ids[:4], random_blocks(spec, 4, 12)).stored == 4
+        na = ca.open_namespace(spec)
+        free = free_slots(ca)
+        req = peer_pb2.PrefetchRequest(
+            ns=na.ref, spec=common_pb2.Namespace(**spec.to_dict()), block_ids=pack_ids(ids),
+            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
+        r = peer_pb2_grpc.PeerStub(ca.channel).Prefetch(req, timeout=60)
+        assert (r.present, r.fetched, r.transport) == (0, 0, "ucx"), r
+        assert "refused" in r.stopped and "INVALID_ARGUMENT" in r.stopped, r.stopped
+        assert free_slots(ca) == free
+        assert Counter(dict(ca.stats().counters))["peer_ucx_failures"] == 0
 
 
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])

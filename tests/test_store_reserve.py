@@ -119,6 +119,23 @@ def test_abort_frees_every_slot_and_orphans_are_refused(make_store):
     check_invariants(store)
 
 
+def test_trim_keeps_the_leading_slots_and_frees_the_rest(make_store):
+    """A transport reserves ahead for the blocks it asked for; the sender announces fewer."""
+    store = make_store(n_slots=6)
+    store.open_namespace(SPEC)
+    ids, items = prompt(11, 5)
+    res = reserve(store, ids)
+    assert store.pool.free_slots == 1
+    store.trim(res, 3)
+    assert len(res) == 3 and store.pool.free_slots == 3
+    store.trim(res, 4)  # never grows
+    assert len(res) == 3
+    assert store.commit(res, fill(res, items[:3])) == 3
+    assert get(store, ids[:3])[1] == [it.data for it in items[:3]]
+    assert store.pool.free_slots == 3
+    check_invariants(store)
+
+
 def test_full_pool_truncates_then_refuses(make_store):
     store = make_store(n_slots=3)
     store.open_namespace(SPEC)
