@@ -8,6 +8,7 @@ tensor is allocated and touched once at start-up, and the free list is a plain s
 from __future__ import annotations
 
 import mmap
+import warnings
 from enum import IntEnum
 
 import torch
@@ -58,6 +59,17 @@ def host_memory(nbytes: int) -> mmap.mmap:
         except OSError:
             pass  # THP disabled in this kernel: 4 KiB pages
     return mem
+
+
+def _read_only_tensor(src) -> torch.Tensor:
+    """`src` (any buffer, read-only ones too) as a uint8 tensor over the same memory, to
+    copy FROM. torch warns that a read-only buffer could be written through the tensor;
+    nothing writes through this one, so that warning (once per process, in every GPU
+    agent's log) is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                                category=UserWarning)
+        return torch.frombuffer(src, dtype=torch.uint8)
 
 
 class DevicePool:
@@ -135,7 +147,7 @@ class DevicePool:
         if self._host is not None:
             return cks.copy_with_checksum(self._host[slot, :n], src)
         digest = cks.checksum(src)
-        self.tensor[slot, :n].copy_(torch.frombuffer(src, dtype=torch.uint8))
+        self.tensor[slot, :n].copy_(_read_only_tensor(src))
         return digest
 
     def read_into(self, slot: int, nbytes: int, dst) -> int:
