@@ -11,6 +11,10 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   same run: `ucx_perftest -t tag_bw -s 2097152` over UCX_TLS=tcp (limit_method "ucx_perftest
   tcp"), or a raw Python socket loopback when ucx_perftest is not found
 - limit_shm_gbps: the same perftest over shared memory (UCX_TLS=sm,self)
+- limit_footprint_gbps / ucx_ratio_footprint: context, not the goal: a raw TCP socket
+  between two processes streaming one Prefetch's bytes of distinct memory (blocks x 2 MiB
+  each side, as the agents move them); perftest reuses the same 2 MiB buffers for every
+  message, and they stay in the CPU cache
 - ucx_gbps / grpc_gbps: median Prefetch bandwidth over the rounds; ucx_best_gbps. A
   round's ucx figure is --burst Prefetches timed back to back (as the limit times
   hundreds of messages in a row after a warm-up) after a first one, reported apart as
@@ -51,6 +55,7 @@ from kvstore.client import KVClient
 from kvstore.client.convert import block_shape
 from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
+from kvstore.tiers.pool import host_memory
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from node_agent.peer_common import PeerConfig
 
@@ -150,6 +155,59 @@ def socket_gbps(total: int = 1 << 30) -> float:
     return total / elapsed / 1e9
 
 
+# The receiving side of footprint_socket_gbps, in a process of its own (no torch import):
+# pre-touched distinct memory, filled in 2 MiB receives one after another.
+_SINK = """
+import mmap, socket, sys
+import numpy as np
+port, footprint, total, block = map(int, sys.argv[1:])
+mem = mmap.mmap(-1, footprint)
+if hasattr(mmap, "MADV_HUGEPAGE"):
+    mem.madvise(mmap.MADV_HUGEPAGE)
+np.frombuffer(mem, dtype=np.uint8)[:] = 0
+view = memoryview(mem)
+with socket.create_connection(("127.0.0.1", port)) as c:
+    got = 0
+    while got < total:
+        off = got % footprint
+        n = c.recv_into(view[off:off + min(block, footprint - off)])
+        if not n:
+            sys.exit("sender went away")
+        got += n
+    c.sendall(b"k")
+"""
+
+
+def footprint_socket_gbps(footprint: int, passes: int = 3) -> float:
+    """Raw loopback TCP between two processes streaming `footprint` bytes of distinct,
+    pre-touched memory on each side (one Prefetch's worth: what the agents move), `passes`
+    times over, in 2 MiB sends. ucx_perftest reuses the same 2 MiB buffers for every
+    message, which stay in the CPU cache; this is the same transport without that help."""
+    src = np.frombuffer(host_memory(footprint), dtype=np.uint8)
+    src[:] = np.random.default_rng(0).integers(0, 256, footprint, dtype=np.uint8)
+    total = footprint * passes
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        sink = subprocess.Popen([sys.executable, "-c", _SINK, str(srv.getsockname()[1]),
+                                 str(footprint), str(total), str(BLOCK)])
+        try:
+            srv.settimeout(60)
+            conn, _ = srv.accept()  # the sink's memory is touched before it connects
+            with conn:
+                view = memoryview(src)
+                start = time.perf_counter()
+                for i in range(total // BLOCK):
+                    off = (i * BLOCK) % footprint
+                    conn.sendall(view[off:off + BLOCK])
+                conn.settimeout(60)
+                if conn.recv(1) != b"k":
+                    raise RuntimeError("footprint socket sink failed")
+                elapsed = time.perf_counter() - start
+        finally:
+            if sink.wait(60) != 0:
+                raise RuntimeError(f"footprint socket sink exited with {sink.returncode}")
+    return total / elapsed / 1e9
+
+
 def transport_limit(iters: int):
     """(method, function measuring GB/s once, shared-memory function or None)."""
     found = find_perftest()
@@ -230,8 +288,10 @@ def measure(a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, lim
     total time) after one that is only counted as `ucx_cold`: the first call after the
     seconds the limits take finds the agents' threads asleep and their caches cold, while
     ucx_perftest, the limit, warms up and then times hundreds of messages in a row."""
-    out: dict[str, list[float]] = {k: [] for k in ("limit", "limit_shm", "ucx", "ucx_cold",
-                                                   "grpc", "ratio", "ratio_shm")}
+    out: dict[str, list[float]] = {k: [] for k in ("limit", "limit_shm", "limit_footprint",
+                                                   "ucx", "ucx_cold", "grpc", "ratio",
+                                                   "ratio_shm", "ratio_footprint")}
+    footprint = len(prompts[0]) * BLOCK
     it = iter(prompts)
     with KVClient(a.address, use_shm=False) as ca:
         stub = peer_pb2_grpc.PeerStub(ca.channel)
@@ -239,17 +299,20 @@ def measure(a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, lim
         for r in range(rounds):
             out["limit"].append(limit())
             shm = limit_shm() if limit_shm else None
+            out["limit_footprint"].append(footprint_socket_gbps(footprint))
             out["ucx_cold"].append(prefetch(stub, a, b, na, next(it), ucx=True))
             # bytes over the burst's total time (each call moves the same bytes)
             out["ucx"].append(burst / sum(1 / prefetch(stub, a, b, na, next(it), ucx=True)
                                           for _ in range(burst)))
             out["grpc"].append(prefetch(stub, a, b, na, next(it), ucx=False))
             out["ratio"].append(out["ucx"][-1] / out["limit"][-1])
+            out["ratio_footprint"].append(out["ucx"][-1] / out["limit_footprint"][-1])
             if shm:
                 out["limit_shm"].append(shm)
                 out["ratio_shm"].append(out["ucx"][-1] / shm)
             log(f"  round {r}: limit tcp {out['limit'][-1]:.2f}  shm "
-                f"{shm or float('nan'):.2f}  ucx {out['ucx'][-1]:.2f} (first call "
+                f"{shm or float('nan'):.2f}  socket over the footprint "
+                f"{out['limit_footprint'][-1]:.2f}  ucx {out['ucx'][-1]:.2f} (first call "
                 f"{out['ucx_cold'][-1]:.2f})  grpc {out['grpc'][-1]:.2f} GB/s")
     return out
 
@@ -331,11 +394,11 @@ def main(argv=None) -> int:
         small = small_latency(Path(tmp), args.small_rounds) if args.small_rounds else {}
     med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
     result.update(limit_gbps=med["limit"], limit_method=method,
-                  limit_shm_gbps=med["limit_shm"], ucx_gbps=med["ucx"],
-                  ucx_cold_gbps=med["ucx_cold"], grpc_gbps=med["grpc"],
-                  ucx_ratio=med["ratio"],
-                  ucx_ratio_shm=med["ratio_shm"], ucx_best_gbps=round(max(m["ucx"]), 3),
-                  ucx_transport=transport,
+                  limit_shm_gbps=med["limit_shm"], limit_footprint_gbps=med["limit_footprint"],
+                  ucx_gbps=med["ucx"], ucx_cold_gbps=med["ucx_cold"], grpc_gbps=med["grpc"],
+                  ucx_ratio=med["ratio"], ucx_ratio_shm=med["ratio_shm"],
+                  ucx_ratio_footprint=med["ratio_footprint"],
+                  ucx_best_gbps=round(max(m["ucx"]), 3), ucx_transport=transport,
                   prefetch_60x8k_ms_ucx=small.get("ucx"), prefetch_60x8k_ms_grpc=small.get("grpc"))
     print(json.dumps(result), flush=True)
     return 0
