@@ -173,6 +173,19 @@ def test_prefetch_of_a_longer_prompt_stops_where_the_peer_stops(cluster):
     assert free_slots(cluster.clients["a"]) == free - 12
 
 
+@needs_ucx
+def test_client_prefetch_asks_the_agent_to_pull_from_a_peer(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 9, seed=13)
+    ca = cluster.clients["a"]
+    r = ca.prefetch(na, ids, cluster.procs["b"].address, cluster.ucx("b"))
+    assert (r.present, r.fetched, r.transport, r.stopped) == (9, 9, "ucx", "")
+    assert same_bytes(ca.get(na, ids), blocks)
+    # Nobody at the peer's addresses: a shorter answer saying why, not an error.
+    other, ids2, _ = cluster.seed(SMALL, 3, seed=14)
+    r = ca.prefetch(other, ids2, f"127.0.0.1:{free_port()}", timeout_ms=3000)
+    assert (r.present, r.fetched, r.transport) == (0, 0, "grpc") and r.stopped, r
+
+
 def test_peer_that_never_saw_the_namespace_opens_it_from_the_spec(cluster):
     unseen = make_namespace(name="unseen-by-b")
     na = cluster.clients["a"].open_namespace(unseen)

@@ -15,6 +15,7 @@ from conftest import TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
 from cluster.etcd import EtcdClient
 from kvstore.client import KVClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, router_pb2
@@ -137,6 +138,41 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     resp = fast.route(NS_ID, prompt, dry_run=True)
     assert (resp.node_id, resp.peer_hint, resp.matched_blocks) == ("agent-0", "agent-2", 0)
     assert resp.candidates[0].peer_blocks == 10 and resp.candidates[0].recompute_blocks == 5
+
+
+def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
+        etcd, spawn_agent, start_router):
+    """The router sends a request away from a busy holder with a peer hint; the cluster
+    client has the chosen agent pull the hinted blocks first, so they are a hit there."""
+    agents = spawn_many(spawn_agent, 2, **agent_config(etcd))
+    router = start_router(config={"peer_gbps": 100, "weight_utilization": 0})
+    tokens = prompt_tokens(21, 15 * BS)
+    prefix = ids_for(21, 10)  # the first 10 blocks of `tokens`
+    with KVClient(agents[1].address, tenant_secret=TEST_SECRET, use_shm=False) as holder:
+        put_blocks(holder, prefix)
+        expected = holder.get(holder.open_namespace(SPEC), prefix)
+    router.wait_nodes({"agent-0": 0, "agent-1": 10})
+    prompt = pack_ids(hash_chain(ROOT, tokens, BS))
+    wait_for(lambda: {c.node_id: c.peer_blocks for c in router.route(
+        NS_ID, prompt, dry_run=True).candidates}["agent-0"] == 10, 15,
+        what="peer pricing from the etcd namespace record")
+    router.route(NS_ID, prompt, request_id="busy")  # the holder has a request in flight
+    with ClusterClient(router.address, tenant_secret=TEST_SECRET, use_shm=False) as cc:
+        ns = cc.open_namespace(SPEC)
+        skipped = cc.fetch(ns, tokens, prefetch=False)  # hinted, but told not to pull
+        assert (skipped.node_id, skipped.route.peer_hint) == ("agent-0", "agent-1")
+        assert skipped.prefetch is None and skipped.cached_blocks == 0
+        cc.release(skipped)
+        hit = cc.fetch(ns, tokens)
+        assert (hit.node_id, hit.route.peer_hint) == ("agent-0", "agent-1")
+        p = hit.prefetch
+        assert (p.present, p.fetched, p.stopped) == (10, 10, ""), p
+        assert p.transport in ("ucx", "grpc")
+        assert hit.cached_blocks == 10
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(hit.blocks, expected))
+        cc.release(hit)
+    router.release("busy")
 
 
 def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start_router):

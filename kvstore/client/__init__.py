@@ -32,7 +32,7 @@ from kvstore import lane
 from kvstore.client.local_lane import LaneBroken, LaneChannel
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
-from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
            "blocks_to_kv", "torch_dtype"]
@@ -101,6 +101,7 @@ class KVClient:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]))
         self.stub = agent_pb2_grpc.NodeAgentStub(self.channel)
+        self.peer_stub = peer_pb2_grpc.PeerStub(self.channel)
         self._shm: shared_memory.SharedMemory | None = None
         self._staging: np.ndarray | None = None
         self._region_id = 0
@@ -340,6 +341,25 @@ class KVClient:
 
     def stats(self, tenant: str = "") -> agent_pb2.StatsResponse:
         return self.stub.Stats(agent_pb2.StatsRequest(tenant=tenant), metadata=self._md)
+
+    def prefetch(self, ns: NamespaceHandle, ids: list[bytes], peer_address: str,
+                 peer_ucx_address: str = "", parent: bytes | None = None,
+                 timeout_ms: int = 0) -> peer_pb2.PrefetchResponse:
+        """Have this agent pull the leading blocks of `ids` it lacks from another agent:
+        `peer_address` is that agent's gRPC host:port, `peer_ucx_address` its UCX
+        listener (tried first when given; the router's ListNodes has both). The blocks
+        arrive verified and are then served by get like any others. Transfer trouble
+        (peer gone, frozen, refusing) is a shorter answer, not an error: `present` says
+        how many leading blocks of `ids` this agent now holds, `fetched` how many moved,
+        `transport` over what, `stopped` why it ended early ('' when all arrived).
+        `timeout_ms` bounds the whole call (0: the agent's default, 30 s)."""
+        req = peer_pb2.PrefetchRequest(
+            ns=ns.ref, spec=common_pb2.Namespace(**ns.spec.to_dict()),
+            block_ids=pack_ids(ids), parent_id=ns.root if parent is None else parent,
+            peer_address=peer_address, peer_ucx_address=peer_ucx_address,
+            timeout_ms=timeout_ms)
+        return self.peer_stub.Prefetch(req, metadata=self._md,
+                                       timeout=(timeout_ms or 30_000) / 1000 + 10)
 
     # ------------------------------------------------------------ prompt level
     @TRACER.start_as_current_span("kvstore.client.fetch")

@@ -14,6 +14,7 @@ staging area, so use one ClusterClient per thread; with use_shm=False one can be
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -24,11 +25,12 @@ from cluster.telemetry import TRACER, annotate, traced_channel
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
-from kvstore.v1 import router_pb2, router_pb2_grpc
+from kvstore.v1 import peer_pb2, router_pb2, router_pb2_grpc
 
 __all__ = ["ClusterClient", "ClusterNamespace", "ClusterHit", "route_tokens"]
 
 MiB = 1 << 20
+log = logging.getLogger("kvstore.client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class ClusterHit:
     request_id: str
     hit: PrefixHit
     route: router_pb2.RouteResponse | None  # None when the caller picked the node
+    # The chosen agent's pull of the router's peer blocks (None: no peer hint, or off)
+    prefetch: peer_pb2.PrefetchResponse | None = None
 
     @property
     def block_ids(self) -> list[bytes]:
@@ -91,6 +95,7 @@ class ClusterClient:
         self._channel = traced_channel(grpc.insecure_channel(router_address))
         self.router = router_pb2_grpc.RouterStub(self._channel)
         self._clients: dict[str, KVClient] = {}
+        self._nodes: dict[str, router_pb2.NodeInfo] = {}  # node id -> addresses (cache)
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- plumbing
@@ -118,8 +123,19 @@ class ClusterClient:
             return client
 
     def nodes(self) -> list[router_pb2.NodeInfo]:
-        return list(self.router.ListNodes(router_pb2.ListNodesRequest(),
-                                          timeout=self.timeout).nodes)
+        nodes = list(self.router.ListNodes(router_pb2.ListNodesRequest(),
+                                           timeout=self.timeout).nodes)
+        with self._lock:
+            self._nodes = {n.node_id: n for n in nodes}
+        return nodes
+
+    def node(self, node_id: str) -> router_pb2.NodeInfo | None:
+        """A node's addresses, from the last ListNodes (asked again for one not seen)."""
+        with self._lock:
+            info = self._nodes.get(node_id)
+        if info is None:
+            info = next((n for n in self.nodes() if n.node_id == node_id), None)
+        return info
 
     # --------------------------------------------------------------- namespaces
     def open_namespace(self, spec: Namespace) -> ClusterNamespace:
@@ -152,9 +168,14 @@ class ClusterClient:
 
     @TRACER.start_as_current_span("kvstore.cluster.fetch")
     def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu",
-              address: str | None = None, request_id: str = "") -> ClusterHit:
+              address: str | None = None, request_id: str = "",
+              prefetch: bool = True) -> ClusterHit:
         """Route the prompt (or use `address`), then load its longest cached prefix from
-        that agent. Pass the result to `store` (or `release`) when the request is done."""
+        that agent. When the router priced fetching part of that prefix from another node
+        as cheaper than recomputing it (its peer hint), the chosen agent first pulls those
+        blocks from that node (`prefetch=False`: do not; `hit.prefetch` says how it went,
+        and blocks that did not arrive are simply not cached). Pass the result to `store`
+        (or `release`) when the request is done."""
         if address is None:
             ids, resp = self.route(ns, tokens, request_id)
             node_id, address, rid = resp.node_id, resp.address, resp.request_id
@@ -163,12 +184,34 @@ class ClusterClient:
             resp, node_id, rid = None, "", ""
         client = self.agent(address)
         h = self.handle(ns, address)
+        pulled = self._pull_peer_blocks(client, h, ids, resp) if prefetch and resp else None
         matched = client.lookup(h, ids).matched if ids else 0
         blocks = client.get(h, ids[:matched], device=device) if matched else []
         annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.node": node_id,
-                  "kvstore.blocks": len(ids), "kvstore.cached_blocks": len(blocks)})
+                  "kvstore.blocks": len(ids), "kvstore.cached_blocks": len(blocks),
+                  "kvstore.peer_fetched": pulled.fetched if pulled else 0})
         return ClusterHit(node_id, address, rid, PrefixHit(ids, blocks, ns.spec.block_size),
-                          resp)
+                          resp, pulled)
+
+    def _pull_peer_blocks(self, client: KVClient, h: NamespaceHandle, ids: list[bytes],
+                          resp: router_pb2.RouteResponse) -> peer_pb2.PrefetchResponse | None:
+        """Have the chosen agent pull the prefix blocks the router found on the hinted
+        peer. A failed call is a shorter prefix (the caller recomputes), not an error."""
+        chosen = resp.candidates[0] if resp.candidates else None  # sorted, chosen first
+        if not resp.peer_hint or chosen is None or not chosen.peer_blocks:
+            return None
+        peer = self.node(resp.peer_hint)
+        if peer is None:
+            return peer_pb2.PrefetchResponse(stopped=f"peer {resp.peer_hint} is not a "
+                                                     "known node any more")
+        n = min(len(ids), chosen.local_blocks + chosen.peer_blocks)
+        try:
+            return client.prefetch(h, ids[:n], peer.address, peer.peer_address,
+                                   timeout_ms=int(self.timeout * 1000))
+        except grpc.RpcError as exc:
+            log.warning("prefetch of %d blocks from %s onto %s failed: %s", n,
+                        resp.peer_hint, resp.node_id, exc.code().name)
+            return peer_pb2.PrefetchResponse(stopped=f"Prefetch failed: {exc.code().name}")
 
     @TRACER.start_as_current_span("kvstore.cluster.store")
     def store(self, ns: ClusterNamespace, hit: ClusterHit, tokens,
