@@ -263,10 +263,9 @@ def flip_rocks_byte(path, key: bytes | None = None, offset: int = -1) -> bytes:
     return key
 
 
-@pytest.fixture
-def make_store(tmp_path):
-    """`make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
-    BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path (nvme_bytes=0: none)."""
+def store_maker(tmp_path, device: str):
+    """make_store's factory with the DevicePool on `device` (a generator: yields `make`,
+    then closes the RocksDB tiers it opened); tests/test_cuda.py uses it with a GPU."""
     from kvstore.store import BlockStore
     from kvstore.tiers.pool import DevicePool
     from kvstore.tiers.rocks import RocksTier
@@ -274,7 +273,7 @@ def make_store(tmp_path):
 
     def make(n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0,
              **kwargs) -> BlockStore:
-        pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, "cpu")
+        pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, device)
         rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
         store = BlockStore(pool, rocks, **kwargs)
         made.append(store)
@@ -284,3 +283,10 @@ def make_store(tmp_path):
     for store in made:
         if store.rocks is not None:
             store.rocks.close()
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    """`make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
+    BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path (nvme_bytes=0: none)."""
+    yield from store_maker(tmp_path, "cpu")

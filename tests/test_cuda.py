@@ -11,13 +11,12 @@ import warnings
 import pytest
 import test_store
 import torch
-from conftest import TEST_SECRET, free_port, make_namespace, prompt_tokens
+from conftest import TEST_SECRET, free_port, make_namespace, prompt_tokens, store_maker
+
 from kvstore import checksum as cks
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
-from kvstore.hashing import pack_ids
 from kvstore.tiers.pool import DevicePool, resolve_device
-from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,23 +43,12 @@ BIG = make_namespace(name="big-cuda", num_layers=32, num_kv_heads=8, head_dim=12
 @pytest.fixture
 def make_store(tmp_path):
     """conftest's make_store with the pool in GPU memory."""
-    from kvstore.store import BlockStore
-    from kvstore.tiers.rocks import RocksTier
-    made = []
+    yield from store_maker(tmp_path, "cuda:0")
 
-    def make(n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0,
-             **kwargs) -> BlockStore:
-        pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, "cuda:0")
-        rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
-        store = BlockStore(pool, rocks, **kwargs)
-        assert store.pool.is_cuda and not store.supports_in_place
-        made.append(store)
-        return store
 
-    yield make
-    for store in made:
-        if store.rocks is not None:
-            store.rocks.close()
+def test_a_gpu_pool_takes_no_in_place_writes(make_store):
+    store = make_store()
+    assert store.pool.is_cuda and not store.supports_in_place
 
 
 def test_auto_picks_the_gpu():
@@ -131,10 +119,7 @@ def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
         blocks = blocks_for(BIG, 40, 33)
         assert cb.put(nb, ids, blocks).stored == 40
         na = ca.open_namespace(BIG)
-        req = peer_pb2.PrefetchRequest(
-            ns=na.ref, spec=common_pb2.Namespace(**BIG.to_dict()), block_ids=pack_ids(ids),
-            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
-        r = peer_pb2_grpc.PeerStub(ca.channel).Prefetch(req, timeout=120)
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
         assert (r.present, r.fetched, r.stopped) == (40, 40, ""), r
         # ucx where ucxx is installed, else the gRPC fallback
         assert r.transport in ("ucx", "grpc"), r.transport

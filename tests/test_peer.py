@@ -401,10 +401,7 @@ def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
         assert cb.put(nb, ids[:4], random_blocks(spec, 4, 12)).stored == 4
         na = ca.open_namespace(spec)
         free = free_slots(ca)
-        req = peer_pb2.PrefetchRequest(
-            ns=na.ref, spec=common_pb2.Namespace(**spec.to_dict()), block_ids=pack_ids(ids),
-            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
-        r = peer_pb2_grpc.PeerStub(ca.channel).Prefetch(req, timeout=60)
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
         assert (r.present, r.fetched, r.transport) == (0, 0, "ucx"), r
         assert "refused" in r.stopped and "INVALID_ARGUMENT" in r.stopped, r.stopped
         assert free_slots(ca) == free
