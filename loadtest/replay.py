@@ -59,9 +59,9 @@ from cluster.local import ClusterError, ClusterState, down
 from kvctl.analyze import Request, analyze
 from kvstore.client import PrefixHit
 from kvstore.client.cluster import ClusterClient, ClusterHit, ClusterNamespace
-from kvstore.hashing import hash_chain, pack_ids
+from kvstore.hashing import hash_chain
 from kvstore.namespace import Namespace
-from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc, router_pb2
+from kvstore.v1 import common_pb2, router_pb2
 from loadtest import report
 from loadtest.replay_cluster import (Cluster, agent_counters,
                                      describe_cluster, flush_namespaces, start_cluster)
@@ -181,13 +181,9 @@ class Session:
         peer = self.cluster.nodes.get(peer_node)
         if not peer or not ids:
             return ""
-        h = cc.handle(ns, address)
-        req = peer_pb2.PrefetchRequest(ns=h.ref, spec=common_pb2.Namespace(**ns.spec.to_dict()),
-                                       block_ids=pack_ids(ids), parent_id=ns.root,
-                                       peer_address=peer, timeout_ms=10_000,
-                                       peer_ucx_address=self.cluster.ucx.get(peer_node, "")
-                                       if self.ucx else "")
-        resp = peer_pb2_grpc.PeerStub(cc.agent(address).channel).Prefetch(req, timeout=15.0)
+        resp = cc.agent(address).prefetch(
+            cc.handle(ns, address), ids, peer,
+            self.cluster.ucx.get(peer_node, "") if self.ucx else "", timeout_ms=10_000)
         if resp.present >= len(ids):
             return ""
         # Reasons carry block counts: drop them so that equal causes count together.
