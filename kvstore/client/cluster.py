@@ -200,12 +200,12 @@ class ClusterClient:
         chosen = resp.candidates[0] if resp.candidates else None  # sorted, chosen first
         if not resp.peer_hint or chosen is None or not chosen.peer_blocks:
             return None
-        peer = self.node(resp.peer_hint)
-        if peer is None:
-            return peer_pb2.PrefetchResponse(stopped=f"peer {resp.peer_hint} is not a "
-                                                     "known node any more")
         n = min(len(ids), chosen.local_blocks + chosen.peer_blocks)
         try:
+            peer = self.node(resp.peer_hint)
+            if peer is None:
+                return peer_pb2.PrefetchResponse(stopped=f"peer {resp.peer_hint} is not a "
+                                                         "known node any more")
             return client.prefetch(h, ids[:n], peer.address, peer.peer_address,
                                    timeout_ms=int(self.timeout * 1000))
         except grpc.RpcError as exc:
