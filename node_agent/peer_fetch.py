@@ -107,8 +107,8 @@ class BatchSink:
         """Queue a received batch for storing (a copying put); False when the transfer
         should stop. `staging`: a set that goes back to the pool once the put is done."""
         size = sum(memoryview(b).nbytes for b in bufs)
-        return await self._queue(len(bufs), size, staging, self._store, first, bufs,
-                                 checksums)
+        return await self._queue(len(bufs), size >= OFFLOAD_BYTES, staging, self._store,
+                                 first, bufs, checksums)
 
     async def land(self, ld: Landing) -> bool:
         """Queue a batch received into a Landing for storing: verified in place (packed:
@@ -125,19 +125,21 @@ class BatchSink:
                 digests = [d for part in parts for d in part]
         # Hashed already, committing is bookkeeping only: right here, without two thread
         # hand-offs (else the commit copies or hashes the batch: a worker thread).
-        size = 0 if digests is not None and not staging else ld.count * self.st.spec.block_bytes
-        return await self._queue(ld.count, size, staging, self._commit, ld, staging, digests)
+        offload = (digests is None or bool(staging)) and \
+            ld.count * self.st.spec.block_bytes >= OFFLOAD_BYTES
+        return await self._queue(ld.count, offload, staging, self._commit, ld, staging,
+                                 digests)
 
-    async def _queue(self, n: int, size: int, staging: list | None, fn, *args) -> bool:
-        """Store a batch (fn(*args)): in a worker thread when `size` bytes are copied or
-        hashed and that is worth the hand-off, else right here."""
+    async def _queue(self, n: int, offload: bool, staging: list | None, fn, *args) -> bool:
+        """Store a batch (fn(*args)): in a worker thread when `offload` (it copies or
+        hashes enough bytes to be worth the hand-off), else right here."""
         if not await self.drain():
             if staging:
                 self.peer.staging.give(staging)
             return False
         self._staging = staging
         self.peer.count("peer_blocks_received", n)
-        if size >= OFFLOAD_BYTES:
+        if offload:
             self._task = asyncio.create_task(asyncio.to_thread(fn, *args))
         else:
             self._task = asyncio.get_running_loop().create_future()
@@ -154,13 +156,16 @@ class BatchSink:
         store = self.peer.store
         if not count or not store.supports_in_place or store.pool.free_slots < count:
             return None
-        first = self.expect
-        parent = self.ids[first - 1] if first else self.parent_id
         try:
-            return store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
-                                 parent, self.root)
+            return self._reserve(self.expect, count, None)
         except errors.KvError:
             return None
+
+    def _reserve(self, first: int, count: int, after: Reservation | None) -> Reservation:
+        parent = self.ids[first - 1] if first else self.parent_id
+        return self.peer.store.reserve(self.st.ns_id, self.generation,
+                                       self.ids[first:first + count], parent, self.root,
+                                       after=after)
 
     def destination(self, first: int, count: int, checksums: list[int],
                     after: Reservation | None, batch: int, runs: list[int] | None,
@@ -178,9 +183,7 @@ class BatchSink:
             store.trim(ahead, count)
             res = ahead
         elif store.supports_in_place:
-            parent = self.ids[first - 1] if first else self.parent_id
-            res = store.reserve(self.st.ns_id, self.generation, self.ids[first:first + count],
-                                parent, self.root, after=after)
+            res = self._reserve(first, count, after)
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
             scratch = self.peer.staging.take(batch, size)
             return Landing(first, count, checksums, res, scratch,
@@ -437,13 +440,14 @@ async def _ucx_transfer(svc: "PeerService", ep, address: str, req: peer_pb2.Fetc
                 raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
             first = sink.check(hdr, batch)
             sink.remote_done = hdr.done
-            take = ahead.pop() if ahead else None  # _post owns it from here
-            if not hdr.count:
-                if take is not None:
-                    svc.store.abort(take)
-            elif not await _post(svc, ep, sink, posted, first, hdr, batch, take):
-                abandoned = True  # payloads of this batch come with no receive posted
-                break
+            if hdr.count:
+                runs = None if packed(sink.st.spec.block_bytes) else \
+                    check_runs(hdr.runs, hdr.count)
+                # _post owns the slots reserved ahead from here; unused, `finally` frees them
+                take = ahead.pop() if ahead else None
+                if not await _post(svc, ep, sink, posted, first, hdr, batch, runs, take):
+                    abandoned = True  # payloads of this batch come with no receive posted
+                    break
             if len(posted) > svc.pcfg.staging_sets - 2 and not await _store_oldest(
                     posted, sink, deadline, io):
                 break
@@ -513,18 +517,12 @@ async def _acknowledge(svc: "PeerService", ep, address: str) -> None:
 
 
 async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], first: int,
-                hdr: peer_pb2.FetchChunk, batch: int, ahead: Reservation | None = None
-                ) -> bool:
+                hdr: peer_pb2.FetchChunk, batch: int, runs: list[int] | None,
+                ahead: Reservation | None) -> bool:
     """Reserve the batch's destination (or take `ahead`, slots reserved for it before its
-    header came) and post its receives; False (the sink knows why) when not one block of
-    it can be stored here."""
+    header came) and post its receives, one per message of `runs` (large blocks); False
+    (the sink knows why) when not one block of it can be stored here."""
     after = posted[-1].res if posted else None
-    try:
-        runs = None if packed(sink.st.spec.block_bytes) else check_runs(hdr.runs, hdr.count)
-    except PeerTransportError:
-        if ahead is not None:
-            svc.store.abort(ahead)
-        raise
     args = (first, hdr.count, list(hdr.checksums), after, batch, runs, ahead)
     try:
         if ahead is None and svc.store.pool.free_slots < hdr.count:
@@ -545,9 +543,9 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
     ld.recvs = asyncio.ensure_future(asyncio.gather(*recvs, return_exceptions=True))
     if ld.res is not None and not ld.pack:  # in place: hash each message as it lands
         size = sink.st.spec.block_bytes
-        ld.digests, i = [], 0
+        ld.digests, i, slots = [], 0, ld.res.views
         for recv, msg in zip(recvs, ld.msgs):
-            views = ld.res.views[i:i + msg.nbytes // size]
+            views = slots[i:i + msg.nbytes // size]
             if not views:
                 break
             ld.digests.append(asyncio.ensure_future(_digest_landed(recv, views)))
