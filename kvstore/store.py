@@ -468,7 +468,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             self.pool.commit(slot)
             ttl = st.policy.ttl_seconds
             m = BlockMeta(st, item.block_id, item.parent_id, depth,
-                          memoryview(item.data).nbytes, digest, last_access=now,
+                          st.spec.block_bytes, digest, last_access=now,  # checked by _plan_*
                           expires_at=now + ttl if ttl else 0)
             st.blocks[m.block_id] = m
             if parent_meta is not None:

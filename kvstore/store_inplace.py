@@ -6,12 +6,12 @@ read that hands out verified read-only slot views instead of copies (borrow -> r
 Same guarantees as put and get: nothing is visible before its checksum was verified, a
 reserved slot is never reused before commit or abort, a borrowed block is never evicted
 (nor its slot reused) before release, and a corrupt block found by a borrow is dropped
-with its descendants. Host pools only (DevicePool.slot_view); callers keep the copying
-put/get for device pools.
+with its descendants. Host pools, and device pools that verify in device memory
+(DevicePool.in_place: the payloads are hashed where they lie by kvstore.device_hash);
+callers keep the copying put/get for other device pools.
 """
 from __future__ import annotations
 
-from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
 from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock
@@ -22,7 +22,15 @@ class InPlaceMixin:
 
     @property
     def supports_in_place(self) -> bool:
-        return not self.pool.is_cuda
+        return self.pool.in_place
+
+    def _digests(self, views: list) -> list[int]:
+        """XXH64 of slot views: the device kernel over device slots, else on the copy
+        threads when the batch is big enough to pay."""
+        if self.pool.is_cuda:
+            return self.pool.digests(views)
+        return self._copy_all(lambda v: self.pool.digests([v])[0], views,
+                              sum(v.nbytes for v in views))
 
     # ----------------------------------------------------------------- writes
     def reserve(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
@@ -36,7 +44,7 @@ class InPlaceMixin:
         quota full, orphan, cold parent, block already present, chain below the namespace's
         minimum). Raises ResourceExhausted when not one slot can be had, like put."""
         if not self.supports_in_place:
-            raise InvalidArgument("in-place writes need a host-memory pool")
+            raise InvalidArgument("in-place writes need a pool that verifies in place")
         with self.lock:
             st = self.namespace(ns_id, generation)
             if self.killed:
@@ -129,8 +137,7 @@ class InPlaceMixin:
                                          list(zip(plan[:n], sources)),
                                          n * res.ns.spec.block_bytes)
             else:
-                digests = self._copy_all(lambda p: cks.checksum(p[0].data), plan[:n],
-                                         n * res.ns.spec.block_bytes)
+                digests = self._digests([p[0].data for p in plan[:n]])
         except BaseException:
             with self.lock:
                 self._abort_plan(plan)
@@ -184,9 +191,7 @@ class InPlaceMixin:
         try:
             views = [self.pool.slot_view(s, m.nbytes, writable=False)
                      for s, m in zip(slots, metas)]
-            digests = self._copy_all(lambda v: cks.checksum(v), views,
-                                     sum(m.nbytes for m in metas)) if verify \
-                else [m.checksum for m in metas]
+            digests = self._digests(views) if verify else [m.checksum for m in metas]
             for m, digest in zip(metas, digests):
                 if digest != m.checksum:
                     corrupt = m

@@ -20,7 +20,8 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
-Large blocks, no copies on either side over UCX (host-memory pools): B sends from
+Large blocks, no copies on either side over UCX (host-memory pools; GPU pools too when
+the device hash and a UCX built with CUDA are there, PeerService.in_place): B sends from
 borrowed read-only views of its pool slots (BlockStore.borrow: the blocks cannot be
 evicted nor their slots reused until the sends are done; not re-verified, since A checks
 every payload end to end), copying into staging buffers only blocks that sit on NVMe. A
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore import errors
+from kvstore import device_hash, errors
 from kvstore.config import AgentConfig
 from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState, ServedBlock
@@ -63,7 +64,7 @@ from node_agent.peer_common import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfi
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
                                     packed, post_control, present_prefix, recv_control, runs_of,
-                                    spans, within)
+                                    spans, ucx_cuda_support, within)
 from node_agent.peer_fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
 
@@ -99,6 +100,10 @@ class PeerService:
         self.control = None  # node_agent/control.AgentControl when etcd is configured
         self.peer_address = ""  # host:port of our UCX listener; '' when UCX is off
         self.ucx = None  # the ucxx module once initialised
+        # Payloads move straight between pool slots (borrowed and reserved views), else
+        # through host staging copies: a GPU pool needs the device hash (DevicePool.in_place)
+        # and, once UCX is up, a UCX built with CUDA (start()).
+        self.in_place = self.pcfg.in_place and store.supports_in_place
         self._listener = None
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
@@ -144,6 +149,13 @@ class PeerService:
         self.peer_address = f"{host}:{self._listener.port}"
         log.info("UCX peer listener on %s (ucx %s)", self.peer_address,
                  self.ucx.__ucx_version__)
+        if self.store.pool.is_cuda:
+            self.in_place = self.in_place and ucx_cuda_support(self.ucx)
+            log.info("GPU pool: peer payloads %s", "move straight from and into GPU memory "
+                     "(UCX registers it; verified there by the device hash)" if self.in_place
+                     else "are staged in host memory (%s)" % (
+                         "UCX has no CUDA support" if self.store.supports_in_place
+                         else device_hash.why_not() or "no device hash"))
 
     async def stop(self) -> None:
         for ep in list(self._serving):
@@ -257,7 +269,12 @@ class PeerService:
         chunk = ids[start:start + batch]
         fut = asyncio.get_running_loop().create_future()
         try:
-            rb = None if pack else self._borrow(st, generation, chunk, parent)
+            if pack:
+                rb = None
+            elif self.in_place:
+                rb = self._borrow(st, generation, chunk, parent)
+            else:  # nothing borrowed: every block is copied into staging
+                rb = ReadBatch(0, [], [], None)
             if rb is None or len(rb.served) < len(chunk):
                 args = (st, generation, chunk, parent, bufs, rb)
                 if len(chunk) * st.spec.block_bytes >= OFFLOAD_BYTES:
@@ -273,6 +290,7 @@ class PeerService:
         are verified by the receiver against the checksums in the header (end to end), so
         a pass here is skipped."""
         b = self.store.borrow(st.ns_id, generation, chunk, parent, verify=False)
+        self.count("peer_blocks_borrowed", len(b.served))
         return ReadBatch(0, list(b.served), list(b.views), b)
 
     def _copy_rest(self, st, generation, chunk, parent, bufs, rb: ReadBatch | None

@@ -65,6 +65,10 @@ class PeerConfig:
     # On one host, let UCX move payloads through shared memory (CMA reads, shared-memory
     # control messages) while it still detects a dead peer; False keeps them on TCP.
     shared_memory: bool = True
+    # Payloads straight from B's pool slots into A's (where the pool can verify them in
+    # place: host memory, or GPU memory with the device hash and a UCX built with CUDA).
+    # False: through host staging copies on both sides (what a GPU pool does otherwise).
+    in_place: bool = True
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "PeerConfig":
@@ -180,17 +184,32 @@ def contiguous(bufs: list[np.ndarray], n: int) -> np.ndarray:
     return bufs[0].base[:n * bufs[0].nbytes]
 
 
-def runs_of(bufs: list[np.ndarray], size: int, cap: int = 0) -> list[int]:
-    """Lengths of the runs of `bufs` (1-D uint8 arrays of at least `size` bytes) that lie
-    back to back in memory: each next one starting `size` bytes after the previous; at
-    most `cap` buffers each when cap > 0. Pool slots reserved or filled one after another
-    usually do, and such a run travels over UCX as one message (one completion, one round
-    of thread hand-offs) instead of one each."""
+def _where(buf) -> tuple[int, bool]:
+    """(address, one byte per element) of a slot view or staging buffer: a 1-D uint8 host
+    array, or a 1-D uint8 torch tensor (device pools' slot views)."""
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0], buf.strides == (1,)
+    return buf.data_ptr(), tuple(buf.stride()) == (1,)
+
+
+def payload_bytes(buf) -> bytes:
+    """A payload buffer's bytes for a gRPC message (a device slot view comes to the host)."""
+    if isinstance(buf, np.ndarray):
+        return buf.tobytes()
+    return buf.cpu().numpy().tobytes()
+
+
+def runs_of(bufs: list, size: int, cap: int = 0) -> list[int]:
+    """Lengths of the runs of `bufs` (1-D uint8 arrays or tensors of at least `size`
+    bytes) that lie back to back in memory: each next one starting `size` bytes after the
+    previous; at most `cap` buffers each when cap > 0. Pool slots reserved or filled one
+    after another usually do, and such a run travels over UCX as one message (one
+    completion, one round of thread hand-offs) instead of one each."""
     runs: list[int] = []
     prev = None
     for b in bufs:
-        addr = b.__array_interface__["data"][0]
-        if prev is not None and addr == prev + size and b.strides == (1,) and \
+        addr, dense = _where(b)
+        if prev is not None and addr == prev + size and dense and \
                 (cap <= 0 or runs[-1] < cap):
             runs[-1] += 1
         else:
@@ -199,19 +218,25 @@ def runs_of(bufs: list[np.ndarray], size: int, cap: int = 0) -> list[int]:
     return runs
 
 
-def spans(bufs: list[np.ndarray], runs: list[int], size: int) -> list[np.ndarray] | None:
-    """One array per run over `size` bytes of each of its buffers, or None when some run's
-    buffers do not lie back to back (runs_of decides). A span covers memory that belongs to
-    the run's own buffers, which the caller keeps referenced while the span is in use."""
-    out: list[np.ndarray] = []
+def spans(bufs: list, runs: list[int], size: int) -> list | None:
+    """One array (tensor, for tensors) per run over `size` bytes of each of its buffers,
+    or None when some run's buffers do not lie back to back (runs_of decides). A span
+    covers memory that belongs to the run's own buffers, which the caller keeps referenced
+    while the span is in use."""
+    out: list = []
     i = 0
     for r in runs:
         part = bufs[i:i + r]
-        if runs_of(part, size) != [r] or part[0].strides != (1,):
+        if runs_of(part, size) != [r] or not _where(part[0])[1]:
             return None
         first = part[0]
-        out.append(first[:size] if r == 1 else np.lib.stride_tricks.as_strided(
-            first, shape=(r * size,), strides=(1,), writeable=first.flags.writeable))
+        if r == 1:
+            out.append(first[:size])
+        elif isinstance(first, np.ndarray):
+            out.append(np.lib.stride_tricks.as_strided(
+                first, shape=(r * size,), strides=(1,), writeable=first.flags.writeable))
+        else:  # a tensor: the same storage, r slots long
+            out.append(first.as_strided((r * size,), (1,)))
         i += r
     return out
 
@@ -368,6 +393,15 @@ def init_ucx(shared_memory: bool = True):
     except RuntimeError:
         pass  # already initialised in this process
     return ucxx
+
+
+def ucx_cuda_support(ucxx) -> bool:
+    """Whether this process's UCX context can move CUDA memory (a UCX built with CUDA
+    and its CUDA transports loaded). False when it cannot be told."""
+    try:
+        return bool(ucxx.core._get_ctx().context.cuda_support)
+    except Exception:  # noqa: BLE001 - a private attribute of ucxx: absent means "no"
+        return False
 
 
 def namespace_to_proto(spec: Namespace) -> common_pb2.Namespace:

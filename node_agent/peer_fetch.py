@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore import checksum as cks
 from kvstore import errors
 from kvstore.hashing import pack_ids
 from kvstore.store import NsState, PutItem
@@ -118,6 +117,8 @@ class BatchSink:
         if ld.res is None:
             return await self.push(ld.first, (staging or ld.scratch)[:ld.count],
                                    ld.checksums, staging)
+        if not ld.pack:
+            self.peer.count("peer_blocks_in_place", len(ld.res))
         digests = None  # taken as the messages landed; else the store step hashes
         if ld.digests is not None:
             parts = await asyncio.gather(*ld.digests)
@@ -154,7 +155,7 @@ class BatchSink:
         may write NVMe: not on the event loop), or when the reservation fails (the one
         made for the header then says why)."""
         store = self.peer.store
-        if not count or not store.supports_in_place or store.pool.free_slots < count:
+        if not count or not self.peer.in_place or store.pool.free_slots < count:
             return None
         try:
             return self._reserve(self.expect, count, None)
@@ -182,7 +183,7 @@ class BatchSink:
         if ahead is not None:
             store.trim(ahead, count)
             res = ahead
-        elif store.supports_in_place:
+        elif self.peer.in_place:
             res = self._reserve(first, count, after)
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
             scratch = self.peer.staging.take(batch, size)
@@ -548,20 +549,22 @@ async def _post(svc: "PeerService", ep, sink: BatchSink, posted: list[Landing], 
             views = slots[i:i + msg.nbytes // size]
             if not views:
                 break
-            ld.digests.append(asyncio.ensure_future(_digest_landed(recv, views)))
+            ld.digests.append(asyncio.ensure_future(
+                _digest_landed(recv, views, svc.store.pool.digests)))
             i += len(views)
     posted.append(ld)
     return True
 
 
-async def _digest_landed(recv: asyncio.Future, views: list) -> list[int] | None:
-    """XXH64 of each of `views` once `recv` (the message filling them) landed, in a worker
-    thread; None when the receive failed (the transfer fails on its own)."""
+async def _digest_landed(recv: asyncio.Future, views: list, digests) -> list[int] | None:
+    """XXH64 of each of `views` (pool slots) once `recv` (the message filling them)
+    landed, in a worker thread: `digests` is the pool's (on the host, or in device memory
+    for a device pool); None when the receive failed (the transfer fails on its own)."""
     try:
         await recv
     except Exception:
         return None
-    return await asyncio.to_thread(lambda: [cks.checksum(v) for v in views])
+    return await asyncio.to_thread(digests, views)
 
 
 async def _store_oldest(posted: list[Landing], sink: BatchSink, deadline: float,

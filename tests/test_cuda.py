@@ -1,8 +1,9 @@
 """The CUDA paths, on a machine with a GPU (skipped elsewhere): the device pool in GPU
 memory, the store's put / get / NVMe spill / promotion through it (the device-agnostic
 store tests of test_store.py, run again over a GPU pool), an agent serving from a GPU
-pool, and peer transfer into and out of one (a GPU pool takes no in-place writes: the
-receiver stages payloads in host memory and puts them, the sender copies out)."""
+pool, and peer transfer into, out of and between GPU pools (payloads land in GPU memory
+and are verified there by the device kernel, kvstore/device_hash.py; tests/
+test_device_hash.py runs its checks on the GPU too)."""
 from __future__ import annotations
 
 import random
@@ -11,11 +12,13 @@ import warnings
 import pytest
 import test_store
 import torch
-from conftest import TEST_SECRET, free_port, make_namespace, prompt_tokens, store_maker
+from conftest import (TEST_SECRET, chain_items, free_port, make_namespace, prompt_tokens,
+                      store_maker)
 
 from kvstore import checksum as cks
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.errors import DataLoss
 from kvstore.tiers.pool import DevicePool, resolve_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,9 +49,24 @@ def make_store(tmp_path):
     yield from store_maker(tmp_path, "cuda:0")
 
 
-def test_a_gpu_pool_takes_no_in_place_writes(make_store):
-    store = make_store()
-    assert store.pool.is_cuda and not store.supports_in_place
+def test_a_gpu_pool_verifies_in_place_writes_with_the_device_kernel(make_store):
+    """2 MiB blocks landed in GPU slots (as UCX writes them) are hashed in device memory:
+    the same XXH64 as on the host, and a corrupted byte keeps its block out."""
+    store = make_store(n_slots=8, slot_bytes=BIG.block_bytes, nvme_bytes=0)
+    assert store.pool.is_cuda and store.supports_in_place
+    store.open_namespace(BIG)
+    root = BIG.root(0, TEST_SECRET)
+    ids, items = chain_items(BIG, prompt_tokens(41, 4 * BIG.block_size))
+    res = store.reserve(BIG.namespace_id, 0, list(ids), root, root)
+    assert all(v.is_cuda for v in res.views)
+    for v, it in zip(res.views, items):
+        v.copy_(torch.frombuffer(bytearray(it.data), dtype=torch.uint8))
+    sums = [cks.checksum(it.data) for it in items]
+    assert store.pool.digests(res.views) == sums
+    res.views[3][BIG.block_bytes - 1] ^= 0x01
+    with pytest.raises(DataLoss):
+        store.commit(res, sums)
+    assert store.lookup(BIG.namespace_id, 0, list(ids)).matched == 3
 
 
 def test_auto_picks_the_gpu():
@@ -72,7 +90,8 @@ def test_device_pool_holds_payloads_in_gpu_memory():
     pool.tensor[slot, 5] ^= 0x40  # corrupt one byte on the device
     got, digest = pool.read_bytes(slot, 3000)
     assert digest != cks.checksum(data) and digest == cks.checksum(got)
-    assert pool.slot_view(slot, 3000, writable=False) is None  # no host views of GPU slots
+    view = pool.slot_view(slot, 3000, writable=False)  # for UCX: device memory, in place
+    assert view.is_cuda and view.data_ptr() == pool.tensor[slot].data_ptr()
 
 
 def blocks_for(spec, n: int, seed: int) -> list[torch.Tensor]:
@@ -106,12 +125,13 @@ def test_agent_on_a_gpu_pool_round_trips_tensors_from_and_to_the_gpu(spawn_agent
         assert same_bytes(c.get(ns, ids), blocks)
 
 
-@pytest.mark.parametrize("gpu", ["a", "b"], ids=["into-gpu-pool", "out-of-gpu-pool"])
+@pytest.mark.parametrize("gpu", ["a", "b", "ab"],
+                         ids=["into-gpu-pool", "out-of-gpu-pool", "between-gpu-pools"])
 def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
     mem = dict(slot_bytes="2MiB", pool_bytes="128MiB", nvme_bytes=0)
     b_port, a_port = free_port(), free_port()
-    b = spawn_agent(peer_port=b_port, device="cuda:0" if gpu == "b" else "cpu", **mem)
-    a = spawn_agent(peer_port=a_port, device="cuda:0" if gpu == "a" else "cpu", **mem)
+    b = spawn_agent(peer_port=b_port, device="cuda:0" if "b" in gpu else "cpu", **mem)
+    a = spawn_agent(peer_port=a_port, device="cuda:0" if "a" in gpu else "cpu", **mem)
     with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
             KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
         nb = cb.open_namespace(BIG)
@@ -124,3 +144,8 @@ def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
         # ucx where ucxx is installed, else the gRPC fallback
         assert r.transport in ("ucx", "grpc"), r.transport
         assert same_bytes(ca.get(na, ids), blocks)
+        counters = dict(ca.stats().counters)
+        print(f"transport {r.transport}, A's counters: "
+              f"{ {k: v for k, v in counters.items() if k.startswith('peer_')} }")
+        if r.transport == "ucx":  # straight into A's slots (GPU memory on a GPU pool)
+            assert counters["peer_blocks_in_place"] == 40, counters

@@ -442,6 +442,36 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
 
 
 
+@needs_ucx
+@pytest.mark.parametrize("in_place", ["1", "0"], ids=["in-place", "staged"])
+def test_large_blocks_move_between_slots_in_place_or_through_staging(spawn_agent,
+                                                                     monkeypatch, in_place):
+    """In place, B sends from borrowed pool slots and A receives into reserved ones (one
+    message per run of adjacent slots); with KVSTORE_PEER_IN_PLACE=0 (what a GPU pool does
+    without the device hash or a UCX built with CUDA) both sides copy through host
+    staging buffers. Either way the blocks arrive intact."""
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(5 * MID.block_bytes))  # agents
+    monkeypatch.setenv("KVSTORE_PEER_IN_PLACE", in_place)
+    big = dict(slot_bytes="256KiB", pool_bytes="16MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **big)
+    a = spawn_agent(peer_port=free_port(), **big)
+    n = 12  # chunks of 5, 5 and 2 blocks
+    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb, na = cb.open_namespace(MID), ca.open_namespace(MID)
+        ids = cb.block_ids(nb, prompt_tokens(51, n * MID.block_size))
+        blocks = random_blocks(MID, n, 51)
+        assert cb.put(nb, ids, blocks).stored == n
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
+        assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+        assert same_bytes(ca.get(na, ids), blocks)
+        sent, got = Counter(dict(cb.stats().counters)), Counter(dict(ca.stats().counters))
+    moved = n if in_place == "1" else 0
+    assert (sent["peer_blocks_borrowed"], got["peer_blocks_in_place"]) == (moved, moved)
+    assert got["peer_blocks_received"] == n and got["peer_checksum_mismatch"] == 0
+
+
 def put_one_by_one(client: KVClient, chains) -> None:
     """Put the chains block by block, taking turns: their slots interleave in the pool
     (a fresh pool hands out slots in order), so no two blocks of a chain are adjacent."""

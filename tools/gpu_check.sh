@@ -3,7 +3,8 @@
 # in .whl/ (cp312: rocksdict, grpcio, protobuf, OpenTelemetry, etcd3aio; torch, numpy and
 # xxhash come with that machine's image; ucxx does not fit the carry limit, so the agents
 # there fall back to gRPC for peer transfer), builds the native extension for its Python,
-# and runs tests/test_cuda.py plus the pool tests. Output under $OUT (or ./gpu-out).
+# and runs tests/test_cuda.py, the device-hash tests (the Triton kernel compiled for the
+# GPU; triton comes with CUDA torch) and the pool tests. Output under $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -16,9 +17,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 'cuda', torch.cuda.is_available(), 'grpc', grpc.__version__, 'protobuf', p.__version__)"
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3 || true
   python3 -c "from kvstore import checksum; print('native checksum:', checksum.NATIVE)"
+  python3 -c "import triton; print('triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest -q -p no:cacheprovider --timeout 300 -o addopts=-ra \
-  tests/test_cuda.py tests/test_pool.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/test_cuda.py tests/test_device_hash.py tests/test_pool.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 # agent logs of the spawned agents, for a failure
 find /tmp -maxdepth 6 -name agent.log -newer "$OUT/env.txt" 2>/dev/null | head -8 |

@@ -14,6 +14,7 @@ from enum import IntEnum
 import torch
 
 from kvstore import checksum as cks
+from kvstore import device_hash
 from kvstore.errors import InvalidArgument, KvError
 
 
@@ -73,7 +74,12 @@ def _read_only_tensor(src) -> torch.Tensor:
 
 
 class DevicePool:
-    def __init__(self, n_slots: int, slot_bytes: int, device: str = "auto") -> None:
+    """`tensor_views`: a host pool that hands out slot views as torch tensors hashed by
+    the device kernel, as a CUDA pool does; tests only (under Triton's interpreter), to
+    run the device code paths where no GPU is."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, device: str = "auto",
+                 tensor_views: bool = False) -> None:
         if n_slots <= 0 or slot_bytes <= 0:
             raise InvalidArgument("pool needs n_slots > 0 and slot_bytes > 0")
         self.device = resolve_device(device)
@@ -88,6 +94,12 @@ class DevicePool:
                                       device=self.device)
         self.tensor.zero_()  # touch every page now, not on the first put
         self._host = self.tensor.numpy() if self.device.type == "cpu" else None
+        self._tensor_views = self.is_cuda or tensor_views
+        # Payloads written in place by a transport are verified where they lie: on the host
+        # by XXH64, in device memory by the device kernel (kvstore.device_hash), when it
+        # can be had; else a device pool takes payloads only through copying writes.
+        self.in_place = not self._tensor_views or (
+            slot_bytes % 8 == 0 and device_hash.available(self.device))
         self._state = bytearray(n_slots)
         self._free = list(range(n_slots - 1, -1, -1))
 
@@ -174,20 +186,43 @@ class DevicePool:
         return bytes(buf), digest
 
     def slot_view(self, slot: int, nbytes: int, writable: bool):
-        """A slot's first `nbytes` as a host array, for transports that move payloads
-        themselves: writable while RESERVED (a two-phase write landing in place), read-only
-        while OCCUPIED (a borrowed read). Host pools only; None on a device pool."""
-        if self._host is None:
-            return None
+        """A slot's first `nbytes`, for transports that move payloads themselves: writable
+        while RESERVED (a two-phase write landing in place), read-only while OCCUPIED (a
+        borrowed read). A host array on a host pool; on a device pool a 1-D uint8 tensor
+        in device memory (UCX registers it; torch cannot mark it read-only). Only where
+        `in_place`."""
+        if not self.in_place:
+            raise InvalidArgument("this pool cannot verify payloads in place "
+                                  f"({device_hash.why_not() or 'no device hash'})")
         want = SlotState.RESERVED if writable else SlotState.OCCUPIED
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
         self._check_len(nbytes)
+        if self._tensor_views:
+            return self.tensor[slot, :nbytes]
         view = self._host[slot, :nbytes]
         if not writable:
             view = view.view()
             view.flags.writeable = False
         return view
+
+    def digests(self, views: list) -> list[int]:
+        """XXH64 of each of `views` (slot_view results): on the host, or by the device
+        kernel over the slots they lie in, without copying them out."""
+        if not self._tensor_views:
+            return [cks.checksum(v) for v in views]
+        out: list[int] = []
+        base = self.tensor.data_ptr()
+        i = 0
+        while i < len(views):  # one kernel launch per run of views of the same length
+            n = views[i].numel()
+            j = i
+            while j < len(views) and views[j].numel() == n:
+                j += 1
+            slots = [(v.data_ptr() - base) // self.slot_bytes for v in views[i:j]]
+            out += device_hash.slot_digests(self.tensor, slots, n)
+            i = j
+        return out
 
     def raw_view(self, slot: int):
         """Host view of a slot (CPU pools only): for fault injection and debugging tools."""
