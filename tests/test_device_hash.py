@@ -172,3 +172,18 @@ def test_a_pool_without_the_kernel_keeps_copying_writes(monkeypatch):
         pool.slot_view(slot, 64, writable=True)
     data = random.Random(5).randbytes(64)
     assert pool.write(slot, data) == cks.checksum(data)
+
+
+def test_the_benchmark_verifies_and_reports(capsys):
+    """loadtest/bench_device_hash.py in a tiny configuration: on a GPU it checks the
+    kernel's digests against the host's before timing; without one, host figures only."""
+    import json
+
+    from loadtest import bench_device_hash
+    assert bench_device_hash.main(["--blocks", "2", "--block-bytes", "4096", "--reps", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["host_xxh64_gbps"] > 0 and out["host_memcpy_gbps"] > 0
+    if GPU:
+        assert out["device_hash_gbps"] > 0 and out["limit_gbps"] > 0 and out["h2d_gbps"] > 0
+    else:
+        assert out["device"] == "cpu" and out["device_hash_gbps"] is None
