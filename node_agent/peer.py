@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore import device_hash, errors
+from kvstore import errors
 from kvstore.config import AgentConfig
 from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState, ServedBlock
@@ -155,7 +155,7 @@ class PeerService:
                      "(UCX registers it; verified there by the device hash)" if self.in_place
                      else "are staged in host memory (%s)" % (
                          "UCX has no CUDA support" if self.store.supports_in_place
-                         else device_hash.why_not() or "no device hash"))
+                         else self.store.pool.why_not_in_place))
 
     async def stop(self) -> None:
         for ep in list(self._serving):

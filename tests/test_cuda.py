@@ -69,6 +69,20 @@ def test_a_gpu_pool_verifies_in_place_writes_with_the_device_kernel(make_store):
     assert store.lookup(BIG.namespace_id, 0, list(ids)).matched == 3
 
 
+def test_a_gpu_where_the_kernel_does_not_build_keeps_copying_writes(monkeypatch):
+    """The kernel is compiled when the pool is made; a failure there (a fault injected
+    here) leaves the pool taking payloads through put/get only, and says why."""
+    from kvstore import device_hash
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(device_hash, "slot_digests", broken)
+    pool = DevicePool(2, 4096, "cuda:0")
+    assert not pool.in_place and "no compiler" in pool.why_not_in_place
+    slot = pool.reserve()
+    assert pool.write(slot, bytes(4096)) == cks.checksum(bytes(4096))
+
+
 def test_auto_picks_the_gpu():
     assert resolve_device("auto") == torch.device("cuda:0")
 

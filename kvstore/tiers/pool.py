@@ -100,6 +100,17 @@ class DevicePool:
         # can be had; else a device pool takes payloads only through copying writes.
         self.in_place = not self._tensor_views or (
             slot_bytes % 8 == 0 and device_hash.available(self.device))
+        self.why_not_in_place = "" if self.in_place else (
+            device_hash.why_not() or f"{slot_bytes}-byte slots are not 8-byte aligned")
+        if self.is_cuda and self.in_place:
+            # Compile the kernel now (a second or two), not inside the first transfer and
+            # not from several worker threads at once; a GPU where it does not build
+            # (no C compiler for triton's launcher, say) keeps copying writes.
+            try:
+                device_hash.slot_digests(self.tensor, [0], slot_bytes)
+            except Exception as exc:  # noqa: BLE001 - any failure means "not in place"
+                self.in_place = False
+                self.why_not_in_place = f"the device hash kernel failed: {exc}"
         self._state = bytearray(n_slots)
         self._free = list(range(n_slots - 1, -1, -1))
 
@@ -193,7 +204,7 @@ class DevicePool:
         `in_place`."""
         if not self.in_place:
             raise InvalidArgument("this pool cannot verify payloads in place "
-                                  f"({device_hash.why_not() or 'no device hash'})")
+                                  f"({self.why_not_in_place})")
         want = SlotState.RESERVED if writable else SlotState.OCCUPIED
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
