@@ -1,7 +1,8 @@
 """The Triton kernel behind kvstore.device_hash (imported only when triton is installed).
 
 XXH64 (seed 0), the specification's algorithm: four lane accumulators over 32-byte
-stripes, their merge, the 8-, 4- and 1-byte tail, the avalanche. One program per slot.
+stripes, their merge, the 8-, 4- and 1-byte tail, the avalanche. One program per slot,
+scalar code: launched with one warp (more would only repeat the same work).
 """
 import triton
 import triton.language as tl
@@ -33,7 +34,7 @@ def _u64(x):
     return tl.full((), 0, tl.uint64) + x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_words", "nbytes"])  # one compile for every size
 def xxh64_slots(w64, w32, w8, slots, out, slot_words, nbytes, UNROLL: tl.constexpr):
     """out[i] = XXH64 of the first `nbytes` of slot slots[i]; w64/w32/w8: the pool as
     int64/int32/uint8 (slot_words 8-byte words a slot)."""

@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
 from kvstore.errors import InvalidArgument
 
-UNROLL = 8  # stripes per step of the main loop (32 bytes each)
+UNROLL = 16  # stripes per step of the main loop (32 bytes each): 512 B of loads in flight
 MASK = (1 << 64) - 1
 
 _kernel = None
 _why_not = ""
+_local = threading.local()  # a CUDA stream per thread (see slot_digests)
 
 
 def _build():
@@ -82,10 +84,32 @@ def slot_digests(pool: torch.Tensor, slots: list[int], nbytes: int) -> list[int]
     flat = pool.view(-1)
     idx = torch.tensor(slots, dtype=torch.int64, device=pool.device)
     out = torch.empty(len(slots), dtype=torch.int64, device=pool.device)
-    # Launched on the pool's device whichever device this thread has current (triton
-    # launches on the current one); .cpu() waits for the result.
-    on_device = torch.cuda.device(pool.device) if pool.is_cuda else contextlib.nullcontext()
-    with on_device:
+    with _on(pool.device):
         kernel[(len(slots),)](flat.view(torch.int64), flat.view(torch.int32), flat, idx,
-                              out, slot_bytes // 8, nbytes, UNROLL=UNROLL)
-    return [v & MASK for v in out.cpu().tolist()]
+                              out, slot_bytes // 8, nbytes, UNROLL=UNROLL, num_warps=1)
+        digests = out.cpu().tolist()  # waits for this thread's stream only
+    return [v & MASK for v in digests]
+
+
+def _on(device: torch.device):
+    """Launch on `device` (triton launches on the current device), on a stream of this
+    thread's own: one block's chain is slow (well under 1 GB/s), so throughput comes from
+    many blocks at once, and the messages hashed by different worker threads as they land
+    must run side by side, not queue on the default stream (nor wait for each other's
+    results). Every write into pool slots is a blocking copy that finished before, and a
+    transport's receive completed before its slots are hashed, so no ordering is lost."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    stream = streams.get(device.index)
+    if stream is None:
+        stream = streams[device.index] = torch.cuda.Stream(device)
+    return _both(torch.cuda.device(device), torch.cuda.stream(stream))
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield

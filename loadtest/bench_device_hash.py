@@ -10,8 +10,11 @@ Without CUDA it measures the host side only (XXH64 of a pool slot and memcpy, th
 host pool's verification runs at) and says so: the interpreter the CPU tests use to check
 the kernel is far too slow to time.
 
-One JSON line on stdout: device, blocks, block_bytes, device_hash_gbps, limit_gbps,
-hash_ratio (device_hash / limit), h2d_gbps, host_xxh64_gbps, host_memcpy_gbps.
+One JSON line on stdout: device, blocks, block_bytes, device_hash_gbps (all blocks in one
+launch), device_hash_message_gbps (one 16 MiB message's blocks per launch),
+device_hash_threads_gbps (the messages hashed from as many threads at once, as a receiver
+does), limit_gbps, hash_ratio (device_hash / limit), h2d_gbps, host_xxh64_gbps,
+host_memcpy_gbps.
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from kvstore import checksum as cks
 from kvstore import device_hash
+from node_agent.peer_common import MESSAGE_BYTES
 
 MiB = 1 << 20
 
@@ -79,6 +84,17 @@ def main(argv=None) -> int:
     out["device_hash_gbps"] = round(best_gbps(lambda: device_hash.slot_digests(pool, slots,
                                                                                size),
                                               total, args.reps, sync), 2)
+    # As a receiver hashes: one message (MESSAGE_BYTES, 8 blocks of 2 MiB) per launch, from
+    # worker threads as messages land (each thread on its own stream), 8 at a time.
+    per = max(1, min(n, MESSAGE_BYTES // size))
+    groups = [slots[i:i + per] for i in range(0, n, per)]
+    out["message_blocks"] = per
+    out["device_hash_message_gbps"] = round(best_gbps(
+        lambda: device_hash.slot_digests(pool, groups[0], size), per * size, args.reps, sync), 2)
+    with ThreadPoolExecutor(len(groups)) as ex:
+        out["device_hash_threads_gbps"] = round(best_gbps(
+            lambda: list(ex.map(lambda g: device_hash.slot_digests(pool, g, size), groups)),
+            total, args.reps, sync), 2)
     out["limit_gbps"] = round(best_gbps(lambda: copy.copy_(pool), total, args.reps, sync), 2)
     out["hash_ratio"] = round(out["device_hash_gbps"] / out["limit_gbps"], 3)
     src = torch.from_numpy(host)

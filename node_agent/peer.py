@@ -103,7 +103,8 @@ class PeerService:
         # Payloads move straight between pool slots (borrowed and reserved views), else
         # through host staging copies: a GPU pool needs the device hash (DevicePool.in_place)
         # and, once UCX is up, a UCX built with CUDA (start()).
-        self.in_place = self.pcfg.in_place and store.supports_in_place
+        self.in_place = self.pcfg.in_place and store.supports_in_place and \
+            not store.pool.is_cuda
         self._listener = None
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
@@ -150,7 +151,8 @@ class PeerService:
         log.info("UCX peer listener on %s (ucx %s)", self.peer_address,
                  self.ucx.__ucx_version__)
         if self.store.pool.is_cuda:
-            self.in_place = self.in_place and ucx_cuda_support(self.ucx)
+            self.in_place = self.pcfg.in_place and self.store.supports_in_place and \
+                ucx_cuda_support(self.ucx)
             log.info("GPU pool: peer payloads %s", "move straight from and into GPU memory "
                      "(UCX registers it; verified there by the device hash)" if self.in_place
                      else "are staged in host memory (%s)" % (
@@ -221,9 +223,10 @@ class PeerService:
 
     async def read_batches(self, st: NsState, generation: int, ids: list[bytes],
                            parent_id: bytes, batch: int, lease: StagingLease,
-                           pack: bool = False):
+                           pack: bool = False, borrow: bool = True):
         """Yield a verified ReadBatch per batch, batch k's staging copies in lease[k]
-        (`pack`: all of its payloads, contiguous, and no borrow outlives the read). Batch
+        (`pack`: all of its payloads, contiguous, and no borrow outlives the read; not
+        `borrow`: every block copied into staging, none lent from the pool). Batch
         k+1 is read from the store while the caller sends batch k: a caller that keeps
         sends in flight after asking for the next batch must have finished those of batch
         k+1-len(lease.sets) by then. The caller hands each batch to done_with()."""
@@ -232,7 +235,8 @@ class PeerService:
             if not ids:
                 yield ReadBatch(0, [], [], None, True)
                 return
-            pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch, pack)
+            pending = self._read(st, generation, ids, 0, parent_id, lease[0], batch, pack,
+                                 borrow)
             for k, start in enumerate(range(0, len(ids), batch)):
                 rb = await pending
                 pending = None
@@ -240,7 +244,7 @@ class PeerService:
                 rb.first, rb.last = start, len(rb.served) < n or start + n >= len(ids)
                 if not rb.last:
                     pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
-                                         lease[k + 1], batch, pack)
+                                         lease[k + 1], batch, pack, borrow)
                 self.count("peer_blocks_served", len(rb.served))
                 yield rb
                 if rb.last:
@@ -262,7 +266,8 @@ class PeerService:
             self.store.release(rb.borrowed)
             rb.borrowed = None
 
-    def _read(self, st, generation, ids, start, parent, bufs, batch, pack) -> asyncio.Future:
+    def _read(self, st, generation, ids, start, parent, bufs, batch, pack, borrow
+              ) -> asyncio.Future:
         """Read one batch. Borrowing is bookkeeping only (no bytes move: the receiver
         verifies), so it runs right here; copies (packed batches, blocks on NVMe) run in a
         worker thread when big enough."""
@@ -271,7 +276,7 @@ class PeerService:
         try:
             if pack:
                 rb = None
-            elif self.in_place:
+            elif borrow:
                 rb = self._borrow(st, generation, chunk, parent)
             else:  # nothing borrowed: every block is copied into staging
                 rb = ReadBatch(0, [], [], None)
@@ -370,7 +375,8 @@ class PeerService:
         lease = self.staging.lease(self.pcfg.staging_sets, batch, size)
         inflight: list[tuple[asyncio.Future, ReadBatch]] = []
         try:
-            batches = self.read_batches(st, generation, ids, parent, batch, lease, pack)
+            batches = self.read_batches(st, generation, ids, parent, batch, lease, pack,
+                                        borrow=self.in_place)
             async with aclosing(batches) as it:
                 async for rb in it:
                     sends = self._announce(ep, rb, size, pack)

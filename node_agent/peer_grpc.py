@@ -43,7 +43,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                       batch: int):
         size = st.spec.block_bytes
         lease = self.svc.staging.lease(2, batch, size)  # payloads are copied out at once
-        batches = self.svc.read_batches(st, generation, ids, parent, batch, lease)
+        # gRPC payloads go through host memory anyway: GPU slots are copied out in a
+        # worker thread (read_batches), never lent to this event loop to copy from
+        batches = self.svc.read_batches(st, generation, ids, parent, batch, lease,
+                                        borrow=self.svc.in_place and
+                                        not self.svc.store.pool.is_cuda)
         try:
             async with aclosing(batches) as it:
                 async for rb in it:

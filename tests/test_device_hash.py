@@ -41,11 +41,11 @@ def test_the_kernel_is_there():
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 7, 8, 12, 31, 32, 33, 100, 255, 256, 257,
-                                    300, 520])
+                                    300, 512, 520, 1100])
 def test_digests_equal_the_host_xxh64(nbytes):
-    """Every part of XXH64: no stripe, stripes in whole unrolled steps and left over, 8-byte
-    words, a 4-byte word and single bytes after them."""
-    pool = torch.randint(0, 256, (5, 520), dtype=torch.uint8,
+    """Every part of XXH64: no stripe, stripes in whole unrolled steps (16 a step) and left
+    over, 8-byte words, a 4-byte word and single bytes after them."""
+    pool = torch.randint(0, 256, (5, 1104), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(nbytes)).to(DEVICE)
     slots = [4, 0, 2, 2]  # any order, repeats allowed
     host = pool.cpu().numpy()
@@ -61,14 +61,14 @@ def test_one_flipped_bit_changes_the_digest():
 
 
 @pytest.mark.parametrize("bad,why", [
-    (lambda: torch.zeros((2, 64), dtype=torch.int16), "uint8"),
-    (lambda: torch.zeros((2, 128), dtype=torch.uint8)[:, :64], "contiguous"),
-    (lambda: torch.zeros(128, dtype=torch.uint8), "2-D"),
-    (lambda: torch.zeros((2, 60), dtype=torch.uint8), "aligned"),
+    (lambda: torch.zeros((2, 64), dtype=torch.int16, device=DEVICE), "uint8"),
+    (lambda: torch.zeros((2, 128), dtype=torch.uint8, device=DEVICE)[:, :64], "contiguous"),
+    (lambda: torch.zeros(128, dtype=torch.uint8, device=DEVICE), "2-D"),
+    (lambda: torch.zeros((2, 60), dtype=torch.uint8, device=DEVICE), "aligned"),
 ])
 def test_bad_pools_are_refused(bad, why):
     with pytest.raises(InvalidArgument, match=why):
-        device_hash.slot_digests(bad().to(DEVICE), [0], 8)
+        device_hash.slot_digests(bad(), [0], 8)
 
 
 def test_bad_lengths_and_slots_are_refused():
@@ -167,6 +167,7 @@ def test_a_pool_without_the_kernel_keeps_copying_writes(monkeypatch):
     monkeypatch.setattr(device_hash, "available", lambda device: False)
     pool = pool_of(2, 64)
     assert not pool.in_place and not BlockStore(pool, None).supports_in_place
+    assert "no device hash" in pool.why_not_in_place
     slot = pool.reserve()
     with pytest.raises(InvalidArgument, match="cannot verify payloads in place"):
         pool.slot_view(slot, 64, writable=True)

@@ -29,11 +29,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c "import triton; print('triton', triton.__version__)"
   python3 -c "import ucxx, libucx; print('ucxx', ucxx.__version__, 'ucx', ucxx.get_ucx_version())"
 } 2>&1 | tee "$OUT/env.txt"
-python3 -m pytest -q -p no:cacheprovider --timeout 300 -o addopts=-ra \
+timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 240 -o addopts=-ra \
   tests/test_cuda.py tests/test_device_hash.py tests/test_pool.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 # how fast the kernel verifies 64 x 2 MiB landed in GPU memory, against a device copy
-timeout 300 python3 -m loadtest.bench_device_hash > "$OUT/bench_device_hash.json" \
+timeout 120 python3 -m loadtest.bench_device_hash > "$OUT/bench_device_hash.json" \
   2> "$OUT/bench_device_hash.err"
 # agent logs of the spawned agents, for a failure
 find /tmp -maxdepth 6 -name agent.log -newer "$OUT/env.txt" 2>/dev/null | head -8 |

@@ -29,6 +29,7 @@ for cu in $CUDAS; do
     -o -name '*.pxd.in' -o -name '*.cpp' \) -delete
   find . -name '*perftest*' -prune -exec rm -rf {} +
   find . -type d \( -name include -o -name bin \) -prune -exec rm -rf {} +
+  find . -maxdepth 1 -name '*.py' -delete  # stray top-level modules (an example.py)
   # wheels store libX.so, libX.so.0 and libX.so.0.0.0 as three copies
   find . -name '*.so.*.*.*' | while read -r f; do
     d=$(dirname "$f"); full=$(basename "$f"); base=${full%%.so.*}.so

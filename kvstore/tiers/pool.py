@@ -74,7 +74,9 @@ def _read_only_tensor(src) -> torch.Tensor:
 
 
 class DevicePool:
-    """`tensor_views`: a host pool that hands out slot views as torch tensors hashed by
+    """Every write into a slot is a blocking copy (done when write() returns): transports
+    send straight from borrowed slot views, and the tensor interface they read carries no
+    stream to wait on. `tensor_views`: a host pool that hands out slot views as torch tensors hashed by
     the device kernel, as a CUDA pool does; tests only (under Triton's interpreter), to
     run the device code paths where no GPU is."""
 
@@ -98,10 +100,17 @@ class DevicePool:
         # Payloads written in place by a transport are verified where they lie: on the host
         # by XXH64, in device memory by the device kernel (kvstore.device_hash), when it
         # can be had; else a device pool takes payloads only through copying writes.
-        self.in_place = not self._tensor_views or (
-            slot_bytes % 8 == 0 and device_hash.available(self.device))
-        self.why_not_in_place = "" if self.in_place else (
-            device_hash.why_not() or f"{slot_bytes}-byte slots are not 8-byte aligned")
+        self.in_place, self.why_not_in_place = True, ""
+        if self._tensor_views:
+            if slot_bytes % 8:
+                self.in_place = False
+                self.why_not_in_place = f"{slot_bytes}-byte slots are not 8-byte aligned"
+            elif not device_hash.available(self.device):
+                self.in_place = False
+                self.why_not_in_place = device_hash.why_not() or \
+                    f"no device hash on {self.device}" + (
+                        " (on the CPU: only under TRITON_INTERPRET=1)" if not self.is_cuda
+                        else "")
         if self.is_cuda and self.in_place:
             # Compile the kernel now (a second or two), not inside the first transfer and
             # not from several worker threads at once; a GPU where it does not build
