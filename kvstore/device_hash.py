@@ -91,6 +91,7 @@ def slot_digests(pool: torch.Tensor, slots: list[int], nbytes: int) -> list[int]
     return [v & MASK for v in digests]
 
 
+@contextlib.contextmanager
 def _on(device: torch.device):
     """Launch on `device` (triton launches on the current device), on a stream of this
     thread's own: one block's chain is slow (well under 1 GB/s), so throughput comes from
@@ -99,17 +100,11 @@ def _on(device: torch.device):
     results). Every write into pool slots is a blocking copy that finished before, and a
     transport's receive completed before its slots are hashed, so no ordering is lost."""
     if device.type != "cuda":
-        return contextlib.nullcontext()
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
+        yield
+        return
+    streams = _local.__dict__.setdefault("streams", {})
     stream = streams.get(device.index)
     if stream is None:
         stream = streams[device.index] = torch.cuda.Stream(device)
-    return _both(torch.cuda.device(device), torch.cuda.stream(stream))
-
-
-@contextlib.contextmanager
-def _both(a, b):
-    with a, b:
+    with torch.cuda.device(device), torch.cuda.stream(stream):
         yield

@@ -12,6 +12,7 @@ callers keep the copying put/get for other device pools.
 """
 from __future__ import annotations
 
+from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
 from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock
@@ -25,12 +26,11 @@ class InPlaceMixin:
         return self.pool.in_place
 
     def _digests(self, views: list) -> list[int]:
-        """XXH64 of slot views: the device kernel over device slots, else on the copy
+        """XXH64 of slot views: the device kernel over tensor views, else on the copy
         threads when the batch is big enough to pay."""
-        if self.pool.is_cuda:
+        if self.pool.tensor_views:
             return self.pool.digests(views)
-        return self._copy_all(lambda v: self.pool.digests([v])[0], views,
-                              sum(v.nbytes for v in views))
+        return self._copy_all(cks.checksum, views, sum(v.nbytes for v in views))
 
     # ----------------------------------------------------------------- writes
     def reserve(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,

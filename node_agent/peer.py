@@ -103,8 +103,7 @@ class PeerService:
         # Payloads move straight between pool slots (borrowed and reserved views), else
         # through host staging copies: a GPU pool needs the device hash (DevicePool.in_place)
         # and, once UCX is up, a UCX built with CUDA (start()).
-        self.in_place = self.pcfg.in_place and store.supports_in_place and \
-            not store.pool.is_cuda
+        self.in_place = self._in_place(ucx_cuda=False)
         self._listener = None
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
@@ -151,13 +150,18 @@ class PeerService:
         log.info("UCX peer listener on %s (ucx %s)", self.peer_address,
                  self.ucx.__ucx_version__)
         if self.store.pool.is_cuda:
-            self.in_place = self.pcfg.in_place and self.store.supports_in_place and \
-                ucx_cuda_support(self.ucx)
+            self.in_place = self._in_place(ucx_cuda_support(self.ucx))
+            why = self.store.pool.why_not_in_place or (
+                "UCX has no CUDA support" if self.pcfg.in_place else "KVSTORE_PEER_IN_PLACE=0")
             log.info("GPU pool: peer payloads %s", "move straight from and into GPU memory "
-                     "(UCX registers it; verified there by the device hash)" if self.in_place
-                     else "are staged in host memory (%s)" % (
-                         "UCX has no CUDA support" if self.store.supports_in_place
-                         else self.store.pool.why_not_in_place))
+                     "(UCX registers it; verified there by the device hash)"
+                     if self.in_place else f"are staged in host memory ({why})")
+
+    def _in_place(self, ucx_cuda: bool) -> bool:
+        """Whether payloads move straight between pool slots: configured so, and the pool
+        verifies in place; a GPU pool also needs a UCX that moves CUDA memory."""
+        return self.pcfg.in_place and self.store.supports_in_place and \
+            (ucx_cuda or not self.store.pool.is_cuda)
 
     async def stop(self) -> None:
         for ep in list(self._serving):

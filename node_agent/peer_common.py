@@ -192,13 +192,6 @@ def _where(buf) -> tuple[int, bool]:
     return buf.data_ptr(), tuple(buf.stride()) == (1,)
 
 
-def payload_bytes(buf) -> bytes:
-    """A payload buffer's bytes for a gRPC message (a device slot view comes to the host)."""
-    if isinstance(buf, np.ndarray):
-        return buf.tobytes()
-    return buf.cpu().numpy().tobytes()
-
-
 def runs_of(bufs: list, size: int, cap: int = 0) -> list[int]:
     """Lengths of the runs of `bufs` (1-D uint8 arrays or tensors of at least `size`
     bytes) that lie back to back in memory: each next one starting `size` bytes after the

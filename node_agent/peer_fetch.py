@@ -37,8 +37,9 @@ class FetchRequestIds:
 @dataclass(slots=True, eq=False)
 class Landing:
     """Where the payloads of one UCX batch land: pool slots reserved for its leading
-    blocks (`res`, host pools), staging buffers for the others (device pools, or blocks
-    left without a slot, which are then not stored), received as `msgs`. Packed (small
+    blocks (`res`, when PeerService.in_place), staging buffers for the others (all of
+    them otherwise, or blocks left without a slot, which are then not stored), received as
+    `msgs`. Packed (small
     blocks, or large ones whose slots do not lie back to back as the sender's runs need),
     the whole batch lands in one staging set, `scratch`, and the store step copies it into
     the slots. `recvs` completes once UCX no longer writes into any of them, whatever the

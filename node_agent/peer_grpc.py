@@ -13,8 +13,7 @@ import grpc
 from cluster.telemetry import trace_metadata
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
-from node_agent.peer_common import (REFUSALS, PeerRefused, PeerTransportError, payload_bytes,
-                                    within)
+from node_agent.peer_common import REFUSALS, PeerRefused, PeerTransportError, within
 
 if TYPE_CHECKING:
     from node_agent.peer import PeerService
@@ -55,8 +54,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         chunk = peer_pb2.FetchChunk(
                             first_index=rb.first, count=len(rb.served),
                             checksums=[s.checksum for s in rb.served],
-                            data=[payload_bytes(rb.bufs[i][:size])
-                                  for i in range(len(rb.served))],
+                            data=[rb.bufs[i][:size].tobytes() for i in range(len(rb.served))],
                             done=rb.last)
                     finally:
                         self.svc.done_with(rb)

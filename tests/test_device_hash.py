@@ -24,12 +24,16 @@ from kvstore import device_hash  # noqa: E402
 from kvstore.errors import DataLoss, InvalidArgument  # noqa: E402
 from kvstore.store import BlockStore  # noqa: E402
 from kvstore.tiers.pool import DevicePool  # noqa: E402
-from node_agent.peer_common import payload_bytes, runs_of, spans  # noqa: E402
+from node_agent.peer_common import runs_of, spans  # noqa: E402
 
 DEVICE = "cuda:0" if GPU else "cpu"
 # 1 layer x (K, V) x 2 heads x 4 dims x 4 tokens x fp16: 128-byte blocks
 SMALL = make_namespace(name="tiny-blocks", num_layers=1, head_dim=4, block_size=4)
 ROOT = SMALL.root(0, TEST_SECRET)
+
+
+def payload_bytes(view) -> bytes:
+    return view.cpu().numpy().tobytes()
 
 
 def pool_of(n_slots: int, slot_bytes: int) -> DevicePool:

@@ -7,6 +7,7 @@ tensor is allocated and touched once at start-up, and the free list is a plain s
 """
 from __future__ import annotations
 
+import itertools
 import mmap
 import warnings
 from enum import IntEnum
@@ -76,9 +77,9 @@ def _read_only_tensor(src) -> torch.Tensor:
 class DevicePool:
     """Every write into a slot is a blocking copy (done when write() returns): transports
     send straight from borrowed slot views, and the tensor interface they read carries no
-    stream to wait on. `tensor_views`: a host pool that hands out slot views as torch tensors hashed by
-    the device kernel, as a CUDA pool does; tests only (under Triton's interpreter), to
-    run the device code paths where no GPU is."""
+    stream to wait on. `tensor_views`: a host pool that hands out slot views as torch
+    tensors hashed by the device kernel, as a CUDA pool does; tests only (under Triton's
+    interpreter), to run the device code paths where no GPU is."""
 
     def __init__(self, n_slots: int, slot_bytes: int, device: str = "auto",
                  tensor_views: bool = False) -> None:
@@ -96,32 +97,36 @@ class DevicePool:
                                       device=self.device)
         self.tensor.zero_()  # touch every page now, not on the first put
         self._host = self.tensor.numpy() if self.device.type == "cpu" else None
-        self._tensor_views = self.is_cuda or tensor_views
+        self.tensor_views = self.is_cuda or tensor_views
         # Payloads written in place by a transport are verified where they lie: on the host
         # by XXH64, in device memory by the device kernel (kvstore.device_hash), when it
         # can be had; else a device pool takes payloads only through copying writes.
-        self.in_place, self.why_not_in_place = True, ""
-        if self._tensor_views:
-            if slot_bytes % 8:
-                self.in_place = False
-                self.why_not_in_place = f"{slot_bytes}-byte slots are not 8-byte aligned"
-            elif not device_hash.available(self.device):
-                self.in_place = False
-                self.why_not_in_place = device_hash.why_not() or \
-                    f"no device hash on {self.device}" + (
-                        " (on the CPU: only under TRITON_INTERPRET=1)" if not self.is_cuda
-                        else "")
-        if self.is_cuda and self.in_place:
-            # Compile the kernel now (a second or two), not inside the first transfer and
-            # not from several worker threads at once; a GPU where it does not build
-            # (no C compiler for triton's launcher, say) keeps copying writes.
-            try:
-                device_hash.slot_digests(self.tensor, [0], slot_bytes)
-            except Exception as exc:  # noqa: BLE001 - any failure means "not in place"
-                self.in_place = False
-                self.why_not_in_place = f"the device hash kernel failed: {exc}"
+        self.why_not_in_place = self._check_device_hash() if self.tensor_views else ""
         self._state = bytearray(n_slots)
         self._free = list(range(n_slots - 1, -1, -1))
+
+    def _check_device_hash(self) -> str:
+        """Why slot views in device memory cannot be verified in place ('' when they can).
+        On a GPU the kernel is compiled here (a second or two), not inside the first
+        transfer nor from several worker threads at once; a GPU where it does not build
+        (no C compiler for triton's launcher, say) keeps copying writes."""
+        if self.slot_bytes % 8:
+            return f"{self.slot_bytes}-byte slots are not 8-byte aligned"
+        if not device_hash.available(self.device):
+            on_cpu = "" if self.is_cuda else " (on the CPU: only under TRITON_INTERPRET=1)"
+            return device_hash.why_not() or f"no device hash on {self.device}{on_cpu}"
+        if self.is_cuda:
+            try:
+                device_hash.slot_digests(self.tensor, [0], self.slot_bytes)
+            except Exception as exc:  # noqa: BLE001 - any failure means "not in place"
+                return f"the device hash kernel failed: {exc}"
+        return ""
+
+    @property
+    def in_place(self) -> bool:
+        """Whether transports may land payloads in slot views (slot_view) and have them
+        verified where they lie (digests)."""
+        return not self.why_not_in_place
 
     @property
     def is_cuda(self) -> bool:
@@ -218,7 +223,7 @@ class DevicePool:
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
         self._check_len(nbytes)
-        if self._tensor_views:
+        if self.tensor_views:
             return self.tensor[slot, :nbytes]
         view = self._host[slot, :nbytes]
         if not writable:
@@ -228,20 +233,15 @@ class DevicePool:
 
     def digests(self, views: list) -> list[int]:
         """XXH64 of each of `views` (slot_view results): on the host, or by the device
-        kernel over the slots they lie in, without copying them out."""
-        if not self._tensor_views:
+        kernel over the slots they lie in, without copying them out (one launch per run of
+        views of one length)."""
+        if not self.tensor_views:
             return [cks.checksum(v) for v in views]
-        out: list[int] = []
         base = self.tensor.data_ptr()
-        i = 0
-        while i < len(views):  # one kernel launch per run of views of the same length
-            n = views[i].numel()
-            j = i
-            while j < len(views) and views[j].numel() == n:
-                j += 1
-            slots = [(v.data_ptr() - base) // self.slot_bytes for v in views[i:j]]
+        out: list[int] = []
+        for n, group in itertools.groupby(views, key=lambda v: v.numel()):
+            slots = [(v.data_ptr() - base) // self.slot_bytes for v in group]
             out += device_hash.slot_digests(self.tensor, slots, n)
-            i = j
         return out
 
     def raw_view(self, slot: int):
