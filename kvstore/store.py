@@ -32,7 +32,8 @@ from kvstore.store_eviction import EvictionMixin
 from kvstore.store_inplace import InPlaceMixin
 from kvstore.store_maintenance import MaintenanceMixin
 from kvstore.store_types import (ID_BYTES, NS_META_PREFIX, BlockMeta, LookupResult, NsState,
-                                 PackedIds, PutItem, ServedBlock, _first_false)
+                                 PackedIds, PlannedSlot, PutItem, ServedBlock, Written,
+                                 _first_false)
 from kvstore.tiers.rocks import RocksTier
 
 __all__ = ["BlockStore", "BlockMeta", "NsState", "PutItem", "LookupResult", "ServedBlock",
@@ -374,19 +375,20 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 raise FailedPrecondition("kill switch is on: writes are refused "
                                          "(`kvctl killswitch off` to resume caching)")
             plan, already = self._plan_put(st, items, root)
-        written: list[tuple[PutItem, int, int, BlockMeta | None]] = []
+        written: list[Written] = []
         try:
-            digests = self._copy_all(lambda p: self.pool.write(p[1], p[0].data), plan,
+            digests = self._copy_all(lambda p: self.pool.write(p.slot, p.item.data), plan,
                                      len(plan) * st.spec.block_bytes)
-            for (item, slot, depth, parent), digest in zip(plan, digests):
-                if item.checksum is not None and digest != item.checksum:
-                    raise DataLoss(f"block {item.block_id.hex()[:12]} payload does not match "
-                                   "its checksum")
-                written.append((item, slot, digest, parent))
+            for p, digest in zip(plan, digests):
+                if p.item.checksum is not None and digest != p.item.checksum:
+                    raise DataLoss(f"block {p.item.block_id.hex()[:12]} payload does not "
+                                   "match its checksum")
+                written.append(Written(p, digest))
         finally:
             with self.lock:
-                stored = self._commit_put(st, generation, plan, written)
-        return stored, already
+                stored, raced = self._commit_put(st, generation, plan, written)
+        # A block another writer committed while this one copied is present, not stored.
+        return stored, already + raced
 
     def _plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None):
         size = st.spec.block_bytes
@@ -438,37 +440,49 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                     raise ResourceExhausted(
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
                         "every slot is pinned, in use or over the tenant's quota")
-                plan.append((it, slot, depths[it.block_id], parent))
+                plan.append(PlannedSlot(it, slot, depths[it.block_id], parent))
                 planned.add(it.block_id)
         except BaseException:
             self._abort_plan(plan)
             raise
         return plan, already
 
-    def _abort_plan(self, plan) -> None:
-        for _, slot, _, parent in plan:
-            self.pool.abort(slot)
-            if parent is not None:
-                self._done_reading(parent)
+    def _abort_plan(self, plan: list[PlannedSlot]) -> None:
+        for p in plan:
+            self.pool.abort(p.slot)
+            if p.parent is not None:
+                self._done_reading(p.parent)
 
-    def _commit_put(self, st, generation, plan, written) -> int:
-        done = {id(w[0]) for w in written}
-        self._abort_plan([p for p in plan if id(p[0]) not in done])
+    def _commit_put(self, st: NsState, generation: int, plan: list[PlannedSlot],
+                    written: list[Written]) -> tuple[int, int]:
+        """Make the written blocks visible (under the lock); free every other planned slot.
+        Planning and copying ran apart from here, so each block is checked again: its
+        namespace not flushed, its parent still held, and the block itself not committed
+        meanwhile by a concurrent writer of the same chain (that copy wins; this slot is
+        freed, or it would leak with nothing pointing at it). Returns (stored, raced)."""
+        done = {id(w.planned) for w in written}
+        self._abort_plan([p for p in plan if id(p) not in done])
         now = self.clock()
-        stored: list[bytes] = []
-        for item, slot, digest, parent in written:
-            if parent is not None:
-                self._done_reading(parent)
+        stored: list[BlockMeta] = []
+        raced = 0
+        for w in written:
+            item, slot = w.planned.item, w.planned.slot
+            if w.planned.parent is not None:
+                self._done_reading(w.planned.parent)
             parent_meta = st.blocks.get(item.parent_id)
-            depth = parent_meta.depth + 1 if parent_meta else next(
-                p[2] for p in plan if p[0] is item)
+            depth = parent_meta.depth + 1 if parent_meta else w.planned.depth
             if st.generation != generation or (depth and not parent_meta):
                 self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
+                continue
+            if item.block_id in st.blocks:
+                self.pool.abort(slot)
+                self.counters["put_raced"] += 1
+                raced += 1
                 continue
             self.pool.commit(slot)
             ttl = st.policy.ttl_seconds
             m = BlockMeta(st, item.block_id, item.parent_id, depth,
-                          st.spec.block_bytes, digest, last_access=now,  # checked by _plan_*
+                          st.spec.block_bytes, w.digest, last_access=now,  # checked by _plan_*
                           expires_at=now + ttl if ttl else 0)
             st.blocks[m.block_id] = m
             if parent_meta is not None:
@@ -478,7 +492,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             self._attach_slot(m, slot)
             stored.append(m)
         self._stored_events(st, stored)
-        return len(stored)
+        return len(stored), raced
 
     def _stored_events(self, st: NsState, stored: list[BlockMeta]) -> None:
         """One STORED event per parent-to-child run: each names the parent of its first

@@ -15,7 +15,8 @@ from __future__ import annotations
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
-from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock
+from kvstore.store_types import (ID_BYTES, Borrowed, PlannedSlot, PutItem, Reservation,
+                                 ServedBlock, Written)
 
 
 class InPlaceMixin:
@@ -54,7 +55,7 @@ class InPlaceMixin:
             parent = st.blocks.get(parent_id)
             if parent is not None:
                 depth = parent.depth + 1
-            elif after is not None and after.plan and after.plan[-1][0].block_id == parent_id:
+            elif after is not None and after.plan and after.plan[-1].item.block_id == parent_id:
                 depth = after.last_depth + 1
             elif parent_id == root:
                 depth = 0
@@ -98,7 +99,7 @@ class InPlaceMixin:
                     res.reason = "pool or quota full"
                     break
                 view = self.pool.slot_view(slot, size, writable=True)
-                res.plan.append((PutItem(bid, parent_id, view), slot, depth, parent))
+                res.plan.append(PlannedSlot(PutItem(bid, parent_id, view), slot, depth, parent))
                 parent_id, parent, depth = bid, None, depth + 1
         except BaseException:
             self._abort_plan(res.plan)
@@ -133,23 +134,23 @@ class InPlaceMixin:
                 digests = list(digests[:n])
             elif sources is not None:
                 n = min(n, len(sources))
-                digests = self._copy_all(lambda a: self.pool.write(a[0][1], a[1]),
+                digests = self._copy_all(lambda a: self.pool.write(a[0].slot, a[1]),
                                          list(zip(plan[:n], sources)),
                                          n * res.ns.spec.block_bytes)
             else:
-                digests = self._digests([p[0].data for p in plan[:n]])
+                digests = self._digests([p.item.data for p in plan[:n]])
         except BaseException:
             with self.lock:
                 self._abort_plan(plan)
             raise
         written, bad = [], None
-        for (item, slot, depth, parent), digest, want in zip(plan, digests, checksums):
+        for p, digest, want in zip(plan, digests, checksums):
             if digest != want:
-                bad = item
+                bad = p.item
                 break
-            written.append((item, slot, digest, parent))
+            written.append(Written(p, digest))
         with self.lock:
-            stored = self._commit_put(res.ns, res.generation, plan, written)
+            stored = self._commit_put(res.ns, res.generation, plan, written)[0]
         if bad is not None:
             raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its "
                            "checksum")

@@ -61,6 +61,25 @@ class PutItem:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedSlot:
+    """One block of a write in flight: the pool slot reserved for it, its depth in the
+    chain, and the parent held (readers + 1) so it is not evicted before the child commits."""
+
+    item: PutItem
+    slot: int
+    depth: int
+    parent: "BlockMeta | None"
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A planned block whose payload is in its slot, with the checksum computed there."""
+
+    planned: PlannedSlot
+    digest: int
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     matched: int
     hbm: int
@@ -85,16 +104,16 @@ class Reservation:
 
     ns: NsState
     generation: int
-    plan: list  # (PutItem over the slot view, slot, depth, held parent BlockMeta | None)
+    plan: list[PlannedSlot]  # items are PutItems over the slot views
     reason: str = ""
 
     @property
     def views(self) -> list:
-        return [p[0].data for p in self.plan]
+        return [p.item.data for p in self.plan]
 
     @property
     def last_depth(self) -> int:
-        return self.plan[-1][2] if self.plan else -1
+        return self.plan[-1].depth if self.plan else -1
 
     def __len__(self) -> int:
         return len(self.plan)
