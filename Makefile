@@ -5,6 +5,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
+KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.installed
 STATE ?= .state/cluster
 
@@ -33,18 +34,18 @@ proto: install
 	tools/genproto.sh
 
 run: install
-	$(VPY) -m kvctl cluster up --agents 2 --state-dir $(STATE)
+	$(KVCTL) cluster up --agents 2 --state-dir $(STATE)
 	$(VPY) -m loadtest.demo --state-dir $(STATE)
 	$(VPY) -m loadtest.replay --state-dir $(STATE) --requests 200 --prefill-tokens-per-s 8000
 	@echo
-	@echo "The cluster keeps running. Inspect: $(VPY) -m kvctl cluster status --state-dir $(STATE)"
+	@echo "The cluster keeps running. Inspect: $(KVCTL) cluster status --state-dir $(STATE)"
 	@echo "Stop it: make stop"
 
 stop:
-	@[ -x $(VPY) ] && $(VPY) -m kvctl cluster down --state-dir $(STATE) || true
+	@[ -x $(VPY) ] && $(KVCTL) cluster down --state-dir $(STATE) || true
 
 status: install
-	$(VPY) -m kvctl cluster status --state-dir $(STATE)
+	$(KVCTL) cluster status --state-dir $(STATE)
 
 test: install
 	$(VPY) -m pytest -q

@@ -29,7 +29,7 @@ import tracemalloc
 
 import numpy as np
 
-from cluster.etcd import NodeRecord
+from kvstore.coord.etcd import NodeRecord
 from kvstore.hashing import hash_chain_packed, split_ids
 from router.routing import RouterCore
 from router.scoring import Weights

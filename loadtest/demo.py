@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.local import ClusterError, ClusterState
+from kvstore.devcluster import ClusterError, ClusterState
 from kvstore.client.cluster import ClusterClient, ClusterNamespace
 from kvstore.hashing import hash_chain
 from kvstore.namespace import Namespace

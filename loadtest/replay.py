@@ -55,8 +55,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from cluster.local import ClusterError, ClusterState, down
-from kvctl.analyze import Request, analyze
+from kvstore.devcluster import ClusterError, ClusterState, down
+from kvstore.cli.analyze import Request, analyze
 from kvstore.client import PrefixHit
 from kvstore.client.cluster import ClusterClient, ClusterHit, ClusterNamespace
 from kvstore.hashing import hash_chain

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from cluster.local import ClusterError, ClusterState, UpOptions, up
+from kvstore.devcluster import ClusterError, ClusterState, UpOptions, up
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.v1 import common_pb2
@@ -71,8 +71,8 @@ def agent_counters(cluster: Cluster) -> dict[str, int]:
 
 
 async def flush_namespaces(endpoint: str, targets: list[tuple[str, str]]) -> None:
-    from cluster.control import ControlPlane
-    from cluster.etcd import EtcdClient
+    from kvstore.coord.admin import ControlPlane
+    from kvstore.coord.etcd import EtcdClient
     async with EtcdClient(endpoint, timeout=5.0) as etcd:
         cp = ControlPlane(etcd, who="loadtest.replay")
         for tenant, name in targets:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Union
 
-from kvctl.analyze import Request, cached_blocks, iter_requests, keyspace_root
+from kvstore.cli.analyze import Request, cached_blocks, iter_requests, keyspace_root
 from kvstore.hashing import hash_chain
 from loadtest.tracegen import TraceConfig, generate
 
@@ -53,7 +53,7 @@ def load_trace(trace: str | None, requests: int | None, seed: int
 
 def ceiling_per_request(reqs: list[Request]) -> list[int]:
     """Cached tokens of each request under one unbounded cache, the way
-    kvctl.analyze counts them (one keyspace per tenant and namespace)."""
+    kvstore.cli.analyze counts them (one keyspace per tenant and namespace)."""
     seen: set[bytes] = set()
     roots: dict[tuple[str, str], bytes] = {}
     out = []

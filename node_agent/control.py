@@ -13,7 +13,7 @@ kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
 - etcd down: the last applied state stays in force and the agent keeps serving.
 - Joining: a flush that committed after the start-up listing but whose membership check
   missed this agent (it registered a moment later) does not wait for it. `catch_up()`
-  (cluster/control_follow.py) lists again after registration and applies it.
+  (kvstore/coord/follow.py) lists again after registration and applies it.
 
 Wiring (node_agent/server.py): `await control.start()` before serving, and
 `Registration(..., on_registered=control.catch_up)` so `registered` is set only after that.
@@ -25,9 +25,9 @@ import json
 import logging
 from collections.abc import Callable
 
-from cluster.control import Quota
-from cluster.control_follow import ControlFollower
-from cluster.etcd import DEFAULT_PREFIX, NAMESPACES, EtcdClient
+from kvstore.coord.admin import Quota
+from kvstore.coord.follow import ControlFollower
+from kvstore.coord.etcd import DEFAULT_PREFIX, NAMESPACES, EtcdClient
 from kvstore import errors
 from kvstore.events import Tier
 from kvstore.namespace import Namespace

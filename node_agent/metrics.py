@@ -15,7 +15,7 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_removed_blocks_total{reason}, kvstore_tier_moves_total{to},
   kvstore_inflight_requests, kvstore_flush_duration_seconds (histogram),
   kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
-  kvstore_rpc_duration_seconds{method} (cluster/telemetry.RpcTelemetry).
+  kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
 Tokens are counted in whole blocks (block_size tokens each): the agent sees block ids only.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cluster.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
+from kvstore.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
                                tracing_enabled)
 from kvstore.events import Tier
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.telemetry import trace_metadata
+from kvstore.telemetry import trace_metadata
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
 from node_agent.peer_common import REFUSALS, PeerRefused, PeerTransportError, within

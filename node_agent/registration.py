@@ -12,7 +12,7 @@ Joining: `on_registered` (the agent passes `AgentControl.catch_up`) runs after e
 successful registration and before `registered` is set: it applies the namespace
 generations and kill switch as of a revision after our record, so a flush whose
 membership check just missed us is in force before we count as registered
-(cluster/control_follow.py, `ControlFollower.catch_up`, has the argument).
+(kvstore/coord/follow.py, `ControlFollower.catch_up`, has the argument).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from cluster.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
+from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
 from kvstore import errors
 
 log = logging.getLogger("kvstore.agent")

@@ -9,7 +9,7 @@ import os
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.process import run_until_signalled
+from kvstore.process import run_until_signalled
 from kvstore.accounting import TenantAccounts
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
@@ -113,7 +113,7 @@ class AgentServer:
         if self.cfg.etcd_endpoints:
             from node_agent.registration import Registration
             # After each (re-)registration, list generations again: a flush that read
-            # membership before our key existed did not wait for us (cluster/control_follow).
+            # membership before our key existed did not wait for us (kvstore/coord/control_follow).
             self.registration = Registration(self.cfg.etcd_endpoints, self.node_record,
                                              self.cfg.lease_ttl_s,
                                              on_registered=self.control.catch_up)
@@ -132,7 +132,7 @@ class AgentServer:
 
     def node_record(self):
         """This agent as etcd publishes it (node_agent/registration.py)."""
-        from cluster.etcd import NodeRecord
+        from kvstore.coord.etcd import NodeRecord
         pool = self.store.pool
         with self.store.lock:
             blocks = self.store.block_count()

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         if args.cluster_token_file:
             with open(args.cluster_token_file) as f:
                 token = f.read().strip() or None
-        from cluster.etcd import parse_endpoints
+        from kvstore.coord.etcd import parse_endpoints
         parse_endpoints(cfg.etcd_endpoints)
     except (ValueError, OSError) as exc:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)

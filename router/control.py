@@ -17,9 +17,9 @@ import asyncio
 import json
 import logging
 
-from cluster.control import ROUTERS, router_member
-from cluster.control_follow import ControlFollower, LeasedKey
-from cluster.etcd import EtcdClient
+from kvstore.coord.admin import ROUTERS, router_member
+from kvstore.coord.follow import ControlFollower, LeasedKey
+from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
 
 log = logging.getLogger("kvstore.router")

@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from cluster.etcd import NAMESPACES, NODES, KILLSWITCH, EtcdClient, KeyValue, NodeRecord, \
+from kvstore.coord.etcd import NAMESPACES, NODES, KILLSWITCH, EtcdClient, KeyValue, NodeRecord, \
     WatchEvent, killswitch_enabled
 from kvstore.hashing import split_ids
 from kvstore.namespace import Namespace

@@ -12,13 +12,13 @@ Exposed names:
   kvstore_router_cost                    histogram: the chosen node's cost
   kvstore_router_indexed_blocks{node}, kvstore_router_inflight{node},
   kvstore_router_nodes{state}            gauges read from RouterCore
-  kvstore_rpc_duration_seconds{method}   (cluster/telemetry.RpcTelemetry)
+  kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 from __future__ import annotations
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cluster.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
+from kvstore.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
                                tracing_enabled)
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,

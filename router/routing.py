@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import NamedTuple
 
-from cluster.etcd import NodeRecord
+from kvstore.coord.etcd import NodeRecord
 from kvstore import errors
 from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
 from router.index import BlockIndex

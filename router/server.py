@@ -7,9 +7,9 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.etcd import EtcdClient
+from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
-from cluster.process import run_until_signalled
+from kvstore.process import run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.follower import ClusterFollower

@@ -85,17 +85,17 @@ def status_of(fn, *args, **kw) -> grpc.StatusCode:
 def kvctl(*args: str, etcd=None, process: bool = False, timeout: float = 60.0,
           **env) -> subprocess.CompletedProcess:
     """Run kvctl with `--etcd` added. In-process by default (kvctl's main(), the code
-    `python -m kvctl` runs, without an interpreter start per call); process=True runs
-    the real `python -m kvctl`."""
+    `python -m kvstore.cli` runs, without an interpreter start per call); process=True runs
+    the real `python -m kvstore.cli`."""
     argv = list(args)
     if etcd is not None:
         argv += ["--etcd", etcd.endpoint if hasattr(etcd, "endpoint") else etcd]
     env = {"KVSTORE_OPERATOR": "test-operator", **env}
     if process:
         full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
-        return subprocess.run([PY, "-m", "kvctl", *argv], cwd=ROOT, env={**full_env, **env},
+        return subprocess.run([PY, "-m", "kvstore.cli", *argv], cwd=ROOT, env={**full_env, **env},
                               capture_output=True, text=True, timeout=timeout)
-    from kvctl.__main__ import main
+    from kvstore.cli.__main__ import main
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in [*env, "KVSTORE_ETCD"]}
     os.environ.pop("KVSTORE_ETCD", None)
@@ -126,7 +126,7 @@ def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30,
     """Fault injection: a node record under a live lease for an agent that does not exist
     (so it never acknowledges anything), held while `fn()` runs in a thread. keep=False:
     the lease is never refreshed, as for a crashed agent, and expires after `ttl`."""
-    from cluster.etcd import EtcdClient, NodeRecord
+    from kvstore.coord.etcd import EtcdClient, NodeRecord
 
     async def main():
         async with EtcdClient(etcd_endpoint) as client:

@@ -1,4 +1,4 @@
-"""Tests for kvctl.analyze: the prefix ceiling of a prompt trace."""
+"""Tests for kvstore.cli.analyze: the prefix ceiling of a prompt trace."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvctl.analyze import (
+from kvstore.cli.analyze import (
     HIT_BUCKETS,
     add_analyze_arguments,
     analyze,
@@ -216,7 +216,7 @@ def test_analyze_command_success_and_bad_input(tmp_path, capsys):
 
 
 def test_output_tokens_are_optional_and_checked():
-    from kvctl.analyze import iter_requests
+    from kvstore.cli.analyze import iter_requests
     reqs = list(iter_requests([_req(0, range(16)), {**_req(1, range(16)), "output_tokens": 7}]))
     assert [r.output_tokens for r in reqs] == [0, 7]
     for bad in (-1, 1.5, "3", True):

@@ -13,7 +13,7 @@ import torch
 from cluster_support import agent_config, settle, spawn_many, start_router  # noqa: F401
 from conftest import ROOT, TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
-from cluster.local import ClusterState, alive
+from kvstore.devcluster import ClusterState, alive
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.hashing import hash_chain, pack_ids
@@ -70,7 +70,7 @@ def test_etcd_restart_keeps_serving_and_watches_resume(etcd, spawn_agent, start_
 
 # ------------------------------------------------------------------- local cluster
 def kvctl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvctl", *args], cwd=ROOT, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT, timeout=timeout,
                           capture_output=True, text=True,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
 

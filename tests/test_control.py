@@ -16,8 +16,8 @@ from conftest import PY, ROOT, make_namespace, wait_for
 from control_support import (AgentClient, agent_cfg, chain, kvctl, kvctl_json,
                              lagging_watches, status_of, with_fake_member)
 
-from cluster.control import ROUTERS, ControlPlane
-from cluster.etcd import EtcdClient, NodeRecord
+from kvstore.coord.admin import ROUTERS, ControlPlane
+from kvstore.coord.etcd import EtcdClient, NodeRecord
 from kvstore import errors
 from kvstore.hashing import pack_ids
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
@@ -114,7 +114,7 @@ async def _flush_under_load(etcd, addresses, router_address, ids):
             break
         await asyncio.sleep(0.05)
     proc = await asyncio.create_subprocess_exec(
-        PY, "-m", "kvctl", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
+        PY, "-m", "kvstore.cli", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
         cwd=ROOT, env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)

@@ -1,4 +1,4 @@
-"""cluster/etcd.py and node_agent/registration.py against a real etcd (the `etcd` fixture):
+"""kvstore/coord/etcd.py and node_agent/registration.py against a real etcd (the `etcd` fixture):
 compare-and-create registration, leases, list-then-watch, compaction, etcd restarts,
 error translation at the edge."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.etcd import EtcdClient, NodeRecord, parse_endpoints
+from kvstore.coord.etcd import EtcdClient, NodeRecord, parse_endpoints
 from kvstore import errors
 from node_agent.registration import Registration
 

@@ -1,6 +1,6 @@
 """kvctl's control-plane commands against real etcd and a real agent: both output formats,
 exit codes (2 bad usage, 3 etcd unreachable, 4 node unreachable), --state-dir, and the
-audit log. Most calls run kvctl's main() in-process (the same code `python -m kvctl`
+audit log. Most calls run kvctl's main() in-process (the same code `python -m kvstore.cli`
 runs, without paying an interpreter start per call); a few go through the real process."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import free_port, make_namespace
 from control_support import AgentClient, agent_cfg, kvctl, with_fake_member
 
-from kvctl.__main__ import main as kvctl_main
+from kvstore.cli.__main__ import main as kvctl_main
 
 SPEC = make_namespace()
 BETA = make_namespace(tenant="beta")
@@ -148,7 +148,7 @@ def test_etcd_unreachable_and_state_dir(tmp_path, etcd, capsys):
 
     rc, _, err = run(capsys, "status", "--state-dir", str(tmp_path / "none"))
     assert rc == 2 and "no local cluster" in err
-    from cluster.local import ClusterState
+    from kvstore.devcluster import ClusterState
     ClusterState(str(tmp_path), etcd.endpoint, "", (), 0.0).save()
     st = run_json(capsys, "status", "--state-dir", str(tmp_path))
     assert st["etcd_endpoints"] == [etcd.endpoint] and st["health"] == "no agents"

@@ -13,7 +13,7 @@ from cluster_support import agent_config, start_router  # noqa: F401  (fixture)
 from conftest import PY, ROOT, TEST_SECRET, free_port, make_namespace, prompt_tokens, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.telemetry import MetricsEndpoint, metrics_bind_host
+from kvstore.telemetry import MetricsEndpoint, metrics_bind_host
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.client.convert import block_shape, torch_dtype
@@ -171,7 +171,7 @@ def test_router_decisions_and_agent_flush_duration(etcd, spawn_agent, start_rout
     before = scrape(agent_port)
     assert ("kvstore_flush_duration_seconds_count", frozenset()) not in before or \
         val(before, "kvstore_flush_duration_seconds_count") == 0
-    r = subprocess.run([PY, "-m", "kvctl", "flush", "acme/chat", "--etcd", etcd.endpoint,
+    r = subprocess.run([PY, "-m", "kvstore.cli", "flush", "acme/chat", "--etcd", etcd.endpoint,
                         "-o", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)

@@ -1,4 +1,4 @@
-"""Tests for kvctl.plan: KV sizing arithmetic, size parsing, rendering and the CLI hooks."""
+"""Tests for kvstore.cli.plan: KV sizing arithmetic, size parsing, rendering and the CLI hooks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvctl.plan import (
+from kvstore.cli.plan import (
     PRESETS,
     ModelShape,
     add_plan_arguments,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local import ClusterError, alive, down
+from kvstore.devcluster import ClusterError, alive, down
 from loadtest import report
 from loadtest.replay_sim import HashRing, LinearPrefill, TraceRequest, nocache_ttft
 
@@ -105,7 +105,7 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
 def test_interleaved_trace_ceiling_beats_alternating_nodes(tmp_path):
     """The premise of the end-to-end ordering assertion, checked without a cluster:
     a cache holding only what a node saw under round robin gets less than the ceiling."""
-    from kvctl.analyze import analyze, iter_requests
+    from kvstore.cli.analyze import analyze, iter_requests
     from loadtest.replay_sim import ceiling_per_request
     trace = tmp_path / "trace.jsonl"
     interleaved_chat_trace(trace)

@@ -13,7 +13,7 @@ import torch
 from cluster_support import RouterProc, agent_config, spawn_many, start_router  # noqa: F401
 from conftest import TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
-from cluster.etcd import EtcdClient
+from kvstore.coord.etcd import EtcdClient
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.client.convert import block_shape, torch_dtype
@@ -303,7 +303,7 @@ def live(epoch: str, seq: int, ids: list[bytes], kind=agent_pb2.Event.STORED):
 
 
 async def follow_scripted(scripts, until_connections: int) -> tuple:
-    from cluster.etcd import NodeRecord
+    from kvstore.coord.etcd import NodeRecord
     from router.follower import NodeStream
     from router.routing import RouterCore
     from router.scoring import Weights

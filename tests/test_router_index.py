@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.etcd import NodeRecord
+from kvstore.coord.etcd import NodeRecord
 from kvstore import errors
 from kvstore.config import RouterConfig
 from kvstore.events import Tier

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from kvctl.analyze import analyze
+from kvstore.cli.analyze import analyze
 from loadtest.tracegen import KINDS, TraceConfig, generate, linear_weights, main, write_trace
 
 KEYS = ["id", "t", "tenant", "namespace", "session", "kind", "tokens", "output_tokens"]

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cluster.telemetry import TRACER, otlp_endpoint, trace_metadata
+from kvstore.telemetry import TRACER, otlp_endpoint, trace_metadata
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.client.convert import block_shape, torch_dtype

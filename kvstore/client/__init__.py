@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import torch
 
-from cluster.telemetry import TRACER, annotate, traced_channel
+from kvstore.telemetry import TRACER, annotate, traced_channel
 from kvstore.client.convert import (block_shape, block_tensor, blocks_to_kv, check_block,
                                     kv_to_blocks, tensor_bytes, torch_dtype)
 from kvstore import lane

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from cluster.telemetry import TRACER, annotate, traced_channel
+from kvstore.telemetry import TRACER, annotate, traced_channel
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace

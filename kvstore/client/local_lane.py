@@ -11,7 +11,7 @@ import threading
 
 import grpc
 
-from cluster.telemetry import trace_metadata
+from kvstore.telemetry import trace_metadata
 from kvstore import lane
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}

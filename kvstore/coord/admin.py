@@ -1,7 +1,7 @@
-"""Control plane on top of cluster/etcd.py: atomic namespace flush with acknowledgement,
+"""Control plane on top of kvstore/coord/etcd.py: atomic namespace flush with acknowledgement,
 the kill switch, per-tenant quotas and the audit log of admin actions.
 
-Keys it adds under the EtcdClient prefix (see cluster/etcd.py for the others)::
+Keys it adds under the EtcdClient prefix (see kvstore/coord/etcd.py for the others)::
 
     acks/<tenant>/<ns_id hex>/<member>   {"generation": G, "dropped": N}
     switch-acks/<member>                 {"enabled": bool, "revision": R}
@@ -33,7 +33,7 @@ from etcd3aio import prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
-from cluster.etcd import KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient, killswitch_enabled
+from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient, killswitch_enabled
 from kvstore import errors
 from kvstore.units import format_size
 

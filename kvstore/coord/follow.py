@@ -1,4 +1,4 @@
-"""What agents and routers run to follow the control plane (cluster/control.py): namespace
+"""What agents and routers run to follow the control plane (kvstore/coord/admin.py): namespace
 generations, the kill switch and tenant quotas, list-then-watch from etcd, applied by
 subclass hooks, then acknowledged in etcd.
 
@@ -19,8 +19,8 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from cluster.control import SWITCH_ACKS, Ack, Quota, SwitchAck, ack_key, put_many
-from cluster.etcd import KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient, KeyValue, \
+from kvstore.coord.admin import SWITCH_ACKS, Ack, Quota, SwitchAck, ack_key, put_many
+from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient, KeyValue, \
     WatchEvent, killswitch_enabled
 from kvstore import errors
 

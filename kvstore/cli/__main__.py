@@ -1,4 +1,4 @@
-"""`python -m kvctl` / `kvctl`: the operator CLI.
+"""`python -m kvstore.cli` / `kvctl`: the operator CLI.
 
 Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
 5 a flush or kill switch change not acknowledged in time.
@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvctl.analyze import add_analyze_arguments, analyze_command
-from kvctl.cluster_cmd import add_cluster_arguments, cluster_command
-from kvctl.control_cmd import register as register_control_commands
-from kvctl.plan import add_plan_arguments, plan_command
+from kvstore.cli.analyze import add_analyze_arguments, analyze_command
+from kvstore.cli.cluster_cmd import add_cluster_arguments, cluster_command
+from kvstore.cli.control_cmd import register as register_control_commands
+from kvstore.cli.plan import add_plan_arguments, plan_command
 
 
 def build_parser() -> argparse.ArgumentParser:

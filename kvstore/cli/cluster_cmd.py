@@ -1,11 +1,11 @@
-"""`kvctl cluster up|down|status`: a local development cluster (cluster/local.py)."""
+"""`kvctl cluster up|down|status`: a local development cluster (kvstore/devcluster.py)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from cluster.local import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
+from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
 
 DEFAULT_STATE = ".state/cluster"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
@@ -53,7 +53,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args) -> int:
-    from cluster.local import up
+    from kvstore.devcluster import up
     try:
         opts = UpOptions(args.agents, args.pool_bytes, args.slot_bytes, args.nvme_bytes,
                          args.lease_ttl, args.timeout, args.router_log_level)
@@ -70,7 +70,7 @@ def _up(args) -> int:
 
 
 def _down(args) -> int:
-    from cluster.local import STATE_FILE, down
+    from kvstore.devcluster import STATE_FILE, down
     from pathlib import Path
     if not (Path(args.state_dir) / STATE_FILE).exists():
         print(f"no local cluster in {args.state_dir}; nothing to stop")
@@ -97,7 +97,7 @@ def render_status(report: dict) -> str:
 
 
 def _status(args) -> int:
-    from cluster.local import status
+    from kvstore.devcluster import status
     report = status(args.state_dir)
     print(json.dumps(report, indent=2) if args.output == "json" else render_status(report))
     comps = report["components"]

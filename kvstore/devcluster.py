@@ -347,7 +347,7 @@ def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
 
 
 async def _registered(endpoint: str) -> set[str]:
-    from cluster.etcd import EtcdClient
+    from kvstore.coord.etcd import EtcdClient
     async with EtcdClient(endpoint, timeout=2.0) as c:
         return {r.node_id for r in await c.list_nodes()}
 

@@ -17,11 +17,11 @@ import sys
 import time
 from dataclasses import asdict
 
-from cluster.control import AckProgress, ControlPlane, Quota
-from cluster.etcd import EtcdClient
+from kvstore.coord.admin import AckProgress, ControlPlane, Quota
+from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
 from kvstore.units import format_size, parse_size
-from kvctl.views import EVICTION_REASONS, ClusterView, cluster_view
+from kvstore.cli.views import EVICTION_REASONS, ClusterView, cluster_view
 
 OK, FAILED, USAGE, ETCD_DOWN, NODE_DOWN, NOT_ACKED = 0, 1, 2, 3, 4, 5
 ETCD_ENV = "KVSTORE_ETCD"
@@ -37,7 +37,7 @@ def _endpoints(args) -> str:
     if args.etcd:
         return args.etcd
     if args.state_dir:
-        from cluster.local import ClusterError, ClusterState
+        from kvstore.devcluster import ClusterError, ClusterState
         try:
             return ClusterState.load(args.state_dir).etcd_endpoint
         except ClusterError as exc:

@@ -1,6 +1,6 @@
 """What `kvctl status`, `kvctl nodes` and `kvctl stats` show, gathered from etcd (membership,
 kill switch, namespaces, quotas) and from each agent's Stats RPC. Plain data, no printing:
-kvctl/control_cmd.py renders it as tables or JSON.
+kvstore/cli/control_cmd.py renders it as tables or JSON.
 
 Hit rates are kept apart and never mixed:
 - request-weighted = lookups with at least one matched block / lookups;
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from cluster.control import ROUTERS, Quota
-from cluster.etcd import KILLSWITCH, NAMESPACES, TENANTS, EtcdClient, NodeRecord, \
+from kvstore.coord.admin import ROUTERS, Quota
+from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, TENANTS, EtcdClient, NodeRecord, \
     killswitch_enabled
 from kvstore.events import Tier
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
