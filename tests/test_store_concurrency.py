@@ -89,9 +89,12 @@ def test_many_rounds_of_racing_writers_leave_no_slot_behind(make_store):
     for rnd in range(6):
         ids, items = prompt(100 + rnd, 10)
         store.pool = _RendezvousPool(base_pool, 3)
-        results = []
-        threads = [threading.Thread(target=lambda: results.append(
-            store.put(NS, 0, items, root=ROOT))) for _ in range(3)]
+        results: list = []
+
+        def writer(items=items, results=results):
+            results.append(store.put(NS, 0, items, root=ROOT))
+
+        threads = [threading.Thread(target=writer) for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:
