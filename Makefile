@@ -9,7 +9,7 @@ KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.installed
 STATE ?= .state/cluster
 
-.PHONY: all install deps-system proto run stop status test bench clean
+.PHONY: all install deps-system proto run stop status test test-unit lint bench clean
 
 all: install
 
@@ -49,6 +49,10 @@ status: install
 
 test: install
 	$(VPY) -m pytest -q
+
+# The unit tests alone (no processes, no network): well under a minute.
+test-unit: install
+	$(VPY) -m pytest -q -m unit
 
 bench: install
 	$(VPY) -m loadtest.bench_agent

@@ -365,7 +365,7 @@ def init_ucx(shared_memory: bool = True):
     hang or abort this process). UCX only picks transports that can report a failed peer
     for such endpoints, which by default leaves TCP alone even between two processes of
     one host. With `shared_memory`, the shared-memory transports declare that capability
-    (they detect a dead peer: tests/test_peer.py kills one mid-transfer) and payloads move
+    (they detect a dead peer: tests/integration/test_peer.py kills one mid-transfer) and payloads move
     with one CMA copy straight from the sender's pool slot into the receiver's.
 
     Rendezvous: auto, without the fragmented copy-in/copy-out variant. That is a

@@ -1,95 +1,41 @@
-"""Shared fixtures: real processes on 127.0.0.1 with free ports, cleaned up on failure too.
+"""Fixtures for every test, and the markers that say what kind a test is.
 
+Kinds (one folder each, marked by folder, so `pytest -m unit` runs the unit tests alone):
+- `unit`: no processes, no network; RocksDB files in tmp dirs are fine.
+- `integration`: real etcd, agents, routers, UCX and gRPC on 127.0.0.1 with free ports.
+- `gpu`: the CUDA paths (skipped without a GPU, apart from what runs on CPU).
+- `deploy`: the Helm chart and the image definition.
+
+Fixtures:
 - `etcd`: a real etcd 3.4 server (Debian's etcd-server) in a temp dir; `.endpoint`,
   `.stop()`, `.start()` (same data dir and ports, for restart tests).
 - `spawn_agent(**config)`: starts `python -m node_agent` with an AgentConfig written to a
   file; returns an AgentProc with `.address`, `.kill()` (SIGKILL), `.stop()` (SIGTERM),
   `.restart()`.
+- `start_router(name=None, token=None, config=None)`: a real router process on that etcd.
 - `make_ns(**overrides)`: a complete, valid Namespace.
+- `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
+  BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.cluster import RouterProc
+from support.common import AgentProc, EtcdProc, make_namespace, store_maker
 
-from kvstore.namespace import Namespace
-
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+KINDS = ("unit", "integration", "gpu", "deploy")
+HERE = Path(__file__).resolve().parent
 
 
-def wait_for(pred, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def _stop_proc(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-class EtcdProc:
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log = data_dir.parent / "etcd.log"
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self) -> None:
-        binary = shutil.which("etcd") or "/usr/bin/etcd"
-        cu = f"http://127.0.0.1:{self.client_port}"
-        pu = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [binary, "--name", "test", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", cu, "--advertise-client-urls", cu,
-             "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
-             "--initial-cluster", f"test={pu}", "--log-level", "warn"],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-        wait_for(self._healthy, 30, what="etcd health")
-
-    def _healthy(self) -> bool:
-        import urllib.request
-        try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop_proc(self.proc)
-            self.proc = None
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        kind = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<kind>/, kind one of "
+                                    f"{', '.join(KINDS)}")
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 @pytest.fixture
@@ -98,56 +44,6 @@ def etcd(tmp_path):
     e.start()
     yield e
     e.stop()
-
-
-class AgentProc:
-    def __init__(self, workdir: Path, config: dict) -> None:
-        self.workdir = workdir
-        self.config = config
-        self.proc: subprocess.Popen | None = None
-        self.address = ""
-
-    def start(self, timeout: float = 60.0) -> "AgentProc":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        cfg_path = self.workdir / "agent.json"
-        cfg_path.write_text(json.dumps(self.config))
-        ready = self.workdir / "ready"
-        if ready.exists():
-            ready.unlink()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [PY, "-m", "node_agent", "--config", str(cfg_path), "--ready-file", str(ready)],
-            cwd=ROOT, env=env, stdout=open(self.workdir / "agent.log", "ab"),
-            stderr=subprocess.STDOUT)
-
-        def is_ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited with {self.proc.returncode}: "
-                                   f"{(self.workdir / 'agent.log').read_text()[-2000:]}")
-            return ready.exists() and ready.read_text().strip()
-
-        self.address = wait_for(is_ready, timeout, what="agent ready file")
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop_proc(self.proc)
-            self.proc = None
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            _stop_proc(self.proc, signal.SIGKILL)
-            self.proc = None
-
-    def restart(self) -> "AgentProc":
-        self.stop()
-        # Rebind the same port so clients keep their address.
-        self.config["listen"] = self.address
-        return self.start()
-
-    @property
-    def log(self) -> str:
-        return (self.workdir / "agent.log").read_text()
 
 
 @pytest.fixture
@@ -172,117 +68,9 @@ def spawn_agent(tmp_path):
         a.stop()
 
 
-NS_DEFAULTS = dict(
-    tenant="acme", name="chat", model_name="tiny-llama", model_revision="r1",
-    adapter_id="none", adapter_revision="none", tokenizer_id="tiny-tok",
-    tokenizer_revision="r1", rope_type="default", rope_theta=10000.0, rope_scaling="none",
-    attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1", num_layers=2,
-    num_kv_heads=2, head_dim=16, tp_rank=0, tp_size=1, block_size=16)
-
-
-def make_namespace(**overrides) -> Namespace:
-    return Namespace(**{**NS_DEFAULTS, **overrides})
-
-
 @pytest.fixture
 def make_ns():
     return make_namespace
-
-
-# ---------------------------------------------------------------------------------------
-# In-process BlockStore helpers (test_store, test_eviction, test_accounting, test_agent).
-# Appended; the fixtures above are unchanged.
-
-class ManualClock:
-    """An injected clock: tests move time explicitly instead of sleeping."""
-
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
-
-
-TEST_SECRET = b"tenant-secret-for-tests"
-
-
-def prompt_tokens(seed: int, n_tokens: int) -> list[int]:
-    """Deterministic token ids; the same seed always gives the same prompt."""
-    import random
-    rng = random.Random(seed)
-    return [rng.randrange(0, 128_000) for _ in range(n_tokens)]
-
-
-def block_payload(block_id: bytes, nbytes: int) -> bytes:
-    """Deterministic payload for a block id: equal prefixes carry equal KV, as in a model."""
-    import hashlib
-    return hashlib.shake_128(block_id).digest(nbytes)
-
-
-def chain_items(spec, tokens, secret=TEST_SECRET, generation: int = 0, start: int = 0):
-    """(ids, items) for the full blocks of `tokens`, items from block `start` on."""
-    from kvstore.hashing import hash_chain
-    from kvstore.store import PutItem
-    root = spec.root(generation, None if spec.public else secret)
-    ids = hash_chain(root, tokens, spec.block_size)
-    items = [PutItem(ids[i], ids[i - 1] if i else root, block_payload(ids[i], spec.block_bytes))
-             for i in range(start, len(ids))]
-    return ids, items
-
-
-def open_rocks_raw(path):
-    """The agent's RocksDB opened with rocksdict directly, for fault injection."""
-    from rocksdict import Options, Rdict
-    opts = Options(raw_mode=True)
-    return Rdict(str(path), opts, column_families={"blocks": Options(raw_mode=True),
-                                                   "meta": Options(raw_mode=True)})
-
-
-def flip_rocks_byte(path, key: bytes | None = None, offset: int = -1) -> bytes:
-    """Flip one byte of one stored block record (the first one when key is None), with the
-    owning process stopped. Returns the key that was damaged."""
-    db = open_rocks_raw(path)
-    try:
-        blocks = db.get_column_family("blocks")
-        if key is None:
-            it = blocks.iter()
-            it.seek_to_first()
-            assert it.valid(), "no block records on disk"
-            key = it.key()
-            del it
-        raw = bytearray(blocks[key])
-        raw[offset] ^= 0x5A
-        blocks[key] = bytes(raw)
-        db.flush()
-        del blocks
-    finally:
-        db.close()
-    return key
-
-
-def store_maker(tmp_path, device: str):
-    """make_store's factory with the DevicePool on `device` (a generator: yields `make`,
-    then closes the RocksDB tiers it opened); tests/test_cuda.py uses it with a GPU."""
-    from kvstore.store import BlockStore
-    from kvstore.tiers.pool import DevicePool
-    from kvstore.tiers.rocks import RocksTier
-    made = []
-
-    def make(n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0,
-             **kwargs) -> BlockStore:
-        pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, device)
-        rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
-        store = BlockStore(pool, rocks, **kwargs)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        if store.rocks is not None:
-            store.rocks.close()
 
 
 @pytest.fixture
@@ -290,3 +78,19 @@ def make_store(tmp_path):
     """`make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
     BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path (nvme_bytes=0: none)."""
     yield from store_maker(tmp_path, "cpu")
+
+
+@pytest.fixture
+def start_router(tmp_path, etcd):
+    routers: list[RouterProc] = []
+
+    def start(name: str | None = None, token: str | None = None,
+              config: dict | None = None) -> RouterProc:
+        r = RouterProc(tmp_path / f"router-{len(routers)}", etcd.endpoint,
+                       name or f"router-{len(routers)}")
+        routers.append(r)
+        return r.start(token=token, config=config)
+
+    yield start
+    for r in routers:
+        r.stop()

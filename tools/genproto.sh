@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the protobuf/gRPC Python code from proto/ into OUT (default: the repo root,
-# which places it in kvstore/v1/). tests/test_proto_fresh.py runs this into a temp dir and
+# which places it in kvstore/v1/). tests/unit/test_proto_fresh.py runs this into a temp dir and
 # fails when the checked-in files differ.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

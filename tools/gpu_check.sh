@@ -3,7 +3,7 @@
 # in .whl/ (cp312: rocksdict, grpcio, protobuf, OpenTelemetry, etcd3aio; torch, numpy,
 # xxhash and triton come with that machine's image) and the ucxx bundle for its CUDA major
 # (.whl/ucx-cu<N>-py3.12.tar.xz, made by tools/ucx_bundle.sh), builds the native extension
-# for its Python, and runs tests/test_cuda.py (UCX into and out of GPU memory among them),
+# for its Python, and runs tests/gpu/test_cuda.py (UCX into and out of GPU memory among them),
 # the device-hash tests (the Triton kernel compiled for the GPU) and the pool tests, then
 # loadtest/bench_device_hash.py. Output under $OUT (or ./gpu-out).
 #   run with carry [".whl"]: bash tools/gpu_check.sh
@@ -30,7 +30,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c "import ucxx, libucx; print('ucxx', ucxx.__version__, 'ucx', ucxx.get_ucx_version())"
 } 2>&1 | tee "$OUT/env.txt"
 timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout 240 -o addopts=-ra \
-  tests/test_cuda.py tests/test_device_hash.py tests/test_pool.py 2>&1 | tee "$OUT/pytest.txt"
+  tests/gpu/test_cuda.py tests/gpu/test_device_hash.py tests/unit/test_pool.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 # how fast the kernel verifies 64 x 2 MiB landed in GPU memory, against a device copy
 timeout 120 python3 -m loadtest.bench_device_hash > "$OUT/bench_device_hash.json" \

@@ -1,0 +1,1 @@
+"""deploy tests (see tests/conftest.py for the kinds)."""

@@ -1,0 +1,1 @@
+"""gpu tests (see tests/conftest.py for the kinds)."""

@@ -1,0 +1,1 @@
+"""integration tests (see tests/conftest.py for the kinds)."""

@@ -1,0 +1,151 @@
+"""Cluster membership end to end (agents join and leave, etcd restarts) and the local
+development cluster driven through `kvctl cluster` and ClusterClient."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from support.cluster import agent_config, settle, spawn_many
+from support.common import ROOT, TEST_SECRET, make_namespace, prompt_tokens, wait_for
+
+from kvstore.devcluster import ClusterState, alive
+from kvstore.client import KVClient
+from kvstore.client.cluster import ClusterClient
+from kvstore.hashing import hash_chain, pack_ids
+
+SPEC = make_namespace()
+NS_ID = SPEC.namespace_id
+
+
+def test_agents_join_and_leave(etcd, spawn_agent, start_router):
+    a0, a1 = spawn_many(spawn_agent, 2, **agent_config(etcd, lease_ttl_s=2))
+    router = start_router()
+    router.wait_nodes({"agent-0", "agent-1"})
+    # A crash: nothing revokes the lease; the router drops the node when it expires.
+    a1.kill()
+    router.wait_nodes({"agent-0"}, timeout=20)
+    prompt = pack_ids(hash_chain(bytes(16), prompt_tokens(1, 64), 16))
+    for i in range(3):
+        assert router.route(NS_ID, prompt, request_id=f"r{i}").node_id == "agent-0"
+    # A new agent joins and takes load.
+    spawn_agent(**agent_config(etcd, lease_ttl_s=2))
+    router.wait_nodes({"agent-0", "agent-2"})
+    assert router.route(NS_ID, prompt, dry_run=True).node_id == "agent-2"  # a0 is busy
+    # A clean shutdown revokes the lease: gone at once, no waiting for expiry.
+    a0.stop()
+    router.wait_nodes({"agent-2"}, timeout=5)
+    assert "left; dropped" in router.log
+
+
+def test_etcd_restart_keeps_serving_and_watches_resume(etcd, spawn_agent, start_router):
+    a0 = spawn_agent(**agent_config(etcd, lease_ttl_s=3))
+    router = start_router()
+    router.wait_nodes({"agent-0": 0})
+    etcd.stop()
+    # etcd is down: the data path and routing keep working, the index keeps following.
+    tokens = prompt_tokens(2, 8 * SPEC.block_size)
+    with KVClient(a0.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(SPEC)
+        kv = torch.zeros(SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim,
+                         dtype=torch.float16)
+        assert c.store(ns, tokens, kv).cache_write_tokens == len(tokens)
+        ids = c.block_ids(ns, tokens)
+        assert c.lookup(ns, ids).matched == 8
+    router.wait_nodes({"agent-0": 8})
+    assert router.route(NS_ID, pack_ids(ids), dry_run=True).matched_blocks == 8
+    settle(1.0)
+    etcd.start()
+    # Watches resume: a node that registers after the restart is discovered, and the
+    # first agent is still registered (its lease survived the outage or was renewed).
+    spawn_agent(**agent_config(etcd, lease_ttl_s=3))
+    router.wait_nodes({"agent-0": 8, "agent-1": 0}, timeout=30)
+    settle(3.5)  # more than one lease TTL: a lost registration would show by now
+    router.wait_nodes({"agent-0": 8, "agent-1": 0}, timeout=5)
+
+
+# ------------------------------------------------------------------- local cluster
+def kvctl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT, timeout=timeout,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+@pytest.fixture
+def local_cluster(tmp_path):
+    state = tmp_path / "cluster"
+    yield state
+    if (state / "cluster.json").exists():
+        kvctl("cluster", "down", "--state-dir", str(state), "--grace", "5")
+
+
+def test_kvctl_usage_errors(tmp_path):
+    assert kvctl().returncode == 2
+    r = kvctl("cluster", "up", "--agents", "0", "--state-dir", str(tmp_path))
+    assert r.returncode == 2 and "--agents" in r.stderr
+    r = kvctl("cluster", "status", "--state-dir", str(tmp_path / "none"))
+    assert r.returncode == 1 and "no local cluster" in r.stderr
+    r = kvctl("cluster", "down", "--state-dir", str(tmp_path / "none"))
+    assert r.returncode == 0 and "nothing to stop" in r.stdout
+    assert "--state-dir" in kvctl("cluster", "up", "--help").stdout
+    r = kvctl("plan", "--model", "llama-3-8b", "--hbm", "40GiB", "--output", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)
+
+
+def test_local_cluster_up_demo_status_down(local_cluster):
+    r = kvctl("cluster", "up", "--agents", "2", "--state-dir", str(local_cluster),
+              "--pool-bytes", "32MiB")
+    assert r.returncode == 0, r.stderr
+    assert "router" in r.stdout and "agent-1" in r.stdout
+    st = ClusterState.load(local_cluster)
+    assert len(st.agents) == 2 and all(alive(p.pid, p.kind) for p in st.procs)
+    again = kvctl("cluster", "up", "--state-dir", str(local_cluster))
+    assert again.returncode == 1 and "already running" in again.stderr
+
+    # Through the router: the second request for a prompt is served from cache.
+    tokens = prompt_tokens(5, 200)
+    with ClusterClient(st.router_address, tenant_secret=TEST_SECRET, use_shm=False) as cc:
+        ns = cc.open_namespace(SPEC)
+        kv = torch.randn(SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim,
+                         dtype=torch.float16)
+        first = cc.fetch(ns, tokens)
+        assert first.cached_tokens == 0 and first.node_id in ("agent-0", "agent-1")
+        assert cc.store(ns, first, tokens, kv).cache_write_tokens == 192
+        second = wait_for(lambda: _hit(cc, ns, tokens), 15, what="a routed cache hit")
+        assert second.node_id == first.node_id
+        assert torch.equal(torch.cat(second.hit.blocks, dim=2), kv[:, :, :192])
+
+    demo = subprocess.run([sys.executable, "-m", "loadtest.demo", "--state-dir",
+                           str(local_cluster), "--turns", "2"], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True)
+    assert demo.returncode == 0, demo.stderr
+    assert "token-weighted hit rate" in demo.stdout and "round-robin" in demo.stdout
+
+    r = kvctl("cluster", "status", "--state-dir", str(local_cluster), "--output", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    agents = [c for c in report["components"] if c["kind"] == "agent"]
+    assert all(a["healthy"] and a["registered"] and a["synced"] for a in agents)
+    assert sum(a["indexed_blocks"] for a in agents) >= 12
+    table = kvctl("cluster", "status", "--state-dir", str(local_cluster))
+    assert "agent-0" in table.stdout and "blocks indexed" in table.stdout
+
+    etcd_pid = next(p.pid for p in st.procs if p.kind == "etcd")
+    os.kill(etcd_pid, signal.SIGKILL)
+    wait_for(lambda: not alive(etcd_pid, "etcd"), 10, what="etcd to die")
+    assert kvctl("cluster", "status", "--state-dir", str(local_cluster)).returncode == 3
+
+    r = kvctl("cluster", "down", "--state-dir", str(local_cluster))
+    assert r.returncode == 0 and "agent-0" in r.stdout
+    assert not any(alive(p.pid, p.kind) for p in st.procs)
+    assert kvctl("cluster", "status", "--state-dir", str(local_cluster)).returncode == 1
+
+
+def _hit(cc: ClusterClient, ns, tokens):
+    hit = cc.fetch(ns, tokens)
+    cc.release(hit)
+    return hit if hit.cached_tokens == 192 else None

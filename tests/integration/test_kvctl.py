@@ -1,0 +1,166 @@
+"""kvctl's control-plane commands against real etcd and a real agent: both output formats,
+exit codes (2 bad usage, 3 etcd unreachable, 4 node unreachable), --state-dir, and the
+audit log. Most calls run kvctl's main() in-process (the same code `python -m kvstore.cli`
+runs, without paying an interpreter start per call); a few go through the real process."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.common import free_port, make_namespace
+from support.control import AgentClient, agent_cfg, kvctl, with_fake_member
+
+from kvstore.cli.__main__ import main as kvctl_main
+
+SPEC = make_namespace()
+BETA = make_namespace(tenant="beta")
+
+
+@pytest.fixture(autouse=True)
+def _operator(monkeypatch):
+    monkeypatch.setenv("KVSTORE_OPERATOR", "ops@test")
+    monkeypatch.delenv("KVSTORE_ETCD", raising=False)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        rc = kvctl_main(list(argv))
+    except SystemExit as exc:  # argparse usage errors
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_json(capsys, *argv: str, rc: int = 0):
+    code, out, err = run(capsys, *argv, "--output", "json")
+    assert code == rc, (code, out, err)
+    return json.loads(out)
+
+
+def test_quota_commands_in_both_formats(etcd, capsys):
+    e = ("--etcd", etcd.endpoint)
+    rc, out, err = run(capsys, "quota", "set", "acme", "--hbm", "10GiB", "--nvme", "200GiB", *e)
+    assert rc == 0, err
+    assert out.split("\n")[0].split() == ["tenant", "hbm", "per", "node", "nvme", "per", "node"]
+    assert out.split("\n")[1].split() == ["acme", "10.0", "GiB", "200.0", "GiB"]
+    assert run_json(capsys, "quota", "get", "acme", *e) == {
+        "acme": {"hbm_limit_bytes": 10 << 30, "nvme_limit_bytes": 200 << 30}}
+    run(capsys, "quota", "set", "beta", "--nvme", "0", *e)  # 0: explicitly unlimited
+    assert run_json(capsys, "quota", "set", "acme", "--hbm", "1GiB", *e) == {
+        "acme": {"hbm_limit_bytes": 1 << 30, "nvme_limit_bytes": 200 << 30}}, "nvme kept"
+    rc, out, _ = run(capsys, "quota", "list", *e)
+    assert "beta (config) unlimited" in " ".join(out.split()), out
+    assert set(run_json(capsys, "quota", "list", *e)) == {"acme", "beta"}
+    assert run(capsys, "quota", "clear", "beta", *e)[0] == 0
+    rc, _, err = run(capsys, "quota", "clear", "beta", *e)
+    assert rc == 1 and "has no quota" in err
+    rc, _, err = run(capsys, "quota", "get", "beta", *e)
+    assert rc == 1 and "configured limits apply" in err
+    for bad in (("quota", "set", "acme"), ("quota", "set", "acme", "--hbm", "lots"),
+                ("quota", "set", "a/b", "--hbm", "1GiB"), ("flush", "noslash"),
+                ("status", "--output", "xml")):
+        rc, _, err = run(capsys, *bad, *e)
+        assert rc == 2, (bad, err)
+        assert err.strip(), bad
+
+    audit = run_json(capsys, "audit", *e)
+    assert [(a["action"], a["target"], a["who"], a["ok"]) for a in audit] == [
+        ("quota-set", "acme", "ops@test", True), ("quota-set", "beta", "ops@test", True),
+        ("quota-set", "acme", "ops@test", True), ("quota-clear", "beta", "ops@test", True)]
+    rc, out, _ = run(capsys, "audit", "--limit", "1", *e)
+    lines = out.strip().split("\n")
+    assert lines[0].split()[:4] == ["when", "(UTC)", "who", "action"] and len(lines) == 2
+    assert "quota-clear" in lines[1] and "ops@test" in lines[1]
+
+
+def _traffic(client: AgentClient) -> None:
+    """acme: one full hit (4/4 blocks) and one miss (0/12): request-weighted 50%,
+    token-weighted 25%. beta: one full hit."""
+    for spec in (SPEC, BETA):
+        client.open(spec)
+    ids = client.put_chain(SPEC, 1, 4, 0)
+    assert client.lookup(SPEC, ids, 0).matched == 4
+    from support.control import chain
+    assert client.lookup(SPEC, chain(SPEC, 2, 12, 0)[0], 0).matched == 0
+    beta = client.put_chain(BETA, 3, 2, 0)
+    assert client.lookup(BETA, beta, 0).matched == 2
+
+
+def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
+    e = ("--etcd", etcd.endpoint)
+    agent = spawn_agent(**agent_cfg(etcd))
+    _traffic(AgentClient(agent.address))
+    assert run(capsys, "flush", "acme/chat", *e)[0] == 0
+
+    rc, out, err = run(capsys, "status", *e)
+    assert rc == 0, err
+    assert "health:      healthy" in out and "agents:      1/1 reachable" in out
+    assert "kill switch: off" in out and "namespaces:  2" in out
+    st = run_json(capsys, "status", *e)
+    assert st["health"] == "healthy" and st["unreachable"] == []
+    assert st["etcd"]["version"].startswith("3.") and st["namespaces"] == 2
+    assert [n["node_id"] for n in st["nodes"]] == ["agent-0"]
+
+    rc, out, _ = run(capsys, "nodes", *e)
+    header, row = out.strip().split("\n")[:2]
+    assert header.split()[:4] == ["node", "address", "device", "state"]
+    assert row.split()[:4] == ["agent-0", agent.address, "cpu", "up"]
+    nodes = run_json(capsys, "nodes", *e)["nodes"]
+    hbm = next(t for t in nodes[0]["tiers"] if t["tier"] == "hbm")
+    assert hbm["blocks"] == 2 and hbm["capacity_bytes"] == 16 << 20  # acme's 4 were flushed
+
+    stats = run_json(capsys, "stats", *e)
+    by = {t["tenant"]: t for t in stats["tenants"]}
+    assert by["acme"]["request_hit_rate"] == 0.5 and by["acme"]["token_hit_rate"] == 0.25
+    assert by["beta"]["request_hit_rate"] == 1.0 and by["beta"]["token_hit_rate"] == 1.0
+    assert stats["evictions"] == {"blocks_dropped_flush": 4}
+    only = run_json(capsys, "stats", "--tenant", "beta", *e)
+    assert [t["tenant"] for t in only["tenants"]] == ["beta"]
+    rc, out, _ = run(capsys, "stats", *e)
+    acme_row = next(line for line in out.split("\n") if line.startswith("acme"))
+    assert acme_row.split()[1:4] == ["2", "50.0%", "25.0%"]
+    assert "blocks_dropped_flush  4" in out and "namespace flushed" in out
+
+    by_id = run_json(capsys, "flush", f"beta/{BETA.namespace_id.hex()}", *e)  # by namespace id
+    assert [(n["ns_hex"], n["new_generation"]) for n in by_id["namespaces"]] == [
+        (BETA.namespace_id.hex(), 1)]
+
+    # a registered node that does not answer: exit 4, named, the rest still shown
+    def check_unreachable():
+        rc, out, err = run(capsys, "nodes", "--node-timeout", "1", *e)
+        assert rc == 4, (out, err)
+        assert "node ghost at 127.0.0.1:9 is unreachable" in err
+        assert "UNREACHABLE" in out and "agent-0" in out
+        st = run_json(capsys, "status", "--node-timeout", "1", *e, rc=4)
+        assert st["health"] == "degraded" and st["unreachable"] == ["ghost"]
+    with_fake_member(etcd.endpoint, "ghost", check_unreachable)
+
+
+def test_etcd_unreachable_and_state_dir(tmp_path, etcd, capsys):
+    dead = f"127.0.0.1:{free_port()}"
+    for argv in (("status",), ("nodes",), ("stats",), ("audit",), ("quota", "list"),
+                 ("killswitch", "status"), ("flush", "acme/chat")):
+        rc, out, err = run(capsys, *argv, "--etcd", dead, "--etcd-timeout", "1")
+        assert rc == 3, (argv, err)
+        assert f"etcd unreachable at {dead}" in err and "is etcd running?" in err
+        assert out == ""
+
+    rc, _, err = run(capsys, "status", "--state-dir", str(tmp_path / "none"))
+    assert rc == 2 and "no local cluster" in err
+    from kvstore.devcluster import ClusterState
+    ClusterState(str(tmp_path), etcd.endpoint, "", (), 0.0).save()
+    st = run_json(capsys, "status", "--state-dir", str(tmp_path))
+    assert st["etcd_endpoints"] == [etcd.endpoint] and st["health"] == "no agents"
+
+
+def test_real_process_exit_codes_and_wiring(etcd):
+    r = kvctl("killswitch", "status", "--output", "json", etcd=etcd, process=True)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"enabled": False}, r.stderr
+    r = kvctl("status", etcd=f"127.0.0.1:{free_port()}", process=True)
+    assert r.returncode == 3 and "etcd unreachable" in r.stderr
+    r = kvctl("flush", "acme", process=True)
+    assert r.returncode == 2 and "TENANT/NAMESPACE" in r.stderr
+    for cmd in ("plan", "analyze"):  # existing commands stay wired next to the new ones
+        r = kvctl(cmd, "--help", process=True)
+        assert r.returncode == 0 and f"usage: kvctl {cmd}" in r.stdout

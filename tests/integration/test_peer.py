@@ -1,0 +1,588 @@
+"""Peer-to-peer block transfer between two real agent processes on loopback: UCX (ucxx)
+first, gRPC streaming as fallback (node_agent/peer.py). B holds blocks, the test asks A to
+Prefetch them from B, then reads them from A with a normal Get."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from support.common import (TEST_SECRET, AgentProc, free_port, make_namespace, prompt_tokens,
+                      wait_for)
+
+from kvstore.client import KVClient
+from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.hashing import pack_ids
+from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+# Without ucxx the agents run gRPC-only; the transport-agnostic tests still run.
+needs_ucx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                               reason="needs ucxx (pip install ucxx-cu12)")
+
+SMALL = make_namespace()  # 4 KiB blocks
+BIG = make_namespace(name="big", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
+# 256 KiB blocks: above the packed limit, so they travel in runs (one UCX message per run
+# of blocks that lie back to back in the sender's pool).
+MID = make_namespace(name="mid", num_layers=4, num_kv_heads=8, head_dim=128)
+assert MID.block_bytes == 256 << 10
+ROOT = Path(__file__).resolve().parents[2]
+FAULT_SCRIPT = ROOT / "tests" / "support" / "peer_fault.py"
+
+
+def random_blocks(spec, n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, spec.block_bytes), dtype=torch.uint8, generator=g)
+    return [r.view(torch_dtype(spec.kv_dtype)).view(block_shape(spec)) for r in raw]
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    # Byte equality: random bytes viewed as floats include NaNs, which never compare equal.
+    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                    for x, y in zip(a, b))
+
+
+def agent_config(workdir: Path, name: str, **overrides) -> dict:
+    cfg = {"node_id": name, "listen": "127.0.0.1:0", "data_dir": str(workdir / "data"),
+           "slot_bytes": "2MiB", "pool_bytes": "512MiB", "nvme_bytes": 0, "device": "cpu",
+           "allow_unauthenticated": True, "expire_interval_s": 0.5, "peer_port": free_port()}
+    cfg.update(overrides)
+    return cfg
+
+
+class Cluster:
+    """Agents started once for the module (each start costs seconds of imports): B holds
+    blocks, A pulls them over UCX, G pulls with UCX disabled (gRPC only); the kill and
+    freeze tests add a source of their own. Tests use their own prompts and compare
+    counter deltas, so they do not see each other."""
+
+    def __init__(self, root: Path) -> None:
+        self.procs: dict[str, AgentProc] = {}
+        self.clients: dict[str, KVClient] = {}
+        for name, extra in (("a", dict(pool_bytes="2GiB")), ("b", {}),
+                            ("g", dict(ucx_enabled=False, pool_bytes="64MiB"))):
+            self.start(root, name, **extra)
+
+    def start(self, root: Path, name: str, **extra) -> AgentProc:
+        proc = AgentProc(root / name, agent_config(root / name, name, **extra))
+        self.procs[name] = proc
+        proc.start()
+        self.clients[name] = KVClient(proc.address, tenant_secret=TEST_SECRET,
+                                      use_shm=name.startswith("b"), shm_bytes=64 << 20)
+        return proc
+
+    def ucx(self, name: str) -> str:
+        return f"127.0.0.1:{self.procs[name].config['peer_port']}"
+
+    def seed(self, spec, n: int, seed: int, src: str = "b", dst: str = "a"):
+        """Put an n-block prompt on `src`; returns (dst's handle, ids, tensors)."""
+        cb = self.clients[src]
+        nb = cb.open_namespace(spec)
+        ids = cb.block_ids(nb, prompt_tokens(seed, n * spec.block_size))
+        blocks = random_blocks(spec, n, seed)
+        r = cb.put(nb, ids, blocks)
+        assert r.stored == n
+        return self.clients[dst].open_namespace(spec), ids, blocks
+
+    def request(self, na, ids, src: str = "b", ucx: str | None = None,
+                timeout_ms: int = 0) -> peer_pb2.PrefetchRequest:
+        return peer_pb2.PrefetchRequest(
+            ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
+            parent_id=na.root, peer_address=self.procs[src].address,
+            peer_ucx_address=self.ucx(src) if ucx is None else ucx, timeout_ms=timeout_ms)
+
+    def peer_stub(self, dst: str) -> peer_pb2_grpc.PeerStub:
+        return peer_pb2_grpc.PeerStub(self.clients[dst].channel)
+
+    def prefetch(self, na, ids, dst: str = "a", **kw) -> peer_pb2.PrefetchResponse:
+        return self.peer_stub(dst).Prefetch(self.request(na, ids, **kw), timeout=120)
+
+    def counters(self, name: str) -> Counter:
+        return Counter(dict(self.clients[name].stats().counters))
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        for p in self.procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("peer"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class Delta:
+    """Counter changes on one agent across a block of test code."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.cluster, self.name = cluster, name
+        self.before = cluster.counters(name)
+
+    def now(self) -> Counter:
+        after = self.cluster.counters(self.name)
+        after.subtract(self.before)
+        return +after  # drop zero entries
+
+
+@needs_ucx
+def test_prefetch_over_ucx_then_get_from_a_returns_equal_tensors(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=1)
+    ca = cluster.clients["a"]
+    assert ca.lookup(na, ids).matched == 0
+    da, db = Delta(cluster, "a"), Delta(cluster, "b")
+
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx", "")
+    assert same_bytes(ca.get(na, ids), blocks)
+    assert da.now()["peer_blocks_received"] == 20 and da.now()["peer_fetch_ucx"] == 1
+    assert da.now()["peer_fetch_grpc"] == 0 and da.now()["peer_ucx_failures"] == 0
+    assert db.now()["peer_blocks_served"] == 20
+
+    again = cluster.prefetch(na, ids)  # everything local now: no transfer at all
+    assert (again.present, again.fetched, again.transport) == (20, 0, "")
+    assert da.now()["peer_blocks_received"] == 20
+
+
+def free_slots(client: KVClient) -> int:
+    return client.stats().tiers[0].slots_free
+
+
+def test_prefetch_of_a_longer_prompt_stops_where_the_peer_stops(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 12, seed=2)
+    longer = cluster.clients["a"].block_ids(na, prompt_tokens(2, 20 * SMALL.block_size))
+    assert longer[:12] == ids
+    free = free_slots(cluster.clients["a"])
+    r = cluster.prefetch(na, longer)
+    assert (r.present, r.fetched) == (12, 12)
+    assert "peer holds only 12" in r.stopped
+    assert same_bytes(cluster.clients["a"].get(na, longer), blocks)
+    # A reserved 20 slots while its request was on the way; the 8 B lacked went back.
+    assert free_slots(cluster.clients["a"]) == free - 12
+
+
+@needs_ucx
+def test_client_prefetch_asks_the_agent_to_pull_from_a_peer(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 9, seed=13)
+    ca = cluster.clients["a"]
+    r = ca.prefetch(na, ids, cluster.procs["b"].address, cluster.ucx("b"))
+    assert (r.present, r.fetched, r.transport, r.stopped) == (9, 9, "ucx", "")
+    assert same_bytes(ca.get(na, ids), blocks)
+    # Nobody at the peer's addresses: a shorter answer saying why, not an error.
+    other, ids2, _ = cluster.seed(SMALL, 3, seed=14)
+    r = ca.prefetch(other, ids2, f"127.0.0.1:{free_port()}", timeout_ms=3000)
+    assert (r.present, r.fetched, r.transport) == (0, 0, "grpc") and r.stopped, r
+
+
+def test_peer_that_never_saw_the_namespace_opens_it_from_the_spec(cluster):
+    unseen = make_namespace(name="unseen-by-b")
+    na = cluster.clients["a"].open_namespace(unseen)
+    ids = cluster.clients["a"].block_ids(na, prompt_tokens(3, 4 * unseen.block_size))
+    free = free_slots(cluster.clients["a"])
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched) == (0, 0) and "peer holds only 0" in r.stopped
+    assert free_slots(cluster.clients["a"]) == free  # the slots reserved ahead went back
+    cb = cluster.clients["b"]
+    assert cb.lookup(cb.open_namespace(unseen), ids).matched == 0
+
+
+def test_generation_fencing_on_the_pulling_agent(cluster):
+    na, ids, _ = cluster.seed(SMALL, 4, seed=4)
+    req = cluster.request(na, ids)
+    req.ns.generation = na.generation + 3  # ahead of this node: refused, nothing moved
+    da = Delta(cluster, "a")
+    with pytest.raises(grpc.RpcError) as ei:
+        cluster.peer_stub("a").Prefetch(req, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert da.now()["peer_blocks_received"] == 0
+
+
+def test_grpc_fallback_when_ucx_is_disabled(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=5, dst="g")
+    dg = Delta(cluster, "g")
+    r = cluster.prefetch(na, ids, dst="g")  # G runs with ucx_enabled=False
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "grpc", "")
+    assert same_bytes(cluster.clients["g"].get(na, ids), blocks)
+    assert dg.now()["peer_fetch_grpc"] == 1 and dg.now()["peer_fetch_ucx"] == 0
+
+
+@needs_ucx
+def test_grpc_fallback_when_nothing_listens_on_the_ucx_address(cluster):
+    na, ids, blocks = cluster.seed(SMALL, 10, seed=6)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=f"127.0.0.1:{free_port()}")
+    assert (r.present, r.fetched, r.transport, r.stopped) == (10, 10, "ucx+grpc", "")
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    assert da.now()["peer_ucx_failures"] == 1
+
+
+def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cluster):
+    n = 96
+    na, ids, blocks = cluster.seed(BIG, n, seed=7)
+    da = Delta(cluster, "a")
+    results: dict[str, peer_pb2.PrefetchResponse] = {}
+
+    def run(name: str, k: int) -> None:
+        results[name] = cluster.prefetch(na, ids[:k])
+
+    threads = [threading.Thread(target=run, args=("long", n)),
+               threading.Thread(target=run, args=("short", 64))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["long"].present == n and results["short"].present == 64
+    d = da.now()
+    assert d["peer_blocks_received"] == n  # the 64 shared blocks came over once
+    assert results["long"].waited + results["short"].waited == d["peer_dedup_blocks"] > 0
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+
+
+@needs_ucx
+def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
+        cluster, tmp_path):
+    cluster.start(tmp_path, "b2", pool_bytes="1GiB")
+    n = 320  # 640 MiB: long enough to kill B2 in the middle
+    na, ids, blocks = cluster.seed(BIG, n, seed=8, src="b2")
+    da = Delta(cluster, "a")
+    call = cluster.peer_stub("a").Prefetch.future(
+        cluster.request(na, ids, src="b2", timeout_ms=20_000), timeout=60)
+    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+             timeout=60, interval=0.01, what="the transfer to start")
+    cluster.procs["b2"].kill()
+    r = call.result(timeout=60)  # returns (within the 20 s bound), never hangs
+    assert r.present < n and r.fetched == r.present, r
+    assert r.stopped and r.transport.startswith("ucx")
+    # Whatever A stored is exactly B2's data, and A keeps serving.
+    got = cluster.clients["a"].get(na, ids)
+    assert len(got) == r.present and same_bytes(got, blocks[: r.present])
+    assert da.now()["peer_checksum_mismatch"] == 0
+
+
+@needs_ucx
+def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
+    b3 = cluster.start(tmp_path, "b3", pool_bytes="1GiB")
+    # 640 MiB in 5 chunks: B3 is stopped while A still needs chunks B3 has not posted
+    # (CMA reads what B3 posted even from a stopped process).
+    n = 320
+    na, ids, blocks = cluster.seed(BIG, n, seed=12, src="b3")
+    da = Delta(cluster, "a")
+    call = cluster.peer_stub("a").Prefetch.future(
+        cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60)
+    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+             timeout=60, interval=0.01, what="the transfer to start")
+    b3.proc.send_signal(signal.SIGSTOP)  # alive but silent: only timeouts can end this
+    try:
+        r = call.result(timeout=60)
+    finally:
+        b3.proc.send_signal(signal.SIGCONT)
+    assert r.present < n and r.transport == "ucx", r  # the deadline left no time for gRPC
+    assert "deadline" in r.stopped or "timed out" in r.stopped, r.stopped
+    got = cluster.clients["a"].get(na, ids)
+    assert len(got) == r.present and same_bytes(got, blocks[: r.present])
+
+
+# ------------------------------------------------------------------- fault injection
+def run_fake_peer(tmp_path: Path, mode: str, blocks):
+    """tests/support/peer_fault.py: a UCX listener speaking the peer protocol that corrupts a
+    payload ('corrupt') or dies after the first chunk ('die')."""
+    data = tmp_path / f"fake-{mode}.npy"
+    np.save(data, np.stack([b.view(torch.uint8).reshape(-1).numpy() for b in blocks]))
+    port_file = tmp_path / f"fake-{mode}.port"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(FAULT_SCRIPT), mode, str(data),
+                             str(port_file)], cwd=ROOT, env=env,
+                            stdout=open(tmp_path / f"fake-{mode}.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 30,
+                    what="fake peer port")
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def fake_peer(tmp_path):
+    procs: list[subprocess.Popen] = []
+
+    def start(*args):
+        proc, address = run_fake_peer(tmp_path, *args)
+        procs.append(proc)
+        return address
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+@needs_ucx
+@pytest.mark.parametrize("spec", [SMALL, MID], ids=["packed", "in-place"])
+def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer, spec):
+    """Packed: the fused copy + verify pass catches it; in place: the digest of its
+    message, taken as the message landed."""
+    na, ids, blocks = cluster.seed(spec, 20, seed=9)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=fake_peer("corrupt", blocks))  # flips block 11
+    assert (r.present, r.transport) == (11, "ucx"), r
+    assert "checksum mismatch" in r.stopped
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks[:11])
+    assert da.now()["peer_checksum_mismatch"] == 1
+
+
+@needs_ucx
+def test_ucx_peer_dying_mid_transfer_falls_back_to_grpc(cluster, fake_peer):
+    na, ids, blocks = cluster.seed(SMALL, 20, seed=10)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=fake_peer("die", blocks))  # one chunk, then exits
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx+grpc", ""), r
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    d = da.now()
+    assert d["peer_ucx_failures"] == 1 and d["peer_blocks_received"] == 20
+
+
+@needs_ucx
+def test_prefetch_forwards_the_callers_token_and_checks_access(spawn_agent):
+    """The UCX path bypasses the gRPC edge: B checks the token A forwards in the request."""
+    tokens = {"acme": "acme-token", "other": "other-token"}
+    tenants = {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()}
+               for t, tok in tokens.items()}
+    cfg = dict(allow_unauthenticated=False, tenants=tenants)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **cfg)
+    a = spawn_agent(peer_port=free_port(), **cfg)
+    with KVClient(b.address, token="acme-token", tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, token="acme-token", tenant_secret=TEST_SECRET,
+                     use_shm=False) as ca:
+        nb = cb.open_namespace(SMALL)
+        ids = cb.block_ids(nb, prompt_tokens(11, 6 * SMALL.block_size))
+        blocks = random_blocks(SMALL, 6, 11)
+        assert cb.put(nb, ids, blocks).stored == 6
+        na = ca.open_namespace(SMALL)
+        req = peer_pb2.PrefetchRequest(
+            ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()), block_ids=pack_ids(ids),
+            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        for token, code in (("other-token", grpc.StatusCode.PERMISSION_DENIED),
+                            (None, grpc.StatusCode.UNAUTHENTICATED)):
+            md = (("authorization", f"Bearer {token}"),) if token else ()
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Prefetch(req, metadata=md, timeout=30)
+            assert ei.value.code() == code
+        r = stub.Prefetch(req, metadata=(("authorization", "Bearer acme-token"),), timeout=60)
+        assert (r.present, r.transport, r.stopped) == (6, "ucx", ""), r
+        assert same_bytes(ca.get(na, ids), blocks)
+
+
+@needs_ucx
+@pytest.mark.parametrize("spec", [SMALL, BIG], ids=["packed", "runs"])
+def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
+    """A reserves the first batch's slots while its request travels; B refuses it (more
+    blocks than B takes per request): nothing moves, no fallback, every slot is back."""
+    b_port = free_port()
+    mem = dict(slot_bytes="2MiB", pool_bytes="64MiB")
+    b = spawn_agent(peer_port=b_port, max_blocks_per_request=4, **mem)
+    a = spawn_agent(peer_port=free_port(), **mem)
+    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb = cb.open_namespace(spec)
+        ids = cb.block_ids(nb, prompt_tokens(12, 6 * spec.block_size))
+        assert cb.put(nb, ids[:4], random_blocks(spec, 4, 12)).stored == 4
+        na = ca.open_namespace(spec)
+        free = free_slots(ca)
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
+        assert (r.present, r.fetched, r.transport) == (0, 0, "ucx"), r
+        assert "refused" in r.stopped and "INVALID_ARGUMENT" in r.stopped, r.stopped
+        assert free_slots(ca) == free
+        assert Counter(dict(ca.stats().counters))["peer_ucx_failures"] == 0
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, monkeypatch,
+                                                               transport):
+    """Small blocks travel a whole batch per message (node_agent/peer_common.packed):
+    several batches and a short last one, two prompts over the kept connection."""
+    if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("needs ucxx (pip install ucxx-cu12)")
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(16 * SMALL.block_bytes))  # agents
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, slot_bytes="4KiB")
+    a = spawn_agent(peer_port=free_port(), slot_bytes="4KiB")
+    n = 100  # six batches of 16 and one of 4
+    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb, na = cb.open_namespace(SMALL), ca.open_namespace(SMALL)
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        for seed in (21, 22):
+            ids = cb.block_ids(nb, prompt_tokens(seed, n * SMALL.block_size))
+            blocks = random_blocks(SMALL, n, seed)
+            assert cb.put(nb, ids, blocks).stored == n
+            req = peer_pb2.PrefetchRequest(
+                ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()),
+                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}" if transport == "ucx" else "")
+            r = stub.Prefetch(req, timeout=60)
+            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, transport, ""), r
+            assert same_bytes(ca.get(na, ids), blocks)
+        counters = Counter(dict(ca.stats().counters))
+        assert counters["peer_blocks_received"] == 2 * n
+        assert counters["peer_checksum_mismatch"] == 0
+        assert counters[f"peer_{transport}_failures"] == 0
+
+
+
+@needs_ucx
+@pytest.mark.parametrize("in_place", ["1", "0"], ids=["in-place", "staged"])
+def test_large_blocks_move_between_slots_in_place_or_through_staging(spawn_agent,
+                                                                     monkeypatch, in_place):
+    """In place, B sends from borrowed pool slots and A receives into reserved ones (one
+    message per run of adjacent slots); with KVSTORE_PEER_IN_PLACE=0 (what a GPU pool does
+    without the device hash or a UCX built with CUDA) both sides copy through host
+    staging buffers. Either way the blocks arrive intact."""
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(5 * MID.block_bytes))  # agents
+    monkeypatch.setenv("KVSTORE_PEER_IN_PLACE", in_place)
+    big = dict(slot_bytes="256KiB", pool_bytes="16MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **big)
+    a = spawn_agent(peer_port=free_port(), **big)
+    n = 12  # chunks of 5, 5 and 2 blocks
+    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb, na = cb.open_namespace(MID), ca.open_namespace(MID)
+        ids = cb.block_ids(nb, prompt_tokens(51, n * MID.block_size))
+        blocks = random_blocks(MID, n, 51)
+        assert cb.put(nb, ids, blocks).stored == n
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
+        assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+        assert same_bytes(ca.get(na, ids), blocks)
+        sent, got = Counter(dict(cb.stats().counters)), Counter(dict(ca.stats().counters))
+    moved = n if in_place == "1" else 0
+    assert (sent["peer_blocks_borrowed"], got["peer_blocks_in_place"]) == (moved, moved)
+    assert got["peer_blocks_received"] == n and got["peer_checksum_mismatch"] == 0
+
+
+def put_one_by_one(client: KVClient, chains) -> None:
+    """Put the chains block by block, taking turns: their slots interleave in the pool
+    (a fresh pool hands out slots in order), so no two blocks of a chain are adjacent."""
+    for i in range(max(len(ids) for _, ids, _ in chains)):
+        for handle, ids, blocks in chains:
+            if i < len(ids):
+                parent = ids[i - 1] if i else None
+                assert client.put(handle, ids[i:i + 1], blocks[i:i + 1], parent).stored == 1
+
+
+@needs_ucx
+def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
+                                                                    monkeypatch):
+    """Blocks lying back to back in B's pool travel as one message per run; A receives a
+    run in place when the slots it reserved lie back to back too, else into staging and
+    copies in its verifying pass. Every layout arrives intact, over several chunks."""
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(5 * MID.block_bytes))  # agents
+    big = dict(slot_bytes="256KiB", pool_bytes="32MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **big)
+    a = spawn_agent(peer_port=free_port(), policies={"acme/short": {"ttl_seconds": 1}}, **big)
+    n = 12  # chunks of 5, 5 and 2 blocks
+    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
+            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+        nb = cb.open_namespace(MID)
+
+        def chain(client, handle, seed):
+            return (handle, client.block_ids(handle, prompt_tokens(seed, n * MID.block_size)),
+                    random_blocks(MID, n, seed))
+
+        contiguous_on_b = chain(cb, nb, 31)
+        assert cb.put(*contiguous_on_b).stored == n
+        scattered_on_b = chain(cb, nb, 32)
+        put_one_by_one(cb, [scattered_on_b, chain(cb, nb, 33)])
+        # A: interleave a chain that expires with one that stays, so that once it expired
+        # the free slots A hands out next lie two apart.
+        short = chain(ca, ca.open_namespace(make_namespace(name="short", num_layers=4,
+                                                           num_kv_heads=8, head_dim=128)), 34)
+        put_one_by_one(ca, [short, chain(ca, ca.open_namespace(MID), 35)])
+        wait_for(lambda: ca.stats().tiers[0].blocks == n, timeout=15)  # swept: slots free
+        na = ca.open_namespace(MID)
+        stub = peer_pb2_grpc.PeerStub(ca.channel)
+        before = Counter(dict(ca.stats().counters))
+        for (_, ids, blocks), staged, messages in ((contiguous_on_b, n, 3),
+                                                   (scattered_on_b, 0, n)):
+            sent = Counter(dict(cb.stats().counters))["peer_payload_messages"]
+            req = peer_pb2.PrefetchRequest(
+                ns=na.ref, spec=common_pb2.Namespace(**MID.to_dict()),
+                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}")
+            r = stub.Prefetch(req, timeout=60)
+            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+            assert same_bytes(ca.get(na, ids), blocks)
+            after = Counter(dict(ca.stats().counters))
+            # The first prompt lands in the expired chain's slots (two apart): staged.
+            assert after["peer_blocks_staged"] - before["peer_blocks_staged"] == staged
+            before = after
+            # B: one message per chunk when its blocks lie back to back, else one each.
+            assert Counter(dict(cb.stats().counters))["peer_payload_messages"] - sent == \
+                messages
+        assert before["peer_checksum_mismatch"] == 0 and before["peer_ucx_failures"] == 0
+
+
+def test_runs_and_spans_follow_memory_layout():
+    from node_agent.peer_common import check_runs, runs_of, spans
+    arena = np.arange(8 * 4, dtype=np.uint8)
+    slot = [arena[i * 4:(i + 1) * 4] for i in range(8)]
+    bufs = [slot[0], slot[1], slot[2], slot[5], slot[4], slot[6], slot[7]]
+    assert runs_of(bufs, 4) == [3, 1, 1, 2]
+    got = spans(bufs, [3, 1, 1, 2], 4)
+    assert [bytes(g) for g in got] == [bytes(arena[0:12]), bytes(arena[20:24]),
+                                       bytes(arena[16:20]), bytes(arena[24:32])]
+    got[0][5] = 99  # a span is a view: receiving into it fills the slots
+    assert slot[1][1] == 99
+    assert spans(bufs, [4, 3], 4) is None  # slots 2 and 5 are not adjacent
+    assert runs_of(slot, 4, cap=3) == [3, 3, 2]  # runs cut at a message-size cap
+    ro = slot[0].view()
+    ro.flags.writeable = False
+    assert not spans([ro, slot[1]], [2], 4)[0].flags.writeable
+    assert check_runs([], 3) == [1, 1, 1]
+    assert check_runs([2, 1], 3) == [2, 1]
+    for bad in ([2, 2], [3, 0], [4]):
+        with pytest.raises(Exception, match="malformed chunk"):
+            check_runs(bad, 3)
+
+
+def test_control_frames_carry_their_length_and_refuse_impossible_ones():
+    """One UCX message per control message: length, then bytes (post_control/recv_control)."""
+    import asyncio
+
+    from node_agent.peer_common import (MAX_CONTROL_BYTES, PeerTransportError,
+                                        control_buffer, post_control, recv_control)
+
+    class Wire:  # stands in for a UCX endpoint: what was sent is what the next recv gets
+        data = b""
+
+        async def send(self, frame):
+            self.data = frame.tobytes()
+
+        async def recv(self, buf):
+            buf[:len(self.data)] = np.frombuffer(self.data, dtype=np.uint8)
+
+    async def round_trip(wire, payload):
+        await post_control(wire, payload)
+        return await recv_control(wire, buf)
+
+    buf = control_buffer()
+    wire = Wire()
+    assert asyncio.run(round_trip(wire, b"hello")) == b"hello"
+    assert asyncio.run(round_trip(wire, b"")) == b""  # stale bytes in the buffer do not leak
+    wire.data = (MAX_CONTROL_BYTES + 1).to_bytes(4, "little") + b"x"
+    with pytest.raises(PeerTransportError, match="claiming"):
+        asyncio.run(recv_control(wire, buf))

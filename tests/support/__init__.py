@@ -1,0 +1,1 @@
+"""Helpers for the tests (plain modules; fixtures live in tests/conftest.py)."""

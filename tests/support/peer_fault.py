@@ -1,0 +1,93 @@
+"""Fault injector for tests/integration/test_peer.py: a UCX listener that speaks the peer protocol of
+node_agent/peer.py over real ucxx, serving the payloads in a .npy file (row i answers the
+i-th requested block), and misbehaves on purpose:
+
+- corrupt: flips one byte of block 11 after computing its checksum;
+- die: sends a first chunk of at most 8 blocks, then exits without closing anything.
+
+Usage: python tests/support/peer_fault.py MODE DATA.npy PORT_FILE
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import numpy as np
+
+from kvstore import checksum as cks
+from kvstore.v1 import peer_pb2
+
+CORRUPT_INDEX = 11
+DIE_BATCH = 8
+PACKED_MAX_BLOCK_BYTES = 128 << 10  # node_agent/peer_common.py (not imported: see below)
+
+
+async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
+    # Only ucxx, numpy and the generated messages: importing the agent would pull in
+    # torch and cost seconds per test.
+    # The agents' UCX settings (node_agent/peer_common.init_ucx): two processes of one
+    # host only connect when they agree on which transports may carry peer endpoints.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
+    import ucxx as ucx
+    ucx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+             env_takes_precedence=True, progress_mode="thread", enable_python_future=True)
+    done = asyncio.Event()
+
+    async def handler(ep) -> None:
+        # Control messages: one UCX message each, a 4-byte little-endian length and then
+        # the bytes (node_agent/peer_common.post_control / recv_control).
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        await asyncio.wait_for(ep.recv(buf), 10)
+        n_req = int.from_bytes(buf[:4].tobytes(), "little")
+        req = peer_pb2.FetchRequest.FromString(buf[4:4 + n_req].tobytes())
+        n = len(req.block_ids) // 16
+        batch = req.batch_blocks or 8
+        if mode == "die":
+            batch = min(batch, DIE_BATCH)  # a legal (smaller) chunk that is not the last
+        pack = data.shape[1] <= PACKED_MAX_BLOCK_BYTES
+        for start in range(0, n, batch):
+            rows = [data[i].copy() for i in range(start, min(n, start + batch))]
+            sums = [cks.checksum(r) for r in rows]
+            if mode == "corrupt" and start <= CORRUPT_INDEX < start + len(rows):
+                rows[CORRUPT_INDEX - start][100] ^= 0xFF
+            last = start + len(rows) >= n
+            hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums,
+                                      done=last)
+            raw = hdr.SerializeToString()
+            frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
+            await asyncio.wait_for(ep.send(frame), 10)
+            if pack:  # small blocks: the whole batch as one message
+                await asyncio.wait_for(ep.send(np.concatenate(rows)), 10)
+            else:
+                await asyncio.wait_for(asyncio.gather(*(ep.send(r) for r in rows)), 10)
+            if mode == "die":
+                os._exit(3)  # mid-transfer, no goodbye
+        ack = np.empty(8, dtype=np.uint8)
+        await asyncio.wait_for(ep.recv(ack), 10)
+        await ep.close()
+        done.set()
+
+    listener = ucx.create_listener(handler, port=0)
+    tmp = port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(listener.port))
+    os.replace(tmp, port_file)
+    try:
+        await asyncio.wait_for(done.wait(), 60)
+    finally:
+        listener.close()
+        ucx.stop_notifier_thread()
+
+
+def main() -> None:
+    mode, path, port_file = sys.argv[1:4]
+    if mode not in ("corrupt", "die"):
+        raise SystemExit(f"unknown mode {mode!r}")
+    asyncio.run(serve(mode, np.load(path), port_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""unit tests (see tests/conftest.py for the kinds)."""
