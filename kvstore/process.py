@@ -6,6 +6,27 @@ import os
 import signal
 
 
+class StartupError(Exception):
+    """A server cannot start for a reason the operator must fix (the message says which);
+    the process entry points print it as one line and exit 1, without a traceback."""
+
+
+def bind_port(server, address: str) -> int:
+    """`server.add_insecure_port(address)`, with grpc's RuntimeError (port taken, address
+    not on this host) turned into a StartupError that names the address."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        port, why = 0, exc
+    else:
+        why = None
+    if not port:
+        raise StartupError(f"cannot listen on {address}: the port is in use or the address "
+                           "is not on this host (choose another listen address or stop the "
+                           "process holding it)") from why
+    return port
+
+
 def write_ready_file(path: str, address: str) -> None:
     """Atomically publish the bound address (supervisors and tests wait for this file)."""
     tmp = path + ".tmp"

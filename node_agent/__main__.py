@@ -46,7 +46,12 @@ def main(argv=None) -> int:
         print(f"kvstore-agent: bad configuration: {exc}", file=sys.stderr)
         return 2
     from node_agent.server import serve
-    asyncio.run(serve(cfg, args.ready_file))
+    from kvstore.process import StartupError
+    try:
+        asyncio.run(serve(cfg, args.ready_file))
+    except StartupError as exc:
+        print(f"kvstore-agent: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

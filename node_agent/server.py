@@ -9,7 +9,7 @@ import os
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.process import run_until_signalled
+from kvstore.process import bind_port, run_until_signalled
 from kvstore.accounting import TenantAccounts
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
@@ -97,9 +97,7 @@ class AgentServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(self.peer), self.server)
-        self.port = self.server.add_insecure_port(self.cfg.listen)
-        if not self.port:
-            raise RuntimeError(f"could not bind {self.cfg.listen}")
+        self.port = bind_port(self.server, self.cfg.listen)
         await self.server.start()
         if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path
             self.lane = LocalLane(self.servicer, interceptors)

@@ -54,7 +54,12 @@ def main(argv=None) -> int:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)
         return 2
     from router.server import serve
-    asyncio.run(serve(cfg, args.ready_file, token, args.etcd_prefix))
+    from kvstore.process import StartupError
+    try:
+        asyncio.run(serve(cfg, args.ready_file, token, args.etcd_prefix))
+    except StartupError as exc:
+        print(f"kvstore-router: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
-from kvstore.process import run_until_signalled
+from kvstore.process import bind_port, run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.follower import ClusterFollower
@@ -116,9 +116,7 @@ class RouterServer:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(self.cfg.listen)
-        if not self.port:
-            raise RuntimeError(f"could not bind {self.cfg.listen}")
+        self.port = bind_port(self.server, self.cfg.listen)
         kwargs = {"prefix": self.etcd_prefix} if self.etcd_prefix else {}
         self._etcd = EtcdClient(self.cfg.etcd_endpoints, **kwargs)
         self.follower = ClusterFollower(self.core, self._etcd, self.cfg.router_id, self.token)

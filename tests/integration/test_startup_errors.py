@@ -1,0 +1,35 @@
+"""A process that cannot start says why in one line and exits non-zero: no traceback for
+the operator to decode (docs/runbook.md, 'A node agent that will not start')."""
+from __future__ import annotations
+
+import subprocess
+
+from support.common import PY, ROOT
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_agent_on_a_taken_port_exits_1_with_one_clear_line(spawn_agent, tmp_path):
+    first = spawn_agent()
+    r = _run("-m", "node_agent", "--listen", first.address, "--device", "cpu",
+             "--pool-bytes", "4MiB", "--slot-bytes", "64KiB", "--nvme-bytes", "0",
+             "--data-dir", str(tmp_path / "second"), "--allow-unauthenticated")
+    assert r.returncode == 1
+    assert f"kvstore-agent: cannot start: cannot listen on {first.address}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_router_on_a_taken_port_exits_1_with_one_clear_line(etcd, spawn_agent):
+    taken = spawn_agent().address
+    r = _run("-m", "router", "--listen", taken, "--etcd-endpoints", etcd.endpoint)
+    assert r.returncode == 1
+    assert f"kvstore-router: cannot start: cannot listen on {taken}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_agent_with_a_bad_size_exits_2_naming_the_field():
+    r = _run("-m", "node_agent", "--pool-bytes", "12XB")
+    assert r.returncode == 2
+    assert "pool_bytes: invalid size unit 'XB'" in r.stderr and "Traceback" not in r.stderr
