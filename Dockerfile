@@ -29,7 +29,8 @@ WORKDIR /src
 COPY pyproject.toml setup.py ./
 RUN python - <<'EOF' > /tmp/requirements.txt
 import tomllib
-print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["server"]))
 EOF
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
       pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch' /tmp/requirements.txt)"; \

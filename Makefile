@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py kvstore/_native.c
 	@$(MAKE) --no-print-directory deps-system
 	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[dev,hf,ucx]'
+	$(VPY) -m pip install -q -e '.[server,dev,hf,ucx]'
 	@touch $(STAMP)
 
 install: $(STAMP)

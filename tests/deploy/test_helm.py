@@ -487,7 +487,8 @@ def test_dockerfile_dependency_step_reads_pyproject(tmp_path):
     (script,) = [h.content for c in cmds for h in c.heredocs if "tomllib" in h.content]
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, timeout=30, check=True).stdout.split()
-    assert out == _pyproject()["project"]["dependencies"]
+    project = _pyproject()["project"]
+    assert out == project["dependencies"] + project["optional-dependencies"]["server"]
     assert len([r for r in out if r.startswith("torch")]) == 1  # the CPU-index install step
 
 
