@@ -81,7 +81,7 @@ class InPlaceMixin:
         try:
             for bid in ids:
                 if len(bid) != ID_BYTES:
-                    raise InvalidArgument("block ids must be 16 bytes")
+                    raise InvalidArgument(f"block ids must be {ID_BYTES} bytes")
                 if bid in st.blocks:
                     res.reason = f"block {bid.hex()[:12]} is already held (stored meanwhile)"
                     break

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
 from kvstore.events import Tier
+from kvstore.hashing import BLOCK_ID_BYTES
 from kvstore.namespace import Namespace
 from kvstore.policy import NamespacePolicy
 
-ID_BYTES = 16
+ID_BYTES = BLOCK_ID_BYTES  # one definition: kvstore.hashing
 NS_META_PREFIX = b"ns:"
 
 
@@ -141,7 +142,8 @@ class PackedIds:
 
     def __init__(self, packed: bytes) -> None:
         if len(packed) % ID_BYTES:
-            raise InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple of 16")
+            raise InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple of "
+                                  f"{ID_BYTES}")
         self.buf = bytes(packed)
         self.n = len(packed) // ID_BYTES
 
