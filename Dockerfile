@@ -1,9 +1,9 @@
-# syntax=docker/dockerfile:1
 # One image for every kvstore process; the command picks the role:
 #   kvstore-agent  --config /etc/kvstore/agent.yaml    (default)
 #   kvstore-router --config /etc/kvstore/router.yaml
 #   kvctl ...
-# Build:  docker build -t kvstore:0.1.0 .
+# Build:  docker build -t kvstore:0.1.0 .   (or podman/buildah build; no BuildKit-only syntax,
+#         so Debian 12's buildah 1.28 builds it too; `make image-check` builds and runs it)
 # CPU-only torch (a much smaller image, for CPU agents and routers):
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t kvstore:0.1.0-cpu .
 # The default torch wheel from PyPI carries the CUDA runtime; the NVIDIA container toolkit
@@ -21,37 +21,28 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential \
  && rm -rf /var/lib/apt/lists/*
-RUN python -m venv /opt/kvstore && /opt/kvstore/bin/pip install --upgrade pip setuptools wheel
+# Pinned, so two builds of one commit install the same build tools.
+RUN python -m venv /opt/kvstore \
+ && /opt/kvstore/bin/pip install pip==26.3 setuptools==84.2.1 wheel==0.48.0
 ENV PATH=/opt/kvstore/bin:$PATH
 WORKDIR /src
 
 # Dependencies first, from pyproject.toml alone, so a source edit does not reinstall torch.
 COPY pyproject.toml setup.py ./
-RUN python - <<'EOF' > /tmp/requirements.txt
-import tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["server"]))
-EOF
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["server"]))' > /tmp/requirements.txt
+# TORCH_INDEX_URL: where torch comes from (e.g. PyTorch's CPU index); its dependencies may
+# come from PyPI, and a local-version wheel (+cpu) wins over PyPI's build of that version.
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
-      pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch' /tmp/requirements.txt)"; \
+      pip install --index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple \
+        "$(grep '^torch' /tmp/requirements.txt)"; \
     fi \
  && pip install -r /tmp/requirements.txt
 
 COPY . .
-# Fail the build, not the pod: the C extension is optional in setup.py (pure-Python
-# fallbacks exist) but the image must have it, and every console script must resolve from
-# the installed package (run from / so the source tree cannot stand in for it).
-RUN pip install --no-deps . && cd / && python - <<'EOF'
-import importlib, importlib.metadata as md
-import kvstore._native
-for ep in md.distribution("kvstore").entry_points:
-    if ep.group == "console_scripts":
-        ep.load()
-# The entry points import their servers lazily; load those too (catches a package that
-# setuptools left out, e.g. one missing from [tool.setuptools.packages.find]).
-for name in ("node_agent.server", "router.server"):
-    importlib.import_module(name)
-EOF
+# Fail the build, not the pod: the image must have the C extension, and every console
+# script must resolve from the installed package (run from / so the source tree cannot
+# stand in for it): deploy/docker/check_install.py.
+RUN pip install --no-deps . && cd / && python /src/deploy/docker/check_install.py
 
 # ---- runtime ----------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -66,6 +57,9 @@ RUN groupadd --system --gid 10001 kvstore \
  && chown 10001:10001 /var/lib/kvstore
 COPY --from=build /opt/kvstore /opt/kvstore
 COPY --chmod=0755 deploy/docker/kvstore_health.py /opt/kvstore/bin/kvstore-health
+# Defaults that work in a container (listen on every interface, data under the volume
+# path); mount your own /etc/kvstore/agent.yaml or router.yaml over them (tenants, tokens).
+COPY deploy/docker/agent.yaml deploy/docker/router.yaml /etc/kvstore/
 ENV PATH=/opt/kvstore/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
