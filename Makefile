@@ -9,7 +9,7 @@ KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.installed
 STATE ?= .state/cluster
 
-.PHONY: all install deps-system proto run stop status test test-unit lint bench clean
+.PHONY: all install deps-system proto run stop status test test-unit lint image-check bench clean
 
 all: install
 
@@ -47,12 +47,24 @@ stop:
 status: install
 	$(KVCTL) cluster status --state-dir $(STATE)
 
+# Lint and format (ruff), types (mypy on the installed packages), import contracts.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
+
 test: install
 	$(VPY) -m pytest -q
 
 # The unit tests alone (no processes, no network): well under a minute.
 test-unit: install
 	$(VPY) -m pytest -q -m unit
+
+# Build the image from the committed tree (podman/buildah from Debian, a debootstrapped
+# stand-in for the base image, CPU torch from this disk) and check it by running it.
+image-check: install
+	tools/image_check.sh
 
 bench: install
 	$(VPY) -m loadtest.bench_agent

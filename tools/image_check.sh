@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# `make image-check`: build the image from the committed tree and check it by running it.
+#
+# No container registry is reachable from these machines, so:
+# - podman, buildah, runc and debootstrap come from Debian (apt);
+# - the base image python:3.11-slim-bookworm is stood in for by a debootstrapped Debian 12
+#   with Debian's Python 3.11 as /usr/local/bin/python, imported under that very name so the
+#   Dockerfile builds unchanged (`--pull=never`), with this host's CA bundle (HTTPS from
+#   inside the build goes through the same trust store as the host's pip);
+# - CPU torch comes from the wheel on this disk, served on 127.0.0.1 as TORCH_INDEX_URL.
+# Known quirks of this machine kind, handled here: crun refuses its hybrid cgroup layout
+# (runc, through a containers.conf), podman's default ulimits exceed the hard limits
+# (default_ulimits from `ulimit -H`), no systemd (tools/image_check.py runs `podman
+# healthcheck run` itself). About 5 minutes cold and 4 GB of container storage; the base is
+# cached under $KVSTORE_IMAGE_WORK (default /var/tmp/kvstore-image).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+work="${KVSTORE_IMAGE_WORK:-/var/tmp/kvstore-image}"
+image="${KVSTORE_IMAGE:-localhost/kvstore:check}"
+base="docker.io/library/python:3.11-slim-bookworm"
+py="${PY:-$here/.venv/bin/python}"
+mkdir -p "$work"
+say() { printf 'image-check: %s\n' "$*" >&2; }
+
+if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null \
+    || ! command -v runc >/dev/null || ! command -v buildah >/dev/null; then
+  say "installing podman, buildah, runc and debootstrap (apt)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq podman buildah runc debootstrap >/dev/null
+fi
+
+conf="$work/containers.conf"
+cat > "$conf" <<EOF
+[containers]
+default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$(ulimit -Hu):$(ulimit -Hu)"]
+[engine]
+runtime = "runc"
+EOF
+export CONTAINERS_CONF="$conf"
+
+if ! podman image exists "$base"; then
+  say "making the stand-in for $base with debootstrap (a few minutes, once)"
+  rm -rf "$work/base"
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certificates \
+    bookworm "$work/base" http://deb.debian.org/debian > "$work/debootstrap.log" 2>&1 \
+    || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+  ln -sf /usr/bin/python3 "$work/base/usr/local/bin/python"
+  cp /etc/ssl/certs/ca-certificates.crt "$work/base/etc/ssl/certs/ca-certificates.crt"
+  tar -C "$work/base" -c . | podman import \
+    --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' --change 'CMD ["python3"]' \
+    - "$base" >/dev/null
+  rm -rf "$work/base"
+fi
+
+wheel="$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -1 || true)"
+[ -n "$wheel" ] || { say "no local CPU torch wheel in /opt/wheels"; exit 1; }
+idx="$work/torch-index"
+rm -rf "$idx" && mkdir -p "$idx/simple/torch" && ln -s "$wheel" "$idx/simple/torch/"
+port="$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+(cd "$idx" && exec "$py" -m http.server "$port" --bind 127.0.0.1 >/dev/null 2>&1) &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+
+ctx="$work/context"
+rm -rf "$ctx" && mkdir -p "$ctx"
+git -C "$here" archive HEAD | tar -x -C "$ctx"
+say "building $image from $(git -C "$here" rev-parse --short HEAD) (podman $(podman --version | awk '{print $3}'))"
+start=$(date +%s)
+podman build --network host --format docker --pull=never \
+  --build-arg "TORCH_INDEX_URL=http://127.0.0.1:$port/simple" -t "$image" "$ctx" \
+  > "$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; say "build failed"; exit 1; }
+say "built in $(( $(date +%s) - start )) s, $(podman image inspect "$image" --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
+
+exec "$py" "$here/tools/image_check.py" --image "$image" --base "$base"
