@@ -21,11 +21,14 @@ deps-system:
 	  apt-get install -y -qq etcd-server python3-venv python3-dev build-essential >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml setup.py kvstore/_native.c
+# pip fails when the C extension (kvstore/native/) does not build on Linux x86_64/aarch64
+# (setup.py); `python -m kvstore.native` says what is in use and fails if it does not load.
+$(STAMP): pyproject.toml setup.py $(wildcard kvstore/native/*.c kvstore/native/*.h)
 	@$(MAKE) --no-print-directory deps-system
 	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e '.[server,dev,hf,ucx]'
+	$(VPY) -m kvstore.native
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -12,7 +12,8 @@ out of) a tier's preallocated slab: the C extension ``kvstore._native``
 hashes and copies in one pass with non-temporal stores, so the copy does
 not evict the working set from cache and the hash costs almost nothing on
 top of the copy.  Without the extension, the ``xxhash`` package plus a
-``memoryview`` copy give identical results.
+``memoryview`` copy give identical results (``kvstore.native.load`` logs that
+fallback and ``ACCEL`` names it).
 
 All functions accept any C-contiguous buffer (bytes, bytearray, memoryview,
 numpy arrays, mmap ...); lengths are in bytes.
@@ -20,16 +21,12 @@ numpy arrays, mmap ...); lengths are in bytes.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-try:
-    if os.environ.get("KVSTORE_NO_NATIVE"):
-        raise ImportError("disabled by KVSTORE_NO_NATIVE")
-    from kvstore import _native
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
+from kvstore import native
 
+ACCEL = native.load()  # the extension, or None and why (logged)
+_native = ACCEL.module
 NATIVE: bool = _native is not None
 
 __all__ = ["NATIVE", "checksum", "copy_with_checksum", "verify"]

@@ -40,17 +40,18 @@ block of a chain has the same length and ``extra`` is fixed per chain.
 and ``hash_chain_packed`` use the C extension ``kvstore._native`` when it is
 importable (``NATIVE``) and an equivalent ``hashlib`` loop otherwise; both
 produce bit-identical output.  Set ``KVSTORE_NO_NATIVE=1`` to force the
-fallback.
+fallback; ``kvstore.native.load`` logs a fallback and ``ACCEL`` names it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from array import array
 from struct import Struct
 from typing import Any, Iterable, List, NewType, Union
+
+from kvstore import native
 
 BlockId = NewType("BlockId", bytes)
 BLOCK_ID_BYTES = 16
@@ -58,13 +59,8 @@ BLOCK_ID_BYTES = 16
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
 
-try:
-    if os.environ.get("KVSTORE_NO_NATIVE"):
-        raise ImportError("disabled by KVSTORE_NO_NATIVE")
-    from kvstore import _native
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
+ACCEL = native.load()  # the extension, or None and why (logged)
+_native = ACCEL.module
 NATIVE: bool = _native is not None
 
 TokensLike = Any  # list/tuple/range of int, numpy int array, torch int tensor, bytes

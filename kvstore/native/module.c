@@ -1,0 +1,367 @@
+/*
+ * kvstore._native -- hot-path primitives for the KV-cache store.
+ *
+ *   chain_hash(root, tokens, block_size, extra=b"") -> bytes
+ *   blake2b16(data) -> bytes
+ *   xxh64(data, seed=0) -> int
+ *   copy_checksum(dst, src, seed=0) -> int
+ *   copy_nt(dst, src) -> None
+ *   verify_checksum(data, expected, seed=0) -> bool
+ *   set_simd(enabled) -> bool    (AVX2 or scalar BLAKE2b; HAVE_AVX2 says
+ *                                 whether this CPU and build have AVX2)
+ *
+ * BLAKE2b follows RFC 7693 (sequential mode, unkeyed, 16-byte digest).
+ * XXH64 follows the xxHash specification.  Both are written from the specs;
+ * the Python front-ends (kvstore/hashing.py, kvstore/checksum.py) hold the
+ * reference definitions and the tests check bit-identity against hashlib and
+ * the xxhash package.
+ *
+ * Every function accepts any C-contiguous object exporting the buffer
+ * protocol and releases the GIL while it works on large inputs.
+ *
+ * This file is the CPython glue (argument checks, the GIL, the module); the
+ * kernels live beside it: blake2b.c / blake2b_avx2.c, xxh64.c, copy.c.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "blake2b.h"
+#include "copy.h"
+#include "xxh64.h"
+
+#if PY_BIG_ENDIAN == KV_LITTLE_ENDIAN
+#error "common.h's byte order disagrees with CPython's PY_BIG_ENDIAN"
+#endif
+
+/* Inputs at least this large are processed with the GIL released. */
+#define GIL_RELEASE_BYTES ((Py_ssize_t)16 * 1024)
+#define RELEASE_GIL_IF(big) PyThreadState *ts_ = (big) ? PyEval_SaveThread() : NULL
+#define REACQUIRE_GIL() if (ts_) PyEval_RestoreThread(ts_)
+
+/* ---- Argument helpers -------------------------------------------------- */
+
+/* Get a C-contiguous buffer view of obj.  Returns 0 on success, -1 with an
+ * exception set (TypeError: not a buffer / not writable; ValueError: not
+ * contiguous or the exporter refused). */
+static int get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable) {
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a bytes-like object (buffer protocol), not '%.100s'",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_Format(PyExc_ValueError, "%s: cannot export buffer: %S", name,
+                         value ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(view, 'C')) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous buffer", name);
+        return -1;
+    }
+    if (writable && view->readonly) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a writable buffer, got read-only '%.100s'", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Parse an int in [0, 2**64) (seed / expected hash). */
+static int get_u64(PyObject *obj, uint64_t *out, const char *name) {
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not '%.100s'", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, obj);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Accept raw bytes (itemsize 1) or 4-byte signed ints in little-endian
+ * layout; anything else would be silently misinterpreted. */
+static int check_token_format(const Py_buffer *view) {
+    const char *fmt = view->format ? view->format : "B", *f = fmt;
+    int little = KV_LITTLE_ENDIAN; /* byte order of the items */
+    if (*f == '<') little = 1;
+    else if (*f == '>' || *f == '!') little = 0;
+    if (*f == '<' || *f == '>' || *f == '!' || *f == '@' || *f == '=') f++;
+    if (view->itemsize == 1 && (!strcmp(f, "B") || !strcmp(f, "b") || !strcmp(f, "c")))
+        return 0;
+    if (view->itemsize == 4 && little && (!strcmp(f, "i") || !strcmp(f, "l"))) return 0;
+    PyErr_Format(PyExc_TypeError,
+                 "tokens must be raw bytes or a little-endian int32 buffer, "
+                 "got format '%s' with itemsize %zd",
+                 fmt, view->itemsize);
+    return -1;
+}
+
+/* ---- Python functions -------------------------------------------------- */
+
+PyDoc_STRVAR(chain_hash_doc,
+"chain_hash(root, tokens, block_size, extra=b\"\") -> bytes\n\n"
+"For each full block i of block_size int32 tokens (a partial tail is\n"
+"ignored): id_i = BLAKE2b-128(id_{i-1} || le_bytes(block_i) || extra),\n"
+"id_{-1} = root.  Returns the concatenated 16-byte ids.");
+
+static PyObject *kv_chain_hash(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"root", "tokens", "block_size", "extra", NULL};
+    PyObject *root_o, *tok_o, *bs_o, *extra_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:chain_hash", kwlist,
+                                     &root_o, &tok_o, &bs_o, &extra_o)) {
+        return NULL;
+    }
+    if (PyBool_Check(bs_o) || !PyLong_Check(bs_o)) {
+        PyErr_Format(PyExc_TypeError, "block_size must be an int, not '%.100s'",
+                     Py_TYPE(bs_o)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(bs_o);
+    if (block_size == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "block_size out of range: %R", bs_o);
+        return NULL;
+    }
+    if (block_size < 1) {
+        PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", block_size);
+        return NULL;
+    }
+
+    Py_buffer root, tok, extra;
+    PyObject *result = NULL;
+    int have_extra = 0;
+    if (get_buffer(root_o, &root, "root", 0) < 0) return NULL;
+    if (root.len != B2_OUT) {
+        PyErr_Format(PyExc_ValueError, "root must be %d bytes, got %zd", B2_OUT, root.len);
+        PyBuffer_Release(&root);
+        return NULL;
+    }
+    if (get_buffer(tok_o, &tok, "tokens", 0) < 0) {
+        PyBuffer_Release(&root);
+        return NULL;
+    }
+    if (check_token_format(&tok) < 0) goto done;
+    if (tok.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "tokens buffer length must be a multiple of 4 (int32), got %zd bytes",
+                     tok.len);
+        goto done;
+    }
+    if (extra_o != NULL && extra_o != Py_None) {
+        if (get_buffer(extra_o, &extra, "extra", 0) < 0) goto done;
+        have_extra = 1;
+    }
+
+    Py_ssize_t ntok = tok.len / 4;
+    Py_ssize_t nblocks = ntok / block_size;
+    result = PyBytes_FromStringAndSize(NULL, nblocks * B2_OUT);
+    if (result == NULL || nblocks == 0) goto done;
+    {
+        uint8_t rootcopy[B2_OUT];
+        memcpy(rootcopy, root.buf, B2_OUT);
+        const uint8_t *tp = (const uint8_t *)tok.buf;
+        size_t tb = (size_t)block_size * 4; /* <= tok.len: cannot overflow */
+        const uint8_t *ep = have_extra ? (const uint8_t *)extra.buf : NULL;
+        size_t el = have_extra ? (size_t)extra.len : 0;
+        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+        RELEASE_GIL_IF(tok.len + (Py_ssize_t)el >= GIL_RELEASE_BYTES);
+        b2_chain(rootcopy, tp, tb, (size_t)nblocks, ep, el, out);
+        REACQUIRE_GIL();
+    }
+done:
+    if (have_extra) PyBuffer_Release(&extra);
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&root);
+    return result;
+}
+
+PyDoc_STRVAR(blake2b16_doc,
+"blake2b16(data) -> bytes\n\n"
+"Unkeyed BLAKE2b with a 16-byte digest (hashlib.blake2b(data, digest_size=16)).");
+
+static PyObject *kv_blake2b16(PyObject *self, PyObject *arg) {
+    Py_buffer data;
+    if (get_buffer(arg, &data, "data", 0) < 0) return NULL;
+    uint8_t out[B2_OUT];
+    b2_state s;
+    b2_init16(&s);
+    RELEASE_GIL_IF(data.len >= GIL_RELEASE_BYTES);
+    b2_update(&s, (const uint8_t *)data.buf, (size_t)data.len);
+    REACQUIRE_GIL();
+    b2_final16(&s, out);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)out, B2_OUT);
+}
+
+static uint64_t xxh64_view(const Py_buffer *v, uint64_t seed) {
+    RELEASE_GIL_IF(v->len >= GIL_RELEASE_BYTES);
+    uint64_t h = xxh64_buf((const uint8_t *)v->buf, (size_t)v->len, seed);
+    REACQUIRE_GIL();
+    return h;
+}
+
+PyDoc_STRVAR(xxh64_doc,
+"xxh64(data, seed=0) -> int\n\n"
+"XXH64 of data (same as xxhash.xxh64_intdigest(data, seed)).");
+
+static PyObject *kv_xxh64(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"data", "seed", NULL};
+    PyObject *data_o, *seed_o = NULL;
+    uint64_t seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:xxh64", kwlist, &data_o, &seed_o))
+        return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    Py_buffer data;
+    if (get_buffer(data_o, &data, "data", 0) < 0) return NULL;
+    uint64_t h = xxh64_view(&data, seed);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(verify_checksum_doc,
+"verify_checksum(data, expected, seed=0) -> bool\n\n"
+"True when xxh64(data, seed) == expected.");
+
+static PyObject *kv_verify_checksum(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"data", "expected", "seed", NULL};
+    PyObject *data_o, *exp_o, *seed_o = NULL;
+    uint64_t seed = 0, expected;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:verify_checksum", kwlist,
+                                     &data_o, &exp_o, &seed_o)) {
+        return NULL;
+    }
+    if (get_u64(exp_o, &expected, "expected") < 0) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    Py_buffer data;
+    if (get_buffer(data_o, &data, "data", 0) < 0) return NULL;
+    uint64_t h = xxh64_view(&data, seed);
+    PyBuffer_Release(&data);
+    return PyBool_FromLong(h == expected);
+}
+
+/* copy_checksum (with_hash) and copy_nt share everything but the hash. */
+static PyObject *do_copy(PyObject *args, PyObject *kwargs, int with_hash) {
+    static char *kw_hash[] = {"dst", "src", "seed", NULL};
+    static char *kw_copy[] = {"dst", "src", NULL};
+    PyObject *dst_o, *src_o, *seed_o = NULL;
+    uint64_t seed = 0, h = 0;
+    int ok = with_hash ? PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:copy_checksum", kw_hash,
+                                                     &dst_o, &src_o, &seed_o)
+                       : PyArg_ParseTupleAndKeywords(args, kwargs, "OO:copy_nt", kw_copy,
+                                                     &dst_o, &src_o);
+    if (!ok) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    Py_buffer dst, src;
+    if (get_buffer(dst_o, &dst, "dst", 1) < 0) return NULL;
+    if (get_buffer(src_o, &src, "src", 0) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (dst.len < src.len) {
+        PyErr_Format(PyExc_ValueError, "dst is too small: %zd bytes < %zd bytes of src",
+                     dst.len, src.len);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    uint8_t *d = (uint8_t *)dst.buf;
+    const uint8_t *sp = (const uint8_t *)src.buf;
+    size_t n = (size_t)src.len;
+    RELEASE_GIL_IF(src.len >= GIL_RELEASE_BYTES);
+    if (ranges_overlap(d, n, sp, n)) {
+        /* Hash the original bytes before any of them is overwritten. */
+        if (with_hash) h = xxh64_buf(sp, n, seed);
+        memmove(d, sp, n);
+    } else if (with_hash) {
+        h = copy_hash(d, sp, n, seed);
+    } else {
+        copy_plain_or_nt(d, sp, n);
+    }
+    REACQUIRE_GIL();
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!with_hash) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(copy_checksum_doc,
+"copy_checksum(dst, src, seed=0) -> int\n\n"
+"Copy src into the start of dst (len(dst) >= len(src)) and return\n"
+"xxh64(src, seed), hashing and copying in one pass with streaming stores.");
+
+static PyObject *kv_copy_checksum(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return do_copy(args, kwargs, 1);
+}
+
+PyDoc_STRVAR(copy_nt_doc,
+"copy_nt(dst, src) -> None\n\n"
+"Copy src into the start of dst with non-temporal stores (memcpy for small\n"
+"or overlapping buffers).");
+
+static PyObject *kv_copy_nt(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return do_copy(args, kwargs, 0);
+}
+
+PyDoc_STRVAR(set_simd_doc,
+"set_simd(enabled) -> bool\n\n"
+"Use the AVX2 BLAKE2b compression when enabled and the CPU has AVX2 (the\n"
+"default at import); False selects the portable scalar code.  Digests are\n"
+"identical either way (the tests compare both paths).  Returns whether the\n"
+"AVX2 code is now in use.");
+
+static PyObject *kv_set_simd(PyObject *self, PyObject *arg) {
+    int enabled = PyObject_IsTrue(arg);
+    if (enabled < 0) return NULL;
+    return PyBool_FromLong(b2_use_avx2(enabled));
+}
+
+static PyMethodDef kv_methods[] = {
+    {"chain_hash", (PyCFunction)(void (*)(void))kv_chain_hash,
+     METH_VARARGS | METH_KEYWORDS, chain_hash_doc},
+    {"blake2b16", (PyCFunction)kv_blake2b16, METH_O, blake2b16_doc},
+    {"xxh64", (PyCFunction)(void (*)(void))kv_xxh64, METH_VARARGS | METH_KEYWORDS,
+     xxh64_doc},
+    {"copy_checksum", (PyCFunction)(void (*)(void))kv_copy_checksum,
+     METH_VARARGS | METH_KEYWORDS, copy_checksum_doc},
+    {"copy_nt", (PyCFunction)(void (*)(void))kv_copy_nt, METH_VARARGS | METH_KEYWORDS,
+     copy_nt_doc},
+    {"verify_checksum", (PyCFunction)(void (*)(void))kv_verify_checksum,
+     METH_VARARGS | METH_KEYWORDS, verify_checksum_doc},
+    {"set_simd", (PyCFunction)kv_set_simd, METH_O, set_simd_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int kv_exec(PyObject *m) {
+    int have_avx2 = b2_use_avx2(1);
+    if (PyModule_AddObjectRef(m, "HAVE_AVX2", have_avx2 ? Py_True : Py_False) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "BLOCK_ID_BYTES", B2_OUT) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot kv_slots[] = {{Py_mod_exec, kv_exec}, {0, NULL}};
+
+static struct PyModuleDef kv_module = {
+    PyModuleDef_HEAD_INIT, "kvstore._native",
+    "Native BLAKE2b-128 chain hashing, XXH64 and streaming copy+checksum.",
+    0, kv_methods, kv_slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModuleDef_Init(&kv_module); }
