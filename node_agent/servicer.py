@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvstore import errors
+from kvstore import errors, native
 from kvstore.events import Tier
 from kvstore.hashing import split_ids
 from kvstore.namespace import Namespace
@@ -219,6 +219,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.PermissionDenied(f"tenant {tenant!r} may not read stats of "
                                           f"{request.tenant!r}")
         resp = build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
+        resp.native_accel = native.active()  # "python (...)": the slow fallback is in use
         if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
             resp.counters["local_lane_calls"] = self.lane.calls
             resp.counters["local_lane_connections"] = self.lane.connections

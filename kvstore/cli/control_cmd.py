@@ -235,11 +235,11 @@ def _tier_cells(node) -> list[str]:
 def _nodes_table(view: ClusterView) -> str:
     rows = [[n.node_id, n.address, n.device or "-", "up" if n.reachable else "UNREACHABLE",
              *_tier_cells(n), f"{100 * n.utilization:.0f}%" if n.reachable else "-",
-             n.in_flight if n.reachable else "-"] for n in view.nodes]
+             n.in_flight if n.reachable else "-", n.native_accel or "-"] for n in view.nodes]
     rows += [[f"router:{r.get('router_id', '?')}", r.get("address") or "-", "-", "up",
-              "-", "-", "-", "-"] for r in view.routers]
+              "-", "-", "-", "-", "-"] for r in view.routers]
     return table(["node", "address", "device", "state", "hbm used / capacity",
-                  "nvme used / capacity", "pool util", "in flight"], rows)
+                  "nvme used / capacity", "pool util", "in flight", "hashing"], rows)
 
 
 def _unreachable_exit(view: ClusterView, command: str) -> int:

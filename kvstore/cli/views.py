@@ -88,6 +88,7 @@ class NodeView:
     tiers: tuple[TierView, ...] = ()
     tenants: tuple[TenantView, ...] = ()
     evictions: dict = field(default_factory=dict)
+    native_accel: str = ""  # Stats' native_accel: "python (...)" is the slow fallback
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -165,7 +166,7 @@ async def node_view(rec: NodeRecord, token: str | None, timeout_s: float,
     evictions = {k: int(v) for k, v in resp.counters.items() if k in EVICTION_REASONS}
     return NodeView(rec.node_id, rec.address, resp.device or rec.device, True, "",
                     round(resp.utilization, 4), resp.in_flight, tiers,
-                    tuple(_tenant(t) for t in resp.tenants), evictions)
+                    tuple(_tenant(t) for t in resp.tenants), evictions, resp.native_accel)
 
 
 async def etcd_status(etcd: EtcdClient) -> dict:

@@ -189,7 +189,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., hbm_bytes: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., hbm_limit_bytes: _Optional[int] = ..., nvme_limit_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "device", "tiers", "tenants", "counters", "in_flight", "utilization")
+    __slots__ = ("node_id", "device", "tiers", "tenants", "counters", "in_flight", "utilization", "native_accel")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_ACCEL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     device: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -211,7 +212,8 @@ class StatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     in_flight: int
     utilization: float
-    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
+    native_accel: str
+    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ..., native_accel: _Optional[str] = ...) -> None: ...
 
 class RegisterShmRequest(_message.Message):
     __slots__ = ("name", "size")
