@@ -6,8 +6,8 @@ import json
 import sys
 
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
+from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 
-DEFAULT_STATE = ".state/cluster"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
 
 
@@ -17,13 +17,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                           "a state directory.")
     sub = parser.add_subparsers(dest="cluster_cmd", metavar="{up,down,status}")
     sub.required = True
-    state_help = f"directory for state, data and logs (default {DEFAULT_STATE})"
+    state_help = (f"directory for state, data and logs (default ${STATE_ENV}, else "
+                  f"{DEFAULT_STATE}; down and status also look for one in parent directories)")
     p = sub.add_parser("up", help="start etcd, agents and a router; wait until healthy",
                        description="Start etcd, N agents and a router, wait until every one "
                                    "answers gRPC health and the router follows every agent, "
                                    "then print their addresses.")
     p.add_argument("--agents", type=int, default=2, help="number of node agents (default 2)")
-    p.add_argument("--state-dir", default=DEFAULT_STATE, help=state_help)
+    p.add_argument("--state-dir", help=state_help)
     p.add_argument("--pool-bytes", default="256MiB", help="device pool per agent (256MiB)")
     p.add_argument("--slot-bytes", default="64KiB",
                    help="largest block payload an agent accepts (64KiB)")
@@ -39,7 +40,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Stop the router and agents (SIGTERM; they leave etcd "
                                    "cleanly), then etcd; SIGKILL whatever is left after the "
                                    "grace period. Data and logs stay in the state directory.")
-    p.add_argument("--state-dir", default=DEFAULT_STATE, help=state_help)
+    p.add_argument("--state-dir", help=state_help)
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds to wait after SIGTERM before SIGKILL (default 10)")
     p = sub.add_parser("status", help="show each process, its address and indexed blocks",
@@ -48,7 +49,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                                    "how many blocks the router indexed for it. Exit status: 0 "
                                    "all healthy, 3 etcd unreachable, 4 an agent or the router "
                                    "unreachable, 1 no cluster.")
-    p.add_argument("--state-dir", default=DEFAULT_STATE, help=state_help)
+    p.add_argument("--state-dir", help=state_help)
     p.add_argument("--output", choices=("table", "json"), default="table")
 
 
@@ -61,7 +62,8 @@ def _up(args) -> int:
         print(f"kvctl cluster up: {exc}", file=sys.stderr)
         return EXIT_USAGE
     quiet = args.output == "json"
-    st = up(args.state_dir, opts, say=(lambda _msg: None) if quiet else print)
+    say = (lambda _msg: None) if quiet else print
+    st = up(state_dir(args.state_dir, look_up=False).value, opts, say=say)
     if quiet:
         print(json.dumps({"state_dir": st.state_dir, "etcd_endpoint": st.etcd_endpoint,
                           "router_address": st.router_address,
@@ -72,10 +74,11 @@ def _up(args) -> int:
 def _down(args) -> int:
     from kvstore.devcluster import STATE_FILE, down
     from pathlib import Path
-    if not (Path(args.state_dir) / STATE_FILE).exists():
-        print(f"no local cluster in {args.state_dir}; nothing to stop")
+    state = state_dir(args.state_dir)
+    if not (Path(state.value) / STATE_FILE).exists():
+        print(f"no local cluster in {state.value} ({state.source}); nothing to stop")
         return EXIT_OK
-    stopped = down(args.state_dir, args.grace)
+    stopped = down(state.value, args.grace)
     print(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
     return EXIT_OK
 
@@ -98,7 +101,11 @@ def render_status(report: dict) -> str:
 
 def _status(args) -> int:
     from kvstore.devcluster import status
-    report = status(args.state_dir)
+    state = state_dir(args.state_dir)
+    try:
+        report = status(state.value)
+    except ClusterError as exc:
+        raise ClusterError(f"{exc} [{state.source}]") from None
     print(json.dumps(report, indent=2) if args.output == "json" else render_status(report))
     comps = report["components"]
     if any(c["kind"] == "etcd" and not c["healthy"] for c in comps):

@@ -2,7 +2,8 @@
 
 Every command takes `--output table|json` (tables for people, JSON for scripts; progress
 lines go to stderr either way) and finds etcd from `--etcd`, else `--state-dir` (a local
-cluster's cluster.json), else $KVSTORE_ETCD, else 127.0.0.1:2379.
+cluster's cluster.json), else $KVSTORE_ETCD, else $KVSTORE_STATE_DIR, else the
+.state/cluster of `make run` in this directory or a parent (kvstore/cli/discover.py).
 
 Exit codes: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
 5 a flush or kill switch change was not acknowledged by every live member in time.
@@ -21,10 +22,11 @@ from kvstore.coord.admin import AckProgress, ControlPlane, Quota
 from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
 from kvstore.units import format_size, parse_size
+from kvstore.cli import discover
+from kvstore.cli.discover import ETCD_ENV, STATE_ENV
 from kvstore.cli.views import EVICTION_REASONS, ClusterView, cluster_view
 
 OK, FAILED, USAGE, ETCD_DOWN, NODE_DOWN, NOT_ACKED = 0, 1, 2, 3, 4, 5
-ETCD_ENV = "KVSTORE_ETCD"
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
 
 
@@ -33,16 +35,12 @@ class Usage(Exception):
 
 
 # ------------------------------------------------------------------------ plumbing
-def _endpoints(args) -> str:
-    if args.etcd:
-        return args.etcd
-    if args.state_dir:
-        from kvstore.devcluster import ClusterError, ClusterState
-        try:
-            return ClusterState.load(args.state_dir).etcd_endpoint
-        except ClusterError as exc:
-            raise Usage(str(exc)) from None
-    return os.environ.get(ETCD_ENV) or "127.0.0.1:2379"
+def _endpoints(args) -> discover.Found:
+    from kvstore.devcluster import ClusterError
+    try:
+        return discover.etcd(args.etcd, args.state_dir)
+    except ClusterError as exc:
+        raise Usage(str(exc)) from None
 
 
 def _token(args) -> str | None:
@@ -58,11 +56,18 @@ def _token(args) -> str | None:
 def _run(args, body) -> int:
     """Open etcd, run `body(etcd)` (a coroutine function returning an exit code), and
     turn every failure into a message on stderr and its exit code."""
+    target = discover.Found("", "")
+
     async def main() -> int:
-        async with EtcdClient(_endpoints(args), timeout=args.etcd_timeout) as etcd:
+        nonlocal target
+        target = _endpoints(args)
+        async with EtcdClient(target.value, timeout=args.etcd_timeout) as etcd:
             return await body(etcd)
     try:
         return asyncio.run(main())
+    except discover.NoCluster as exc:
+        print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
+        return ETCD_DOWN
     except Usage as exc:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
         return USAGE
@@ -70,9 +75,9 @@ def _run(args, body) -> int:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
         return USAGE
     except errors.Unavailable as exc:
-        print(f"kvctl {args.kvctl_command}: {exc}\n  (is etcd running? pass --etcd HOST:PORT, "
-              f"--state-dir, or set ${ETCD_ENV}; no change was made unless stated above)",
-              file=sys.stderr)
+        print(f"kvctl {args.kvctl_command}: {exc}\n  (etcd from {target.source}; is etcd "
+              f"running? pass --etcd HOST:PORT, --state-dir, or set ${ETCD_ENV}; no change "
+              "was made unless stated above)", file=sys.stderr)
         return ETCD_DOWN
     except errors.KvError as exc:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
@@ -335,9 +340,10 @@ def cmd_audit(args) -> int:
 # ------------------------------------------------------------------------- parsers
 def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     p.add_argument("--etcd", metavar="ENDPOINTS",
-                   help=f"etcd host:port[,host:port] (default ${ETCD_ENV} or 127.0.0.1:2379)")
+                   help=f"etcd host:port[,host:port] (default ${ETCD_ENV}, else the local "
+                        f"cluster of ${STATE_ENV} or of .state/cluster here or in a parent)")
     p.add_argument("--state-dir", help="a local cluster's state directory (kvctl cluster "
-                                       "up): use its etcd")
+                                       "up, make run): use its etcd")
     p.add_argument("--output", "-o", choices=["table", "json"], default="table")
     p.add_argument("--etcd-timeout", type=float, default=3.0, metavar="S",
                    help="seconds per etcd call (default 3)")
