@@ -23,6 +23,7 @@ log = logging.getLogger("kvstore.native")
 EXTENSION = "kvstore._native"
 OFF_ENV = "KVSTORE_NO_NATIVE"  # force the fallback (the tests compare both paths)
 _warned: set[str] = set()
+_first: Accel | None = None  # what the process's first load() returned
 
 __all__ = ["Accel", "EXTENSION", "OFF_ENV", "OPTIONAL_ENV", "RULE", "active", "load", "must_build"]
 
@@ -58,7 +59,10 @@ def _import() -> Accel:
 def load() -> Accel:
     """The extension unless $KVSTORE_NO_NATIVE is set; read at each call, so a module
     re-executed with it set gets the fallback. A fallback is logged once per reason."""
+    global _first
     accel = _import()
+    if _first is None:
+        _first = accel
     if accel.module is None and accel.reason not in _warned:
         _warned.add(accel.reason)
         how = ("unset it for the native code" if accel.reason.startswith("disabled") else
@@ -69,9 +73,7 @@ def load() -> Accel:
 
 
 def active() -> str:
-    """What kvstore.hashing and kvstore.checksum use now (Stats' native_accel)."""
-    from kvstore import checksum, hashing
-    names = {hashing.ACCEL.name, checksum.ACCEL.name}
-    if len(names) == 1:
-        return names.pop()
-    return f"hashing: {hashing.ACCEL.name}; checksums: {checksum.ACCEL.name}"
+    """What this process hashes and checksums with (Stats' native_accel): what the first
+    load() got, i.e. kvstore.hashing and kvstore.checksum at import (under one
+    environment: both or neither), never changed later."""
+    return (_first or _import()).name
