@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import socket
 import subprocess
 import sys
@@ -23,6 +24,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = f"kvc-{uuid.uuid4().hex[:6]}"  # container and volume names of this run
+# No systemd here to run healthchecks on a timer: no timer, and `podman healthcheck run`
+# by hand (wait_healthy).
+_NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+QUIET = ("--health-interval", "disable",
+         # podman's default ulimits exceed this machine's hard limits, and runc refuses
+         # them: open files up to the hard limit, processes at a modest 4096
+         "--ulimit", f"nofile={_NOFILE}:{_NOFILE}", "--ulimit", "nproc=4096:4096")
 AGENT_ENV = {"KVSTORE_AGENT_ALLOW_UNAUTHENTICATED": "true", "KVSTORE_AGENT_POOL_BYTES": "32MiB",
              "KVSTORE_AGENT_SLOT_BYTES": "64KiB", "KVSTORE_AGENT_NVME_BYTES": "256MiB",
              "KVSTORE_AGENT_METRICS_PORT": "0", "KVSTORE_AGENT_DEVICE": "cpu"}
@@ -78,8 +86,8 @@ class Check:
 
 def run_detached(image: str, name: str, args: list[str], env: dict, extra: list[str] = ()):
     envs = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
-    return sh("podman", "run", "-d", "--network", "host", "--name", name, *extra, *envs,
-              image, *args, check=True)
+    return sh("podman", "run", "-d", *QUIET, "--network", "host", "--name", name, *extra,
+              *envs, image, *args, check=True)
 
 
 def wait_healthy(name: str, timeout: float = 120) -> bool:
@@ -99,7 +107,7 @@ def wait_healthy(name: str, timeout: float = 120) -> bool:
 def client(image: str, addr: str, mode: str) -> subprocess.CompletedProcess:
     # Default /dev/shm (64 MiB) and its own IPC namespace: the client must notice what
     # shared memory can hold and fall back, never crash with SIGBUS.
-    return sh("podman", "run", "--rm", "--network", "host", image, "python", "-c", CLIENT,
+    return sh("podman", "run", "--rm", *QUIET, "--network", "host", image, "python", "-c", CLIENT,
               addr, mode, timeout=300)
 
 
@@ -121,14 +129,14 @@ def chart_checks(check: Check, image: str) -> None:
               str(uid) == user.split(":")[0], f"chart {uid}, image {user}")
         for c in spec["containers"]:
             cmd = c["command"]
-            found = sh("podman", "run", "--rm", "--entrypoint", "sh", image, "-c",
+            found = sh("podman", "run", "--rm", *QUIET, "--entrypoint", "sh", image, "-c",
                        f"command -v {cmd[0]}")
             check(f"chart {c['name']}: {cmd[0]} is in the image", found.returncode == 0)
             if "--config" in cmd:
                 path = cmd[cmd.index("--config") + 1]
                 mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
                 check(f"chart {c['name']}: {path} is mounted and is where the image keeps it",
-                      path in mounts and sh("podman", "run", "--rm", "--entrypoint", "test",
+                      path in mounts and sh("podman", "run", "--rm", *QUIET, "--entrypoint", "test",
                                             image, "-f", path).returncode == 0)
                 cfg_port = int(listen[Path(path).name].rsplit(":", 1)[1])
                 ports = {p["containerPort"] for p in c.get("ports", [])}
@@ -145,10 +153,10 @@ def main() -> int:
     image, check = args.image, Check()
     names: list[str] = []
     try:
-        uid = sh("podman", "run", "--rm", image, "id", "-u").stdout.strip()
+        uid = sh("podman", "run", "--rm", *QUIET, image, "id", "-u").stdout.strip()
         check("runs as a non-root user", uid not in ("", "0"), f"uid {uid}")
         for cmd in ("kvstore-agent", "kvstore-router", "kvctl"):
-            r = sh("podman", "run", "--rm", image, cmd, "--help")
+            r = sh("podman", "run", "--rm", *QUIET, image, cmd, "--help")
             check(f"{cmd} --help", r.returncode == 0 and "usage:" in r.stdout, r.stderr)
         etcd_port, peer_port = free_port(), free_port()
         names.append(f"{RUN}-etcd")
@@ -183,7 +191,7 @@ def main() -> int:
                   sh("podman", "logs", "--tail", "5", name).stderr)
         check(f"{RUN}-router healthy", wait_healthy(f"{RUN}-router"),
               sh("podman", "logs", "--tail", "5", f"{RUN}-router").stderr)
-        nodes = sh("podman", "run", "--rm", "--network", "host", image, "kvctl", "nodes",
+        nodes = sh("podman", "run", "--rm", *QUIET, "--network", "host", image, "kvctl", "nodes",
                    "--etcd", etcd, "-o", "json")
         listed = sorted(n["node_id"] for n in json.loads(nodes.stdout)["nodes"]) \
             if nodes.returncode == 0 else []
@@ -202,7 +210,7 @@ def main() -> int:
         r = client(image, addr, "fetch")
         check("blocks recovered after the restart (fetch only)", r.returncode == 0,
               (r.stdout + r.stderr)[-400:])
-        bare = sh("podman", "run", "--rm", "--network", "host", "--read-only",
+        bare = sh("podman", "run", "--rm", *QUIET, "--network", "host", "--read-only",
                   *[a for k, v in {**env, "KVSTORE_AGENT_LISTEN": "127.0.0.1:0"}.items()
                     for a in ("-e", f"{k}={v}")], image, timeout=120)
         check("a read-only root without a volume: one clear line, no traceback",
