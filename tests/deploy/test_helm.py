@@ -448,7 +448,7 @@ def test_notes_tell_how_to_reach_kvctl(helm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     notes = yaml.safe_load(proc.stdout)["data"]["notes"]
     assert f"kubectl -n {NAMESPACE} exec -it deploy/{RELEASE}-kvstore-router" in notes
-    assert "kvctl --etcd-endpoints etcd-a.infra.svc:2379,etcd-b" in notes
+    assert "kvctl status --etcd etcd-a.infra.svc:2379,etcd-b" in notes
     assert "app.kubernetes.io/component=kvctl" in notes
 
 
