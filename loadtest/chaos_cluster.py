@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,8 @@ class ChaosCluster:
     agents: list[Managed] = field(default_factory=list)
     router: Managed | None = None
     mounts: list[Path] = field(default_factory=list)
+    closed: bool = False  # set by close(): nothing starts after that
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def procs(self) -> list[Managed]:
@@ -212,7 +215,10 @@ class ChaosCluster:
         """Start `p` again (after it was killed); True once it serves. A process that exits
         or does not serve in time is left down and reported, not raised: that is a finding
         (e.g. an agent that cannot open its damaged RocksDB)."""
-        p.start()
+        with self._lock:  # the fault thread restarts; close() may be tearing down
+            if self.closed:
+                return False
+            p.start()
         try:
             self.wait_healthy([p], timeout_s)
             return True
@@ -224,6 +230,8 @@ class ChaosCluster:
     def close(self) -> None:
         """Stop everything (router and agents first: they revoke their leases), umount, and
         never raise: this runs on every exit path."""
+        with self._lock:
+            self.closed = True
         for group in ([self.router, *self.agents], [self.etcd]):
             live = [p for p in group if p is not None and p.running()]
             for p in live:
@@ -236,7 +244,7 @@ class ChaosCluster:
                 except subprocess.TimeoutExpired:
                     p.kill(signal.SIGKILL)
         for m in self.mounts:
-            subprocess.run(["umount", "-l", str(m)], capture_output=True)
+            subprocess.run(["umount", "-l", str(m)], check=False, capture_output=True)
         self.mounts.clear()
 
 

@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.client import KVClient
-from loadtest.chaos_cluster import ChaosCluster, Managed, clear_disk, damage_sst, fill_disk
+from loadtest.chaos_cluster import (
+    ChaosCluster,
+    Managed,
+    clear_disk,
+    damage_sst,
+    fill_disk,
+)
 from loadtest.chaos_load import Tracker, tenant_secret, tenant_spec
 
 FAULTS = ("kill9", "sigstop", "disk_full", "router_kill", "etcd_restart", "damage_sst")
@@ -134,9 +140,9 @@ class FaultRunner(threading.Thread):
     # ------------------------------------------------------------------ faults
     def _kill9(self, a: Managed, rec: FaultRecord, n: int) -> None:
         census = self._census(a, rec)
-        time.sleep(self.p.bound_s)
+        self.stop_ev.wait(self.p.bound_s)
         a.kill(signal.SIGKILL)
-        time.sleep(self.p.down_s)
+        self.stop_ev.wait(self.p.down_s)
         t = time.monotonic()
         ok = self.cluster.restart(a)
         rec.detail["restart_s"] = round(time.monotonic() - t, 2)
@@ -151,7 +157,7 @@ class FaultRunner(threading.Thread):
     def _sigstop(self, a: Managed, rec: FaultRecord, n: int) -> None:
         a.send(signal.SIGSTOP)
         try:
-            time.sleep(self.p.stop_s)
+            self.stop_ev.wait(self.p.stop_s)
         finally:
             a.send(signal.SIGCONT)
         rec.detail["stopped_s"] = self.p.stop_s
@@ -160,7 +166,7 @@ class FaultRunner(threading.Thread):
         d = self.cluster.data_dir(self.cluster.agents.index(a))
         try:
             rec.detail["ballast_bytes"] = fill_disk(d)
-            time.sleep(self.p.disk_hold_s)
+            self.stop_ev.wait(self.p.disk_hold_s)
         finally:
             clear_disk(d)
 

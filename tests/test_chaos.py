@@ -24,7 +24,7 @@ def test_chaos_runs_every_fault_and_reports_every_figure():
          "--tenants", "2", "--rate", "5", "--lease-ttl-s", str(TTL), "--warmup-s", "4",
          "--fault-every-s", "0", "--tail-s", "2", "--stop-s", "3", "--disk-hold-s", "1",
          "--disk-mb", "32", "--seed", "7"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout[-2000:]  # exactly one JSON line on stdout
@@ -76,7 +76,7 @@ def test_chaos_runs_every_fault_and_reports_every_figure():
 
 def test_chaos_refuses_an_unknown_fault_with_a_message():
     proc = subprocess.run([sys.executable, "-m", "loadtest.chaos", "--faults", "kill9,meteor"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown fault(s) meteor" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""
