@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pool-kib", type=int, default=256, help="device pool per agent")
     p.add_argument("--retry-s", type=float, default=0.1)
     p.add_argument("--give-up-s", type=float, default=None, help="default 5 x TTL")
+    p.add_argument("--client-churn-s", type=float, default=0.0,
+                   help="each tenant opens a fresh ClusterClient this often (0: never)")
     p.add_argument("--keep-state", action="store_true", help="keep logs and data")
     args = p.parse_args(argv)
     args.faults = tuple(f for f in args.faults.split(",") if f)
@@ -204,7 +206,8 @@ def run_load(cluster: ChaosCluster, args, skipped: dict) -> dict:
     stop, t0 = threading.Event(), time.monotonic()
     figs, tracker = Figures(), Tracker()
     lp = LoadParams(cluster.router.address, args.tenants, args.rate, args.seed, args.retry_s,
-                    args.give_up_s if args.give_up_s is not None else 5.0 * ttl)
+                    args.give_up_s if args.give_up_s is not None else 5.0 * ttl,
+                    args.client_churn_s)
     workers = [TenantWorker(i, lp, figs, tracker, stop, t0) for i in range(args.tenants)]
     kinds = tuple(k for k in args.faults if k not in skipped)
     fp = FaultParams(kinds, args.tenants, bound, args.stop_s or 1.5 * ttl, args.disk_hold_s,
@@ -281,7 +284,8 @@ def _result(args, figs: Figures, faults: FaultRunner, leaks, per_agent, drift, d
         "faults": [dataclasses.asdict(f) for f in faults.records],
         "skipped_faults": skipped,
         "config": {"minutes": args.minutes, "seed": args.seed, "tenants": args.tenants,
-                   "agents": args.agents, "rate": args.rate, "pool_kib": args.pool_kib},
+                   "agents": args.agents, "rate": args.rate, "pool_kib": args.pool_kib,
+                   "client_churn_s": args.client_churn_s},
     }
     out["goals"] = {
         "wrong_bytes": goal(figs.wrong_bytes, 0, "<="),

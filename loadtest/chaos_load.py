@@ -128,6 +128,12 @@ def error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def error_text(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else str(exc)
+    return f"{error_name(exc)}: {text}"[:300]
+
+
 @dataclass(frozen=True, slots=True)
 class LoadParams:
     router: str
@@ -136,6 +142,7 @@ class LoadParams:
     seed: int
     retry_s: float
     give_up_s: float
+    churn_s: float = 0.0  # > 0: each worker opens a new ClusterClient this often
 
 
 class TenantWorker(threading.Thread):
@@ -151,15 +158,24 @@ class TenantWorker(threading.Thread):
 
     def run(self) -> None:
         try:
-            with ClusterClient(self.p.router, tenant_secret=tenant_secret(self.i),
-                               shm_bytes=2 * MiB) as cc:
-                ns = self._open(cc)
-                while ns is not None and not self.stop_ev.is_set():
-                    began = time.monotonic()
-                    self._request(cc, ns)
-                    self.stop_ev.wait(max(0.0, 1.0 / self.p.rate - (time.monotonic() - began)))
+            while not self.stop_ev.is_set():
+                self._serve_one_client()
         except BaseException as exc:  # noqa: BLE001 - the harness reports it as broken
             self.crashed = exc
+
+    def _serve_one_client(self) -> None:
+        """Requests through one ClusterClient until the stop or, with `churn_s`, for that
+        long (an inference worker restarting: a fresh client, fresh staging regions)."""
+        opened = time.monotonic()
+        with ClusterClient(self.p.router, tenant_secret=tenant_secret(self.i),
+                           shm_bytes=2 * MiB) as cc:
+            ns = self._open(cc)
+            while ns is not None and not self.stop_ev.is_set():
+                if self.p.churn_s and time.monotonic() - opened >= self.p.churn_s:
+                    return
+                began = time.monotonic()
+                self._request(cc, ns)
+                self.stop_ev.wait(max(0.0, 1.0 / self.p.rate - (time.monotonic() - began)))
 
     def _open(self, cc: ClusterClient) -> ClusterNamespace | None:
         while not self.stop_ev.is_set():  # the cluster is up; a fault may be under way
@@ -193,7 +209,7 @@ class TenantWorker(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - whatever the client raises is counted
                 with self.figs.lock:
                     self.figs.errors[error_name(exc)] += 1
-                    self.figs.last_error = f"{error_name(exc)}: {str(exc)[:200]}"
+                    self.figs.last_error = error_text(exc)
                 waited = time.monotonic() - first
                 if self.stop_ev.is_set() or waited >= self.p.give_up_s:
                     with self.figs.lock:
