@@ -2,9 +2,9 @@
 127.0.0.1, each on a port fixed for the whole run, so a restarted process comes back at
 the address clients and etcd already know (as a restarted pod keeps its service address).
 
-cluster/local.py starts detached clusters on free ports for kvctl; here every process is
-a child of the harness that it kills, pauses and restarts, and that it always tears down
-(umounting the small tmpfs it may put under one agent's RocksDB directory).
+kvstore/devcluster.py (kvctl cluster up) starts detached clusters on free ports; here every
+process is a child of the harness that it kills, pauses and restarts, and that it always
+tears down (umounting the small tmpfs it may put under one agent's RocksDB directory).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from cluster.local import ROOT, etcd_healthy, free_port, grpc_healthy, router_nodes
+from kvstore.devcluster import ROOT, etcd_healthy, free_port, grpc_healthy, router_nodes
 
 MiB = 1 << 20
 
