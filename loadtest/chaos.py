@@ -257,10 +257,8 @@ def _progress(figs: Figures, faults: FaultRunner, t0: float, duration: float,
 
 def _during(faults: FaultRunner, at_s: float) -> str:
     """The fault under way when the longest-unavailable request started ('' for none)."""
-    for f in faults.records:
-        if f.at_s - 0.5 <= at_s <= f.at_s + f.duration_s:
-            return f.kind
-    return ""
+    under_way = [f for f in faults.records if f.at_s - 0.5 <= at_s <= f.at_s + f.duration_s]
+    return max(under_way, key=lambda f: f.at_s).kind if under_way else ""
 
 
 def _result(args, figs: Figures, faults: FaultRunner, leaks, per_agent, drift, drift_of,
