@@ -93,7 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-bound-s", type=float, default=None)
     p.add_argument("--stop-s", type=float, default=None, help="SIGSTOP length (1.5 x TTL)")
     p.add_argument("--disk-hold-s", type=float, default=4.0)
-    p.add_argument("--disk-mb", type=int, default=64, help="tmpfs under the last agent")
+    p.add_argument("--disk-mb", type=int, default=256,
+                   help="tmpfs under the last agent (room for its 32 MiB NVMe tier, RocksDB's "
+                        "64 MiB memtable flushes and compactions)")
     p.add_argument("--pool-kib", type=int, default=256, help="device pool per agent")
     p.add_argument("--retry-s", type=float, default=0.1)
     p.add_argument("--give-up-s", type=float, default=None, help="default 5 x TTL")

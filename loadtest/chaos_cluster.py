@@ -105,7 +105,7 @@ class ClusterSpec:
     agents: int = 3
     pool_bytes: int = 1 * MiB  # per agent: small, so blocks spill to NVMe early
     slot_bytes: int = 8192
-    nvme_bytes: int = 64 * MiB
+    nvme_bytes: int = 32 * MiB  # well under the tmpfs: the disk fills only when told to
     lease_ttl_s: int = 3
     disk_mb: int = 0  # > 0: the last agent's RocksDB directory is a tmpfs of this size
     start_timeout_s: float = 180.0

@@ -213,12 +213,21 @@ class FaultRunner(threading.Thread):
                 yield ids, c.lookup(h, ids)
 
     def _census(self, a: Managed, rec: FaultRecord) -> dict[int, set[bytes]]:
+        """NVMe-only blocks per tenant. Also counted: those below a prefix held in the
+        pool (a restart finds them only if that prefix has NVMe copies too: recovery
+        drops blocks whose parent did not survive)."""
         out: dict[int, set[bytes]] = {}
+        below_pool: set[bytes] = set()
         try:
             for i in range(self.p.tenants):
-                out[i] = {b for ids, r in self._lookups(a, i) for b in ids[r.hbm: r.matched]}
+                out[i] = set()
+                for ids, r in self._lookups(a, i):
+                    out[i].update(ids[r.hbm: r.matched])
+                    if r.hbm:
+                        below_pool.update(ids[r.hbm: r.matched])
         except grpc.RpcError as exc:
             rec.detail["census_error"] = exc.code().name
+        rec.detail["census_below_pool_prefix"] = len(below_pool)
         return out
 
     def _present(self, a: Managed, census: dict[int, set[bytes]]) -> dict[int, set[bytes]]:

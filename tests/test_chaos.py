@@ -26,7 +26,7 @@ def test_chaos_runs_every_fault_and_reports_every_figure():
         [sys.executable, "-m", "loadtest.chaos", "--minutes", "0.1", "--agents", "2",
          "--tenants", "2", "--rate", "5", "--lease-ttl-s", str(TTL), "--warmup-s", "4",
          "--fault-every-s", "0", "--tail-s", "2", "--stop-s", "3", "--disk-hold-s", "1",
-         "--disk-mb", "32", "--seed", "7"],
+         "--disk-mb", "128", "--seed", "7"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
