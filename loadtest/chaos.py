@@ -266,7 +266,10 @@ def _during(faults: FaultRunner, at_s: float) -> str:
 def _result(args, figs: Figures, faults: FaultRunner, leaks, per_agent, drift, drift_of,
             ratio, skipped, run: dict) -> dict:
     ttl = args.lease_ttl_s
-    r = lambda v, n=3: None if v is None else round(v, n)
+
+    def r(v, n=3):
+        return None if v is None else round(v, n)
+
     out = {
         "ops": figs.ops, "attempts": figs.attempts, "abandoned": figs.abandoned,
         "open_at_end": figs.open_at_end, "wrong_bytes": figs.wrong_bytes,
