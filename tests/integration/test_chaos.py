@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ["kill9", "sigstop", "disk_full", "router_kill", "etcd_restart", "damage_sst"]
 TTL = 2
 
