@@ -17,6 +17,11 @@ class NotFound(KvError):
     code = "NOT_FOUND"
 
 
+# NOT_FOUND details for a shared-memory region id the agent does not know: the agent
+# restarted (or the client unregistered it). Same-host clients re-register on it.
+UNKNOWN_REGION = "unknown shared-memory region"
+
+
 class AlreadyExists(KvError):
     code = "ALREADY_EXISTS"
 

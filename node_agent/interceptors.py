@@ -1,5 +1,6 @@
-"""gRPC edge: authentication (per-tenant bearer tokens) and the one place where the core's
-error hierarchy becomes gRPC status codes."""
+"""gRPC edge of the agent: authentication (per-tenant bearer tokens) on top of the shared
+edge (kvstore/grpc_edge.py), the one place where undecodable requests and the core's error
+hierarchy become gRPC status codes."""
 from __future__ import annotations
 
 import contextvars
@@ -8,6 +9,7 @@ import logging
 
 import grpc
 
+from kvstore.grpc_edge import wrap_handler
 from kvstore import errors
 
 log = logging.getLogger("kvstore.agent")
@@ -16,41 +18,12 @@ log = logging.getLogger("kvstore.agent")
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "current_tenant", default=None)
 
-_CODES = {name: getattr(grpc.StatusCode, name) for name in (
-    "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION",
-    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "UNAUTHENTICATED", "UNAVAILABLE", "DATA_LOSS",
-    "INTERNAL")}
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
-def status_for(exc: errors.KvError) -> grpc.StatusCode:
-    return _CODES.get(exc.code, grpc.StatusCode.INTERNAL)
-
-
-def _wrap_unary(fn, resolve):
-    async def handler(request, context):
-        try:
-            current_tenant.set(resolve(context))
-            return await fn(request, context)
-        except errors.KvError as exc:
-            await context.abort(status_for(exc), str(exc))
-    return handler
-
-
-def _wrap_stream(fn, resolve):
-    async def handler(request, context):
-        try:
-            current_tenant.set(resolve(context))
-            async for item in fn(request, context):
-                yield item
-        except errors.KvError as exc:
-            await context.abort(status_for(exc), str(exc))
-    return handler
-
-
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller's tenant from `authorization: Bearer <token>` and maps
-    KvError subclasses to status codes. Token hashes come from the agent config."""
+    """Resolves the caller's tenant from `authorization: Bearer <token>`, then the shared
+    edge maps errors to status codes. Token hashes come from the agent config."""
 
     def __init__(self, token_hashes: dict[str, str], allow_unauthenticated: bool) -> None:
         self._tenant_by_hash = {h.lower(): t for t, h in token_hashes.items() if h}
@@ -73,21 +46,15 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, self.resolve),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, self.resolve),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, self.resolve),
-                handler.request_deserializer, handler.response_serializer)
-        return handler
+        if handler is None:
+            return None
+        # Health checks are open to all; every method gets the shared edge (bad bytes ->
+        # INVALID_ARGUMENT, KvError -> its status, anything else INTERNAL, logged once).
+        before = None if details.method.startswith(_OPEN_METHODS) else self._authenticate
+        return wrap_handler(handler, details.method, log, before)
+
+    def _authenticate(self, context) -> None:
+        current_tenant.set(self.resolve(context))
 
 
 def check_access(owner: str, public: bool, write: bool) -> None:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import grpc
 
+from kvstore.grpc_edge import Undecodable, log_unexpected
 from kvstore import lane
 from kvstore.v1 import agent_pb2
 from node_agent.shm import SHM_DIR
@@ -28,7 +29,7 @@ class _Details(NamedTuple):  # what grpc.HandlerCallDetails carries
     invocation_metadata: tuple
 
 
-class _Abort(Exception):
+class _Abort(grpc.aio.AbortError):  # what context.abort raises, so the edge passes it on
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
@@ -128,10 +129,11 @@ class LocalLane:
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(grpc.StatusCode.INVALID_ARGUMENT, f"local-lane metadata: {exc}")
         handler = await self._intercepted(0, _Details(lane.SERVICE + name, meta))
-        try:
-            request = handler.request_deserializer(message)
-        except Exception:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name} request does not parse")
+        # The edge's deserializer (kvstore/grpc_edge.py) never raises: bad bytes come back
+        # as Undecodable, refused here before any check below reads the request.
+        request = handler.request_deserializer(message)
+        if isinstance(request, Undecodable):
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if name == "Get" and not request.HasField("shm"):
             return _error(grpc.StatusCode.INVALID_ARGUMENT,
                           "the local lane serves shared-memory Gets only (set shm)")
@@ -146,9 +148,9 @@ class LocalLane:
                 response = await handler.stream_unary(_once(request), ctx)
         except _Abort as exc:
             return _error(exc.code, exc.details)
-        except Exception as exc:  # what grpc.aio answers for an unexpected error
-            log.exception("local-lane %s failed", name)
-            return _error(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
+        except Exception as exc:  # a bug: the edge answers the servicer's own errors
+            return _error(grpc.StatusCode.INTERNAL,
+                          log_unexpected(log, f"local-lane {name}", exc))
         return lane.OK, handler.response_serializer(response)
 
     async def _intercepted(self, i: int, details: _Details):

@@ -7,15 +7,17 @@ mapped only for the tenant that registered it, so tenants never see each other's
 """
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import re
+import secrets
+import stat
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvstore.errors import (UNKNOWN_REGION, FailedPrecondition, InvalidArgument, NotFound,
+                            PermissionDenied, ResourceExhausted)
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -40,7 +42,6 @@ class Region:
 class ShmRegistry:
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
-        self._ids = itertools.count(1)
 
     def register(self, name: str, size: int, tenant: str | None) -> Region:
         if not _NAME.match(name or ""):
@@ -51,27 +52,48 @@ class ShmRegistry:
         # map another tenant's staging region through the agent and read or write it.
         if any(r.name == name and r.tenant != tenant for r in self._regions.values()):
             raise PermissionDenied(f"shared memory {name!r} is registered by another tenant")
+        if name in (".", ".."):
+            raise InvalidArgument("shared-memory name must name a file, not '.' or '..'")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise FailedPrecondition(f"shared memory {name!r} not found: client is not on "
                                      "this host (use the gRPC path)") from None
+        except OSError as exc:  # a directory, a socket, a link, not ours to open
+            raise FailedPrecondition(f"shared memory {name!r} cannot be opened: "
+                                     f"{exc.strerror}") from None
         try:
-            if os.fstat(fd).st_size < size:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FailedPrecondition(f"shared memory {name!r} is not a regular file")
+            if st.st_size < size:
                 raise InvalidArgument(f"shared memory {name!r} is smaller than {size} bytes")
             # Populate the mapping now: page faults at registration, not mid-transfer.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            raise ResourceExhausted(f"shared memory {name!r} cannot be mapped: "
+                                    f"{exc.strerror}") from None
         finally:
             os.close(fd)
-        region = Region(next(self._ids), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
+        region = Region(self._new_id(), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
         self._regions[region.region_id] = region
         return region
+
+    def _new_id(self) -> int:
+        """Random, never 0 (no region): a client of this agent's previous process at the
+        same address still names its old id, and with ids counted from 1 that id would
+        be another client's region here, its Gets landing there. A random id is unknown
+        (NOT_FOUND), so the client re-registers (kvstore/client)."""
+        while True:
+            rid = secrets.randbits(62) + 1
+            if rid not in self._regions:
+                return rid
 
     def get(self, region_id: int, tenant: str | None) -> Region:
         region = self._regions.get(region_id)
         if region is None:
-            raise NotFound(f"unknown shared-memory region {region_id}")
+            raise NotFound(f"{UNKNOWN_REGION} {region_id}")
         if region.tenant != tenant:
             raise PermissionDenied(f"shared-memory region {region_id} belongs to another tenant")
         return region

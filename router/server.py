@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.coord.etcd import EtcdClient
+from kvstore.grpc_edge import ErrorEdge, status_for
 from kvstore import errors
 from kvstore.process import bind_port, run_until_signalled
 from kvstore.config import RouterConfig
@@ -20,15 +21,6 @@ from router.scoring import Weights
 log = logging.getLogger("kvstore.router")
 
 MAX_ROUTE_BLOCKS = 1 << 16  # 1M tokens at 16 per block; bigger requests are malformed
-_CODES = {name: getattr(grpc.StatusCode, name) for name in (
-    "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE",
-    "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED")}
-
-
-def _status(exc: errors.KvError) -> grpc.StatusCode:
-    return _CODES.get(exc.code, grpc.StatusCode.INTERNAL)
-
-
 def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
     cands = []
     for s in d.scores:
@@ -64,7 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             d = self.core.route(request.namespace_id, request.block_ids, weights,
                                 request.request_id, request.dry_run)
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override
-            code = _status(exc) if isinstance(exc, errors.KvError) \
+            code = status_for(exc) if isinstance(exc, errors.KvError) \
                 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(exc))
         return decision_to_proto(d, self.core)
@@ -110,7 +102,10 @@ class RouterServer:
     async def start(self) -> None:
         Weights.from_config(self.cfg)  # validated once, before serving
         self.telemetry = RouterTelemetry(self.cfg, self.core)
-        self.server = grpc.aio.server(interceptors=self.telemetry.interceptors,
+        # ErrorEdge last: undecodable requests and unexpected errors get a precise status
+        # on every method (kvstore/grpc_edge.py), and telemetry still times them.
+        self.server = grpc.aio.server(interceptors=[*self.telemetry.interceptors,
+                                                    ErrorEdge(log)],
                                       options=[("grpc.so_reuseport", 0)])
         self.servicer = RouterServicer(self.core)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
