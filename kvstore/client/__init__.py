@@ -11,13 +11,24 @@ namespace's KV dtype. When the agent runs on the same host, payloads move throug
 shared-memory staging region and gRPC carries only control; otherwise they stream over
 gRPC. On the same host the hot calls (Lookup, Get, Put) also skip gRPC's per-call cost:
 they go over the agent's local lane, a Unix socket carrying the same messages
-(kvstore/lane.py), and fall back to gRPC if it breaks. `usage` reports prompt,
+(kvstore/lane.py), and register again if it breaks. `usage` reports prompt,
 cache-read, cache-write and uncached tokens per request.
+
+Every call has a deadline (`timeout`, 10 s by default; most methods take a per-call
+`timeout` that bounds each RPC they make) and fails with the client's own error type,
+kvstore.client.errors.KVClientError (a grpc.RpcError: same code() and details()), or its
+DeadlineExceeded: a frozen agent never hangs a caller. When the agent restarts on the
+same address, a same-host client notices (its region is unknown to the new process, or
+the lane's connection broke), registers its shared-memory region and the local lane
+again, and retries the call once; callers see nothing.
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -29,15 +40,18 @@ from kvstore.telemetry import TRACER, annotate, traced_channel
 from kvstore.client.convert import (block_shape, block_tensor, blocks_to_kv, check_block,
                                     kv_to_blocks, tensor_bytes, torch_dtype)
 from kvstore import lane
+from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 __all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
-           "blocks_to_kv", "torch_dtype"]
+           "blocks_to_kv", "torch_dtype", "KVClientError", "DeadlineExceeded"]
 
 MiB = 1 << 20
+DEFAULT_TIMEOUT_S = 10.0
+log = logging.getLogger("kvstore.client")
 _GRPC_PUT_BLOCKS = 8
 _COPY_OUT_BYTES = 4 * MiB
 
@@ -89,13 +103,26 @@ class PrefixHit:
         return len(self.blocks) * self.block_size
 
 
+class _Stale(Exception):
+    """This agent process does not know our registration: register again, then retry."""
+
+    def __init__(self, error: KVClientError) -> None:
+        super().__init__(error.details())
+        self.error = error
+
+
 class KVClient:
     def __init__(self, address: str, token: str | None = None,
                  tenant_secret: str | bytes | None = None, use_shm: bool | None = None,
                  shm_bytes: int = 256 * MiB, max_message_bytes: int = 64 * MiB,
-                 local_lane: bool = True) -> None:
+                 local_lane: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """`timeout`: the deadline of each RPC, in seconds (methods that take a
+        `timeout` override it per call)."""
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.address = address
         self.tenant_secret = tenant_secret
+        self.timeout = timeout
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self.channel = traced_channel(grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", max_message_bytes),
@@ -106,34 +133,81 @@ class KVClient:
         self._staging: np.ndarray | None = None
         self._region_id = 0
         self._lane: LaneChannel | None = None
+        self._lane_ok = local_lane
+        self._stale = False  # the lane broke or timed out: register again before a call
+        self._session_lock = threading.Lock()
+        self.reregistrations = 0  # times this client registered again (agent restarts)
         self._staging_cache: dict[tuple, torch.Tensor] = {}
         self.local_socket = ""  # the agent's local-lane socket, when it offered one
         if use_shm is not False:
-            self._try_shm(shm_bytes, required=bool(use_shm), lane_ok=local_lane)
+            self._try_shm(shm_bytes, required=bool(use_shm))
 
     # ---------------------------------------------------------------- plumbing
-    def _try_shm(self, size: int, required: bool, lane_ok: bool) -> None:
+    def _try_shm(self, size: int, required: bool) -> None:
         name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         arr = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
         arr.fill(0)  # fault the pages in now, not during the first transfer
+        self._shm, self._staging = shm, arr
         try:
-            resp = self.stub.RegisterShm(agent_pb2.RegisterShmRequest(name=name, size=size),
-                                         metadata=self._md)
-        except grpc.RpcError as exc:
+            self._register(time.monotonic() + self.timeout)
+        except KVClientError as exc:
+            self._shm, self._staging = None, None
             del arr
             shm.close()
             shm.unlink()
             if required or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             return
-        self._shm, self._staging, self._region_id = shm, arr, resp.region_id
-        self.local_socket = resp.local_socket
-        if lane_ok and resp.local_socket:
+
+    def _register(self, deadline: float) -> None:
+        """Register our region with the agent (again, after a restart) and open its
+        local lane when it offers one."""
+        resp = self._grpc(self.stub.RegisterShm, agent_pb2.RegisterShmRequest(
+            name=self._shm.name, size=self._staging.size), deadline)
+        self._region_id, self.local_socket = resp.region_id, resp.local_socket
+        self._stale = False
+        if self._lane_ok and resp.local_socket:
             try:  # the agent mapped our region, so it is on this host: its socket is too
-                self._lane = LaneChannel(resp.local_socket, self._md)
+                self._lane = LaneChannel(resp.local_socket, self._md,
+                                         max(0.01, deadline - time.monotonic()))
             except OSError:
                 pass  # e.g. /dev/shm shared but the socket not: stay on gRPC
+
+    def _reregister(self, deadline: float) -> None:
+        """The agent lost our registration (it restarted) or the lane broke: drop the
+        old registration if the agent still has it, then register again."""
+        with self._session_lock:
+            self._drop_lane()
+            try:
+                self._grpc(self.stub.UnregisterShm, agent_pb2.UnregisterShmRequest(
+                    region_id=self._region_id), deadline)
+            except KVClientError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    self._stale = True  # try again on the next call
+                    raise
+            self._register(deadline)
+            self.reregistrations += 1
+        log.info("registered again with agent %s (region %d, lane %s)", self.address,
+                 self._region_id, "on" if self._lane else "off")
+
+    def _drop_lane(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def _grpc(self, fn, request, deadline: float):
+        """One unary (or client-streaming) stub call by `deadline`, errors as ours."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"{self.address}: the deadline passed before the call")
+        try:
+            return fn(request, metadata=self._md, timeout=left)
+        except grpc.RpcError as exc:
+            raise from_rpc(exc) from None
 
     @property
     def uses_shm(self) -> bool:
@@ -143,23 +217,54 @@ class KVClient:
     def uses_local_lane(self) -> bool:
         return self._lane is not None
 
-    def _call(self, method: int, request, response_type, grpc_call):
-        """Over the local lane when there is one, else (or once it broke) over gRPC."""
-        if self._lane is not None:
+    def _call(self, method: int, build, response_type, grpc_call,
+              timeout: float | None = None):
+        """`build()`'s request over the local lane when there is one, else over gRPC;
+        once more after registering again when the agent lost our registration (calls
+        are idempotent). `build` runs per attempt: the region id may change."""
+        deadline = self._deadline(timeout)
+        if self._stale and self._shm is not None:
+            self._reregister(deadline)
+        try:
+            return self._attempt(method, build(), response_type, grpc_call, deadline)
+        except _Stale:
+            self._reregister(deadline)
+        try:
+            return self._attempt(method, build(), response_type, grpc_call, deadline)
+        except _Stale as exc:
+            raise exc.error from None
+
+    def _attempt(self, method: int, request, response_type, grpc_call, deadline: float):
+        lane_ch = self._lane
+        if lane_ch is not None:
             try:
-                return self._lane.call(method, request, response_type)
-            except LaneBroken:
-                self._lane = None  # e.g. the agent restarted; calls are idempotent
-        return grpc_call(request, metadata=self._md)
+                return lane_ch.call(method, request, response_type,
+                                    deadline - time.monotonic())
+            except LaneBroken as exc:  # e.g. the agent restarted
+                self._drop_lane()
+                raise _Stale(KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
+            except DeadlineExceeded:
+                self._drop_lane()  # out of step; reconnect on the next call
+                self._stale = True
+                raise
+            except KVClientError as exc:
+                if exc.unknown_region:
+                    raise _Stale(exc) from None
+                raise
+        try:
+            return self._grpc(grpc_call, request, deadline)
+        except KVClientError as exc:
+            if exc.unknown_region and self._shm is not None:
+                raise _Stale(exc) from None
+            raise
 
     def close(self) -> None:
-        if self._lane is not None:
-            self._lane.close()
-            self._lane = None
+        self._drop_lane()
         if self._shm is not None:
             try:
                 self.stub.UnregisterShm(
-                    agent_pb2.UnregisterShmRequest(region_id=self._region_id), metadata=self._md)
+                    agent_pb2.UnregisterShmRequest(region_id=self._region_id),
+                    metadata=self._md, timeout=min(self.timeout, 2.0))
             except grpc.RpcError:
                 pass
             self._staging = None
@@ -176,10 +281,10 @@ class KVClient:
         self.close()
 
     # --------------------------------------------------------------- namespaces
-    def open_namespace(self, spec: Namespace) -> NamespaceHandle:
+    def open_namespace(self, spec: Namespace, timeout: float | None = None) -> NamespaceHandle:
         msg = common_pb2.Namespace(**spec.to_dict())
-        info = self.stub.OpenNamespace(agent_pb2.OpenNamespaceRequest(spec=msg),
-                                       metadata=self._md)
+        info = self._grpc(self.stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=msg),
+                          self._deadline(timeout))
         return NamespaceHandle(spec, info.namespace_id, info.generation,
                                spec.root(info.generation, self.tenant_secret),
                                info.block_bytes, info.policy.min_prefix_blocks or 1)
@@ -188,9 +293,11 @@ class KVClient:
         return hash_chain(ns.root, tokens, ns.spec.block_size)
 
     # ------------------------------------------------------------------ blocks
-    def lookup(self, ns: NamespaceHandle, ids: list[bytes]) -> agent_pb2.LookupResponse:
+    def lookup(self, ns: NamespaceHandle, ids: list[bytes],
+               timeout: float | None = None) -> agent_pb2.LookupResponse:
         req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        return self._call(lane.LOOKUP, req, agent_pb2.LookupResponse, self.stub.Lookup)
+        return self._call(lane.LOOKUP, lambda: req, agent_pb2.LookupResponse,
+                          self.stub.Lookup, timeout)
 
     def staging_capacity(self, ns: NamespaceHandle) -> int:
         return 0 if self._staging is None else self._staging.size // ns.block_bytes
@@ -216,47 +323,52 @@ class KVClient:
             self._staging_cache[key] = t
         return t
 
-    def get_views(self, ns: NamespaceHandle, ids: list[bytes],
-                  parent: bytes | None = None) -> list[torch.Tensor]:
+    def get_views(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
+                  timeout: float | None = None) -> list[torch.Tensor]:
         """Leading present blocks as views over the staging area (zero-copy; valid until
         the next call on this client). Needs the shared-memory path."""
-        return self.get_views_tiered(ns, ids, parent).blocks
+        return self.get_views_tiered(ns, ids, parent, timeout).blocks
 
     def get_views_tiered(self, ns: NamespaceHandle, ids: list[bytes],
-                         parent: bytes | None = None) -> "Blocks":
+                         parent: bytes | None = None,
+                         timeout: float | None = None) -> "Blocks":
         """get_views, with the tier each block was served from."""
         if self._staging is None:
             raise RuntimeError("get_views needs the same-host shared-memory path")
         cap = self.staging_capacity(ns)
         if len(ids) > cap:
             raise ValueError(f"get_views takes at most {cap} blocks at once")
-        resp = self._get_staged(ns, ids, ns.root if parent is None else parent)
+        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout)
         return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
-    def _get_staged(self, ns: NamespaceHandle, ids: list[bytes],
-                    parent: bytes) -> agent_pb2.GetResponse:
+    def _get_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes,
+                    timeout: float | None = None) -> agent_pb2.GetResponse:
         """Get into staging slots 0..len(ids) (the caller checked the capacity)."""
         offsets = range(0, len(ids) * ns.block_bytes, ns.block_bytes)
-        req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent,
-                                   shm=agent_pb2.ShmTarget(region_id=self._region_id,
-                                                           offsets=offsets))
-        return self._call(lane.GET, req, agent_pb2.GetResponse, self._get_one)
+        packed = pack_ids(ids)
+        return self._call(lane.GET, lambda: agent_pb2.GetRequest(
+            ns=ns.ref, block_ids=packed, parent_id=parent,
+            shm=agent_pb2.ShmTarget(region_id=self._region_id, offsets=offsets)),
+            agent_pb2.GetResponse, self._get_one, timeout)
 
-    def _get_one(self, req: agent_pb2.GetRequest, metadata) -> agent_pb2.GetResponse:
+    def _get_one(self, req: agent_pb2.GetRequest, metadata,
+                 timeout: float) -> agent_pb2.GetResponse:
         """A shared-memory Get over gRPC, its responses folded into one."""
         out = agent_pb2.GetResponse()
-        for r in self.stub.Get(req, metadata=metadata):
+        for r in self.stub.Get(req, metadata=metadata, timeout=timeout):
             out.count += r.count
             out.tiers.extend(r.tiers)
         return out
 
     def get(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-            device: str | torch.device = "cpu") -> list[torch.Tensor]:
+            device: str | torch.device = "cpu",
+            timeout: float | None = None) -> list[torch.Tensor]:
         """Leading present blocks as tensors owned by the caller (on `device`)."""
-        return self.get_tiered(ns, ids, parent, device).blocks
+        return self.get_tiered(ns, ids, parent, device, timeout).blocks
 
     def get_tiered(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                   device: str | torch.device = "cpu") -> "Blocks":
+                   device: str | torch.device = "cpu",
+                   timeout: float | None = None) -> "Blocks":
         """`get`, with the tier each block was served from (kvstore.events.Tier: HBM for
         the device pool, NVME for a block read from RocksDB and promoted)."""
         parent = ns.root if parent is None else parent
@@ -265,7 +377,8 @@ class KVClient:
             cap = self.staging_capacity(ns)
             for start in range(0, len(ids), cap):
                 chunk = ids[start: start + cap]
-                resp = self._get_staged(ns, chunk, parent if start == 0 else ids[start - 1])
+                resp = self._get_staged(ns, chunk, parent if start == 0 else ids[start - 1],
+                                        timeout)
                 # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
                 # per block costs ~20 us each on small blocks, and one huge buffer is
                 # freshly mapped (page faults) on every call.
@@ -279,14 +392,18 @@ class KVClient:
                     break
             return out
         req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent)
-        for resp in self.stub.Get(req, metadata=self._md):
-            for data in resp.data:
-                out.blocks.append(block_tensor(ns.spec, bytearray(data)).to(device))
-            out.tiers.extend(resp.tiers)
+        try:
+            for resp in self.stub.Get(req, metadata=self._md,
+                                      timeout=self.timeout if timeout is None else timeout):
+                for data in resp.data:
+                    out.blocks.append(block_tensor(ns.spec, bytearray(data)).to(device))
+                out.tiers.extend(resp.tiers)
+        except grpc.RpcError as exc:
+            raise from_rpc(exc) from None
         return out
 
     def put_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                   first_slot: int = 0) -> agent_pb2.PutResponse:
+                   first_slot: int = 0, timeout: float | None = None) -> agent_pb2.PutResponse:
         """Store blocks already written into staging slots first_slot.. (same host)."""
         parent = ns.root if parent is None else parent
         blocks = []
@@ -294,13 +411,13 @@ class KVClient:
             blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
                                              shm_offset=(first_slot + i) * ns.block_bytes))
             parent = bid
-        req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, blocks=blocks,
-                                   root=ns.root)
-        return self._call(lane.PUT, req, agent_pb2.PutResponse,
-                          lambda r, metadata: self.stub.Put(iter([r]), metadata=metadata))
+        return self._call(lane.PUT, lambda: agent_pb2.PutRequest(
+            ns=ns.ref, shm_region_id=self._region_id, blocks=blocks, root=ns.root),
+            agent_pb2.PutResponse, lambda r, metadata, timeout: self.stub.Put(
+                iter([r]), metadata=metadata, timeout=timeout), timeout)
 
     def put(self, ns: NamespaceHandle, ids: list[bytes], blocks: list[torch.Tensor],
-            parent: bytes | None = None) -> agent_pb2.PutResponse:
+            parent: bytes | None = None, timeout: float | None = None) -> agent_pb2.PutResponse:
         """Store blocks (block i is the child of block i-1; block 0 of `parent`, the chain
         root by default). Idempotent: blocks already present are skipped."""
         if len(ids) != len(blocks):
@@ -318,11 +435,12 @@ class KVClient:
                 for v, b in zip(views, blocks[start: start + cap]):
                     v.copy_(b.reshape(v.shape))
                 r = self.put_staged(ns, ids[start: start + cap],
-                                    parent if start == 0 else ids[start - 1])
+                                    parent if start == 0 else ids[start - 1], timeout=timeout)
                 stored += r.stored
                 already += r.already_present
             return agent_pb2.PutResponse(stored=stored, already_present=already)
-        return self.stub.Put(self._grpc_put_stream(ns, ids, blocks, parent), metadata=self._md)
+        return self._grpc(self.stub.Put, self._grpc_put_stream(ns, ids, blocks, parent),
+                          self._deadline(timeout))
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
         for start in range(0, len(ids), _GRPC_PUT_BLOCKS):
@@ -334,13 +452,15 @@ class KVClient:
                 parent = bid
             yield msg
 
-    def pin(self, ns: NamespaceHandle, ids: list[bytes], pin: bool = True):
+    def pin(self, ns: NamespaceHandle, ids: list[bytes], pin: bool = True,
+            timeout: float | None = None):
         req = agent_pb2.PinRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        fn = self.stub.Pin if pin else self.stub.Unpin
-        return fn(req, metadata=self._md)
+        return self._grpc(self.stub.Pin if pin else self.stub.Unpin, req,
+                          self._deadline(timeout))
 
-    def stats(self, tenant: str = "") -> agent_pb2.StatsResponse:
-        return self.stub.Stats(agent_pb2.StatsRequest(tenant=tenant), metadata=self._md)
+    def stats(self, tenant: str = "", timeout: float | None = None) -> agent_pb2.StatsResponse:
+        return self._grpc(self.stub.Stats, agent_pb2.StatsRequest(tenant=tenant),
+                          self._deadline(timeout))
 
     def prefetch(self, ns: NamespaceHandle, ids: list[bytes], peer_address: str,
                  peer_ucx_address: str = "", parent: bytes | None = None,
@@ -358,23 +478,25 @@ class KVClient:
             block_ids=pack_ids(ids), parent_id=ns.root if parent is None else parent,
             peer_address=peer_address, peer_ucx_address=peer_ucx_address,
             timeout_ms=timeout_ms)
-        return self.peer_stub.Prefetch(req, metadata=self._md,
-                                       timeout=(timeout_ms or 30_000) / 1000 + 10)
+        return self._grpc(self.peer_stub.Prefetch, req,
+                          self._deadline((timeout_ms or 30_000) / 1000 + 10))
 
     # ------------------------------------------------------------ prompt level
     @TRACER.start_as_current_span("kvstore.client.fetch")
-    def fetch(self, ns: NamespaceHandle, tokens, device: str | torch.device = "cpu") -> PrefixHit:
-        """The longest cached prefix of `tokens` on this node, as block tensors."""
+    def fetch(self, ns: NamespaceHandle, tokens, device: str | torch.device = "cpu",
+              timeout: float | None = None) -> PrefixHit:
+        """The longest cached prefix of `tokens` on this node, as block tensors
+        (`timeout` bounds each of its calls)."""
         ids = self.block_ids(ns, tokens)
-        matched = self.lookup(ns, ids).matched if ids else 0
-        blocks = self.get(ns, ids[:matched], device=device) if matched else []
+        matched = self.lookup(ns, ids, timeout).matched if ids else 0
+        blocks = self.get(ns, ids[:matched], device=device, timeout=timeout) if matched else []
         annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
                   "kvstore.cached_blocks": len(blocks)})
         return PrefixHit(ids, blocks, ns.spec.block_size)
 
     @TRACER.start_as_current_span("kvstore.client.store")
     def store(self, ns: NamespaceHandle, tokens, kv: torch.Tensor | list[torch.Tensor],
-              cached_blocks: int = 0) -> Usage:
+              cached_blocks: int = 0, timeout: float | None = None) -> Usage:
         """Store the full blocks of `tokens` past the first `cached_blocks` and report
         usage. `kv` is the prompt's KV (layers, 2, tokens, heads, head_dim) or a list of
         block tensors covering at least the full blocks."""
@@ -384,7 +506,7 @@ class KVClient:
         written = 0
         if new_ids and len(ids) >= ns.min_prefix_blocks:
             parent = ids[cached_blocks - 1] if cached_blocks else ns.root
-            r = self.put(ns, new_ids, blocks[cached_blocks: len(ids)], parent)
+            r = self.put(ns, new_ids, blocks[cached_blocks: len(ids)], parent, timeout)
             written = r.stored
         annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
                   "kvstore.cached_blocks": cached_blocks, "kvstore.stored_blocks": written})

@@ -118,7 +118,8 @@ class ClusterClient:
             client = self._clients.get(address)
             if client is None:
                 client = KVClient(address, self.token, self.tenant_secret,
-                                  use_shm=self._use_shm, shm_bytes=self._shm_bytes)
+                                  use_shm=self._use_shm, shm_bytes=self._shm_bytes,
+                                  timeout=self.timeout)
                 self._clients[address] = client
             return client
 

@@ -1,8 +1,10 @@
 """Client end of the same-host local lane (frames in kvstore/lane.py).
 
-Errors the agent answers come back as LaneError, a grpc.RpcError with the same code() and
-details() the gRPC call would have raised, so callers handle both paths alike. A broken
-connection raises LaneBroken: the client then drops the lane and retries over gRPC.
+Errors the agent answers come back as LaneError, a KVClientError (so a grpc.RpcError) with
+the same code() and details() the gRPC call would have raised, so callers handle both
+paths alike. A call past its deadline raises DeadlineExceeded and closes the connection
+(the stream is out of step). A broken connection raises LaneBroken: the client then
+registers with the agent again (it may have restarted) and retries.
 """
 from __future__ import annotations
 
@@ -13,20 +15,13 @@ import grpc
 
 from kvstore.telemetry import trace_metadata
 from kvstore import lane
+from kvstore.client.errors import DeadlineExceeded, KVClientError
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class LaneError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+class LaneError(KVClientError):
+    """An error status the agent answered over the lane."""
 
 
 class LaneBroken(ConnectionError):
@@ -36,9 +31,11 @@ class LaneBroken(ConnectionError):
 class LaneChannel:
     """One connection to an agent's local lane; calls are serialised by a lock."""
 
-    def __init__(self, path: str, metadata: tuple = (), timeout_s: float = 120.0) -> None:
+    def __init__(self, path: str, metadata: tuple = (), timeout_s: float = 10.0) -> None:
+        """`timeout_s`: the connect's bound and the default deadline of a call."""
         self.path = path
         self._md = tuple(metadata)
+        self._timeout = timeout_s
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
@@ -51,17 +48,27 @@ class LaneChannel:
     def close(self) -> None:
         self._sock.close()
 
-    def call(self, method: int, request, response_type):
-        """Send `request` (a protobuf message), return a `response_type` message."""
+    def call(self, method: int, request, response_type, timeout: float | None = None):
+        """Send `request` (a protobuf message), return a `response_type` message; wait at
+        most `timeout` seconds (the channel's default when None) for the answer."""
         meta = lane.encode_meta(trace_metadata(self._md))
         frame = lane.request_frame(method, meta, request.SerializeToString())
+        wait = self._timeout if timeout is None else timeout
+        if wait <= 0:
+            raise DeadlineExceeded(f"local lane {self.path}: the deadline passed before "
+                                   "the call")
         with self._lock:
             try:
+                self._sock.settimeout(wait)
                 self._sock.sendall(frame)
                 n, status = lane.RESPONSE_HEADER.unpack(
                     self._recv(lane.RESPONSE_HEADER.size))
                 body = self._recv(n)
-            except OSError as exc:  # timeouts too: the stream is out of step now
+            except TimeoutError:  # the stream is out of step now: never reuse it
+                self._sock.close()
+                raise DeadlineExceeded(f"local lane {self.path}: no answer within "
+                                       f"{wait:.3g} s") from None
+            except OSError as exc:
                 self._sock.close()
                 raise LaneBroken(f"local lane {self.path}: {exc}") from exc
         if status != lane.OK:

@@ -176,16 +176,22 @@ def test_bad_frames_get_precise_errors_and_lose_nothing(spawn_agent):
         assert all(torch.equal(x, y) for x, y in zip(c.get(ns, ids), blocks))
 
 
-def test_broken_lane_falls_back_to_grpc(spawn_agent):
+def test_broken_lane_reconnects_to_the_restarted_agent(spawn_agent):
     agent = spawn_agent(default_policy={"persist": True})
     with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
         ns = c.open_namespace(SPEC)
         ids = c.block_ids(ns, prompt_tokens(6, 3 * BS))
         c.put(ns, ids, blocks_for(6, 3))
         assert c.uses_local_lane
+        old_socket = c.local_socket
         agent.restart()  # the lane's connection dies with the old process
-        assert c.lookup(ns, ids).matched == 3  # answered over gRPC by the new process
-        assert not c.uses_local_lane
+        assert c.lookup(ns, ids).matched == 3  # answered by the new process
+        # The client registered with the new process and is on its lane again.
+        assert c.uses_local_lane and c.local_socket != old_socket
+        assert c.reregistrations == 1
+        calls = dict(c.stats().counters)["local_lane_calls"]
+        assert all(torch.equal(a, b) for a, b in zip(c.get(ns, ids), blocks_for(6, 3)))
+        assert dict(c.stats().counters)["local_lane_calls"] == calls + 1
 
 
 def test_lane_channel_reports_a_connection_cut_mid_answer(tmp_path):
