@@ -29,6 +29,13 @@ NVMe tier of --nvme-fraction of it, both split across the agents. Each policy ru
 fresh namespaces, flushed afterwards so the next one starts with empty pools. Our router
 decides with its own weights unless --weights overrides them per request.
 
+The trace is checked whole before anything starts (kvstore.cli.analyze's format, then every
+namespace as the agents would validate it: no '/' in a tenant or namespace name, text that
+encodes): a bad one is a one-line message and exit code 2. A line may mark its namespace
+public ("public": true; loadtest.tracegen --public-namespaces): every tenant then opens the
+one public namespace of that name (owned by replay_sim.PUBLIC_TENANT) and shares its blocks,
+and the ceiling counts it as one keyspace.
+
 Output: progress and a summary on stderr, a report folder (report.md, PNG plots,
 summary.json, requests.jsonl) and one JSON line of headline figures on stdout.
 
@@ -65,17 +72,13 @@ from kvstore.v1 import common_pb2, router_pb2
 from loadtest import report
 from loadtest.replay_cluster import (Cluster, agent_counters,
                                      describe_cluster, flush_namespaces, start_cluster)
-from loadtest.replay_sim import (BLOCK, CostModel, HashRing, LinearPrefill, TraceRequest,
-                                 calibrate, decode_seconds_per_token, load_trace,
-                                 nocache_ttft, simulated_requests, time_scale)
+from loadtest.replay_sim import (BLOCK, LAYOUT, CostModel, HashRing, LinearPrefill,
+                                 TraceRequest, calibrate, check_trace,
+                                 decode_seconds_per_token, load_trace, nocache_ttft,
+                                 replay_spec, simulated_requests, time_scale)
 
 
 POLICIES = ("ours", "rr", "chash")
-LAYOUT = dict(model_name="tiny-llama", model_revision="seed0", adapter_id="none",
-              adapter_revision="none", tokenizer_id="synthetic", tokenizer_revision="v1",
-              rope_type="default", rope_theta=10000.0, rope_scaling="none",
-              attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
-              num_layers=2, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=1, block_size=BLOCK)
 SHM_BYTES = 2 << 20  # per agent client; Get/Put chunk larger prompts through it
 # Per-request override of the router's weights: none by default. (Until the router
 # counted queued prefill work and charged duplicates for pool space, its defaults copied
@@ -138,11 +141,11 @@ class Session:
         # so one set of payloads is reused for every prompt.
         self.filler = [torch.randn(shape, generator=gen).half() for _ in range(64)]
 
-    def spec(self, tenant: str, trace_ns: str) -> Namespace:
-        name = f"replay-{self.nonce}-{self.policy}-{trace_ns}"
+    def spec(self, tenant: str, trace_ns: str, public: bool) -> Namespace:
+        spec = replay_spec(tenant, trace_ns, public, f"{self.nonce}-{self.policy}")
         with self._lock:
-            self.names.add((tenant, name))
-        return Namespace(tenant=tenant, name=name, **LAYOUT)
+            self.names.add((spec.tenant, spec.name))
+        return spec
 
     def _mine(self) -> tuple[dict, dict]:
         """This thread's clients (by tenant) and namespaces (by tenant and trace ns)."""
@@ -161,11 +164,15 @@ class Session:
                 self._clients.append(cc)
         return cc
 
-    def namespace(self, cc: ClusterClient, tenant: str, trace_ns: str) -> ClusterNamespace:
+    def namespace(self, cc: ClusterClient, req: TraceRequest) -> ClusterNamespace:
+        """This thread's handle on the request's namespace (a public one is the same
+        namespace for every tenant, opened through each tenant's own client)."""
         _, spaces = self._mine()
-        ns = spaces.get((tenant, trace_ns))
+        key = (req.tenant, req.namespace)
+        ns = spaces.get(key)
         if ns is None:
-            ns = spaces[(tenant, trace_ns)] = cc.open_namespace(self.spec(tenant, trace_ns))
+            ns = spaces[key] = cc.open_namespace(self.spec(req.tenant, req.namespace,
+                                                           req.public))
         return ns
 
     def close(self) -> None:
@@ -206,7 +213,7 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
     No Lookup: Get serves the verified leading run of the blocks asked for, with the
     tier of each, so a Lookup first would only add a round trip."""
     cc = sess.client(req.tenant)
-    ns = sess.namespace(cc, req.tenant, req.namespace)
+    ns = sess.namespace(cc, req)
     errors: list[str] = []
     t0 = time.perf_counter()
     rid, peer, best, chosen = "", 0, -1, -1
@@ -272,7 +279,7 @@ class Replayer:
             node = self.nodes[req.index % len(self.nodes)]
         else:  # chash: the first block id (names tenant, namespace and first 16 tokens)
             cc = self.sess.client(req.tenant)
-            ns = self.sess.namespace(cc, req.tenant, req.namespace)
+            ns = self.sess.namespace(cc, req)
             ids = hash_chain(ns.root, req.tokens[:BLOCK], BLOCK)
             node = self.ring.node(ids[0] if ids else ns.root)
         return self.sess.cluster.nodes[node], node
@@ -475,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - stdout is JSON
     t0 = time.monotonic()
-    try:
+    try:  # the whole trace is checked before calibration or a cluster starts
         raw, source = load_trace(args.trace, args.requests, args.seed)
+        check_trace(raw)
         analysis = analyze(source, BLOCK)
     except (ValueError, OSError) as exc:
         print(f"replay: {args.trace or 'trace'}: {exc}", file=sys.stderr)

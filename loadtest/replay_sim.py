@@ -13,12 +13,55 @@ from typing import TYPE_CHECKING, Union
 
 from kvstore.cli.analyze import Request, cached_blocks, iter_requests, keyspace_root
 from kvstore.hashing import hash_chain
+from kvstore.namespace import Namespace
 from loadtest.tracegen import TraceConfig, generate
 
 if TYPE_CHECKING:  # importing it pulls in transformers: only calibration needs that
     from loadtest.model import PrefillCalibration
 
 BLOCK = 16  # tokens per block (the replay's KV layout)
+LAYOUT = dict(model_name="tiny-llama", model_revision="seed0", adapter_id="none",
+              adapter_revision="none", tokenizer_id="synthetic", tokenizer_revision="v1",
+              rope_type="default", rope_theta=10000.0, rope_scaling="none",
+              attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
+              num_layers=2, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=1, block_size=BLOCK)
+# Owner of the trace's public namespaces: every tenant opens that owner's namespace (a
+# tenant may open another's public namespace), so all of them share its blocks.
+PUBLIC_TENANT = "public"
+
+
+def replay_spec(tenant: str, trace_ns: str, public: bool, run: str) -> Namespace:
+    """The namespace a replay opens for a trace namespace; `run` names the run and
+    policy ("<nonce>-<policy>"), so each policy starts empty. Raises InvalidArgument
+    (a ValueError) for what the store would refuse."""
+    owner = PUBLIC_TENANT if public else tenant
+    return Namespace(tenant=owner, name=f"replay-{run}-{trace_ns}", public=public, **LAYOUT)
+
+
+def check_trace(reqs: list[Request]) -> None:
+    """Everything the replay will ask of the store, checked before a cluster starts:
+    each namespace as the agents will validate it (kvstore.namespace: no '/', text that
+    encodes), and a namespace public on every line or on none. ValueError names the
+    line."""
+    seen: dict[tuple[str, str], int] = {}
+    public: dict[str, tuple[bool, int]] = {}
+    for r in reqs:
+        was = public.setdefault(r.namespace, (r.public, r.line))
+        if was[0] != r.public:
+            raise ValueError(f"line {r.line}: namespace {r.namespace!r} is "
+                             f"{'public' if r.public else 'private'} here but "
+                             f"{'public' if was[0] else 'private'} on line {was[1]}")
+        key = r.keyspace
+        if key in seen:
+            continue
+        seen[key] = r.line
+        try:
+            replay_spec(r.tenant, r.namespace, r.public, "0-ours").namespace_id
+            if r.public:  # the tenant itself must be valid too, though it owns nothing
+                replay_spec(r.tenant, r.namespace, False, "0-ours").namespace_id
+        except ValueError as exc:  # InvalidArgument, UnicodeEncodeError
+            raise ValueError(f"line {r.line}: tenant {r.tenant!r}, namespace "
+                             f"{r.namespace!r}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +73,7 @@ class TraceRequest:
     tokens: list[int]
     ceiling_tokens: int
     output_tokens: int = 0  # generated after the prompt: the request decodes this long
+    public: bool = False  # its namespace is public: shared by every tenant
 
 
 def load_trace(trace: str | None, requests: int | None, seed: int
@@ -45,7 +89,7 @@ def load_trace(trace: str | None, requests: int | None, seed: int
     if trace and requests:
         reqs = reqs[:requests]
         source = [{"t": r.t, "tenant": r.tenant, "namespace": r.namespace,
-                   "tokens": r.tokens} for r in reqs]
+                   "tokens": r.tokens, "public": r.public} for r in reqs]
     if not reqs:
         raise ValueError("the trace holds no requests")
     return reqs, source
@@ -58,7 +102,7 @@ def ceiling_per_request(reqs: list[Request]) -> list[int]:
     roots: dict[tuple[str, str], bytes] = {}
     out = []
     for r in reqs:
-        key = (r.tenant, r.namespace)
+        key = r.keyspace
         root = roots.get(key) or roots.setdefault(key, keyspace_root(*key))
         ids = hash_chain(root, r.tokens, BLOCK)
         out.append(cached_blocks(ids, seen) * BLOCK)
@@ -158,7 +202,7 @@ def simulated_requests(raw: list[Request], scale: float) -> list[TraceRequest]:
     """Trace requests with arrivals from 0, scaled, and their ceilings."""
     ceil = ceiling_per_request(raw)
     return [TraceRequest(i, (r.t - raw[0].t) * scale, r.tenant, r.namespace, list(r.tokens),
-                         c, r.output_tokens) for i, (r, c) in enumerate(zip(raw, ceil))]
+                         c, r.output_tokens, r.public) for i, (r, c) in enumerate(zip(raw, ceil))]
 
 
 class HashRing:

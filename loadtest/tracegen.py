@@ -17,6 +17,10 @@ static content (system prompts, tools, documents) from keyed ``random.Random``
 instances, so it is the same whichever session first uses it; each session has its
 own generator, so its content does not depend on how sessions interleave.
 
+Namespaces named in ``public_namespaces`` (``--public-namespaces``) are public: their
+lines say ``"public": true`` and their static content is one set shared by every tenant
+(public documents, a common system prompt), so tenants share prefixes there.
+
 Usage: ``python -m loadtest.tracegen --requests 2000 --seed 7 --out trace.jsonl``.
 """
 
@@ -62,6 +66,9 @@ class TraceConfig:
     rate: float = 10.0  # mean requests per second over the whole trace
     namespaces: tuple[str, ...] = ("llama-3-8b", "llama-3-70b")
     namespace_weights: tuple[float, ...] = (0.8, 0.2)
+    # Of `namespaces`, those that are public (shared by every tenant): their records say
+    # "public": true, and a replay opens one namespace of that name for all tenants.
+    public_namespaces: tuple[str, ...] = ()
     docs_per_tenant: int = 200
     zipf_s: float = 1.1
 
@@ -81,6 +88,9 @@ class TraceConfig:
         _require(len(self.namespace_weights) == len(self.namespaces)
                  and all(w > 0 for w in self.namespace_weights),
                  "namespace_weights must be positive, one per namespace")
+        unknown = sorted(set(self.public_namespaces) - set(self.namespaces))
+        _require(not unknown, f"public namespaces {unknown} are not among the namespaces "
+                              f"{list(self.namespaces)}")
         _require(self.docs_per_tenant >= 3,
                  f"docs_per_tenant must be >= 3, got {self.docs_per_tenant}")
         _require(self.zipf_s >= 0, f"zipf_s must be >= 0, got {self.zipf_s}")
@@ -205,13 +215,15 @@ class _Session:
     """A running session: its generator and the next request it will send."""
 
     def __init__(self, sid: str, kind: str, tenant: _Tenant, namespace: str,
-                 rng: random.Random) -> None:
+                 rng: random.Random, content: _Tenant | None = None) -> None:
+        """`content`: whose static content the prompts use (a public namespace's, shared
+        by every tenant); the tenant's own by default."""
         self.sid = sid
         self.kind = kind
         self.tenant = tenant
         self.namespace = namespace
         self.rng = rng
-        self.steps = _SESSIONS[kind](tenant, rng)
+        self.steps = _SESSIONS[kind](content or tenant, rng)
         self.pending: Step | None = next(self.steps, None)
 
     def advance(self) -> Step:
@@ -234,18 +246,19 @@ def _session_odds(cfg: TraceConfig) -> tuple[list[float], float]:
 
 
 def _start_session(cfg: TraceConfig, tenants: list[_Tenant], master: random.Random,
-                   n: int) -> _Session:
+                   n: int, public: dict[str, _Tenant]) -> _Session:
     odds, _ = _session_odds(cfg)
     (kind,) = master.choices(KINDS, weights=odds)
     (tenant,) = master.choices(tenants, weights=cfg.tenant_weights)
     (namespace,) = master.choices(cfg.namespaces, weights=cfg.namespace_weights)
     rng = random.Random(f"tracegen/{cfg.seed}/session/{n}")
-    return _Session(f"{tenant.name}/s{n:06d}", kind, tenant, namespace, rng)
+    return _Session(f"{tenant.name}/s{n:06d}", kind, tenant, namespace, rng,
+                    public.get(namespace))
 
 
 def _record(index: int, t: float, session: _Session, step: Step, cfg: TraceConfig) -> dict:
     tokens, output = step
-    return {
+    record = {
         "id": f"r{index:06d}",
         "t": round(t, 6),
         "tenant": session.tenant.name,
@@ -255,12 +268,18 @@ def _record(index: int, t: float, session: _Session, step: Step, cfg: TraceConfi
         "tokens": tokens[: cfg.max_prompt_tokens],
         "output_tokens": max(1, min(output, cfg.max_output_tokens)),
     }
+    if session.namespace in cfg.public_namespaces:  # absent otherwise: same bytes as before
+        record["public"] = True
+    return record
 
 
 def generate(cfg: TraceConfig) -> Iterator[dict]:
     """Yield ``cfg.requests`` request records in arrival order (non-decreasing ``t``)."""
     master = random.Random(f"tracegen/{cfg.seed}/arrivals")
     tenants = [_Tenant(name, cfg) for name in cfg.tenants]
+    # A public namespace's system prompts, tools and documents are one set for every
+    # tenant (public content), so its sessions share prefixes across tenants.
+    public = {ns: _Tenant(f"public/{ns}", cfg) for ns in cfg.public_namespaces}
     _, session_rate = _session_odds(cfg)
     heap: list[tuple[float, int, _Session]] = []
     order = itertools.count()
@@ -269,7 +288,7 @@ def generate(cfg: TraceConfig) -> Iterator[dict]:
     emitted = 0
     while emitted < cfg.requests:
         if not heap or next_start <= heap[0][0]:
-            session = _start_session(cfg, tenants, master, sessions)
+            session = _start_session(cfg, tenants, master, sessions, public)
             sessions += 1
             if session.pending is not None:
                 heapq.heappush(heap, (next_start, next(order), session))
@@ -326,6 +345,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help=f"prompt length cap (default {defaults.max_prompt_tokens})")
     p.add_argument("--rate", type=float, default=defaults.rate,
                    help=f"mean requests per second (default {defaults.rate})")
+    p.add_argument("--public-namespaces", default="",
+                   help="comma-separated namespaces (of "
+                        f"{', '.join(defaults.namespaces)}) that are public: shared by "
+                        "every tenant (default none)")
     p.add_argument("--mix", default=None,
                    help="request shares per kind, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1 "
                         "(kinds left out get 0)")
@@ -340,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TraceConfig(requests=args.requests, seed=args.seed,
                           tenant_weights=linear_weights(args.tenants),
                           vocab_size=args.vocab_size, max_prompt_tokens=args.max_prompt_tokens,
-                          rate=args.rate, **mix)
+                          rate=args.rate, public_namespaces=tuple(
+                              n.strip() for n in args.public_namespaces.split(",") if n.strip()),
+                          **mix)
     except ValueError as exc:
         print(f"tracegen: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ Input is JSON Lines, one request per line::
 
     {"t": 12.5, "tenant": "acme", "namespace": "llama-3-8b", "tokens": [1, 2, ...]}
 
-Extra keys are ignored; blank lines are skipped; the file is streamed, and it must be
+An optional ``"public": true`` marks the namespace public: shared by every tenant (one
+keyspace for all of them), as public namespaces are in the store. Extra keys are ignored;
+blank lines are skipped; the file is streamed, and it must be
 sorted by ``t`` (a line that goes back in time is an error, because replaying it out of
 order would overstate or understate the ceiling).
 """
@@ -50,6 +52,13 @@ class Request:
     namespace: str
     tokens: tuple[int, ...] | list[int]
     output_tokens: int = 0  # tokens generated after the prompt (optional in a trace)
+    public: bool = False  # a public namespace: every tenant shares its keyspace
+
+    @property
+    def keyspace(self) -> tuple[str, str]:
+        """(tenant, namespace); a public namespace is one keyspace whoever asks ("" is
+        no tenant's name: tenants are non-empty)."""
+        return ("" if self.public else self.tenant, self.namespace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +186,9 @@ def parse_record(line: int, record: object) -> Request:
     out = record.get("output_tokens", 0)
     if type(out) is not int or not 0 <= out <= _INT32_MAX:
         raise _fail(line, f"'output_tokens' must be an integer >= 0, got {out!r}")
+    public = record.get("public", False)
+    if not isinstance(public, bool):
+        raise _fail(line, f"'public' must be true or false, got {public!r}")
     return Request(
         line=line,
         t=float(t),
@@ -184,6 +196,7 @@ def parse_record(line: int, record: object) -> Request:
         namespace=_check_text(line, record, "namespace"),
         tokens=_check_tokens(line, record["tokens"]),
         output_tokens=out,
+        public=public,
     )
 
 
@@ -245,7 +258,7 @@ def analyze(source: str | os.PathLike | Iterable, block_size: int = 16) -> Analy
     tenants: dict[str, _Tally] = {}
     first_t = last_t = None
     for req in iter_requests(source):
-        key = (req.tenant, req.namespace)
+        key = req.keyspace
         root = roots.get(key)
         if root is None:
             root = roots[key] = keyspace_root(*key)

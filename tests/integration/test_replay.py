@@ -5,7 +5,9 @@ cluster (etcd, 2 agents, router), replays 120 requests under the three policies 
 writes the report. The trace is built so that cache-aware routing must beat round robin:
 an odd number of multi-turn sessions interleaved turn by turn, so round robin over two
 agents sends every turn to the node that did not serve the previous one, while the
-router (with peer fetch) serves each turn's whole previous prompt from cache.
+router (with peer fetch) serves each turn's whole previous prompt from cache. The last
+requests ask about public documents, each by both tenants: a public namespace is shared,
+so the second tenant's request hits what the first one stored.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from loadtest import report
 from loadtest.replay_sim import HashRing, LinearPrefill, TraceRequest, nocache_ttft
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSIONS, TURNS, ONEOFFS = 11, 10, 10  # 11 x 10 + 10 = 120 requests
+SESSIONS, TURNS, DOCS = 11, 10, 5  # 11 x 10 + 2 x 5 = 120 requests
 
 
 def interleaved_chat_trace(path: Path, seed: int = 3) -> None:
@@ -41,9 +43,12 @@ def interleaved_chat_trace(path: Path, seed: int = 3) -> None:
                           "tokens": list(prompts[s])})
             prompts[s] = prompts[s] + text(128)  # the answer and the next user message
             t += 0.05
-    for _ in range(ONEOFFS):
-        lines.append({"t": t, "tenant": "tenant-0", "namespace": "tiny", "tokens": text(200)})
-        t += 0.05
+    for _ in range(DOCS):  # requests 110, 112, ... by tenant-0; the next, by tenant-1
+        doc = text(200)
+        for tenant in ("tenant-0", "tenant-1"):
+            lines.append({"t": t, "tenant": tenant, "namespace": "docs", "public": True,
+                          "tokens": doc})
+            t += 0.05
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -95,7 +100,14 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
     assert "round robin" in md and "consistent hash" in md and "tenant-1" in md
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"] == head
-    assert len((out / "requests.jsonl").read_text().splitlines()) == 3 * 120
+    rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 120
+    # The public documents: one keyspace for both tenants, so tenant-1's asks are hits
+    # in the ceiling, and our router serves them from what tenant-0's stored.
+    second = [r for r in rows if r["index"] >= SESSIONS * TURNS and r["index"] % 2]
+    assert {r["tenant"] for r in second} == {"tenant-1"}
+    assert all(r["ceiling_tokens"] == 192 for r in second)
+    assert sum(r["cached_tokens"] for r in second if r["policy"] == "ours") > 0
     # The replay stopped the cluster it started and removed its state directory.
     assert not _leftover_clusters(replay_tmp)
     for pid, kind in summary["cluster_pids"]:
@@ -175,6 +187,47 @@ def test_cli_refuses_bad_arguments(capsys):
     assert main(["--decode-ms-per-token", "-1"]) == 2
     assert "--decode-ms-per-token" in capsys.readouterr().err
     assert main(["--requests", "0"]) == 2
+
+
+def test_bad_traces_are_refused_before_anything_starts(tmp_path, capsys, replay_tmp,
+                                                      monkeypatch):
+    from loadtest.replay import main
+    monkeypatch.setenv("TMPDIR", str(replay_tmp))  # where a started cluster would live
+    good = {"t": 0.0, "tenant": "acme", "namespace": "tiny", "tokens": list(range(40))}
+    cases = [
+        ([good, {**good, "t": 1.0, "namespace": "team/a"}], "line 2", "'/'"),
+        ([{**good, "tenant": "a/b"}], "line 1", "'/'"),
+        ([{**good, "public": "yes"}], "line 1", "'public' must be true or false"),
+        ([good, {**good, "t": 1.0, "public": True}], "line 2",
+         "public here but private on line 1"),
+        ([{**good, "namespace": "\ud800"}], "line 1", "surrogates not allowed"),
+    ]
+    trace = tmp_path / "bad.jsonl"
+    for i, (lines, where, what) in enumerate(cases):
+        trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        fast = ["--prefill-tokens-per-s", "8000", "--decode-ms-per-token", "0"] if i else []
+        assert main(["--trace", str(trace), "--agents", "1", *fast]) == 2, what
+        err = capsys.readouterr().err
+        assert where in err and what in err and "Traceback" not in err, err
+        # Refused before calibrating the model or starting a cluster.
+        assert "calibrating" not in err and "starting a local cluster" not in err, err
+    assert not _leftover_clusters(replay_tmp) and not list(replay_tmp.iterdir())
+
+
+def test_public_namespaces_are_one_keyspace_for_every_tenant():
+    from kvstore.cli.analyze import analyze
+    from loadtest.replay_sim import PUBLIC_TENANT, replay_spec
+    doc = list(range(64))
+    lines = [{"t": 0, "tenant": "a", "namespace": "docs", "public": True, "tokens": doc},
+             {"t": 1, "tenant": "b", "namespace": "docs", "public": True, "tokens": doc},
+             {"t": 2, "tenant": "b", "namespace": "mine", "tokens": doc},
+             {"t": 3, "tenant": "a", "namespace": "mine", "tokens": doc}]
+    assert analyze(lines).overall.cached_tokens == 64  # b's ask of the public doc only
+    a, b = (replay_spec(t, "docs", True, "n-ours") for t in ("a", "b"))
+    assert a == b and a.public and a.tenant == PUBLIC_TENANT
+    assert a.root(0, None) == b.root(0, None)  # unkeyed: any tenant's client computes it
+    mine = {replay_spec(t, "mine", False, "n-ours").namespace_id for t in ("a", "b")}
+    assert len(mine) == 2
 
 
 def test_decode_speed_given_or_measured_on_the_tiny_llama():

@@ -231,3 +231,23 @@ def test_default_trace_generates_quickly(default_trace):
     *_, elapsed = default_trace
     budget = float(os.environ.get("TRACEGEN_TIME_BUDGET_S", "20"))
     assert elapsed < budget
+
+
+def test_public_namespaces_are_marked_and_shared_by_tenants():
+    cfg = TraceConfig(requests=600, public_namespaces=("llama-3-8b",))
+    records = list(generate(cfg))
+    for r in records:  # marked on every line of the public namespace, absent elsewhere
+        assert r.get("public", False) is (r["namespace"] == "llama-3-8b"), r["id"]
+    # Its content (system prompts, tools, documents) is the same for every tenant, so
+    # tenants share prefixes there and the ceiling, one keyspace for all, is higher.
+    agents = defaultdict(list)  # tenant -> prompts of its agent sessions there
+    for r in records:
+        if r.get("public") and r["kind"] == "agent":
+            agents[r["tenant"]].append(r["tokens"])
+    shared = max(_common_prefix(a, b) for a in agents["tenant-0"] for b in agents["tenant-1"])
+    assert shared >= 800  # an agent app's system prompt, at least
+    private, public = analyze(list(generate(TraceConfig(requests=600)))), analyze(records)
+    assert public.keyspaces < private.keyspaces  # 4 tenants x 2 namespaces -> 4 + 1
+    assert public.overall.token_hit_rate > private.overall.token_hit_rate
+    with pytest.raises(ValueError, match="not among the namespaces"):
+        TraceConfig(public_namespaces=("nope",))
