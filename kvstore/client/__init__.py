@@ -179,12 +179,12 @@ class KVClient:
         old registration if the agent still has it, then register again."""
         with self._session_lock:
             self._drop_lane()
+            self._stale = True  # until registered: a failure here is tried again next call
             try:
                 self._grpc(self.stub.UnregisterShm, agent_pb2.UnregisterShmRequest(
                     region_id=self._region_id), deadline)
             except KVClientError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    self._stale = True  # try again on the next call
                     raise
             self._register(deadline)
             self.reregistrations += 1

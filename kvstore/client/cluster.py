@@ -9,7 +9,8 @@ store KV there with a per-agent KVClient.
 
 The router speaks no tenant auth (it sees block ids only); `token` is the tenant's
 bearer token for the agents. Namespaces are opened lazily on each agent the first time a
-request lands there. With the shared-memory path (use_shm) each agent's KVClient has one
+request lands there. Every call has a deadline (`timeout`, also each agent client's) and
+fails with kvstore.client.errors.KVClientError. With the shared-memory path (use_shm) each agent's KVClient has one
 staging area, so use one ClusterClient per thread; with use_shm=False one can be shared.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from kvstore.telemetry import TRACER, annotate, traced_channel
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
+from kvstore.client.errors import from_rpc
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import peer_pb2, router_pb2, router_pb2_grpc
@@ -79,7 +81,10 @@ def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
     req = router_pb2.RouteRequest(namespace_id=ns.namespace_id, generation=ns.generation,
                                   block_ids=pack_ids(ids), request_id=request_id,
                                   dry_run=dry_run, weights=weights)
-    return ids, stub.Route(req, timeout=timeout)
+    try:
+        return ids, stub.Route(req, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise from_rpc(exc) from None
 
 
 class ClusterClient:
@@ -124,8 +129,11 @@ class ClusterClient:
             return client
 
     def nodes(self) -> list[router_pb2.NodeInfo]:
-        nodes = list(self.router.ListNodes(router_pb2.ListNodesRequest(),
-                                           timeout=self.timeout).nodes)
+        try:
+            nodes = list(self.router.ListNodes(router_pb2.ListNodesRequest(),
+                                               timeout=self.timeout).nodes)
+        except grpc.RpcError as exc:
+            raise from_rpc(exc) from None
         with self._lock:
             self._nodes = {n.node_id: n for n in nodes}
         return nodes
@@ -233,9 +241,12 @@ class ClusterClient:
         release again without the flag when it completes."""
         rid = hit if isinstance(hit, str) else hit.request_id
         if rid:
-            self.router.Release(router_pb2.ReleaseRequest(request_id=rid,
-                                                          prefill_done=prefill_done),
-                                timeout=self.timeout)
+            try:
+                self.router.Release(router_pb2.ReleaseRequest(request_id=rid,
+                                                              prefill_done=prefill_done),
+                                    timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc(exc) from None
 
 
 class RoutedClient:
