@@ -11,7 +11,7 @@ import threading
 import grpc
 import pytest
 import torch
-from conftest import TEST_SECRET, make_namespace, prompt_tokens
+from support.common import TEST_SECRET, make_namespace, prompt_tokens
 
 from kvstore.client import DeadlineExceeded, KVClient, KVClientError
 from kvstore.client.convert import block_shape, torch_dtype

@@ -1,4 +1,4 @@
-"""The shared gRPC edge (cluster/grpc_edge.py) on a real grpc.aio server, with a servicer
+"""The shared gRPC edge (kvstore/grpc_edge.py) on a real grpc.aio server, with a servicer
 that injects faults: an unexpected exception is INTERNAL with short details and one log
 line (no traceback), an unimplemented method UNIMPLEMENTED, a servicer's own abort and a
 KvError keep their status, and undecodable bytes are INVALID_ARGUMENT."""
@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-from cluster.grpc_edge import ErrorEdge
+from kvstore.grpc_edge import ErrorEdge
 from kvstore import errors
 from kvstore.v1 import router_pb2, router_pb2_grpc
 
