@@ -56,9 +56,10 @@ def check_trace(reqs: list[Request]) -> None:
             continue
         seen[key] = r.line
         try:
-            replay_spec(r.tenant, r.namespace, r.public, "0-ours").namespace_id
+            # namespace_id encodes every field: text that cannot be UTF-8 fails here too
+            _ = replay_spec(r.tenant, r.namespace, r.public, "0-ours").namespace_id
             if r.public:  # the tenant itself must be valid too, though it owns nothing
-                replay_spec(r.tenant, r.namespace, False, "0-ours").namespace_id
+                _ = replay_spec(r.tenant, r.namespace, False, "0-ours").namespace_id
         except ValueError as exc:  # InvalidArgument, UnicodeEncodeError
             raise ValueError(f"line {r.line}: tenant {r.tenant!r}, namespace "
                              f"{r.namespace!r}: {exc}") from None

@@ -163,8 +163,11 @@ class KVClient:
     def _register(self, deadline: float) -> None:
         """Register our region with the agent (again, after a restart) and open its
         local lane when it offers one."""
+        shm, staging = self._shm, self._staging
+        if shm is None or staging is None:
+            raise RuntimeError("register needs the shared-memory staging area")
         resp = self._grpc(self.stub.RegisterShm, agent_pb2.RegisterShmRequest(
-            name=self._shm.name, size=self._staging.size), deadline)
+            name=shm.name, size=staging.size), deadline)
         self._region_id, self.local_socket = resp.region_id, resp.local_socket
         self._stale = False
         if self._lane_ok and resp.local_socket:

@@ -10,8 +10,9 @@ store KV there with a per-agent KVClient.
 The router speaks no tenant auth (it sees block ids only); `token` is the tenant's
 bearer token for the agents. Namespaces are opened lazily on each agent the first time a
 request lands there. Every call has a deadline (`timeout`, also each agent client's) and
-fails with kvstore.client.errors.KVClientError. With the shared-memory path (use_shm) each agent's KVClient has one
-staging area, so use one ClusterClient per thread; with use_shm=False one can be shared.
+fails with kvstore.client.errors.KVClientError. With the shared-memory path (use_shm) each
+agent's KVClient has one staging area, so use one ClusterClient per thread; with
+use_shm=False one can be shared.
 """
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ import re
 import socket
 
 import grpc
-import pytest
 import torch
 from support.common import TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
