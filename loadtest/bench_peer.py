@@ -26,7 +26,7 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
   "cma/memory: rendezvous zero-copy read from remote"
 - batch_blocks: blocks per chunk of 2 MiB blocks (PeerConfig.batch_bytes,
-  node_agent/peer_common.py; KVSTORE_PEER_* to override); `--tcp` runs both agents with
+  node_agent/peer/staging.py; KVSTORE_PEER_* to override); `--tcp` runs both agents with
   KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
 - prefetch_60x8k_ms_ucx / prefetch_60x8k_ms_grpc: median latency of a Prefetch of 60
   blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
@@ -57,7 +57,7 @@ from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
 from kvstore.tiers.pool import host_memory
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from node_agent.peer_common import PeerConfig
+from node_agent.peer.staging import PeerConfig
 
 MiB = 1 << 20
 BLOCK = 2 * MiB

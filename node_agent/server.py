@@ -23,8 +23,8 @@ from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
 from node_agent.local_lane import LocalLane
 from node_agent.metrics import AgentTelemetry
-from node_agent.peer import PeerService
-from node_agent.peer_grpc import PeerServicer
+from node_agent.peer.serve import PeerService
+from node_agent.peer.grpc_transport import PeerServicer
 from node_agent.servicer import AgentServicer
 from node_agent.shm import ShmRegistry
 
@@ -58,7 +58,7 @@ class AgentServer:
         self._tasks: list[asyncio.Task] = []
         self.registration = None  # etcd membership, when etcd_endpoints is set
         self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
-        self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer.py
+        self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer/serve.py
         self.telemetry: AgentTelemetry | None = None  # Prometheus, tracing (node_agent/metrics.py)
         self.lane: LocalLane | None = None  # same-host Unix-socket lane (cfg.local_lane)
 

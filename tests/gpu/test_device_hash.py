@@ -24,7 +24,7 @@ from kvstore import device_hash  # noqa: E402
 from kvstore.errors import DataLoss, InvalidArgument  # noqa: E402
 from kvstore.store import BlockStore  # noqa: E402
 from kvstore.tiers.pool import DevicePool  # noqa: E402
-from node_agent.peer_common import runs_of, spans  # noqa: E402
+from node_agent.peer.staging import runs_of, spans  # noqa: E402
 
 DEVICE = "cuda:0" if GPU else "cpu"
 # 1 layer x (K, V) x 2 heads x 4 dims x 4 tokens x fp16: 128-byte blocks

@@ -15,8 +15,8 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   drop the other side's last messages); after it A keeps the connection for its next
   request to B. UCX keeps same-tag messages between two endpoints in order, so headers
   and payloads pair up by position. On one host UCX moves the payloads with one CMA read
-  from B's memory into A's (node_agent/peer_common.init_ucx), elsewhere over TCP.
-- gRPC: Peer.FetchBlocks (node_agent/peer_grpc.py) streams the same chunks with the
+  from B's memory into A's (node_agent/peer/staging.init_ucx), elsewhere over TCP.
+- gRPC: Peer.FetchBlocks (node_agent/peer/grpc_transport.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).
 
@@ -60,12 +60,12 @@ from kvstore.hashing import split_ids
 from kvstore.store import BlockStore, NsState, ServedBlock
 from kvstore.store_types import Borrowed
 from kvstore.v1 import peer_pb2
-from node_agent.peer_common import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfig, PeerRef,
+from node_agent.peer.staging import (ACK, MESSAGE_BYTES, OFFLOAD_BYTES, PeerConfig, PeerRef,
                                     PeerTransportError, StagingLease, StagingPool, TokenTable,
                                     check_peer_access, contiguous, control_buffer, init_ucx,
                                     packed, post_control, present_prefix, recv_control, runs_of,
                                     spans, ucx_cuda_support, within)
-from node_agent.peer_fetch import FetchJob
+from node_agent.peer.ucx.fetch import FetchJob
 from node_agent.servicer import namespace_from_proto
 
 log = logging.getLogger("kvstore.agent.peer")
@@ -107,7 +107,7 @@ class PeerService:
         self._listener = None
         self._serving: set = set()  # UCX endpoints being served, aborted at stop
         self._inflight: dict[tuple[bytes, int, bytes], asyncio.Future] = {}
-        self._grpc = None  # node_agent.peer_grpc.GrpcFetcher, created on first use
+        self._grpc = None  # node_agent.peer.grpc_transport.GrpcFetcher, created on first use
         # Bounds on concurrent transfers: each holds staging_sets chunk buffers.
         self.fetch_slots = asyncio.Semaphore(self.pcfg.max_transfers)
         self.serve_slots = asyncio.Semaphore(self.pcfg.max_transfers)
@@ -498,6 +498,6 @@ class PeerService:
 
     def grpc_fetcher(self):
         if self._grpc is None:
-            from node_agent.peer_grpc import GrpcFetcher
+            from node_agent.peer.grpc_transport import GrpcFetcher
             self._grpc = GrpcFetcher(self.cfg.max_message_bytes)
         return self._grpc

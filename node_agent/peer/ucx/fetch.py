@@ -1,5 +1,5 @@
 """The fetching side of peer transfer: one Prefetch call (FetchJob), the UCX transfer,
-and the sink that stores received batches. See node_agent/peer.py for the protocol."""
+and the sink that stores received batches. See node_agent/peer/serve.py for the protocol."""
 from __future__ import annotations
 
 import asyncio
@@ -16,14 +16,14 @@ from kvstore.hashing import pack_ids
 from kvstore.store import NsState, PutItem
 from kvstore.store_types import Reservation
 from kvstore.v1 import agent_pb2, peer_pb2
-from node_agent.peer_common import (ACK, GRPC_CHUNK_BYTES, OFFLOAD_BYTES, PeerRef,
+from node_agent.peer.staging import (ACK, GRPC_CHUNK_BYTES, OFFLOAD_BYTES, PeerRef,
                                     PeerRefused, PeerTransportError, check_runs,
                                     contiguous, control_buffer, is_ip, namespace_to_proto,
                                     packed, post_control, present_prefix, recv_control, spans,
                                     split_host_port, within)
 
 if TYPE_CHECKING:
-    from node_agent.peer import PeerService
+    from node_agent.peer.serve import PeerService
 
 log = logging.getLogger("kvstore.agent.peer")
 

@@ -1,6 +1,6 @@
 """gRPC side of peer transfer: the Peer service (FetchBlocks, the fallback transport, and
 Prefetch, the entry point) and the client that pulls over FetchBlocks. The protocol and
-the UCX fast path are described in node_agent/peer.py."""
+the UCX fast path are described in node_agent/peer/serve.py."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +13,11 @@ import grpc
 from kvstore.telemetry import trace_metadata
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
-from node_agent.peer_common import REFUSALS, PeerRefused, PeerTransportError, within
+from node_agent.peer.staging import REFUSALS, PeerRefused, PeerTransportError, within
 
 if TYPE_CHECKING:
-    from node_agent.peer import PeerService
-    from node_agent.peer_fetch import BatchSink
+    from node_agent.peer.serve import PeerService
+    from node_agent.peer.ucx.fetch import BatchSink
 
 log = logging.getLogger("kvstore.agent.peer")
 

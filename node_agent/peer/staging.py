@@ -1,4 +1,4 @@
-"""Shared pieces of peer transfer (node_agent/peer.py, peer_fetch.py, peer_grpc.py):
+"""Shared pieces of peer transfer (node_agent/peer/serve.py, peer_fetch.py, peer_grpc.py):
 tuning, errors, staging buffers, bounded awaits, access rules."""
 from __future__ import annotations
 

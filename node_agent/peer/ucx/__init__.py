@@ -1,0 +1,1 @@
+"""The UCX transport of peer transfer."""
