@@ -1,6 +1,10 @@
 """Typed configuration: one frozen dataclass per component, loadable from a YAML/JSON
 file, then environment variables (KVSTORE_AGENT_<FIELD>, KVSTORE_ROUTER_<FIELD>), then
 command-line overrides, in that order. Validation raises ValueError with the field name.
+
+A nested section (AgentConfig.peer) also has variables of its own, one per field
+(KVSTORE_PEER_<FIELD>, the field's `env_prefix` metadata), and its layers merge field by
+field: a file's `peer: {batch_bytes: 64MiB}` and KVSTORE_PEER_IN_PLACE=0 both apply.
 """
 from __future__ import annotations
 
@@ -24,6 +28,53 @@ class TenantConfig:
     token_sha256: str = ""  # hex SHA-256 of the tenant's bearer token
     hbm_limit_bytes: int = 0  # 0: no limit
     nvme_limit_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Peer transfer tuning (node_agent/peer/). Defaults suit 2 MiB blocks on a 1-25 GB/s
+    link as well as the few-KiB blocks of small models. Agents of one host must agree on
+    shared_memory (else their UCX connections fail and they fall back to gRPC)."""
+
+    # Payload bytes per chunk (blocks per chunk: batch_bytes // block size, at least 1 and
+    # at most max_batch_blocks): 64 blocks of 2 MiB, 256 of 8 KiB. Sized by bytes, not
+    # blocks, so that small blocks do not pay a header and a round of awaits every few KiB.
+    # Large blocks: between two chunks the receiver's copies stop for a round of thread
+    # hand-offs (it must read the next header before it can post the receives), while the
+    # messages of one chunk (16 MiB each) are received back to back and verified as they
+    # land. 64 blocks of 2 MiB on a 2-core host: 16 MiB chunks ~1.9 GB/s, 64 MiB ~2.8,
+    # 128 MiB ~3.2.
+    batch_bytes: int = 128 * MiB
+    staging_sets: int = 3  # chunk buffers per transfer and side: >= 2 chunks in flight
+    io_timeout_s: float = 10.0  # bound on any single network wait
+    connect_timeout_s: float = 5.0
+    prefetch_timeout_s: float = 30.0  # default bound on a whole Prefetch call
+    idle_endpoint_s: float = 60.0  # a server closes a peer connection idle this long
+    max_batch_blocks: int = 256  # cap on a requested batch (staging memory)
+    max_transfers: int = 4  # concurrent transfers per direction (staging memory, CPU)
+    # On one host, let UCX move payloads through shared memory (CMA reads, shared-memory
+    # control messages) while it still detects a dead peer; False keeps them on TCP.
+    shared_memory: bool = True
+    # Payloads straight from B's pool slots into A's (where the pool can verify them in
+    # place: host memory, or GPU memory with the device hash and a UCX built with CUDA).
+    # False: through host staging copies on both sides (what a GPU pool does otherwise).
+    in_place: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_transfers", "batch_bytes", "max_batch_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"peer.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.staging_sets < 3:
+            raise ValueError("peer.staging_sets must be >= 3 (one being read, one on the "
+                             f"wire, one being written), got {self.staging_sets!r}")
+        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s",
+                     "idle_endpoint_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"peer.{name} must be > 0, got {getattr(self, name)!r}")
+
+    def batch_for(self, block_bytes: int) -> int:
+        """Blocks per chunk for blocks of `block_bytes`."""
+        return max(1, min(self.batch_bytes // max(block_bytes, 1), self.max_batch_blocks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +106,10 @@ class AgentConfig:
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
     local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
+    # Peer transfer tuning: `peer:` in the file, KVSTORE_AGENT_PEER (JSON), and one
+    # KVSTORE_PEER_<FIELD> variable per field (what operators and benchmarks set).
+    peer: PeerConfig = field(default_factory=PeerConfig,
+                             metadata={"env_prefix": "KVSTORE_PEER_"})
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:
@@ -167,7 +222,8 @@ def _build(cls, data: dict, prefix: str = ""):
 
 def load_config(cls, path: str | None = None, env_prefix: str | None = None,
                 overrides: dict | None = None):
-    """File, then env, then overrides (None values ignored)."""
+    """File, then env, then overrides (None values ignored). Sections (fields with an
+    `env_prefix`) merge field by field across the layers and read their own variables."""
     data: dict = {}
     if path:
         text = Path(path).read_text()
@@ -175,14 +231,63 @@ def load_config(cls, path: str | None = None, env_prefix: str | None = None,
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of {cls.__name__} fields, "
                              f"got {type(loaded).__name__}")
-        data.update(loaded or {})
+        _layer(cls, data, loaded or {})
     if env_prefix:
-        for f in dataclasses.fields(cls):
-            env = os.environ.get(f"{env_prefix}{f.name.upper()}")
-            if env is not None:
-                data[f.name] = env
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        env = {f.name: os.environ[f"{env_prefix}{f.name.upper()}"]
+               for f in dataclasses.fields(cls) if f"{env_prefix}{f.name.upper()}" in os.environ}
+        _layer(cls, data, env)
+        _layer(cls, data, _section_env(cls))
+    _layer(cls, data, {k: v for k, v in (overrides or {}).items() if v is not None})
     return _build(cls, data)
+
+
+def _sections(cls) -> dict[str, str]:
+    """Section fields of `cls` and the prefix of their own environment variables."""
+    return {f.name: f.metadata["env_prefix"] for f in dataclasses.fields(cls)
+            if "env_prefix" in f.metadata}
+
+
+def _section_env(cls) -> dict:
+    """Each section's <PREFIX><FIELD> variables. An unknown name under a section's prefix
+    is an error: the prefix is the section's alone, and a misspelt variable would
+    otherwise be ignored without a word."""
+    hints = typing.get_type_hints(cls)
+    out: dict = {}
+    for name, prefix in _sections(cls).items():
+        known = {f"{prefix}{f.name.upper()}": f.name for f in dataclasses.fields(hints[name])}
+        unknown = sorted(k for k in os.environ if k.startswith(prefix) and k not in known)
+        if unknown:
+            raise ValueError(f"unknown {name} settings in the environment: "
+                             f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        given = {field_: os.environ[var] for var, field_ in known.items() if var in os.environ}
+        if given:
+            out[name] = given
+    return out
+
+
+def _layer(cls, data: dict, layer: dict) -> None:
+    """Apply one configuration layer: a value replaces the one below, except in sections,
+    where two mappings merge field by field."""
+    sections = _sections(cls)
+    for key, value in layer.items():
+        below, above = _mapping(data.get(key)), _mapping(value)
+        if key in sections and below is not None and above is not None:
+            data[key] = {**below, **above}
+        else:
+            data[key] = value
+
+
+def _mapping(value) -> dict | None:
+    """`value` as a mapping of fields (a dict, a dataclass, or JSON text of one); None
+    when it is none of those (_build then reports it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value if isinstance(value, dict) else None
 
 
 def to_dict(cfg) -> dict:
