@@ -30,7 +30,7 @@ import torch
 
 from kvstore import checksum as cks
 from kvstore import device_hash
-from node_agent.peer.staging import MESSAGE_BYTES
+from node_agent.peer.ucx.wire import MESSAGE_BYTES
 
 MiB = 1 << 20
 

@@ -25,8 +25,8 @@ Reported (one JSON line on stdout at the end; progress on stderr):
 - ucx_transport: what carried the payloads, from UCX's own account of the protocol the
   sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
   "cma/memory: rendezvous zero-copy read from remote"
-- batch_blocks: blocks per chunk of 2 MiB blocks (PeerConfig.batch_bytes,
-  node_agent/peer/staging.py; KVSTORE_PEER_* to override); `--tcp` runs both agents with
+- batch_blocks: blocks per chunk of 2 MiB blocks (the agents' peer.batch_bytes,
+  kvstore/config.PeerConfig; KVSTORE_PEER_* to override); `--tcp` runs both agents with
   KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
 - prefetch_60x8k_ms_ucx / prefetch_60x8k_ms_grpc: median latency of a Prefetch of 60
   blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
@@ -53,11 +53,11 @@ import torch
 from loadtest import bench_agent
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape
+from kvstore.config import AgentConfig, load_config
 from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
 from kvstore.tiers.pool import host_memory
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from node_agent.peer.staging import PeerConfig
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -372,7 +372,9 @@ def main(argv=None) -> int:
         os.environ["KVSTORE_PEER_SHARED_MEMORY"] = "0"
     result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,
                     "burst": args.burst,
-                    "batch_blocks": PeerConfig.from_env().batch_for(BLOCK)}
+                    # what the agents load: their files leave `peer` to the environment
+                    "batch_blocks": load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
+                    .peer.batch_for(BLOCK)}
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         method, limit, limit_shm = transport_limit(args.perftest_iters)
         agents: list[Agent] = []

@@ -4,13 +4,13 @@ hierarchy become gRPC status codes."""
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import logging
 
 import grpc
 
 from kvstore.grpc_edge import wrap_handler
 from kvstore import errors
+from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent")
 
@@ -26,23 +26,11 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     edge maps errors to status codes. Token hashes come from the agent config."""
 
     def __init__(self, token_hashes: dict[str, str], allow_unauthenticated: bool) -> None:
-        self._tenant_by_hash = {h.lower(): t for t, h in token_hashes.items() if h}
-        self._allow_unauth = allow_unauthenticated
+        self._tokens = TokenTable(token_hashes, allow_unauthenticated)
 
     def resolve(self, context) -> str | None:
         md = dict(context.invocation_metadata() or ())
-        auth = md.get("authorization", "")
-        if not auth:
-            if self._allow_unauth:
-                return None
-            raise errors.Unauthenticated("missing 'authorization: Bearer <token>' metadata")
-        if not auth.startswith("Bearer "):
-            raise errors.Unauthenticated("authorization metadata must be 'Bearer <token>'")
-        digest = hashlib.sha256(auth[7:].strip().encode()).hexdigest()
-        tenant = self._tenant_by_hash.get(digest)
-        if tenant is None:
-            raise errors.Unauthenticated("unknown token")
-        return tenant
+        return self._tokens.tenant(md.get("authorization", ""))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

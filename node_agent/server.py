@@ -23,8 +23,7 @@ from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
 from node_agent.local_lane import LocalLane
 from node_agent.metrics import AgentTelemetry
-from node_agent.peer.serve import PeerService
-from node_agent.peer.grpc_transport import PeerServicer
+from node_agent.peer.service import PeerTransfer
 from node_agent.servicer import AgentServicer
 from node_agent.shm import ShmRegistry
 
@@ -58,7 +57,7 @@ class AgentServer:
         self._tasks: list[asyncio.Task] = []
         self.registration = None  # etcd membership, when etcd_endpoints is set
         self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
-        self.peer = PeerService(self.store, cfg, self.hub.publish_pending)  # node_agent/peer/serve.py
+        self.peer = PeerTransfer(self.store, cfg, self.hub.publish_pending)  # node_agent/peer/
         self.telemetry: AgentTelemetry | None = None  # Prometheus, tracing (node_agent/metrics.py)
         self.lane: LocalLane | None = None  # same-host Unix-socket lane (cfg.local_lane)
 
@@ -96,7 +95,7 @@ class AgentServer:
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(self.peer), self.server)
+        peer_pb2_grpc.add_PeerServicer_to_server(self.peer.servicer, self.server)
         self.port = bind_port(self.server, self.cfg.listen)
         await self.server.start()
         if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path

@@ -1,52 +1,59 @@
-"""gRPC side of peer transfer: the Peer service (FetchBlocks, the fallback transport, and
-Prefetch, the entry point) and the client that pulls over FetchBlocks. The protocol and
-the UCX fast path are described in node_agent/peer/serve.py."""
+"""The gRPC transport of peer transfer: the Peer service (FetchBlocks, the fallback
+transport, and Prefetch, the entry point) and GrpcTransport, which pulls over FetchBlocks.
+The protocol and the UCX fast path are described in node_agent/peer/__init__.py."""
 from __future__ import annotations
 
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import grpc
 
 from kvstore.telemetry import trace_metadata
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
-from node_agent.peer.staging import REFUSALS, PeerRefused, PeerTransportError, within
-
-if TYPE_CHECKING:
-    from node_agent.peer.serve import PeerService
-    from node_agent.peer.ucx.fetch import BatchSink
+from node_agent.peer.errors import PeerRefused, PeerTransportError, within
+from node_agent.peer.prefetch import Prefetcher
+from node_agent.peer.serve import BlockSource, ServeRequest
+from node_agent.peer.sink import BatchSink
+from node_agent.peer.transport import PeerRef
 
 log = logging.getLogger("kvstore.agent.peer")
 
+GRPC_CHUNK_BYTES = 16 << 20  # payload per gRPC chunk: larger messages only add copy time
+# gRPC status names that mean "the peer will not serve this", not "the transport broke".
+REFUSALS = ("NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "INVALID_ARGUMENT",
+            "UNAUTHENTICATED")
+
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
-    """Thin: validation and the work live in PeerService."""
+    """Thin: validation and the work live in BlockSource (FetchBlocks) and Prefetcher.
+    `borrow`: whether FetchBlocks may read payloads straight from pool slots (host
+    pools that verify in place; gRPC payloads go through host memory anyway, so GPU
+    slots are copied out in a worker thread, never lent to this event loop)."""
 
-    def __init__(self, svc: "PeerService") -> None:
-        self.svc = svc
+    def __init__(self, source: BlockSource, prefetcher: Prefetcher, max_message_bytes: int,
+                 borrow: bool) -> None:
+        self.source = source
+        self.prefetcher = prefetcher
+        self.max_message_bytes = max_message_bytes
+        self.borrow = borrow
 
     async def FetchBlocks(self, request, context):
-        st, ids, parent, batch = await self.svc.source(request, current_tenant.get())
-        size = st.spec.block_bytes
+        src = await self.source.request(request, current_tenant.get())
+        size = src.st.spec.block_bytes
         # Keep every chunk well inside the message size limit.
-        batch = max(1, min(batch, (self.svc.cfg.max_message_bytes // 2) // size))
-        chunks = self._chunks(st, request.ns.generation, ids, parent, batch)
-        async with self.svc.serve_slots, aclosing(chunks) as it:
+        batch = max(1, min(src.batch, (self.max_message_bytes // 2) // size))
+        chunks = self._chunks(replace(src, batch=batch))
+        async with self.source.slots, aclosing(chunks) as it:
             async for chunk in it:
                 yield chunk
 
-    async def _chunks(self, st, generation: int, ids: list[bytes], parent: bytes,
-                      batch: int):
-        size = st.spec.block_bytes
-        lease = self.svc.staging.lease(2, batch, size)  # payloads are copied out at once
-        # gRPC payloads go through host memory anyway: GPU slots are copied out in a
-        # worker thread (read_batches), never lent to this event loop to copy from
-        batches = self.svc.read_batches(st, generation, ids, parent, batch, lease,
-                                        borrow=self.svc.in_place and
-                                        not self.svc.store.pool.is_cuda)
+    async def _chunks(self, src: ServeRequest):
+        size = src.st.spec.block_bytes
+        lease = self.source.lease(2, src.batch, size)  # payloads are copied out at once
+        batches = self.source.read_batches(src, lease, borrow=self.borrow)
         try:
             async with aclosing(batches) as it:
                 async for rb in it:
@@ -57,24 +64,38 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                             data=[rb.bufs[i][:size].tobytes() for i in range(len(rb.served))],
                             done=rb.last)
                     finally:
-                        self.svc.done_with(rb)
+                        self.source.done_with(rb)
                     yield chunk
         finally:
             lease.release()
 
     async def Prefetch(self, request, context):
         md = dict(context.invocation_metadata() or ())
-        return await self.svc.prefetch(request, current_tenant.get(),
-                                       md.get("authorization", ""), context.time_remaining())
+        return await self.prefetcher.prefetch(request, current_tenant.get(),
+                                              md.get("authorization", ""),
+                                              context.time_remaining())
 
 
-class GrpcFetcher:
-    """Pulls blocks over Peer.FetchBlocks; one channel per peer address, kept open."""
+class GrpcTransport:
+    """Transport "grpc": pulls blocks over Peer.FetchBlocks, payloads inline in the
+    chunks; one channel per peer address, opened on first use and kept."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    name = "grpc"
+
+    def __init__(self, max_message_bytes: int, io_timeout_s: float) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._io_timeout = io_timeout_s
         self._opts = [("grpc.max_send_message_length", max_message_bytes),
                       ("grpc.max_receive_message_length", max_message_bytes)]
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def address_of(self, peer: PeerRef) -> str:
+        return peer.grpc_address
+
+    def chunk_blocks(self, block_bytes: int, batch: int) -> int:
+        """At most GRPC_CHUNK_BYTES per chunk, well inside the message size limit."""
+        return max(1, min(batch, GRPC_CHUNK_BYTES // block_bytes,
+                          (self._max_message_bytes // 2) // block_bytes))
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerStub:
         ch = self._channels.get(address)
@@ -87,10 +108,10 @@ class GrpcFetcher:
             await ch.close()
         self._channels.clear()
 
-    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: "BatchSink",
-                    batch: int, deadline: float, io_timeout: float,
-                    authorization: str) -> None:
-        """Pull `req` into `sink`; PeerTransportError / PeerRefused as the UCX path."""
+    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
+                    batch: int, deadline: float, authorization: str) -> None:
+        """Pull `req` into `sink`, the caller's token in the call's metadata (the peer's
+        gRPC edge checks it); PeerTransportError / PeerRefused as the Transport says."""
         md = (("authorization", authorization),) if authorization else None
         md = trace_metadata(md)  # the peer's FetchBlocks span joins this Prefetch's trace
         left = deadline - time.monotonic()
@@ -99,7 +120,7 @@ class GrpcFetcher:
         call = self._stub(address).FetchBlocks(req, timeout=left, metadata=md)
         try:
             while not sink.remote_done:
-                msg = await within(call.read(), deadline, io_timeout, "gRPC chunk")
+                msg = await within(call.read(), deadline, self._io_timeout, "gRPC chunk")
                 if msg is grpc.aio.EOF:
                     raise PeerTransportError(f"{address} ended the stream early")
                 first = sink.check(msg, batch)

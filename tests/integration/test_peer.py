@@ -1,5 +1,5 @@
 """Peer-to-peer block transfer between two real agent processes on loopback: UCX (ucxx)
-first, gRPC streaming as fallback (node_agent/peer/serve.py). B holds blocks, the test asks A to
+first, gRPC streaming as fallback (node_agent/peer/). B holds blocks, the test asks A to
 Prefetch them from B, then reads them from A with a normal Get."""
 from __future__ import annotations
 
@@ -412,7 +412,7 @@ def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
 def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, monkeypatch,
                                                                transport):
-    """Small blocks travel a whole batch per message (node_agent/peer/staging.packed):
+    """Small blocks travel a whole batch per message (node_agent/peer/ucx/wire.packed):
     several batches and a short last one, two prompts over the kept connection."""
     if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
         pytest.skip("needs ucxx (pip install ucxx-cu12)")
@@ -537,7 +537,8 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
 
 
 def test_runs_and_spans_follow_memory_layout():
-    from node_agent.peer.staging import check_runs, runs_of, spans
+    from node_agent.peer.staging import runs_of, spans
+    from node_agent.peer.ucx.wire import check_runs
     arena = np.arange(8 * 4, dtype=np.uint8)
     slot = [arena[i * 4:(i + 1) * 4] for i in range(8)]
     bufs = [slot[0], slot[1], slot[2], slot[5], slot[4], slot[6], slot[7]]
@@ -563,8 +564,9 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     """One UCX message per control message: length, then bytes (post_control/recv_control)."""
     import asyncio
 
-    from node_agent.peer.staging import (MAX_CONTROL_BYTES, PeerTransportError,
-                                        control_buffer, post_control, recv_control)
+    from node_agent.peer.errors import PeerTransportError
+    from node_agent.peer.ucx.wire import (MAX_CONTROL_BYTES, control_buffer, post_control,
+                                          recv_control)
 
     class Wire:  # stands in for a UCX endpoint: what was sent is what the next recv gets
         data = b""

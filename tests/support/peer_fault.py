@@ -1,6 +1,6 @@
 """Fault injector for tests/integration/test_peer.py: a UCX listener that speaks the peer
-protocol of node_agent/peer/serve.py over real ucxx, serving the payloads in a .npy file (row i answers the
-i-th requested block), and misbehaves on purpose:
+protocol of node_agent/peer/ over real ucxx, serving the payloads in a .npy file (row i
+answers the i-th requested block), and misbehaves on purpose:
 
 - corrupt: flips one byte of block 11 after computing its checksum;
 - die: sends a first chunk of at most 8 blocks, then exits without closing anything.
@@ -20,13 +20,13 @@ from kvstore.v1 import peer_pb2
 
 CORRUPT_INDEX = 11
 DIE_BATCH = 8
-PACKED_MAX_BLOCK_BYTES = 128 << 10  # node_agent/peer/staging.py (not imported: see below)
+PACKED_MAX_BLOCK_BYTES = 128 << 10  # node_agent/peer/ucx/wire.py (not imported: see below)
 
 
 async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
     # Only ucxx, numpy and the generated messages: importing the agent would pull in
     # torch and cost seconds per test.
-    # The agents' UCX settings (node_agent/peer/staging.init_ucx): two processes of one
+    # The agents' UCX settings (node_agent/peer/ucx/wire.init_ucx): two processes of one
     # host only connect when they agree on which transports may carry peer endpoints.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
@@ -38,7 +38,7 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
 
     async def handler(ep) -> None:
         # Control messages: one UCX message each, a 4-byte little-endian length and then
-        # the bytes (node_agent/peer/staging.post_control / recv_control).
+        # the bytes (node_agent/peer/ucx/wire.post_control / recv_control).
         buf = np.zeros(1 << 20, dtype=np.uint8)
         await asyncio.wait_for(ep.recv(buf), 10)
         n_req = int.from_bytes(buf[:4].tobytes(), "little")

@@ -1,0 +1,30 @@
+"""How a peer transfer fails, and the bounded wait every network await goes through."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvstore import errors
+
+
+class PeerTransportError(errors.Unavailable):
+    """The transfer broke (connection, timeout, protocol): another transport may work."""
+
+
+class PeerRefused(errors.KvError):
+    """The peer answered but will not serve (unknown namespace, generation, access)."""
+
+
+async def within(aw, deadline: float, io_timeout: float, what: str):
+    """Await `aw` for at most io_timeout and never past the deadline."""
+    left = min(io_timeout, deadline - time.monotonic())
+    if left <= 0:
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        elif isinstance(aw, asyncio.Future):
+            aw.cancel()
+        raise PeerTransportError(f"deadline passed before {what}")
+    try:
+        return await asyncio.wait_for(aw, left)
+    except asyncio.TimeoutError:
+        raise PeerTransportError(f"timed out after {left:.1f}s waiting for {what}") from None

@@ -1,0 +1,145 @@
+"""The serving side of the UCX transport: one connection of a fetching agent, its
+FetchRequests answered one after another from the BlockSource. The protocol:
+node_agent/peer/__init__.py."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.config import PeerConfig
+from kvstore.v1 import peer_pb2
+from node_agent.peer.counters import Counters
+from node_agent.peer.errors import PeerTransportError, within
+from node_agent.peer.serve import BlockSource, ReadBatch, ServeRequest
+from node_agent.peer.staging import runs_of, spans
+from node_agent.peer.ucx.wire import (
+    ACK,
+    MESSAGE_BYTES,
+    control_buffer,
+    packed,
+    post_control,
+    recv_control,
+)
+from node_agent.tokens import TokenTable
+
+log = logging.getLogger("kvstore.agent.peer")
+
+
+class UcxServer:
+    """Answers the connections a UCX listener accepts (handle). The UCX path bypasses
+    the gRPC edge, so the token the fetching agent forwards is checked here (`tokens`).
+    `borrow`: payloads are sent straight from pool slots (UcxTransport.in_place)."""
+
+    def __init__(self, source: BlockSource, tokens: TokenTable, pcfg: PeerConfig,
+                 counters: Counters, borrow: bool) -> None:
+        self._source = source
+        self._tokens = tokens
+        self._pcfg = pcfg
+        self._counters = counters
+        self._borrow = borrow
+        self._serving: set = set()  # endpoints being served, aborted at close
+
+    def close(self) -> None:
+        for ep in list(self._serving):
+            ep.abort()
+        self._serving.clear()
+
+    async def handle(self, ep) -> None:
+        """One UCX connection: FetchRequests one after another, each answered with its
+        chunks and closed by the fetcher's acknowledgement. The fetcher keeps the
+        connection for its next request (a connect costs tens of ms); it ends when the
+        fetcher goes, or after idle_endpoint_s without a request."""
+        self._serving.add(ep)
+        served = 0
+        control = control_buffer()
+        far = time.monotonic() + 1e9
+        io = self._pcfg.io_timeout_s
+        try:
+            while True:
+                try:
+                    raw = await within(recv_control(ep, control), far,
+                                       self._pcfg.idle_endpoint_s if served else io, "request")
+                except Exception as exc:
+                    if served:  # the fetcher closed its end between requests: normal
+                        log.debug("UCX peer connection ends after %d requests", served)
+                        return
+                    raise PeerTransportError(f"no request: {exc}") from exc
+                await self._serve_request(ep, peer_pb2.FetchRequest.FromString(bytes(raw)))
+                ack = np.empty(len(ACK), dtype=np.uint8)
+                await within(ep.recv(ack), far, io, "acknowledgement")
+                served += 1
+        except Exception as exc:  # the fetching side turns this into a miss or a fallback
+            log.warning("UCX peer transfer (serving side) ended early: %s: %s",
+                        type(exc).__name__, exc)
+        finally:
+            self._serving.discard(ep)
+            ep.abort()
+
+    async def _serve_request(self, ep, req: peer_pb2.FetchRequest) -> None:
+        far = time.monotonic() + 1e9
+        try:
+            tenant = self._tokens.tenant(req.authorization)
+            src = await self._source.request(req, tenant)
+        except errors.KvError as exc:
+            err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
+            await within(post_control(ep, err.SerializeToString()), far,
+                         self._pcfg.io_timeout_s, "refusal")
+            return
+        async with self._source.slots:
+            await self._send_batches(ep, src)
+
+    async def _send_batches(self, ep, src: ServeRequest) -> None:
+        """Header then payloads per batch, all posted at once (one completion wait per
+        batch), announcing the next batch before the payloads of this one have landed; at
+        most staging_sets - 2 batches stay in flight when read_batches reads ahead, which
+        keeps its buffer reuse safe."""
+        far = time.monotonic() + 1e9
+        io = self._pcfg.io_timeout_s
+        size = src.st.spec.block_bytes
+        pack = packed(size)
+        lease = self._source.lease(self._pcfg.staging_sets, src.batch, size)
+        inflight: list[tuple[asyncio.Future, ReadBatch]] = []
+        try:
+            batches = self._source.read_batches(src, lease, pack, borrow=self._borrow)
+            async with aclosing(batches) as it:
+                async for rb in it:
+                    sends = self._announce(ep, rb, size, pack)
+                    inflight.append((asyncio.gather(*sends), rb))
+                    while len(inflight) > self._pcfg.staging_sets - 2:
+                        await self._sent(inflight, far, io)
+                while inflight:
+                    await self._sent(inflight, far, io)
+        finally:
+            if inflight:
+                lease.clean = False
+                for fut, rb in inflight:
+                    fut.cancel()
+                    self._source.done_with(rb)
+            lease.release()
+
+    def _announce(self, ep, rb: ReadBatch, size: int, pack: bool) -> list[asyncio.Future]:
+        """Post the header of `rb` and its payloads (packed: the batch as one message;
+        else one per run of blocks back to back in memory); the sends' futures."""
+        hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
+                                  checksums=[s.checksum for s in rb.served], done=rb.last)
+        payloads = []
+        if rb.served and pack:
+            payloads = [rb.bufs[0][:len(rb.served) * size]]
+        elif rb.served:
+            views = rb.bufs[:len(rb.served)]
+            hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
+            payloads = spans(views, hdr.runs, size)
+        self._counters.add("peer_payload_messages", len(payloads))
+        return [post_control(ep, hdr.SerializeToString())] + \
+            [asyncio.ensure_future(ep.send(p)) for p in payloads]
+
+    async def _sent(self, inflight: list, far: float, io: float) -> None:
+        fut, rb = inflight[0]
+        await within(asyncio.shield(fut), far, io, "header and payload sends")
+        inflight.pop(0)
+        self._source.done_with(rb)

@@ -1,0 +1,160 @@
+"""The UCX wire: control-message framing, the layout of a chunk's payload messages, and
+bringing ucxx up (init, connect). The protocol: node_agent/peer/__init__.py."""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import struct
+
+import numpy as np
+
+from kvstore import errors
+from node_agent.peer.errors import PeerTransportError
+
+ACK = struct.pack("<Q", 0x4B56_4143_4B00_0001)  # "KVACK", version 1
+MAX_CONTROL_BYTES = 4 << 20  # FetchRequest / FetchChunk size cap (8192 ids = 128 KiB)
+# Largest UCX payload message of large blocks (a run of adjacent blocks is cut in pieces
+# of this size): the receiver verifies each piece as soon as it lands, while the next ones
+# are still being copied, so only the last piece's verification is left at the end.
+MESSAGE_BYTES = 16 << 20
+# Protocol: over UCX, a batch of blocks up to this size travels as ONE payload message
+# (the blocks back to back, copied into a staging buffer on both sides); larger blocks
+# travel one message per run of blocks back to back in the sender's pool (at most
+# MESSAGE_BYTES), zero-copy between pool slots. Each message costs thread
+# hand-offs (UCX progress thread, ucxx notifier, event loop: 0.2-0.5 ms per completion on
+# an idle host, several ms on a busy one), far more than copying a small block; for
+# large blocks the copies would dominate.
+# Both ends derive the mode from the namespace's block size, so they always agree.
+PACKED_MAX_BLOCK_BYTES = 128 << 10
+
+
+def packed(block_bytes: int) -> bool:
+    """Whether a batch of such blocks travels as one UCX message (PACKED_MAX_BLOCK_BYTES)."""
+    return block_bytes <= PACKED_MAX_BLOCK_BYTES
+
+
+def check_runs(runs, count: int) -> list[int]:
+    """A chunk header's message layout: empty means one message per block."""
+    if not runs:
+        return [1] * count
+    runs = list(runs)
+    if min(runs) < 1 or sum(runs) != count:
+        raise PeerTransportError(f"malformed chunk from peer: runs {runs[:8]} do not split "
+                                 f"{count} blocks")
+    return runs
+
+
+def post_control(ep, payload: bytes) -> asyncio.Future:
+    """Post a control message (request, chunk header, refusal) as ONE UCX message: a
+    4-byte little-endian length, then the bytes, for a receiver's recv_control. (ucxx's
+    send_obj/recv_obj take two messages, a size then the body, and every receive
+    completion costs thread hand-offs: UCX progress thread, ucxx notifier, event loop.)"""
+    frame = np.frombuffer(struct.pack("<I", len(payload)) + payload, dtype=np.uint8)
+    return asyncio.ensure_future(ep.send(frame))
+
+
+def control_buffer() -> np.ndarray:
+    """A receive buffer for recv_control, for one endpoint's control messages in turn
+    (only the bytes a message brings are ever touched)."""
+    return np.empty(4 + MAX_CONTROL_BYTES, dtype=np.uint8)
+
+
+async def recv_control(ep, buf: np.ndarray) -> bytes:
+    """Receive one post_control message into `buf` (control_buffer); its bytes. A message
+    larger than the buffer fails in UCX (truncated); a length that does not fit what a
+    message can hold is a protocol error."""
+    buf[:4] = 0
+    await ep.recv(buf)
+    n = int.from_bytes(buf[:4].tobytes(), "little")
+    if n > buf.nbytes - 4:
+        raise PeerTransportError(f"peer sent a control message claiming {n} bytes (limit "
+                                 f"{MAX_CONTROL_BYTES})")
+    return buf[4:4 + n].tobytes()
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise errors.InvalidArgument(f"peer address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def init_ucx(shared_memory: bool = True):
+    """Import and initialise ucxx once per process, inside the running event loop (its
+    progress thread and request notifier bind to that loop).
+
+    Every endpoint keeps peer-failure handling (a dead peer must fail the transfer, not
+    hang or abort this process). UCX only picks transports that can report a failed peer
+    for such endpoints, which by default leaves TCP alone even between two processes of
+    one host. With `shared_memory`, the shared-memory transports declare that capability
+    (they detect a dead peer: tests/integration/test_peer.py kills one mid-transfer) and
+    payloads move with one CMA copy straight from the sender's pool slot into the
+    receiver's.
+
+    Rendezvous: auto, without the fragmented copy-in/copy-out variant. That is a
+    zero-copy put over TCP (written by this process as the bytes arrive, so nothing lands
+    after a connection is closed) and a zero-copy *read* from the sender over CMA: the
+    receiver's memory is only ever written by the receiver itself, so a peer that wakes up
+    after a timeout cannot write into a pool slot reused meanwhile. Environment variables
+    (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    flag = "y" if shared_memory else "n"
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", flag)
+    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", flag)
+    import ucxx
+    try:
+        ucxx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+                  env_takes_precedence=True, progress_mode="thread",
+                  enable_python_future=True)
+    except RuntimeError:
+        pass  # already initialised in this process
+    return ucxx
+
+
+def ucx_cuda_support(ucxx) -> bool:
+    """Whether this process's UCX context can move CUDA memory (a UCX built with CUDA
+    and its CUDA transports loaded). False when it cannot be told."""
+    try:
+        return bool(ucxx.core._get_ctx().context.cuda_support)
+    except Exception:  # noqa: BLE001 - a private attribute of ucxx: absent means "no"
+        return False
+
+
+async def connect_endpoint(ucx, host: str, port: int, timeout: float):
+    """ucxx.create_endpoint, minus a race: when the connection is refused before ucxx
+    posts its handshake receive, that receive never completes and create_endpoint waits
+    out its whole timeout (about half the time here). Same steps, but the endpoint's error
+    state is polled meanwhile. Uses ucxx internals (0.52); the public call otherwise."""
+    try:
+        from ucxx._lib import libucxx as api
+        from ucxx._lib_async.endpoint import Endpoint
+        from ucxx._lib_async.exchange_peer_info import exchange_peer_info
+        from ucxx._lib_async.utils import hash64bits
+        ctx = ucx.core._get_ctx()
+    except (ImportError, AttributeError):
+        return await ucx.create_endpoint(host, port, endpoint_error_handling=True,
+                                         connect_timeout=timeout)
+    ctx.continuous_ucx_progress()
+    raw = api.UCXEndpoint.create(ctx.worker, host, port, True)
+    msg_tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
+    task = asyncio.ensure_future(exchange_peer_info(endpoint=raw, msg_tag=msg_tag,
+                                                    listener=False, connect_timeout=timeout))
+    try:
+        while not (await asyncio.wait({task}, timeout=0.01))[0]:
+            raw.raise_on_error()
+        info = task.result()
+    except BaseException:
+        task.cancel()
+        raw.close_blocking(period=10**9, max_attempts=1)
+        raise
+    return Endpoint(endpoint=raw, ctx=ctx, tags={"msg_send": info["msg_tag"],
+                                                 "msg_recv": msg_tag})
