@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstore.config import AgentConfig, RouterConfig, load_config
+from kvstore.config import AgentConfig, PeerConfig, RouterConfig, load_config
 from kvstore.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,7 +253,7 @@ def load_as_container(docs, container, cls, filename, prefix, tmp_path, monkeypa
     path.write_text(cm["data"][filename])
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert container["command"][-1] in mounts, "the config file the process loads is mounted"
-    for key in [k for k in os.environ if k.startswith(prefix)]:
+    for key in [k for k in os.environ if k.startswith((prefix, "KVSTORE_PEER_"))]:
         monkeypatch.delenv(key)
     for key, value in container_env(docs, container).items():
         monkeypatch.setenv(key, value)
@@ -332,6 +332,24 @@ def test_agents_without_device_plugin_take_cuda_index(helm, tmp_path, monkeypatc
         "etcd-a.infra.svc:2379,etcd-b.infra.svc:2379,etcd-c.infra.svc:2379"
     assert not of_kind(docs, "StatefulSet")
     assert {c.metrics_port for c in cfgs} == {0}
+
+
+def test_peer_settings_reach_every_agent_alike(helm, tmp_path, monkeypatch):
+    """Peer transfer settings are chart values, rendered into agent.yaml's `peer:` section:
+    every agent of the release loads the same ones (agents of one host must agree)."""
+    default = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_",
+                                 tmp_path, monkeypatch)
+               for docs in [render(helm, "production-values.yaml")]
+               for c in agent_containers(docs)]
+    assert {c.peer for c in default} == {PeerConfig()} and all(c.ucx_enabled for c in default)
+    docs = render(helm, "production-values.yaml", "agent.peer.batchMiB=32",
+                  "agent.peer.sharedMemory=false", "agent.peer.inPlace=false",
+                  "agent.peer.ioTimeoutSeconds=3", "agent.peer.ucxEnabled=false")
+    cfgs = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path,
+                              monkeypatch) for c in agent_containers(docs)]
+    assert {c.peer for c in cfgs} == {PeerConfig(batch_bytes=32 << 20, shared_memory=False,
+                                                in_place=False, io_timeout_s=3.0)}
+    assert not any(c.ucx_enabled for c in cfgs)
 
 
 def _mebibytes(quantity: str) -> int:
@@ -414,6 +432,10 @@ BAD_VALUES = [
     ("agent.device=tpu", "agent.device"),
     ("agent.gpusPerNode=0", "agent.gpusPerNode"),
     ("auth.tenants.acme.tokenSha256=not-a-hash", "auth.tenants.acme.tokenSha256"),
+    ("agent.peer.stagingSets=2", "agent.peer.stagingSets"),
+    ("agent.peer.ioTimeoutSeconds=0", "agent.peer.ioTimeoutSeconds"),
+    ("agent.peer.inPlace=sometimes", "agent.peer.inPlace"),
+    ("agent.peer.bachMiB=64", "bachMiB"),
 ]
 
 
