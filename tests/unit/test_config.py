@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvstore.config import AgentConfig, RouterConfig, TenantConfig, load_config, to_dict
+from kvstore.config import (AgentConfig, PeerConfig, RouterConfig, TenantConfig, load_config,
+                            to_dict)
 from kvstore.policy import NamespacePolicy
 
 MiB = 1 << 20
@@ -34,9 +39,8 @@ tenants:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    import os
     for k in list(os.environ):
-        if k.startswith("KVSTORE_AGENT_"):
+        if k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_")):
             monkeypatch.delenv(k)
 
 
@@ -136,3 +140,61 @@ def test_router_config_validation():
         RouterConfig(weight_load=-1)
     with pytest.raises(ValueError, match="peer_gbps"):
         RouterConfig(peer_gbps=0)
+
+
+def test_peer_section_merges_file_env_and_overrides_field_by_field(tmp_path, monkeypatch):
+    path = write(tmp_path, "peer:\n  batch_bytes: 64MiB\n  max_transfers: 2\n"
+                           "  io_timeout_s: 4\n")
+    assert load_config(AgentConfig, path).peer == PeerConfig(batch_bytes=64 * MiB,
+                                                             max_transfers=2, io_timeout_s=4)
+    # The KVSTORE_PEER_<FIELD> variables operators and benchmarks set are the env layer;
+    # sizes parse as everywhere else.
+    monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", "32MiB")
+    monkeypatch.setenv("KVSTORE_PEER_IN_PLACE", "0")
+    monkeypatch.setenv("KVSTORE_AGENT_PEER", '{"connect_timeout_s": 1.5}')
+    cfg = load_config(AgentConfig, path, "KVSTORE_AGENT_", {"peer": {"max_transfers": 3}})
+    assert cfg.peer == PeerConfig(batch_bytes=32 * MiB, max_transfers=3, io_timeout_s=4,
+                                  connect_timeout_s=1.5, in_place=False)
+    assert cfg.peer.batch_for(2 * MiB) == 16
+    assert load_config(AgentConfig, overrides=to_dict(cfg)) == cfg
+    assert AgentConfig().peer == PeerConfig()
+
+
+@pytest.mark.parametrize("var,value,match", [
+    ("KVSTORE_PEER_IN_PLACE", "flase", r"peer\.in_place: expected a boolean, got 'flase'"),
+    ("KVSTORE_PEER_SHARED_MEMORY", "", r"peer\.shared_memory: expected a boolean"),
+    ("KVSTORE_PEER_BATCH_BYTES", "lots", r"peer\.batch_bytes"),
+    ("KVSTORE_PEER_BATCH_BYTES", "0", r"peer\.batch_bytes must be >= 1"),
+    ("KVSTORE_PEER_STAGING_SETS", "2", r"peer\.staging_sets must be >= 3"),
+    ("KVSTORE_PEER_IO_TIMEOUT_S", "soon", r"peer\.io_timeout_s"),
+    ("KVSTORE_PEER_INPLACE", "0", "unknown peer settings in the environment: "
+                                  "KVSTORE_PEER_INPLACE"),
+])
+def test_bad_peer_env_is_an_error_naming_it(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
+
+
+def test_bad_peer_file_values_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown peer fields: colour"):
+        load_config(AgentConfig, write(tmp_path, "peer:\n  colour: blue\n"))
+    with pytest.raises(ValueError, match=r"peer: expected a mapping"):
+        load_config(AgentConfig, write(tmp_path, "peer: 5\n"))
+    with pytest.raises(ValueError, match=r"peer\.max_transfers must be >= 1"):
+        load_config(AgentConfig, overrides={"peer": {"max_transfers": 0}})
+
+
+def test_agent_with_a_misspelt_peer_boolean_refuses_to_start(tmp_path):
+    """Before, KVSTORE_PEER_IN_PLACE=flase silently meant False and the agent ran."""
+    cfg = write(tmp_path, f"device: cpu\nnvme_bytes: 0\nlisten: 127.0.0.1:0\n"
+                          f"data_dir: {tmp_path / 'data'}\nallow_unauthenticated: true\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_"))}
+    env["KVSTORE_PEER_IN_PLACE"] = "flase"
+    proc = subprocess.run([sys.executable, "-m", "node_agent", "--config", cfg],
+                          cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "bad configuration: peer.in_place: expected a boolean, got 'flase'" in proc.stderr
+    assert "Traceback" not in proc.stderr
