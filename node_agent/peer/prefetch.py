@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore import errors
@@ -48,7 +49,7 @@ class Prefetcher:
     """The fetching side of one agent: Prefetch calls, over `transports` in order."""
 
     def __init__(self, store: BlockStore, requests: PeerRequests, staging: StagingPool,
-                 pcfg: PeerConfig, counters: Counters, transports: list[Transport],
+                 pcfg: PeerConfig, counters: Counters, transports: Sequence[Transport],
                  published=lambda: None) -> None:
         self._store = store
         self._requests = requests

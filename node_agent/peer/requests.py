@@ -3,7 +3,7 @@ from its spec when this node never saw it; generation fencing; access), the bloc
 from __future__ import annotations
 
 from kvstore import errors
-from kvstore.hashing import split_ids
+from kvstore.hashing import BlockId, split_ids
 from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import common_pb2
@@ -43,7 +43,7 @@ class PeerRequests:
         check_peer_access(tenant, st, write)
         return st
 
-    def ids(self, packed: bytes) -> list[bytes]:
+    def ids(self, packed: bytes) -> list[BlockId]:
         if len(packed) % 16:
             raise errors.InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple "
                                          "of 16")

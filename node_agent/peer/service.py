@@ -13,6 +13,7 @@ from node_agent.peer.prefetch import Prefetcher
 from node_agent.peer.requests import PeerRequests
 from node_agent.peer.serve import BlockSource
 from node_agent.peer.staging import StagingPool
+from node_agent.peer.transport import Transport
 from node_agent.peer.ucx.transport import UcxTransport
 from node_agent.tokens import TokenTable
 
@@ -33,7 +34,7 @@ class PeerTransfer:
                                  counters, cfg.peer_port) if cfg.ucx_enabled else None
         grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s)
         # Order of preference: UCX, then gRPC for whatever UCX could not move.
-        self._transports = [t for t in (self._ucx, grpc) if t is not None]
+        self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
         prefetcher = Prefetcher(store, self._requests, staging, pcfg, counters,
                                 self._transports, publish)
         # FetchBlocks lends pool slots to the event loop's copy only where the pool

@@ -9,6 +9,7 @@ from kvstore.config import PeerConfig
 from kvstore.store import BlockStore
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
+from node_agent.peer.errors import PeerTransportError
 from node_agent.peer.serve import BlockSource
 from node_agent.peer.sink import BatchSink
 from node_agent.peer.staging import StagingPool
@@ -54,19 +55,18 @@ class UcxTransport:
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
             server = UcxServer(self._source, self._tokens, self._pcfg, self._counters,
                                borrow=self.in_place)
-            self._listener = ucx.create_listener(server.handle, port=self._port,
-                                                 endpoint_error_handling=True)
+            listener = ucx.create_listener(server.handle, port=self._port,
+                                           endpoint_error_handling=True)
         except Exception as exc:  # import failure, no transport, port taken
             log.error("UCX unavailable (%s: %s): peers use the gRPC fallback",
                       type(exc).__name__, exc)
-            self._listener = None
             return
-        self._ucx, self._server = ucx, server
+        self._ucx, self._server, self._listener = ucx, server, listener
         self._fetcher = UcxFetcher(ucx, self._store, self._staging, self._pcfg,
                                    self._counters, self.in_place)
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        self.address = f"{host}:{self._listener.port}"
+        self.address = f"{host}:{listener.port}"
         log.info("UCX peer listener on %s (ucx %s)", self.address, ucx.__ucx_version__)
         if self._store.pool.is_cuda:
             why = self._store.pool.why_not_in_place or (
@@ -90,6 +90,8 @@ class UcxTransport:
     async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
                     batch: int, deadline: float, authorization: str) -> None:
         """The caller's token travels in the request: the peer's UcxServer checks it."""
+        if self._fetcher is None:  # address_of gave no address: not called
+            raise PeerTransportError("UCX is not up on this agent")
         req.authorization = authorization
         await self._fetcher.fetch(address, req, sink, batch, deadline)
 

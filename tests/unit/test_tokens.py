@@ -1,5 +1,5 @@
 """node_agent/tokens.TokenTable: the one bearer-token rule of the gRPC edge and the UCX
-peer path (tests/test_agent.py and tests/test_peer.py exercise both through real agents)."""
+peer path (tests/integration/test_agent.py and test_peer.py exercise both through real agents)."""
 from __future__ import annotations
 
 import hashlib
