@@ -16,10 +16,11 @@ from kvstore.config import PeerConfig
 from kvstore.hashing import pack_ids
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import agent_pb2, peer_pb2
+from kvstore.wire import namespace_to_proto
 from node_agent.peer.claims import ClaimRun, Claims
 from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
-from node_agent.peer.requests import PeerRequests, namespace_to_proto
+from node_agent.peer.requests import PeerRequests
 from node_agent.peer.sink import BatchSink, present_prefix
 from node_agent.peer.staging import StagingPool
 from node_agent.peer.transport import PeerRef, Transport

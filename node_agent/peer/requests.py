@@ -3,11 +3,10 @@ from its spec when this node never saw it; generation fencing; access), the bloc
 from __future__ import annotations
 
 from kvstore import errors
-from kvstore.hashing import BlockId, split_ids
-from kvstore.namespace import Namespace
+from kvstore.hashing import BlockId
 from kvstore.store import BlockStore, NsState
-from kvstore.v1 import common_pb2
-from node_agent.servicer import CLUSTER_TENANT, namespace_from_proto
+from kvstore.wire import namespace_from_proto, unpack_ids
+from node_agent.servicer import CLUSTER_TENANT
 
 
 class PeerRequests:
@@ -44,13 +43,7 @@ class PeerRequests:
         return st
 
     def ids(self, packed: bytes) -> list[BlockId]:
-        if len(packed) % 16:
-            raise errors.InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple "
-                                         "of 16")
-        if len(packed) // 16 > self._max_blocks:
-            raise errors.InvalidArgument(f"request names {len(packed) // 16} blocks; the "
-                                         f"limit is {self._max_blocks}")
-        return split_ids(packed)
+        return unpack_ids(packed, self._max_blocks)
 
     @staticmethod
     def parent(parent_id: bytes) -> bytes:
@@ -69,6 +62,3 @@ def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
     raise errors.PermissionDenied(f"tenant {tenant!r} may not {'write' if write else 'read'} "
                                   f"namespaces of tenant {st.tenant!r}")
 
-
-def namespace_to_proto(spec: Namespace) -> common_pb2.Namespace:
-    return common_pb2.Namespace(**spec.to_dict())
