@@ -25,8 +25,6 @@ again, and retries the call once; callers see nothing.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from kvstore.client.convert import (block_shape, block_tensor, blocks_to_kv, che
 from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
+from kvstore.client.staging import create_staging
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
@@ -50,6 +49,8 @@ __all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to
            "blocks_to_kv", "torch_dtype", "KVClientError", "DeadlineExceeded"]
 
 MiB = 1 << 20
+# Smallest staging area worth having: below it (a tiny /dev/shm) payloads go over gRPC.
+STAGING_FLOOR = 16 * MiB
 DEFAULT_TIMEOUT_S = 10.0
 log = logging.getLogger("kvstore.client")
 _GRPC_PUT_BLOCKS = 8
@@ -144,8 +145,14 @@ class KVClient:
 
     # ---------------------------------------------------------------- plumbing
     def _try_shm(self, size: int, required: bool) -> None:
-        name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        shm = create_staging(size, min(size, STAGING_FLOOR))
+        if shm is None:
+            if required:
+                raise KVClientError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"shared memory cannot hold a staging area of {size} "
+                                    "bytes")
+            return
+        size = shm.size
         arr = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
         arr.fill(0)  # fault the pages in now, not during the first transfer
         self._shm, self._staging = shm, arr
