@@ -16,7 +16,7 @@ CONTRACTS = {c["id"]: c for c in CONFIG["contracts"]}
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
-@pytest.mark.parametrize("contract", ["layers", "core"])
+@pytest.mark.parametrize("contract", ["layers", "core", "acyclic"])
 def test_import_contract_is_kept(contract):
     r = subprocess.run([str(LINT), "--no-cache", "--no-logo", "--contract", contract],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
