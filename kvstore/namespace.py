@@ -30,6 +30,11 @@ _MAGIC = b"kvns1"
 _ROOT_PERSON = b"kvstore-root-v1"
 _TENANT_PERSON = b"kvstore-tenant"
 MAX_BLOCK_SIZE = 4096
+# Upper bound on the canonical encoding of a spec. Every namespace lives in one etcd record
+# (its JSON is at most ~3x this with \u-escapes), and a flush rewrites every record of a
+# name in one transaction of up to 128 operations: 2 KiB keeps that far below etcd's
+# request limit (1.5 MiB by default). Real specs are a few hundred bytes.
+MAX_SPEC_BYTES = 2048
 
 # bytes per element of each accepted KV dtype (fp4/int4 packed two per byte are refused
 # for now: a block payload must be a whole number of bytes per element).
@@ -104,6 +109,11 @@ class Namespace:
                                   f"{MAX_BLOCK_SIZE}")
         if not isinstance(self.public, bool):
             raise InvalidArgument("namespace public must be a bool")
+        size = len(self.canonical_bytes())
+        if size > MAX_SPEC_BYTES:
+            raise InvalidArgument(
+                f"namespace spec is {size} bytes encoded; the limit is {MAX_SPEC_BYTES} "
+                "bytes (it must fit in one etcd record): shorten its string fields")
 
     @property
     def key(self) -> str:

@@ -7,7 +7,7 @@ import json
 import time
 from collections import Counter
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, InvalidArgument
 from kvstore.events import Tier
 from kvstore.namespace import Namespace
 from kvstore.payload import BlockHeader, decode_block, decode_header
@@ -25,7 +25,11 @@ class MaintenanceMixin:
             for key, value in self.rocks.meta_items():
                 if key.startswith(NS_META_PREFIX):
                     rec = json.loads(value)
-                    spec = Namespace.from_dict(rec["spec"])
+                    try:
+                        spec = Namespace.from_dict(rec["spec"])
+                    except InvalidArgument:  # no longer valid (e.g. oversized): its
+                        self.counters["recovery_bad_namespaces"] += 1  # blocks go as orphans
+                        continue
                     self._ns[spec.namespace_id] = NsState(spec, spec.namespace_id,
                                                           rec["generation"], self.policy_for(spec))
             found, bad = [], []
