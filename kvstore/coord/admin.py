@@ -4,6 +4,7 @@ the kill switch, per-tenant quotas and the audit log of admin actions.
 Keys it adds under the EtcdClient prefix (see kvstore/coord/etcd.py for the others)::
 
     acks/<tenant>/<ns_id hex>/<member>   {"generation": G, "dropped": N}
+    name-acks/<tenant>/<name>/<member>   {"revision": F, "flushed": K, "dropped": N}
     switch-acks/<member>                 {"enabled": bool, "revision": R}
     routers/<router_id>                  {"router_id": ..., "address": ...}  (router lease)
     audit/<ns since epoch, 20 digits>-<hex>   AuditRecord JSON
@@ -13,6 +14,14 @@ A member writes its ack only after the new state is in force on it: an agent aft
 store refuses the old generation and dropped the old blocks, a router after it refuses
 routes for the old generation. So "every live member acknowledged" is the point after
 which no hit on the old generation can happen anywhere.
+
+A flush is by name: besides raising every record of the name it writes the name's flush
+marker (flushes/<tenant>/<name>, cluster/etcd.py), and waits for every member's name ack
+too. An agent writes that only after it flushed its own copies of the name that etcd has no
+record of yet (opened while etcd was unreachable: node_agent/ns_registry.py), so a flush
+that returns 0 also covers specs whose registration is still pending. Its transaction
+compares every record of the tenant against the listing it bumped, so a record created in
+between makes it list again instead of missing that record.
 
 Every admin write goes in one etcd transaction together with its audit record, so an
 action and its record are never separated; the record is updated with the final result
@@ -33,11 +42,13 @@ from etcd3aio import prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
-from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient, killswitch_enabled
+from kvstore.coord.etcd import (KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient,
+                                flush_marker_key, killswitch_enabled)
 from kvstore import errors
 from kvstore.units import format_size
 
 ACKS = "acks/"
+NAME_ACKS = "name-acks/"
 SWITCH_ACKS = "switch-acks/"
 ROUTERS = "routers/"
 AUDIT = "audit/"
@@ -53,6 +64,18 @@ def router_member(router_id: str) -> str:
 
 def ack_key(tenant: str, ns_hex: str, member: str) -> str:
     return f"{ACKS}{tenant}/{ns_hex}/{member}"
+
+
+def marker_name(target: str) -> str:
+    """The flush marker of `kvctl flush TENANT/TARGET`: the name, or a namespace id in
+    lowercase hex (agents match either against their specs)."""
+    lower = target.lower()
+    return lower if len(lower) == 32 and all(c in "0123456789abcdef" for c in lower) \
+        else target
+
+
+def name_ack_key(tenant: str, name: str, member: str) -> str:
+    return f"{NAME_ACKS}{tenant}/{name}/{member}"
 
 
 def default_operator() -> str:
@@ -94,6 +117,24 @@ class Ack:
             return cls(int(raw))
         d = _loads(raw, "ack")
         return cls(int(d["generation"]), int(d.get("dropped", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class NameAck:
+    """A member's acknowledgement of a flush by name (the marker's revision): its own
+    unregistered copies of the name are flushed."""
+
+    revision: int
+    flushed: int = 0  # unregistered namespaces of that name it flushed
+    dropped: int = 0  # their blocks it dropped
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "NameAck":
+        d = _loads(raw, "name ack")
+        return cls(int(d["revision"]), int(d.get("flushed", 0)), int(d.get("dropped", 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +224,7 @@ class AckProgress:
     acked: tuple[str, ...]
     missing: tuple[str, ...]
     dropped: int = 0
+    unregistered: int = 0  # flush: namespaces without an etcd record flushed on agents
 
     @property
     def done(self) -> bool:
@@ -300,7 +342,8 @@ class ControlPlane:
 
     # ------------------------------------------------------------------- flush
     async def _matching(self, tenant: str, name: str):
-        _, items = await self.etcd.list(f"{NAMESPACES}{tenant}/")
+        """(listing revision, matches) among the tenant's namespace records."""
+        revision, items = await self.etcd.list(f"{NAMESPACES}{tenant}/")
         out = []
         for kv in items:
             ns_hex = kv.key.rsplit("/", 1)[-1]
@@ -311,41 +354,47 @@ class ControlPlane:
                 continue
             if spec_name == name or ns_hex == name.lower():
                 out.append((kv, ns_hex, spec_name, rec))
-        return out
+        return revision, out
 
     async def commit_flush(self, tenant: str, name: str
                            ) -> tuple[list[FlushedNamespace], int, str]:
         """Raise the generation of every namespace record `tenant/name` (every spec and
-        revision under that name, or one namespace id) by one, in one transaction that
-        compares each record's mod revision (so a concurrent flush or open is never
-        overwritten) and carries the audit record. Returns (flushed, revision, audit key)."""
+        revision under that name, or one namespace id) by one and write the name's flush
+        marker, in one transaction that carries the audit record and compares every record
+        of the tenant against the listing (so neither a concurrent flush nor a namespace
+        registered meanwhile is missed). No record at all is not an error here: agents may
+        hold the name unregistered (`flush` decides). Returns (flushed, revision, key)."""
         target = f"{tenant}/{name}"
         if not tenant or not name or "/" in tenant or "/" in name:
             raise errors.InvalidArgument(f"flush target must be TENANT/NAME, got {target!r}")
+        start = self.etcd._key(f"{NAMESPACES}{tenant}/")
         for _ in range(_CAS_ATTEMPTS):
-            matches = await self._matching(tenant, name)
-            if not matches:
-                raise errors.NotFound(f"no namespace named {target} in etcd (an agent "
-                                      "creates the record when a client opens it)")
-            flushed, compares, ops = [], [], []
+            listed, matches = await self._matching(tenant, name)
+            flushed, ops = [], []
             for kv, ns_hex, spec_name, rec in matches:
                 old = int(rec.get("generation", 0))
                 rec["generation"] = old + 1
                 flushed.append(FlushedNamespace(ns_hex, spec_name, old, old + 1))
-                compares.append(mod_equals(self.etcd, kv.key, kv.mod_revision))
                 ops.append(put_op(self.etcd, kv.key, json.dumps(rec, sort_keys=True).encode()))
             at = time.time()
             akey = audit_key(at)
             params = {"namespaces": [asdict(f) for f in flushed]}
+            ops.append(put_op(self.etcd, flush_marker_key(tenant, marker_name(name)),
+                              json.dumps({"by": self.who, "at": at}).encode()))
             ops.append(self._audit_op(akey, "flush", target, True,
                                       "committed; waiting for acknowledgements", params, at))
-            ok, revision = await txn(self.etcd, f"flush {target}", compares, ops)
+            unchanged = Compare(result=Compare.LESS, target=Compare.MOD, key=start,
+                                range_end=prefix_range_end(start), mod_revision=listed + 1)
+            ok, revision = await txn(self.etcd, f"flush {target}", [unchanged], ops)
             if ok:
                 return flushed, revision, akey
         raise errors.Unavailable(f"flush {target}: the namespace records kept changing "
                                  f"during {_CAS_ATTEMPTS} attempts; retry")
 
-    async def flush_progress(self, tenant: str, flushed: list[FlushedNamespace]) -> AckProgress:
+    async def flush_progress(self, tenant: str, name: str, flushed: list[FlushedNamespace],
+                             revision: int) -> AckProgress:
+        """A member counts once it acknowledged every flushed record and the flush by
+        name (its unregistered copies of the name are flushed too)."""
         members = await live_members(self.etcd)
         acks: dict[str, list[Ack]] = {}
         for f in flushed:
@@ -357,38 +406,59 @@ class ControlPlane:
                     continue
                 if ack.generation >= f.new_generation:
                     acks.setdefault(kv.key.rsplit("/", 1)[-1], []).append(ack)
-        acked = [m for m in members if len(acks.get(m, ())) == len(flushed)]
-        dropped = sum(a.dropped for m in acked for a in acks[m])
+        by_name: dict[str, NameAck] = {}
+        _, items = await self.etcd.list(f"{NAME_ACKS}{tenant}/{marker_name(name)}/")
+        for kv in items:
+            try:
+                nack = NameAck.parse(kv.value)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if nack.revision >= revision:
+                by_name[kv.key.rsplit("/", 1)[-1]] = nack
+        acked = [m for m in members
+                 if len(acks.get(m, ())) == len(flushed) and m in by_name]
+        dropped = sum(a.dropped for m in acked for a in acks.get(m, ()))
+        dropped += sum(by_name[m].dropped for m in acked)
         return AckProgress(tuple(members), tuple(acked),
-                           tuple(m for m in members if m not in acked), dropped)
+                           tuple(m for m in members if m not in acked), dropped,
+                           sum(by_name[m].flushed for m in acked))
 
     async def flush(self, tenant: str, name: str, timeout_s: float = 30.0,
                     progress: Callable[[AckProgress], None] | None = None,
                     on_commit: Callable[[list[FlushedNamespace], int], None] | None = None
                     ) -> FlushReport:
         """Commit the flush, then wait (at most `timeout_s`) until every live agent and
-        router acknowledged the new generations. Members that leave meanwhile (lease
-        gone) stop counting; members that join catch up before they serve."""
+        router acknowledged the new generations and the flush by name. Members that leave
+        meanwhile (lease gone) stop counting; members that join catch up before they
+        serve. NotFound when no record and no member's unregistered copy had the name."""
         t0 = time.monotonic()
+        target = f"{tenant}/{name}"
         try:
             flushed, revision, akey = await self.commit_flush(tenant, name)
-        except (errors.NotFound, errors.InvalidArgument) as exc:
-            await self.audit("flush", f"{tenant}/{name}", False, str(exc))
+        except errors.InvalidArgument as exc:
+            await self.audit("flush", target, False, str(exc))
             raise
         if on_commit is not None:
             on_commit(flushed, revision)
-        state = await self._wait(lambda: self.flush_progress(tenant, flushed), t0 + timeout_s,
-                                 progress)
+        state = await self._wait(lambda: self.flush_progress(tenant, name, flushed, revision),
+                                 t0 + timeout_s, progress)
         elapsed = time.monotonic() - t0
-        target = f"{tenant}/{name}"
+        if not flushed and state.done and not state.unregistered:
+            msg = (f"no namespace named {target} in etcd (an agent creates the record when "
+                   "a client opens it), nor unregistered on any agent")
+            await self.audit("flush", target, False, msg, key=akey)
+            raise errors.NotFound(msg)
         gens = ", ".join(f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}"
-                         for f in flushed)
+                         for f in flushed) or "no etcd record"
+        extra = f"; {state.unregistered} unregistered on agents" if state.unregistered else ""
         result = (f"acknowledged by {len(state.acked)}/{len(state.members)} members in "
-                  f"{elapsed:.2f}s; {state.dropped} blocks dropped ({gens})" if state.done else
+                  f"{elapsed:.2f}s; {state.dropped} blocks dropped ({gens}{extra})"
+                  if state.done else
                   f"generation committed ({gens}) but not acknowledged within {timeout_s:g}s "
                   f"by: {', '.join(state.missing)}")
         params = {"namespaces": [asdict(f) for f in flushed], "revision": revision,
-                  "acked": list(state.acked), "missing": list(state.missing)}
+                  "acked": list(state.acked), "missing": list(state.missing),
+                  "unregistered": state.unregistered}
         await self.audit("flush", target, state.done, result, params, key=akey)
         return FlushReport(tenant, name, tuple(flushed), revision, state, elapsed, akey)
 

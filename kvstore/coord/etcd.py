@@ -6,6 +6,11 @@ Key layout under a prefix (default ``/kvstore/``)::
     namespaces/<tenant>/<ns_id hex> {"spec": {...}, "generation": N, "policy": {...}}
     tenants/<tenant>                {"hbm_limit_bytes": ..., "nvme_limit_bytes": ...}
     killswitch                      {"enabled": true, "reason": "..."}
+    flushes/<tenant>/<name>         flush marker: its mod revision is the name's last flush
+
+A namespace record is created only by `claim_namespace`, one transaction that also checks
+the tenant's namespace cap and that no flush of the name committed after the claimer's
+view (the flush marker): see node_agent/ns_registry.py for why.
 
 Every etcd failure (connection refused, timeout, lost quorum) surfaces as
 `kvstore.errors.Unavailable` with the operation and the endpoints in the message; callers
@@ -19,14 +24,15 @@ import asyncio
 import json
 import logging
 import math
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import grpc
 from etcd3aio import (EtcdError, EtcdPermissionDeniedError, EtcdUnauthenticatedError,
                       prefix_range_end)
-from etcd3aio._protobuf import (Compare, LeaseKeepAliveRequest, LeaseStub, WatchCreateRequest,
-                                WatchRequest, WatchStub)
+from etcd3aio._protobuf import (Compare, LeaseKeepAliveRequest, LeaseStub, RangeRequest,
+                                RequestOp, WatchCreateRequest, WatchRequest, WatchStub)
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
@@ -39,6 +45,7 @@ NODES = "nodes/"
 NAMESPACES = "namespaces/"
 TENANTS = "tenants/"
 KILLSWITCH = "killswitch"
+FLUSHES = "flushes/"
 _CAS_ATTEMPTS = 16
 # Reconnect quickly after an etcd restart; grpc's default backoff grows to two minutes.
 _CHANNEL_OPTIONS = [
@@ -128,6 +135,32 @@ class WatchEvent:
     deleted: bool
 
 
+@dataclass(frozen=True, slots=True)
+class NamespaceClaim:
+    """What `EtcdClient.claim_namespace` found or wrote."""
+
+    generation: int  # recorded in etcd now (0 and nothing written when flushed_at > seen)
+    created: bool  # this claim created the record
+    flushed_at: int  # mod revision of the name's flush marker (0: never flushed)
+    count: int  # the tenant's namespace records, as of the claim
+
+
+@dataclass(frozen=True, slots=True)
+class _NsSnapshot:
+    revision: int
+    record: KeyValue | None
+    flushed_at: int
+    count: int
+
+
+def namespace_key(tenant: str, ns_id: bytes) -> str:
+    return f"{NAMESPACES}{tenant}/{ns_id.hex()}"
+
+
+def flush_marker_key(tenant: str, name: str) -> str:
+    return f"{FLUSHES}{tenant}/{name}"
+
+
 class Compacted(Exception):
     """The watch start revision was compacted away: relist, then watch again."""
 
@@ -190,6 +223,10 @@ class EtcdClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # e.g. an expired lease
                 raise errors.NotFound(f"etcd {what}: {exc.details()}") from exc
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # "request is too large", "too many operations in txn request": retrying
+                # cannot help, so this is not an outage.
+                raise errors.InvalidArgument(f"etcd refused {what}: {exc.details()}") from exc
             raise errors.Unavailable(
                 f"etcd unreachable at {','.join(self.endpoints)} ({what}): "
                 f"{_reason(exc)}") from exc
@@ -376,6 +413,77 @@ class EtcdClient:
             return 0
         current = await self.get(key)
         return int(json.loads(current.value)["generation"]) if current else 0
+
+    async def claim_namespace(self, ns_id: bytes, spec: dict, policy: dict, generation: int,
+                              seen_revision: int, limit: int = 0) -> "NamespaceClaim":
+        """Make etcd hold the record of namespace `ns_id` (`spec`, `policy`: its JSON
+        fields) at `generation` or above, in one
+        transaction that also checks that
+        - no flush of the spec's name committed after `seen_revision` (the caller's view
+          of flushes/ was complete up to there): otherwise nothing is written and
+          `flushed_at` says so; the caller must flush its own copy first;
+        - creating the record keeps the tenant within `limit` records (0: no limit),
+          counted and created atomically (ResourceExhausted when it is full);
+        - an existing record below `generation` is raised to it (a namespace never moves
+          backwards), one at or above it is left as it is and reported."""
+        tenant, name = spec["tenant"], spec["name"]
+        key = namespace_key(tenant, ns_id)
+        # A flush by name or by namespace id (kvctl flush TENANT/<32 hex>).
+        markers = [flush_marker_key(tenant, name), flush_marker_key(tenant, ns_id.hex())]
+        prefix = f"{NAMESPACES}{tenant}/"
+        for attempt in range(_CAS_ATTEMPTS):
+            snap = await self._ns_snapshot(key, markers, prefix)
+            if snap.flushed_at > seen_revision:
+                return NamespaceClaim(0, False, snap.flushed_at, snap.count)
+            compares = [Compare(result=Compare.LESS, target=Compare.MOD, key=self._key(m),
+                                mod_revision=seen_revision + 1) for m in markers]
+            if snap.record is None:
+                if limit and snap.count >= limit:
+                    raise errors.ResourceExhausted(
+                        f"tenant {tenant!r} already has {snap.count} namespaces; the limit "
+                        f"is {limit} (max_namespaces_per_tenant)")
+                start = self._key(prefix)  # no record of the tenant changed since we counted
+                compares += [Compare(result=Compare.LESS, target=Compare.MOD, key=start,
+                                     range_end=prefix_range_end(start),
+                                     mod_revision=snap.revision + 1),
+                             KVService.txn_compare_create_revision(self._key(key), 0)]
+                rec = {"spec": spec, "generation": generation, "policy": policy}
+            else:
+                try:
+                    rec = json.loads(snap.record.value)
+                    current = int(rec["generation"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise errors.FailedPrecondition(f"namespace record {key} in etcd is "
+                                                    f"damaged: {exc}") from None
+                if current >= generation:
+                    return NamespaceClaim(current, False, snap.flushed_at, snap.count)
+                rec["generation"] = generation
+                compares.append(Compare(result=Compare.EQUAL, target=Compare.MOD,
+                                        key=self._key(key),
+                                        mod_revision=snap.record.mod_revision))
+            op = KVService.txn_op_put(self._key(key), json.dumps(rec, sort_keys=True).encode())
+            resp = await self._call(f"claim {key}", self._kv.txn(compares, [op]))
+            if resp.succeeded:
+                created = snap.record is None
+                return NamespaceClaim(generation, created, snap.flushed_at,
+                                      snap.count + created)
+            await asyncio.sleep(random.uniform(0.0, 0.01 * (attempt + 1)))  # other claimers
+        raise errors.Unavailable(f"namespace {key}: the tenant's records kept changing during "
+                                 f"{_CAS_ATTEMPTS} attempts; retry")
+
+    async def _ns_snapshot(self, key: str, markers: list[str], prefix: str) -> "_NsSnapshot":
+        """The record, the newest flush marker revision and the tenant's record count,
+        read at one revision (a transaction without compares)."""
+        start = self._key(prefix)
+        ops = [RequestOp(request_range=RangeRequest(key=self._key(k))) for k in [key, *markers]]
+        ops.append(RequestOp(request_range=RangeRequest(
+            key=start, range_end=prefix_range_end(start), count_only=True)))
+        resp = await self._call(f"read {key}", self._kv.txn([], ops))
+        rec, *marks, count = (r.response_range for r in resp.responses)
+        record = (KeyValue(key, rec.kvs[0].value, rec.kvs[0].mod_revision) if rec.kvs
+                  else None)
+        flushed_at = max((m.kvs[0].mod_revision for m in marks if m.kvs), default=0)
+        return _NsSnapshot(resp.header.revision, record, flushed_at, count.count)
 
     async def get_namespace(self, tenant: str, ns_id: bytes) -> dict | None:
         kv = await self.get(f"{NAMESPACES}{tenant}/{ns_id.hex()}")

@@ -11,6 +11,10 @@ subclass hooks, then acknowledged in etcd.
 - etcd down: the last applied state stays in force (the data path keeps serving); the
   watches resume from the next revision, acks still to write are retried.
 - Acks are written only after a hook returned, i.e. once the new state is in force here.
+- Flushes by name (flushes/<tenant>/<name>, written by every flush): `on_flush` gets each
+  new marker revision (agents flush their copies of the name that etcd has no record of),
+  then name-acks/<tenant>/<name>/<member> is written. `flush_view_revision` is the
+  revision up to which every marker is known here.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from kvstore.coord.admin import SWITCH_ACKS, Ack, Quota, SwitchAck, ack_key, put_many
-from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient, KeyValue, \
-    WatchEvent, killswitch_enabled
+from kvstore.coord.admin import (SWITCH_ACKS, Ack, NameAck, Quota, SwitchAck, ack_key,
+                                 name_ack_key, put_many)
+from kvstore.coord.etcd import (FLUSHES, KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient,
+                                KeyValue, WatchEvent, killswitch_enabled)
 from kvstore import errors
 
 log = logging.getLogger("kvstore.control")
@@ -133,7 +138,8 @@ class ControlFollower:
         self.etcd = etcd
         self.member = member
         self.ready = asyncio.Event()
-        self._prefixes = [NAMESPACES, KILLSWITCH] + ([TENANTS] if follow_quotas else [])
+        self._prefixes = [NAMESPACES, KILLSWITCH, FLUSHES] + ([TENANTS] if follow_quotas
+                                                              else [])
         self._synced: set[str] = set()
         self._want_gen: dict[bytes, tuple[str, int]] = {}  # ns_id -> (tenant, generation)
         self._applied_gen: dict[bytes, int] = {}
@@ -141,6 +147,9 @@ class ControlFollower:
         self._applied_switch: tuple[bool, int] | None = None
         self._want_quota: dict[str, Quota] = {}  # mirrors tenants/ in etcd
         self._applied_quota: dict[str, Quota] = {}
+        self._want_flush: dict[tuple[str, str], int] = {}  # (tenant, name) -> revision
+        self._applied_flush: dict[tuple[str, str], int] = {}
+        self._flush_seen = 0  # every marker up to this revision is in _want_flush
         self._acks: dict[str, bytes] = {}
         self._dirty = asyncio.Event()
         self._acks_dirty = asyncio.Event()
@@ -155,6 +164,15 @@ class ControlFollower:
     def generation(self, ns_id: bytes) -> int | None:
         """The generation in force here for `ns_id`; None when etcd never named it."""
         return self._applied_gen.get(ns_id)
+
+    def known_namespaces(self, tenant: str) -> set[bytes]:
+        """Ids of the tenant's namespace records seen in etcd."""
+        return {ns_id for ns_id, (t, _) in self._want_gen.items() if t == tenant}
+
+    @property
+    def flush_view_revision(self) -> int:
+        """Every flush committed at or before this revision is known here."""
+        return self._flush_seen
 
     def known_generation(self, ns_id: bytes) -> int | None:
         """The newest generation seen in etcd (may not be applied yet)."""
@@ -202,9 +220,11 @@ class ControlFollower:
         joined and served the old generation. The kill switch has the same race (its
         acks are awaited from the same membership)."""
         revision = 0
-        for prefix in (NAMESPACES, KILLSWITCH):
+        for prefix in (NAMESPACES, KILLSWITCH, FLUSHES):
             revision, items = await self.etcd.list(prefix)
-            if prefix == KILLSWITCH:
+            if prefix == FLUSHES:
+                self._flushes_listed(items, revision)
+            elif prefix == KILLSWITCH:
                 raw = next((kv.value for kv in items if kv.key == KILLSWITCH), b"")
                 if self._want_switch is None or self._want_switch[1] < revision:
                     self._want_switch = (killswitch_enabled(raw), revision)
@@ -232,10 +252,18 @@ class ControlFollower:
     async def on_quota(self, tenant: str, quota: Quota | None) -> None:
         pass
 
+    async def on_flush(self, tenant: str, name: str, revision: int) -> tuple[int, int]:
+        """A flush of `tenant/name` committed at `revision`: flush whatever etcd's records
+        do not cover; return (namespaces flushed, blocks dropped)."""
+        return 0, 0
+
     # ------------------------------------------------------------------ follow
     async def _follow(self, prefix: str) -> None:
         def reset(items: list[KeyValue], revision: int) -> None:
-            if prefix == KILLSWITCH:
+            if prefix == FLUSHES:
+                self._flushes_listed(items, revision)
+                items = []
+            elif prefix == KILLSWITCH:
                 raw = next((kv.value for kv in items if kv.key == KILLSWITCH), b"")
                 self._want_switch = (killswitch_enabled(raw), revision)
             elif prefix == TENANTS:
@@ -248,13 +276,25 @@ class ControlFollower:
         def apply(events: list[WatchEvent]) -> None:
             for ev in events:
                 self._record(prefix, ev.key, ev.value, ev.deleted, ev.mod_revision)
+            if prefix == FLUSHES:
+                self._flush_seen = max(self._flush_seen, events[-1].mod_revision)
             self._dirty.set()
 
         await follow_revisions(self.etcd, prefix, reset, apply)
 
+    def _flushes_listed(self, items: list[KeyValue], revision: int) -> None:
+        for kv in items:  # a marker's revision is its flush's: its mod revision
+            self._record(FLUSHES, kv.key, kv.value, False, kv.mod_revision)
+        self._flush_seen = max(self._flush_seen, revision)
+
     def _record(self, prefix: str, key: str, value: bytes, deleted: bool, rev: int) -> None:
         try:
-            if prefix == KILLSWITCH:
+            if prefix == FLUSHES:
+                tenant, _, name = key[len(FLUSHES):].partition("/")
+                if not deleted and tenant and name:
+                    old = self._want_flush.get((tenant, name), 0)
+                    self._want_flush[(tenant, name)] = max(old, rev)
+            elif prefix == KILLSWITCH:
                 # Older than what catch_up() listed: a lagging watch must not undo it.
                 if key == KILLSWITCH and (self._want_switch is None
                                           or rev >= self._want_switch[1]):
@@ -307,6 +347,14 @@ class ControlFollower:
             if gen > 0:  # generation 0 was never flushed: nobody waits for it
                 self._ack(ack_key(tenant, ns_id.hex(), self.member),
                           Ack(gen, dropped).to_json())
+        # After the generations: a flush's name ack follows its record acks here.
+        for (tenant, name), rev in list(self._want_flush.items()):
+            if self._applied_flush.get((tenant, name), 0) >= rev:
+                continue
+            flushed, dropped = await self.on_flush(tenant, name, rev)
+            self._applied_flush[(tenant, name)] = rev
+            self._ack(name_ack_key(tenant, name, self.member),
+                      NameAck(rev, flushed, dropped).to_json())
         for tenant in sorted(set(self._want_quota) | set(self._applied_quota)):
             quota = self._want_quota.get(tenant)
             if quota != self._applied_quota.get(tenant):
