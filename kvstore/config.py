@@ -99,6 +99,9 @@ class AgentConfig:
     expire_interval_s: float = 5.0
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
     lease_ttl_s: int = 5
+    # Distinct namespaces one tenant may register, counted cluster-wide in etcd (per agent
+    # while etcd is unreachable, or without etcd); 0: no limit.
+    max_namespaces_per_tenant: int = 1024
     metrics_port: int = 0  # 0: no Prometheus endpoint
     peer_port: int = 0  # UCX peer-transfer listener port (0: pick a free one)
     ucx_enabled: bool = True  # False: peers move blocks over the gRPC fallback only
@@ -129,6 +132,9 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.nvme_bytes < 0 or self.metrics_port < 0:
             raise ValueError("nvme_bytes and metrics_port must be >= 0")
+        if self.max_namespaces_per_tenant < 0:
+            raise ValueError(f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
+                             f"{self.max_namespaces_per_tenant!r}")
 
     @property
     def pool_slots(self) -> int:

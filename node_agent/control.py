@@ -10,7 +10,11 @@ kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
   NAMESPACE_CLEARED (routers resync); then `acks/<tenant>/<ns>/<node_id>` is written.
 - Quotas (tenants/<tenant>): set as the tenant's per-node limits; a tenant over its new
   limit has its own blocks evicted at once. A removed record restores the configured limit.
-- etcd down: the last applied state stays in force and the agent keeps serving.
+- etcd down: the last applied state stays in force and the agent keeps serving. A
+  namespace opened meanwhile is served and registered once etcd is back; a flush of its
+  name reaches it even before that (node_agent/ns_registry.py has the rule).
+- Namespaces are registered with the tenant's namespace cap checked in the same etcd
+  transaction (max_namespaces_per_tenant; RESOURCE_EXHAUSTED beyond it).
 - Joining: a flush that committed after the start-up listing but whose membership check
   missed this agent (it registered a moment later) does not wait for it. `catch_up()`
   (kvstore/coord/follow.py) lists again after registration and applies it.
@@ -21,17 +25,17 @@ Wiring (node_agent/server.py): `await control.start()` before serving, and
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 
 from kvstore.coord.admin import Quota
 from kvstore.coord.follow import ControlFollower
-from kvstore.coord.etcd import DEFAULT_PREFIX, NAMESPACES, EtcdClient
+from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
 from kvstore import errors
 from kvstore.events import Tier
 from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, NsState
+from node_agent.ns_registry import NamespaceRegistry
 
 log = logging.getLogger("kvstore.agent")
 
@@ -39,9 +43,12 @@ log = logging.getLogger("kvstore.agent")
 class AgentControl(ControlFollower):
     def __init__(self, store: BlockStore, endpoints: str, node_id: str,
                  publish: Callable[[], None] | None = None,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX, max_namespaces_per_tenant: int = 0) -> None:
         super().__init__(EtcdClient(endpoints, prefix), node_id, follow_quotas=True)
         self.store = store
+        self.namespaces = NamespaceRegistry(store, self.etcd, max_namespaces_per_tenant,
+                                            self.known_generation, self.known_namespaces,
+                                            lambda: self.flush_view_revision)
         self._publish = publish or (lambda: None)
         acc = store.accounts
         # The configured limits: what a tenant gets back when its etcd quota is removed.
@@ -50,8 +57,10 @@ class AgentControl(ControlFollower):
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
         await super().start(timeout_s, what or f"agent {self.member}")
+        self.namespaces.start()
 
     async def stop(self) -> None:
+        await self.namespaces.stop()
         await super().stop()
         await self.etcd.close()
 
@@ -87,37 +96,18 @@ class AgentControl(ControlFollower):
         log.info("tenant %s limits: hbm %s, nvme %s bytes (%d blocks evicted to fit)", tenant,
                  hbm or "unlimited", nvme or "unlimited", evicted)
 
+    async def on_flush(self, tenant: str, name: str, revision: int) -> tuple[int, int]:
+        flushed = await self.namespaces.on_flush(tenant, name, revision)
+        self._publish()
+        return flushed
+
     # -------------------------------------------------------------- namespaces
     async def open_namespace(self, spec: Namespace) -> NsState:
-        """OpenNamespace with etcd: the namespace record is created if absent (at this
-        node's generation for it, so a record lost with etcd's data never moves a
-        namespace backwards) and the generation in etcd is the one used."""
+        """OpenNamespace with etcd: at the generation in etcd when its record is known,
+        else registered now (node_agent/ns_registry.py: created at this node's
+        generation for it, so a record lost with etcd's data never moves a namespace
+        backwards; served unregistered while etcd is unreachable)."""
         generation = self.known_generation(spec.namespace_id)
-        if generation is None:
-            generation = await self._ensure_record(spec)
+        if generation is None or self.namespaces.is_pending(spec.namespace_id):
+            return await self.namespaces.open(spec)
         return self.store.open_namespace(spec, generation)
-
-    async def _ensure_record(self, spec: Namespace) -> int:
-        ns_id = spec.namespace_id
-        local = next((st for st in self.store.namespaces() if st.ns_id == ns_id), None)
-        local_gen = local.generation if local is not None else 0
-        policy = local.policy if local is not None else self.store.policy_for(spec)
-        key = f"{NAMESPACES}{spec.tenant}/{ns_id.hex()}"
-        rec = {"spec": spec.to_dict(), "generation": local_gen, "policy": policy.to_dict()}
-        try:
-            if await self.etcd.create(key, json.dumps(rec, sort_keys=True).encode()):
-                return local_gen
-            current = await self.etcd.get(key)
-        except errors.Unavailable as exc:
-            # Our watch view is complete up to the outage and holds no record for it, so
-            # nobody could have flushed it: serve it at the local generation.
-            log.warning("namespace %s opened without etcd (%s); its record is created on "
-                        "the next open while etcd is reachable", spec.key, exc)
-            return local_gen
-        if current is None:  # deleted between our create and get: try once more later
-            return local_gen
-        try:
-            return max(local_gen, int(json.loads(current.value)["generation"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise errors.FailedPrecondition(f"namespace record {key} in etcd is damaged: "
-                                            f"{exc}") from None

@@ -51,7 +51,8 @@ class AgentServer:
         self.hub = EventHub(self.store, cfg.node_id)
         self.shm = ShmRegistry()
         self.servicer = AgentServicer(self.store, self.hub, self.shm, cfg.node_id,
-                                      cfg.max_blocks_per_request)
+                                      cfg.max_blocks_per_request,
+                                      cfg.max_namespaces_per_tenant)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
@@ -81,7 +82,8 @@ class AgentServer:
         if self.cfg.etcd_endpoints:  # catch up (flushes, kill switch) before serving
             from node_agent.control import AgentControl
             self.control = AgentControl(self.store, self.cfg.etcd_endpoints,
-                                        self.cfg.node_id, self.hub.publish_pending)
+                                        self.cfg.node_id, self.hub.publish_pending,
+                                        max_namespaces_per_tenant=self.cfg.max_namespaces_per_tenant)
             self.telemetry.watch_generations(self.control)
             await self.control.start()
             self.servicer.control = self.control

@@ -14,6 +14,7 @@ from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from node_agent.events import EventHub
 from node_agent.interceptors import check_access, current_tenant
 from node_agent.metrics import AgentMetrics
+from node_agent.ns_registry import check_cap
 from node_agent.shm import ShmRegistry
 from node_agent.stats import build_stats
 
@@ -38,12 +39,13 @@ def policy_to_proto(p) -> common_pb2.NamespacePolicy:
 
 class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
     def __init__(self, store: BlockStore, hub: EventHub, shm: ShmRegistry, node_id: str,
-                 max_blocks: int) -> None:
+                 max_blocks: int, max_namespaces_per_tenant: int = 0) -> None:
         self.store = store
         self.hub = hub
         self.shm = shm
         self.node_id = node_id
         self.max_blocks = max_blocks
+        self.max_namespaces = max_namespaces_per_tenant  # enforced here only without etcd
         self.in_flight = 0
         self.control = None  # node_agent/control.AgentControl when etcd is configured
         self.lane = None  # node_agent/local_lane.LocalLane when the agent runs one
@@ -87,8 +89,13 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         if tenant is not None and tenant != spec.tenant and not spec.public:
             raise errors.PermissionDenied(f"tenant {tenant!r} may not open namespaces of "
                                           f"tenant {spec.tenant!r}")
-        st = (await self.control.open_namespace(spec) if self.control is not None
-              else self.store.open_namespace(spec))
+        if self.control is not None:  # registers it in etcd, the cap checked there
+            st = await self.control.open_namespace(spec)
+        else:
+            check_cap(spec.tenant, {s.ns_id for s in self.store.namespaces()
+                                    if s.tenant == spec.tenant},
+                      spec.namespace_id, self.max_namespaces)
+            st = self.store.open_namespace(spec)
         return agent_pb2.NamespaceInfo(namespace_id=st.ns_id, generation=st.generation,
                                        block_bytes=spec.block_bytes,
                                        policy=policy_to_proto(st.policy),
