@@ -1,4 +1,5 @@
-"""kvctl control-plane commands: flush, killswitch, quota, status, nodes, stats, audit.
+"""kvctl control-plane commands: flush, killswitch, quota, namespaces, status, nodes, stats,
+audit.
 
 Every command takes `--output table|json` (tables for people, JSON for scripts; progress
 lines go to stderr either way) and finds etcd from `--etcd`, else `--state-dir` (a local
@@ -132,6 +133,7 @@ def cmd_flush(args) -> int:
                    "namespaces": [asdict(f) for f in rep.namespaces],
                    "members": list(p.members), "acknowledged": list(p.acked),
                    "missing": list(p.missing), "blocks_scheduled_for_deletion": p.dropped,
+                   "unregistered_flushed": p.unregistered,
                    "elapsed_s": round(rep.elapsed_s, 3)})
         else:
             print(table(["namespace id", "name", "generation"],
@@ -140,6 +142,9 @@ def cmd_flush(args) -> int:
             print(f"nodes acknowledged:  {len(p.acked)}/{len(p.members)}"
                   + (f" ({', '.join(p.acked)})" if p.acked else ""))
             print(f"blocks scheduled for deletion: {p.dropped}")
+            if p.unregistered:
+                print(f"flushed on agents before their etcd registration: {p.unregistered} "
+                      "namespaces")
             print(f"time taken: {rep.elapsed_s:.2f}s")
         if rep.ok:
             return OK
@@ -223,6 +228,28 @@ def cmd_quota(args) -> int:
         else:
             print("no quotas set" if args.action == "list" else
                   f"quota of {args.tenant} removed")
+        return OK
+    return _run(args, body)
+
+
+def cmd_namespaces(args) -> int:
+    async def body(etcd) -> int:
+        records = await etcd.list_namespaces(args.tenant or "")
+        counts: dict[str, int] = {}
+        for r in records:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+        if args.output == "json":
+            _json({"tenants": counts,
+                   **({"namespaces": [asdict(r) for r in records]} if args.tenant else {})})
+        elif args.tenant:
+            print(table(["namespace id", "name", "model", "generation"],
+                        [[r.ns_hex, r.name, r.model_name, r.generation] for r in records])
+                  if records else f"tenant {args.tenant} has no namespaces in etcd")
+            print(f"\n{args.tenant}: {len(records)} namespaces (limit: the agents' "
+                  "max_namespaces_per_tenant, default 1024)")
+        else:
+            print(table(["tenant", "namespaces"], sorted(counts.items()))
+                  if counts else "no namespaces in etcd")
         return OK
     return _run(args, body)
 
@@ -413,6 +440,14 @@ def _register_views(sub) -> None:
             p.add_argument("--tenant", help="only this tenant")
         _common(p, nodes=True)
         p.set_defaults(func=fn, kvctl_command=name)
+
+    p = sub.add_parser("namespaces", help="namespaces registered in etcd, counted per tenant",
+                       description="Count the namespace records of each tenant (the agents "
+                       "refuse a tenant's namespace beyond max_namespaces_per_tenant); with "
+                       "--tenant, list that tenant's namespaces and their generations.")
+    p.add_argument("--tenant", help="list this tenant's namespaces")
+    _common(p)
+    p.set_defaults(func=cmd_namespaces, kvctl_command="namespaces")
 
     p = sub.add_parser("audit", help="admin actions recorded in etcd (who, what, when, result)")
     p.add_argument("--limit", type=int, default=50, help="newest N records (0: all)")

@@ -146,6 +146,17 @@ class NamespaceClaim:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceRecord:
+    """One namespaces/<tenant>/<id> record, as operators list them."""
+
+    tenant: str
+    ns_hex: str
+    name: str
+    model_name: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
 class _NsSnapshot:
     revision: int
     record: KeyValue | None
@@ -484,6 +495,24 @@ class EtcdClient:
                   else None)
         flushed_at = max((m.kvs[0].mod_revision for m in marks if m.kvs), default=0)
         return _NsSnapshot(resp.header.revision, record, flushed_at, count.count)
+
+    async def list_namespaces(self, tenant: str = "") -> list["NamespaceRecord"]:
+        """Every namespace record (of one tenant when given), damaged ones skipped."""
+        if "/" in tenant:
+            raise errors.InvalidArgument(f"tenant name {tenant!r} contains '/'")
+        _, items = await self.list(f"{NAMESPACES}{tenant}/" if tenant else NAMESPACES)
+        out = []
+        for kv in items:
+            owner, _, ns_hex = kv.key[len(NAMESPACES):].rpartition("/")
+            try:
+                rec = json.loads(kv.value)
+                spec = rec["spec"]
+                out.append(NamespaceRecord(owner, ns_hex, str(spec["name"]),
+                                           str(spec.get("model_name", "")),
+                                           int(rec["generation"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed namespace record %s: %s", kv.key, exc)
+        return out
 
     async def get_namespace(self, tenant: str, ns_id: bytes) -> dict | None:
         kv = await self.get(f"{NAMESPACES}{tenant}/{ns_id.hex()}")
