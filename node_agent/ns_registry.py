@@ -35,8 +35,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
+from kvstore.coord.etcd import EtcdClient
 from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, NsState
 

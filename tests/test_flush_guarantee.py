@@ -13,9 +13,9 @@ import pytest
 from conftest import make_namespace, wait_for
 from control_support import AgentClient, agent_cfg, chain, kvctl, kvctl_json, status_of
 
-from cluster.control import ControlPlane
-from cluster.etcd import EtcdClient, NodeRecord
 from kvstore import errors
+from kvstore.coord.admin import ControlPlane
+from kvstore.coord.etcd import EtcdClient, NodeRecord
 from kvstore.namespace import MAX_SPEC_BYTES
 from node_agent.control import AgentControl
 from node_agent.registration import Registration

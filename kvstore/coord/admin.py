@@ -16,7 +16,7 @@ routes for the old generation. So "every live member acknowledged" is the point 
 which no hit on the old generation can happen anywhere.
 
 A flush is by name: besides raising every record of the name it writes the name's flush
-marker (flushes/<tenant>/<name>, cluster/etcd.py), and waits for every member's name ack
+marker (flushes/<tenant>/<name>, kvstore/coord/etcd.py), and waits for every member's name ack
 too. An agent writes that only after it flushed its own copies of the name that etcd has no
 record of yet (opened while etcd was unreachable: node_agent/ns_registry.py), so a flush
 that returns 0 also covers specs whose registration is still pending. Its transaction
