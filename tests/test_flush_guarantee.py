@@ -100,11 +100,11 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
                 plane = ControlPlane(admin, who="test")
                 report = await plane.flush("acme", "chat", 15.0)
                 assert report.ok and report.progress.acked == ("agent-p",), report
-                assert [f.ns_hex for f in report.namespaces] == [SPEC_R2.namespace_id.hex()]
-                assert report.progress.unregistered == 1, report
                 with pytest.raises(errors.StaleGeneration):
                     store.lookup(SPEC.namespace_id, 0, ids)
                 assert store.lookup(SPEC.namespace_id, 1, ids).matched == 0, "blocks kept"
+                assert [f.ns_hex for f in report.namespaces] == [SPEC_R2.namespace_id.hex()]
+                assert report.progress.unregistered == 1, report
 
                 report = await plane.flush("acme", "code", 15.0)  # no record anywhere
                 assert report.ok and report.namespaces == () and \
@@ -132,6 +132,36 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
             await reg.stop()
             await control.stop()
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_flush_lists_again_when_a_namespace_registers_during_it(etcd):
+    """A registration committed between a flush's listing and its transaction is not
+    missed: the transaction compares every record of the tenant, so it lists again."""
+    async def main():
+        async with EtcdClient(etcd.endpoint) as admin, EtcdClient(etcd.endpoint) as agent:
+            await agent.claim_namespace(SPEC_R2.namespace_id, SPEC_R2.to_dict(), {}, 0, 0)
+            real_list, injected = admin.list, []
+
+            async def list_(prefix: str):
+                out = await real_list(prefix)
+                if prefix == "namespaces/acme/" and not injected:  # an agent registers now
+                    injected.append(await agent.claim_namespace(
+                        SPEC.namespace_id, SPEC.to_dict(), {}, 0, 0))
+                return out
+            admin.list = list_
+            flushed, revision, _ = await ControlPlane(admin, who="test").commit_flush(
+                "acme", "chat")
+            assert injected and injected[0].created
+            assert {f.ns_hex: f.new_generation for f in flushed} == {
+                SPEC.namespace_id.hex(): 1, SPEC_R2.namespace_id.hex(): 1}
+            assert (await admin.get_namespace("acme", SPEC.namespace_id))["generation"] == 1
+            # and a registration from a view older than that flush writes nothing
+            late = await agent.claim_namespace(make_namespace(model_revision="r3").namespace_id,
+                                               make_namespace(model_revision="r3").to_dict(),
+                                               {}, 0, revision - 1)
+            assert (late.flushed_at, late.created) == (revision, False)
+            assert len(await admin.list_namespaces("acme")) == 2
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 # ------------------------------------------------------------ oversized specs
