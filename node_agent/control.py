@@ -97,9 +97,9 @@ class AgentControl(ControlFollower):
                  hbm or "unlimited", nvme or "unlimited", evicted)
 
     async def on_flush(self, tenant: str, name: str, revision: int) -> tuple[int, int]:
-        flushed = await self.namespaces.on_flush(tenant, name, revision)
-        self._publish()
-        return flushed
+        result = await self.namespaces.on_flush(tenant, name, revision)
+        self._publish()  # NAMESPACE_CLEARED of what it flushed
+        return result
 
     # -------------------------------------------------------------- namespaces
     async def open_namespace(self, spec: Namespace) -> NsState:

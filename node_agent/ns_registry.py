@@ -52,6 +52,7 @@ class Pending:
     spec: Namespace
     seen_revision: int  # flush markers up to here are older than its blocks
     generation: int  # the generation it is served at (raised by local flushes)
+    refused: str = ""  # why etcd refused to register it (logged once), e.g. the cap
 
 
 def check_cap(tenant: str, held: set[bytes], ns_id: bytes, limit: int) -> None:
@@ -120,7 +121,6 @@ class NamespaceRegistry:
                 self._etcd_down = True
                 log.warning("namespace %s opened without etcd (%s); registering it as soon "
                             "as etcd answers", spec.key, exc)
-        ns_id = spec.namespace_id
         if ns_id in self._pending:  # opened by a concurrent call meanwhile
             return self.store.open_namespace(spec, self._pending[ns_id].generation)
         held = self._known_ids(spec.tenant) | {i for i, q in self._pending.items()
@@ -132,8 +132,11 @@ class NamespaceRegistry:
         self._wake.set()
         return st
 
+    def _local(self, ns_id: bytes) -> NsState | None:
+        return next((s for s in self.store.namespaces() if s.ns_id == ns_id), None)
+
     def _local_generation(self, ns_id: bytes) -> int:
-        st = next((s for s in self.store.namespaces() if s.ns_id == ns_id), None)
+        st = self._local(ns_id)
         return st.generation if st is not None else 0
 
     # ------------------------------------------------------------------- flush
@@ -170,7 +173,8 @@ class NamespaceRegistry:
         async with lock:
             for _ in range(_ATTEMPTS):
                 seen, gen = p.seen_revision, p.generation
-                policy = self.store.policy_for(spec)
+                local = self._local(spec.namespace_id)
+                policy = local.policy if local is not None else self.store.policy_for(spec)
                 claim = await self.etcd.claim_namespace(
                     spec.namespace_id, spec.to_dict(), policy.to_dict(), gen, seen, self.limit)
                 if (p.seen_revision, p.generation) != (seen, gen):
@@ -213,9 +217,10 @@ class NamespaceRegistry:
                     self._etcd_down, failed = True, True
                     break
                 except errors.KvError as exc:  # cap reached meanwhile, damaged record
-                    log.warning("namespace %s cannot be registered in etcd: %s (still "
-                                "served, flushed by name; retrying)", p.spec.key, exc)
-                    failed = True
+                    if p.refused != str(exc):
+                        log.warning("namespace %s cannot be registered in etcd: %s (still "
+                                    "served, flushed by name; retrying)", p.spec.key, exc)
+                    p.refused, failed = str(exc), True
             if failed:
                 self._wake.set()
                 await asyncio.sleep(delay)

@@ -244,3 +244,28 @@ def test_namespace_cap_without_etcd_is_per_agent(spawn_agent):
     assert status_of(c.open, make_namespace(name="third")) == \
         grpc.StatusCode.RESOURCE_EXHAUSTED
     c.open(make_namespace(tenant="other"))
+
+
+def test_namespace_cap_while_etcd_is_unreachable_is_per_agent(etcd, make_store):
+    """Counted against the records this agent follows plus its pending namespaces."""
+    store = make_store()
+
+    async def main():
+        control = AgentControl(store, etcd.endpoint, "agent-c", max_namespaces_per_tenant=2)
+        try:
+            await control.start(timeout_s=15)
+            await control.open_namespace(SPEC)  # registered: one record of acme
+
+            async def unreachable(*args, **kw):
+                raise errors.Unavailable("injected: this agent cannot reach etcd")
+            control.etcd.claim_namespace = unreachable
+            await control.open_namespace(CODE)  # pending: the second
+            await control.open_namespace(CODE)
+            with pytest.raises(errors.ResourceExhausted, match="the limit is 2"):
+                await control.open_namespace(make_namespace(name="third"))
+            await control.open_namespace(make_namespace(tenant="other"))
+            assert sorted(s.key for s in control.namespaces.pending) == ["acme/code",
+                                                                          "other/chat"]
+        finally:
+            await control.stop()
+    asyncio.run(asyncio.wait_for(main(), 60))
