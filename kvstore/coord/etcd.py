@@ -482,7 +482,7 @@ class EtcdClient:
         raise errors.Unavailable(f"namespace {key}: the tenant's records kept changing during "
                                  f"{_CAS_ATTEMPTS} attempts; retry")
 
-    async def _ns_snapshot(self, key: str, markers: list[str], prefix: str) -> "_NsSnapshot":
+    async def _ns_snapshot(self, key: str, markers: Sequence[str], prefix: str) -> "_NsSnapshot":
         """The record, the newest flush marker revision and the tenant's record count,
         read at one revision (a transaction without compares)."""
         start = self._key(prefix)
@@ -496,7 +496,7 @@ class EtcdClient:
         flushed_at = max((m.kvs[0].mod_revision for m in marks if m.kvs), default=0)
         return _NsSnapshot(resp.header.revision, record, flushed_at, count.count)
 
-    async def list_namespaces(self, tenant: str = "") -> list["NamespaceRecord"]:
+    async def list_namespaces(self, tenant: str = "") -> Sequence["NamespaceRecord"]:
         """Every namespace record (of one tenant when given), damaged ones skipped."""
         if "/" in tenant:
             raise errors.InvalidArgument(f"tenant name {tenant!r} contains '/'")

@@ -10,8 +10,8 @@ import threading
 
 import grpc
 import pytest
-from conftest import make_namespace, wait_for
-from control_support import AgentClient, agent_cfg, chain, kvctl, kvctl_json, status_of
+from support.common import make_namespace, wait_for
+from support.control import AgentClient, agent_cfg, chain, kvctl, kvctl_json, status_of
 
 from kvstore import errors
 from kvstore.coord.admin import ControlPlane
@@ -189,7 +189,7 @@ def test_oversized_spec_is_refused_and_never_served(etcd, spawn_agent):
 def _ns_msg(**overrides):
     """An OpenNamespaceRequest built field by field: the Namespace type itself refuses an
     oversized spec, so the test cannot build one through it."""
-    from conftest import NS_DEFAULTS
+    from support.common import NS_DEFAULTS
 
     from kvstore.v1 import agent_pb2, common_pb2
     return agent_pb2.OpenNamespaceRequest(spec=common_pb2.Namespace(**{**NS_DEFAULTS,
