@@ -75,6 +75,8 @@ class NamespaceRegistry:
         self.store, self.etcd, self.limit = store, etcd, limit
         self._known, self._known_ids, self._flush_view = known, known_ids, flush_view
         self._pending: dict[bytes, Pending] = {}
+        # Registered by us: counted for the cap before our watch delivers their records.
+        self._claimed: dict[str, set[bytes]] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # one tenant's claims go in turn
         self._wake = asyncio.Event()
         self._etcd_down = False
@@ -116,6 +118,7 @@ class NamespaceRegistry:
         if not self._etcd_down:
             try:
                 generation = await self._claim(p)
+                self._claimed.setdefault(spec.tenant, set()).add(ns_id)
                 return self.store.open_namespace(spec, generation)
             except errors.Unavailable as exc:
                 self._etcd_down = True
@@ -123,8 +126,8 @@ class NamespaceRegistry:
                             "as etcd answers", spec.key, exc)
         if ns_id in self._pending:  # opened by a concurrent call meanwhile
             return self.store.open_namespace(spec, self._pending[ns_id].generation)
-        held = self._known_ids(spec.tenant) | {i for i, q in self._pending.items()
-                                               if q.spec.tenant == spec.tenant}
+        held = (self._known_ids(spec.tenant) | self._claimed.get(spec.tenant, set())
+                | {i for i, q in self._pending.items() if q.spec.tenant == spec.tenant})
         check_cap(spec.tenant, held, ns_id, self.limit)
         st = self.store.open_namespace(spec, p.generation)
         p.generation = max(p.generation, st.generation)
@@ -195,6 +198,7 @@ class NamespaceRegistry:
         if generation > self._local_generation(ns_id):
             self.store.set_generation(ns_id, generation)
         del self._pending[ns_id]
+        self._claimed.setdefault(p.spec.tenant, set()).add(ns_id)
         log.info("namespace %s registered in etcd at generation %d", p.spec.key, generation)
 
     async def _run(self) -> None:

@@ -20,8 +20,9 @@ marker (flushes/<tenant>/<name>, kvstore/coord/etcd.py), and waits for every mem
 too. An agent writes that only after it flushed its own copies of the name that etcd has no
 record of yet (opened while etcd was unreachable: node_agent/ns_registry.py), so a flush
 that returns 0 also covers specs whose registration is still pending. Its transaction
-compares every record of the tenant against the listing it bumped, so a record created in
-between makes it list again instead of missing that record.
+compares the tenant's record counter (ns-counts/<tenant>, bumped by every creation)
+against the listing it bumped, so a record created in between makes it list again instead
+of missing that record.
 
 Every admin write goes in one etcd transaction together with its audit record, so an
 action and its record are never separated; the record is updated with the final result
@@ -43,7 +44,7 @@ from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
 from kvstore.coord.etcd import (KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient,
-                                flush_marker_key, killswitch_enabled)
+                                flush_marker_key, killswitch_enabled, ns_count_key)
 from kvstore import errors
 from kvstore.units import format_size
 
@@ -360,21 +361,26 @@ class ControlPlane:
                            ) -> tuple[list[FlushedNamespace], int, str]:
         """Raise the generation of every namespace record `tenant/name` (every spec and
         revision under that name, or one namespace id) by one and write the name's flush
-        marker, in one transaction that carries the audit record and compares every record
-        of the tenant against the listing (so neither a concurrent flush nor a namespace
-        registered meanwhile is missed). No record at all is not an error here: agents may
+        marker, in one transaction that carries the audit record and compares each record
+        and the tenant's record counter with the listing (so neither a concurrent flush nor
+        a namespace registered meanwhile is missed). No record at all is not an error here: agents may
         hold the name unregistered (`flush` decides). Returns (flushed, revision, key)."""
         target = f"{tenant}/{name}"
         if not tenant or not name or "/" in tenant or "/" in name:
             raise errors.InvalidArgument(f"flush target must be TENANT/NAME, got {target!r}")
-        start = self.etcd._key(f"{NAMESPACES}{tenant}/")
         for _ in range(_CAS_ATTEMPTS):
             listed, matches = await self._matching(tenant, name)
+            # No record created since the listing (the tenant's counter, bumped by every
+            # creation, is as old as it), none of ours changed (a concurrent flush).
+            compares = [Compare(result=Compare.LESS, target=Compare.MOD,
+                                key=self.etcd._key(ns_count_key(tenant)),
+                                mod_revision=listed + 1)]
             flushed, ops = [], []
             for kv, ns_hex, spec_name, rec in matches:
                 old = int(rec.get("generation", 0))
                 rec["generation"] = old + 1
                 flushed.append(FlushedNamespace(ns_hex, spec_name, old, old + 1))
+                compares.append(mod_equals(self.etcd, kv.key, kv.mod_revision))
                 ops.append(put_op(self.etcd, kv.key, json.dumps(rec, sort_keys=True).encode()))
             at = time.time()
             akey = audit_key(at)
@@ -383,9 +389,7 @@ class ControlPlane:
                               json.dumps({"by": self.who, "at": at}).encode()))
             ops.append(self._audit_op(akey, "flush", target, True,
                                       "committed; waiting for acknowledgements", params, at))
-            unchanged = Compare(result=Compare.LESS, target=Compare.MOD, key=start,
-                                range_end=prefix_range_end(start), mod_revision=listed + 1)
-            ok, revision = await txn(self.etcd, f"flush {target}", [unchanged], ops)
+            ok, revision = await txn(self.etcd, f"flush {target}", compares, ops)
             if ok:
                 return flushed, revision, akey
         raise errors.Unavailable(f"flush {target}: the namespace records kept changing "

@@ -7,10 +7,14 @@ Key layout under a prefix (default ``/kvstore/``)::
     tenants/<tenant>                {"hbm_limit_bytes": ..., "nvme_limit_bytes": ...}
     killswitch                      {"enabled": true, "reason": "..."}
     flushes/<tenant>/<name>         flush marker: its mod revision is the name's last flush
+    ns-counts/<tenant>              {"count": N}: the tenant's records, bumped by each creation
 
 A namespace record is created only by `claim_namespace`, one transaction that also checks
 the tenant's namespace cap and that no flush of the name committed after the claimer's
-view (the flush marker): see node_agent/ns_registry.py for why.
+view (the flush marker), and bumps the tenant's record counter: the cap is checked
+against it, and a flush compares it to notice a record created while it ran (O(1) per
+claim, where counting the records would grow with the tenant). See
+node_agent/ns_registry.py for why.
 
 Every etcd failure (connection refused, timeout, lost quorum) surfaces as
 `kvstore.errors.Unavailable` with the operation and the endpoints in the message; callers
@@ -46,6 +50,7 @@ NAMESPACES = "namespaces/"
 TENANTS = "tenants/"
 KILLSWITCH = "killswitch"
 FLUSHES = "flushes/"
+NS_COUNTS = "ns-counts/"
 _CAS_ATTEMPTS = 16
 # Reconnect quickly after an etcd restart; grpc's default backoff grows to two minutes.
 _CHANNEL_OPTIONS = [
@@ -158,14 +163,18 @@ class NamespaceRecord:
 
 @dataclass(frozen=True, slots=True)
 class _NsSnapshot:
-    revision: int
     record: KeyValue | None
     flushed_at: int
     count: int
+    count_mod: int  # mod revision of the tenant's counter (0: none yet)
 
 
 def namespace_key(tenant: str, ns_id: bytes) -> str:
     return f"{NAMESPACES}{tenant}/{ns_id.hex()}"
+
+
+def ns_count_key(tenant: str) -> str:
+    return f"{NS_COUNTS}{tenant}"
 
 
 def flush_marker_key(tenant: str, name: str) -> str:
@@ -441,9 +450,9 @@ class EtcdClient:
         key = namespace_key(tenant, ns_id)
         # A flush by name or by namespace id (kvctl flush TENANT/<32 hex>).
         markers = [flush_marker_key(tenant, name), flush_marker_key(tenant, ns_id.hex())]
-        prefix = f"{NAMESPACES}{tenant}/"
+        counter = ns_count_key(tenant)
         for attempt in range(_CAS_ATTEMPTS):
-            snap = await self._ns_snapshot(key, markers, prefix)
+            snap = await self._ns_snapshot(key, markers, tenant)
             if snap.flushed_at > seen_revision:
                 return NamespaceClaim(0, False, snap.flushed_at, snap.count)
             compares = [Compare(result=Compare.LESS, target=Compare.MOD, key=self._key(m),
@@ -453,10 +462,9 @@ class EtcdClient:
                     raise errors.ResourceExhausted(
                         f"tenant {tenant!r} already has {snap.count} namespaces; the limit "
                         f"is {limit} (max_namespaces_per_tenant)")
-                start = self._key(prefix)  # no record of the tenant changed since we counted
-                compares += [Compare(result=Compare.LESS, target=Compare.MOD, key=start,
-                                     range_end=prefix_range_end(start),
-                                     mod_revision=snap.revision + 1),
+                # No record of the tenant created since we counted.
+                compares += [Compare(result=Compare.EQUAL, target=Compare.MOD,
+                                     key=self._key(counter), mod_revision=snap.count_mod),
                              KVService.txn_compare_create_revision(self._key(key), 0)]
                 rec = {"spec": spec, "generation": generation, "policy": policy}
             else:
@@ -472,8 +480,11 @@ class EtcdClient:
                 compares.append(Compare(result=Compare.EQUAL, target=Compare.MOD,
                                         key=self._key(key),
                                         mod_revision=snap.record.mod_revision))
-            op = KVService.txn_op_put(self._key(key), json.dumps(rec, sort_keys=True).encode())
-            resp = await self._call(f"claim {key}", self._kv.txn(compares, [op]))
+            ops = [KVService.txn_op_put(self._key(key), json.dumps(rec, sort_keys=True).encode())]
+            if snap.record is None:
+                ops.append(KVService.txn_op_put(
+                    self._key(counter), json.dumps({"count": snap.count + 1}).encode()))
+            resp = await self._call(f"claim {key}", self._kv.txn(compares, ops))
             if resp.succeeded:
                 created = snap.record is None
                 return NamespaceClaim(generation, created, snap.flushed_at,
@@ -482,19 +493,30 @@ class EtcdClient:
         raise errors.Unavailable(f"namespace {key}: the tenant's records kept changing during "
                                  f"{_CAS_ATTEMPTS} attempts; retry")
 
-    async def _ns_snapshot(self, key: str, markers: Sequence[str], prefix: str) -> "_NsSnapshot":
+    async def _ns_snapshot(self, key: str, markers: Sequence[str], tenant: str
+                           ) -> "_NsSnapshot":
         """The record, the newest flush marker revision and the tenant's record count,
         read at one revision (a transaction without compares)."""
-        start = self._key(prefix)
-        ops = [RequestOp(request_range=RangeRequest(key=self._key(k))) for k in [key, *markers]]
-        ops.append(RequestOp(request_range=RangeRequest(
-            key=start, range_end=prefix_range_end(start), count_only=True)))
+        keys = [key, *markers, ns_count_key(tenant)]
+        ops = [RequestOp(request_range=RangeRequest(key=self._key(k))) for k in keys]
         resp = await self._call(f"read {key}", self._kv.txn([], ops))
-        rec, *marks, count = (r.response_range for r in resp.responses)
+        rec, *marks, counter = (r.response_range for r in resp.responses)
         record = (KeyValue(key, rec.kvs[0].value, rec.kvs[0].mod_revision) if rec.kvs
                   else None)
         flushed_at = max((m.kvs[0].mod_revision for m in marks if m.kvs), default=0)
-        return _NsSnapshot(resp.header.revision, record, flushed_at, count.count)
+        if counter.kvs:
+            try:
+                count = int(json.loads(counter.kvs[0].value)["count"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise errors.FailedPrecondition(f"namespace counter of tenant {tenant!r} in "
+                                                f"etcd is damaged: {exc}") from None
+            return _NsSnapshot(record, flushed_at, count, counter.kvs[0].mod_revision)
+        # No counter yet (records written before it existed): start it from a count; the
+        # claim creates it only if it is still absent.
+        start = self._key(f"{NAMESPACES}{tenant}/")
+        resp = await self._call(f"count {tenant}", self._kv.get(
+            start, range_end=prefix_range_end(start), count_only=True))
+        return _NsSnapshot(record, flushed_at, resp.count, 0)
 
     async def list_namespaces(self, tenant: str = "") -> Sequence["NamespaceRecord"]:
         """Every namespace record (of one tenant when given), damaged ones skipped."""
