@@ -40,10 +40,13 @@ from kvstore.client.convert import (block_shape, block_tensor, blocks_to_kv, che
 from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
+from kvstore.client.results import (AgentStats, LookupResult, PinResult, PrefetchResult,
+                                    PutResult)
 from kvstore.client.staging import create_staging
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
-from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
+from kvstore.v1 import agent_pb2, agent_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvstore.wire import namespace_to_proto
 
 __all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
            "blocks_to_kv", "torch_dtype", "KVClientError", "DeadlineExceeded"]
@@ -292,8 +295,8 @@ class KVClient:
 
     # --------------------------------------------------------------- namespaces
     def open_namespace(self, spec: Namespace, timeout: float | None = None) -> NamespaceHandle:
-        msg = common_pb2.Namespace(**spec.to_dict())
-        info = self._grpc(self.stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=msg),
+        info = self._grpc(self.stub.OpenNamespace,
+                          agent_pb2.OpenNamespaceRequest(spec=namespace_to_proto(spec)),
                           self._deadline(timeout))
         return NamespaceHandle(spec, info.namespace_id, info.generation,
                                spec.root(info.generation, self.tenant_secret),
@@ -304,10 +307,11 @@ class KVClient:
 
     # ------------------------------------------------------------------ blocks
     def lookup(self, ns: NamespaceHandle, ids: list[bytes],
-               timeout: float | None = None) -> agent_pb2.LookupResponse:
+               timeout: float | None = None) -> LookupResult:
         req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        return self._call(lane.LOOKUP, lambda: req, agent_pb2.LookupResponse,
-                          self.stub.Lookup, timeout)
+        return LookupResult.from_proto(self._call(lane.LOOKUP, lambda: req,
+                                                  agent_pb2.LookupResponse,
+                                                  self.stub.Lookup, timeout))
 
     def staging_capacity(self, ns: NamespaceHandle) -> int:
         return 0 if self._staging is None else self._staging.size // ns.block_bytes
@@ -413,7 +417,7 @@ class KVClient:
         return out
 
     def put_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                   first_slot: int = 0, timeout: float | None = None) -> agent_pb2.PutResponse:
+                   first_slot: int = 0, timeout: float | None = None) -> PutResult:
         """Store blocks already written into staging slots first_slot.. (same host)."""
         parent = ns.root if parent is None else parent
         blocks = []
@@ -421,13 +425,13 @@ class KVClient:
             blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
                                              shm_offset=(first_slot + i) * ns.block_bytes))
             parent = bid
-        return self._call(lane.PUT, lambda: agent_pb2.PutRequest(
+        return PutResult.from_proto(self._call(lane.PUT, lambda: agent_pb2.PutRequest(
             ns=ns.ref, shm_region_id=self._region_id, blocks=blocks, root=ns.root),
             agent_pb2.PutResponse, lambda r, metadata, timeout: self.stub.Put(
-                iter([r]), metadata=metadata, timeout=timeout), timeout)
+                iter([r]), metadata=metadata, timeout=timeout), timeout))
 
     def put(self, ns: NamespaceHandle, ids: list[bytes], blocks: list[torch.Tensor],
-            parent: bytes | None = None, timeout: float | None = None) -> agent_pb2.PutResponse:
+            parent: bytes | None = None, timeout: float | None = None) -> PutResult:
         """Store blocks (block i is the child of block i-1; block 0 of `parent`, the chain
         root by default). Idempotent: blocks already present are skipped."""
         if len(ids) != len(blocks):
@@ -436,7 +440,7 @@ class KVClient:
             check_block(ns.spec, b, i)
         parent = ns.root if parent is None else parent
         if not ids:
-            return agent_pb2.PutResponse()
+            return PutResult(0, 0)
         if self._staging is not None:
             stored = already = 0
             cap = self.staging_capacity(ns)
@@ -448,9 +452,10 @@ class KVClient:
                                     parent if start == 0 else ids[start - 1], timeout=timeout)
                 stored += r.stored
                 already += r.already_present
-            return agent_pb2.PutResponse(stored=stored, already_present=already)
-        return self._grpc(self.stub.Put, self._grpc_put_stream(ns, ids, blocks, parent),
-                          self._deadline(timeout))
+            return PutResult(stored, already)
+        return PutResult.from_proto(self._grpc(
+            self.stub.Put, self._grpc_put_stream(ns, ids, blocks, parent),
+            self._deadline(timeout)))
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
         for start in range(0, len(ids), _GRPC_PUT_BLOCKS):
@@ -463,18 +468,18 @@ class KVClient:
             yield msg
 
     def pin(self, ns: NamespaceHandle, ids: list[bytes], pin: bool = True,
-            timeout: float | None = None):
+            timeout: float | None = None) -> PinResult:
         req = agent_pb2.PinRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        return self._grpc(self.stub.Pin if pin else self.stub.Unpin, req,
-                          self._deadline(timeout))
+        return PinResult.from_proto(self._grpc(self.stub.Pin if pin else self.stub.Unpin,
+                                               req, self._deadline(timeout)))
 
-    def stats(self, tenant: str = "", timeout: float | None = None) -> agent_pb2.StatsResponse:
-        return self._grpc(self.stub.Stats, agent_pb2.StatsRequest(tenant=tenant),
-                          self._deadline(timeout))
+    def stats(self, tenant: str = "", timeout: float | None = None) -> AgentStats:
+        return AgentStats.from_proto(self._grpc(
+            self.stub.Stats, agent_pb2.StatsRequest(tenant=tenant), self._deadline(timeout)))
 
     def prefetch(self, ns: NamespaceHandle, ids: list[bytes], peer_address: str,
                  peer_ucx_address: str = "", parent: bytes | None = None,
-                 timeout_ms: int = 0) -> peer_pb2.PrefetchResponse:
+                 timeout_ms: int = 0) -> PrefetchResult:
         """Have this agent pull the leading blocks of `ids` it lacks from another agent:
         `peer_address` is that agent's gRPC host:port, `peer_ucx_address` its UCX
         listener (tried first when given; the router's ListNodes has both). The blocks
@@ -484,12 +489,12 @@ class KVClient:
         `transport` over what, `stopped` why it ended early ('' when all arrived).
         `timeout_ms` bounds the whole call (0: the agent's default, 30 s)."""
         req = peer_pb2.PrefetchRequest(
-            ns=ns.ref, spec=common_pb2.Namespace(**ns.spec.to_dict()),
+            ns=ns.ref, spec=namespace_to_proto(ns.spec),
             block_ids=pack_ids(ids), parent_id=ns.root if parent is None else parent,
             peer_address=peer_address, peer_ucx_address=peer_ucx_address,
             timeout_ms=timeout_ms)
-        return self._grpc(self.peer_stub.Prefetch, req,
-                          self._deadline((timeout_ms or 30_000) / 1000 + 10))
+        return PrefetchResult.from_proto(self._grpc(
+            self.peer_stub.Prefetch, req, self._deadline((timeout_ms or 30_000) / 1000 + 10)))
 
     # ------------------------------------------------------------ prompt level
     @TRACER.start_as_current_span("kvstore.client.fetch")

@@ -26,9 +26,10 @@ import torch
 from kvstore.telemetry import TRACER, annotate, traced_channel
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
 from kvstore.client.errors import from_rpc
+from kvstore.client.results import PrefetchResult
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
-from kvstore.v1 import peer_pb2, router_pb2, router_pb2_grpc
+from kvstore.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["ClusterClient", "ClusterNamespace", "ClusterHit", "route_tokens"]
 
@@ -54,7 +55,7 @@ class ClusterHit:
     hit: PrefixHit
     route: router_pb2.RouteResponse | None  # None when the caller picked the node
     # The chosen agent's pull of the router's peer blocks (None: no peer hint, or off)
-    prefetch: peer_pb2.PrefetchResponse | None = None
+    prefetch: PrefetchResult | None = None
 
     @property
     def block_ids(self) -> list[bytes]:
@@ -204,7 +205,7 @@ class ClusterClient:
                           resp, pulled)
 
     def _pull_peer_blocks(self, client: KVClient, h: NamespaceHandle, ids: list[bytes],
-                          resp: router_pb2.RouteResponse) -> peer_pb2.PrefetchResponse | None:
+                          resp: router_pb2.RouteResponse) -> PrefetchResult | None:
         """Have the chosen agent pull the prefix blocks the router found on the hinted
         peer. A failed call is a shorter prefix (the caller recomputes), not an error."""
         chosen = resp.candidates[0] if resp.candidates else None  # sorted, chosen first
@@ -214,14 +215,14 @@ class ClusterClient:
         try:
             peer = self.node(resp.peer_hint)
             if peer is None:
-                return peer_pb2.PrefetchResponse(stopped=f"peer {resp.peer_hint} is not a "
-                                                         "known node any more")
+                return PrefetchResult(0, 0, 0, "", f"peer {resp.peer_hint} is not a known "
+                                      "node any more")
             return client.prefetch(h, ids[:n], peer.address, peer.peer_address,
                                    timeout_ms=int(self.timeout * 1000))
         except grpc.RpcError as exc:
             log.warning("prefetch of %d blocks from %s onto %s failed: %s", n,
                         resp.peer_hint, resp.node_id, exc.code().name)
-            return peer_pb2.PrefetchResponse(stopped=f"Prefetch failed: {exc.code().name}")
+            return PrefetchResult(0, 0, 0, "", f"Prefetch failed: {exc.code().name}")
 
     @TRACER.start_as_current_span("kvstore.cluster.store")
     def store(self, ns: ClusterNamespace, hit: ClusterHit, tokens,
