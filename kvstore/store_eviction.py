@@ -12,6 +12,7 @@ import heapq
 from kvstore.events import EventKind, Tier
 from kvstore.payload import BlockHeader, block_shape, encode_block
 from kvstore.store_types import BlockMeta, NsState
+from kvstore.tiers.rocks import TierUnavailable
 
 
 class EvictionMixin:
@@ -70,20 +71,29 @@ class EvictionMixin:
                 victim = self._victim(Tier.HBM, tenant, protect)
                 if victim is None:
                     return None
-                if not self._evict_hbm(victim, "quota"):
-                    kept.append(victim)
+                self._evict_or_keep(victim, "quota", kept)
             slot = self.pool.reserve()
             while slot is None:
                 victim = self._victim(Tier.HBM, None, protect)
                 if victim is None:
                     return None
-                if not self._evict_hbm(victim, "capacity"):
-                    kept.append(victim)
+                self._evict_or_keep(victim, "capacity", kept)
                 slot = self.pool.reserve()
             return slot
         finally:
             for m in kept:  # popped from the heaps: put them back, or they never leave
                 self._refile(m)
+
+    def _evict_or_keep(self, victim: BlockMeta, reason: str, kept: list[BlockMeta]) -> None:
+        """Evict a victim popped from the heaps; one that stays (or whose eviction
+        failed) joins `kept`, to be filed again."""
+        try:
+            if self._evict_hbm(victim, reason):
+                return
+        except BaseException:
+            kept.append(victim)
+            raise
+        kept.append(victim)
 
     def _evict_hbm(self, m: BlockMeta, reason: str) -> bool:
         """Demote or drop `m`; False when it has to stay (children, and NVMe is full)."""
@@ -106,7 +116,11 @@ class EvictionMixin:
         return True
 
     def _write_nvme(self, m: BlockMeta) -> bool:
+        """Spill `m` to NVMe; False when it could not (full, failing, or found corrupt)."""
         st = m.ns
+        if not self.rocks.health.may_try():  # backing off: neither evict nor read for it
+            self.counters["nvme_spill_failed"] += 1
+            return False
         while (self.nvme_used + m.nbytes > self.rocks.capacity_bytes
                or self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes)):
             tenant = st.tenant if self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes) else None
@@ -122,7 +136,11 @@ class EvictionMixin:
             return False
         hdr = BlockHeader(st.ns_id, st.generation, m.block_id, m.parent_id, m.depth,
                           st.spec.kv_dtype, block_shape(st.spec), m.nbytes, m.checksum)
-        self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))])
+        try:
+            self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))])
+        except TierUnavailable:  # disk full or failing: counted and logged by the tier
+            self.counters["nvme_spill_failed"] += 1
+            return False
         m.on_nvme = True
         self.nvme_used += m.nbytes
         self.accounts.add(st.tenant, Tier.NVME, m.nbytes)

@@ -7,7 +7,7 @@ import json
 import time
 from collections import Counter
 
-from kvstore.errors import DataLoss, InvalidArgument
+from kvstore.errors import DataLoss
 from kvstore.events import Tier
 from kvstore.namespace import Namespace
 from kvstore.payload import BlockHeader, decode_block, decode_header
@@ -18,27 +18,22 @@ class MaintenanceMixin:
     # ---------------------------------------------------------------- maintenance
     def recover(self, verify: bool = True) -> dict[str, int]:
         """Rebuild the index from RocksDB after a restart. Blocks whose header or payload
-        checksum fails, of an old generation, or whose parent did not survive are deleted."""
+        checksum fails, of an old generation, or whose parent did not survive are deleted.
+        Raises TierCorrupt, with the store unchanged, when RocksDB cannot read a record:
+        an iterator stops at the first one it cannot read, and what lies beyond it would
+        otherwise stay on disk, neither indexed nor dropped (the caller quarantines)."""
         if self.rocks is None:
             return {"recovered": 0, "dropped": 0}
         with self.lock:
-            for key, value in self.rocks.meta_items():
-                if key.startswith(NS_META_PREFIX):
-                    rec = json.loads(value)
-                    try:
-                        spec = Namespace.from_dict(rec["spec"])
-                    except InvalidArgument:  # no longer valid (e.g. oversized): its
-                        self.counters["recovery_bad_namespaces"] += 1  # blocks go as orphans
-                        continue
-                    self._ns[spec.namespace_id] = NsState(spec, spec.namespace_id,
-                                                          rec["generation"], self.policy_for(spec))
+            ns = self._recovered_namespaces()
             found, bad = [], []
             for key, raw in self.rocks.scan():
-                hdr = self._check_record(key, raw, verify)
+                hdr = self._check_record(ns, key, raw, verify)
                 if hdr is None:
                     bad.append(key)
                 else:
                     found.append((key, hdr))
+            self._ns.update(ns)  # the scan went through: from here on nothing raises
             now = self.clock()
             recovered = 0
             found.sort(key=lambda kh: kh[1].depth)
@@ -67,12 +62,31 @@ class MaintenanceMixin:
             self.counters["recovery_dropped"] += len(bad)
             return {"recovered": self.block_count(), "dropped": len(bad)}
 
-    def _check_record(self, key: bytes, raw: bytes, verify: bool) -> BlockHeader | None:
+    def _recovered_namespaces(self) -> dict[bytes, NsState]:
+        """Namespace records from the meta column family (a damaged one is skipped: its
+        blocks are then dropped as of an unknown namespace)."""
+        out: dict[bytes, NsState] = {}
+        for key, value in self.rocks.meta_items():
+            if not key.startswith(NS_META_PREFIX):
+                continue
+            try:
+                rec = json.loads(value)
+                spec = Namespace.from_dict(rec["spec"])
+                generation = int(rec["generation"])
+            except (ValueError, KeyError, TypeError):  # InvalidArgument too: a spec no
+                self.counters["recovery_bad_namespaces"] += 1  # longer valid (e.g. oversized)
+                continue
+            out[spec.namespace_id] = NsState(spec, spec.namespace_id, generation,
+                                             self.policy_for(spec))
+        return out
+
+    def _check_record(self, ns: dict[bytes, NsState], key: bytes, raw: bytes,
+                      verify: bool) -> BlockHeader | None:
         try:
             hdr = decode_block(raw)[0] if verify else decode_header(raw)[0]
         except DataLoss:
             return None
-        st = self._ns.get(key[:ID_BYTES])
+        st = ns.get(key[:ID_BYTES])
         if (st is None or hdr.namespace_id != st.ns_id or hdr.block_id != key[ID_BYTES:]
                 or hdr.generation != st.generation or hdr.length != st.spec.block_bytes):
             return None

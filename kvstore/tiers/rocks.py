@@ -3,33 +3,159 @@
 Column family `blocks`: key = namespace id (16) + block id (16), value = encoded block
 (header + payload, see kvstore.payload). Column family `meta`: small records the store
 needs to recover (namespace specs, generations). The WAL is off and compression is off
-(KV payloads do not compress): a block written just before a crash may be lost, which for
-a cache is a miss; `flush()` on clean shutdown makes everything durable.
+(KV payloads do not compress). What a crash can lose is bounded instead:
+- `meta` is flushed on every write (namespace opens and flushes are rare);
+- `blocks` memtables are `flush_bytes / 2` each and RocksDB keeps at most two unflushed
+  (one filling, one being written; writes wait for the second), so at most `flush_bytes`
+  of block records are only in memory;
+- `flush()`, called by the agent every `nvme_flush_interval_s`, writes out the rest.
+
+Failures are translated at this edge: a write RocksDB refuses (disk full, I/O error, or
+read-only after a background error) raises TierUnavailable and starts a back-off during
+which writes are refused without touching RocksDB (see WriteHealth); files RocksDB cannot
+read raise TierCorrupt, at open or when a scan meets a damaged record.
 """
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import glob
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
+from kvstore.errors import DataLoss, Unavailable
 
-def _options() -> Options:
+log = logging.getLogger("kvstore.nvme")
+
+DEFAULT_FLUSH_BYTES = 64 << 20
+MIN_FLUSH_BYTES = 1 << 20  # two RocksDB memtables of at least 512 KiB
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+SMALL_MEMTABLE = 64 << 10  # the default and meta families (RocksDB's minimum)
+QUARANTINES_KEPT = 2  # the newest quarantined copies kept on disk (older ones deleted)
+
+
+class TierUnavailable(Unavailable):
+    """The NVMe tier cannot write now (disk full, I/O error, backing off after one)."""
+
+
+class TierCorrupt(DataLoss):
+    """RocksDB's files cannot be read (damaged or missing SST, MANIFEST, CURRENT)."""
+
+
+@dataclass(slots=True)
+class WriteHealth:
+    """Whether the tier takes writes. One failure opens an outage, logged and counted
+    once; during it writes are refused until `retry_at` (backing off 1 s, 2 s, ... 30 s),
+    and the first write that succeeds closes it. RocksDB itself, after a background
+    ENOSPC (a failed flush), refuses every write until its SstFileManager sees free space
+    again and resumes the DB; the retries here find out when that happened."""
+
+    clock: Callable[[], float]
+    down_since: float | None = None
+    retry_at: float = 0.0
+    backoff_s: float = 0.0
+    last_error: str = ""
+    outages: int = 0  # times writes started failing
+    recoveries: int = 0  # times they worked again
+    refused: int = 0  # writes refused during outages (attempted or backed off)
+
+    @property
+    def writable(self) -> bool:
+        return self.down_since is None
+
+    def may_try(self) -> bool:
+        if self.down_since is None or self.clock() >= self.retry_at:
+            return True
+        self.refused += 1
+        return False
+
+    def failed(self, path: str, err: str) -> None:
+        now = self.clock()
+        self.refused += 1
+        self.last_error = err
+        if self.down_since is None:
+            self.down_since = now
+            self.outages += 1
+            self.backoff_s = BACKOFF_FIRST_S
+            log.warning("NVMe tier %s cannot write (%s): spills drop leaf blocks or keep "
+                        "them in the pool until it can; retrying with back-off", path, err)
+        else:
+            self.backoff_s = min(BACKOFF_MAX_S, 2 * self.backoff_s)
+        self.retry_at = now + self.backoff_s
+
+    def succeeded(self, path: str) -> None:
+        if self.down_since is None:
+            return
+        log.warning("NVMe tier %s writes again after %.1f s (%d writes refused so far)",
+                    path, self.clock() - self.down_since, self.refused)
+        self.down_since = None
+        self.recoveries += 1
+        self.backoff_s = 0.0
+
+    def condition(self) -> str:
+        """'' while writable, else why not (for Stats and `kvctl nodes`)."""
+        if self.down_since is None:
+            return ""
+        return f"writes failing since {self.clock() - self.down_since:.0f}s: {self.last_error}"
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    moved_to: str
+    reason: str
+
+
+def _options(write_buffer_bytes: int = SMALL_MEMTABLE) -> Options:
     o = Options(raw_mode=True)
     o.create_if_missing(True)
     o.create_missing_column_families(True)
     o.set_compression_type(DBCompressionType.none())
+    # Also what RocksDB's SstFileManager wants free before it resumes writes after a
+    # background ENOSPC: the default 64 MiB of the (unused) default family would hold
+    # a nearly full disk read-only long after space came back.
+    o.set_write_buffer_size(write_buffer_bytes)
+    o.set_max_write_buffer_number(2)
     return o
 
 
+def _open_error(path: str, exc: Exception) -> Exception:
+    msg = str(exc)
+    if "No space left" in msg:
+        return TierUnavailable(f"RocksDB at {path} cannot open: {msg}")
+    return TierCorrupt(f"RocksDB at {path} is unreadable: {msg}")
+
+
 class RocksTier:
-    def __init__(self, path: str, capacity_bytes: int) -> None:
+    def __init__(self, path: str, capacity_bytes: int,
+                 flush_bytes: int = DEFAULT_FLUSH_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
-        self._db = Rdict(path, _options(), column_families={"blocks": _options(),
-                                                            "meta": _options()})
+        self.health = WriteHealth(clock)
+        self.flushes = 0
+        # Set by whoever opened this tier over a quarantined directory: where the old
+        # files went and why (node_agent/server.py; Stats and `kvctl nodes` show it).
+        self.quarantined: Quarantine | None = None
+        self.write_errors = 0  # deletes and meta writes that failed (best effort)
+        # close() must not run under a flush the agent started on another thread.
+        self._io_lock = threading.Lock()
+        try:
+            self._db = Rdict(path, _options(), column_families={
+                "blocks": _options(max(flush_bytes // 2, 64 << 10)), "meta": _options()})
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+            raise _open_error(path, exc) from None
         wo = WriteOptions()
         wo.disable_wal = True
+        # A write that would wait for a flush fails instead: on a full disk the flush
+        # never comes and RocksDB would block the caller (holding the GIL) for good.
+        wo.no_slowdown = True
         self._db.set_write_options(wo)
         self._blocks = self._db.get_column_family("blocks")
         self._meta = self._db.get_column_family("meta")
@@ -37,57 +163,168 @@ class RocksTier:
         self._meta.set_write_options(wo)
         self._blocks_handle = self._db.get_column_family_handle("blocks")
 
+    # ------------------------------------------------------------------- writes
+    def _write(self, wb: WriteBatch) -> None:
+        self._db.write(wb)
+
     def put_batch(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Write block records; TierUnavailable when the tier cannot write now."""
+        if not self.health.may_try():
+            raise TierUnavailable(f"NVMe tier {self.path} is backing off: "
+                                  f"{self.health.last_error}")
         wb = WriteBatch(raw_mode=True)
         wb.set_default_column_family(self._blocks_handle)
         for key, value in items:
             wb.put(key, value)
-        self._db.write(wb)
+        try:
+            self._write(wb)
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+            why = self._why(exc)
+            self.health.failed(self.path, why)
+            raise TierUnavailable(f"NVMe tier {self.path}: {why}") from None
+        self.health.succeeded(self.path)
 
-    def get(self, key: bytes) -> bytes | None:
-        return self._blocks.get(key)
+    def _why(self, exc: Exception) -> str:
+        """RocksDB's message, and the free space: a write stalled behind a flush that a
+        full disk fails says only 'Write stall'."""
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return str(exc)
+        return f"{exc} ({free >> 10} KiB free on its filesystem)"
 
-    def delete_batch(self, keys: list[bytes]) -> None:
+    def _best_effort(self, what: str, fn) -> bool:
+        """Deletes and meta writes never fail the caller: a record left behind is
+        dropped or re-validated by recovery at the next start."""
+        try:
+            fn()
+            return True
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+            self.write_errors += 1
+            log.debug("NVMe tier %s: %s failed: %s", self.path, what, exc)
+            return False
+
+    def delete_batch(self, keys: list[bytes]) -> bool:
         wb = WriteBatch(raw_mode=True)
         wb.set_default_column_family(self._blocks_handle)
         for key in keys:
             wb.delete(key)
-        self._db.write(wb)
+        return self._best_effort("delete", lambda: self._write(wb))
 
-    def delete_prefix(self, prefix: bytes) -> None:
+    def delete_prefix(self, prefix: bytes) -> bool:
         """Drop every block whose key starts with `prefix` (a namespace id)."""
         end = (int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big")
-        self._blocks.delete_range(prefix, end)
+        return self._best_effort("delete_range",
+                                 lambda: self._blocks.delete_range(prefix, end))
 
-    def scan(self) -> Iterator[tuple[bytes, bytes]]:
-        it = self._blocks.iter()
+    def meta_put(self, key: bytes, value: bytes) -> bool:
+        def put() -> None:
+            self._meta[key] = value
+            self._meta.flush()  # durable now: blocks of an unknown namespace are dropped
+        return self._best_effort("meta write", put)
+
+    # -------------------------------------------------------------------- reads
+    def get(self, key: bytes) -> bytes | None:
+        """The record, or None when absent or unreadable (a miss; the caller drops it)."""
+        try:
+            return self._blocks.get(key)
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+            log.debug("NVMe tier %s: read failed: %s", self.path, exc)
+            return None
+
+    def _iterate(self, cf, what: str) -> Iterator[tuple[bytes, bytes]]:
+        it = cf.iter()
         it.seek_to_first()
         while it.valid():
             yield it.key(), it.value()
             it.next()
+        err = ""
+        try:  # an iterator stops at the first record it cannot read: say so
+            it.status()
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+            err = str(exc)
+        # The traceback keeps this frame: holding the iterator or the family there would
+        # keep the DB open (and its LOCK taken) after close(), so drop them first.
+        del it, cf
+        if err:
+            raise TierCorrupt(f"RocksDB at {self.path}: {what} unreadable: {err}")
 
-    def meta_put(self, key: bytes, value: bytes) -> None:
-        self._meta[key] = value
+    def scan(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every block record; TierCorrupt (at the end) when one could not be read."""
+        return self._iterate(self._blocks, "block records")
 
     def meta_get(self, key: bytes) -> bytes | None:
         return self._meta.get(key)
 
     def meta_items(self) -> Iterator[tuple[bytes, bytes]]:
-        it = self._meta.iter()
-        it.seek_to_first()
-        while it.valid():
-            yield it.key(), it.value()
-            it.next()
+        return self._iterate(self._meta, "meta records")
 
-    def flush(self) -> None:
-        self._db.flush()
+    def counters(self) -> dict[str, int]:
+        """The tier's own tallies, for Stats and Prometheus."""
+        h = self.health
+        return {"nvme_write_outages": h.outages, "nvme_write_recoveries": h.recoveries,
+                "nvme_writes_refused": h.refused, "nvme_flushes": self.flushes,
+                "nvme_write_errors": self.write_errors,
+                "nvme_quarantined": int(self.quarantined is not None)}
+
+    def condition(self) -> str:
+        """'' when healthy, else what an operator should know about this tier."""
+        notes = [self.health.condition()]
+        if self.quarantined is not None:
+            notes.append(f"started empty: unreadable files moved to "
+                         f"{self.quarantined.moved_to}")
+        return "; ".join(n for n in notes if n)
+
+    # --------------------------------------------------------------- durability
+    def flush(self) -> bool:
+        """Write both memtables out (what makes block records survive a crash)."""
+        with self._io_lock:
+            if getattr(self, "_db", None) is None:
+                return False
+            try:
+                self._blocks.flush()
+                self._meta.flush()
+            except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+                self.health.failed(self.path, self._why(exc))
+                return False
+            self.flushes += 1
+            return True
 
     def close(self) -> None:
-        """Flush and close; closing twice is a no-op (shutdown paths may overlap)."""
-        if getattr(self, "_db", None) is None:
-            return
-        self._db.flush()
-        del self._blocks, self._meta, self._blocks_handle
-        self._db.close()
-        del self._db
-        gc.collect()
+        """Flush and close; closing twice is a no-op (shutdown paths may overlap). On a
+        full disk the flush fails: what was flushed before stays, the rest is lost."""
+        with self._io_lock:
+            if getattr(self, "_db", None) is None:
+                return
+            try:
+                self._blocks.flush()
+                self._meta.flush()
+            except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+                log.warning("NVMe tier %s: final flush failed, unflushed blocks are lost: "
+                            "%s", self.path, exc)
+            del self._blocks, self._meta, self._blocks_handle
+            try:
+                self._db.close()
+            except Exception as exc:  # noqa: BLE001 - RocksDB still releases its LOCK
+                log.warning("NVMe tier %s: close reported: %s", self.path, exc)
+            del self._db
+            gc.collect()
+
+
+def quarantine(path: str, now: Callable[[], float] = time.time) -> str:
+    """Move an unreadable RocksDB directory aside to `<path>.quarantine-<UTC time>` (a
+    sibling on the same filesystem, so this is a rename) and leave `path` empty. Keeps
+    the QUARANTINES_KEPT newest copies: an agent restarted over and over on a damaged
+    disk must not fill it. Returns where the files went."""
+    path = path.rstrip("/")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
+    dest, n = f"{path}.quarantine-{stamp}", 1
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{path}.quarantine-{stamp}-{n}"
+    older = sorted(glob.glob(glob.escape(path) + ".quarantine-*"), key=os.path.getmtime)
+    for old in older[: max(0, len(older) - QUARANTINES_KEPT + 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(path, dest)
+    os.makedirs(path)
+    return dest
