@@ -89,6 +89,12 @@ class AgentConfig:
     slot_bytes: int = 2 * MiB  # largest block payload this node accepts
     data_dir: str = "./kvstore-data/agent-0"  # RocksDB directory (NVMe)
     nvme_bytes: int = 4096 * MiB  # NVMe tier capacity
+    # What a crash (kill -9, OOM) can lose of the NVMe tier, whose WAL is off: at most
+    # this many bytes of block records (RocksDB memtables of half this size, at most two
+    # unflushed) and at most what was spilled in the last nvme_flush_interval_s seconds
+    # (plus the flush in progress), when the agent flushes them.
+    nvme_flush_bytes: int = 64 * MiB
+    nvme_flush_interval_s: float = 10.0
     eviction: str = "value"  # value | lru
     default_policy: NamespacePolicy = field(default_factory=NamespacePolicy)
     policies: dict[str, NamespacePolicy] = field(default_factory=dict)  # "tenant/name"
@@ -135,6 +141,12 @@ class AgentConfig:
         if self.max_namespaces_per_tenant < 0:
             raise ValueError(f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
                              f"{self.max_namespaces_per_tenant!r}")
+        if self.nvme_flush_bytes < MiB:
+            raise ValueError(f"nvme_flush_bytes must be >= 1MiB (two RocksDB memtables of "
+                             f"half of it), got {self.nvme_flush_bytes}")
+        if not 0 < self.nvme_flush_interval_s <= 3600:
+            raise ValueError(f"nvme_flush_interval_s must be > 0 and <= 3600, got "
+                             f"{self.nvme_flush_interval_s!r}")
 
     @property
     def pool_slots(self) -> int:

@@ -13,6 +13,8 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_tier_bytes{tier,tenant}, kvstore_tier_blocks{tier,tenant},
   kvstore_tier_capacity_bytes{tier}, kvstore_evictions_total{tier,reason},
   kvstore_removed_blocks_total{reason}, kvstore_tier_moves_total{to},
+  kvstore_nvme_writable (1, or 0 while NVMe writes fail), kvstore_nvme_events_total{event}
+  (write_outage, write_recovery, write_refused, flush, quarantined),
   kvstore_inflight_requests, kvstore_flush_duration_seconds (histogram),
   kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
   kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
@@ -55,6 +57,10 @@ _EVICTIONS = (
     ("nvme", "capacity", lambda c: c.get("evict_nvme", 0) - c.get("evict_nvme_quota", 0)),
     ("nvme", "quota", lambda c: c.get("evict_nvme_quota", 0)),
 )
+# event label -> key of RocksTier.counters()
+_NVME_EVENTS = (("write_outage", "nvme_write_outages"), ("write_recovery", "nvme_write_recoveries"),
+                ("write_refused", "nvme_writes_refused"), ("flush", "nvme_flushes"),
+                ("quarantined", "nvme_quarantined"))
 _REMOVED = (("flush", "blocks_dropped_flush"), ("expired", "removed_expired"),
             ("corrupt", "removed_corrupt"))
 
@@ -151,6 +157,11 @@ class _StoreGauges:
         meter.create_observable_counter("kvstore_tier_moves", [self.moves],
                                         description="Promotions (to=hbm), demotions "
                                                     "(to=nvme)")
+        meter.create_observable_gauge("kvstore_nvme_writable", [self.nvme_writable],
+                                      description="1 while the NVMe tier takes writes")
+        meter.create_observable_counter("kvstore_nvme_events", [self.nvme_events],
+                                        description="NVMe tier write outages, recoveries, "
+                                                    "refused writes, flushes, quarantines")
         meter.create_observable_gauge("kvstore_inflight_requests", [self.inflight],
                                       description="Data-path copies in progress")
 
@@ -189,6 +200,18 @@ class _StoreGauges:
         c = self._counters()
         return [Observation(c.get("promotions", 0), {"to": "hbm"}),
                 Observation(c.get("demotions", 0), {"to": "nvme"})]
+
+    def nvme_writable(self, options: CallbackOptions):
+        rocks = self.store.rocks
+        return [] if rocks is None else [Observation(int(rocks.health.writable))]
+
+    def nvme_events(self, options: CallbackOptions):
+        rocks = self.store.rocks
+        if rocks is None:
+            return []
+        with self.store.lock:
+            c = rocks.counters()
+        return [Observation(c[key], {"event": event}) for event, key in _NVME_EVENTS]
 
     def inflight(self, options: CallbackOptions):
         return [Observation(self.servicer.in_flight)]

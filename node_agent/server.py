@@ -16,7 +16,8 @@ from kvstore.eviction import make_policy
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
-from kvstore.tiers.rocks import RocksTier
+from kvstore.tiers.rocks import (Quarantine, RocksTier, TierCorrupt, TierUnavailable,
+                                 quarantine)
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -31,10 +32,36 @@ log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
 
 
+def open_nvme(cfg: AgentConfig) -> RocksTier | None:
+    """The NVMe tier, or None when it is off. Unreadable RocksDB files are quarantined
+    and the tier starts empty; a disk too full to even open RocksDB runs the agent
+    without the tier (a restart once there is space brings it back)."""
+    if not cfg.nvme_bytes:
+        return None
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    try:
+        return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
+    except TierCorrupt as exc:
+        return quarantine_nvme(cfg, str(exc))
+    except TierUnavailable as exc:
+        log.error("NVMe tier off for this run: %s", exc)
+        return None
+
+
+def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
+    """Move the unreadable files aside (kvstore.tiers.rocks.quarantine) and open an empty
+    tier in their place: an agent that starts beats a crash loop over a damaged disk."""
+    moved_to = quarantine(cfg.data_dir)
+    log.error("NVMe tier unreadable (%s): moved its files to %s, starting with an empty "
+              "NVMe tier", reason, moved_to)
+    rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
+    rocks.quarantined = Quarantine(moved_to, reason)
+    return rocks
+
+
 def build_store(cfg: AgentConfig) -> BlockStore:
     pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device)
-    os.makedirs(cfg.data_dir, exist_ok=True)
-    rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes) if cfg.nvme_bytes else None
+    rocks = open_nvme(cfg)
     limits = {t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
               for t, tc in cfg.tenants.items()}
     threads = cfg.copy_threads or min(4, os.cpu_count() or 1)
@@ -76,7 +103,7 @@ class AgentServer:
 
     async def start(self) -> None:
         self.telemetry = AgentTelemetry(self)
-        rec = self.store.recover()
+        rec = self._recover()
         log.info("recovered %d blocks from %s (%d dropped)", rec["recovered"],
                  self.cfg.data_dir, rec["dropped"])
         if self.cfg.etcd_endpoints:  # catch up (flushes, kill switch) before serving
@@ -109,6 +136,8 @@ class AgentServer:
         await self.peer.start(self.address.rsplit(":", 1)[0], self.control)
         await self.health.set("kvstore.v1.Peer", health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._maintenance()))
+        if self.store.rocks is not None:
+            self._tasks.append(asyncio.create_task(self._flush_nvme()))
         if self.cfg.etcd_endpoints:
             from node_agent.registration import Registration
             # After each (re-)registration, list generations again: a flush that read
@@ -120,6 +149,23 @@ class AgentServer:
         log.info("agent %s serving on %s (device %s, %d slots of %d bytes)", self.cfg.node_id,
                  self.address, self.store.pool.device, self.store.pool.n_slots,
                  self.store.pool.slot_bytes)
+
+    def _recover(self) -> dict[str, int]:
+        """Index what RocksDB holds; a record it cannot read quarantines the tier (the
+        store is left unchanged by the failed scan, so it recovers the empty one)."""
+        try:
+            return self.store.recover()
+        except TierCorrupt as exc:
+            self.store.rocks.close()
+            self.store.rocks = quarantine_nvme(self.cfg, str(exc))
+            return self.store.recover()
+
+    async def _flush_nvme(self) -> None:
+        """Bound what a crash loses (the WAL is off): flush every nvme_flush_interval_s,
+        off the event loop. close() waits for a flush in progress."""
+        while True:
+            await asyncio.sleep(self.cfg.nvme_flush_interval_s)
+            await asyncio.to_thread(self.store.rocks.flush)
 
     async def _maintenance(self) -> None:
         while True:

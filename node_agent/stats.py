@@ -21,10 +21,11 @@ def build_stats(store: BlockStore, node_id: str, tenant: str | None,
         tiers = [agent_pb2.TierStats(tier=Tier.HBM, capacity_bytes=pool.capacity_bytes,
                                      used_bytes=hbm_used, blocks=hbm_blocks,
                                      slots_total=pool.n_slots, slots_free=pool.free_slots)]
-        if store.rocks is not None:
-            tiers.append(agent_pb2.TierStats(tier=Tier.NVME,
-                                             capacity_bytes=store.rocks.capacity_bytes,
-                                             used_bytes=store.nvme_used, blocks=nvme_blocks))
+        rocks = store.rocks
+        if rocks is not None:
+            tiers.append(agent_pb2.TierStats(tier=Tier.NVME, capacity_bytes=rocks.capacity_bytes,
+                                             used_bytes=store.nvme_used, blocks=nvme_blocks,
+                                             condition=rocks.condition()))
         tenants = []
         for name in sorted(per_tenant | set(store.accounts.tenants())):
             if tenant is not None and name != tenant:
@@ -40,6 +41,8 @@ def build_stats(store: BlockStore, node_id: str, tenant: str | None,
                 lookup_blocks=tc.get("lookup_blocks", 0),
                 lookup_hit_blocks=tc.get("lookup_hit_blocks", 0)))
         counters = {} if tenant is not None else {k: int(v) for k, v in store.counters.items()}
+        if tenant is None and rocks is not None:
+            counters.update(rocks.counters())
         return agent_pb2.StatsResponse(
             node_id=node_id, device=str(pool.device), tiers=tiers, tenants=tenants,
             counters=counters, in_flight=in_flight,

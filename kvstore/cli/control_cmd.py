@@ -260,7 +260,7 @@ def _tier_cells(node) -> list[str]:
         t = next((t for t in node.tiers if t.tier == name), None)
         out.append("-" if t is None else
                    f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)} "
-                   f"({t.blocks} blk)")
+                   f"({t.blocks} blk)" + (f" [{t.condition}]" if t.condition else ""))
     return out
 
 

@@ -40,6 +40,7 @@ class TierView:
     capacity_bytes: int
     used_bytes: int
     blocks: int
+    condition: str = ""  # '' when healthy; else e.g. NVMe writes failing, files quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,12 @@ class ClusterView:
     quotas: dict  # tenant -> Quota fields
 
     @property
+    def degraded_tiers(self) -> list[str]:
+        """'node/tier: condition' for every tier that reports a problem."""
+        return [f"{n.node_id}/{t.tier}: {t.condition}" for n in self.nodes for t in n.tiers
+                if t.condition]
+
+    @property
     def unreachable(self) -> list[str]:
         return [n.node_id for n in self.nodes if not n.reachable]
 
@@ -115,7 +122,7 @@ class ClusterView:
     def health(self) -> str:
         if not self.nodes:
             return "no agents"
-        if self.unreachable:
+        if self.unreachable or self.degraded_tiers:
             return "degraded"
         return "kill switch on" if self.killswitch else "healthy"
 
@@ -139,7 +146,8 @@ class ClusterView:
                 "etcd": self.etcd, "killswitch": self.killswitch,
                 "killswitch_info": self.killswitch_info,
                 "nodes": [n.to_dict() for n in self.nodes], "routers": list(self.routers),
-                "unreachable": self.unreachable, "namespaces": self.namespaces,
+                "unreachable": self.unreachable, "degraded_tiers": self.degraded_tiers,
+                "namespaces": self.namespaces,
                 "quotas": self.quotas, "tenants": [t.to_dict() for t in self.tenants(tenant)],
                 "evictions": self.evictions()}
 
@@ -162,7 +170,8 @@ async def node_view(rec: NodeRecord, token: str | None, timeout_s: float,
         return NodeView(rec.node_id, rec.address, rec.device, False,
                         f"{exc.code().name}: {exc.details() or ''}".rstrip(": "))
     tiers = tuple(TierView(Tier(t.tier).name.lower() if t.tier in (1, 2) else str(t.tier),
-                           t.capacity_bytes, t.used_bytes, t.blocks) for t in resp.tiers)
+                           t.capacity_bytes, t.used_bytes, t.blocks, t.condition)
+                  for t in resp.tiers)
     evictions = {k: int(v) for k, v in resp.counters.items() if k in EVICTION_REASONS}
     return NodeView(rec.node_id, rec.address, resp.device or rec.device, True, "",
                     round(resp.utilization, 4), resp.in_flight, tiers,

@@ -1,0 +1,159 @@
+"""The NVMe tier of a real agent process: a real full filesystem (tmpfs) under its
+RocksDB, RocksDB files damaged while it is stopped (it quarantines them and starts with an
+empty tier, and says so in its log, its Stats and `kvctl nodes`), and what kill -9 loses
+(bounded by nvme_flush_interval_s and nvme_flush_bytes)."""
+from __future__ import annotations
+
+import asyncio
+import glob
+import signal
+
+import pytest
+import torch
+from conftest import TEST_SECRET, make_namespace, prompt_tokens, wait_for
+from nvme_support import BIG, DAMAGE, mount_small_fs
+
+from cluster.etcd import NodeRecord
+from kvctl.control_cmd import _tier_cells
+from kvctl.views import node_view
+from kvstore.client import KVClient
+from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.events import Tier
+from kvstore.store import BlockStore
+from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.rocks import RocksTier
+
+SPEC = make_namespace()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    yield from mount_small_fs(tmp_path)
+
+
+def block_for(spec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(block_shape(spec), generator=g).to(torch_dtype(spec.kv_dtype))
+
+
+def put_one(c: KVClient, ns, seed: int) -> bytes:
+    """Put a one-block prompt (a chain root: it survives a crash without a parent)."""
+    (bid,) = c.block_ids(ns, prompt_tokens(seed, ns.spec.block_size))
+    r = c.put(ns, [bid], [block_for(ns.spec, seed)])
+    assert (r.stored, r.already_present) == (1, 0)
+    return bid
+
+
+def nvme_stats(c: KVClient):
+    st = c.stats()
+    tier = next(t for t in st.tiers if t.tier == Tier.NVME)
+    return tier, dict(st.counters)
+
+
+def stop_exit_code(agent) -> int:
+    agent.proc.send_signal(signal.SIGTERM)
+    rc = agent.proc.wait(60)
+    agent.proc = None
+    return rc
+
+
+# ------------------------------------------------------------------------ full disk
+def test_full_disk_agent_serves_stops_cleanly_and_recovers(small_fs, spawn_agent):
+    agent = spawn_agent(data_dir=str(small_fs / "data"), pool_bytes="512KiB",
+                        nvme_flush_bytes="1MiB", nvme_flush_interval_s=3600)
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(BIG)
+        ids = [put_one(c, ns, seed) for seed in range(120)]  # 7.5 MiB through 3 MiB
+        tier, counters = nvme_stats(c)
+        assert "writes failing" in tier.condition and "KiB free" in tier.condition
+        assert counters["nvme_write_outages"] == 1 and counters["demotions"] > 0
+        assert counters["nvme_spill_failed"] > 0
+    assert agent.log.count("cannot write") == 1  # once, not per block
+    assert stop_exit_code(agent) == 0
+    assert "Traceback" not in agent.log
+
+    agent.start()  # same data dir, the disk still full
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(BIG)
+        tier, counters = nvme_stats(c)
+        assert counters["recovered_blocks"] > 0 and tier.blocks == counters["recovered_blocks"]
+        hits = [i for i, bid in enumerate(ids) if c.lookup(ns, [bid]).matched]
+        assert len(hits) == counters["recovered_blocks"]
+        got = c.get(ns, [ids[hits[0]]])
+        assert torch.equal(got[0], block_for(BIG, hits[0]))
+
+
+# ------------------------------------------------------------------ damaged files
+def write_stopped_agent_db(data_dir) -> int:
+    """What a stopped agent leaves: 40 prompts of 4 blocks, all on NVMe."""
+    from store_helpers import prompt, put
+    rocks = RocksTier(str(data_dir), 64 << 20)
+    store = BlockStore(DevicePool(4, SPEC.block_bytes, "cpu"), rocks)
+    store.open_namespace(SPEC)
+    for seed in range(40):
+        put(store, prompt(seed, 4)[1])
+    store.persist_pool()
+    rocks.close()
+    return 160
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_unreadable_rocksdb_is_quarantined_and_reported(tmp_path, spawn_agent, damage):
+    data_dir = tmp_path / "agent-0" / "data"
+    write_stopped_agent_db(data_dir)
+    DAMAGE[damage](data_dir)
+    agent = spawn_agent(data_dir=str(data_dir))  # starts: no crash loop
+    assert "NVMe tier unreadable" in agent.log and "starting with an empty" in agent.log
+    (moved,) = glob.glob(f"{data_dir}.quarantine-*")
+    assert glob.glob(f"{moved}/*.sst") or damage == "deleted-sst"
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        tier, counters = nvme_stats(c)
+        assert counters["nvme_quarantined"] == 1
+        assert tier.blocks == 0 and moved in tier.condition
+        ns = c.open_namespace(SPEC)
+        bid = put_one(c, ns, 7)  # the empty tier works
+        assert c.lookup(ns, [bid]).matched == 1
+    rec = NodeRecord(agent.config["node_id"], agent.address)
+    view = asyncio.run(node_view(rec, None, 10.0))
+    (nvme,) = [t for t in view.tiers if t.tier == "nvme"]
+    assert "started empty" in nvme.condition
+    assert "started empty" in _tier_cells(view)[1]  # the `kvctl nodes` cell
+
+
+# ---------------------------------------------------------------- what kill -9 loses
+def test_kill9_loses_nothing_flushed_by_the_interval(spawn_agent):
+    agent = spawn_agent(pool_bytes="256KiB", nvme_flush_interval_s=0.2)  # 4 slots
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(SPEC)
+        for seed in range(30):
+            put_one(c, ns, seed)
+        tier, counters = nvme_stats(c)
+        spilled, flushes = tier.blocks, counters["nvme_flushes"]
+        assert spilled == 26
+        # two more flushes: the second one started after the last spill
+        wait_for(lambda: nvme_stats(c)[1]["nvme_flushes"] >= flushes + 2, 60,
+                 what="two periodic NVMe flushes")
+    agent.kill()
+    agent.start()
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        tier, counters = nvme_stats(c)
+        assert counters["recovered_blocks"] == spilled and tier.blocks == spilled
+        assert counters["recovery_dropped"] == 0
+
+
+def test_kill9_loses_at_most_nvme_flush_bytes(spawn_agent):
+    agent = spawn_agent(pool_bytes="512KiB", nvme_flush_bytes="1MiB",
+                        nvme_flush_interval_s=3600)  # only the byte budget flushes
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(BIG)
+        for seed in range(72):
+            put_one(c, ns, seed)
+        spilled = nvme_stats(c)[0].blocks
+        assert spilled > 32  # up to 64 (4 MiB): a write stalled behind a flush is dropped
+    agent.kill()
+    agent.start()
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        recovered = nvme_stats(c)[1]["recovered_blocks"]
+    # Two memtables of 512 KiB, each closed by the record that crosses its size.
+    assert spilled - recovered <= (1 << 20) // BIG.block_bytes + 2
+    assert recovered > 0
