@@ -170,3 +170,18 @@ def test_recover_raises_on_unreadable_sst_and_leaves_the_store_empty(make_store,
         again.recover()
     assert again.block_count() == 0 and again.namespaces() == []
     assert again.nvme_used == 0
+
+
+# ------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("field, value, match", [
+    ("nvme_flush_bytes", "512KiB", "nvme_flush_bytes must be >= 1MiB"),
+    ("nvme_flush_interval_s", "0", "nvme_flush_interval_s must be > 0"),
+    ("nvme_flush_interval_s", "nan", "nvme_flush_interval_s must be > 0"),
+    ("nvme_flush_interval_s", "7200", "<= 3600"),
+])
+def test_flush_budget_is_validated(field, value, match):
+    from kvstore.config import AgentConfig, load_config
+    with pytest.raises(ValueError, match=match):
+        load_config(AgentConfig, overrides={field: value})
+    cfg = load_config(AgentConfig, overrides={"nvme_flush_bytes": "8MiB"})
+    assert cfg.nvme_flush_bytes == 8 << 20 and cfg.nvme_flush_interval_s == 10.0
