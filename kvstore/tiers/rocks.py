@@ -140,6 +140,8 @@ class RocksTier:
         self.capacity_bytes = capacity_bytes
         self.health = WriteHealth(clock)
         self.flushes = 0
+        self.stalls = 0  # writes refused while a flush catches up (not an outage)
+        self._memtable_bytes = max(flush_bytes // 2, SMALL_MEMTABLE)
         # Set by whoever opened this tier over a quarantined directory: where the old
         # files went and why (node_agent/server.py; Stats and `kvctl nodes` show it).
         self.quarantined: Quarantine | None = None
@@ -148,7 +150,7 @@ class RocksTier:
         self._io_lock = threading.Lock()
         try:
             self._db = Rdict(path, _options(), column_families={
-                "blocks": _options(max(flush_bytes // 2, 64 << 10)), "meta": _options()})
+                "blocks": _options(self._memtable_bytes), "meta": _options()})
         except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
             raise _open_error(path, exc) from None
         wo = WriteOptions()
@@ -180,18 +182,33 @@ class RocksTier:
             self._write(wb)
         except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
             why = self._why(exc)
-            self.health.failed(self.path, why)
+            if "Write stall" in str(exc) and not self._background_errors():
+                # Both memtables full while one is written out, and no flush failed: this
+                # spill is dropped, the next one will likely go through.
+                self.stalls += 1
+            else:
+                self.health.failed(self.path, why)
             raise TierUnavailable(f"NVMe tier {self.path}: {why}") from None
         self.health.succeeded(self.path)
+
+    def _background_errors(self) -> int:
+        """Flushes and compactions that failed since the DB was opened (RocksDB keeps
+        no count of recoveries, so any means: a stall may be for good)."""
+        try:
+            return self._db.property_int_value("rocksdb.background-errors") or 0
+        except Exception:  # noqa: BLE001 - rocksdict raises Exception
+            return 1
+
+    def _free(self) -> int:
+        try:
+            return shutil.disk_usage(self.path).free
+        except OSError:
+            return 0
 
     def _why(self, exc: Exception) -> str:
         """RocksDB's message, and the free space: a write stalled behind a flush that a
         full disk fails says only 'Write stall'."""
-        try:
-            free = shutil.disk_usage(self.path).free
-        except OSError:
-            return str(exc)
-        return f"{exc} ({free >> 10} KiB free on its filesystem)"
+        return f"{exc} ({self._free() >> 10} KiB free on its filesystem)"
 
     def _best_effort(self, what: str, fn) -> bool:
         """Deletes and meta writes never fail the caller: a record left behind is
@@ -264,6 +281,7 @@ class RocksTier:
         h = self.health
         return {"nvme_write_outages": h.outages, "nvme_write_recoveries": h.recoveries,
                 "nvme_writes_refused": h.refused, "nvme_flushes": self.flushes,
+                "nvme_write_stalls": self.stalls,
                 "nvme_write_errors": self.write_errors,
                 "nvme_quarantined": int(self.quarantined is not None)}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import ManualClock, wait_for
-from nvme_support import BIG, FailingTier, flip_sst_byte, mount_small_fs
-from store_helpers import SPEC, demote_all, lookup, prompt, put
+from support.common import ManualClock, wait_for
+from support.nvme import BIG, FailingTier, flip_sst_byte, mount_small_fs
+from support.store import SPEC, demote_all, lookup, prompt, put
 
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool

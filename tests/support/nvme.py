@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import make_namespace
+from support.common import make_namespace
 
 from kvstore.tiers.rocks import RocksTier
 

@@ -10,12 +10,12 @@ import signal
 
 import pytest
 import torch
-from conftest import TEST_SECRET, make_namespace, prompt_tokens, wait_for
-from nvme_support import BIG, DAMAGE, mount_small_fs
+from support.common import TEST_SECRET, make_namespace, prompt_tokens, wait_for
+from support.nvme import BIG, DAMAGE, mount_small_fs
 
-from cluster.etcd import NodeRecord
-from kvctl.control_cmd import _tier_cells
-from kvctl.views import node_view
+from kvstore.coord.etcd import NodeRecord
+from kvstore.cli.control_cmd import _tier_cells
+from kvstore.cli.views import node_view
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.events import Tier
@@ -86,7 +86,7 @@ def test_full_disk_agent_serves_stops_cleanly_and_recovers(small_fs, spawn_agent
 # ------------------------------------------------------------------ damaged files
 def write_stopped_agent_db(data_dir) -> int:
     """What a stopped agent leaves: 40 prompts of 4 blocks, all on NVMe."""
-    from store_helpers import prompt, put
+    from support.store import prompt, put
     rocks = RocksTier(str(data_dir), 64 << 20)
     store = BlockStore(DevicePool(4, SPEC.block_bytes, "cpu"), rocks)
     store.open_namespace(SPEC)
@@ -146,10 +146,14 @@ def test_kill9_loses_at_most_nvme_flush_bytes(spawn_agent):
                         nvme_flush_interval_s=3600)  # only the byte budget flushes
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
         ns = c.open_namespace(BIG)
-        for seed in range(72):
+        seed = 0
+        # Spill 3 MiB: a spill that meets both memtables full (a write stall, on a busy
+        # host) is dropped instead, so count what reached the tier.
+        while nvme_stats(c)[0].blocks < 48:
             put_one(c, ns, seed)
+            seed += 1
+            assert seed < 2000, "the NVMe tier takes no spills"
         spilled = nvme_stats(c)[0].blocks
-        assert spilled > 32  # up to 64 (4 MiB): a write stalled behind a flush is dropped
     agent.kill()
     agent.start()
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
