@@ -155,17 +155,20 @@ class AgentServer:
         store is left unchanged by the failed scan, so it recovers the empty one)."""
         try:
             return self.store.recover()
-        except TierCorrupt as exc:
-            self.store.rocks.close()
+        except TierCorrupt as exc:  # raised by a scan: the tier exists
+            if self.store.rocks is not None:
+                self.store.rocks.close()
             self.store.rocks = quarantine_nvme(self.cfg, str(exc))
             return self.store.recover()
 
     async def _flush_nvme(self) -> None:
         """Bound what a crash loses (the WAL is off): flush every nvme_flush_interval_s,
         off the event loop. close() waits for a flush in progress."""
+        rocks = self.store.rocks  # set for good once start() recovered it
+        assert rocks is not None, "started only with an NVMe tier"
         while True:
             await asyncio.sleep(self.cfg.nvme_flush_interval_s)
-            await asyncio.to_thread(self.store.rocks.flush)
+            await asyncio.to_thread(rocks.flush)
 
     async def _maintenance(self) -> None:
         while True:
