@@ -58,6 +58,7 @@ class TierUsage:
     blocks: int
     slots_total: int
     slots_free: int
+    condition: str = ""  # '' when healthy; else e.g. NVMe writes failing, files quarantined
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ class AgentStats:
     @classmethod
     def from_proto(cls, msg) -> AgentStats:
         tiers = tuple(TierUsage(t.tier, t.capacity_bytes, t.used_bytes, t.blocks,
-                                t.slots_total, t.slots_free) for t in msg.tiers)
+                                t.slots_total, t.slots_free, t.condition) for t in msg.tiers)
         tenants = tuple(TenantUsage(t.tenant, t.hbm_bytes, t.nvme_bytes, t.hbm_limit_bytes,
                                     t.nvme_limit_bytes, t.lookups, t.lookup_hits,
                                     t.lookup_blocks, t.lookup_hit_blocks) for t in msg.tenants)
