@@ -68,6 +68,10 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         # Slots of blocks removed while a get still copies out of them: freed by the last
         # reader, so a slot is never reused under a copy in flight.
         self._parked: dict[BlockMeta, int] = {}
+        # Bytes of pool slots reserved for writes in flight (planned, not yet committed or
+        # freed), per tenant: not in the accounts before commit, so each new reservation
+        # counts them, or writes open at once would together overshoot the tenant's quota.
+        self._inflight: Counter[str] = Counter()
         # Global kill switch (etcd `killswitch`, applied by node_agent/control.py): every
         # lookup and get misses and every put is refused while it is on; nothing is dropped.
         self.killed = False
@@ -426,40 +430,59 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                     skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
                     self.counters["put_parent_cold"] += 1
                     continue
-                if parent is not None:
-                    parent.readers += 1
-                # Slots reserved earlier in this plan are not in the accounts until
-                # commit: count them, or one put could overshoot the tenant's quota.
-                slot = self._reserve_slot(st.tenant, extra=size * (len(plan) + 1))
-                if slot is None:
-                    if parent is not None:
-                        self._done_reading(parent)
+                planned_slot = self._plan_slot(st, it, depths[it.block_id], parent)
+                if planned_slot is None:
                     if plan:  # keep the leading blocks that fit; the rest would be orphans
                         self.counters["put_truncated"] += 1
                         break
                     raise ResourceExhausted(
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
                         "every slot is pinned, in use or over the tenant's quota")
-                plan.append(PlannedSlot(it, slot, depths[it.block_id], parent))
+                plan.append(planned_slot)
                 planned.add(it.block_id)
         except BaseException:
             self._abort_plan(plan)
             raise
         return plan, already
 
+    def _plan_slot(self, st: NsState, item: PutItem, depth: int,
+                   parent: BlockMeta | None) -> PlannedSlot | None:
+        """Reserve a pool slot for one block of a write, within the tenant's quota counting
+        every slot already in flight for it (this write's and concurrent ones'), and hold
+        the parent so making room later cannot evict it. None when no slot can be had."""
+        size = st.spec.block_bytes
+        if parent is not None:
+            parent.readers += 1
+        slot = self._reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
+        if slot is None:
+            if parent is not None:
+                self._done_reading(parent)
+            return None
+        self._inflight[st.tenant] += size
+        return PlannedSlot(item, slot, depth, parent, st.tenant, size)
+
+    def _end_planned(self, p: PlannedSlot) -> None:
+        """A planned slot was committed or freed: no longer in flight, nor its parent held."""
+        self._inflight[p.tenant] -= p.nbytes
+        if p.parent is not None:
+            self._done_reading(p.parent)
+
     def _abort_plan(self, plan: list[PlannedSlot]) -> None:
         for p in plan:
             self.pool.abort(p.slot)
-            if p.parent is not None:
-                self._done_reading(p.parent)
+            self._end_planned(p)
 
     def _commit_put(self, st: NsState, generation: int, plan: list[PlannedSlot],
                     written: list[Written]) -> tuple[int, int]:
         """Make the written blocks visible (under the lock); free every other planned slot.
         Planning and copying ran apart from here, so each block is checked again: its
-        namespace not flushed, its parent still held, and the block itself not committed
-        meanwhile by a concurrent writer of the same chain (that copy wins; this slot is
-        freed, or it would leak with nothing pointing at it). Returns (stored, raced)."""
+        namespace not flushed, its parent still held and still in the pool, and the block
+        itself not committed meanwhile by a concurrent writer of the same chain (that copy
+        wins; this slot is freed, or it would leak with nothing pointing at it). A parent
+        committed by another writer (or by the previous batch of a pipelined transfer)
+        is not held by this plan and may have been demoted since: a child in the pool
+        under it would break the pool's prefix closure, so it is not stored.
+        Returns (stored, raced)."""
         done = {id(w.planned) for w in written}
         self._abort_plan([p for p in plan if id(p) not in done])
         now = self.clock()
@@ -467,8 +490,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         raced = 0
         for w in written:
             item, slot = w.planned.item, w.planned.slot
-            if w.planned.parent is not None:
-                self._done_reading(w.planned.parent)
+            self._end_planned(w.planned)
             parent_meta = st.blocks.get(item.parent_id)
             depth = parent_meta.depth + 1 if parent_meta else w.planned.depth
             if st.generation != generation or (depth and not parent_meta):
@@ -478,6 +500,10 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 self.pool.abort(slot)
                 self.counters["put_raced"] += 1
                 raced += 1
+                continue
+            if parent_meta is not None and parent_meta.slot < 0:
+                self.pool.abort(slot)
+                self.counters["put_parent_cold"] += 1
                 continue
             self.pool.commit(slot)
             ttl = st.policy.ttl_seconds

@@ -12,11 +12,13 @@ callers keep the copying put/get for other device pools.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
-from kvstore.store_types import (ID_BYTES, Borrowed, PlannedSlot, PutItem, Reservation,
-                                 ServedBlock, Written)
+from kvstore.store_types import (ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock,
+                                 Written)
 
 
 class InPlaceMixin:
@@ -71,13 +73,11 @@ class InPlaceMixin:
                 self.counters["put_parent_cold"] += 1
                 res.reason = "the parent block could not be brought into the pool"
                 return res
-            self._plan_in_place(st, res, ids, parent_id, parent, depth, after)
+            self._plan_in_place(st, res, ids, parent_id, parent, depth)
             return res
 
-    def _plan_in_place(self, st, res: Reservation, ids, parent_id, parent, depth,
-                       after: Reservation | None) -> None:
+    def _plan_in_place(self, st, res: Reservation, ids, parent_id, parent, depth) -> None:
         size = st.spec.block_bytes
-        pending = len(after.plan) if after is not None else 0  # reserved, not accounted yet
         try:
             for bid in ids:
                 if len(bid) != ID_BYTES:
@@ -85,12 +85,9 @@ class InPlaceMixin:
                 if bid in st.blocks:
                     res.reason = f"block {bid.hex()[:12]} is already held (stored meanwhile)"
                     break
-                if parent is not None:
-                    parent.readers += 1  # not evicted before this child commits
-                slot = self._reserve_slot(st.tenant, extra=size * (len(res.plan) + 1 + pending))
-                if slot is None:
-                    if parent is not None:
-                        self._done_reading(parent)
+                # Counts `after`'s slots and every other write in flight against the quota.
+                planned = self._plan_slot(st, PutItem(bid, parent_id, b""), depth, parent)
+                if planned is None:
                     if not res.plan:
                         raise ResourceExhausted(
                             f"device pool cannot take more blocks for tenant {st.tenant}: "
@@ -98,8 +95,9 @@ class InPlaceMixin:
                     self.counters["put_truncated"] += 1
                     res.reason = "pool or quota full"
                     break
-                view = self.pool.slot_view(slot, size, writable=True)
-                res.plan.append(PlannedSlot(PutItem(bid, parent_id, view), slot, depth, parent))
+                res.plan.append(planned)  # freed with the others if the view fails
+                view = self.pool.slot_view(planned.slot, size, writable=True)
+                res.plan[-1] = replace(planned, item=replace(planned.item, data=view))
                 parent_id, parent, depth = bid, None, depth + 1
         except BaseException:
             self._abort_plan(res.plan)

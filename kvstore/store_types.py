@@ -64,12 +64,15 @@ class PutItem:
 @dataclass(frozen=True, slots=True)
 class PlannedSlot:
     """One block of a write in flight: the pool slot reserved for it, its depth in the
-    chain, and the parent held (readers + 1) so it is not evicted before the child commits."""
+    chain, the parent held (readers + 1) so it is not evicted before the child commits,
+    and the tenant whose quota counts the slot's `nbytes` while it is in flight."""
 
     item: PutItem
     slot: int
     depth: int
     parent: "BlockMeta | None"
+    tenant: str
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,68 @@
+"""Plain regression tests for the bugs the property-based tests of the BlockStore found
+(test_store_props.py, test_store_props_threads.py), each minimized to its few steps."""
+from __future__ import annotations
+
+import numpy as np
+from conftest import TEST_SECRET
+from store_helpers import NB, SPEC, check_invariants, get, lookup, prompt, put
+
+from kvstore import checksum as cks
+from kvstore.events import Tier
+
+NS = SPEC.namespace_id
+ROOT = SPEC.root(0, TEST_SECRET)
+
+
+def fill(res, items) -> list[int]:
+    for view, it in zip(res.views, items):
+        view[:] = np.frombuffer(it.data, dtype=np.uint8)
+    return [cks.checksum(it.data) for it in items]
+
+
+def test_a_block_whose_parent_was_demoted_meanwhile_does_not_enter_the_pool(make_store):
+    """Reserve [b0, b1]; meanwhile a put stores b0, and pool pressure demotes it (a pool
+    leaf: b1 is not visible yet). Committing the reservation finds b0 present (raced) and
+    must not put b1 in the pool under a parent that is only on NVMe: the pool would not be
+    prefix-closed, and lookups binary-search on that."""
+    store = make_store(n_slots=4)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 2)
+    res = store.reserve(NS, 0, ids, ROOT, ROOT)
+    sums = fill(res, items)
+    assert put(store, items[:1]) == (1, 0)
+    put(store, prompt(2, 2)[1])  # takes the last free slot and demotes b0
+    assert lookup(store, ids[:1]) == (1, 0, 1)
+    store.commit(res, sums)
+    check_invariants(store)
+    matched, hbm, nvme = lookup(store, ids)
+    assert hbm == 0
+    assert get(store, ids[:matched])[1] == [it.data for it in items[:matched]]
+
+
+def test_open_reservations_count_against_the_tenants_quota(make_store):
+    """Reserved slots are not in the tenant's accounts until commit: two reservations of
+    three blocks each fitted a four-block quota one by one, and their commits held six."""
+    store = make_store(n_slots=10)
+    store.open_namespace(SPEC)
+    store.set_tenant_limits(SPEC.tenant, 4 * NB, None)
+    (a, items_a), (b, items_b) = prompt(1, 3), prompt(2, 3)
+    first = store.reserve(NS, 0, a, ROOT, ROOT)
+    second = store.reserve(NS, 0, b, ROOT, ROOT)
+    assert len(first) + len(second) == 4
+    assert second.reason == "pool or quota full"
+    store.commit(first, fill(first, items_a))
+    store.commit(second, fill(second, items_b[: len(second)]))
+    assert store.accounts.used(SPEC.tenant, Tier.HBM) == 4 * NB
+    check_invariants(store)
+
+
+def test_a_put_counts_the_tenants_open_reservations(make_store):
+    store = make_store(n_slots=10)
+    store.open_namespace(SPEC)
+    store.set_tenant_limits(SPEC.tenant, 4 * NB, None)
+    ids, items = prompt(1, 3)
+    res = store.reserve(NS, 0, ids, ROOT, ROOT)
+    assert put(store, prompt(2, 3)[1]) == (1, 0)  # room for one more block, not three
+    store.commit(res, fill(res, items))
+    assert store.accounts.used(SPEC.tenant, Tier.HBM) == 4 * NB
+    check_invariants(store)
