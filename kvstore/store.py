@@ -301,7 +301,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             self._done_reading(m)
         if promoted:
             self.events.append(EventKind.TIER_CHANGED, st.ns_id, tuple(promoted), tier=Tier.HBM)
-        if corrupt is not None and corrupt.block_id in st.blocks:
+        # By identity: the block may have been dropped meanwhile (another reader found it
+        # corrupt too) and put again, good, in another slot.
+        if corrupt is not None and st.blocks.get(corrupt.block_id) is corrupt:
             self.counters["corrupt_dropped"] += 1
             self._remove_subtrees(st, {corrupt.block_id}, "corrupt")
         self.counters["get_blocks"] += len(served)

@@ -13,6 +13,23 @@ NS = SPEC.namespace_id
 ROOT = SPEC.root(0, TEST_SECRET)
 
 
+class _HookPool:
+    """Fault injection: runs `hook(slot)` once, inside the first read_into, that is in the
+    middle of a get's copy (outside the store's lock)."""
+
+    def __init__(self, pool, hook) -> None:
+        self._pool, self._hook = pool, hook
+
+    def read_into(self, slot, nbytes, dst):
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook(slot)
+        return self._pool.read_into(slot, nbytes, dst)
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
 def fill(res, items) -> list[int]:
     for view, it in zip(res.views, items):
         view[:] = np.frombuffer(it.data, dtype=np.uint8)
@@ -65,4 +82,29 @@ def test_a_put_counts_the_tenants_open_reservations(make_store):
     assert put(store, prompt(2, 3)[1]) == (1, 0)  # room for one more block, not three
     store.commit(res, fill(res, items))
     assert store.accounts.used(SPEC.tenant, Tier.HBM) == 4 * NB
+    check_invariants(store)
+
+
+def test_a_corrupt_read_does_not_drop_the_block_put_again_meanwhile(make_store):
+    """A get copying a slot that went bad drops the block when it finds the mismatch: the
+    block it read, not whatever holds that id by then. Here another reader found the
+    corruption first, and the block was put again (good, in another slot) while the first
+    get was still copying the bad one."""
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 1)
+    put(store, items)
+    base = store.pool
+
+    def meanwhile(slot):
+        base.raw_view(slot)[0] ^= 1
+        assert get(store, ids)[0] == []  # found corrupt and dropped
+        assert put(store, items) == (1, 0)
+
+    store.pool = _HookPool(base, meanwhile)
+    assert get(store, ids)[0] == []  # this copy was bad: a miss
+    store.pool = base
+    assert lookup(store, ids) == (1, 1, 0)
+    assert get(store, ids)[1] == [items[0].data]
+    assert store.counters["corrupt_dropped"] == 1
     check_invariants(store)
