@@ -51,7 +51,7 @@ def test_a_block_whose_parent_was_demoted_meanwhile_does_not_enter_the_pool(make
     assert lookup(store, ids[:1]) == (1, 0, 1)
     store.commit(res, sums)
     check_invariants(store)
-    matched, hbm, nvme = lookup(store, ids)
+    matched, hbm, _ = lookup(store, ids)
     assert hbm == 0
     assert get(store, ids[:matched])[1] == [it.data for it in items[:matched]]
 
