@@ -1,7 +1,7 @@
 """Concurrent variant of the BlockStore property test (issue 17): several threads run
 seeded random operation sequences against one store whose pool pauses at random inside
-its bulk copies (tests/store_world.JitterPool), so plans, copies and commits of different
-threads interleave in the windows outside the store's lock. Every served byte is checked
+its bulk copies (tests/support/store_world.JitterPool), so plans, copies and commits of
+different threads interleave in the windows outside the store's lock. Every served byte is checked
 against what was put as it is served, a borrowed view again just before its release, an
 in-place commit of good payloads must never fail its checksum (a reserved slot written by
 someone else), and after each round (threads joined) the store's bookkeeping holds and a
@@ -15,7 +15,7 @@ checks expiry exactly.
 Bounded in the normal run; longer locally:
 
     KVSTORE_PROPS_THREAD_SEEDS=20 KVSTORE_PROPS_THREAD_OPS=600 \
-        python -m pytest -q tests/test_store_props_threads.py
+        python -m pytest -q tests/unit/test_store_props_threads.py
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ManualClock, block_payload
-from store_helpers import check_invariants
-from store_world import (MAX_BLOCKS, NB, SPECS, TENANTS, ChainKey, JitterPool, Limits, World,
-                         build_store, check_structure, getter)
+from support.common import ManualClock, block_payload
+from support.store import check_invariants
+from support.store_world import (MAX_BLOCKS, NB, SPECS, TENANTS, ChainKey, JitterPool, Limits,
+                                 World, build_store, check_structure, getter)
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted, StaleGeneration

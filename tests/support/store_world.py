@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from conftest import TEST_SECRET, ManualClock, block_payload, make_namespace, prompt_tokens
+from support.common import TEST_SECRET, ManualClock, block_payload, make_namespace, prompt_tokens
 
 from kvstore import checksum as cks
 from kvstore.events import Tier
@@ -190,7 +190,7 @@ def slot_of(pool, view) -> int:
 
 def check_slots(store: BlockStore, reserved: set[int], borrowed: set[int]) -> None:
     """Every pool slot is accounted for while reservations and borrows are open (when
-    none is, tests/store_helpers.check_invariants says the same): RESERVED slots are
+    none is, tests/support/store.check_invariants says the same): RESERVED slots are
     exactly the open reservations', OCCUPIED ones exactly the held blocks' plus borrowed
     ones (a block removed during a borrow keeps its slot until release)."""
     held = [m.slot for st in store.namespaces() for m in st.blocks.values() if m.slot >= 0]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from conftest import TEST_SECRET
-from store_helpers import NB, SPEC, check_invariants, get, lookup, prompt, put
+from support.common import TEST_SECRET
+from support.store import NB, SPEC, check_invariants, get, lookup, prompt, put
 
 from kvstore import checksum as cks
 from kvstore.events import Tier

@@ -3,7 +3,7 @@ lookup, pin, in-place reserve/commit/abort/trim, borrow/release, expiry on a fak
 flushes, the kill switch, tenant quotas, corrupted pool slots and NVMe records, and
 restarts, over a real BlockStore (10-slot host pool, 8-block RocksDB tier: eviction,
 demotion and promotion happen all the time). After every step the store's bookkeeping
-holds (tests/store_helpers.check_invariants, or the slot check while reservations and
+holds (tests/support/store.check_invariants, or the slot check while reservations and
 borrows are open), no tenant's usage grows while it is over its quota, borrowed views
 still hold what was put, and every byte served matched what was put for that block id.
 
@@ -11,7 +11,7 @@ Bounded and reproducible in the normal run (derandomized, no example database). 
 longer locally:
 
     KVSTORE_PROPS_EXAMPLES=2000 KVSTORE_PROPS_STEPS=80 KVSTORE_PROPS_RANDOM=1 \
-        python -m pytest -q tests/test_store_props.py
+        python -m pytest -q tests/unit/test_store_props.py
 
 (KVSTORE_PROPS_RANDOM=1: a fresh random search each run instead of the fixed one; a
 failure prints the steps that reproduce it.)
@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import ManualClock, block_payload
+from support.common import ManualClock, block_payload
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from store_helpers import check_invariants
-from store_world import (MAX_BLOCKS, NB, POLICIES, SPECS, TENANTS, ChainKey, Limits, World,
-                         build_store, check_slots, getter, slot_of)
+from support.store import check_invariants
+from support.store_world import (MAX_BLOCKS, NB, POLICIES, SPECS, TENANTS, ChainKey, Limits,
+                                 World, build_store, check_slots, getter, slot_of)
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
@@ -85,7 +85,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.reservations: list[OpenRes] = []
         self.borrows: list[OpenBorrow] = []
         self.store = build_store(self.path, self.clock)
-        for name, spec in SPECS.items():
+        for spec in SPECS.values():
             self.store.open_namespace(spec)
         self.prev_used: dict[tuple[str, Tier], int] = {}
 
