@@ -38,7 +38,7 @@ from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.events import Tier
 
-EXAMPLES = int(os.environ.get("KVSTORE_PROPS_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("KVSTORE_PROPS_EXAMPLES", "40"))
 STEPS = int(os.environ.get("KVSTORE_PROPS_STEPS", "40"))
 RANDOM = os.environ.get("KVSTORE_PROPS_RANDOM", "") not in ("", "0")
 
