@@ -7,10 +7,9 @@ import logging
 
 from kvstore import errors, native
 from kvstore.events import Tier
-from kvstore.hashing import split_ids
-from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, NsState, PackedIds, PutItem
-from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from kvstore.v1 import agent_pb2, agent_pb2_grpc
+from kvstore.wire import check_id, namespace_from_proto, policy_to_proto, unpack_ids
 from node_agent.events import EventHub
 from node_agent.interceptors import check_access, current_tenant
 from node_agent.metrics import AgentMetrics
@@ -21,20 +20,9 @@ from node_agent.stats import build_stats
 log = logging.getLogger("kvstore.agent")
 
 CLUSTER_TENANT = "_cluster"  # routers and peers authenticate as this tenant
-_NS_FIELDS = [f.name for f in common_pb2.Namespace.DESCRIPTOR.fields]
 # Copies above this many bytes run in a worker thread so the event loop keeps serving.
 _OFFLOAD_BYTES = 4 << 20
 _GRPC_CHUNK_BLOCKS = 2
-
-
-def namespace_from_proto(msg: common_pb2.Namespace) -> Namespace:
-    return Namespace.from_dict({f: getattr(msg, f) for f in _NS_FIELDS})
-
-
-def policy_to_proto(p) -> common_pb2.NamespacePolicy:
-    return common_pb2.NamespacePolicy(ttl_seconds=int(p.ttl_seconds),
-                                      min_prefix_blocks=p.min_prefix_blocks,
-                                      persist=p.persist, pin_budget_bytes=p.pin_budget_bytes)
 
 
 class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
@@ -53,17 +41,10 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     # ------------------------------------------------------------------ helpers
     def _ids(self, packed: bytes, what: str = "block_ids") -> list[bytes]:
-        if len(packed) % 16:
-            raise errors.InvalidArgument(f"{what} is {len(packed)} bytes, not a multiple of 16")
-        n = len(packed) // 16
-        if n > self.max_blocks:
-            raise errors.InvalidArgument(f"request names {n} blocks; the limit is "
-                                         f"{self.max_blocks} per request")
-        return split_ids(packed)
+        return unpack_ids(packed, self.max_blocks, what)
 
     def _ns(self, ref: agent_pb2.NamespaceRef, write: bool) -> NsState:
-        if len(ref.namespace_id) != 16:
-            raise errors.InvalidArgument("namespace_id must be 16 bytes")
+        check_id(ref.namespace_id, "namespace_id")
         st = self.store.namespace(ref.namespace_id, ref.generation)
         check_access(st.spec.tenant, st.spec.public, write)
         return st
@@ -188,7 +169,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         region = self.shm.get(req.shm_region_id, current_tenant.get()) \
             if req.shm_region_id else None
         items = []
-        for i, b in enumerate(req.blocks):
+        for b in req.blocks:
             if region is not None:
                 data = region.span(b.shm_offset, st.spec.block_bytes)
             else:
@@ -241,4 +222,4 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             yield batch
 
 
-__all__ = ["AgentServicer", "namespace_from_proto", "Tier"]
+__all__ = ["AgentServicer", "Tier"]
