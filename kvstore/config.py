@@ -28,6 +28,7 @@ class TenantConfig:
     token_sha256: str = ""  # hex SHA-256 of the tenant's bearer token
     hbm_limit_bytes: int = 0  # 0: no limit
     nvme_limit_bytes: int = 0
+    max_inflight: int = 0  # router: routed requests in flight at once; 0: router default
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +173,20 @@ class RouterConfig:
     metrics_port: int = 0
     metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
+    # Callers authenticate as the agents' tenants do (bearer token, SHA-256 listed here; the
+    # same tenants.json the agents load). "_cluster" (routers, agents, kvctl) may list node
+    # addresses and override weights; a tenant routes and releases its own requests only.
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    allow_unauthenticated: bool = False  # dev only: callers without a token act as the cluster
+    # Routed requests in flight per tenant (TenantConfig.max_inflight overrides); 0: no cap
+    max_inflight_per_tenant: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_inflight_per_tenant < 0:
+            raise ValueError("max_inflight_per_tenant must be >= 0")
+        for name, t in self.tenants.items():
+            if t.max_inflight < 0:
+                raise ValueError(f"tenants.{name}.max_inflight must be >= 0")
         for name in ("weight_recompute", "weight_peer_fetch", "weight_load",
                      "weight_utilization", "weight_queue"):
             if getattr(self, name) < 0:

@@ -22,6 +22,7 @@ from kvstore.coord.etcd import NAMESPACES, NODES, KILLSWITCH, EtcdClient, KeyVal
 from kvstore.hashing import split_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
+from router.access import NamespaceOwners
 from router.routing import RouterCore
 
 log = logging.getLogger("kvstore.router")
@@ -118,8 +119,10 @@ class ClusterFollower:
     """Runs the etcd follows and the per-node streams for one RouterCore."""
 
     def __init__(self, core: RouterCore, etcd: EtcdClient, router_id: str,
-                 token: str | None = None) -> None:
+                 token: str | None = None, owners: NamespaceOwners | None = None) -> None:
+        """`owners`: fed each namespace's tenant (router/access.py checks Routes with it)."""
         self.core = core
+        self.owners = owners or NamespaceOwners()
         self.etcd = etcd
         self.router_id = router_id
         self.token = token
@@ -200,9 +203,11 @@ class ClusterFollower:
         for ev in events:
             if ev.deleted:
                 try:
-                    self.core.forget_namespace(bytes.fromhex(ev.key.rsplit("/", 1)[-1]))
+                    ns_id = bytes.fromhex(ev.key.rsplit("/", 1)[-1])
                 except ValueError:
-                    pass
+                    continue
+                self.core.forget_namespace(ns_id)
+                self.owners.forget(ns_id)
             else:
                 self._namespace(ev.key, ev.value)
 
@@ -213,6 +218,13 @@ class ClusterFollower:
             log.warning("ignoring etcd namespace record %s: %s", key, exc)
             return
         self.core.set_namespace_layout(spec.namespace_id, spec.block_bytes, spec.block_size)
+        # The key names the tenant and the id too; a record that disagrees with its own
+        # spec grants no tenant access (the id is the spec's hash, tenant included).
+        if key[len(NAMESPACES):] != f"{spec.tenant}/{spec.namespace_id.hex()}":
+            log.warning("etcd namespace record %s holds the spec of %s/%s: no tenant may "
+                        "route it", key, spec.tenant, spec.namespace_id.hex())
+            return
+        self.owners.set(spec.namespace_id, spec.tenant, spec.public)
 
     # -------------------------------------------------------------- killswitch
     def _reset_killswitch(self, items: list[KeyValue]) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import secrets
 import time
-import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import count
 from typing import NamedTuple
 
 from kvstore.coord.etcd import NodeRecord
@@ -30,28 +29,37 @@ log = logging.getLogger("kvstore.router")
 class InFlight:
     """Requests routed and not yet released, per node, with the prefill work (in blocks)
     each brought. Entries expire after `timeout_s` so a client that never calls Release
-    cannot pin load on a node forever."""
+    cannot pin load on a node forever. A request is named by (tenant, request id): a
+    tenant's ids name its own requests only, so no tenant can release another's, and the
+    same id sent by two tenants names two requests."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[str], None] = lambda node_id: None) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_change = on_change
-        self._by_request: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        self._by_request: OrderedDict[tuple[str, str], tuple[str, float, float]] = \
+            OrderedDict()
         self._per_node: Counter[str] = Counter()
+        self._per_tenant: Counter[str] = Counter()
         self._work: dict[str, float] = {}
 
-    def add(self, request_id: str, node_id: str, work: float = 0.0) -> None:
-        self.release(request_id)  # a retried request id moves, it does not double count
-        self._by_request[request_id] = (node_id, self._clock() + self.timeout_s, work)
+    def add(self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "") -> None:
+        self.release(request_id, tenant)  # a retried request id moves, not double counts
+        self._by_request[(tenant, request_id)] = (node_id, self._clock() + self.timeout_s,
+                                                  work)
         self._per_node[node_id] += 1
+        self._per_tenant[tenant] += 1
         self._work[node_id] = self._work.get(node_id, 0.0) + work
         self._on_change(node_id)
 
-    def release(self, request_id: str) -> bool:
-        entry = self._by_request.pop(request_id, None)
+    def release(self, request_id: str, tenant: str = "") -> bool:
+        entry = self._by_request.pop((tenant, request_id), None)
         if entry is None:
             return False
+        self._per_tenant[tenant] -= 1
+        if self._per_tenant[tenant] <= 0:
+            del self._per_tenant[tenant]
         node_id = entry[0]
         self._per_node[node_id] -= 1
         if self._per_node[node_id] <= 0:
@@ -62,15 +70,15 @@ class InFlight:
         self._on_change(node_id)
         return True
 
-    def prefill_done(self, request_id: str) -> bool:
+    def prefill_done(self, request_id: str, tenant: str = "") -> bool:
         """The request's prefill finished: its queued work goes, the request stays in
         flight (decoding) until released."""
-        entry = self._by_request.get(request_id)
+        entry = self._by_request.get((tenant, request_id))
         if entry is None:
             return False
         node_id, deadline, work = entry
         if work:
-            self._by_request[request_id] = (node_id, deadline, 0.0)
+            self._by_request[(tenant, request_id)] = (node_id, deadline, 0.0)
             self._work[node_id] = max(0.0, self._work[node_id] - work)
             self._on_change(node_id)
         return True
@@ -79,12 +87,18 @@ class InFlight:
         """Drop entries past their deadline (insertion order is deadline order)."""
         now, n = self._clock(), 0
         while self._by_request:
-            rid, (_, deadline, _) = next(iter(self._by_request.items()))
+            (tenant, rid), (_, deadline, _) = next(iter(self._by_request.items()))
             if deadline > now:
                 break
-            self.release(rid)
+            self.release(rid, tenant)
             n += 1
         return n
+
+    def holds(self, request_id: str, tenant: str = "") -> bool:
+        return (tenant, request_id) in self._by_request
+
+    def tenant_count(self, tenant: str) -> int:
+        return self._per_tenant.get(tenant, 0)
 
     def count(self, node_id: str) -> int:
         return self._per_node.get(node_id, 0)
@@ -94,8 +108,8 @@ class InFlight:
         return self._work.get(node_id, 0.0)
 
     def forget_node(self, node_id: str) -> None:
-        for rid in [r for r, (n, _, _) in self._by_request.items() if n == node_id]:
-            self.release(rid)
+        for tenant, rid in [k for k, (n, _, _) in self._by_request.items() if n == node_id]:
+            self.release(rid, tenant)
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -178,10 +192,6 @@ class RouterCore:
         self.killswitch = False
         self._default_pricing = Pricing(prefill_tokens_per_s, peer_gbps)
         self._pricing: dict[bytes, Pricing] = {}
-        # Request ids for callers that send none: unique per router process, cheaper
-        # than uuid4 on the hot path.
-        self._rid_prefix = os.urandom(6).hex() + "-"
-        self._rid_seq = count(1)
 
     @classmethod
     def from_config(cls, cfg) -> "RouterCore":
@@ -271,7 +281,10 @@ class RouterCore:
                            MAX_CANDIDATES)
 
     def route(self, namespace_id: bytes, packed_ids: bytes, weights: Weights | None = None,
-              request_id: str = "", dry_run: bool = False) -> Decision:
+              request_id: str = "", dry_run: bool = False, tenant: str = "",
+              max_inflight: int = 0) -> Decision:
+        """`tenant` scopes the request id (InFlight); `max_inflight` (0: none) caps the
+        tenant's requests in flight, checked before anything is counted."""
         if len(namespace_id) != 16:
             raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got "
                                          f"{len(namespace_id)}")
@@ -281,15 +294,20 @@ class RouterCore:
         self.inflight.expire()
         if not self.nodes:
             raise errors.Unavailable("no node agents are registered in etcd")
+        if (max_inflight and not dry_run and self.inflight.tenant_count(tenant)
+                - self.inflight.holds(request_id, tenant) >= max_inflight):
+            raise errors.ResourceExhausted(f"{max_inflight} routed requests of this tenant "
+                                           "are in flight; release some first")
         total = len(packed_ids) // BLOCK_ID_BYTES
         local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
         pricing = self.pricing(namespace_id)
         scores = self._scores(total, local, weights or self.weights, pricing)
-        rid = request_id or f"{self._rid_prefix}{next(self._rid_seq):x}"
+        # Unguessable (ids are capabilities within a tenant), ~1us on the hot path.
+        rid = request_id or secrets.token_hex(16)
         if not dry_run:
             c = scores[0]  # the prefill it queues there: recompute, plus peer copies
             self.inflight.add(rid, c.node_id,
-                              c.recompute_blocks + c.peer_blocks * pricing.peer_price)
+                              c.recompute_blocks + c.peer_blocks * pricing.peer_price, tenant)
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores)
         return Decision(rid, total, scores)
@@ -301,11 +319,12 @@ class RouterCore:
         packed = hash_chain_packed(root, tokens, block_size)
         return self.route(namespace_id, packed, weights, request_id, dry_run)
 
-    def release(self, request_id: str, prefill_done: bool = False) -> bool:
-        """The request completed (or, with prefill_done, only its prefill did)."""
+    def release(self, request_id: str, prefill_done: bool = False, tenant: str = "") -> bool:
+        """The request completed (or, with prefill_done, only its prefill did). False when
+        `tenant` has no such request in flight."""
         if prefill_done:
-            return self.inflight.prefill_done(request_id)
-        return self.inflight.release(request_id)
+            return self.inflight.prefill_done(request_id, tenant)
+        return self.inflight.release(request_id, tenant)
 
 
 def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]) -> None:

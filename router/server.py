@@ -1,5 +1,6 @@
 """Router process: grpc.aio server for kvstore.v1.Router plus grpc health, fed by etcd and
-the agents' event streams. The servicer only converts protobuf <-> RouterCore calls."""
+the agents' event streams. The servicer only converts protobuf <-> RouterCore calls, after
+router/access.py said the caller may make them."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,7 @@ from kvstore import errors
 from kvstore.process import bind_port, run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
+from router.access import AuthInterceptor, NamespaceOwners, RouterAccess, current_caller
 from router.follower import ClusterFollower
 from router.metrics import RouterTelemetry
 from router.routing import RouterCore
@@ -31,14 +33,18 @@ def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
             peer_node_id=s.peer_node_id, recompute_blocks=s.recompute_blocks,
             in_flight=s.in_flight, utilization=s.utilization, cost=s.cost))
     c = cands[0]
-    return router_pb2.RouteResponse(node_id=c.node_id, address=c.address,
-                                    matched_blocks=c.local_blocks, candidates=cands,
-                                    request_id=d.request_id, peer_hint=c.peer_node_id)
+    peer = core.nodes.get(c.peer_node_id) if c.peer_node_id else None
+    return router_pb2.RouteResponse(
+        node_id=c.node_id, address=c.address, matched_blocks=c.local_blocks,
+        candidates=cands, request_id=d.request_id, peer_hint=c.peer_node_id,
+        peer_address=peer.record.address if peer else "",
+        peer_transfer_address=peer.record.peer_address if peer else "")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, access: RouterAccess) -> None:
         self.core = core
+        self.access = access
         # Generation fence (router/control.py): raises StaleGeneration for a flushed one.
         self.fence = lambda namespace_id, generation: None
 
@@ -47,14 +53,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if len(request.block_ids) > MAX_ROUTE_BLOCKS * 16:
                 raise errors.InvalidArgument(f"block_ids names more than {MAX_ROUTE_BLOCKS} "
                                              "blocks")
-            self.fence(request.namespace_id, request.generation)
+            caller = current_caller.get()
+            self.access.check_route(caller, request)  # before the fence: it tells gens
+            if request.block_ids:  # no ids (a client picking a node to open on): none stale
+                self.fence(request.namespace_id, request.generation)
             weights = None
             if request.HasField("weights"):
                 w = request.weights
                 weights = self.core.weights.override(w.recompute, w.peer_fetch, w.load,
                                                      w.utilization, w.queue)
             d = self.core.route(request.namespace_id, request.block_ids, weights,
-                                request.request_id, request.dry_run)
+                                request.request_id, request.dry_run, caller.scope,
+                                self.access.inflight_cap(caller))
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override
             code = status_for(exc) if isinstance(exc, errors.KvError) \
                 else grpc.StatusCode.INVALID_ARGUMENT
@@ -62,10 +72,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decision_to_proto(d, self.core)
 
     async def Release(self, request, context):
-        self.core.release(request.request_id, request.prefill_done)
+        # Another tenant's id is one this tenant never routed: the same empty answer as an
+        # unknown or expired id, and nothing changes.
+        self.core.release(request.request_id, request.prefill_done,
+                          current_caller.get().scope)
         return router_pb2.ReleaseResponse()
 
     async def ListNodes(self, request, context):
+        # Node addresses (gRPC and UCX) are for cluster members only.
+        self.access.require_cluster(current_caller.get(), "ListNodes")
         out = []
         for node_id in sorted(self.core.nodes):
             st = self.core.nodes[node_id]
@@ -87,6 +102,7 @@ class RouterServer:
         self.with_control = with_control
         self.control = None
         self.core = RouterCore.from_config(cfg)
+        self.owners = NamespaceOwners()
         self.token = token
         self.etcd_prefix = etcd_prefix
         self.port = 0
@@ -102,19 +118,23 @@ class RouterServer:
     async def start(self) -> None:
         Weights.from_config(self.cfg)  # validated once, before serving
         self.telemetry = RouterTelemetry(self.cfg, self.core)
-        # ErrorEdge last: undecodable requests and unexpected errors get a precise status
-        # on every method (kvstore/grpc_edge.py), and telemetry still times them.
+        # The edge last: undecodable requests and unexpected errors get a precise status
+        # on every method (kvstore/grpc_edge.py), callers are authenticated before the
+        # servicer runs (router/access.py), and telemetry still times them.
+        access = RouterAccess(self.cfg, self.owners)
         self.server = grpc.aio.server(interceptors=[*self.telemetry.interceptors,
+                                                    AuthInterceptor(access),
                                                     ErrorEdge(log)],
                                       options=[("grpc.so_reuseport", 0)])
-        self.servicer = RouterServicer(self.core)
+        self.servicer = RouterServicer(self.core, access)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = bind_port(self.server, self.cfg.listen)
         kwargs = {"prefix": self.etcd_prefix} if self.etcd_prefix else {}
         self._etcd = EtcdClient(self.cfg.etcd_endpoints, **kwargs)
-        self.follower = ClusterFollower(self.core, self._etcd, self.cfg.router_id, self.token)
+        self.follower = ClusterFollower(self.core, self._etcd, self.cfg.router_id, self.token,
+                                        self.owners)
         self.follower.start()
         if self.with_control:  # generations and kill switch loaded before serving
             from router.control import RouterControl

@@ -1,3 +1,4 @@
+from kvstore.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -21,20 +22,22 @@ class RouteWeights(_message.Message):
     def __init__(self, recompute: _Optional[float] = ..., peer_fetch: _Optional[float] = ..., load: _Optional[float] = ..., utilization: _Optional[float] = ..., queue: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("namespace_id", "generation", "block_ids", "weights", "request_id", "dry_run")
+    __slots__ = ("namespace_id", "generation", "block_ids", "weights", "request_id", "dry_run", "spec")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     generation: int
     block_ids: bytes
     weights: RouteWeights
     request_id: str
     dry_run: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., generation: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., weights: _Optional[_Union[RouteWeights, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    spec: _common_pb2.Namespace
+    def __init__(self, namespace_id: _Optional[bytes] = ..., generation: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., weights: _Optional[_Union[RouteWeights, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("node_id", "address", "local_blocks", "peer_blocks", "peer_node_id", "recompute_blocks", "in_flight", "utilization", "cost")
@@ -59,20 +62,24 @@ class Candidate(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., local_blocks: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., recompute_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("node_id", "address", "matched_blocks", "candidates", "request_id", "peer_hint")
+    __slots__ = ("node_id", "address", "matched_blocks", "candidates", "request_id", "peer_hint", "peer_address", "peer_transfer_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_HINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     matched_blocks: int
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
     request_id: str
     peer_hint: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., request_id: _Optional[str] = ..., peer_hint: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    peer_transfer_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., request_id: _Optional[str] = ..., peer_hint: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_transfer_address: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "prefill_done")

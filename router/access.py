@@ -1,0 +1,159 @@
+"""Who may ask the router what (least privilege), checked before any side effect.
+
+- Callers authenticate as to the agents: `authorization: Bearer <token>`, resolved by the
+  shared rule (kvstore/auth.py) against RouterConfig.tenants (the agents' tenants.json).
+  A missing or unknown token is UNAUTHENTICATED before the method runs.
+- The cluster identity ("_cluster": routers, agents, kvctl) is trusted: it lists nodes
+  with their addresses, routes any namespace and may override weights. With
+  `allow_unauthenticated` (development), callers without a token act as it.
+- A tenant routes only its own namespaces and public ones. The router learns a
+  namespace's tenant from its etcd record (router/follower.py) or from a spec sent with
+  the Route that hashes to the namespace id (the id is a hash of the spec, tenant
+  included, so a spec proves ownership). Unknown and foreign namespaces get the same
+  PERMISSION_DENIED, decided before the index is consulted: no hit oracle, no probing.
+- Per-request weight overrides are reserved to the cluster identity (a tenant's override
+  would steer its load onto the nodes other tenants' prefixes live on); from a tenant
+  they are PERMISSION_DENIED.
+- Request ids are scoped to the tenant (router/routing.py InFlight); a tenant's requests
+  in flight are capped (RESOURCE_EXHAUSTED).
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore import errors
+from kvstore.auth import CLUSTER_TENANT, TokenTable
+from kvstore.config import RouterConfig
+from kvstore.namespace import Namespace
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+_NS_FIELDS = tuple(f.name for f in dataclasses.fields(Namespace))
+# One message for an unknown namespace and another tenant's: they must not be told apart.
+NOT_YOURS = "namespace is unknown or not open to this tenant"
+MAX_LEARNED = 1 << 16  # namespaces admitted from specs, beyond those in etcd
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str | None  # None: unauthenticated, admitted by allow_unauthenticated
+
+    @property
+    def trusted(self) -> bool:
+        return self.tenant is None or self.tenant == CLUSTER_TENANT
+
+    @property
+    def scope(self) -> str:
+        """What request ids are scoped to (router/routing.py InFlight)."""
+        return self.tenant or ""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    tenant: str
+    public: bool
+
+
+current_caller: contextvars.ContextVar[Caller] = contextvars.ContextVar("router_caller")
+
+
+class NamespaceOwners:
+    """Namespace id -> tenant: from etcd records (authoritative, follow add and delete)
+    and from specs verified on Route (bounded, oldest dropped first)."""
+
+    def __init__(self, max_learned: int = MAX_LEARNED) -> None:
+        self._etcd: dict[bytes, Owner] = {}
+        self._learned: OrderedDict[bytes, Owner] = OrderedDict()
+        self._max_learned = max_learned
+
+    def set(self, ns_id: bytes, tenant: str, public: bool) -> None:
+        self._etcd[ns_id] = Owner(tenant, public)
+
+    def forget(self, ns_id: bytes) -> None:
+        self._etcd.pop(ns_id, None)
+
+    def get(self, ns_id: bytes) -> Owner | None:
+        return self._etcd.get(ns_id) or self._learned.get(ns_id)
+
+    def learn(self, spec: Namespace) -> Owner:
+        owner = Owner(spec.tenant, spec.public)
+        self._learned[spec.namespace_id] = owner
+        while len(self._learned) > self._max_learned:
+            self._learned.popitem(last=False)
+        return owner
+
+
+class RouterAccess:
+    def __init__(self, cfg: RouterConfig, owners: NamespaceOwners) -> None:
+        self.tokens = TokenTable({t: c.token_sha256 for t, c in cfg.tenants.items()},
+                                 cfg.allow_unauthenticated)
+        self.owners = owners
+        self._default_cap = cfg.max_inflight_per_tenant
+        self._caps = {t: c.max_inflight for t, c in cfg.tenants.items() if c.max_inflight}
+
+    def caller(self, context) -> Caller:
+        md = dict(context.invocation_metadata() or ())
+        return Caller(self.tokens.tenant(md.get("authorization", "")))
+
+    def inflight_cap(self, caller: Caller) -> int:
+        """0: no cap (the cluster identity and development callers are not capped)."""
+        if caller.trusted:
+            return 0
+        return self._caps.get(caller.scope, self._default_cap)
+
+    @staticmethod
+    def require_cluster(caller: Caller, what: str) -> None:
+        if not caller.trusted:
+            raise errors.PermissionDenied(f"{what} is reserved to the cluster identity")
+
+    def check_route(self, caller: Caller, request) -> None:
+        """Raise unless `caller` may route `request` (a RouteRequest) as it is."""
+        if caller.trusted:
+            return
+        if request.HasField("weights"):
+            self.require_cluster(caller, "overriding routing weights")
+        owner = self.owners.get(request.namespace_id)
+        if owner is None and request.HasField("spec"):
+            owner = self._verified(request)
+        if owner is None or not (owner.public or owner.tenant == caller.tenant):
+            raise errors.PermissionDenied(NOT_YOURS)
+
+    def _verified(self, request) -> Owner | None:
+        """The owner a RouteRequest's spec proves, learned; None when it proves nothing."""
+        spec = Namespace.from_dict({f: getattr(request.spec, f) for f in _NS_FIELDS})
+        if spec.namespace_id != request.namespace_id:
+            raise errors.InvalidArgument("spec does not hash to namespace_id")
+        return self.owners.learn(spec)
+
+
+def _wrap_unary(fn, access: RouterAccess):
+    async def handler(request, context):
+        try:
+            caller = access.caller(context)
+        except errors.Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        current_caller.set(caller)
+        return await fn(request, context)
+    return handler
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Resolves the caller of every Router method (not health) before the method runs,
+    into `current_caller`; refuses UNAUTHENTICATED callers there."""
+
+    def __init__(self, access: RouterAccess) -> None:
+        self.access = access
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_METHODS):
+            return handler
+        if not handler.unary_unary:
+            return None  # fail closed: UNIMPLEMENTED rather than unchecked (all are unary)
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary(handler.unary_unary, self.access),
+            handler.request_deserializer, handler.response_serializer)
