@@ -260,9 +260,13 @@ def _start_router(state: Path, etcd: str, opts: UpOptions):
     ready = d / "ready"
     ready.unlink(missing_ok=True)
     log = d / "router.log"
+    # Like the agents: no tenants, callers without a token act as the cluster (dev only).
+    (d / "router.json").write_text(json.dumps({"allow_unauthenticated": True}, indent=2)
+                                   + "\n")
     proc = _spawn([sys.executable, "-m", "router", "--router-id", "router-0", "--listen",
                    "127.0.0.1:0", "--etcd-endpoints", etcd, "--ready-file", str(ready),
-                   "--log-level", opts.router_log_level], log)
+                   "--config", str(d / "router.json"), "--log-level", opts.router_log_level],
+                  log)
     return proc, ready, log
 
 

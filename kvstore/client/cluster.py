@@ -7,15 +7,18 @@ store KV there with a per-agent KVClient.
     ... prefill prompt_tokens[hit.cached_tokens:] ...
     usage = cc.store(ns, hit, prompt_tokens, kv)   # on the same node; releases the route
 
-The router speaks no tenant auth (it sees block ids only); `token` is the tenant's
-bearer token for the agents. Namespaces are opened lazily on each agent the first time a
-request lands there. Every call has a deadline (`timeout`, also each agent client's) and
+`token` is the tenant's bearer token, sent to the router and the agents alike: the router
+routes only the tenant's own (and public) namespaces, releases only its own requests, and
+lists node addresses only to the cluster identity, so a tenant learns agents from its
+routes. Namespaces are opened lazily on each agent the first time a request lands there.
+Every call has a deadline (`timeout`, also each agent client's) and
 fails with kvstore.client.errors.KVClientError. With the shared-memory path (use_shm) each
 agent's KVClient has one staging area, so use one ClusterClient per thread; with
 use_shm=False one can be shared.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -29,7 +32,8 @@ from kvstore.client.errors import from_rpc
 from kvstore.client.results import PrefetchResult
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
-from kvstore.v1 import router_pb2, router_pb2_grpc
+from kvstore.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvstore.wire import namespace_to_proto
 
 __all__ = ["ClusterClient", "ClusterNamespace", "ClusterHit", "route_tokens"]
 
@@ -74,17 +78,26 @@ class ClusterHit:
         return self.hit.blocks
 
 
+@functools.lru_cache(maxsize=1024)
+def _spec_msg(spec: Namespace) -> common_pb2.Namespace:
+    """Sent with every Route: it proves the namespace is the tenant's to a router that has
+    not seen its etcd record yet (a replica, or a moment after the first open)."""
+    return namespace_to_proto(spec)
+
+
 def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
                  request_id: str = "", dry_run: bool = False,
                  weights: router_pb2.RouteWeights | None = None,
-                 timeout: float = 5.0) -> tuple[list[bytes], router_pb2.RouteResponse]:
-    """Hash a prompt into block ids (kvstore.hashing), then ask the router."""
+                 timeout: float = 5.0,
+                 metadata=()) -> tuple[list[bytes], router_pb2.RouteResponse]:
+    """Hash a prompt into block ids (kvstore.hashing), then ask the router. `metadata`:
+    the caller's `authorization` (ClusterClient passes its token)."""
     ids = hash_chain(ns.root, tokens, ns.spec.block_size)
     req = router_pb2.RouteRequest(namespace_id=ns.namespace_id, generation=ns.generation,
                                   block_ids=pack_ids(ids), request_id=request_id,
-                                  dry_run=dry_run, weights=weights)
+                                  dry_run=dry_run, weights=weights, spec=_spec_msg(ns.spec))
     try:
-        return ids, stub.Route(req, timeout=timeout)
+        return ids, stub.Route(req, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:
         raise from_rpc(exc) from None
 
@@ -95,6 +108,7 @@ class ClusterClient:
                  shm_bytes: int = 64 * MiB, timeout: float = 10.0) -> None:
         self.router_address = router_address
         self.token = token
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self.tenant_secret = tenant_secret
         self.timeout = timeout
         self._use_shm = use_shm
@@ -131,9 +145,11 @@ class ClusterClient:
             return client
 
     def nodes(self) -> list[router_pb2.NodeInfo]:
+        """Every node with its addresses: for the cluster identity (a tenant's token gets
+        PERMISSION_DENIED) and development clusters."""
         try:
             nodes = list(self.router.ListNodes(router_pb2.ListNodesRequest(),
-                                               timeout=self.timeout).nodes)
+                                               timeout=self.timeout, metadata=self._md).nodes)
         except grpc.RpcError as exc:
             raise from_rpc(exc) from None
         with self._lock:
@@ -150,13 +166,21 @@ class ClusterClient:
 
     # --------------------------------------------------------------- namespaces
     def open_namespace(self, spec: Namespace) -> ClusterNamespace:
-        """Open on one agent (for the id and generation); others open lazily."""
-        nodes = self.nodes()
-        if not nodes:
-            raise RuntimeError(f"the router at {self.router_address} knows no agents yet")
-        first = self.agent(nodes[0].address).open_namespace(spec)
+        """Open on one agent (for the id and generation); others open lazily. The agent is
+        the router's pick for the namespace (a dry run of no blocks, which tenants may
+        ask for their own namespaces, unlike ListNodes)."""
+        req = router_pb2.RouteRequest(namespace_id=spec.namespace_id, spec=_spec_msg(spec),
+                                      dry_run=True)
+        try:
+            address = self.router.Route(req, timeout=self.timeout, metadata=self._md).address
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise from_rpc(exc) from None
+            raise RuntimeError(f"the router at {self.router_address} knows no agents yet: "
+                               f"{exc.details()}") from None
+        first = self.agent(address).open_namespace(spec)
         ns = ClusterNamespace(spec, first.namespace_id, first.generation, first.root)
-        ns.handles[nodes[0].address] = first
+        ns.handles[address] = first
         return ns
 
     def handle(self, ns: ClusterNamespace, address: str) -> NamespaceHandle:
@@ -175,7 +199,7 @@ class ClusterClient:
               dry_run: bool = False, weights: router_pb2.RouteWeights | None = None):
         """(block ids, RouteResponse) for a prompt."""
         return route_tokens(self.router, ns, tokens, request_id, dry_run, weights,
-                            self.timeout)
+                            self.timeout, self._md)
 
     @TRACER.start_as_current_span("kvstore.cluster.fetch")
     def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu",
@@ -212,12 +236,11 @@ class ClusterClient:
         if not resp.peer_hint or chosen is None or not chosen.peer_blocks:
             return None
         n = min(len(ids), chosen.local_blocks + chosen.peer_blocks)
+        if not resp.peer_address:  # the router names the hinted peer's addresses
+            return PrefetchResult(0, 0, 0, "", f"peer {resp.peer_hint} is not a known node "
+                                  "any more")
         try:
-            peer = self.node(resp.peer_hint)
-            if peer is None:
-                return PrefetchResult(0, 0, 0, "", f"peer {resp.peer_hint} is not a known "
-                                      "node any more")
-            return client.prefetch(h, ids[:n], peer.address, peer.peer_address,
+            return client.prefetch(h, ids[:n], resp.peer_address, resp.peer_transfer_address,
                                    timeout_ms=int(self.timeout * 1000))
         except grpc.RpcError as exc:
             log.warning("prefetch of %d blocks from %s onto %s failed: %s", n,
@@ -246,7 +269,7 @@ class ClusterClient:
             try:
                 self.router.Release(router_pb2.ReleaseRequest(request_id=rid,
                                                               prefill_done=prefill_done),
-                                    timeout=self.timeout)
+                                    timeout=self.timeout, metadata=self._md)
             except grpc.RpcError as exc:
                 raise from_rpc(exc) from None
 
