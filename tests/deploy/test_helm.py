@@ -321,6 +321,19 @@ def test_cluster_token_matches_its_hash(helm, tmp_path, monkeypatch):
     assert agent.tenants["_cluster"].token_sha256 == hashlib.sha256(token.encode()).hexdigest()
 
 
+def test_routers_authenticate_the_agents_tenants(helm, tmp_path, monkeypatch):
+    """Tenants authenticate to routers as to agents: one Secret, no anonymous routers."""
+    docs = render(helm, "production-values.yaml")
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    rcfg = load_as_container(docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_",
+                             tmp_path, monkeypatch)
+    agent = load_as_container(docs, agent_containers(docs)[0], AgentConfig, "agent.yaml",
+                              "KVSTORE_AGENT_", tmp_path, monkeypatch)
+    assert rcfg.tenants == agent.tenants and "_cluster" in rcfg.tenants
+    assert not rcfg.allow_unauthenticated and rcfg.max_inflight_per_tenant > 0
+    assert "token_sha256" not in one(docs, "ConfigMap", "-config")["data"]["router.yaml"]
+
+
 def test_agents_without_device_plugin_take_cuda_index(helm, tmp_path, monkeypatch):
     docs = render(helm, "external-etcd-values.yaml")
     containers = agent_containers(docs)
