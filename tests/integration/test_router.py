@@ -265,7 +265,7 @@ def test_router_rejects_malformed_requests(etcd, start_router):
 
     def fenced():
         try:
-            router.route(NS_ID, b"", generation=0)
+            router.route(NS_ID, pack_ids(ids_for(1, 1)), generation=0)  # (no ids: no fence)
         except grpc.RpcError as exc:
             return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in exc.details()
         return False

@@ -38,7 +38,9 @@ class RouterProc:
         if token:
             env["KVSTORE_CLUSTER_TOKEN"] = token
         cfg_path = self.workdir / "router.json"
-        cfg_path.write_text(json.dumps(config or {}))
+        # Like the agents the fixtures start: tokenless callers act as the cluster, unless
+        # the test's config says otherwise (tests/integration/test_router_auth.py).
+        cfg_path.write_text(json.dumps({"allow_unauthenticated": True, **(config or {})}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router", "--router-id", self.name, "--listen", listen,
              "--etcd-endpoints", self.etcd_endpoint, "--ready-file", str(ready),
