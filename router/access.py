@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,9 +29,9 @@ from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, TokenTable
 from kvstore.config import RouterConfig
 from kvstore.namespace import Namespace
+from kvstore.wire import namespace_from_proto
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
-_NS_FIELDS = tuple(f.name for f in dataclasses.fields(Namespace))
 # One message for an unknown namespace and another tenant's: they must not be told apart.
 NOT_YOURS = "namespace is unknown or not open to this tenant"
 MAX_LEARNED = 1 << 16  # namespaces admitted from specs, beyond those in etcd
@@ -124,7 +123,7 @@ class RouterAccess:
 
     def _verified(self, request) -> Owner | None:
         """The owner a RouteRequest's spec proves, learned; None when it proves nothing."""
-        spec = Namespace.from_dict({f: getattr(request.spec, f) for f in _NS_FIELDS})
+        spec = namespace_from_proto(request.spec)
         if spec.namespace_id != request.namespace_id:
             raise errors.InvalidArgument("spec does not hash to namespace_id")
         return self.owners.learn(spec)

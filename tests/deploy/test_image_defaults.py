@@ -20,6 +20,7 @@ def test_default_router_config_suits_a_container():
     cfg = load_config(RouterConfig, str(ROOT / "deploy/docker/router.yaml"), "KVSTORE_ROUTER_",
                       {})
     assert cfg.listen.startswith("0.0.0.0:")
+    assert not cfg.allow_unauthenticated  # like the agents: tenants must be configured
 
 
 def test_the_dockerfile_ships_both_defaults_where_the_command_reads_them():
