@@ -10,7 +10,9 @@
   namespace's tenant from its etcd record (router/follower.py) or from a spec sent with
   the Route that hashes to the namespace id (the id is a hash of the spec, tenant
   included, so a spec proves ownership). Unknown and foreign namespaces get the same
-  PERMISSION_DENIED, decided before the index is consulted: no hit oracle, no probing.
+  PERMISSION_DENIED, decided before the index is consulted: no hit oracle, no probing
+  (every refusal takes one path: a spec sent along is hashed whether or not the id is
+  known; a spec of another namespace is the same refusal).
 - Per-request weight overrides are reserved to the cluster identity (a tenant's override
   would steer its load onto the nodes other tenants' prefixes live on); from a tenant
   they are PERMISSION_DENIED.
@@ -28,7 +30,6 @@ import grpc
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, TokenTable
 from kvstore.config import RouterConfig
-from kvstore.namespace import Namespace
 from kvstore.wire import namespace_from_proto
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
@@ -78,12 +79,10 @@ class NamespaceOwners:
     def get(self, ns_id: bytes) -> Owner | None:
         return self._etcd.get(ns_id) or self._learned.get(ns_id)
 
-    def learn(self, spec: Namespace) -> Owner:
-        owner = Owner(spec.tenant, spec.public)
-        self._learned[spec.namespace_id] = owner
+    def learn(self, owner: Owner, ns_id: bytes) -> None:
+        self._learned[ns_id] = owner
         while len(self._learned) > self._max_learned:
             self._learned.popitem(last=False)
-        return owner
 
 
 class RouterAccess:
@@ -116,17 +115,27 @@ class RouterAccess:
         if request.HasField("weights"):
             self.require_cluster(caller, "overriding routing weights")
         owner = self.owners.get(request.namespace_id)
-        if owner is None and request.HasField("spec"):
-            owner = self._verified(request)
-        if owner is None or not (owner.public or owner.tenant == caller.tenant):
+        if _may_route(owner, caller):
+            return  # the hot path: a namespace of the caller's known here
+        # Every refusal takes the same path, known namespace or not: a spec, when sent, is
+        # hashed either way, so neither the answer nor the work tells whether it exists.
+        proven = self._verified(request) if request.HasField("spec") else None
+        if proven is None or not _may_route(proven, caller):
             raise errors.PermissionDenied(NOT_YOURS)
+        self.owners.learn(proven, request.namespace_id)  # learned only when it grants
 
-    def _verified(self, request) -> Owner | None:
-        """The owner a RouteRequest's spec proves, learned; None when it proves nothing."""
+    @staticmethod
+    def _verified(request) -> Owner | None:
+        """The owner a RouteRequest's spec proves (the id is the spec's hash); None when
+        the spec is of another namespace."""
         spec = namespace_from_proto(request.spec)
         if spec.namespace_id != request.namespace_id:
-            raise errors.InvalidArgument("spec does not hash to namespace_id")
-        return self.owners.learn(spec)
+            return None
+        return Owner(spec.tenant, spec.public)
+
+
+def _may_route(owner: Owner | None, caller: Caller) -> bool:
+    return owner is not None and (owner.public or owner.tenant == caller.tenant)
 
 
 def _wrap_unary(fn, access: RouterAccess):

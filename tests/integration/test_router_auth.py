@@ -133,10 +133,13 @@ def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_a
             err = refused(b.route, ns_id, ids, dry_run=True)
             answers.add((err.code(), err.details()))
         assert answers == {(grpc.StatusCode.PERMISSION_DENIED, NOT_YOURS)}
-        # Nor with a spec naming A (of a namespace the router knows, or of one it does not).
-        for spec in (A_SPEC, make_namespace(tenant="acme", name="not-opened")):
+        # Nor with a spec naming A (of a namespace the router knows, or of one it does
+        # not), nor with B's own spec sent along an id that is A's or nobody's.
+        unopened = make_namespace(tenant="acme", name="not-opened")
+        for ns_id, spec in ((A_SPEC.namespace_id, A_SPEC), (unopened.namespace_id, unopened),
+                            (A_SPEC.namespace_id, B_SPEC), (bytes(range(16)), B_SPEC)):
             claim = common_pb2.Namespace(**spec.to_dict())
-            err = refused(b.route, spec.namespace_id, a_ids, spec=claim)
+            err = refused(b.route, ns_id, a_ids, spec=claim)
             assert (err.code(), err.details()) == (grpc.StatusCode.PERMISSION_DENIED,
                                                    NOT_YOURS)
 
