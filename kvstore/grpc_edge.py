@@ -11,8 +11,8 @@ after the servicer runs, so that bad input reads the same on every method.
   raise) is UNIMPLEMENTED. Any other exception is a bug: logged once, on one line (the
   innermost frames, no traceback), and answered INTERNAL, never UNKNOWN.
 
-`EdgeInterceptor` in node_agent/interceptors.py adds authentication on top of this;
-the router installs `ErrorEdge` as it is.
+`EdgeInterceptor` in node_agent/interceptors.py and `AuthEdge` in router/access.py add
+authentication on top of this.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, TokenTable
+from kvstore.grpc_edge import wrap_handler
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
@@ -87,8 +89,7 @@ class NamespaceOwners:
 
 class RouterAccess:
     def __init__(self, cfg: RouterConfig, owners: NamespaceOwners) -> None:
-        self.tokens = TokenTable({t: c.token_sha256 for t, c in cfg.tenants.items()},
-                                 cfg.allow_unauthenticated)
+        self.tokens = TokenTable.from_config(cfg)
         self.owners = owners
         self._default_cap = cfg.max_inflight_per_tenant
         self._caps = {t: c.max_inflight for t, c in cfg.tenants.items() if c.max_inflight}
@@ -138,30 +139,21 @@ def _may_route(owner: Owner | None, caller: Caller) -> bool:
     return owner is not None and (owner.public or owner.tenant == caller.tenant)
 
 
-def _wrap_unary(fn, access: RouterAccess):
-    async def handler(request, context):
-        try:
-            caller = access.caller(context)
-        except errors.Unauthenticated as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        current_caller.set(caller)
-        return await fn(request, context)
-    return handler
+class AuthEdge(grpc.aio.ServerInterceptor):
+    """The shared edge (kvstore/grpc_edge.py) on every method, with the caller resolved
+    into `current_caller` before a Router method runs (health checks are open): an
+    unauthenticated call is refused before the request is even looked at."""
 
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller of every Router method (not health) before the method runs,
-    into `current_caller`; refuses UNAUTHENTICATED callers there."""
-
-    def __init__(self, access: RouterAccess) -> None:
+    def __init__(self, access: RouterAccess, log: logging.Logger) -> None:
         self.access = access
+        self._log = log
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
-        if not handler.unary_unary:
-            return None  # fail closed: UNIMPLEMENTED rather than unchecked (all are unary)
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, self.access),
-            handler.request_deserializer, handler.response_serializer)
+        if handler is None:
+            return None
+        before = None if details.method.startswith(_OPEN_METHODS) else self._authenticate
+        return wrap_handler(handler, details.method, self._log, before)
+
+    def _authenticate(self, context) -> None:
+        current_caller.set(self.access.caller(context))

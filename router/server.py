@@ -9,12 +9,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.coord.etcd import EtcdClient
-from kvstore.grpc_edge import ErrorEdge, status_for
+from kvstore.grpc_edge import status_for
 from kvstore import errors
 from kvstore.process import bind_port, run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
-from router.access import AuthInterceptor, NamespaceOwners, RouterAccess, current_caller
+from router.access import AuthEdge, NamespaceOwners, RouterAccess, current_caller
 from router.follower import ClusterFollower
 from router.metrics import RouterTelemetry
 from router.routing import RouterCore
@@ -123,8 +123,7 @@ class RouterServer:
         # servicer runs (router/access.py), and telemetry still times them.
         access = RouterAccess(self.cfg, self.owners)
         self.server = grpc.aio.server(interceptors=[*self.telemetry.interceptors,
-                                                    AuthInterceptor(access),
-                                                    ErrorEdge(log)],
+                                                    AuthEdge(access, log)],
                                       options=[("grpc.so_reuseport", 0)])
         self.servicer = RouterServicer(self.core, access)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
