@@ -9,7 +9,7 @@ KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.installed
 STATE ?= .state/cluster
 
-.PHONY: all install deps-system proto run stop status test test-unit lint image-check bench clean
+.PHONY: all install deps-system proto run stop status test test-unit check lint image-check bench clean
 
 all: install
 
@@ -50,14 +50,18 @@ stop:
 status: install
 	$(KVCTL) cluster status --state-dir $(STATE)
 
-# Lint and format (ruff), types (mypy on the installed packages), import contracts.
-lint: install
+# What CI enforces before the tests: lint and format (ruff), the import contracts.
+check: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
-test: install
+# check, plus types. mypy does not pass yet (errors remain, mostly in the store's
+# mixins, until the store is composed of collaborators): run it to see them.
+lint: check
+	$(VENV)/bin/mypy
+
+test: install check
 	$(VPY) -m pytest -q
 
 # The unit tests alone (no processes, no network): well under a minute.

@@ -5,6 +5,7 @@ Where the extension must build (kvstore/native/required.py: Linux x86_64/aarch64
 KVSTORE_NATIVE_OPTIONAL=1) a failed build fails the install with a message saying what to
 do. Elsewhere it only warns, and kvstore falls back to pure Python, visibly: a log line at
 import and the agent's Stats field native_accel."""
+
 import importlib.util
 import platform
 import sys
@@ -44,10 +45,13 @@ class BuildNative(build_ext):
                 raise SystemExit(
                     f"\nerror: {what}\n  {_RULE.RULE}.\n  The compiler output above says "
                     "why; the build needs gcc and the Python headers (Debian: apt-get "
-                    "install build-essential python3-dev, or `make deps-system`).") from None
-            print(f"\nWARNING: {what}\n  installing without it: kvstore hashing and "
-                  "checksums use the pure-Python fallback (several times slower).",
-                  file=sys.stderr)
+                    "install build-essential python3-dev, or `make deps-system`)."
+                ) from None
+            print(
+                f"\nWARNING: {what}\n  installing without it: kvstore hashing and "
+                "checksums use the pure-Python fallback (several times slower).",
+                file=sys.stderr,
+            )
 
 
 _compile_args = ["-O3"]

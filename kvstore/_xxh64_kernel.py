@@ -4,6 +4,7 @@ XXH64 (seed 0), the specification's algorithm: four lane accumulators over 32-by
 stripes, their merge, the 8-, 4- and 1-byte tail, the avalanche. One program per slot,
 scalar code: launched with one warp (more would only repeat the same work).
 """
+
 import triton
 import triton.language as tl
 

@@ -1,5 +1,6 @@
 """Per-tenant byte accounting per tier, with limits (from configuration now, from etcd
 quotas later). Pure bookkeeping: the store decides what to evict."""
+
 from __future__ import annotations
 
 from collections import defaultdict

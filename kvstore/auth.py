@@ -3,6 +3,7 @@ that authenticates: the agents' gRPC edge (node_agent/interceptors.py), their UC
 (node_agent/peer/ucx/serve.py) and the router (router/access.py). No I/O: callers hand in
 the metadata value; configuration lists each tenant's SHA-256 token hash
 (kvstore/config.py TenantConfig), so no process holds a tenant's token at rest."""
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,7 @@ class TokenTable:
 
     @classmethod
     def from_config(cls, cfg: _HasTenants) -> "TokenTable":
-        return cls({t: tc.token_sha256 for t, tc in cfg.tenants.items()},
-                   cfg.allow_unauthenticated)
+        return cls({t: tc.token_sha256 for t, tc in cfg.tenants.items()}, cfg.allow_unauthenticated)
 
     def tenant(self, authorization: str) -> str | None:
         """The tenant of `authorization` ("Bearer <token>"); None when it is empty and

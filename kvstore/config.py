@@ -6,6 +6,7 @@ A nested section (AgentConfig.peer) also has variables of its own, one per field
 (KVSTORE_PEER_<FIELD>, the field's `env_prefix` metadata), and its layers merge field by
 field: a file's `peer: {batch_bytes: 64MiB}` and KVSTORE_PEER_IN_PLACE=0 both apply.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,10 +67,11 @@ class PeerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"peer.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.staging_sets < 3:
-            raise ValueError("peer.staging_sets must be >= 3 (one being read, one on the "
-                             f"wire, one being written), got {self.staging_sets!r}")
-        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s",
-                     "idle_endpoint_s"):
+            raise ValueError(
+                "peer.staging_sets must be >= 3 (one being read, one on the "
+                f"wire, one being written), got {self.staging_sets!r}"
+            )
+        for name in ("io_timeout_s", "connect_timeout_s", "prefetch_timeout_s", "idle_endpoint_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"peer.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -118,36 +120,46 @@ class AgentConfig:
     local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
     # Peer transfer tuning: `peer:` in the file, KVSTORE_AGENT_PEER (JSON), and one
     # KVSTORE_PEER_<FIELD> variable per field (what operators and benchmarks set).
-    peer: PeerConfig = field(default_factory=PeerConfig,
-                             metadata={"env_prefix": "KVSTORE_PEER_"})
+    peer: PeerConfig = field(default_factory=PeerConfig, metadata={"env_prefix": "KVSTORE_PEER_"})
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {self.slot_bytes}")
         if self.pool_bytes < self.slot_bytes:
-            raise ValueError(f"pool_bytes ({self.pool_bytes}) must hold at least one slot of "
-                             f"slot_bytes ({self.slot_bytes})")
+            raise ValueError(
+                f"pool_bytes ({self.pool_bytes}) must hold at least one slot of "
+                f"slot_bytes ({self.slot_bytes})"
+            )
         if self.eviction not in ("value", "lru"):
             raise ValueError(f"eviction must be 'value' or 'lru', got {self.eviction!r}")
         if not self.node_id or "/" in self.node_id:
             raise ValueError("node_id must be non-empty and contain no '/'")
         # Zero or negative here would mean a busy maintenance loop, a lease that expires at
         # once, or a server that refuses every message.
-        for name in ("max_blocks_per_request", "max_message_bytes", "expire_interval_s",
-                     "lease_ttl_s"):
+        for name in (
+            "max_blocks_per_request",
+            "max_message_bytes",
+            "expire_interval_s",
+            "lease_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.nvme_bytes < 0 or self.metrics_port < 0:
             raise ValueError("nvme_bytes and metrics_port must be >= 0")
         if self.max_namespaces_per_tenant < 0:
-            raise ValueError(f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
-                             f"{self.max_namespaces_per_tenant!r}")
+            raise ValueError(
+                f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
+                f"{self.max_namespaces_per_tenant!r}"
+            )
         if self.nvme_flush_bytes < MiB:
-            raise ValueError(f"nvme_flush_bytes must be >= 1MiB (two RocksDB memtables of "
-                             f"half of it), got {self.nvme_flush_bytes}")
+            raise ValueError(
+                f"nvme_flush_bytes must be >= 1MiB (two RocksDB memtables of "
+                f"half of it), got {self.nvme_flush_bytes}"
+            )
         if not 0 < self.nvme_flush_interval_s <= 3600:
-            raise ValueError(f"nvme_flush_interval_s must be > 0 and <= 3600, got "
-                             f"{self.nvme_flush_interval_s!r}")
+            raise ValueError(
+                f"nvme_flush_interval_s must be > 0 and <= 3600, got {self.nvme_flush_interval_s!r}"
+            )
 
     @property
     def pool_slots(self) -> int:
@@ -187,8 +199,13 @@ class RouterConfig:
         for name, t in self.tenants.items():
             if t.max_inflight < 0:
                 raise ValueError(f"tenants.{name}.max_inflight must be >= 0")
-        for name in ("weight_recompute", "weight_peer_fetch", "weight_load",
-                     "weight_utilization", "weight_queue"):
+        for name in (
+            "weight_recompute",
+            "weight_peer_fetch",
+            "weight_load",
+            "weight_utilization",
+            "weight_queue",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:
@@ -246,13 +263,15 @@ def _build(cls, data: dict, prefix: str = ""):
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown {prefix or cls.__name__} fields: {', '.join(unknown)}")
-    kwargs = {k: _coerce(hints[k], v, f"{prefix}{'.' if prefix else ''}{k}")
-              for k, v in data.items()}
+    kwargs = {
+        k: _coerce(hints[k], v, f"{prefix}{'.' if prefix else ''}{k}") for k, v in data.items()
+    }
     return cls(**kwargs)
 
 
-def load_config(cls, path: str | None = None, env_prefix: str | None = None,
-                overrides: dict | None = None):
+def load_config(
+    cls, path: str | None = None, env_prefix: str | None = None, overrides: dict | None = None
+):
     """File, then env, then overrides (None values ignored). Sections (fields with an
     `env_prefix`) merge field by field across the layers and read their own variables."""
     data: dict = {}
@@ -260,12 +279,16 @@ def load_config(cls, path: str | None = None, env_prefix: str | None = None,
         text = Path(path).read_text()
         loaded = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of {cls.__name__} fields, "
-                             f"got {type(loaded).__name__}")
+            raise ValueError(
+                f"{path}: expected a mapping of {cls.__name__} fields, got {type(loaded).__name__}"
+            )
         _layer(cls, data, loaded or {})
     if env_prefix:
-        env = {f.name: os.environ[f"{env_prefix}{f.name.upper()}"]
-               for f in dataclasses.fields(cls) if f"{env_prefix}{f.name.upper()}" in os.environ}
+        env = {
+            f.name: os.environ[f"{env_prefix}{f.name.upper()}"]
+            for f in dataclasses.fields(cls)
+            if f"{env_prefix}{f.name.upper()}" in os.environ
+        }
         _layer(cls, data, env)
         _layer(cls, data, _section_env(cls))
     _layer(cls, data, {k: v for k, v in (overrides or {}).items() if v is not None})
@@ -274,8 +297,11 @@ def load_config(cls, path: str | None = None, env_prefix: str | None = None,
 
 def _sections(cls) -> dict[str, str]:
     """Section fields of `cls` and the prefix of their own environment variables."""
-    return {f.name: f.metadata["env_prefix"] for f in dataclasses.fields(cls)
-            if "env_prefix" in f.metadata}
+    return {
+        f.name: f.metadata["env_prefix"]
+        for f in dataclasses.fields(cls)
+        if "env_prefix" in f.metadata
+    }
 
 
 def _section_env(cls) -> dict:
@@ -288,8 +314,10 @@ def _section_env(cls) -> dict:
         known = {f"{prefix}{f.name.upper()}": f.name for f in dataclasses.fields(hints[name])}
         unknown = sorted(k for k in os.environ if k.startswith(prefix) and k not in known)
         if unknown:
-            raise ValueError(f"unknown {name} settings in the environment: "
-                             f"{', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"unknown {name} settings in the environment: "
+                f"{', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         given = {field_: os.environ[var] for var, field_ in known.items() if var in os.environ}
         if given:
             out[name] = given

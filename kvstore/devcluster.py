@@ -13,6 +13,7 @@ them), waits until each answers gRPC health and the router has every agent in sy
 writes cluster.json. `down` sends SIGTERM (agents revoke their etcd leases), then SIGKILL
 after a grace period. `status` reports each process and what the router has indexed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -85,12 +86,15 @@ class ClusterState:
             data["procs"] = tuple(Proc(**p) for p in data["procs"])
             return cls(**data)
         except FileNotFoundError:
-            raise ClusterError(f"no local cluster in {state_dir} (no {STATE_FILE}); start "
-                               "one with: kvctl cluster up --state-dir "
-                               f"{state_dir}") from None
+            raise ClusterError(
+                f"no local cluster in {state_dir} (no {STATE_FILE}); start "
+                "one with: kvctl cluster up --state-dir "
+                f"{state_dir}"
+            ) from None
         except (ValueError, KeyError, TypeError) as exc:
-            raise ClusterError(f"{path} is unreadable ({exc}); remove it and run "
-                               "kvctl cluster up again") from None
+            raise ClusterError(
+                f"{path} is unreadable ({exc}); remove it and run kvctl cluster up again"
+            ) from None
 
 
 # ----------------------------------------------------------------- process helpers
@@ -148,12 +152,19 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
 
 def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
-                                     if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=cwd or ROOT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd or ROOT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _tail(path: str | Path, n: int = 1500) -> str:
@@ -175,8 +186,9 @@ def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
 def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
     try:
         with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -184,9 +196,13 @@ def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
 
 def router_nodes(address: str, timeout: float = 2.0) -> list:
     from kvstore.v1 import router_pb2, router_pb2_grpc
+
     with grpc.insecure_channel(address) as ch:
-        return list(router_pb2_grpc.RouterStub(ch).ListNodes(
-            router_pb2.ListNodesRequest(), timeout=timeout).nodes)
+        return list(
+            router_pb2_grpc.RouterStub(ch)
+            .ListNodes(router_pb2.ListNodesRequest(), timeout=timeout)
+            .nodes
+        )
 
 
 def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, Path]]):
@@ -194,8 +210,10 @@ def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, P
     while time.monotonic() < deadline:
         for proc, log in procs:
             if proc.poll() is not None:
-                raise ClusterError(f"{what}: a process exited with status {proc.returncode}; "
-                                   f"end of {log}:\n{_tail(log)}")
+                raise ClusterError(
+                    f"{what}: a process exited with status {proc.returncode}; "
+                    f"end of {log}:\n{_tail(log)}"
+                )
         value = pred()
         if value:
             return value
@@ -230,27 +248,62 @@ def _start_etcd(state: Path) -> tuple[subprocess.Popen, str, Path]:
     cport, pport = free_port(), free_port()
     cu, pu = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     log = state / "etcd.log"
-    proc = _spawn([binary, "--name", "local", "--data-dir", str(data),
-                   "--listen-client-urls", cu, "--advertise-client-urls", cu,
-                   "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
-                   "--initial-cluster", f"local={pu}", "--log-level", "warn"], log)
+    proc = _spawn(
+        [
+            binary,
+            "--name",
+            "local",
+            "--data-dir",
+            str(data),
+            "--listen-client-urls",
+            cu,
+            "--advertise-client-urls",
+            cu,
+            "--listen-peer-urls",
+            pu,
+            "--initial-advertise-peer-urls",
+            pu,
+            "--initial-cluster",
+            f"local={pu}",
+            "--log-level",
+            "warn",
+        ],
+        log,
+    )
     return proc, f"127.0.0.1:{cport}", log
 
 
 def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
     d = state / f"agent-{i}"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {"node_id": f"agent-{i}", "listen": "127.0.0.1:0", "device": "cpu",
-           "data_dir": str(d / "data"), "pool_bytes": opts.pool_bytes,
-           "slot_bytes": opts.slot_bytes, "nvme_bytes": opts.nvme_bytes,
-           "allow_unauthenticated": True, "etcd_endpoints": etcd,
-           "lease_ttl_s": opts.lease_ttl_s}
+    cfg = {
+        "node_id": f"agent-{i}",
+        "listen": "127.0.0.1:0",
+        "device": "cpu",
+        "data_dir": str(d / "data"),
+        "pool_bytes": opts.pool_bytes,
+        "slot_bytes": opts.slot_bytes,
+        "nvme_bytes": opts.nvme_bytes,
+        "allow_unauthenticated": True,
+        "etcd_endpoints": etcd,
+        "lease_ttl_s": opts.lease_ttl_s,
+    }
     (d / "agent.json").write_text(json.dumps(cfg, indent=2) + "\n")
     ready = d / "ready"
     ready.unlink(missing_ok=True)
     log = d / "agent.log"
-    proc = _spawn([sys.executable, "-m", "node_agent", "--config", str(d / "agent.json"),
-                   "--ready-file", str(ready)], log)
+    proc = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "node_agent",
+            "--config",
+            str(d / "agent.json"),
+            "--ready-file",
+            str(ready),
+        ],
+        log,
+    )
     return proc, ready, log
 
 
@@ -261,12 +314,27 @@ def _start_router(state: Path, etcd: str, opts: UpOptions):
     ready.unlink(missing_ok=True)
     log = d / "router.log"
     # Like the agents: no tenants, callers without a token act as the cluster (dev only).
-    (d / "router.json").write_text(json.dumps({"allow_unauthenticated": True}, indent=2)
-                                   + "\n")
-    proc = _spawn([sys.executable, "-m", "router", "--router-id", "router-0", "--listen",
-                   "127.0.0.1:0", "--etcd-endpoints", etcd, "--ready-file", str(ready),
-                   "--config", str(d / "router.json"), "--log-level", opts.router_log_level],
-                  log)
+    (d / "router.json").write_text(json.dumps({"allow_unauthenticated": True}, indent=2) + "\n")
+    proc = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "--router-id",
+            "router-0",
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd-endpoints",
+            etcd,
+            "--ready-file",
+            str(ready),
+            "--config",
+            str(d / "router.json"),
+            "--log-level",
+            opts.router_log_level,
+        ],
+        log,
+    )
     return proc, ready, log
 
 
@@ -296,8 +364,10 @@ def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
         return  # nothing recorded, or a record we are about to replace
     running = [p.name for p in old.procs if alive(p.pid, p.kind)]
     if running:
-        raise ClusterError(f"a cluster is already running in {state} ({', '.join(running)}); "
-                           f"stop it first: kvctl cluster down --state-dir {given}")
+        raise ClusterError(
+            f"a cluster is already running in {state} ({', '.join(running)}); "
+            f"stop it first: kvctl cluster down --state-dir {given}"
+        )
 
 
 def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
@@ -313,12 +383,20 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     started.append(Proc("router", "router", router.pid, "", str(rlog)))
     watch = [(p, log) for p, _, log in agents] + [(router, rlog), (etcd, elog)]
     readies = [r for _, r, _ in agents] + [rready]
-    _wait(lambda: all(_read(r) for r in readies), opts.timeout_s,
-          "every agent and the router to start", watch)
+    _wait(
+        lambda: all(_read(r) for r in readies),
+        opts.timeout_s,
+        "every agent and the router to start",
+        watch,
+    )
     addrs = [_read(r) for _, r, _ in agents]
     raddr = _read(rready)
-    _wait(lambda: all(grpc_healthy(a) for a in addrs + [raddr]), 30,
-          "gRPC health of every agent and the router", watch)
+    _wait(
+        lambda: all(grpc_healthy(a) for a in addrs + [raddr]),
+        30,
+        "gRPC health of every agent and the router",
+        watch,
+    )
 
     def router_in_sync():
         try:
@@ -328,8 +406,10 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         return len(nodes) == opts.agents and all(n.synced for n in nodes)
 
     _wait(router_in_sync, 60, "the router to follow every agent", watch)
-    procs = [started[0]] + [Proc(f"agent-{i}", "agent", p.pid, a, str(log))
-                            for i, ((p, _, log), a) in enumerate(zip(agents, addrs))]
+    procs = [started[0]] + [
+        Proc(f"agent-{i}", "agent", p.pid, a, str(log))
+        for i, ((p, _, log), a) in enumerate(zip(agents, addrs))
+    ]
     procs.append(Proc("router", "router", router.pid, raddr, str(rlog)))
     st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time())
     st.save()
@@ -345,13 +425,15 @@ def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
     st = ClusterState.load(state_dir)
     first = [p for p in st.procs if p.kind != "etcd"]
     stopped = stop_procs(first, grace_s) + stop_procs(
-        [p for p in st.procs if p.kind == "etcd"], grace_s)
+        [p for p in st.procs if p.kind == "etcd"], grace_s
+    )
     (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return stopped
 
 
 async def _registered(endpoint: str) -> set[str]:
     from kvstore.coord.etcd import EtcdClient
+
     async with EtcdClient(endpoint, timeout=2.0) as c:
         return {r.node_id for r in await c.list_nodes()}
 
@@ -369,8 +451,7 @@ def status(state_dir: str | os.PathLike) -> dict:
             etcd_ok = False
     indexed: dict[str, tuple[int, bool]] = {}
     try:
-        indexed = {n.node_id: (n.indexed_blocks, n.synced)
-                   for n in router_nodes(st.router_address)}
+        indexed = {n.node_id: (n.indexed_blocks, n.synced) for n in router_nodes(st.router_address)}
         router_ok = True
     except grpc.RpcError:
         router_ok = False
@@ -383,12 +464,23 @@ def status(state_dir: str | os.PathLike) -> dict:
             healthy = up_ and router_ok
         else:
             healthy = up_ and grpc_healthy(p.address)
-        row = {"name": p.name, "kind": p.kind, "pid": p.pid, "address": p.address,
-               "alive": up_, "healthy": healthy, "log": p.log}
+        row = {
+            "name": p.name,
+            "kind": p.kind,
+            "pid": p.pid,
+            "address": p.address,
+            "alive": up_,
+            "healthy": healthy,
+            "log": p.log,
+        }
         if p.kind == "agent":
             blocks, synced = indexed.get(p.name, (0, False))
             row.update(registered=p.name in registered, indexed_blocks=blocks, synced=synced)
         comps.append(row)
-    return {"state_dir": st.state_dir, "etcd_endpoint": st.etcd_endpoint,
-            "router_address": st.router_address, "uptime_s": round(time.time() - st.started_at),
-            "components": comps}
+    return {
+        "state_dir": st.state_dir,
+        "etcd_endpoint": st.etcd_endpoint,
+        "router_address": st.router_address,
+        "uptime_s": round(time.time() - st.started_at),
+        "components": comps,
+    }

@@ -17,6 +17,7 @@ CPU tensors (TRITON_INTERPRET=1, set before triton is imported), which is how th
 check it against the host XXH64 on machines without a GPU. `available()` says whether a
 device hash can be had for a tensor's device; callers fall back to host copies when not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,8 +86,17 @@ def slot_digests(pool: torch.Tensor, slots: list[int], nbytes: int) -> list[int]
     idx = torch.tensor(slots, dtype=torch.int64, device=pool.device)
     out = torch.empty(len(slots), dtype=torch.int64, device=pool.device)
     with _on(pool.device):
-        kernel[(len(slots),)](flat.view(torch.int64), flat.view(torch.int32), flat, idx,
-                              out, slot_bytes // 8, nbytes, UNROLL=UNROLL, num_warps=1)
+        kernel[(len(slots),)](
+            flat.view(torch.int64),
+            flat.view(torch.int32),
+            flat,
+            idx,
+            out,
+            slot_bytes // 8,
+            nbytes,
+            UNROLL=UNROLL,
+            num_warps=1,
+        )
         digests = out.cpu().tolist()  # waits for this thread's stream only
     return [v & MASK for v in digests]
 

@@ -1,5 +1,6 @@
 """Error hierarchy of the core. The gRPC edge maps each class to one status code
 (node_agent/interceptor), so the same failure reads the same everywhere."""
+
 from __future__ import annotations
 
 

@@ -4,6 +4,7 @@ The store appends to an `EventQueue`; the agent drains it and ships batches to w
 sinks are attached (the gRPC event stream, tests). Routers rebuild their index from these
 records alone: a snapshot at sequence S, then every event with seq > S, contiguous.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -55,9 +56,15 @@ class EventQueue:
     def last_seq(self) -> int:
         return self._seq
 
-    def append(self, kind: EventKind, namespace_id: bytes, block_ids: tuple[bytes, ...] = (),
-               parent_id: bytes = b"", tier: Tier | None = None,
-               generation: int = 0) -> BlockEvent:
+    def append(
+        self,
+        kind: EventKind,
+        namespace_id: bytes,
+        block_ids: tuple[bytes, ...] = (),
+        parent_id: bytes = b"",
+        tier: Tier | None = None,
+        generation: int = 0,
+    ) -> BlockEvent:
         self._seq += 1
         ev = BlockEvent(self._seq, kind, namespace_id, block_ids, parent_id, tier, generation)
         self._pending.append(ev)

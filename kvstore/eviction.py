@@ -7,6 +7,7 @@ store re-files a block in its heap on each access. Which blocks are evictable at
 (leaves first, never pinned, never while being read) is the store's job, not the
 strategy's.
 """
+
 from __future__ import annotations
 
 import math

@@ -14,6 +14,7 @@ after the servicer runs, so that bad input reads the same on every method.
 `EdgeInterceptor` in node_agent/interceptors.py and `AuthEdge` in router/access.py add
 authentication on top of this.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,10 +25,21 @@ import grpc
 
 from kvstore import errors
 
-_CODES = {name: getattr(grpc.StatusCode, name) for name in (
-    "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION",
-    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "UNAUTHENTICATED", "UNAVAILABLE", "DATA_LOSS",
-    "INTERNAL")}
+_CODES = {
+    name: getattr(grpc.StatusCode, name)
+    for name in (
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "FAILED_PRECONDITION",
+        "RESOURCE_EXHAUSTED",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "INTERNAL",
+    )
+}
 _DETAIL_CHARS = 200
 
 
@@ -51,8 +63,10 @@ def safe_deserializer(deserialize, method: str):
             return deserialize(raw)
         except Exception as exc:  # DecodeError, and whatever else a parser may raise
             reason = str(exc).split(":")[-1].strip() or type(exc).__name__
-            return Undecodable(f"{what} request of {len(raw)} bytes does not parse: "
-                               f"{reason}"[:_DETAIL_CHARS])
+            return Undecodable(
+                f"{what} request of {len(raw)} bytes does not parse: {reason}"[:_DETAIL_CHARS]
+            )
+
     return decode
 
 
@@ -89,10 +103,8 @@ class _Call:
         if isinstance(exc, errors.KvError):
             await context.abort(status_for(exc), str(exc))
         if isinstance(exc, NotImplementedError):  # a generated stub's unimplemented method
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"{self.method} is not implemented")
-        await context.abort(grpc.StatusCode.INTERNAL,
-                            log_unexpected(self.log, self.method, exc))
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented")
+        await context.abort(grpc.StatusCode.INTERNAL, log_unexpected(self.log, self.method, exc))
 
     def unary(self, fn, stream_request: bool):
         async def handler(request, context):
@@ -106,6 +118,7 @@ class _Call:
                 return await fn(request, context)
             except Exception as exc:
                 await self._fail(context, exc)
+
         return handler
 
     def stream(self, fn, stream_request: bool):
@@ -121,11 +134,13 @@ class _Call:
                     yield item
             except Exception as exc:
                 await self._fail(context, exc)
+
         return handler
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, method: str, log: logging.Logger,
-                 before=None) -> grpc.RpcMethodHandler:
+def wrap_handler(
+    handler: grpc.RpcMethodHandler, method: str, log: logging.Logger, before=None
+) -> grpc.RpcMethodHandler:
     """`handler` with a safe deserializer and the error mapping above."""
     call = _Call(method, log, before)
     deser = handler.request_deserializer
@@ -133,16 +148,20 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, log: logging.Logge
         deser = safe_deserializer(deser, method)
     ser = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(call.unary(handler.unary_unary, False),
-                                                   deser, ser)
+        return grpc.unary_unary_rpc_method_handler(
+            call.unary(handler.unary_unary, False), deser, ser
+        )
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(call.stream(handler.unary_stream, False),
-                                                    deser, ser)
+        return grpc.unary_stream_rpc_method_handler(
+            call.stream(handler.unary_stream, False), deser, ser
+        )
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(call.unary(handler.stream_unary, True),
-                                                    deser, ser)
-    return grpc.stream_stream_rpc_method_handler(call.stream(handler.stream_stream, True),
-                                                 deser, ser)
+        return grpc.stream_unary_rpc_method_handler(
+            call.unary(handler.stream_unary, True), deser, ser
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        call.stream(handler.stream_stream, True), deser, ser
+    )
 
 
 class ErrorEdge(grpc.aio.ServerInterceptor):

@@ -95,9 +95,7 @@ def _numpy_to_bytes(arr: Any) -> Union[bytes, memoryview]:
     if arr.size and (arr.dtype.itemsize > 4 or (kind == "u" and arr.dtype.itemsize == 4)):
         lo, hi = int(arr.min()), int(arr.max())
         if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise ValueError(
-                f"token ids must fit in int32, got range [{lo}, {hi}]"
-            )
+            raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
     if arr.dtype == np.dtype("<i4") and arr.flags.c_contiguous:
         return memoryview(arr).cast("B")  # zero-copy
     return arr.astype("<i4").tobytes()
@@ -124,13 +122,10 @@ def tokens_to_bytes(tokens: TokensLike) -> Union[bytes, memoryview]:
         mv = memoryview(tokens)
         if mv.format not in ("B", "b", "c") or not mv.c_contiguous:
             raise ValueError(
-                "token bytes must be a contiguous byte buffer, "
-                f"got format {mv.format!r}"
+                f"token bytes must be a contiguous byte buffer, got format {mv.format!r}"
             )
         if mv.nbytes % 4:
-            raise ValueError(
-                f"token bytes length must be a multiple of 4, got {mv.nbytes}"
-            )
+            raise ValueError(f"token bytes length must be a multiple of 4, got {mv.nbytes}")
         if isinstance(tokens, bytearray):
             return bytes(tokens)  # snapshot: a bytearray may change later
         return tokens if isinstance(tokens, bytes) else mv.cast("B")
@@ -203,7 +198,9 @@ def hash_block(parent: BlockId, tokens: TokensLike, extra: bytes = b"") -> Block
     return BlockId(h.digest())
 
 
-def _py_chain_packed(root: bytes, data: Union[bytes, memoryview], block_size: int, extra: bytes) -> bytes:
+def _py_chain_packed(
+    root: bytes, data: Union[bytes, memoryview], block_size: int, extra: bytes
+) -> bytes:
     """hashlib implementation of the chain over canonical token bytes."""
     step = block_size * 4
     n_blocks = len(data) // step
@@ -213,10 +210,10 @@ def _py_chain_packed(root: bytes, data: Union[bytes, memoryview], block_size: in
     blake2b = hashlib.blake2b
     for i in range(n_blocks):
         h = blake2b(parent, digest_size=BLOCK_ID_BYTES)
-        h.update(mv[i * step:(i + 1) * step])
+        h.update(mv[i * step : (i + 1) * step])
         h.update(extra)
         parent = h.digest()
-        out[i * BLOCK_ID_BYTES:(i + 1) * BLOCK_ID_BYTES] = parent
+        out[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES] = parent
     return bytes(out)
 
 
@@ -229,12 +226,16 @@ def _prepare(root: Any, tokens: TokensLike, block_size: Any, extra: Any):
     )
 
 
-def py_hash_chain_packed(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> bytes:
+def py_hash_chain_packed(
+    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+) -> bytes:
     """Pure-Python ``hash_chain_packed`` (the fallback; always available)."""
     return _py_chain_packed(*_prepare(root, tokens, block_size, extra))
 
 
-def hash_chain_packed(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> bytes:
+def hash_chain_packed(
+    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+) -> bytes:
     """Ids of all full blocks of ``tokens``, concatenated (16 bytes each).
 
     A trailing partial block is ignored.  ``root`` must be 16 bytes and
@@ -246,13 +247,17 @@ def hash_chain_packed(root: BlockId, tokens: TokensLike, block_size: int, extra:
     return _py_chain_packed(*args)
 
 
-def hash_chain(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> "BlockIds":
+def hash_chain(
+    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+) -> "BlockIds":
     """Ids of all full blocks of ``tokens`` (see ``hash_chain_packed``), as a list that
     keeps its packed form for the requests that carry it."""
     return BlockIds(hash_chain_packed(root, tokens, block_size, extra))
 
 
-def py_hash_chain(root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b"") -> List[BlockId]:
+def py_hash_chain(
+    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+) -> List[BlockId]:
     """Pure-Python ``hash_chain`` (the fallback; always available)."""
     return split_ids(py_hash_chain_packed(root, tokens, block_size, extra))
 
@@ -298,7 +303,7 @@ class BlockIds(list):
         out = BlockIds.__new__(BlockIds)
         list.extend(out, list.__getitem__(self, key))
         stop = max(start, stop)
-        out.packed = self.packed[start * BLOCK_ID_BYTES: stop * BLOCK_ID_BYTES]
+        out.packed = self.packed[start * BLOCK_ID_BYTES : stop * BLOCK_ID_BYTES]
         return out
 
     def __reduce__(self):
@@ -311,12 +316,25 @@ def _forgetting(name: str):
     def method(self, *args):
         self.packed = None
         return base(self, *args)
+
     method.__name__ = name
     return method
 
 
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
-              "insert", "pop", "remove", "clear", "sort", "reverse"):
+for _name in (
+    "__setitem__",
+    "__delitem__",
+    "__iadd__",
+    "__imul__",
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+):
     setattr(BlockIds, _name, _forgetting(_name))
 
 

@@ -17,6 +17,7 @@ Frames, little-endian:
 active): the same metadata a gRPC call would carry. Status codes are grpc.StatusCode
 numbers. One call at a time per connection.
 """
+
 from __future__ import annotations
 
 import struct

@@ -14,6 +14,7 @@ gives the same bytes on every host and in every language:
 generation and is keyed with the tenant's secret (public namespaces are unkeyed), so a
 tenant's block ids cannot be computed or probed without its secret.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,9 +49,19 @@ KV_DTYPE_BYTES = {
 }
 
 _STR_FIELDS = (
-    "tenant", "name", "model_name", "model_revision", "adapter_id", "adapter_revision",
-    "tokenizer_id", "tokenizer_revision", "rope_type", "rope_scaling", "attention_impl",
-    "kv_dtype", "prompt_template_version",
+    "tenant",
+    "name",
+    "model_name",
+    "model_revision",
+    "adapter_id",
+    "adapter_revision",
+    "tokenizer_id",
+    "tokenizer_revision",
+    "rope_type",
+    "rope_scaling",
+    "attention_impl",
+    "kv_dtype",
+    "prompt_template_version",
 )
 _POSITIVE_INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size")
 
@@ -82,38 +93,53 @@ class Namespace:
     public: bool = False
 
     def __post_init__(self) -> None:
-        missing = [f for f in _STR_FIELDS if not isinstance(getattr(self, f), str)
-                   or not getattr(self, f).strip()]
-        missing += [f for f in _POSITIVE_INT_FIELDS if not _is_int(getattr(self, f))
-                    or getattr(self, f) <= 0]
+        missing = [
+            f
+            for f in _STR_FIELDS
+            if not isinstance(getattr(self, f), str) or not getattr(self, f).strip()
+        ]
+        missing += [
+            f
+            for f in _POSITIVE_INT_FIELDS
+            if not _is_int(getattr(self, f)) or getattr(self, f) <= 0
+        ]
         # An unset proto double reads 0.0: name it with the other missing fields.
         if self.rope_theta == 0:
             missing.append("rope_theta")
         if missing:
             raise InvalidArgument(
-                "namespace is missing required fields (empty or zero): " + ", ".join(missing))
+                "namespace is missing required fields (empty or zero): " + ", ".join(missing)
+            )
         if "/" in self.tenant or "/" in self.name:
             raise InvalidArgument("namespace tenant and name must not contain '/'")
         if not _is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(
-                f"namespace tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
-        if not isinstance(self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) \
-                or self.rope_theta <= 0:
-            raise InvalidArgument(f"namespace rope_theta must be a positive finite number, "
-                                  f"got {self.rope_theta!r}")
+                f"namespace tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
+            )
+        if (
+            not isinstance(self.rope_theta, (int, float))
+            or not math.isfinite(self.rope_theta)
+            or self.rope_theta <= 0
+        ):
+            raise InvalidArgument(
+                f"namespace rope_theta must be a positive finite number, got {self.rope_theta!r}"
+            )
         if self.kv_dtype not in KV_DTYPE_BYTES:
-            raise InvalidArgument(f"namespace kv_dtype {self.kv_dtype!r} is not one of "
-                                  f"{sorted(KV_DTYPE_BYTES)}")
+            raise InvalidArgument(
+                f"namespace kv_dtype {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}"
+            )
         if self.block_size > MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"namespace block_size {self.block_size} exceeds "
-                                  f"{MAX_BLOCK_SIZE}")
+            raise InvalidArgument(
+                f"namespace block_size {self.block_size} exceeds {MAX_BLOCK_SIZE}"
+            )
         if not isinstance(self.public, bool):
             raise InvalidArgument("namespace public must be a bool")
         size = len(self.canonical_bytes())
         if size > MAX_SPEC_BYTES:
             raise InvalidArgument(
                 f"namespace spec is {size} bytes encoded; the limit is {MAX_SPEC_BYTES} "
-                "bytes (it must fit in one etcd record): shorten its string fields")
+                "bytes (it must fit in one etcd record): shorten its string fields"
+            )
 
     @property
     def key(self) -> str:
@@ -181,12 +207,17 @@ class Namespace:
 def tenant_key(tenant: str, secret: bytes | str | None) -> bytes:
     """32-byte BLAKE2b key for a tenant's chain roots, derived from its secret."""
     if not secret:
-        raise InvalidArgument(f"tenant {tenant!r} needs a secret to derive chain roots "
-                              "(only public namespaces are unkeyed)")
+        raise InvalidArgument(
+            f"tenant {tenant!r} needs a secret to derive chain roots "
+            "(only public namespaces are unkeyed)"
+        )
     raw = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
-    return hashlib.blake2b(raw, digest_size=32, person=_TENANT_PERSON,
-                           salt=hashlib.blake2b(tenant.encode(), digest_size=16).digest()
-                           ).digest()
+    return hashlib.blake2b(
+        raw,
+        digest_size=32,
+        person=_TENANT_PERSON,
+        salt=hashlib.blake2b(tenant.encode(), digest_size=16).digest(),
+    ).digest()
 
 
 def _is_int(v: object) -> bool:

@@ -9,6 +9,7 @@ Little-endian throughout. The payload tensor is laid out as
 The last field checks the header itself, so a flipped bit anywhere in a stored record is
 caught by `decode_block` (DataLoss), never served.
 """
+
 from __future__ import annotations
 
 import struct
@@ -20,8 +21,14 @@ from kvstore.namespace import Namespace
 
 MAGIC = b"KVB1"
 VERSION = 1
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4,
-               "float8_e5m2": 5, "int8": 6}
+DTYPE_CODES = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+    "int8": 6,
+}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 _FIXED = struct.Struct("<4sBBBB16sQ16s16sI")
 _TAIL = struct.Struct("<QQ")
@@ -46,11 +53,23 @@ class BlockHeader:
         for name in ("namespace_id", "block_id", "parent_id"):
             if len(getattr(self, name)) != 16:
                 raise InvalidArgument(f"{name} must be 16 bytes")
-        head = _FIXED.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], len(self.shape), 0,
-                           self.namespace_id, self.generation, self.block_id,
-                           self.parent_id, self.depth)
-        body = head + struct.pack(f"<{len(self.shape)}I", *self.shape) + _TAIL.pack(
-            self.length, self.checksum)
+        head = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            DTYPE_CODES[self.dtype],
+            len(self.shape),
+            0,
+            self.namespace_id,
+            self.generation,
+            self.block_id,
+            self.parent_id,
+            self.depth,
+        )
+        body = (
+            head
+            + struct.pack(f"<{len(self.shape)}I", *self.shape)
+            + _TAIL.pack(self.length, self.checksum)
+        )
         return body + _HCHK.pack(cks.checksum(body))
 
 
@@ -75,8 +94,17 @@ def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
     (hchk,) = _HCHK.unpack_from(mv, end)
     if cks.checksum(mv[:end]) != hchk:
         raise DataLoss("block header checksum mismatch")
-    hdr = BlockHeader(bytes(ns_id), gen, bytes(bid), bytes(pid), depth, DTYPE_NAMES[code],
-                      tuple(shape), length, checksum)
+    hdr = BlockHeader(
+        bytes(ns_id),
+        gen,
+        bytes(bid),
+        bytes(pid),
+        depth,
+        DTYPE_NAMES[code],
+        tuple(shape),
+        length,
+        checksum,
+    )
     return hdr, end + _HCHK.size
 
 

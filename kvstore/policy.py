@@ -1,4 +1,5 @@
 """Per-namespace policy: TTL, minimum cacheable prefix, NVMe spill, pin budget."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -1,4 +1,5 @@
 """Run a server process until SIGTERM/SIGINT: shared by the agent and the router."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,11 @@ def bind_port(server, address: str) -> int:
     else:
         why = None
     if not port:
-        raise StartupError(f"cannot listen on {address}: the port is in use or the address "
-                           "is not on this host (choose another listen address or stop the "
-                           "process holding it)") from why
+        raise StartupError(
+            f"cannot listen on {address}: the port is in use or the address "
+            "is not on this host (choose another listen address or stop the "
+            "process holding it)"
+        ) from why
     return port
 
 

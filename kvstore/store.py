@@ -10,6 +10,7 @@ Invariants the store keeps:
 - Bulk copies run outside the lock: a block being read has `readers > 0` and a slot being
   written is RESERVED, and neither can be evicted or reused meanwhile.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,14 @@ from collections import Counter
 from collections.abc import Callable
 
 from kvstore.accounting import TenantAccounts
-from kvstore.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound,
-                            ResourceExhausted, StaleGeneration)
+from kvstore.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StaleGeneration,
+)
 from kvstore.eviction import EvictionPolicy, ValueAwarePolicy
 from kvstore.events import EventKind, EventQueue, Tier
 from kvstore.namespace import Namespace
@@ -31,26 +38,52 @@ from kvstore.tiers.pool import DevicePool
 from kvstore.store_eviction import EvictionMixin
 from kvstore.store_inplace import InPlaceMixin
 from kvstore.store_maintenance import MaintenanceMixin
-from kvstore.store_types import (ID_BYTES, NS_META_PREFIX, BlockMeta, LookupResult, NsState,
-                                 PackedIds, PlannedSlot, PutItem, ServedBlock, Written,
-                                 _first_false)
+from kvstore.store_types import (
+    ID_BYTES,
+    NS_META_PREFIX,
+    BlockMeta,
+    LookupResult,
+    NsState,
+    PackedIds,
+    PlannedSlot,
+    PutItem,
+    ServedBlock,
+    Written,
+    _first_false,
+)
 from kvstore.tiers.rocks import RocksTier
 
-__all__ = ["BlockStore", "BlockMeta", "NsState", "PutItem", "LookupResult", "ServedBlock",
-           "PackedIds", "ID_BYTES"]
+__all__ = [
+    "BlockStore",
+    "BlockMeta",
+    "NsState",
+    "PutItem",
+    "LookupResult",
+    "ServedBlock",
+    "PackedIds",
+    "ID_BYTES",
+]
 
 
 class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
-    def __init__(self, pool: DevicePool, rocks: RocksTier | None,
-                 eviction: EvictionPolicy | None = None,
-                 accounts: TenantAccounts | None = None,
-                 policy_for: Callable[[Namespace], NamespacePolicy] | None = None,
-                 clock: Callable[[], float] = time.time, copy_threads: int = 1) -> None:
+    def __init__(
+        self,
+        pool: DevicePool,
+        rocks: RocksTier | None,
+        eviction: EvictionPolicy | None = None,
+        accounts: TenantAccounts | None = None,
+        policy_for: Callable[[Namespace], NamespacePolicy] | None = None,
+        clock: Callable[[], float] = time.time,
+        copy_threads: int = 1,
+    ) -> None:
         self.pool = pool
         # Bulk copies of a batch are split across threads (the native copy releases the
         # GIL): one core's copy-and-checksum is below what the memory bus can do.
-        self._copier = ThreadPoolExecutor(copy_threads, thread_name_prefix="kv-copy") \
-            if copy_threads > 1 else None
+        self._copier = (
+            ThreadPoolExecutor(copy_threads, thread_name_prefix="kv-copy")
+            if copy_threads > 1
+            else None
+        )
         self._copy_threads = copy_threads
         self.rocks = rocks
         self.eviction = eviction or ValueAwarePolicy()
@@ -83,7 +116,8 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         if spec.block_bytes > self.pool.slot_bytes:
             raise InvalidArgument(
                 f"namespace blocks are {spec.block_bytes} bytes but this node's pool slots "
-                f"hold {self.pool.slot_bytes}: raise pool.slot_bytes or shrink block_size")
+                f"hold {self.pool.slot_bytes}: raise pool.slot_bytes or shrink block_size"
+            )
         with self.lock:
             st = self._ns.get(spec.namespace_id)
             if st is None:
@@ -97,14 +131,20 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
     def namespace(self, ns_id: bytes, generation: int) -> NsState:
         st = self._ns.get(ns_id)
         if st is None:
-            raise NotFound(f"unknown namespace {ns_id.hex() if ns_id else '(empty id)'}: "
-                           "call OpenNamespace first")
+            raise NotFound(
+                f"unknown namespace {ns_id.hex() if ns_id else '(empty id)'}: "
+                "call OpenNamespace first"
+            )
         if generation < st.generation:
-            raise StaleGeneration(f"namespace {st.spec.key} generation {generation} is stale "
-                                  f"(current {st.generation})")
+            raise StaleGeneration(
+                f"namespace {st.spec.key} generation {generation} is stale "
+                f"(current {st.generation})"
+            )
         if generation > st.generation:
-            raise FailedPrecondition(f"namespace {st.spec.key} generation {generation} is "
-                                     f"ahead of this node ({st.generation}); retry shortly")
+            raise FailedPrecondition(
+                f"namespace {st.spec.key} generation {generation} is "
+                f"ahead of this node ({st.generation}); retry shortly"
+            )
         return st
 
     def namespaces(self) -> list[NsState]:
@@ -141,8 +181,11 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
     def _save_ns(self, st: NsState) -> None:
         if self.rocks is None:
             return
-        rec = {"spec": st.spec.to_dict(), "generation": st.generation,
-               "policy": st.policy.to_dict()}
+        rec = {
+            "spec": st.spec.to_dict(),
+            "generation": st.generation,
+            "policy": st.policy.to_dict(),
+        }
         self.rocks.meta_put(NS_META_PREFIX + st.ns_id, json.dumps(rec).encode())
 
     # --------------------------------------------------------------------- lookup
@@ -165,6 +208,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 return m is not None and not (m.expires_at and m.expires_at <= now)
 
             matched = _first_false(live, 0, len(ids))
+
             def in_pool(i: int) -> bool:
                 m = get(ids[i])  # None only for a sequence that is not one chain
                 return m is not None and m.slot >= 0
@@ -179,8 +223,14 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             return LookupResult(matched, hbm, matched - hbm, st.generation)
 
     # ------------------------------------------------------------------------ get
-    def get(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
-            dst_for: Callable[[int, int], object]) -> list[ServedBlock]:
+    def get(
+        self,
+        ns_id: bytes,
+        generation: int,
+        ids: list[bytes],
+        parent_id: bytes,
+        dst_for: Callable[[int, int], object],
+    ) -> list[ServedBlock]:
         """Copy the leading present blocks into `dst_for(i, nbytes)` buffers, verified.
         When `dst_for` returns None the payload comes back as bytes in ServedBlock.data
         (the gRPC path needs bytes objects). Stops at the first missing, mis-chained or
@@ -200,11 +250,14 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         try:
             dsts = [dst_for(i, m.nbytes) for i, m in enumerate(metas)]
             # The pool is prefix-closed: pool blocks lead, so copy that run in parallel.
-            n_pool = next((i for i, (s, d) in enumerate(zip(slots, dsts))
-                           if s < 0 or d is None), len(metas))
+            n_pool = next(
+                (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
+            )
             digests = self._copy_all(
                 lambda i: self.pool.read_into(slots[i], metas[i].nbytes, dsts[i]),
-                range(n_pool), sum(m.nbytes for m in metas[:n_pool]))
+                range(n_pool),
+                sum(m.nbytes for m in metas[:n_pool]),
+            )
             for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dsts[i]
                 data = None
@@ -242,8 +295,10 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         # One task per thread over a contiguous share: a task per block costs more in
         # hand-offs (~20 us each, far more on a busy host) than it gains in balance.
         step = -(-len(args) // self._copy_threads)
-        shares = self._copier.map(lambda part: [fn(a) for a in part],
-                                  [args[i: i + step] for i in range(0, len(args), step)])
+        shares = self._copier.map(
+            lambda part: [fn(a) for a in part],
+            [args[i : i + step] for i in range(0, len(args), step)],
+        )
         return [r for part in shares for r in part]
 
     def _leading(self, st: NsState, ids: list[bytes], parent_id: bytes) -> list[BlockMeta]:
@@ -277,8 +332,10 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
     def _finish_get(self, st, metas, served, promote, corrupt) -> None:
         # A block removed while it was copied (flush, expiry, corruption found by another
         # reader) is no hit, and neither is anything after it.
-        live = next((i for i, sb in enumerate(served) if st.blocks.get(sb.block_id)
-                     is not metas[i]), len(served))
+        live = next(
+            (i for i, sb in enumerate(served) if st.blocks.get(sb.block_id) is not metas[i]),
+            len(served),
+        )
         del served[live:]
         now = self.clock()
         ttl = st.policy.ttl_seconds
@@ -365,8 +422,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 self._done_reading(b)
 
     # ------------------------------------------------------------------------ put
-    def put(self, ns_id: bytes, generation: int, items: list[PutItem],
-            root: bytes | None = None) -> tuple[int, int]:
+    def put(
+        self, ns_id: bytes, generation: int, items: list[PutItem], root: bytes | None = None
+    ) -> tuple[int, int]:
         """Store blocks (parent before child). Returns (stored, already_present).
 
         With `root` given (what clients send), a block whose parent is neither held, nor
@@ -378,17 +436,23 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             st = self.namespace(ns_id, generation)
             if self.killed:
                 self.counters["killswitch_puts"] += 1
-                raise FailedPrecondition("kill switch is on: writes are refused "
-                                         "(`kvctl killswitch off` to resume caching)")
+                raise FailedPrecondition(
+                    "kill switch is on: writes are refused "
+                    "(`kvctl killswitch off` to resume caching)"
+                )
             plan, already = self._plan_put(st, items, root)
         written: list[Written] = []
         try:
-            digests = self._copy_all(lambda p: self.pool.write(p.slot, p.item.data), plan,
-                                     len(plan) * st.spec.block_bytes)
+            digests = self._copy_all(
+                lambda p: self.pool.write(p.slot, p.item.data),
+                plan,
+                len(plan) * st.spec.block_bytes,
+            )
             for p, digest in zip(plan, digests):
                 if p.item.checksum is not None and digest != p.item.checksum:
-                    raise DataLoss(f"block {p.item.block_id.hex()[:12]} payload does not "
-                                   "match its checksum")
+                    raise DataLoss(
+                        f"block {p.item.block_id.hex()[:12]} payload does not match its checksum"
+                    )
                 written.append(Written(p, digest))
         finally:
             with self.lock:
@@ -403,8 +467,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
             n = memoryview(it.data).nbytes
             if n != size:
-                raise InvalidArgument(f"block {i} is {n} bytes; namespace {st.spec.key} "
-                                      f"blocks are {size} bytes")
+                raise InvalidArgument(
+                    f"block {i} is {n} bytes; namespace {st.spec.key} blocks are {size} bytes"
+                )
         depths: dict[bytes, int] = {}
         for it in items:
             parent = st.blocks.get(it.parent_id)
@@ -422,13 +487,18 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                         self._raise_expiry(known, self.clock() + st.policy.ttl_seconds)
                     continue
                 parent = st.blocks.get(it.parent_id)
-                if (root is not None and parent is None and it.parent_id != root
-                        and it.parent_id not in planned):
+                if (
+                    root is not None
+                    and parent is None
+                    and it.parent_id != root
+                    and it.parent_id not in planned
+                ):
                     skipped.add(it.block_id)
                     self.counters["put_orphan"] += 1
                     continue
-                if it.parent_id in skipped or (parent is not None and parent.slot < 0
-                                               and not self._promote_chain(parent)):
+                if it.parent_id in skipped or (
+                    parent is not None and parent.slot < 0 and not self._promote_chain(parent)
+                ):
                     skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
                     self.counters["put_parent_cold"] += 1
                     continue
@@ -439,7 +509,8 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                         break
                     raise ResourceExhausted(
                         f"device pool cannot take more blocks for tenant {st.tenant}: "
-                        "every slot is pinned, in use or over the tenant's quota")
+                        "every slot is pinned, in use or over the tenant's quota"
+                    )
                 plan.append(planned_slot)
                 planned.add(it.block_id)
         except BaseException:
@@ -447,8 +518,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             raise
         return plan, already
 
-    def _plan_slot(self, st: NsState, item: PutItem, depth: int,
-                   parent: BlockMeta | None) -> PlannedSlot | None:
+    def _plan_slot(
+        self, st: NsState, item: PutItem, depth: int, parent: BlockMeta | None
+    ) -> PlannedSlot | None:
         """Reserve a pool slot for one block of a write, within the tenant's quota counting
         every slot already in flight for it (this write's and concurrent ones'), and hold
         the parent so making room later cannot evict it. None when no slot can be had."""
@@ -474,8 +546,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             self.pool.abort(p.slot)
             self._end_planned(p)
 
-    def _commit_put(self, st: NsState, generation: int, plan: list[PlannedSlot],
-                    written: list[Written]) -> tuple[int, int]:
+    def _commit_put(
+        self, st: NsState, generation: int, plan: list[PlannedSlot], written: list[Written]
+    ) -> tuple[int, int]:
         """Make the written blocks visible (under the lock); free every other planned slot.
         Planning and copying ran apart from here, so each block is checked again: its
         namespace not flushed, its parent still held and still in the pool, and the block
@@ -509,9 +582,16 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 continue
             self.pool.commit(slot)
             ttl = st.policy.ttl_seconds
-            m = BlockMeta(st, item.block_id, item.parent_id, depth,
-                          st.spec.block_bytes, w.digest, last_access=now,  # checked by _plan_*
-                          expires_at=now + ttl if ttl else 0)
+            m = BlockMeta(
+                st,
+                item.block_id,
+                item.parent_id,
+                depth,
+                st.spec.block_bytes,
+                w.digest,
+                last_access=now,  # checked by _plan_*
+                expires_at=now + ttl if ttl else 0,
+            )
             st.blocks[m.block_id] = m
             if parent_meta is not None:
                 parent_meta.children += 1
@@ -532,8 +612,9 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             else:
                 runs.append((m.parent_id, [m.block_id]))
         for parent_id, ids in runs:
-            self.events.append(EventKind.STORED, st.ns_id, tuple(ids), parent_id=parent_id,
-                               tier=Tier.HBM)
+            self.events.append(
+                EventKind.STORED, st.ns_id, tuple(ids), parent_id=parent_id, tier=Tier.HBM
+            )
         self.counters["put_blocks"] += len(stored)
 
     # --------------------------------------------------------------------- pinning
@@ -546,7 +627,8 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 raise ResourceExhausted(
                     f"pinning {len(metas)} blocks ({delta} bytes) exceeds namespace "
                     f"{st.spec.key} pin budget of {st.policy.pin_budget_bytes} bytes "
-                    f"({st.pinned_bytes} already pinned)")
+                    f"({st.pinned_bytes} already pinned)"
+                )
             for m in metas:
                 m.pinned = pin
                 self._refile(m)

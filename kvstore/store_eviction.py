@@ -5,6 +5,7 @@ block's version is unchanged and it is still evictable, so re-filing a block aft
 change is one push and stale entries are skipped when popped. Only leaves leave the node,
 and only pool-leaves leave the pool: the store stays prefix-consistent.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -18,8 +19,13 @@ from kvstore.tiers.rocks import TierUnavailable
 class EvictionMixin:
     # -------------------------------------------------------------------- eviction
     def _hbm_evictable(self, m: BlockMeta) -> bool:
-        return (m.slot >= 0 and not m.pinned and m.readers == 0 and m.hbm_children == 0
-                and (m.children == 0 or (m.ns.policy.persist and self.rocks is not None)))
+        return (
+            m.slot >= 0
+            and not m.pinned
+            and m.readers == 0
+            and m.hbm_children == 0
+            and (m.children == 0 or (m.ns.policy.persist and self.rocks is not None))
+        )
 
     def _nvme_evictable(self, m: BlockMeta) -> bool:
         return m.on_nvme and not m.pinned and m.readers == 0 and (m.slot >= 0 or m.children == 0)
@@ -41,8 +47,9 @@ class EvictionMixin:
 
     def _compact(self, heap: list, tier: Tier) -> None:
         ok = self._hbm_evictable if tier == Tier.HBM else self._nvme_evictable
-        heap[:] = [e for e in heap if e[2] == e[3].version and ok(e[3])
-                   and e[3].block_id in e[3].ns.blocks]
+        heap[:] = [
+            e for e in heap if e[2] == e[3].version and ok(e[3]) and e[3].block_id in e[3].ns.blocks
+        ]
         heapq.heapify(heap)
 
     def _victim(self, tier: Tier, tenant: str | None, protect=None) -> BlockMeta | None:
@@ -121,8 +128,9 @@ class EvictionMixin:
         if not self.rocks.health.may_try():  # backing off: neither evict nor read for it
             self.counters["nvme_spill_failed"] += 1
             return False
-        while (self.nvme_used + m.nbytes > self.rocks.capacity_bytes
-               or self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes)):
+        while self.nvme_used + m.nbytes > self.rocks.capacity_bytes or self.accounts.overflow(
+            st.tenant, Tier.NVME, m.nbytes
+        ):
             tenant = st.tenant if self.accounts.overflow(st.tenant, Tier.NVME, m.nbytes) else None
             victim = self._victim(Tier.NVME, tenant, protect=m)
             if victim is None:
@@ -134,8 +142,17 @@ class EvictionMixin:
             self.counters["corrupt_dropped"] += 1
             self._remove_subtrees(st, {m.block_id}, "corrupt")
             return False
-        hdr = BlockHeader(st.ns_id, st.generation, m.block_id, m.parent_id, m.depth,
-                          st.spec.kv_dtype, block_shape(st.spec), m.nbytes, m.checksum)
+        hdr = BlockHeader(
+            st.ns_id,
+            st.generation,
+            m.block_id,
+            m.parent_id,
+            m.depth,
+            st.spec.kv_dtype,
+            block_shape(st.spec),
+            m.nbytes,
+            m.checksum,
+        )
         try:
             self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))])
         except TierUnavailable:  # disk full or failing: counted and logged by the tier
@@ -233,8 +250,7 @@ class EvictionMixin:
         for m in sorted(st.blocks.values(), key=lambda b: b.depth):
             if m.parent_id in doomed:
                 doomed.add(m.block_id)
-        gone = sorted((st.blocks[b] for b in doomed if b in st.blocks),
-                      key=lambda b: -b.depth)
+        gone = sorted((st.blocks[b] for b in doomed if b in st.blocks), key=lambda b: -b.depth)
         for m in gone:
             self._remove(m)
         if gone:

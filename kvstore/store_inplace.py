@@ -10,6 +10,7 @@ with its descendants. Host pools, and device pools that verify in device memory
 (DevicePool.in_place: the payloads are hashed where they lie by kvstore.device_hash);
 callers keep the copying put/get for other device pools.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,8 +18,7 @@ from dataclasses import replace
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
-from kvstore.store_types import (ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock,
-                                 Written)
+from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock, Written
 
 
 class InPlaceMixin:
@@ -36,8 +36,15 @@ class InPlaceMixin:
         return self._copy_all(cks.checksum, views, sum(v.nbytes for v in views))
 
     # ----------------------------------------------------------------- writes
-    def reserve(self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes,
-                root: bytes, after: Reservation | None = None) -> Reservation:
+    def reserve(
+        self,
+        ns_id: bytes,
+        generation: int,
+        ids: list[bytes],
+        parent_id: bytes,
+        root: bytes,
+        after: Reservation | None = None,
+    ) -> Reservation:
         """Reserve slots for `ids`, a run of one chain whose first block's parent is
         `parent_id`: held here, the chain `root` (a chain that starts at block 0), or the
         last block of `after`, an earlier reservation not committed yet (pipelined
@@ -91,7 +98,8 @@ class InPlaceMixin:
                     if not res.plan:
                         raise ResourceExhausted(
                             f"device pool cannot take more blocks for tenant {st.tenant}: "
-                            "every slot is pinned, in use or over the tenant's quota")
+                            "every slot is pinned, in use or over the tenant's quota"
+                        )
                     self.counters["put_truncated"] += 1
                     res.reason = "pool or quota full"
                     break
@@ -112,8 +120,14 @@ class InPlaceMixin:
             with self.lock:
                 self._abort_plan(rest)
 
-    def commit(self, res: Reservation, checksums: list[int], n: int | None = None,
-               sources: list | None = None, digests: list[int] | None = None) -> int:
+    def commit(
+        self,
+        res: Reservation,
+        checksums: list[int],
+        n: int | None = None,
+        sources: list | None = None,
+        digests: list[int] | None = None,
+    ) -> int:
         """Verify the first `n` (default all) reserved payloads in place against
         `checksums`, make the verified leading run visible, free the rest. Returns the
         number stored; raises DataLoss (after storing the blocks before it) when a payload
@@ -132,9 +146,11 @@ class InPlaceMixin:
                 digests = list(digests[:n])
             elif sources is not None:
                 n = min(n, len(sources))
-                digests = self._copy_all(lambda a: self.pool.write(a[0].slot, a[1]),
-                                         list(zip(plan[:n], sources)),
-                                         n * res.ns.spec.block_bytes)
+                digests = self._copy_all(
+                    lambda a: self.pool.write(a[0].slot, a[1]),
+                    list(zip(plan[:n], sources)),
+                    n * res.ns.spec.block_bytes,
+                )
             else:
                 digests = self._digests([p.item.data for p in plan[:n]])
         except BaseException:
@@ -150,8 +166,7 @@ class InPlaceMixin:
         with self.lock:
             stored = self._commit_put(res.ns, res.generation, plan, written)[0]
         if bad is not None:
-            raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its "
-                           "checksum")
+            raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its checksum")
         return stored
 
     def abort(self, res: Reservation) -> None:
@@ -163,8 +178,9 @@ class InPlaceMixin:
                 self._abort_plan(plan)
 
     # ------------------------------------------------------------------ reads
-    def borrow(self, ns_id: bytes, generation: int, ids: list[bytes],
-               parent_id: bytes, verify: bool = True) -> Borrowed:
+    def borrow(
+        self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes, verify: bool = True
+    ) -> Borrowed:
         """Verified read-only views of the leading blocks of `ids` held in the pool (it
         stops at the first block that is missing, mis-chained, corrupt or only on NVMe:
         get copies those). Counts as a get (hits, expiry, statistics).
@@ -188,8 +204,7 @@ class InPlaceMixin:
         served: list[ServedBlock] = []
         corrupt = None
         try:
-            views = [self.pool.slot_view(s, m.nbytes, writable=False)
-                     for s, m in zip(slots, metas)]
+            views = [self.pool.slot_view(s, m.nbytes, writable=False) for s, m in zip(slots, metas)]
             digests = self._digests(views) if verify else [m.checksum for m in metas]
             for m, digest in zip(metas, digests):
                 if digest != m.checksum:
@@ -202,7 +217,7 @@ class InPlaceMixin:
                     m.readers += 1  # the borrow's own hold, past _finish_get's release
                 held = len(served)
                 self._finish_get(st, metas, served, [], corrupt)
-                for m in metas[len(served):held]:  # removed while verified: not served
+                for m in metas[len(served) : held]:  # removed while verified: not served
                     self._done_reading(m)
         return Borrowed(st, metas[: len(served)], views[: len(served)], served)
 

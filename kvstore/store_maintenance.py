@@ -1,6 +1,7 @@
 """Recovery from RocksDB, TTL expiry, persisting the pool at shutdown, snapshots, and the
 control-plane hooks (kill switch, tenant quotas) of the block store (mixed into BlockStore).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,17 @@ class MaintenanceMixin:
                 if hdr.depth and parent is None:
                     bad.append(key)
                     continue
-                m = BlockMeta(st, hdr.block_id, hdr.parent_id, hdr.depth, hdr.length,
-                              hdr.checksum, on_nvme=True, last_access=now,
-                              expires_at=now + st.policy.ttl_seconds if st.policy.ttl_seconds
-                              else 0)
+                m = BlockMeta(
+                    st,
+                    hdr.block_id,
+                    hdr.parent_id,
+                    hdr.depth,
+                    hdr.length,
+                    hdr.checksum,
+                    on_nvme=True,
+                    last_access=now,
+                    expires_at=now + st.policy.ttl_seconds if st.policy.ttl_seconds else 0,
+                )
                 st.blocks[m.block_id] = m
                 if parent is not None:
                     parent.children += 1
@@ -76,19 +84,26 @@ class MaintenanceMixin:
             except (ValueError, KeyError, TypeError):  # InvalidArgument too: a spec no
                 self.counters["recovery_bad_namespaces"] += 1  # longer valid (e.g. oversized)
                 continue
-            out[spec.namespace_id] = NsState(spec, spec.namespace_id, generation,
-                                             self.policy_for(spec))
+            out[spec.namespace_id] = NsState(
+                spec, spec.namespace_id, generation, self.policy_for(spec)
+            )
         return out
 
-    def _check_record(self, ns: dict[bytes, NsState], key: bytes, raw: bytes,
-                      verify: bool) -> BlockHeader | None:
+    def _check_record(
+        self, ns: dict[bytes, NsState], key: bytes, raw: bytes, verify: bool
+    ) -> BlockHeader | None:
         try:
             hdr = decode_block(raw)[0] if verify else decode_header(raw)[0]
         except DataLoss:
             return None
         st = ns.get(key[:ID_BYTES])
-        if (st is None or hdr.namespace_id != st.ns_id or hdr.block_id != key[ID_BYTES:]
-                or hdr.generation != st.generation or hdr.length != st.spec.block_bytes):
+        if (
+            st is None
+            or hdr.namespace_id != st.ns_id
+            or hdr.block_id != key[ID_BYTES:]
+            or hdr.generation != st.generation
+            or hdr.length != st.spec.block_bytes
+        ):
             return None
         return hdr
 
@@ -100,8 +115,11 @@ class MaintenanceMixin:
             for st in self._ns.values():
                 if not st.policy.ttl_seconds:
                     continue
-                dead = {b for b, m in st.blocks.items()
-                        if m.expires_at and m.expires_at <= now and not m.readers}
+                dead = {
+                    b
+                    for b, m in st.blocks.items()
+                    if m.expires_at and m.expires_at <= now and not m.readers
+                }
                 if dead:
                     total += self._remove_subtrees(st, dead, "expired")
         return total
@@ -118,9 +136,16 @@ class MaintenanceMixin:
         end = None if deadline_s is None else time.monotonic() + deadline_s
         held: list[BlockMeta] = []
         with self.lock:
-            todo = sorted((m for st in self._ns.values() if st.policy.persist
-                           for m in st.blocks.values() if m.slot >= 0 and not m.on_nvme),
-                          key=lambda m: m.depth)
+            todo = sorted(
+                (
+                    m
+                    for st in self._ns.values()
+                    if st.policy.persist
+                    for m in st.blocks.values()
+                    if m.slot >= 0 and not m.on_nvme
+                ),
+                key=lambda m: m.depth,
+            )
             try:
                 for m in todo:
                     if end is not None and time.monotonic() > end:
@@ -137,9 +162,16 @@ class MaintenanceMixin:
     def snapshot(self) -> tuple[int, list[tuple[bytes, list[tuple[bytes, Tier]]]]]:
         """Every block held, per namespace, and the last event sequence it includes."""
         with self.lock:
-            out = [(st.ns_id, [(m.block_id, m.tier) for m in
-                               sorted(st.blocks.values(), key=lambda b: b.depth)])
-                   for st in self._ns.values()]
+            out = [
+                (
+                    st.ns_id,
+                    [
+                        (m.block_id, m.tier)
+                        for m in sorted(st.blocks.values(), key=lambda b: b.depth)
+                    ],
+                )
+                for st in self._ns.values()
+            ]
             return self.events.last_seq, out
 
     def block_count(self) -> int:

@@ -1,5 +1,6 @@
 """Records of the block store: per-block metadata, per-namespace state, request and
 result types, and the packed-id view used by Lookup."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -145,8 +146,7 @@ class PackedIds:
 
     def __init__(self, packed: bytes) -> None:
         if len(packed) % ID_BYTES:
-            raise InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple of "
-                                  f"{ID_BYTES}")
+            raise InvalidArgument(f"block_ids is {len(packed)} bytes, not a multiple of {ID_BYTES}")
         self.buf = bytes(packed)
         self.n = len(packed) // ID_BYTES
 
@@ -158,7 +158,7 @@ class PackedIds:
             i += self.n
         if not 0 <= i < self.n:
             raise IndexError(i)
-        return self.buf[i * ID_BYTES:(i + 1) * ID_BYTES]
+        return self.buf[i * ID_BYTES : (i + 1) * ID_BYTES]
 
 
 def _first_false(pred: Callable[[int], bool], lo: int, hi: int) -> int:

@@ -17,6 +17,7 @@ Prometheus, tracing exported over OTLP, and the gRPC glue for both.
 Span attributes carry counts, bytes, tiers, tenant and node names: never token text or
 token ids (block ids neither: they name prefixes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,26 @@ log = logging.getLogger("kvstore.telemetry")
 TRACER = trace.get_tracer("kvstore")
 OTLP_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 # 50 us .. 30 s: a Lookup is sub-millisecond, a large Get or a peer prefetch takes seconds.
-RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-               0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RPC_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 # RPCs that are long-lived subscriptions: a duration or a span of hours says nothing.
 LONG_LIVED = frozenset({"Subscribe", "Watch"})
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -71,11 +90,14 @@ class MetricsEndpoint:
             raise ValueError(f"metrics port must be in 1..65535, got {port}")
         self.registry = CollectorRegistry(auto_describe=False)
         # No target_info / otel_scope_* labels: the dashboards aggregate by our labels only.
-        reader = PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False,
-                                        registry=self.registry)
-        self.provider = MeterProvider(metric_readers=[reader],  # close() shuts it down
-                                      resource=Resource.create(resource or {}),
-                                      shutdown_on_exit=False)
+        reader = PrometheusMetricReader(
+            disable_target_info=True, scope_info_enabled=False, registry=self.registry
+        )
+        self.provider = MeterProvider(
+            metric_readers=[reader],  # close() shuts it down
+            resource=Resource.create(resource or {}),
+            shutdown_on_exit=False,
+        )
         self.meter = self.provider.get_meter("kvstore")
         try:
             self._server, self._thread = start_http_server(port, host, registry=self.registry)
@@ -101,8 +123,9 @@ def otlp_endpoint(configured: str = "") -> str:
 
 def tracing_enabled() -> bool:
     """True once an SDK (recording) tracer provider is the global one."""
-    return not isinstance(trace.get_tracer_provider(),
-                          (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    return not isinstance(
+        trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+    )
 
 
 def setup_tracing(service: str, instance: str, endpoint: str = ""):
@@ -119,8 +142,12 @@ def setup_tracing(service: str, instance: str, endpoint: str = ""):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create(  # the server's stop() shuts it down
-        {"service.name": service, "service.instance.id": instance}), shutdown_on_exit=False)
+    provider = TracerProvider(
+        resource=Resource.create(  # the server's stop() shuts it down
+            {"service.name": service, "service.instance.id": instance}
+        ),
+        shutdown_on_exit=False,
+    )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
     log.info("exporting traces to %s", endpoint)
@@ -162,8 +189,10 @@ class ServiceTelemetry:
         self.meter = None
         if cfg.metrics_port:
             self.endpoint = MetricsEndpoint(
-                metrics_bind_host(cfg.metrics_host, cfg.listen), cfg.metrics_port,
-                {"service.name": service, "service.instance.id": instance})
+                metrics_bind_host(cfg.metrics_host, cfg.listen),
+                cfg.metrics_port,
+                {"service.name": service, "service.instance.id": instance},
+            )
             self.meter = self.endpoint.meter
 
     def close(self) -> None:
@@ -179,11 +208,22 @@ class RpcTelemetry(grpc.aio.ServerInterceptor):
     """Times and traces every RPC but health checks and long-lived subscriptions.
     Put it first in the server's interceptor list so it also covers authentication."""
 
-    def __init__(self, meter=None, attributes: dict | None = None,
-                 observers: dict[str, Observer] | None = None) -> None:
-        self._hist = None if meter is None else meter.create_histogram(
-            "kvstore_rpc_duration_seconds", unit="s", description="Server time per RPC",
-            explicit_bucket_boundaries_advisory=RPC_BUCKETS)
+    def __init__(
+        self,
+        meter=None,
+        attributes: dict | None = None,
+        observers: dict[str, Observer] | None = None,
+    ) -> None:
+        self._hist = (
+            None
+            if meter is None
+            else meter.create_histogram(
+                "kvstore_rpc_duration_seconds",
+                unit="s",
+                description="Server time per RPC",
+                explicit_bucket_boundaries_advisory=RPC_BUCKETS,
+            )
+        )
         self._attrs = dict(attributes or {})
         self._observers = dict(observers or {})
         self._labels: dict[str, dict[str, str]] = {}
@@ -196,23 +236,36 @@ class RpcTelemetry(grpc.aio.ServerInterceptor):
         labels = self._labels.get(name)
         if labels is None:
             labels = self._labels[name] = {"method": name}
-        rpc = _Rpc(self, details.method, labels, details.invocation_metadata or (),
-                   self._observers.get(name))
+        rpc = _Rpc(
+            self,
+            details.method,
+            labels,
+            details.invocation_metadata or (),
+            self._observers.get(name),
+        )
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                rpc.unary(handler.unary_unary, True), handler.request_deserializer,
-                handler.response_serializer)
+                rpc.unary(handler.unary_unary, True),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                rpc.stream(handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
+                rpc.stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                rpc.unary(handler.stream_unary, False), handler.request_deserializer,
-                handler.response_serializer)
+                rpc.unary(handler.stream_unary, False),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         return grpc.stream_stream_rpc_method_handler(
-            rpc.stream(handler.stream_stream), handler.request_deserializer,
-            handler.response_serializer)
+            rpc.stream(handler.stream_stream),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
 
 
 class _Rpc:
@@ -220,8 +273,14 @@ class _Rpc:
 
     __slots__ = ("owner", "full_method", "labels", "metadata", "observer")
 
-    def __init__(self, owner: RpcTelemetry, full_method: str, labels: dict, metadata,
-                 observer: Observer | None) -> None:
+    def __init__(
+        self,
+        owner: RpcTelemetry,
+        full_method: str,
+        labels: dict,
+        metadata,
+        observer: Observer | None,
+    ) -> None:
         self.owner, self.full_method, self.labels = owner, full_method, labels
         self.metadata, self.observer = metadata, observer
 
@@ -231,9 +290,12 @@ class _Rpc:
             yield
             return
         parent = propagate.extract(self.metadata, getter=_Md)
-        with TRACER.start_as_current_span(self.full_method, context=parent,
-                                          kind=trace.SpanKind.SERVER,
-                                          attributes=self.owner._attrs) as span:
+        with TRACER.start_as_current_span(
+            self.full_method,
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            attributes=self.owner._attrs,
+        ) as span:
             pending = {} if span.is_recording() else None
             token = _pending.set(pending)
             try:
@@ -264,6 +326,7 @@ class _Rpc:
                     return response
             finally:
                 self._record(t0)
+
         return handler
 
     def stream(self, fn):
@@ -275,6 +338,7 @@ class _Rpc:
                         yield item
             finally:
                 self._record(t0)
+
         return handler
 
 
@@ -304,8 +368,12 @@ class _CallDetails(NamedTuple):
     compression: object
 
 
-class _ContextInjector(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _ContextInjector(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the caller's trace context to every call; the calls stay plain gRPC calls
     (a server stream is still a Call with cancel(), unlike wrapping it in a span)."""
 
@@ -314,9 +382,14 @@ class _ContextInjector(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
         md = trace_metadata(d.metadata)
         if md is d.metadata:
             return d
-        return _CallDetails(d.method, d.timeout, md, d.credentials,
-                            getattr(d, "wait_for_ready", None),
-                            getattr(d, "compression", None))
+        return _CallDetails(
+            d.method,
+            d.timeout,
+            md,
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)

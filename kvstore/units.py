@@ -1,11 +1,21 @@
 """Byte sizes for people: parse "10GiB" / "512MB" / "4096", format back."""
+
 from __future__ import annotations
 
 import re
 from decimal import Decimal
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _ACCEPTED = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -26,8 +36,7 @@ def parse_size(value: str | int) -> int:
     number, unit = match.groups()
     multiplier = _UNITS.get(unit.lower() or "b")
     if multiplier is None:
-        raise ValueError(f"invalid size unit {unit!r} in {value!r}: accepted units are "
-                         f"{_ACCEPTED}")
+        raise ValueError(f"invalid size unit {unit!r} in {value!r}: accepted units are {_ACCEPTED}")
     exact = Decimal(number) * multiplier
     if exact != exact.to_integral_value():
         raise ValueError(f"size {value!r} is not a whole number of bytes")

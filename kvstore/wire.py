@@ -2,6 +2,7 @@
 namespaces and policies both ways, packed block ids with their limits. The servicers, the
 peer code and the client all go through here, so a field added to the proto has one place
 to be mapped and every edge refuses a malformed id list with the same INVALID_ARGUMENT."""
+
 from __future__ import annotations
 
 from kvstore.errors import InvalidArgument
@@ -23,9 +24,12 @@ def namespace_from_proto(msg: common_pb2.Namespace) -> Namespace:
 
 
 def policy_to_proto(p: NamespacePolicy) -> common_pb2.NamespacePolicy:
-    return common_pb2.NamespacePolicy(ttl_seconds=int(p.ttl_seconds),
-                                      min_prefix_blocks=p.min_prefix_blocks,
-                                      persist=p.persist, pin_budget_bytes=p.pin_budget_bytes)
+    return common_pb2.NamespacePolicy(
+        ttl_seconds=int(p.ttl_seconds),
+        min_prefix_blocks=p.min_prefix_blocks,
+        persist=p.persist,
+        pin_budget_bytes=p.pin_budget_bytes,
+    )
 
 
 def check_id(value: bytes, what: str = "block id") -> bytes:
@@ -37,10 +41,8 @@ def check_id(value: bytes, what: str = "block id") -> bytes:
 def unpack_ids(packed: bytes, max_blocks: int, what: str = "block_ids") -> list[BlockId]:
     """Packed ids off the wire (16 bytes each, prefix order), at most `max_blocks`."""
     if len(packed) % BLOCK_ID_BYTES:
-        raise InvalidArgument(f"{what} is {len(packed)} bytes, not a multiple of "
-                              f"{BLOCK_ID_BYTES}")
+        raise InvalidArgument(f"{what} is {len(packed)} bytes, not a multiple of {BLOCK_ID_BYTES}")
     n = len(packed) // BLOCK_ID_BYTES
     if n > max_blocks:
-        raise InvalidArgument(f"request names {n} blocks; the limit is {max_blocks} per "
-                              "request")
+        raise InvalidArgument(f"request names {n} blocks; the limit is {max_blocks} per request")
     return split_ids(packed)

@@ -26,6 +26,7 @@ staging area) torch's OpenMP workers spin for a while, and on a small host that 
 takes the cores the agent's copy threads need for the very transfer being timed (an
 inference worker fills staging from the GPU, with no such spinning).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,12 +58,28 @@ def log(msg: str) -> None:
 
 
 def llama3_8b(name: str, **kw) -> Namespace:
-    base = dict(tenant="bench", name=name, model_name="llama-3-8b", model_revision="r1",
-                adapter_id="none", adapter_revision="none", tokenizer_id="llama3",
-                tokenizer_revision="r1", rope_type="llama3", rope_theta=500000.0,
-                rope_scaling="none", attention_impl="sdpa", kv_dtype="float16",
-                prompt_template_version="v1", num_layers=32, num_kv_heads=8, head_dim=128,
-                tp_rank=0, tp_size=1, block_size=16)
+    base = dict(
+        tenant="bench",
+        name=name,
+        model_name="llama-3-8b",
+        model_revision="r1",
+        adapter_id="none",
+        adapter_revision="none",
+        tokenizer_id="llama3",
+        tokenizer_revision="r1",
+        rope_type="llama3",
+        rope_theta=500000.0,
+        rope_scaling="none",
+        attention_impl="sdpa",
+        kv_dtype="float16",
+        prompt_template_version="v1",
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tp_rank=0,
+        tp_size=1,
+        block_size=16,
+    )
     base.update(kw)
     return Namespace(**base)
 
@@ -83,22 +100,40 @@ class Agent:
     def __init__(self, workdir: Path, **cfg) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        conf = {"node_id": "bench", "listen": "127.0.0.1:0", "device": "cpu",
-                "data_dir": str(workdir / "data"), "allow_unauthenticated": True,
-                "default_policy": {"persist": False}}
+        conf = {
+            "node_id": "bench",
+            "listen": "127.0.0.1:0",
+            "device": "cpu",
+            "data_dir": str(workdir / "data"),
+            "allow_unauthenticated": True,
+            "default_policy": {"persist": False},
+        }
         conf.update(cfg)
         (workdir / "agent.json").write_text(json.dumps(conf))
         ready = workdir / "ready"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node_agent", "--config", str(workdir / "agent.json"),
-             "--ready-file", str(ready), "--log-level", "WARNING"],
-            stdout=open(workdir / "agent.log", "wb"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "node_agent",
+                "--config",
+                str(workdir / "agent.json"),
+                "--ready-file",
+                str(ready),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=open(workdir / "agent.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while not (ready.exists() and ready.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"agent {conf['node_id']} failed to start: "
-                                   + (workdir / "agent.log").read_text()[-2000:])
+                raise RuntimeError(
+                    f"agent {conf['node_id']} failed to start: "
+                    + (workdir / "agent.log").read_text()[-2000:]
+                )
             time.sleep(0.05)
         self.address = ready.read_text().strip()
 
@@ -119,8 +154,7 @@ def _rate(nbytes: int, times: list[float]) -> float:
 
 def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, object]:
     out: dict[str, object] = {}
-    with KVClient(address, tenant_secret="bench", use_shm=shm,
-                  shm_bytes=batch * 2 * MiB) as c:
+    with KVClient(address, tenant_secret="bench", use_shm=shm, shm_bytes=batch * 2 * MiB) as c:
         ns = c.open_namespace(llama3_8b("shm" if shm else "grpc"))
         nbytes = batch * ns.block_bytes
         gen = torch.Generator().manual_seed(1)
@@ -141,8 +175,10 @@ def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, obje
                 got = c.get_views(ns, ids)
                 get_t.append(time.perf_counter() - t)
                 assert len(got) == batch and torch.equal(got[-1], blocks[-1])
-                ids2 = c.block_ids(ns, np.arange(10**6 + r * batch * 16,
-                                                 10**6 + (r + 1) * batch * 16, dtype=np.int32))
+                ids2 = c.block_ids(
+                    ns,
+                    np.arange(10**6 + r * batch * 16, 10**6 + (r + 1) * batch * 16, dtype=np.int32),
+                )
                 t = time.perf_counter()
                 c.put(ns, ids2, blocks)
                 put_copy_t.append(time.perf_counter() - t)
@@ -183,20 +219,26 @@ def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
 
 def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> dict[str, float]:
     ns_spec = llama3_8b("lookup", num_layers=1, num_kv_heads=1, head_dim=8)  # 512 B blocks
-    agent = Agent(workdir, pool_bytes=(n_blocks + 4096) * 512, slot_bytes=512, nvme_bytes=0,
-                  max_blocks_per_request=4096)
+    agent = Agent(
+        workdir,
+        pool_bytes=(n_blocks + 4096) * 512,
+        slot_bytes=512,
+        nvme_bytes=0,
+        max_blocks_per_request=4096,
+    )
     out: dict[str, float] = {}
     try:
-        with KVClient(agent.address, tenant_secret="bench", shm_bytes=2000 * 512) as local, \
-                KVClient(agent.address, tenant_secret="bench", use_shm=False) as remote:
+        with (
+            KVClient(agent.address, tenant_secret="bench", shm_bytes=2000 * 512) as local,
+            KVClient(agent.address, tenant_secret="bench", use_shm=False) as remote,
+        ):
             if not local.uses_local_lane:
                 raise RuntimeError("the same-host client did not get the agent's local lane")
             ns = local.open_namespace(ns_spec)
             payload = [torch.zeros((1, 2, 16, 1, 8), dtype=torch.float16)] * 2000
             chains = []
             for k in range(n_blocks // 2000):
-                ids = local.block_ids(ns, np.arange(k * 10**6, k * 10**6 + 32000,
-                                                    dtype=np.int32))
+                ids = local.block_ids(ns, np.arange(k * 10**6, k * 10**6 + 32000, dtype=np.int32))
                 local.put(ns, ids, payload)
                 chains.append(ids)
             out["lookup_blocks_held"] = local.stats().tiers[0].blocks
@@ -230,8 +272,9 @@ def lookup_inproc(n_blocks: int, reps: int) -> float:
     chains = []
     for k in range(n_blocks // 2000):
         ids = hash_chain(bytes(16), np.arange(k * 10**6, k * 10**6 + 32000, dtype=np.int32), 16)
-        store.put(st.ns_id, 0, [PutItem(b, p, payload)
-                                for b, p in zip(ids, [bytes(16)] + ids[:-1])])
+        store.put(
+            st.ns_id, 0, [PutItem(b, p, payload) for b, p in zip(ids, [bytes(16)] + ids[:-1])]
+        )
         chains.append(PackedIds(b"".join(ids)))
     times = []
     for i in range(reps):
@@ -249,8 +292,7 @@ def main(argv=None) -> int:
     p.add_argument("--lookup-blocks", type=int, default=100_000)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # see the module docstring
-    res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch,
-                              "native": NATIVE}
+    res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch, "native": NATIVE}
     log("memcpy ...")
     res["memcpy_gbps"] = memcpy_gbps()
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:

@@ -16,6 +16,7 @@ device_hash_threads_gbps (the messages hashed from as many threads at once, as a
 does), limit_gbps, hash_ratio (device_hash / limit), h2d_gbps, host_xxh64_gbps,
 host_memcpy_gbps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,21 @@ def main(argv=None) -> int:
     host = np.random.default_rng(1).integers(0, 256, (n, size), dtype=np.uint8)
     out = dict(blocks=n, block_bytes=size)
     host_dst = np.empty_like(host)
-    out["host_xxh64_gbps"] = round(best_gbps(lambda: [cks.checksum(r) for r in host], total,
-                                             args.reps), 2)
-    out["host_memcpy_gbps"] = round(best_gbps(lambda: np.copyto(host_dst, host), total,
-                                              args.reps), 2)
+    out["host_xxh64_gbps"] = round(
+        best_gbps(lambda: [cks.checksum(r) for r in host], total, args.reps), 2
+    )
+    out["host_memcpy_gbps"] = round(
+        best_gbps(lambda: np.copyto(host_dst, host), total, args.reps), 2
+    )
     if not torch.cuda.is_available():
-        out.update(device="cpu", device_hash_gbps=None, limit_gbps=None, hash_ratio=None,
-                   h2d_gbps=None, note="no CUDA device: host figures only")
+        out.update(
+            device="cpu",
+            device_hash_gbps=None,
+            limit_gbps=None,
+            hash_ratio=None,
+            h2d_gbps=None,
+            note="no CUDA device: host figures only",
+        )
         print(json.dumps(out))
         return 0
     dev = torch.device("cuda:0")
@@ -81,20 +90,30 @@ def main(argv=None) -> int:
         print("device digests differ from the host's XXH64", file=sys.stderr)
         return 1
     out["device"] = torch.cuda.get_device_name(dev)
-    out["device_hash_gbps"] = round(best_gbps(lambda: device_hash.slot_digests(pool, slots,
-                                                                               size),
-                                              total, args.reps, sync), 2)
+    out["device_hash_gbps"] = round(
+        best_gbps(lambda: device_hash.slot_digests(pool, slots, size), total, args.reps, sync), 2
+    )
     # As a receiver hashes: one message (MESSAGE_BYTES, 8 blocks of 2 MiB) per launch, from
     # worker threads as messages land (each thread on its own stream), 8 at a time.
     per = max(1, min(n, MESSAGE_BYTES // size))
-    groups = [slots[i:i + per] for i in range(0, n, per)]
+    groups = [slots[i : i + per] for i in range(0, n, per)]
     out["message_blocks"] = per
-    out["device_hash_message_gbps"] = round(best_gbps(
-        lambda: device_hash.slot_digests(pool, groups[0], size), per * size, args.reps, sync), 2)
+    out["device_hash_message_gbps"] = round(
+        best_gbps(
+            lambda: device_hash.slot_digests(pool, groups[0], size), per * size, args.reps, sync
+        ),
+        2,
+    )
     with ThreadPoolExecutor(len(groups)) as ex:
-        out["device_hash_threads_gbps"] = round(best_gbps(
-            lambda: list(ex.map(lambda g: device_hash.slot_digests(pool, g, size), groups)),
-            total, args.reps, sync), 2)
+        out["device_hash_threads_gbps"] = round(
+            best_gbps(
+                lambda: list(ex.map(lambda g: device_hash.slot_digests(pool, g, size), groups)),
+                total,
+                args.reps,
+                sync,
+            ),
+            2,
+        )
     out["limit_gbps"] = round(best_gbps(lambda: copy.copy_(pool), total, args.reps, sync), 2)
     out["hash_ratio"] = round(out["device_hash_gbps"] / out["limit_gbps"], 3)
     src = torch.from_numpy(host)

@@ -32,6 +32,7 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
   per-call and per-message costs that bandwidth figures hide (`--small-rounds`)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,16 @@ class Agent(bench_agent.Agent):
 
     def __init__(self, workdir: Path, name: str, **cfg) -> None:
         self.peer_port = free_port()
-        super().__init__(workdir, **{"node_id": name, "slot_bytes": "2MiB", "nvme_bytes": 0,
-                                     "peer_port": self.peer_port, **cfg})
+        super().__init__(
+            workdir,
+            **{
+                "node_id": name,
+                "slot_bytes": "2MiB",
+                "nvme_bytes": 0,
+                "peer_port": self.peer_port,
+                **cfg,
+            },
+        )
         self.ucx_address = f"127.0.0.1:{self.peer_port}"
 
 
@@ -107,19 +116,36 @@ def perftest_gbps(binary: str, env: dict, tls: str, iters: int) -> float:
     """tag_bw of 2 MiB messages between two processes; perftest prints MB/s = MiB/s."""
     env = dict(env, UCX_TLS=tls)
     port = free_port()
-    server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         for _ in range(50):  # the server needs a moment before it accepts
             time.sleep(0.1)
-            out = subprocess.run([binary, "127.0.0.1", "-p", str(port), "-t", "tag_bw",
-                                  "-s", str(BLOCK), "-n", str(iters), "-w", "20"], env=env,
-                                 capture_output=True, text=True, timeout=120)
+            out = subprocess.run(
+                [
+                    binary,
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-t",
+                    "tag_bw",
+                    "-s",
+                    str(BLOCK),
+                    "-n",
+                    str(iters),
+                    "-w",
+                    "20",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             final = [ln for ln in out.stdout.splitlines() if ln.startswith("Final:")]
             if final:
                 return float(final[-1].split()[6]) * MiB / 1e9
-        raise RuntimeError(f"ucx_perftest gave no result: {out.stdout[-500:]} "
-                           f"{out.stderr[-500:]}")
+        raise RuntimeError(f"ucx_perftest gave no result: {out.stdout[-500:]} {out.stderr[-500:]}")
     finally:
         if server.poll() is None:
             server.kill()
@@ -187,8 +213,17 @@ def footprint_socket_gbps(footprint: int, passes: int = 3) -> float:
     src[:] = np.random.default_rng(0).integers(0, 256, footprint, dtype=np.uint8)
     total = footprint * passes
     with socket.create_server(("127.0.0.1", 0)) as srv:
-        sink = subprocess.Popen([sys.executable, "-c", _SINK, str(srv.getsockname()[1]),
-                                 str(footprint), str(total), str(BLOCK)])
+        sink = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _SINK,
+                str(srv.getsockname()[1]),
+                str(footprint),
+                str(total),
+                str(BLOCK),
+            ]
+        )
         try:
             srv.settimeout(60)
             conn, _ = srv.accept()  # the sink's memory is touched before it connects
@@ -197,7 +232,7 @@ def footprint_socket_gbps(footprint: int, passes: int = 3) -> float:
                 start = time.perf_counter()
                 for i in range(total // BLOCK):
                     off = (i * BLOCK) % footprint
-                    conn.sendall(view[off:off + BLOCK])
+                    conn.sendall(view[off : off + BLOCK])
                 conn.settimeout(60)
                 if conn.recv(1) != b"k":
                     raise RuntimeError("footprint socket sink failed")
@@ -254,8 +289,12 @@ def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
     """Put `rounds` prompts of `blocks` blocks on B (distinct ids, shared payloads)."""
     nb = cb.open_namespace(spec)
     gen = torch.Generator().manual_seed(1)
-    payload = [torch.randint(0, 256, (spec.block_bytes,), dtype=torch.uint8, generator=gen)
-               .view(torch.float16).view(block_shape(spec)) for _ in range(blocks)]
+    payload = [
+        torch.randint(0, 256, (spec.block_bytes,), dtype=torch.uint8, generator=gen)
+        .view(torch.float16)
+        .view(block_shape(spec))
+        for _ in range(blocks)
+    ]
     prompts = []
     for r in range(rounds):
         tokens = np.arange(r * blocks * 16, (r + 1) * blocks * 16, dtype=np.int32) + 7
@@ -268,9 +307,14 @@ def seed_prompts(cb: KVClient, spec: Namespace, rounds: int, blocks: int):
 def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool, block: int = BLOCK) -> float:
     """One Prefetch of a prompt A does not hold; GB/s as the caller sees it."""
     req = peer_pb2.PrefetchRequest(
-        ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
-        parent_id=na.root, peer_address=b.address,
-        peer_ucx_address=b.ucx_address if ucx else "", timeout_ms=120_000)
+        ns=na.ref,
+        spec=common_pb2.Namespace(**na.spec.to_dict()),
+        block_ids=pack_ids(ids),
+        parent_id=na.root,
+        peer_address=b.address,
+        peer_ucx_address=b.ucx_address if ucx else "",
+        timeout_ms=120_000,
+    )
     t = time.perf_counter()
     r = stub.Prefetch(req, timeout=180)
     dt = time.perf_counter() - t
@@ -280,17 +324,29 @@ def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool, block: int = BLOCK) -
     return len(ids) * block / dt / 1e9
 
 
-def measure(a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, limit_shm
-            ) -> dict[str, list[float]]:
+def measure(
+    a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, limit_shm
+) -> dict[str, list[float]]:
     """Interleaved rounds: limits, UCX, gRPC. This machine's load moves a lot from second
     to second; pairing each UCX figure with limits taken just before keeps the ratios
     meaningful. A round's UCX figure is `burst` Prefetches back to back (bytes over their
     total time) after one that is only counted as `ucx_cold`: the first call after the
     seconds the limits take finds the agents' threads asleep and their caches cold, while
     ucx_perftest, the limit, warms up and then times hundreds of messages in a row."""
-    out: dict[str, list[float]] = {k: [] for k in ("limit", "limit_shm", "limit_footprint",
-                                                   "ucx", "ucx_cold", "grpc", "ratio",
-                                                   "ratio_shm", "ratio_footprint")}
+    out: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "limit",
+            "limit_shm",
+            "limit_footprint",
+            "ucx",
+            "ucx_cold",
+            "grpc",
+            "ratio",
+            "ratio_shm",
+            "ratio_footprint",
+        )
+    }
     footprint = len(prompts[0]) * BLOCK
     it = iter(prompts)
     with KVClient(a.address, use_shm=False) as ca:
@@ -302,18 +358,21 @@ def measure(a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, lim
             out["limit_footprint"].append(footprint_socket_gbps(footprint))
             out["ucx_cold"].append(prefetch(stub, a, b, na, next(it), ucx=True))
             # bytes over the burst's total time (each call moves the same bytes)
-            out["ucx"].append(burst / sum(1 / prefetch(stub, a, b, na, next(it), ucx=True)
-                                          for _ in range(burst)))
+            out["ucx"].append(
+                burst / sum(1 / prefetch(stub, a, b, na, next(it), ucx=True) for _ in range(burst))
+            )
             out["grpc"].append(prefetch(stub, a, b, na, next(it), ucx=False))
             out["ratio"].append(out["ucx"][-1] / out["limit"][-1])
             out["ratio_footprint"].append(out["ucx"][-1] / out["limit_footprint"][-1])
             if shm:
                 out["limit_shm"].append(shm)
                 out["ratio_shm"].append(out["ucx"][-1] / shm)
-            log(f"  round {r}: limit tcp {out['limit'][-1]:.2f}  shm "
+            log(
+                f"  round {r}: limit tcp {out['limit'][-1]:.2f}  shm "
                 f"{shm or float('nan'):.2f}  socket over the footprint "
                 f"{out['limit_footprint'][-1]:.2f}  ucx {out['ucx'][-1]:.2f} (first call "
-                f"{out['ucx_cold'][-1]:.2f})  grpc {out['grpc'][-1]:.2f} GB/s")
+                f"{out['ucx_cold'][-1]:.2f})  grpc {out['grpc'][-1]:.2f} GB/s"
+            )
     return out
 
 
@@ -326,8 +385,14 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         for name in ("b", "a"):
-            agents.append(Agent(workdir / f"small-{name}", f"peer-small-{name}",
-                                pool_bytes="64MiB", slot_bytes="8KiB"))
+            agents.append(
+                Agent(
+                    workdir / f"small-{name}",
+                    f"peer-small-{name}",
+                    pool_bytes="64MiB",
+                    slot_bytes="8KiB",
+                )
+            )
         b, a = agents
         with KVClient(b.address, tenant_secret="bench", use_shm=False) as cb:
             prompts = seed_prompts(cb, spec, 2 * (rounds + 1), SMALL_BLOCKS)
@@ -337,13 +402,22 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
             for k, transport in enumerate(("ucx", "grpc")):
                 times = []
                 for r in range(rounds + 1):
-                    gbps = prefetch(stub, a, b, na, prompts[k * (rounds + 1) + r],
-                                    ucx=transport == "ucx", block=spec.block_bytes)
+                    gbps = prefetch(
+                        stub,
+                        a,
+                        b,
+                        na,
+                        prompts[k * (rounds + 1) + r],
+                        ucx=transport == "ucx",
+                        block=spec.block_bytes,
+                    )
                     if r:
                         times.append(SMALL_BLOCKS * spec.block_bytes / gbps / 1e6)
                 out[transport] = round(statistics.median(times), 2)
-                log(f"  {SMALL_BLOCKS} x 8 KiB over {transport}: p50 {out[transport]} ms "
-                    f"(min {min(times):.2f})")
+                log(
+                    f"  {SMALL_BLOCKS} x 8 KiB over {transport}: p50 {out[transport]} ms "
+                    f"(min {min(times):.2f})"
+                )
     finally:
         for ag in agents:
             ag.stop()
@@ -351,17 +425,31 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_peer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_peer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--blocks", type=int, default=64, help="2 MiB blocks per prompt")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (limits, UCX, gRPC)")
-    ap.add_argument("--burst", type=int, default=3,
-                    help="UCX Prefetches timed back to back per round, after a first one")
+    ap.add_argument(
+        "--burst",
+        type=int,
+        default=3,
+        help="UCX Prefetches timed back to back per round, after a first one",
+    )
     ap.add_argument("--perftest-iters", type=int, default=200)
-    ap.add_argument("--small-rounds", type=int, default=15,
-                    help="rounds of the 60 x 8 KiB latency figure (0: skip it)")
-    ap.add_argument("--tcp", action="store_true",
-                    help="agents keep payloads on TCP (KVSTORE_PEER_SHARED_MEMORY=0)")
+    ap.add_argument(
+        "--small-rounds",
+        type=int,
+        default=15,
+        help="rounds of the 60 x 8 KiB latency figure (0: skip it)",
+    )
+    ap.add_argument(
+        "--tcp",
+        action="store_true",
+        help="agents keep payloads on TCP (KVSTORE_PEER_SHARED_MEMORY=0)",
+    )
     args = ap.parse_args(argv)
     spec = bench_agent.llama3_8b("peer")
     n_prompts = 1 + args.rounds * (args.burst + 2)
@@ -370,11 +458,14 @@ def main(argv=None) -> int:
     os.environ["UCX_PROTO_INFO"] = "y"
     if args.tcp:
         os.environ["KVSTORE_PEER_SHARED_MEMORY"] = "0"
-    result: dict = {"block_bytes": BLOCK, "blocks": args.blocks, "rounds": args.rounds,
-                    "burst": args.burst,
-                    # what the agents load: their files leave `peer` to the environment
-                    "batch_blocks": load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
-                    .peer.batch_for(BLOCK)}
+    result: dict = {
+        "block_bytes": BLOCK,
+        "blocks": args.blocks,
+        "rounds": args.rounds,
+        "burst": args.burst,
+        # what the agents load: their files leave `peer` to the environment
+        "batch_blocks": load_config(AgentConfig, env_prefix="KVSTORE_AGENT_").peer.batch_for(BLOCK),
+    }
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         method, limit, limit_shm = transport_limit(args.perftest_iters)
         agents: list[Agent] = []
@@ -382,8 +473,9 @@ def main(argv=None) -> int:
             agents.append(Agent(Path(tmp) / "b", "peer-b", pool_bytes=pool))
             agents.append(Agent(Path(tmp) / "a", "peer-a", pool_bytes=pool))
             b, a = agents
-            with KVClient(b.address, tenant_secret="bench", use_shm=True,
-                          shm_bytes=args.blocks * BLOCK) as cb:
+            with KVClient(
+                b.address, tenant_secret="bench", use_shm=True, shm_bytes=args.blocks * BLOCK
+            ) as cb:
                 prompts = seed_prompts(cb, spec, n_prompts, args.blocks)
             with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
                 na = ca.open_namespace(spec)
@@ -395,13 +487,22 @@ def main(argv=None) -> int:
         transport = used_transports(Path(tmp) / "b" / "agent.log")
         small = small_latency(Path(tmp), args.small_rounds) if args.small_rounds else {}
     med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
-    result.update(limit_gbps=med["limit"], limit_method=method,
-                  limit_shm_gbps=med["limit_shm"], limit_footprint_gbps=med["limit_footprint"],
-                  ucx_gbps=med["ucx"], ucx_cold_gbps=med["ucx_cold"], grpc_gbps=med["grpc"],
-                  ucx_ratio=med["ratio"], ucx_ratio_shm=med["ratio_shm"],
-                  ucx_ratio_footprint=med["ratio_footprint"],
-                  ucx_best_gbps=round(max(m["ucx"]), 3), ucx_transport=transport,
-                  prefetch_60x8k_ms_ucx=small.get("ucx"), prefetch_60x8k_ms_grpc=small.get("grpc"))
+    result.update(
+        limit_gbps=med["limit"],
+        limit_method=method,
+        limit_shm_gbps=med["limit_shm"],
+        limit_footprint_gbps=med["limit_footprint"],
+        ucx_gbps=med["ucx"],
+        ucx_cold_gbps=med["ucx_cold"],
+        grpc_gbps=med["grpc"],
+        ucx_ratio=med["ratio"],
+        ucx_ratio_shm=med["ratio_shm"],
+        ucx_ratio_footprint=med["ratio_footprint"],
+        ucx_best_gbps=round(max(m["ucx"]), 3),
+        ucx_transport=transport,
+        prefetch_60x8k_ms_ucx=small.get("ucx"),
+        prefetch_60x8k_ms_grpc=small.get("grpc"),
+    )
     print(json.dumps(result), flush=True)
     return 0
 

@@ -15,6 +15,7 @@ stderr and ONE JSON line on stdout:
 
     python -m loadtest.bench_router [--blocks 1000000] [--nodes 64] [--probes 1000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,7 @@ class Workload:
         for _ in range(self.rng.randint(1, 4)):
             tail = self._tokens(self.rng.randint(16, 400))
             full = hash_chain_packed(ROOT, np.concatenate([prefix, tail]), BLOCK)
-            new = full[len(ids):]
+            new = full[len(ids) :]
             for n in self.rng.sample(homes, self.rng.randint(1, min(2, len(homes)))):
                 self.events[n].append(new)
             self.blocks += len(new) // 16
@@ -148,25 +149,34 @@ def time_routes(core: RouterCore, probes: list[bytes]) -> tuple[list[float], lis
 
 def decisions_match(a: RouterCore, b: RouterCore, probes: list[bytes]) -> bool:
     for packed in probes:
-        if a.route(NS_ID, packed, dry_run=True).scores != \
-                b.route(NS_ID, packed, dry_run=True).scores:
+        if (
+            a.route(NS_ID, packed, dry_run=True).scores
+            != b.route(NS_ID, packed, dry_run=True).scores
+        ):
             return False
     # Stateful: the same request sequence without releases moves load identically.
     for i, packed in enumerate(probes[:200]):
-        if a.route(NS_ID, packed, request_id=f"s{i}").scores != \
-                b.route(NS_ID, packed, request_id=f"s{i}").scores:
+        if (
+            a.route(NS_ID, packed, request_id=f"s{i}").scores
+            != b.route(NS_ID, packed, request_id=f"s{i}").scores
+        ):
             return False
     return True
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_router",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_router", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks to index")
     p.add_argument("--nodes", type=int, default=64)
     p.add_argument("--probes", type=int, default=1000, help="prompts routed")
-    p.add_argument("--token-probes", type=int, default=200,
-                   help="prompts routed from tokens (hashing included)")
+    p.add_argument(
+        "--token-probes",
+        type=int,
+        default=200,
+        help="prompts routed from tokens (hashing included)",
+    )
     p.add_argument("--memory", choices=("tracemalloc", "rss"), default="tracemalloc")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
@@ -178,39 +188,56 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     wl = Workload(args.blocks, args.nodes, args.seed)
-    say(f"workload: {wl.blocks} blocks in {len(wl.families)} families "
-        f"({time.perf_counter() - t0:.1f}s)")
+    say(
+        f"workload: {wl.blocks} blocks in {len(wl.families)} families "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
     rng = random.Random(args.seed + 1)
     utils = [round(rng.random() * 0.9, 2) for _ in wl.nodes]
     core, used, how, build_s = measure_build(wl, utils, args.memory == "tracemalloc")
     entries = core.index.entries
-    say(f"index: {len(core.index)} blocks, {entries} entries, {used / 2**20:.1f} MiB, "
-        f"{core.index.distinct_masks} distinct masks, built in {build_s:.1f}s")
+    say(
+        f"index: {len(core.index)} blocks, {entries} entries, {used / 2**20:.1f} MiB, "
+        f"{core.index.distinct_masks} distinct masks, built in {build_s:.1f}s"
+    )
     probe_tokens = [wl.probe_tokens(i) for i in range(args.probes)]
     probes = [hash_chain_packed(ROOT, t, BLOCK) for t in probe_tokens]
     lat, cpu, rps = time_routes(core, probes)
     tok_lat = []
-    for i, toks in enumerate(probe_tokens[: args.token_probes]):
+    for _i, toks in enumerate(probe_tokens[: args.token_probes]):
         t1 = time.perf_counter_ns()
         core.route_tokens(NS_ID, ROOT, toks, BLOCK, dry_run=True)
         tok_lat.append((time.perf_counter_ns() - t1) / 1000)
     hits = sum(1 for pk in probes if core.route(NS_ID, pk, dry_run=True).chosen.local_blocks)
-    say(f"routes: p50 {statistics.median(lat):.1f}us p99 {percentile(lat, 0.99):.1f}us "
+    say(
+        f"routes: p50 {statistics.median(lat):.1f}us p99 {percentile(lat, 0.99):.1f}us "
         f"(cpu p50 {statistics.median(cpu):.1f}us), "
-        f"{rps:.0f}/s; {hits}/{len(probes)} probes routed to a node holding a prefix")
+        f"{rps:.0f}/s; {hits}/{len(probes)} probes routed to a node holding a prefix"
+    )
     replica = make_core(wl.nodes, utils)
     feed(replica, wl.events, list(reversed(wl.nodes)))
     identical = decisions_match(core, replica, probes)
-    print(json.dumps({
-        "nodes": args.nodes, "blocks": len(core.index), "entries": entries,
-        "bytes_per_entry": round(used / entries, 1), "bytes_per_entry_method": how,
-        "route_p50_us": round(statistics.median(lat), 1),
-        "route_p99_us": round(percentile(lat, 0.99), 1),
-        "route_cpu_p50_us": round(statistics.median(cpu), 1),
-        "route_tokens_p50_us": round(statistics.median(tok_lat), 1),
-        "routes_per_s": round(rps), "prompt_blocks": PROMPT_BLOCKS,
-        "probes": len(probes), "probes_with_cached_prefix": hits,
-        "build_s": round(build_s, 1), "replicas_identical": identical}))
+    print(
+        json.dumps(
+            {
+                "nodes": args.nodes,
+                "blocks": len(core.index),
+                "entries": entries,
+                "bytes_per_entry": round(used / entries, 1),
+                "bytes_per_entry_method": how,
+                "route_p50_us": round(statistics.median(lat), 1),
+                "route_p99_us": round(percentile(lat, 0.99), 1),
+                "route_cpu_p50_us": round(statistics.median(cpu), 1),
+                "route_tokens_p50_us": round(statistics.median(tok_lat), 1),
+                "routes_per_s": round(rps),
+                "prompt_blocks": PROMPT_BLOCKS,
+                "probes": len(probes),
+                "probes_with_cached_prefix": hits,
+                "build_s": round(build_s, 1),
+                "replicas_identical": identical,
+            }
+        )
+    )
     return 0 if identical else 1
 
 

@@ -33,6 +33,7 @@ the harness itself broke (no JSON then), 130 on Ctrl-C.
     python -m loadtest.chaos                      # 1 minute, 3 agents, 3 tenants
     python -m loadtest.chaos --minutes 10         # soak
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,12 @@ from loadtest.chaos_faults import FAULTS, FaultParams, FaultRunner
 from loadtest.chaos_load import Figures, LoadParams, TenantWorker, Tracker
 
 MiB = 1 << 20
-_BOUND_FIELDS = ("nvme_flush_interval_s", "flush_interval_s", "memtable_flush_interval_s",
-                 "nvme_flush_s")
+_BOUND_FIELDS = (
+    "nvme_flush_interval_s",
+    "flush_interval_s",
+    "memtable_flush_interval_s",
+    "nvme_flush_s",
+)
 
 
 def say(msg: str) -> None:
@@ -75,32 +80,49 @@ def default_bound() -> tuple[float, str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.chaos",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--minutes", type=float, default=1.0, help="load duration (soak: 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tenants", type=int, default=3)
     p.add_argument("--agents", type=int, default=3)
     p.add_argument("--rate", type=float, default=8.0, help="requests/s per tenant, at most")
     p.add_argument("--lease-ttl-s", type=int, default=3)
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma-separated subset of {','.join(FAULTS)} ('' for none)")
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated subset of {','.join(FAULTS)} ('' for none)",
+    )
     p.add_argument("--fault-every-s", type=float, default=8.0)
-    p.add_argument("--warmup-s", type=float, default=None,
-                   help="no faults, no RSS baseline before this (default: 15%% of the run, "
-                        "at least 8 s)")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="no faults, no RSS baseline before this (default: 15%% of the run, at least 8 s)",
+    )
     p.add_argument("--tail-s", type=float, default=5.0, help="load after the last fault")
     p.add_argument("--nvme-bound-s", type=float, default=None)
     p.add_argument("--stop-s", type=float, default=None, help="SIGSTOP length (1.5 x TTL)")
     p.add_argument("--disk-hold-s", type=float, default=4.0)
-    p.add_argument("--disk-mb", type=int, default=256,
-                   help="tmpfs under the last agent (room for its 32 MiB NVMe tier, RocksDB's "
-                        "64 MiB memtable flushes and compactions)")
+    p.add_argument(
+        "--disk-mb",
+        type=int,
+        default=256,
+        help="tmpfs under the last agent (room for its 32 MiB NVMe tier, RocksDB's "
+        "64 MiB memtable flushes and compactions)",
+    )
     p.add_argument("--pool-kib", type=int, default=256, help="device pool per agent")
     p.add_argument("--retry-s", type=float, default=0.1)
     p.add_argument("--give-up-s", type=float, default=None, help="default 5 x TTL")
-    p.add_argument("--client-churn-s", type=float, default=0.0,
-                   help="each tenant opens a fresh ClusterClient this often (0: never)")
+    p.add_argument(
+        "--client-churn-s",
+        type=float,
+        default=0.0,
+        help="each tenant opens a fresh ClusterClient this often (0: never)",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep logs and data")
     args = p.parse_args(argv)
     args.faults = tuple(f for f in args.faults.split(",") if f)
@@ -120,8 +142,12 @@ def can_mount_tmpfs(state: Path) -> str:
         return "not root: cannot mount a tmpfs for the full disk"
     probe = state / "tmpfs-probe"
     probe.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
-                       check=False, capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         return f"mount -t tmpfs failed: {r.stderr.strip()[:200]}"
     subprocess.run(["umount", str(probe)], check=False, capture_output=True)
@@ -161,9 +187,13 @@ class RssSampler(threading.Thread):
             # Counted: processes that lived from the warm-up to the end (a restarted one
             # warms up again, so its growth is start-up, not drift; it is listed).
             counts = series[0][0] <= warmup_s and s[-1][0] >= end_s - 3
-            per[f"{name}#{inc}"] = {"first_mib": round(first / MiB, 1), "pct": round(pct, 2),
-                                    "last_mib": round(last / MiB, 1), "span_s": round(span),
-                                    "counts": counts}
+            per[f"{name}#{inc}"] = {
+                "first_mib": round(first / MiB, 1),
+                "pct": round(pct, 2),
+                "last_mib": round(last / MiB, 1),
+                "span_s": round(span),
+                "counts": counts,
+            }
             if counts and (best is None or pct > best):
                 best = pct
         return best, per
@@ -203,18 +233,35 @@ def run_load(cluster: ChaosCluster, args, skipped: dict) -> dict:
     duration = args.minutes * 60
     warmup = args.warmup_s if args.warmup_s is not None else max(8.0, 0.15 * duration)
     ttl = args.lease_ttl_s
-    bound, bound_src = ((args.nvme_bound_s, "--nvme-bound-s") if args.nvme_bound_s is not None
-                        else default_bound())
+    bound, bound_src = (
+        (args.nvme_bound_s, "--nvme-bound-s") if args.nvme_bound_s is not None else default_bound()
+    )
     stop, t0 = threading.Event(), time.monotonic()
     figs, tracker = Figures(), Tracker()
-    lp = LoadParams(cluster.router.address, args.tenants, args.rate, args.seed, args.retry_s,
-                    args.give_up_s if args.give_up_s is not None else 5.0 * ttl,
-                    args.client_churn_s)
+    lp = LoadParams(
+        cluster.router.address,
+        args.tenants,
+        args.rate,
+        args.seed,
+        args.retry_s,
+        args.give_up_s if args.give_up_s is not None else 5.0 * ttl,
+        args.client_churn_s,
+    )
     workers = [TenantWorker(i, lp, figs, tracker, stop, t0) for i in range(args.tenants)]
     kinds = tuple(k for k in args.faults if k not in skipped)
-    fp = FaultParams(kinds, args.tenants, bound, args.stop_s or 1.5 * ttl, args.disk_hold_s,
-                     1.0, args.fault_every_s, warmup, max(warmup, duration - args.tail_s),
-                     ttl, args.seed)
+    fp = FaultParams(
+        kinds,
+        args.tenants,
+        bound,
+        args.stop_s or 1.5 * ttl,
+        args.disk_hold_s,
+        1.0,
+        args.fault_every_s,
+        warmup,
+        max(warmup, duration - args.tail_s),
+        ttl,
+        args.seed,
+    )
     faults = FaultRunner(cluster, tracker, fp, t0, stop, say)
     rss = RssSampler(cluster, t0, stop)
     for t in (*workers, faults, rss):
@@ -232,14 +279,29 @@ def run_load(cluster: ChaosCluster, args, skipped: dict) -> dict:
         raise HarnessError(f"a harness thread failed: {broken[0]!r}") from broken[0]
     leaks, per_agent = slot_leaks(cluster)
     drift, drift_of = rss.drift(warmup, end)
-    ratio = (faults.recovered_blocks / faults.census_blocks if faults.census_blocks else None)
-    return _result(args, figs, faults, leaks, per_agent, drift, drift_of, ratio, skipped,
-                   dict(duration_s=round(end, 1), warmup_s=warmup, nvme_bound_s=bound,
-                        nvme_bound_source=bound_src))
+    ratio = faults.recovered_blocks / faults.census_blocks if faults.census_blocks else None
+    return _result(
+        args,
+        figs,
+        faults,
+        leaks,
+        per_agent,
+        drift,
+        drift_of,
+        ratio,
+        skipped,
+        dict(
+            duration_s=round(end, 1),
+            warmup_s=warmup,
+            nvme_bound_s=bound,
+            nvme_bound_source=bound_src,
+        ),
+    )
 
 
-def _progress(figs: Figures, faults: FaultRunner, t0: float, duration: float,
-              tail_s: float) -> float:
+def _progress(
+    figs: Figures, faults: FaultRunner, t0: float, duration: float, tail_s: float
+) -> float:
     """Report every 5 s until the load is due to end; returns the load time it ended."""
     hard_stop = 3 * duration + 600  # a fault stuck in a restart must not hang the run
     last = 0.0
@@ -252,9 +314,11 @@ def _progress(figs: Figures, faults: FaultRunner, t0: float, duration: float,
         if now - last >= 5:
             last = now
             with figs.lock:
-                say(f"{now:6.1f}s ops={figs.ops} attempts={figs.attempts} "
+                say(
+                    f"{now:6.1f}s ops={figs.ops} attempts={figs.attempts} "
                     f"errors={sum(figs.errors.values())} wrong_bytes={figs.wrong_bytes} "
-                    f"abandoned={figs.abandoned} max_unavailable={figs.max_unavailable_s:.2f}s")
+                    f"abandoned={figs.abandoned} max_unavailable={figs.max_unavailable_s:.2f}s"
+                )
 
 
 def _during(faults: FaultRunner, at_s: float) -> str:
@@ -263,32 +327,60 @@ def _during(faults: FaultRunner, at_s: float) -> str:
     return max(under_way, key=lambda f: f.at_s).kind if under_way else ""
 
 
-def _result(args, figs: Figures, faults: FaultRunner, leaks, per_agent, drift, drift_of,
-            ratio, skipped, run: dict) -> dict:
+def _result(
+    args,
+    figs: Figures,
+    faults: FaultRunner,
+    leaks,
+    per_agent,
+    drift,
+    drift_of,
+    ratio,
+    skipped,
+    run: dict,
+) -> dict:
     ttl = args.lease_ttl_s
 
     def r(v, n=3):
         return None if v is None else round(v, n)
 
     out = {
-        "ops": figs.ops, "attempts": figs.attempts, "abandoned": figs.abandoned,
-        "open_at_end": figs.open_at_end, "wrong_bytes": figs.wrong_bytes,
-        "wrong_blocks": figs.wrong_blocks, "verified_blocks": figs.verified_blocks,
-        "verified_bytes": figs.verified_bytes, "hit_blocks": figs.hit_blocks,
-        "stored_blocks": figs.stored_blocks, "served_by": dict(sorted(figs.served_by.items())),
+        "ops": figs.ops,
+        "attempts": figs.attempts,
+        "abandoned": figs.abandoned,
+        "open_at_end": figs.open_at_end,
+        "wrong_bytes": figs.wrong_bytes,
+        "wrong_blocks": figs.wrong_blocks,
+        "verified_blocks": figs.verified_blocks,
+        "verified_bytes": figs.verified_bytes,
+        "hit_blocks": figs.hit_blocks,
+        "stored_blocks": figs.stored_blocks,
+        "served_by": dict(sorted(figs.served_by.items())),
         "client_errors": dict(figs.errors),
-        "last_error": figs.last_error, "max_unavailable_s": r(figs.max_unavailable_s, 2),
+        "last_error": figs.last_error,
+        "max_unavailable_s": r(figs.max_unavailable_s, 2),
         "max_unavailable_at_s": r(figs.max_unavailable_at_s, 1),
         "max_unavailable_during": _during(faults, figs.max_unavailable_at_s),
-        "nvme_recovered_ratio": r(ratio), "nvme_census_blocks": faults.census_blocks,
-        "nvme_recovered_blocks": faults.recovered_blocks, "slot_leaks": leaks,
-        "slot_leaks_per_agent": per_agent, "rss_drift_pct": r(drift, 2),
-        "rss_per_agent": drift_of, "lease_ttl_s": ttl, **run,
+        "nvme_recovered_ratio": r(ratio),
+        "nvme_census_blocks": faults.census_blocks,
+        "nvme_recovered_blocks": faults.recovered_blocks,
+        "slot_leaks": leaks,
+        "slot_leaks_per_agent": per_agent,
+        "rss_drift_pct": r(drift, 2),
+        "rss_per_agent": drift_of,
+        "lease_ttl_s": ttl,
+        **run,
         "faults": [dataclasses.asdict(f) for f in faults.records],
         "skipped_faults": skipped,
-        "config": {"minutes": args.minutes, "seed": args.seed, "tenants": args.tenants,
-                   "agents": args.agents, "rate": args.rate, "pool_kib": args.pool_kib,
-                   "client_churn_s": args.client_churn_s},
+        "config": {
+            "minutes": args.minutes,
+            "seed": args.seed,
+            "tenants": args.tenants,
+            "agents": args.agents,
+            "rate": args.rate,
+            "pool_kib": args.pool_kib,
+            "client_churn_s": args.client_churn_s,
+        },
     }
     out["goals"] = {
         "wrong_bytes": goal(figs.wrong_bytes, 0, "<="),
@@ -312,9 +404,12 @@ def main(argv=None) -> int:
         why = can_mount_tmpfs(state) if "disk_full" in args.faults else ""
         if why:
             skipped["disk_full"] = why
-        spec = ClusterSpec(agents=args.agents, pool_bytes=args.pool_kib * 1024,
-                           lease_ttl_s=args.lease_ttl_s,
-                           disk_mb=0 if why or "disk_full" not in args.faults else args.disk_mb)
+        spec = ClusterSpec(
+            agents=args.agents,
+            pool_bytes=args.pool_kib * 1024,
+            lease_ttl_s=args.lease_ttl_s,
+            disk_mb=0 if why or "disk_full" not in args.faults else args.disk_mb,
+        )
         cluster = ChaosCluster(state, spec)
         say(f"starting etcd, {args.agents} agents and a router in {state}")
         cluster.start()

@@ -6,6 +6,7 @@ kvstore/devcluster.py (kvctl cluster up) starts detached clusters on free ports;
 process is a child of the harness that it kills, pauses and restarts, and that it always
 tears down (umounting the small tmpfs it may put under one agent's RocksDB directory).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,12 +49,19 @@ class Managed:
         if self.ready is not None:
             self.ready.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
-                                         if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(ROOT) + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,
+            )
         self.incarnation += 1
         self.started_at = time.monotonic()
 
@@ -146,11 +154,26 @@ class ChaosCluster:
         if not os.access(binary, os.X_OK):
             raise HarnessError("etcd is not installed (apt-get install etcd-server)")
         cu, pu = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        cmd = [binary, "--name", "chaos", "--data-dir", str(self.state / "etcd"),
-               "--listen-client-urls", cu, "--advertise-client-urls", cu,
-               "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
-               "--initial-cluster", f"chaos={pu}", "--log-level", "warn"]
-        return Managed("etcd", "etcd", cmd, self.state / "etcd.log", cu[len("http://"):])
+        cmd = [
+            binary,
+            "--name",
+            "chaos",
+            "--data-dir",
+            str(self.state / "etcd"),
+            "--listen-client-urls",
+            cu,
+            "--advertise-client-urls",
+            cu,
+            "--listen-peer-urls",
+            pu,
+            "--initial-advertise-peer-urls",
+            pu,
+            "--initial-cluster",
+            f"chaos={pu}",
+            "--log-level",
+            "warn",
+        ]
+        return Managed("etcd", "etcd", cmd, self.state / "etcd.log", cu[len("http://") :])
 
     def _agent(self, i: int) -> Managed:
         d = self.state / f"agent-{i}"
@@ -159,28 +182,58 @@ class ChaosCluster:
         if self.spec.disk_mb and i == self.spec.agents - 1:
             self._mount_tmpfs(data, self.spec.disk_mb)
         address = f"127.0.0.1:{free_port()}"
-        cfg = {"node_id": f"agent-{i}", "listen": address, "device": "cpu",
-               "data_dir": str(data), "pool_bytes": self.spec.pool_bytes,
-               "slot_bytes": self.spec.slot_bytes, "nvme_bytes": self.spec.nvme_bytes,
-               "allow_unauthenticated": True, "etcd_endpoints": self.etcd.address,
-               "lease_ttl_s": self.spec.lease_ttl_s, "ucx_enabled": False}
+        cfg = {
+            "node_id": f"agent-{i}",
+            "listen": address,
+            "device": "cpu",
+            "data_dir": str(data),
+            "pool_bytes": self.spec.pool_bytes,
+            "slot_bytes": self.spec.slot_bytes,
+            "nvme_bytes": self.spec.nvme_bytes,
+            "allow_unauthenticated": True,
+            "etcd_endpoints": self.etcd.address,
+            "lease_ttl_s": self.spec.lease_ttl_s,
+            "ucx_enabled": False,
+        }
         (d / "agent.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        cmd = [sys.executable, "-m", "node_agent", "--config", str(d / "agent.json"),
-               "--ready-file", str(d / "ready")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node_agent",
+            "--config",
+            str(d / "agent.json"),
+            "--ready-file",
+            str(d / "ready"),
+        ]
         return Managed(f"agent-{i}", "agent", cmd, d / "agent.log", address, d / "ready")
 
     def _router(self) -> Managed:
         d = self.state / "router"
         d.mkdir(parents=True, exist_ok=True)
         address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "router", "--router-id", "router-0", "--listen", address,
-               "--etcd-endpoints", self.etcd.address, "--ready-file", str(d / "ready"),
-               "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router",
+            "--router-id",
+            "router-0",
+            "--listen",
+            address,
+            "--etcd-endpoints",
+            self.etcd.address,
+            "--ready-file",
+            str(d / "ready"),
+            "--log-level",
+            "WARNING",
+        ]
         return Managed("router", "router", cmd, d / "router.log", address, d / "ready")
 
     def _mount_tmpfs(self, path: Path, size_mb: int) -> None:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
         self.mounts.append(path)
 
     # -------------------------------------------------------------------- waits
@@ -189,13 +242,17 @@ class ChaosCluster:
         while time.monotonic() < deadline:
             for p in procs:
                 if not p.running():
-                    raise HarnessError(f"{p.name} exited with status {p.proc.returncode}; "
-                                       f"end of {p.log}:\n{p.tail()}")
+                    raise HarnessError(
+                        f"{p.name} exited with status {p.proc.returncode}; "
+                        f"end of {p.log}:\n{p.tail()}"
+                    )
             if all(p.healthy() for p in procs):
                 return
             time.sleep(0.1)
-        raise HarnessError(f"timed out after {timeout_s:.0f}s waiting for "
-                           f"{', '.join(p.name for p in procs)} to serve")
+        raise HarnessError(
+            f"timed out after {timeout_s:.0f}s waiting for "
+            f"{', '.join(p.name for p in procs)} to serve"
+        )
 
     def wait_router_synced(self, timeout_s: float) -> bool:
         """Until the router lists every running agent, in sync. False on timeout."""

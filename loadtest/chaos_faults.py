@@ -22,6 +22,7 @@ NVMe census: for every session that stored blocks on the agent, one Lookup of it
 counted was on NVMe at least that long before it. After the restart the same chains are
 looked up again: a census block is recovered when it is in the leading run again.
 """
+
 from __future__ import annotations
 
 import signal
@@ -70,11 +71,24 @@ class FaultParams:
 
 
 class FaultRunner(threading.Thread):
-    def __init__(self, cluster: ChaosCluster, tracker: Tracker, p: FaultParams, t0: float,
-                 stop: threading.Event, say) -> None:
+    def __init__(
+        self,
+        cluster: ChaosCluster,
+        tracker: Tracker,
+        p: FaultParams,
+        t0: float,
+        stop: threading.Event,
+        say,
+    ) -> None:
         super().__init__(name="faults", daemon=True)
         self.cluster, self.tracker, self.p, self.t0, self.stop_ev, self.say = (
-            cluster, tracker, p, t0, stop, say)
+            cluster,
+            tracker,
+            p,
+            t0,
+            stop,
+            say,
+        )
         self.records: list[FaultRecord] = []
         self.census_blocks = 0
         self.recovered_blocks = 0
@@ -113,11 +127,13 @@ class FaultRunner(threading.Thread):
         else:
             getattr(self, f"_{kind}")(target, rec, n)
             # Recovered: the target serves and the router lists every agent again.
-            rec.recovered = (target.healthy() and self.cluster.wait_router_synced(
-                3 * self.p.lease_ttl_s + 10))
+            rec.recovered = target.healthy() and self.cluster.wait_router_synced(
+                3 * self.p.lease_ttl_s + 10
+            )
         rec.duration_s = round(time.monotonic() - began, 2)
-        self.say(f"fault {kind} done in {rec.duration_s:.1f}s, recovered={rec.recovered} "
-                 f"{rec.detail}")
+        self.say(
+            f"fault {kind} done in {rec.duration_s:.1f}s, recovered={rec.recovered} {rec.detail}"
+        )
         return rec
 
     def _pick(self, kind: str, n: int) -> Managed | None:
@@ -184,8 +200,9 @@ class FaultRunner(threading.Thread):
     def _damage_sst(self, a: Managed, rec: FaultRecord, n: int) -> None:
         a.kill(signal.SIGTERM, wait_s=30)
         mode = "flip" if n % 2 == 0 else "truncate"
-        name = damage_sst(self.cluster.data_dir(self.cluster.agents.index(a)), mode,
-                          self.p.seed + n)
+        name = damage_sst(
+            self.cluster.data_dir(self.cluster.agents.index(a)), mode, self.p.seed + n
+        )
         rec.detail.update(mode=mode, file=name or "(no SST file)")
         t = time.monotonic()
         ok = self.cluster.restart(a)
@@ -205,8 +222,10 @@ class FaultRunner(threading.Thread):
                     return {"stats_error": exc.code().name}
         else:
             return {"stats_error": "UNAVAILABLE"}
-        return {"recovered_on_start": counters.get("recovered_blocks", 0),
-                "dropped_on_start": counters.get("recovery_dropped", 0)}
+        return {
+            "recovered_on_start": counters.get("recovered_blocks", 0),
+            "dropped_on_start": counters.get("recovery_dropped", 0),
+        }
 
     def _lookups(self, a: Managed, tenant: int):
         """(chain ids, LookupResponse) for every session that stored blocks on `a`."""
@@ -227,22 +246,25 @@ class FaultRunner(threading.Thread):
             for i in range(self.p.tenants):
                 out[i] = set()
                 for ids, r in self._lookups(a, i):
-                    out[i].update(ids[r.hbm: r.matched])
+                    out[i].update(ids[r.hbm : r.matched])
                     if r.hbm:
-                        below_pool.update(ids[r.hbm: r.matched])
+                        below_pool.update(ids[r.hbm : r.matched])
         except grpc.RpcError as exc:
             rec.detail["census_error"] = exc.code().name
         rec.detail["census_below_pool_prefix"] = len(below_pool)
         return out
 
-    def _present(self, a: Managed, census: dict[int, set[bytes]],
-                 rec: FaultRecord) -> dict[int, set[bytes]] | None:
+    def _present(
+        self, a: Managed, census: dict[int, set[bytes]], rec: FaultRecord
+    ) -> dict[int, set[bytes]] | None:
         """The chains' leading runs on the restarted agent; None when it cannot be asked
         (a fresh connection to a just-started agent on a busy host may need a retry)."""
         for _ in range(10):
             try:
-                return {i: {b for ids, r in self._lookups(a, i) for b in ids[: r.matched]}
-                        for i in census}
+                return {
+                    i: {b for ids, r in self._lookups(a, i) for b in ids[: r.matched]}
+                    for i in census
+                }
             except grpc.RpcError as exc:
                 rec.detail["recovery_check_error"] = exc.code().name
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or self.stop_ev.wait(0.5):

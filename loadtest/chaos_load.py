@@ -15,6 +15,7 @@ harness reports the longest. Healthy requests take milliseconds; a request that 
 dead router, an agent whose lease had not expired yet, or a paused agent takes as long as
 that lasted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,12 +36,26 @@ from kvstore.namespace import Namespace
 MiB = 1 << 20
 BLOCK = 16
 # The tiny Llama layout of loadtest/replay.py: 8 KiB per 16-token block.
-LAYOUT = dict(model_name="tiny-llama", model_revision="seed0", adapter_id="none",
-              adapter_revision="none", tokenizer_id="synthetic", tokenizer_revision="v1",
-              rope_type="default", rope_theta=10000.0, rope_scaling="none",
-              attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
-              num_layers=2, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=1,
-              block_size=BLOCK)
+LAYOUT = dict(
+    model_name="tiny-llama",
+    model_revision="seed0",
+    adapter_id="none",
+    adapter_revision="none",
+    tokenizer_id="synthetic",
+    tokenizer_revision="v1",
+    rope_type="default",
+    rope_theta=10000.0,
+    rope_scaling="none",
+    attention_impl="sdpa",
+    kv_dtype="float16",
+    prompt_template_version="v1",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    tp_rank=0,
+    tp_size=1,
+    block_size=BLOCK,
+)
 SYSTEM_BLOCKS = 2  # every session of a tenant starts with the same system prompt
 MAX_TURNS = 10
 ACTIVE_SESSIONS = 4
@@ -90,8 +105,11 @@ class Tracker:
 
     def chains(self, tenant: int, node_id: str) -> list[tuple[int, ...]]:
         with self._lock:
-            return [s.tokens for s in self._sessions
-                    if s.tenant == tenant and node_id in s.nodes and s.tokens]
+            return [
+                s.tokens
+                for s in self._sessions
+                if s.tenant == tenant and node_id in s.nodes and s.tokens
+            ]
 
 
 @dataclass
@@ -146,11 +164,24 @@ class LoadParams:
 
 
 class TenantWorker(threading.Thread):
-    def __init__(self, i: int, p: LoadParams, figs: Figures, tracker: Tracker,
-                 stop: threading.Event, t0: float) -> None:
+    def __init__(
+        self,
+        i: int,
+        p: LoadParams,
+        figs: Figures,
+        tracker: Tracker,
+        stop: threading.Event,
+        t0: float,
+    ) -> None:
         super().__init__(name=f"tenant-{i}", daemon=True)
         self.i, self.p, self.figs, self.tracker, self.stop_ev, self.t0 = (
-            i, p, figs, tracker, stop, t0)
+            i,
+            p,
+            figs,
+            tracker,
+            stop,
+            t0,
+        )
         self.rng = random.Random(p.seed * 1000 + i)
         self.system = tuple(self.rng.randrange(32000) for _ in range(SYSTEM_BLOCKS * BLOCK))
         self.active: list[Session] = []
@@ -167,8 +198,9 @@ class TenantWorker(threading.Thread):
         """Requests through one ClusterClient until the stop or, with `churn_s`, for that
         long (an inference worker restarting: a fresh client, fresh staging regions)."""
         opened = time.monotonic()
-        with ClusterClient(self.p.router, tenant_secret=tenant_secret(self.i),
-                           shm_bytes=2 * MiB) as cc:
+        with ClusterClient(
+            self.p.router, tenant_secret=tenant_secret(self.i), shm_bytes=2 * MiB
+        ) as cc:
             ns = self._open(cc)
             while ns is not None and not self.stop_ev.is_set():
                 if self.p.churn_s and time.monotonic() - opened >= self.p.churn_s:
@@ -245,8 +277,10 @@ class TenantWorker(threading.Thread):
                 self.figs.wrong_blocks += bad_blocks
                 self.figs.hit_blocks += hit.cached_blocks
             nb = ns.spec.block_bytes
-            kv = list(hit.blocks) + [block_tensor(ns.spec, bytearray(payload(bid, nb)))
-                                     for bid in hit.block_ids[hit.cached_blocks:]]
+            kv = list(hit.blocks) + [
+                block_tensor(ns.spec, bytearray(payload(bid, nb)))
+                for bid in hit.block_ids[hit.cached_blocks :]
+            ]
         except BaseException:
             try:
                 cc.release(hit)

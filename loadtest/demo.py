@@ -12,6 +12,7 @@ neither run sees the other's blocks, and both are printed side by side with the 
 
     python -m loadtest.demo --state-dir .state/cluster
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,26 @@ from kvstore.client.cluster import ClusterClient, ClusterNamespace
 from kvstore.hashing import hash_chain
 from kvstore.namespace import Namespace
 
-TINY = dict(model_name="demo-tiny", model_revision="r1", adapter_id="none",
-            adapter_revision="none", tokenizer_id="demo-tok", tokenizer_revision="r1",
-            rope_type="default", rope_theta=10000.0, rope_scaling="none",
-            attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
-            num_layers=2, num_kv_heads=2, head_dim=16, tp_rank=0, tp_size=1, block_size=16)
+TINY = dict(
+    model_name="demo-tiny",
+    model_revision="r1",
+    adapter_id="none",
+    adapter_revision="none",
+    tokenizer_id="demo-tok",
+    tokenizer_revision="r1",
+    rope_type="default",
+    rope_theta=10000.0,
+    rope_scaling="none",
+    attention_impl="sdpa",
+    kv_dtype="float16",
+    prompt_template_version="v1",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    tp_rank=0,
+    tp_size=1,
+    block_size=16,
+)
 TENANTS = ("acme", "globex", "initech")
 
 
@@ -77,36 +93,52 @@ def build_workload(tenants: int, sessions: int, turns: int, seed: int) -> list[l
 def _one(cc: ClusterClient, ns: ClusterNamespace, req: Request, address: str | None) -> Result:
     hit = cc.fetch(ns, req.tokens, address=address)
     spec = ns.spec
-    kv = torch.randn(spec.num_layers, 2, len(req.tokens), spec.num_kv_heads, spec.head_dim,
-                     dtype=torch.float16)
+    kv = torch.randn(
+        spec.num_layers, 2, len(req.tokens), spec.num_kv_heads, spec.head_dim, dtype=torch.float16
+    )
     if hit.cached_blocks:  # the cached prefix is what prefill would reuse
         kv[:, :, : hit.cached_tokens] = torch.cat(hit.hit.blocks, dim=2)
     cc.store(ns, hit, req.tokens, kv)
     return Result(req, hit.node_id or address, hit.cached_tokens)
 
 
-def run(router: str, rounds: list[list[Request]], ns_name: str, round_robin: bool,
-        out) -> list[Result]:
-    clients = {t: ClusterClient(router, tenant_secret=f"demo-secret-{t}", use_shm=False)
-               for t in {r.tenant for batch in rounds for r in batch}}
+def run(
+    router: str, rounds: list[list[Request]], ns_name: str, round_robin: bool, out
+) -> list[Result]:
+    clients = {
+        t: ClusterClient(router, tenant_secret=f"demo-secret-{t}", use_shm=False)
+        for t in {r.tenant for batch in rounds for r in batch}
+    }
     try:
         names = {n.address: n.node_id for n in next(iter(clients.values())).nodes()}
         cycle = itertools.cycle(sorted(names))
-        spaces = {t: c.open_namespace(Namespace(tenant=t, name=ns_name, **TINY))
-                  for t, c in clients.items()}
+        spaces = {
+            t: c.open_namespace(Namespace(tenant=t, name=ns_name, **TINY))
+            for t, c in clients.items()
+        }
         results = []
         with ThreadPoolExecutor(max_workers=8) as pool:
             for batch in rounds:
-                futs = [pool.submit(_one, clients[r.tenant], spaces[r.tenant], r,
-                                    next(cycle) if round_robin else None) for r in batch]
+                futs = [
+                    pool.submit(
+                        _one,
+                        clients[r.tenant],
+                        spaces[r.tenant],
+                        r,
+                        next(cycle) if round_robin else None,
+                    )
+                    for r in batch
+                ]
                 for f in futs:
                     res = f.result()
                     res = Result(res.request, names.get(res.node, res.node), res.cached_tokens)
                     r = res.request
-                    print(f"  #{r.index:<3} {r.tenant:<8} session {r.session} turn {r.turn}  "
-                          f"{len(r.tokens):5d} tokens -> {res.node:<8} cached "
-                          f"{res.cached_tokens:5d} ({res.cached_tokens / len(r.tokens):4.0%})",
-                          file=out)
+                    print(
+                        f"  #{r.index:<3} {r.tenant:<8} session {r.session} turn {r.turn}  "
+                        f"{len(r.tokens):5d} tokens -> {res.node:<8} cached "
+                        f"{res.cached_tokens:5d} ({res.cached_tokens / len(r.tokens):4.0%})",
+                        file=out,
+                    )
                     results.append(res)
         return results
     finally:
@@ -143,11 +175,16 @@ def summary(results: list[Result]) -> tuple[float, float, dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.demo",
-                                description="Demo workload on the local cluster: cache-aware "
-                                            "routing against round-robin, side by side.")
-    p.add_argument("--state-dir", default=".state/cluster",
-                   help="state directory of `kvctl cluster up` (default .state/cluster)")
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.demo",
+        description="Demo workload on the local cluster: cache-aware "
+        "routing against round-robin, side by side.",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=".state/cluster",
+        help="state directory of `kvctl cluster up` (default .state/cluster)",
+    )
     p.add_argument("--tenants", type=int, default=3, choices=range(1, len(TENANTS) + 1))
     p.add_argument("--sessions", type=int, default=2, help="chat sessions per tenant")
     p.add_argument("--turns", type=int, default=4, help="turns per session")
@@ -172,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     c_tok, c_req = ceiling(rounds, TINY["block_size"])
     rows = [("", "cache-aware", "round-robin", "ceiling")]
     (a_tok, a_req, a_nodes), (r_tok, r_req, r_nodes) = summary(aware), summary(rr)
-    rows.append(("token-weighted hit rate", f"{a_tok:.1%}", f"{r_tok:.1%}",
-                 f"{c_tok / prompt:.1%}"))
+    rows.append(
+        ("token-weighted hit rate", f"{a_tok:.1%}", f"{r_tok:.1%}", f"{c_tok / prompt:.1%}")
+    )
     rows.append(("request-weighted hit rate", f"{a_req:.1%}", f"{r_req:.1%}", f"{c_req / n:.1%}"))
     rows.append(("requests per node", _fmt(a_nodes), _fmt(r_nodes), "-"))
-    print(f"\n{n} requests, {prompt} prompt tokens per run, "
-          f"{time.monotonic() - t0:.1f}s for both runs")
+    print(
+        f"\n{n} requests, {prompt} prompt tokens per run, "
+        f"{time.monotonic() - t0:.1f}s for both runs"
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -8,6 +8,7 @@ time a hit of `cached` tokens saves on a prompt of `total` tokens).
 
     python -m loadtest.model --lengths 16,64,256,512 --layers 2 --hidden 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,32 +22,60 @@ from typing import Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["tiny_llama_config", "build_tiny_llama", "PrefillCalibration", "measure_prefill",
-           "measure_decode"]
+__all__ = [
+    "tiny_llama_config",
+    "build_tiny_llama",
+    "PrefillCalibration",
+    "measure_prefill",
+    "measure_decode",
+]
 
 
-def tiny_llama_config(*, layers: int = 2, hidden: int = 128, heads: int = 4,
-                      kv_heads: int = 2, vocab: int = 1000, intermediate: int | None = None,
-                      max_positions: int = 4096, rope_theta: float = 10000.0,
-                      rope_scaling: dict | None = None, initializer_range: float = 0.02,
-                      attn_implementation: str = "sdpa") -> LlamaConfig:
+def tiny_llama_config(
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1000,
+    intermediate: int | None = None,
+    max_positions: int = 4096,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    initializer_range: float = 0.02,
+    attn_implementation: str = "sdpa",
+) -> LlamaConfig:
     """Llama config for a small model; `rope_scaling` adds e.g. {"rope_type": "linear",
     "factor": 2.0} to the RoPE parameters."""
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden {hidden} must divide by heads {heads}, and heads by "
-                         f"kv_heads {kv_heads}")
+        raise ValueError(
+            f"hidden {hidden} must divide by heads {heads}, and heads by kv_heads {kv_heads}"
+        )
     rope = {"rope_type": "default", "rope_theta": float(rope_theta), **(rope_scaling or {})}
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden,
-                       intermediate_size=intermediate or 2 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                       rope_parameters=rope, initializer_range=initializer_range,
-                       attn_implementation=attn_implementation, bos_token_id=None,
-                       eos_token_id=None, pad_token_id=None)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rope_parameters=rope,
+        initializer_range=initializer_range,
+        attn_implementation=attn_implementation,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
-def build_tiny_llama(seed: int = 0, *, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", **config_kwargs) -> LlamaForCausalLM:
+def build_tiny_llama(
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **config_kwargs,
+) -> LlamaForCausalLM:
     """A seeded random-weight Llama in eval mode; same seed and config, same weights.
     The global torch RNG is left as it was."""
     config = tiny_llama_config(**config_kwargs)
@@ -71,8 +100,9 @@ class PrefillCalibration:
         if not self.lengths or len(self.lengths) != len(self.seconds):
             raise ValueError("calibration needs matching, non-empty lengths and seconds")
         if list(self.lengths) != sorted(set(self.lengths)) or self.lengths[0] <= 0:
-            raise ValueError(f"lengths must be positive and strictly increasing, got "
-                             f"{self.lengths}")
+            raise ValueError(
+                f"lengths must be positive and strictly increasing, got {self.lengths}"
+            )
 
     def prefill_seconds(self, length: int) -> float:
         if length <= 0:
@@ -103,8 +133,15 @@ class PrefillCalibration:
         return cls(tuple(int(x) for x in d["lengths"]), tuple(float(x) for x in d["seconds"]))
 
 
-def measure_prefill(model, lengths: Sequence[int], *, repeats: int = 3, warmup: int = 1,
-                    seed: int = 0, max_seconds: float = 60.0) -> PrefillCalibration:
+def measure_prefill(
+    model,
+    lengths: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+    max_seconds: float = 60.0,
+) -> PrefillCalibration:
     """Time cache-free prefill of random prompts at each length (bounded by
     `max_seconds` overall: once spent, remaining lengths get their warmup and one
     timed run each)."""
@@ -169,11 +206,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    model = build_tiny_llama(a.seed, dtype=getattr(torch, a.dtype), layers=a.layers,
-                             hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads)
+    model = build_tiny_llama(
+        a.seed,
+        dtype=getattr(torch, a.dtype),
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+    )
     cal = measure_prefill(model, [int(x) for x in a.lengths.split(",")], repeats=a.repeats)
-    rows = [{"length": n, "seconds": s, "tokens_per_s": cal.tokens_per_s(n)}
-            for n, s in zip(cal.lengths, cal.seconds)]
+    rows = [
+        {"length": n, "seconds": s, "tokens_per_s": cal.tokens_per_s(n)}
+        for n, s in zip(cal.lengths, cal.seconds)
+    ]
     print(json.dumps({"calibration": cal.to_dict(), "points": rows}, indent=1))
 
 

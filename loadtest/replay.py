@@ -42,6 +42,7 @@ summary.json, requests.jsonl) and one JSON line of headline figures on stdout.
     python -m loadtest.replay                      # reference trace, 4 agents
     python -m loadtest.replay --trace t.jsonl --state-dir .state/cluster --requests 200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,12 +71,29 @@ from kvstore.hashing import hash_chain
 from kvstore.namespace import Namespace
 from kvstore.v1 import common_pb2, router_pb2
 from loadtest import report
-from loadtest.replay_cluster import (Cluster, agent_counters,
-                                     describe_cluster, flush_namespaces, start_cluster)
-from loadtest.replay_sim import (BLOCK, LAYOUT, CostModel, HashRing, LinearPrefill,
-                                 TraceRequest, calibrate, check_trace,
-                                 decode_seconds_per_token, load_trace, nocache_ttft,
-                                 replay_spec, simulated_requests, time_scale)
+from loadtest.replay_cluster import (
+    Cluster,
+    agent_counters,
+    describe_cluster,
+    flush_namespaces,
+    start_cluster,
+)
+from loadtest.replay_sim import (
+    BLOCK,
+    LAYOUT,
+    CostModel,
+    HashRing,
+    LinearPrefill,
+    TraceRequest,
+    calibrate,
+    check_trace,
+    decode_seconds_per_token,
+    load_trace,
+    nocache_ttft,
+    replay_spec,
+    simulated_requests,
+    time_scale,
+)
 
 
 POLICIES = ("ours", "rr", "chash")
@@ -123,8 +141,15 @@ class Session:
     tenant) — a ClusterClient carries one tenant secret and, on the shared-memory path,
     one staging area, so it must not be shared between threads."""
 
-    def __init__(self, cluster: Cluster, policy: str, nonce: str, peer_fetch: bool,
-                 weights: router_pb2.RouteWeights | None, ucx: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: str,
+        nonce: str,
+        peer_fetch: bool,
+        weights: router_pb2.RouteWeights | None,
+        ucx: bool = True,
+    ) -> None:
         self.cluster = cluster
         self.policy = policy
         self.nonce = nonce
@@ -157,8 +182,11 @@ class Session:
         clients, _ = self._mine()
         cc = clients.get(tenant)
         if cc is None:
-            cc = ClusterClient(self.cluster.state.router_address,
-                               tenant_secret=f"replay-secret-{tenant}", shm_bytes=SHM_BYTES)
+            cc = ClusterClient(
+                self.cluster.state.router_address,
+                tenant_secret=f"replay-secret-{tenant}",
+                shm_bytes=SHM_BYTES,
+            )
             clients[tenant] = cc
             with self._lock:
                 self._clients.append(cc)
@@ -171,8 +199,7 @@ class Session:
         key = (req.tenant, req.namespace)
         ns = spaces.get(key)
         if ns is None:
-            ns = spaces[key] = cc.open_namespace(self.spec(req.tenant, req.namespace,
-                                                           req.public))
+            ns = spaces[key] = cc.open_namespace(self.spec(req.tenant, req.namespace, req.public))
         return ns
 
     def close(self) -> None:
@@ -181,16 +208,26 @@ class Session:
         for cc in clients:
             cc.close()
 
-    def prefetch(self, cc: ClusterClient, ns: ClusterNamespace, address: str,
-                 ids: list[bytes], peer_node: str) -> str:
+    def prefetch(
+        self,
+        cc: ClusterClient,
+        ns: ClusterNamespace,
+        address: str,
+        ids: list[bytes],
+        peer_node: str,
+    ) -> str:
         """Have the chosen agent pull the router's peer blocks (UCX when the peer
         listens on it, else gRPC); returns why it stopped short ("" when all arrived)."""
         peer = self.cluster.nodes.get(peer_node)
         if not peer or not ids:
             return ""
         resp = cc.agent(address).prefetch(
-            cc.handle(ns, address), ids, peer,
-            self.cluster.ucx.get(peer_node, "") if self.ucx else "", timeout_ms=10_000)
+            cc.handle(ns, address),
+            ids,
+            peer,
+            self.cluster.ucx.get(peer_node, "") if self.ucx else "",
+            timeout_ms=10_000,
+        )
         if resp.present >= len(ids):
             return ""
         # Reasons carry block counts: drop them so that equal causes count together.
@@ -218,8 +255,12 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
     t0 = time.perf_counter()
     rid, peer, best, chosen = "", 0, -1, -1
     if address is None:
-        ids, resp = cc.route(ns, req.tokens, request_id=f"{sess.nonce}-{sess.policy}-"
-                             f"{req.index}", weights=sess.weights)
+        ids, resp = cc.route(
+            ns,
+            req.tokens,
+            request_id=f"{sess.nonce}-{sess.policy}-{req.index}",
+            weights=sess.weights,
+        )
         address, node, rid = resp.address, resp.node_id, resp.request_id
         top = resp.candidates[0]
         peer, chosen = top.peer_blocks, top.local_blocks + top.peer_blocks
@@ -228,8 +269,9 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
         ids = hash_chain(ns.root, req.tokens, BLOCK)
     t1 = t2 = time.perf_counter()
     if peer and sess.peer_fetch:
-        short = _guard(errors, "prefetch", sess.prefetch, cc, ns, address, ids[:chosen],
-                       top.peer_node_id)
+        short = _guard(
+            errors, "prefetch", sess.prefetch, cc, ns, address, ids[:chosen], top.peer_node_id
+        )
         if short:
             errors.append(f"prefetch stopped short: {short}")
         t2 = time.perf_counter()
@@ -245,8 +287,21 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
     _guard(errors, "put", cc.store, ns, hit, req.tokens, blocks + new, release=False)
     t4 = time.perf_counter()
     hbm = sum(t == common_pb2.HBM for t in tiers)
-    return Measured(node, rid, n, hbm, n - hbm, peer, best, chosen, t1 - t0, t2 - t1,
-                    t3 - t2, t4 - t3, tuple(errors))
+    return Measured(
+        node,
+        rid,
+        n,
+        hbm,
+        n - hbm,
+        peer,
+        best,
+        chosen,
+        t1 - t0,
+        t2 - t1,
+        t3 - t2,
+        t4 - t3,
+        tuple(errors),
+    )
 
 
 # --------------------------------------------------------------------- replaying
@@ -256,9 +311,16 @@ class Replayer:
     serves one request at a time); a route is released at the router once the simulated
     clock, advanced by arrivals, passes the request's finish."""
 
-    def __init__(self, sess: Session, reqs: list[TraceRequest], cal: CostModel,
-                 nocache: list[float], workers: int, speed: float,
-                 decode_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        sess: Session,
+        reqs: list[TraceRequest],
+        cal: CostModel,
+        nocache: list[float],
+        workers: int,
+        speed: float,
+        decode_s: float = 0.0,
+    ) -> None:
         self.sess, self.reqs, self.cal, self.nocache = sess, reqs, cal, nocache
         self.workers, self.speed, self.decode_s = workers, speed, decode_s
         self.nodes = sorted(sess.cluster.nodes)
@@ -300,12 +362,33 @@ class Replayer:
             if decode > 0:
                 heapq.heappush(self.releases, (finish, 1, m.request_id))
             heapq.heappush(self.releases, (finish + decode, 0, m.request_id))
-        self.out.append(report.Outcome(
-            req.index, req.tenant, req.t, m.node, len(req.tokens), cached, req.ceiling_tokens,
-            m.hbm_blocks, m.nvme_blocks, m.peer_blocks, m.index_best_blocks, m.chosen_blocks,
-            m.transfer_s, prefill, self.cal.prefill_seconds(len(req.tokens)), start - req.t,
-            finish - req.t, self.nocache[req.index], m.errors, m.route_s, m.prefetch_s,
-            m.get_s, m.put_s))
+        self.out.append(
+            report.Outcome(
+                req.index,
+                req.tenant,
+                req.t,
+                m.node,
+                len(req.tokens),
+                cached,
+                req.ceiling_tokens,
+                m.hbm_blocks,
+                m.nvme_blocks,
+                m.peer_blocks,
+                m.index_best_blocks,
+                m.chosen_blocks,
+                m.transfer_s,
+                prefill,
+                self.cal.prefill_seconds(len(req.tokens)),
+                start - req.t,
+                finish - req.t,
+                self.nocache[req.index],
+                m.errors,
+                m.route_s,
+                m.prefetch_s,
+                m.get_s,
+                m.put_s,
+            )
+        )
 
     def release_due(self, now: float) -> None:
         while self.releases and self.releases[0][0] <= now:
@@ -328,8 +411,7 @@ class Replayer:
                         self.release_due(req.t)
                         self._pace(wall0, req.t)
                         address, node = self.choose(req)
-                        self.pending[req.index] = pool.submit(serve, self.sess, req, address,
-                                                              node)
+                        self.pending[req.index] = pool.submit(serve, self.sess, req, address, node)
                     self._drain(0, progress)
                 finally:
                     for f in self.pending.values():
@@ -342,23 +424,34 @@ class Replayer:
     def _drain(self, keep: int, progress: report.Progress) -> None:
         """Commit finished requests in order; block on the oldest while more than
         `keep` are outstanding."""
-        while self.pending and (len(self.pending) > keep
-                                or self.pending[self.next_commit].done()):
+        while self.pending and (len(self.pending) > keep or self.pending[self.next_commit].done()):
             self.commit()
             progress.update()
 
 
-def run_policy(cluster: Cluster, policy: str, reqs: list[TraceRequest],
-               cal: CostModel, nocache: list[float], args, nonce: str
-               ) -> tuple[list[report.Outcome], dict[str, int]]:
-    sess = Session(cluster, policy, nonce, not args.no_peer_fetch,
-                   parse_weights(args.weights) if policy == "ours" else None,
-                   args.peer_transport == "auto")
+def run_policy(
+    cluster: Cluster,
+    policy: str,
+    reqs: list[TraceRequest],
+    cal: CostModel,
+    nocache: list[float],
+    args,
+    nonce: str,
+) -> tuple[list[report.Outcome], dict[str, int]]:
+    sess = Session(
+        cluster,
+        policy,
+        nonce,
+        not args.no_peer_fetch,
+        parse_weights(args.weights) if policy == "ours" else None,
+        args.peer_transport == "auto",
+    )
     before = agent_counters(cluster)
     progress = report.Progress(len(reqs), report.label(policy))
     try:
-        out = Replayer(sess, reqs, cal, nocache, args.workers, args.speed,
-                       args.decode_s).run(progress)
+        out = Replayer(sess, reqs, cal, nocache, args.workers, args.speed, args.decode_s).run(
+            progress
+        )
     finally:
         progress.close()
         sess.close()
@@ -369,7 +462,7 @@ def run_policy(cluster: Cluster, policy: str, reqs: list[TraceRequest],
 
 
 def parse_weights(text: str | None) -> router_pb2.RouteWeights | None:
-    """"load=2,recompute=1" -> RouteWeights (a per-request override of the router's);
+    """ "load=2,recompute=1" -> RouteWeights (a per-request override of the router's);
     None for "router" or "" (the router's own weights)."""
     if not text or text == "router":
         return None
@@ -378,8 +471,10 @@ def parse_weights(text: str | None) -> router_pb2.RouteWeights | None:
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in ("recompute", "peer_fetch", "load", "utilization", "queue"):
-            raise ValueError(f"bad --weights entry {part!r}: use name=value with names "
-                             "recompute, peer_fetch, load, utilization, queue")
+            raise ValueError(
+                f"bad --weights entry {part!r}: use name=value with names "
+                "recompute, peer_fetch, load, utilization, queue"
+            )
         fields[key] = float(value)
         if not math.isfinite(fields[key]) or fields[key] <= 0:
             raise ValueError(f"--weights {key} must be > 0 (0 means 'router default')")
@@ -391,46 +486,97 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.replay",
         description="Replay a prompt trace against a local cluster; compare our router with "
-                    "round robin and consistent hashing; write a Markdown report with plots "
-                    "and print one JSON line of headline figures.")
-    p.add_argument("--trace", help="JSON Lines trace (default: generate the reference "
-                                   "trace with loadtest.tracegen)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests to generate (default 2000), or to take from --trace")
+        "round robin and consistent hashing; write a Markdown report with plots "
+        "and print one JSON line of headline figures.",
+    )
+    p.add_argument(
+        "--trace",
+        help="JSON Lines trace (default: generate the reference trace with loadtest.tracegen)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests to generate (default 2000), or to take from --trace",
+    )
     p.add_argument("--seed", type=int, default=7, help="tracegen seed (default 7)")
     p.add_argument("--agents", type=int, default=4, help="agents to start (default 4)")
-    p.add_argument("--state-dir", help="use the running cluster of `kvctl cluster up` "
-                                       "there instead of starting one")
-    p.add_argument("--pool-fraction", type=float, default=0.3,
-                   help="device pools, all agents, as a fraction of the working set (0.3)")
-    p.add_argument("--nvme-fraction", type=float, default=1.0,
-                   help="NVMe tiers, all agents, as a fraction of the working set (1.0)")
-    p.add_argument("--workers", type=int, default=WORKERS,
-                   help=f"concurrent workers (default {WORKERS}, see WORKERS)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
-                   help="price prefill at this speed instead of calibrating the tiny Llama")
-    p.add_argument("--decode-ms-per-token", type=float, default=None,
-                   help="how long a request decodes per output token (the trace's "
-                        "output_tokens) after its first token, during which the router "
-                        "still counts it on its node (default: the tiny Llama's measured "
-                        "decode step; 0: requests leave the router when prefill ends)")
-    p.add_argument("--offered-load", type=float, default=0.7,
-                   help="rescale arrival times so full prefill (no cache) would keep the "
-                        "agents this busy (default 0.7; 0 keeps the trace's times)")
-    p.add_argument("--speed", type=float, default=0.0,
-                   help="pace dispatch at SPEED simulated seconds per real second "
-                        "(default 0: as fast as the workers go)")
-    p.add_argument("--weights", default=WEIGHTS,
-                   help="per-request router weight override, e.g. 'load=2,peer_fetch=3' "
-                        "(default 'router': the router's own weights)")
-    p.add_argument("--no-peer-fetch", action="store_true",
-                   help="ignore the router's peer hints (serve only local blocks)")
-    p.add_argument("--peer-transport", choices=("auto", "grpc"), default="auto",
-                   help="auto: UCX where the peer listens on it, gRPC otherwise (default)")
-    p.add_argument("--out", default=None,
-                   help="report folder (default loadtest/out/replay-<timestamp>)")
+    p.add_argument(
+        "--state-dir",
+        help="use the running cluster of `kvctl cluster up` there instead of starting one",
+    )
+    p.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.3,
+        help="device pools, all agents, as a fraction of the working set (0.3)",
+    )
+    p.add_argument(
+        "--nvme-fraction",
+        type=float,
+        default=1.0,
+        help="NVMe tiers, all agents, as a fraction of the working set (1.0)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=WORKERS,
+        help=f"concurrent workers (default {WORKERS}, see WORKERS)",
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, from {', '.join(POLICIES)} (default all)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="price prefill at this speed instead of calibrating the tiny Llama",
+    )
+    p.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=None,
+        help="how long a request decodes per output token (the trace's "
+        "output_tokens) after its first token, during which the router "
+        "still counts it on its node (default: the tiny Llama's measured "
+        "decode step; 0: requests leave the router when prefill ends)",
+    )
+    p.add_argument(
+        "--offered-load",
+        type=float,
+        default=0.7,
+        help="rescale arrival times so full prefill (no cache) would keep the "
+        "agents this busy (default 0.7; 0 keeps the trace's times)",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=0.0,
+        help="pace dispatch at SPEED simulated seconds per real second "
+        "(default 0: as fast as the workers go)",
+    )
+    p.add_argument(
+        "--weights",
+        default=WEIGHTS,
+        help="per-request router weight override, e.g. 'load=2,peer_fetch=3' "
+        "(default 'router': the router's own weights)",
+    )
+    p.add_argument(
+        "--no-peer-fetch",
+        action="store_true",
+        help="ignore the router's peer hints (serve only local blocks)",
+    )
+    p.add_argument(
+        "--peer-transport",
+        choices=("auto", "grpc"),
+        default="auto",
+        help="auto: UCX where the peer listens on it, gRPC otherwise (default)",
+    )
+    p.add_argument(
+        "--out", default=None, help="report folder (default loadtest/out/replay-<timestamp>)"
+    )
     return p
 
 
@@ -451,8 +597,9 @@ def _check(args) -> list[str]:
     return policies
 
 
-def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request],
-            cal: CostModel) -> tuple[dict, dict, dict, dict]:
+def _replay(
+    args, policies: list[str], cluster: Cluster, raw: list[Request], cal: CostModel
+) -> tuple[dict, dict, dict, dict]:
     nodes = sorted(cluster.nodes)
     scale, native = time_scale(raw, cal, len(nodes), args.offered_load)
     reqs = simulated_requests(raw, scale)
@@ -460,16 +607,20 @@ def _replay(args, policies: list[str], cluster: Cluster, raw: list[Request],
     nonce = f"{int(time.time())}-{random.randrange(1 << 16):04x}"
     outcomes, counters = {}, {}
     for policy in policies:
-        outcomes[policy], counters[policy] = run_policy(cluster, policy, reqs, cal, base,
-                                                        args, nonce)
+        outcomes[policy], counters[policy] = run_policy(
+            cluster, policy, reqs, cal, base, args, nonce
+        )
     hours = (reqs[-1].t - reqs[0].t) / 3600.0
     stats = report.summarize(outcomes, nodes, cluster.pool_bytes, hours)
-    meta = {"requests": len(reqs), "tenants": len({r.tenant for r in reqs}),
-            "agents": len(nodes),
-            "time scale": f"{scale:.3g} (no-cache offered load {native / scale:.2f}; "
-                          f"the trace's own {native:.2f})",
-            "simulated span": f"{reqs[-1].t - reqs[0].t:,.1f} s",
-            "mean output": sum(r.output_tokens for r in reqs) / len(reqs)}
+    meta = {
+        "requests": len(reqs),
+        "tenants": len({r.tenant for r in reqs}),
+        "agents": len(nodes),
+        "time scale": f"{scale:.3g} (no-cache offered load {native / scale:.2f}; "
+        f"the trace's own {native:.2f})",
+        "simulated span": f"{reqs[-1].t - reqs[0].t:,.1f} s",
+        "mean output": sum(r.output_tokens for r in reqs) / len(reqs),
+    }
     return outcomes, counters, stats, meta
 
 
@@ -491,21 +642,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     block_bytes = Namespace(tenant="-", name="-", **LAYOUT).block_bytes
     ws_bytes = analysis.overall.distinct_blocks * block_bytes
-    say(f"trace: {len(raw)} requests, ceiling {analysis.overall.token_hit_rate:.1%} of "
+    say(
+        f"trace: {len(raw)} requests, ceiling {analysis.overall.token_hit_rate:.1%} of "
         f"tokens, working set {ws_bytes / 2**20:.0f} MiB ({analysis.overall.distinct_blocks:,}"
-        f" blocks of {block_bytes} B)")
+        f" blocks of {block_bytes} B)"
+    )
     max_len = max(len(r.tokens) for r in raw)
     cal = calibrate(args.prefill_tokens_per_s, max_len, say)
     args.decode_s = decode_seconds_per_token(args.decode_ms_per_token, say, max_len)
     try:
         cluster, (outcomes, counters, stats, meta) = _on_cluster(
-            args, lambda c: _replay(args, policies, c, raw, cal),
-            ws_bytes, block_bytes, say)
+            args, lambda c: _replay(args, policies, c, raw, cal), ws_bytes, block_bytes, say
+        )
     except ClusterError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 1
-    headline = _write(args, cluster, analysis, cal, ws_bytes, block_bytes, outcomes,
-                      counters, stats, meta, time.monotonic() - t0)
+    headline = _write(
+        args,
+        cluster,
+        analysis,
+        cal,
+        ws_bytes,
+        block_bytes,
+        outcomes,
+        counters,
+        stats,
+        meta,
+        time.monotonic() - t0,
+    )
     _say_summary(stats, analysis.overall, say)
     say(f"report: {headline['report']}")
     print(json.dumps(headline), flush=True)
@@ -519,8 +683,9 @@ def _on_cluster(args, work, ws_bytes: int, block_bytes: int, say):
     try:
         if owned:
             say(f"starting a local cluster of {args.agents} agents ...")
-            state = start_cluster(args.agents, ws_bytes, block_bytes, args.pool_fraction,
-                                  args.nvme_fraction, say)
+            state = start_cluster(
+                args.agents, ws_bytes, block_bytes, args.pool_fraction, args.nvme_fraction, say
+            )
         else:
             state = ClusterState.load(args.state_dir)
         cluster = describe_cluster(state, owned)
@@ -540,74 +705,124 @@ def _on_cluster(args, work, ws_bytes: int, block_bytes: int, say):
 def _say_summary(stats, ceiling, say) -> None:
     for policy, slices in stats.items():
         a = slices["all"]
-        say(f"{report.label(policy):<16} token hit {a.token_hit_rate:6.1%}  request hit "
+        say(
+            f"{report.label(policy):<16} token hit {a.token_hit_rate:6.1%}  request hit "
             f"{a.request_hit_rate:6.1%}  TTFT p50 {a.ttft_p50_ratio:.2f} x no cache  "
-            f"max/mean load {a.max_mean_load:.2f}")
-    say(f"{'ceiling':<16} token hit {ceiling.token_hit_rate:6.1%}  request hit "
-        f"{ceiling.request_hit_rate:6.1%}")
+            f"max/mean load {a.max_mean_load:.2f}"
+        )
+    say(
+        f"{'ceiling':<16} token hit {ceiling.token_hit_rate:6.1%}  request hit "
+        f"{ceiling.request_hit_rate:6.1%}"
+    )
 
 
 def _harness_note(workers: int) -> str:
-    return (f"Harness: {workers} worker threads share one Python process and this host's "
-            "cores with the agents and the router, so measured route+prefetch+get includes "
-            "CPU and GIL contention, and the router counts requests the harness is still serving "
-            f"as in flight (up to {workers - 1} beyond the simulated queues), which spreads "
-            "load more than the simulated queues alone would. `--workers 1` makes the "
-            "router's view exact.")
+    return (
+        f"Harness: {workers} worker threads share one Python process and this host's "
+        "cores with the agents and the router, so measured route+prefetch+get includes "
+        "CPU and GIL contention, and the router counts requests the harness is still serving "
+        f"as in flight (up to {workers - 1} beyond the simulated queues), which spreads "
+        "load more than the simulated queues alone would. `--workers 1` makes the "
+        "router's view exact."
+    )
 
 
-def _write(args, cluster: Cluster, analysis, cal: CostModel, ws_bytes: int,
-           block_bytes: int, outcomes, counters, stats, meta: dict, elapsed: float) -> dict:
+def _write(
+    args,
+    cluster: Cluster,
+    analysis,
+    cal: CostModel,
+    ws_bytes: int,
+    block_bytes: int,
+    outcomes,
+    counters,
+    stats,
+    meta: dict,
+    elapsed: float,
+) -> dict:
     out_dir = Path(args.out or f"loadtest/out/replay-{time.strftime('%Y%m%d-%H%M%S')}")
     pool_fraction = cluster.pool_blocks * block_bytes / ws_bytes if ws_bytes else math.nan
     ceiling = analysis.overall
     mean_out = meta.pop("mean output")
-    meta = {"title": f"{meta['requests']} requests, {meta['agents']} agents",
-            "trace": args.trace or f"loadtest.tracegen defaults, seed {args.seed}", **meta,
-            "KV layout": "2 layers x 2 KV heads x 32 head dim, fp16, 16-token blocks",
-            "block bytes": block_bytes,
-            "working set": f"{ws_bytes / 2**20:,.1f} MiB ({ceiling.distinct_blocks:,} blocks)",
-            "device pools": f"{cluster.pool_bytes / 2**20:,.1f} MiB, {cluster.pool_blocks:,} "
-                            f"slots = {pool_fraction:.0%} of the working set",
-            "NVMe tiers": f"{cluster.nvme_bytes / 2**20:,.1f} MiB",
-            "prefill cost": (f"{cal.tokens_per_s:,.0f} tokens/s (given)"
-                             if isinstance(cal, LinearPrefill) else "tiny Llama, measured: "
-                             + ", ".join(f"{n} tok {s * 1e3:.0f} ms"
-                                         for n, s in zip(cal.lengths, cal.seconds))),
-            "decode": (f"{args.decode_s * 1e3:.1f} ms per output token"
-                       + (" (given)" if args.decode_ms_per_token is not None
-                          else " (tiny Llama, measured)")
-                       + f"; mean output {mean_out:.0f} tokens"),
-            "workers": args.workers, "peer fetch": not args.no_peer_fetch,
-            "router weight override": (args.weights if parse_weights(args.weights)
-                                       else "none (router defaults)"),
-            "cluster": "started by the replay" if cluster.owned else cluster.state.state_dir,
-            "wall time": f"{elapsed:.0f} s"}
+    meta = {
+        "title": f"{meta['requests']} requests, {meta['agents']} agents",
+        "trace": args.trace or f"loadtest.tracegen defaults, seed {args.seed}",
+        **meta,
+        "KV layout": "2 layers x 2 KV heads x 32 head dim, fp16, 16-token blocks",
+        "block bytes": block_bytes,
+        "working set": f"{ws_bytes / 2**20:,.1f} MiB ({ceiling.distinct_blocks:,} blocks)",
+        "device pools": f"{cluster.pool_bytes / 2**20:,.1f} MiB, {cluster.pool_blocks:,} "
+        f"slots = {pool_fraction:.0%} of the working set",
+        "NVMe tiers": f"{cluster.nvme_bytes / 2**20:,.1f} MiB",
+        "prefill cost": (
+            f"{cal.tokens_per_s:,.0f} tokens/s (given)"
+            if isinstance(cal, LinearPrefill)
+            else "tiny Llama, measured: "
+            + ", ".join(f"{n} tok {s * 1e3:.0f} ms" for n, s in zip(cal.lengths, cal.seconds))
+        ),
+        "decode": (
+            f"{args.decode_s * 1e3:.1f} ms per output token"
+            + (" (given)" if args.decode_ms_per_token is not None else " (tiny Llama, measured)")
+            + f"; mean output {mean_out:.0f} tokens"
+        ),
+        "workers": args.workers,
+        "peer fetch": not args.no_peer_fetch,
+        "router weight override": (
+            args.weights if parse_weights(args.weights) else "none (router defaults)"
+        ),
+        "cluster": "started by the replay" if cluster.owned else cluster.state.state_dir,
+        "wall time": f"{elapsed:.0f} s",
+    }
     errors = report.error_counts(outcomes)
-    shortfalls = {p: report.shortfall(rows, BLOCK) for p, rows in outcomes.items()
-                  if any(r.index_best_blocks >= 0 for r in rows)}
-    head = report.headline(stats, ceiling.token_hit_rate, ceiling.request_hit_rate, {
-        "requests": meta["requests"], "agents": meta["agents"],
-        "pool_fraction": round(pool_fraction, 4),
-        "nvme_fraction": round(cluster.nvme_bytes / ws_bytes, 4) if ws_bytes else None,
-        "block_bytes": block_bytes, "working_set_bytes": ws_bytes,
-        "elapsed_s": round(elapsed, 1),
-        # A failed Prefetch call ("prefetch: UNAVAILABLE") is a failed call; one that
-        # returned short ("prefetch stopped short: ...") is counted apart.
-        "failed_calls": {p: sum(v for k, v in e.items()
-                                if not k.startswith("prefetch stopped"))
-                         for p, e in errors.items()},
-        "prefetch_short": {p: sum(v for k, v in e.items() if k.startswith("prefetch stopped"))
-                           for p, e in errors.items()}})
+    shortfalls = {
+        p: report.shortfall(rows, BLOCK)
+        for p, rows in outcomes.items()
+        if any(r.index_best_blocks >= 0 for r in rows)
+    }
+    head = report.headline(
+        stats,
+        ceiling.token_hit_rate,
+        ceiling.request_hit_rate,
+        {
+            "requests": meta["requests"],
+            "agents": meta["agents"],
+            "pool_fraction": round(pool_fraction, 4),
+            "nvme_fraction": round(cluster.nvme_bytes / ws_bytes, 4) if ws_bytes else None,
+            "block_bytes": block_bytes,
+            "working_set_bytes": ws_bytes,
+            "elapsed_s": round(elapsed, 1),
+            # A failed Prefetch call ("prefetch: UNAVAILABLE") is a failed call; one that
+            # returned short ("prefetch stopped short: ...") is counted apart.
+            "failed_calls": {
+                p: sum(v for k, v in e.items() if not k.startswith("prefetch stopped"))
+                for p, e in errors.items()
+            },
+            "prefetch_short": {
+                p: sum(v for k, v in e.items() if k.startswith("prefetch stopped"))
+                for p, e in errors.items()
+            },
+        },
+    )
     goals = report.goals(stats, ceiling.token_hit_rate, GOALS)
     head["goals_met"] = [g for g, _, _, ok in goals if ok]
     head["report"] = str(out_dir / "report.md")
-    report.write_report(out_dir, meta, outcomes, stats, sorted(cluster.nodes), goals,
-                        shortfalls, report.notes(stats, shortfalls, counters, errors)
-                        + [_harness_note(args.workers)], head,
-                        {"agent_counters": counters, "rpc_errors": errors,
-                         "calibration": cal.to_dict(),
-                         "cluster_pids": [[p.pid, p.kind] for p in cluster.state.procs]})
+    report.write_report(
+        out_dir,
+        meta,
+        outcomes,
+        stats,
+        sorted(cluster.nodes),
+        goals,
+        shortfalls,
+        report.notes(stats, shortfalls, counters, errors) + [_harness_note(args.workers)],
+        head,
+        {
+            "agent_counters": counters,
+            "rpc_errors": errors,
+            "calibration": cal.to_dict(),
+            "cluster_pids": [[p.pid, p.kind] for p in cluster.state.procs],
+        },
+    )
     return head
 
 

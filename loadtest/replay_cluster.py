@@ -1,6 +1,7 @@
 """The local cluster of a trace replay (loadtest/replay.py): start one sized for the
 trace, or describe a running one; read agent counters; flush a run's namespaces so the
 next policy starts with empty pools."""
+
 from __future__ import annotations
 
 import math
@@ -25,16 +26,21 @@ class Cluster:
     ucx: dict[str, str]  # node id -> UCX listener of its peer service ("" when UCX is off)
 
 
-def start_cluster(agents: int, ws_bytes: int, block_bytes: int, pool_fraction: float,
-                  nvme_fraction: float, say) -> ClusterState:
+def start_cluster(
+    agents: int, ws_bytes: int, block_bytes: int, pool_fraction: float, nvme_fraction: float, say
+) -> ClusterState:
     def per_agent(fraction: float, floor: int) -> int:
         want = fraction * ws_bytes / agents
         return max(floor, math.ceil(want / block_bytes) * block_bytes) if fraction else 0
 
     state_dir = tempfile.mkdtemp(prefix="kv-replay-")
-    opts = UpOptions(agents=agents, pool_bytes=str(per_agent(pool_fraction, 64 * block_bytes)),
-                     slot_bytes=str(block_bytes),
-                     nvme_bytes=str(per_agent(nvme_fraction, 0)), router_log_level="WARNING")
+    opts = UpOptions(
+        agents=agents,
+        pool_bytes=str(per_agent(pool_fraction, 64 * block_bytes)),
+        slot_bytes=str(block_bytes),
+        nvme_bytes=str(per_agent(nvme_fraction, 0)),
+        router_log_level="WARNING",
+    )
     try:
         return up(state_dir, opts, say=lambda m: say("  " + m))
     except BaseException:
@@ -73,10 +79,13 @@ def agent_counters(cluster: Cluster) -> dict[str, int]:
 async def flush_namespaces(endpoint: str, targets: list[tuple[str, str]]) -> None:
     from kvstore.coord.admin import ControlPlane
     from kvstore.coord.etcd import EtcdClient
+
     async with EtcdClient(endpoint, timeout=5.0) as etcd:
         cp = ControlPlane(etcd, who="loadtest.replay")
         for tenant, name in targets:
             rep = await cp.flush(tenant, name, timeout_s=60.0)
             if not rep.ok:
-                raise ClusterError(f"flush of {tenant}/{name} was not acknowledged by "
-                                   f"{', '.join(rep.progress.missing)}")
+                raise ClusterError(
+                    f"flush of {tenant}/{name} was not acknowledged by "
+                    f"{', '.join(rep.progress.missing)}"
+                )

@@ -2,6 +2,7 @@
 and its per-request ceiling, the prefill cost model (measured on the tiny Llama, or a
 given speed), the time scale that sets the offered load, the no-cache TTFT baseline, and
 the consistent-hash ring of the baseline policy."""
+
 from __future__ import annotations
 
 import functools
@@ -20,11 +21,26 @@ if TYPE_CHECKING:  # importing it pulls in transformers: only calibration needs 
     from loadtest.model import PrefillCalibration
 
 BLOCK = 16  # tokens per block (the replay's KV layout)
-LAYOUT = dict(model_name="tiny-llama", model_revision="seed0", adapter_id="none",
-              adapter_revision="none", tokenizer_id="synthetic", tokenizer_revision="v1",
-              rope_type="default", rope_theta=10000.0, rope_scaling="none",
-              attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1",
-              num_layers=2, num_kv_heads=2, head_dim=32, tp_rank=0, tp_size=1, block_size=BLOCK)
+LAYOUT = dict(
+    model_name="tiny-llama",
+    model_revision="seed0",
+    adapter_id="none",
+    adapter_revision="none",
+    tokenizer_id="synthetic",
+    tokenizer_revision="v1",
+    rope_type="default",
+    rope_theta=10000.0,
+    rope_scaling="none",
+    attention_impl="sdpa",
+    kv_dtype="float16",
+    prompt_template_version="v1",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    tp_rank=0,
+    tp_size=1,
+    block_size=BLOCK,
+)
 # Owner of the trace's public namespaces: every tenant opens that owner's namespace (a
 # tenant may open another's public namespace), so all of them share its blocks.
 PUBLIC_TENANT = "public"
@@ -48,9 +64,11 @@ def check_trace(reqs: list[Request]) -> None:
     for r in reqs:
         was = public.setdefault(r.namespace, (r.public, r.line))
         if was[0] != r.public:
-            raise ValueError(f"line {r.line}: namespace {r.namespace!r} is "
-                             f"{'public' if r.public else 'private'} here but "
-                             f"{'public' if was[0] else 'private'} on line {was[1]}")
+            raise ValueError(
+                f"line {r.line}: namespace {r.namespace!r} is "
+                f"{'public' if r.public else 'private'} here but "
+                f"{'public' if was[0] else 'private'} on line {was[1]}"
+            )
         key = r.keyspace
         if key in seen:
             continue
@@ -61,8 +79,9 @@ def check_trace(reqs: list[Request]) -> None:
             if r.public:  # the tenant itself must be valid too, though it owns nothing
                 _ = replay_spec(r.tenant, r.namespace, False, "0-ours").namespace_id
         except ValueError as exc:  # InvalidArgument, UnicodeEncodeError
-            raise ValueError(f"line {r.line}: tenant {r.tenant!r}, namespace "
-                             f"{r.namespace!r}: {exc}") from None
+            raise ValueError(
+                f"line {r.line}: tenant {r.tenant!r}, namespace {r.namespace!r}: {exc}"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,20 +96,26 @@ class TraceRequest:
     public: bool = False  # its namespace is public: shared by every tenant
 
 
-def load_trace(trace: str | None, requests: int | None, seed: int
-               ) -> tuple[list[Request], object]:
+def load_trace(trace: str | None, requests: int | None, seed: int) -> tuple[list[Request], object]:
     """Validated requests in arrival order (a file, else the reference trace from
     loadtest.tracegen), and the same requests again as a source for kvctl's analyze()."""
     if trace:
         source: object = trace
     else:
-        source = list(generate(TraceConfig(requests=requests or TraceConfig().requests,
-                                           seed=seed)))
+        source = list(generate(TraceConfig(requests=requests or TraceConfig().requests, seed=seed)))
     reqs = list(iter_requests(source))
     if trace and requests:
         reqs = reqs[:requests]
-        source = [{"t": r.t, "tenant": r.tenant, "namespace": r.namespace,
-                   "tokens": r.tokens, "public": r.public} for r in reqs]
+        source = [
+            {
+                "t": r.t,
+                "tenant": r.tenant,
+                "namespace": r.namespace,
+                "tokens": r.tokens,
+                "public": r.public,
+            }
+            for r in reqs
+        ]
     if not reqs:
         raise ValueError("the trace holds no requests")
     return reqs, source
@@ -136,14 +161,16 @@ def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
     if tokens_per_s:
         return LinearPrefill(tokens_per_s)
     from loadtest.model import PrefillCalibration, measure_prefill
+
     model = _tiny_llama(max(4096, max_len))
     lengths = [n for n in (16, 128, 512, 2048) if n < max_len] + [max_len]
     say(f"calibrating prefill of the tiny Llama at {lengths} tokens ...")
     # Two passes, the faster of the two per length: on a shared host one stall (or the
     # first forward pass) would otherwise price every later length, since prefill cost
     # is kept non-decreasing in length.
-    passes = [measure_prefill(model, lengths, repeats=3, seed=i, max_seconds=20.0)
-              for i in range(2)]
+    passes = [
+        measure_prefill(model, lengths, repeats=3, seed=i, max_seconds=20.0) for i in range(2)
+    ]
     best: list[float] = []
     for times in zip(*(c.seconds for c in passes)):
         best.append(max(min(times), best[-1] if best else 0.0))
@@ -156,6 +183,7 @@ def calibrate(tokens_per_s: float | None, max_len: int, say) -> CostModel:
 def _tiny_llama(max_positions: int):
     """The seeded tiny Llama both calibrations time (built once per run)."""
     from loadtest.model import build_tiny_llama
+
     return build_tiny_llama(0, max_positions=max_positions)
 
 
@@ -165,6 +193,7 @@ def decode_seconds_per_token(ms_per_token: float | None, say, max_len: int = 0) 
     if ms_per_token is not None:
         return ms_per_token / 1e3
     from loadtest.model import measure_decode
+
     model = _tiny_llama(max(4096, max_len))
     # The faster of two passes, as for prefill: one stall must not price every token.
     s = min(measure_decode(model, 512, 16, seed=i) for i in range(2))
@@ -172,8 +201,9 @@ def decode_seconds_per_token(ms_per_token: float | None, say, max_len: int = 0) 
     return s
 
 
-def time_scale(reqs: list[Request], cal: CostModel, agents: int,
-               offered_load: float) -> tuple[float, float]:
+def time_scale(
+    reqs: list[Request], cal: CostModel, agents: int, offered_load: float
+) -> tuple[float, float]:
     """(scale, native load): stretch or squeeze arrivals so full prefill (no cache)
     would keep the agents `offered_load` busy; scale 1 when offered_load is 0."""
     span = reqs[-1].t - reqs[0].t
@@ -184,8 +214,7 @@ def time_scale(reqs: list[Request], cal: CostModel, agents: int,
     return native / offered_load, native
 
 
-def nocache_ttft(reqs: list[TraceRequest], cal: CostModel,
-                 nodes: list[str]) -> list[float]:
+def nocache_ttft(reqs: list[TraceRequest], cal: CostModel, nodes: list[str]) -> list[float]:
     """Full prefill, each request on the node that frees up first."""
     busy = {n: 0.0 for n in nodes}
     out = []
@@ -197,13 +226,22 @@ def nocache_ttft(reqs: list[TraceRequest], cal: CostModel,
     return out
 
 
-
-
 def simulated_requests(raw: list[Request], scale: float) -> list[TraceRequest]:
     """Trace requests with arrivals from 0, scaled, and their ceilings."""
     ceil = ceiling_per_request(raw)
-    return [TraceRequest(i, (r.t - raw[0].t) * scale, r.tenant, r.namespace, list(r.tokens),
-                         c, r.output_tokens, r.public) for i, (r, c) in enumerate(zip(raw, ceil))]
+    return [
+        TraceRequest(
+            i,
+            (r.t - raw[0].t) * scale,
+            r.tenant,
+            r.namespace,
+            list(r.tokens),
+            c,
+            r.output_tokens,
+            r.public,
+        )
+        for i, (r, c) in enumerate(zip(raw, ceil))
+    ]
 
 
 class HashRing:

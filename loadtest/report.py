@@ -6,6 +6,7 @@ requests per node; written as Markdown with PNG plots.
 Token-weighted (cached tokens / prompt tokens) and request-weighted (requests with a
 hit / requests) rates are kept apart everywhere, as the design brief asks.
 """
+
 from __future__ import annotations
 
 import json
@@ -107,8 +108,19 @@ def max_mean(per_node: dict[str, int], nodes: Sequence[str]) -> float:
 # suffix prefill simulated), put (measured, after prefill), and the no-cache TTFT of the
 # same requests (queue + full prefill, simulated). Prefetch is over the requests that did
 # one; the p50s of the parts need not add up to the p50 of the whole.
-PHASES = ("route", "prefetch", "get", "transfer", "queue", "prefill", "ttft", "put",
-          "nocache_queue", "nocache_prefill", "nocache_ttft")
+PHASES = (
+    "route",
+    "prefetch",
+    "get",
+    "transfer",
+    "queue",
+    "prefill",
+    "ttft",
+    "put",
+    "nocache_queue",
+    "nocache_prefill",
+    "nocache_ttft",
+)
 
 
 def phases_p50(rows: Sequence[Outcome]) -> tuple[tuple[str, float], ...]:
@@ -128,8 +140,9 @@ def phases_p50(rows: Sequence[Outcome]) -> tuple[tuple[str, float], ...]:
     return tuple((k, percentile(cols[k], 50)) for k in PHASES)
 
 
-def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
-                hours: float) -> SliceStats:
+def slice_stats(
+    rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int, hours: float
+) -> SliceStats:
     prompt = sum(r.prompt_tokens for r in rows)
     cached = sum(r.cached_tokens for r in rows)
     hits = sum(r.cached_tokens > 0 for r in rows)
@@ -142,12 +155,17 @@ def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
     per_node = Counter(r.node for r in rows)
     gbh = pool_bytes / GB * hours
     return SliceStats(
-        requests=len(rows), prompt_tokens=prompt, cached_tokens=cached,
-        requests_with_hit=hits, token_hit_rate=_ratio(cached, prompt),
+        requests=len(rows),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        requests_with_hit=hits,
+        token_hit_rate=_ratio(cached, prompt),
         request_hit_rate=_ratio(hits, len(rows)),
         ceiling_token_hit_rate=_ratio(ceiling, prompt),
         ceiling_request_hit_rate=_ratio(sum(r.ceiling_tokens > 0 for r in rows), len(rows)),
-        ttft_s=q, nocache_ttft_s=qb, ttft_p50_ratio=_ratio(q[0], qb[0]),
+        ttft_s=q,
+        nocache_ttft_s=qb,
+        ttft_p50_ratio=_ratio(q[0], qb[0]),
         ttft_p99_ratio=_ratio(q[2], qb[2]),
         mean_wait_s=sum(r.wait_s for r in rows) / n,
         mean_transfer_s=sum(r.transfer_s for r in rows) / n,
@@ -157,21 +175,26 @@ def slice_stats(rows: Sequence[Outcome], nodes: Sequence[str], pool_bytes: int,
         per_node=tuple(sorted(per_node.items())),
         max_mean_load=max_mean(per_node, nodes),
         peer_blocks=sum(r.peer_blocks for r in rows),
-        nvme_share=_ratio(sum(r.nvme_blocks for r in rows),
-                          sum(r.hbm_blocks + r.nvme_blocks for r in rows)),
-        phases_p50_s=phases_p50(rows), prefetches=sum(r.prefetch_s > 0 for r in rows))
+        nvme_share=_ratio(
+            sum(r.nvme_blocks for r in rows), sum(r.hbm_blocks + r.nvme_blocks for r in rows)
+        ),
+        phases_p50_s=phases_p50(rows),
+        prefetches=sum(r.prefetch_s > 0 for r in rows),
+    )
 
 
-def summarize(outcomes: dict[str, list[Outcome]], nodes: Sequence[str], pool_bytes: int,
-              hours: float) -> dict[str, dict[str, SliceStats]]:
+def summarize(
+    outcomes: dict[str, list[Outcome]], nodes: Sequence[str], pool_bytes: int, hours: float
+) -> dict[str, dict[str, SliceStats]]:
     """policy -> slice ("all" or a tenant) -> stats."""
     out: dict[str, dict[str, SliceStats]] = {}
     for policy, rows in outcomes.items():
         tenants = sorted({r.tenant for r in rows})
         out[policy] = {"all": slice_stats(rows, nodes, pool_bytes, hours)}
         for t in tenants:
-            out[policy][t] = slice_stats([r for r in rows if r.tenant == t], nodes,
-                                         pool_bytes, hours)
+            out[policy][t] = slice_stats(
+                [r for r in rows if r.tenant == t], nodes, pool_bytes, hours
+            )
     return out
 
 
@@ -228,8 +251,10 @@ class Progress:
         frac = self.done / self.total
         bar = "#" * int(frac * 30)
         rate = self.done / max(now - self.t0, 1e-9)
-        return (f"{self.label:<16} [{bar:<30}] {self.done}/{self.total} "
-                f"{rate:6.1f} req/s {now - self.t0:6.1f}s")
+        return (
+            f"{self.label:<16} [{bar:<30}] {self.done}/{self.total} "
+            f"{rate:6.1f} req/s {now - self.t0:6.1f}s"
+        )
 
     def close(self) -> None:
         if self._tty:
@@ -247,6 +272,7 @@ def label(policy: str) -> str:
 
 def stats_dict(stats: dict[str, dict[str, SliceStats]]) -> dict:
     """JSON-ready: NaN becomes null."""
+
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
             return None
@@ -254,8 +280,10 @@ def stats_dict(stats: dict[str, dict[str, SliceStats]]) -> dict:
             return [clean(x) for x in v]
         return v
 
-    return {p: {s: {k: clean(v) for k, v in asdict(st).items()} for s, st in slices.items()}
-            for p, slices in stats.items()}
+    return {
+        p: {s: {k: clean(v) for k, v in asdict(st).items()} for s, st in slices.items()}
+        for p, slices in stats.items()
+    }
 
 
 def _pct(x: float) -> str:
@@ -271,8 +299,10 @@ def _num(x: float, fmt: str = "{:.2f}") -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    out = ["| " + " | ".join(headers) + " |",
-           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    out = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+    ]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return out
 
@@ -283,28 +313,55 @@ def _policy_rows(stats: dict[str, dict[str, SliceStats]], key: str) -> list[list
         s = slices.get(key)
         if s is None:
             continue
-        rows.append([label(policy), _pct(s.token_hit_rate), _pct(s.ceiling_token_hit_rate),
-                     _pct(s.request_hit_rate), _pct(s.ceiling_request_hit_rate),
-                     " / ".join(_ms(x) for x in s.ttft_s),
-                     " / ".join(_ms(x) for x in s.nocache_ttft_s),
-                     _num(s.ttft_p50_ratio), _num(s.ttft_p99_ratio),
-                     _num(s.saved_tokens_per_gb_hour, "{:,.3g}"), _num(s.max_mean_load)])
+        rows.append(
+            [
+                label(policy),
+                _pct(s.token_hit_rate),
+                _pct(s.ceiling_token_hit_rate),
+                _pct(s.request_hit_rate),
+                _pct(s.ceiling_request_hit_rate),
+                " / ".join(_ms(x) for x in s.ttft_s),
+                " / ".join(_ms(x) for x in s.nocache_ttft_s),
+                _num(s.ttft_p50_ratio),
+                _num(s.ttft_p99_ratio),
+                _num(s.saved_tokens_per_gb_hour, "{:,.3g}"),
+                _num(s.max_mean_load),
+            ]
+        )
     return rows
 
 
-_HEADERS = ("policy", "token hit", "ceiling", "request hit", "ceiling", "TTFT p50/p95/p99 ms",
-            "no cache p50/p95/p99 ms", "p50 ratio", "p99 ratio", "saved tok / GB·h",
-            "max/mean load")
+_HEADERS = (
+    "policy",
+    "token hit",
+    "ceiling",
+    "request hit",
+    "ceiling",
+    "TTFT p50/p95/p99 ms",
+    "no cache p50/p95/p99 ms",
+    "p50 ratio",
+    "p99 ratio",
+    "saved tok / GB·h",
+    "max/mean load",
+)
 
 
 def _time_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
     rows = []
     for policy, slices in stats.items():
         s = slices["all"]
-        rows.append([label(policy), _ms(s.mean_wait_s), _ms(s.mean_transfer_s),
-                     _ms(s.mean_prefill_s), f"{s.saved_prefill_s:,.1f}",
-                     _pct(s.nvme_share), f"{s.peer_blocks:,}",
-                     ", ".join(f"{n}: {c}" for n, c in s.per_node)])
+        rows.append(
+            [
+                label(policy),
+                _ms(s.mean_wait_s),
+                _ms(s.mean_transfer_s),
+                _ms(s.mean_prefill_s),
+                f"{s.saved_prefill_s:,.1f}",
+                _pct(s.nvme_share),
+                f"{s.peer_blocks:,}",
+                ", ".join(f"{n}: {c}" for n, c in s.per_node),
+            ]
+        )
     return rows
 
 
@@ -314,50 +371,107 @@ def _phase_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
         s = slices["all"]
         p = dict(s.phases_p50_s)
         fine = lambda x: "-" if not math.isfinite(x) else f"{x * 1e3:,.2f}"  # noqa: E731
-        rows.append([label(policy), fine(p["route"]),
-                     f"{fine(p['prefetch'])} ({s.prefetches:,})", fine(p["get"]),
-                     fine(p["transfer"]), _ms(p["queue"]), _ms(p["prefill"]), _ms(p["ttft"]),
-                     fine(p["put"]), _ms(p["nocache_queue"]), _ms(p["nocache_prefill"]),
-                     _ms(p["nocache_ttft"])])
+        rows.append(
+            [
+                label(policy),
+                fine(p["route"]),
+                f"{fine(p['prefetch'])} ({s.prefetches:,})",
+                fine(p["get"]),
+                fine(p["transfer"]),
+                _ms(p["queue"]),
+                _ms(p["prefill"]),
+                _ms(p["ttft"]),
+                fine(p["put"]),
+                _ms(p["nocache_queue"]),
+                _ms(p["nocache_prefill"]),
+                _ms(p["nocache_ttft"]),
+            ]
+        )
     return rows
 
 
-def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
-                    goals: Sequence[tuple[str, str, str, bool]],
-                    shortfalls: dict[str, dict[str, int]], notes: Sequence[str]) -> str:
+def render_markdown(
+    meta: dict,
+    stats: dict[str, dict[str, SliceStats]],
+    goals: Sequence[tuple[str, str, str, bool]],
+    shortfalls: dict[str, dict[str, int]],
+    notes: Sequence[str],
+) -> str:
     lines = [f"# Trace replay: {meta.get('title', 'report')}", ""]
-    lines += _table(("setting", "value"), [[k, str(v)] for k, v in meta.items()
-                                           if k != "title"])
+    lines += _table(("setting", "value"), [[k, str(v)] for k, v in meta.items() if k != "title"])
     lines += ["", "## Goals", ""]
-    lines += _table(("goal", "measured", "target", "met"),
-                    [[g, v, t, "yes" if ok else "**no**"] for g, v, t, ok in goals])
+    lines += _table(
+        ("goal", "measured", "target", "met"),
+        [[g, v, t, "yes" if ok else "**no**"] for g, v, t, ok in goals],
+    )
     lines += ["", "## All tenants", ""]
     lines += _table(_HEADERS, _policy_rows(stats, "all"))
-    lines += ["", "Mean per request in ms (queue wait and prefill simulated, "
-              "route+prefetch+get measured wall time), prefill seconds saved, share of "
-              "served blocks found only on NVMe, blocks copied from peers, requests per node:", ""]
-    lines += _table(("policy", "queue wait", "route+prefetch+get", "suffix prefill",
-                     "prefill s saved", "from NVMe", "peer copies", "requests per node"),
-                    _time_rows(stats))
-    lines += ["", "Per-request phases, p50 in ms: measured route (hashing + Route), peer "
-              "prefetch (requests that did one), get and their sum; simulated queue wait, "
-              "suffix prefill and TTFT; measured put (after prefill, not in TTFT); and the "
-              "no-cache TTFT of the same requests (simulated queue + full prefill):", ""]
-    lines += _table(("policy", "route", "prefetch (n)", "get", "route+prefetch+get",
-                     "queue", "prefill", "TTFT", "put", "no cache: queue", "prefill",
-                     "TTFT"), _phase_rows(stats))
+    lines += [
+        "",
+        "Mean per request in ms (queue wait and prefill simulated, "
+        "route+prefetch+get measured wall time), prefill seconds saved, share of "
+        "served blocks found only on NVMe, blocks copied from peers, requests per node:",
+        "",
+    ]
+    lines += _table(
+        (
+            "policy",
+            "queue wait",
+            "route+prefetch+get",
+            "suffix prefill",
+            "prefill s saved",
+            "from NVMe",
+            "peer copies",
+            "requests per node",
+        ),
+        _time_rows(stats),
+    )
+    lines += [
+        "",
+        "Per-request phases, p50 in ms: measured route (hashing + Route), peer "
+        "prefetch (requests that did one), get and their sum; simulated queue wait, "
+        "suffix prefill and TTFT; measured put (after prefill, not in TTFT); and the "
+        "no-cache TTFT of the same requests (simulated queue + full prefill):",
+        "",
+    ]
+    lines += _table(
+        (
+            "policy",
+            "route",
+            "prefetch (n)",
+            "get",
+            "route+prefetch+get",
+            "queue",
+            "prefill",
+            "TTFT",
+            "put",
+            "no cache: queue",
+            "prefill",
+            "TTFT",
+        ),
+        _phase_rows(stats),
+    )
     tenants = sorted({t for slices in stats.values() for t in slices if t != "all"})
     for t in tenants:
         lines += ["", f"## Tenant {t}", ""]
         lines += _table(_HEADERS, _policy_rows(stats, t))
     if shortfalls:
         lines += ["", "## Tokens lost against the ceiling (router-driven policies)", ""]
-        lines += _table(("policy", "capacity", "routing", "serving"),
-                        [[label(p), *(f"{v:,}" for v in d.values())]
-                         for p, d in shortfalls.items()])
-    lines += ["", "## Plots", "", "![hit rate by policy and tenant](hit_rate.png)", "",
-              "![TTFT CDF, cached vs no cache](ttft_cdf.png)", "",
-              "![requests per node](load_per_node.png)", ""]
+        lines += _table(
+            ("policy", "capacity", "routing", "serving"),
+            [[label(p), *(f"{v:,}" for v in d.values())] for p, d in shortfalls.items()],
+        )
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![hit rate by policy and tenant](hit_rate.png)",
+        "",
+        "![TTFT CDF, cached vs no cache](ttft_cdf.png)",
+        "",
+        "![requests per node](load_per_node.png)",
+        "",
+    ]
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
@@ -365,8 +479,10 @@ def render_markdown(meta: dict, stats: dict[str, dict[str, SliceStats]],
 
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -377,15 +493,22 @@ def plot_hit_rates(path: Path, stats: dict[str, dict[str, SliceStats]]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     width = 0.8 / (len(policies) + 1)
     for ax, attr, ceil_attr, title in (
-            (axes[0], "token_hit_rate", "ceiling_token_hit_rate", "token-weighted"),
-            (axes[1], "request_hit_rate", "ceiling_request_hit_rate", "request-weighted")):
+        (axes[0], "token_hit_rate", "ceiling_token_hit_rate", "token-weighted"),
+        (axes[1], "request_hit_rate", "ceiling_request_hit_rate", "request-weighted"),
+    ):
         for i, p in enumerate(policies):
             ys = [getattr(stats[p][s], attr) if s in stats[p] else 0 for s in slices]
             ax.bar([x + i * width for x in range(len(slices))], ys, width, label=label(p))
         first = stats[policies[0]]
         ys = [getattr(first[s], ceil_attr) if s in first else 0 for s in slices]
-        ax.bar([x + len(policies) * width for x in range(len(slices))], ys, width,
-               label="ceiling", color="lightgray", edgecolor="gray")
+        ax.bar(
+            [x + len(policies) * width for x in range(len(slices))],
+            ys,
+            width,
+            label="ceiling",
+            color="lightgray",
+            edgecolor="gray",
+        )
         ax.set_xticks([x + width * len(policies) / 2 for x in range(len(slices))], slices)
         ax.set_title(f"{title} hit rate")
         ax.set_ylim(0, 1)
@@ -417,16 +540,19 @@ def plot_ttft_cdf(path: Path, outcomes: dict[str, list[Outcome]]) -> None:
     plt.close(fig)
 
 
-def plot_load(path: Path, stats: dict[str, dict[str, SliceStats]],
-              nodes: Sequence[str]) -> None:
+def plot_load(path: Path, stats: dict[str, dict[str, SliceStats]], nodes: Sequence[str]) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     policies = list(stats)
     width = 0.8 / max(1, len(policies))
     for i, p in enumerate(policies):
         counts = dict(stats[p]["all"].per_node)
-        ax.bar([x + i * width for x in range(len(nodes))], [counts.get(n, 0) for n in nodes],
-               width, label=f"{label(p)} (max/mean {stats[p]['all'].max_mean_load:.2f})")
+        ax.bar(
+            [x + i * width for x in range(len(nodes))],
+            [counts.get(n, 0) for n in nodes],
+            width,
+            label=f"{label(p)} (max/mean {stats[p]['all'].max_mean_load:.2f})",
+        )
     ax.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(nodes))], nodes)
     ax.set_ylabel("requests")
     ax.set_title("requests per node")
@@ -436,11 +562,18 @@ def plot_load(path: Path, stats: dict[str, dict[str, SliceStats]],
     plt.close(fig)
 
 
-def write_report(out_dir: Path, meta: dict, outcomes: dict[str, list[Outcome]],
-                 stats: dict[str, dict[str, SliceStats]], nodes: Sequence[str],
-                 goals: Sequence[tuple[str, str, str, bool]],
-                 shortfalls: dict[str, dict[str, int]], notes: Sequence[str],
-                 headline: dict, extra: dict | None = None) -> Path:
+def write_report(
+    out_dir: Path,
+    meta: dict,
+    outcomes: dict[str, list[Outcome]],
+    stats: dict[str, dict[str, SliceStats]],
+    nodes: Sequence[str],
+    goals: Sequence[tuple[str, str, str, bool]],
+    shortfalls: dict[str, dict[str, int]],
+    notes: Sequence[str],
+    headline: dict,
+    extra: dict | None = None,
+) -> Path:
     """report.md, hit_rate.png, ttft_cdf.png, load_per_node.png, summary.json and
     requests.jsonl (every Outcome) in `out_dir`. Returns the Markdown path."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -449,8 +582,14 @@ def write_report(out_dir: Path, meta: dict, outcomes: dict[str, list[Outcome]],
     plot_load(out_dir / "load_per_node.png", stats, nodes)
     md = out_dir / "report.md"
     md.write_text(render_markdown(meta, stats, goals, shortfalls, notes))
-    summary = {"headline": headline, "meta": meta, "stats": stats_dict(stats),
-               "shortfall_tokens": shortfalls, "notes": list(notes), **(extra or {})}
+    summary = {
+        "headline": headline,
+        "meta": meta,
+        "stats": stats_dict(stats),
+        "shortfall_tokens": shortfalls,
+        "notes": list(notes),
+        **(extra or {}),
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     with open(out_dir / "requests.jsonl", "w") as f:
         for policy, rows in outcomes.items():
@@ -464,13 +603,22 @@ def _r(x: float | None, nd: int = 4):
     return None if x is None or not math.isfinite(x) else round(x, nd)
 
 
-def headline(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
-             ceiling_request: float, extra: dict) -> dict:
+def headline(
+    stats: dict[str, dict[str, SliceStats]],
+    ceiling_token: float,
+    ceiling_request: float,
+    extra: dict,
+) -> dict:
     """The one-line JSON summary: ours, plus the hit rates and balance of the others."""
     out: dict = {"ceiling": _r(ceiling_token), "ceiling_request": _r(ceiling_request)}
     ours = stats.get("ours", {}).get("all")
-    for key in ("token_hit_rate", "request_hit_rate", "ttft_p50_ratio", "ttft_p99_ratio",
-                "max_mean_load"):
+    for key in (
+        "token_hit_rate",
+        "request_hit_rate",
+        "ttft_p50_ratio",
+        "ttft_p99_ratio",
+        "max_mean_load",
+    ):
         out[key] = _r(getattr(ours, key)) if ours else None
     if ours:
         out["phases_p50_ms"] = {k: _r(v * 1e3, 3) for k, v in ours.phases_p50_s}
@@ -486,21 +634,33 @@ def headline(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
     return out
 
 
-def goals(stats: dict[str, dict[str, SliceStats]], ceiling_token: float,
-          targets: dict[str, float]) -> list[tuple[str, str, str, bool]]:
+def goals(
+    stats: dict[str, dict[str, SliceStats]], ceiling_token: float, targets: dict[str, float]
+) -> list[tuple[str, str, str, bool]]:
     ours = stats.get("ours", {}).get("all")
     if ours is None:
         return []
     want_hit = targets["hit_vs_ceiling"] * ceiling_token
     return [
-        ("token hit rate vs ceiling", f"{ours.token_hit_rate:.1%} "
-         f"({_num(ours.token_hit_rate / ceiling_token if ceiling_token else math.nan)} x)",
-         f">= {targets['hit_vs_ceiling']} x {ceiling_token:.1%} = {want_hit:.1%}",
-         ours.token_hit_rate >= want_hit),
-        ("TTFT p50 cached / no cache", _num(ours.ttft_p50_ratio),
-         f"<= {targets['ttft_p50_ratio']}", ours.ttft_p50_ratio <= targets["ttft_p50_ratio"]),
-        ("max / mean requests per node", _num(ours.max_mean_load),
-         f"<= {targets['max_mean_load']}", ours.max_mean_load <= targets["max_mean_load"]),
+        (
+            "token hit rate vs ceiling",
+            f"{ours.token_hit_rate:.1%} "
+            f"({_num(ours.token_hit_rate / ceiling_token if ceiling_token else math.nan)} x)",
+            f">= {targets['hit_vs_ceiling']} x {ceiling_token:.1%} = {want_hit:.1%}",
+            ours.token_hit_rate >= want_hit,
+        ),
+        (
+            "TTFT p50 cached / no cache",
+            _num(ours.ttft_p50_ratio),
+            f"<= {targets['ttft_p50_ratio']}",
+            ours.ttft_p50_ratio <= targets["ttft_p50_ratio"],
+        ),
+        (
+            "max / mean requests per node",
+            _num(ours.max_mean_load),
+            f"<= {targets['max_mean_load']}",
+            ours.max_mean_load <= targets["max_mean_load"],
+        ),
     ]
 
 
@@ -509,35 +669,53 @@ def error_counts(outcomes: dict[str, list[Outcome]]) -> dict[str, dict[str, int]
     return {p: dict(Counter(e for r in rows for e in r.errors)) for p, rows in outcomes.items()}
 
 
-def notes(stats: dict[str, dict[str, SliceStats]], shortfalls: dict[str, dict[str, int]],
-          counters: dict[str, dict[str, int]], errors: dict[str, dict[str, int]]) -> list[str]:
+def notes(
+    stats: dict[str, dict[str, SliceStats]],
+    shortfalls: dict[str, dict[str, int]],
+    counters: dict[str, dict[str, int]],
+    errors: dict[str, dict[str, int]],
+) -> list[str]:
     """Plain-language observations: failed calls, which term dominates what was lost,
     what TTFT is made of, what the agents did."""
     out = []
     for policy, errs in errors.items():
         if errs:
-            out.append(f"**{label(policy)}: {sum(errs.values()):,} calls failed or fell "
-                       "short**; what they could not load was recomputed: "
-                       + ", ".join(f"{k} x{v}" for k, v in sorted(errs.items())))
+            out.append(
+                f"**{label(policy)}: {sum(errs.values()):,} calls failed or fell "
+                "short**; what they could not load was recomputed: "
+                + ", ".join(f"{k} x{v}" for k, v in sorted(errs.items()))
+            )
     for policy, parts in shortfalls.items():
         lost = sum(parts.values())
         if lost:
             top = max(parts, key=parts.get)
             share = ", ".join(f"{k} {v / lost:.0%}" for k, v in parts.items())
-            out.append(f"{label(policy)}: {lost:,} tokens short of the ceiling; the "
-                       f"dominant term is **{top}** ({share}).")
+            out.append(
+                f"{label(policy)}: {lost:,} tokens short of the ceiling; the "
+                f"dominant term is **{top}** ({share})."
+            )
     for policy, slices in stats.items():
         s = slices["all"]
-        terms = {"queue wait": s.mean_wait_s, "route+prefetch+get": s.mean_transfer_s,
-                 "suffix prefill": s.mean_prefill_s}
+        terms = {
+            "queue wait": s.mean_wait_s,
+            "route+prefetch+get": s.mean_transfer_s,
+            "suffix prefill": s.mean_prefill_s,
+        }
         top = max(terms, key=terms.get)
-        out.append(f"{label(policy)}: mean TTFT is dominated by {top} "
-                   f"({', '.join(f'{k} {_ms(v)} ms' for k, v in terms.items())}).")
+        out.append(
+            f"{label(policy)}: mean TTFT is dominated by {top} "
+            f"({', '.join(f'{k} {_ms(v)} ms' for k, v in terms.items())})."
+        )
     keys = ("put_blocks", "get_blocks", "promotions", "peer_fetch_ucx", "peer_fetch_grpc")
     for policy, c in counters.items():
-        shown = {k: v for k, v in sorted(c.items())
-                 if k in keys or "evict" in k or "demot" in k or "drop" in k}
+        shown = {
+            k: v
+            for k, v in sorted(c.items())
+            if k in keys or "evict" in k or "demot" in k or "drop" in k
+        }
         if shown:
-            out.append(f"{label(policy)} agent counters (all agents, this run): "
-                       + ", ".join(f"{k} {v:,}" for k, v in shown.items()))
+            out.append(
+                f"{label(policy)} agent counters (all agents, this run): "
+                + ", ".join(f"{k} {v:,}" for k, v in shown.items())
+            )
     return out

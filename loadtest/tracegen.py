@@ -75,24 +75,37 @@ class TraceConfig:
     def __post_init__(self) -> None:
         _require(self.requests >= 0, f"requests must be >= 0, got {self.requests}")
         _require(self.vocab_size >= 16, f"vocab_size must be >= 16, got {self.vocab_size}")
-        _require(len(self.tenant_weights) >= 1 and all(w > 0 for w in self.tenant_weights),
-                 f"tenant_weights must be positive, got {self.tenant_weights}")
-        _require(all(self.share(k) >= 0 for k in KINDS) and sum(map(self.share, KINDS)) > 0,
-                 "mix shares must be >= 0 and not all zero")
-        _require(self.max_prompt_tokens >= 16,
-                 f"max_prompt_tokens must be >= 16, got {self.max_prompt_tokens}")
-        _require(self.max_output_tokens >= 1,
-                 f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        _require(
+            len(self.tenant_weights) >= 1 and all(w > 0 for w in self.tenant_weights),
+            f"tenant_weights must be positive, got {self.tenant_weights}",
+        )
+        _require(
+            all(self.share(k) >= 0 for k in KINDS) and sum(map(self.share, KINDS)) > 0,
+            "mix shares must be >= 0 and not all zero",
+        )
+        _require(
+            self.max_prompt_tokens >= 16,
+            f"max_prompt_tokens must be >= 16, got {self.max_prompt_tokens}",
+        )
+        _require(
+            self.max_output_tokens >= 1,
+            f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+        )
         _require(math.isfinite(self.rate) and self.rate > 0, f"rate must be > 0, got {self.rate}")
         _require(len(self.namespaces) >= 1 and all(self.namespaces), "namespaces must be named")
-        _require(len(self.namespace_weights) == len(self.namespaces)
-                 and all(w > 0 for w in self.namespace_weights),
-                 "namespace_weights must be positive, one per namespace")
+        _require(
+            len(self.namespace_weights) == len(self.namespaces)
+            and all(w > 0 for w in self.namespace_weights),
+            "namespace_weights must be positive, one per namespace",
+        )
         unknown = sorted(set(self.public_namespaces) - set(self.namespaces))
-        _require(not unknown, f"public namespaces {unknown} are not among the namespaces "
-                              f"{list(self.namespaces)}")
-        _require(self.docs_per_tenant >= 3,
-                 f"docs_per_tenant must be >= 3, got {self.docs_per_tenant}")
+        _require(
+            not unknown,
+            f"public namespaces {unknown} are not among the namespaces {list(self.namespaces)}",
+        )
+        _require(
+            self.docs_per_tenant >= 3, f"docs_per_tenant must be >= 3, got {self.docs_per_tenant}"
+        )
         _require(self.zipf_s >= 0, f"zipf_s must be >= 0, got {self.zipf_s}")
 
     def share(self, kind: str) -> float:
@@ -156,9 +169,11 @@ Step = tuple[list[int], int]
 
 def _agent_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
     app = rng.randrange(_AGENT_APPS)
-    prompt = (tenant.segment(f"agent/{app}/system", 800, 2000)
-              + tenant.segment(f"agent/{app}/tools", 600, 2500)
-              + _tokens(rng, tenant.vocab, rng.randint(40, 300)))
+    prompt = (
+        tenant.segment(f"agent/{app}/system", 800, 2000)
+        + tenant.segment(f"agent/{app}/tools", 600, 2500)
+        + _tokens(rng, tenant.vocab, rng.randint(40, 300))
+    )
     steps = rng.randint(3, 20)
     for step in range(1, steps + 1):
         if step == steps:
@@ -174,8 +189,9 @@ def _agent_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
 
 def _chat_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
     persona = rng.randrange(_CHAT_PERSONAS)
-    prompt = (tenant.segment(f"chat/{persona}/system", 100, 600)
-              + _tokens(rng, tenant.vocab, rng.randint(10, 200)))
+    prompt = tenant.segment(f"chat/{persona}/system", 100, 600) + _tokens(
+        rng, tenant.vocab, rng.randint(10, 200)
+    )
     for _ in range(rng.randint(2, 10)):
         answer = _tokens(rng, tenant.vocab, rng.randint(50, 600))
         yield prompt, len(answer)
@@ -207,15 +223,26 @@ def _oneoff_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
     yield _tokens(rng, tenant.vocab, _loguniform(rng, 30, 3000)), rng.randint(10, 500)
 
 
-_SESSIONS = {"agent": _agent_session, "chat": _chat_session, "rag": _rag_session,
-             "oneoff": _oneoff_session}
+_SESSIONS = {
+    "agent": _agent_session,
+    "chat": _chat_session,
+    "rag": _rag_session,
+    "oneoff": _oneoff_session,
+}
 
 
 class _Session:
     """A running session: its generator and the next request it will send."""
 
-    def __init__(self, sid: str, kind: str, tenant: _Tenant, namespace: str,
-                 rng: random.Random, content: _Tenant | None = None) -> None:
+    def __init__(
+        self,
+        sid: str,
+        kind: str,
+        tenant: _Tenant,
+        namespace: str,
+        rng: random.Random,
+        content: _Tenant | None = None,
+    ) -> None:
         """`content`: whose static content the prompts use (a public namespace's, shared
         by every tenant); the tenant's own by default."""
         self.sid = sid
@@ -245,15 +272,19 @@ def _session_odds(cfg: TraceConfig) -> tuple[list[float], float]:
     return per_session, cfg.rate * sum(per_session)
 
 
-def _start_session(cfg: TraceConfig, tenants: list[_Tenant], master: random.Random,
-                   n: int, public: dict[str, _Tenant]) -> _Session:
+def _start_session(
+    cfg: TraceConfig,
+    tenants: list[_Tenant],
+    master: random.Random,
+    n: int,
+    public: dict[str, _Tenant],
+) -> _Session:
     odds, _ = _session_odds(cfg)
     (kind,) = master.choices(KINDS, weights=odds)
     (tenant,) = master.choices(tenants, weights=cfg.tenant_weights)
     (namespace,) = master.choices(cfg.namespaces, weights=cfg.namespace_weights)
     rng = random.Random(f"tracegen/{cfg.seed}/session/{n}")
-    return _Session(f"{tenant.name}/s{n:06d}", kind, tenant, namespace, rng,
-                    public.get(namespace))
+    return _Session(f"{tenant.name}/s{n:06d}", kind, tenant, namespace, rng, public.get(namespace))
 
 
 def _record(index: int, t: float, session: _Session, step: Step, cfg: TraceConfig) -> dict:
@@ -317,8 +348,10 @@ def _parse_mix(text: str) -> dict[str, float]:
         kind, sep, value = part.partition("=")
         kind = kind.strip()
         if not sep or kind not in mix:
-            raise ValueError(f"bad --mix entry {part!r}: use kind=share with kinds "
-                             f"{', '.join(KINDS)}, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1")
+            raise ValueError(
+                f"bad --mix entry {part!r}: use kind=share with kinds "
+                f"{', '.join(KINDS)}, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1"
+            )
         try:
             mix[kind] = float(value)
         except ValueError:
@@ -331,27 +364,58 @@ def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.tracegen",
         description="Generate a reproducible multi-tenant prompt trace (JSON Lines): agent "
-                    "loops, multi-turn chat, RAG over shared documents and one-off prompts.")
-    p.add_argument("--requests", type=int, default=defaults.requests,
-                   help=f"number of requests (default {defaults.requests})")
-    p.add_argument("--seed", type=int, default=defaults.seed,
-                   help=f"random seed; same seed, same bytes (default {defaults.seed})")
+        "loops, multi-turn chat, RAG over shared documents and one-off prompts.",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=defaults.requests,
+        help=f"number of requests (default {defaults.requests})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help=f"random seed; same seed, same bytes (default {defaults.seed})",
+    )
     p.add_argument("--out", default="-", help="output file (default '-' = stdout)")
-    p.add_argument("--tenants", type=int, default=len(defaults.tenant_weights),
-                   help="number of tenants, sized n, n-1, ..., 1 (default 4: 0.4/0.3/0.2/0.1)")
-    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
-                   help=f"token ids are drawn from [0, vocab) (default {defaults.vocab_size})")
-    p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens,
-                   help=f"prompt length cap (default {defaults.max_prompt_tokens})")
-    p.add_argument("--rate", type=float, default=defaults.rate,
-                   help=f"mean requests per second (default {defaults.rate})")
-    p.add_argument("--public-namespaces", default="",
-                   help="comma-separated namespaces (of "
-                        f"{', '.join(defaults.namespaces)}) that are public: shared by "
-                        "every tenant (default none)")
-    p.add_argument("--mix", default=None,
-                   help="request shares per kind, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1 "
-                        "(kinds left out get 0)")
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=len(defaults.tenant_weights),
+        help="number of tenants, sized n, n-1, ..., 1 (default 4: 0.4/0.3/0.2/0.1)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=defaults.vocab_size,
+        help=f"token ids are drawn from [0, vocab) (default {defaults.vocab_size})",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=defaults.max_prompt_tokens,
+        help=f"prompt length cap (default {defaults.max_prompt_tokens})",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=defaults.rate,
+        help=f"mean requests per second (default {defaults.rate})",
+    )
+    p.add_argument(
+        "--public-namespaces",
+        default="",
+        help="comma-separated namespaces (of "
+        f"{', '.join(defaults.namespaces)}) that are public: shared by "
+        "every tenant (default none)",
+    )
+    p.add_argument(
+        "--mix",
+        default=None,
+        help="request shares per kind, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1 "
+        "(kinds left out get 0)",
+    )
     return p
 
 
@@ -360,12 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         mix = _parse_mix(args.mix) if args.mix is not None else {}
-        cfg = TraceConfig(requests=args.requests, seed=args.seed,
-                          tenant_weights=linear_weights(args.tenants),
-                          vocab_size=args.vocab_size, max_prompt_tokens=args.max_prompt_tokens,
-                          rate=args.rate, public_namespaces=tuple(
-                              n.strip() for n in args.public_namespaces.split(",") if n.strip()),
-                          **mix)
+        cfg = TraceConfig(
+            requests=args.requests,
+            seed=args.seed,
+            tenant_weights=linear_weights(args.tenants),
+            vocab_size=args.vocab_size,
+            max_prompt_tokens=args.max_prompt_tokens,
+            rate=args.rate,
+            public_namespaces=tuple(
+                n.strip() for n in args.public_namespaces.split(",") if n.strip()
+            ),
+            **mix,
+        )
     except ValueError as exc:
         print(f"tracegen: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 """`python -m node_agent` / `kvstore-agent`: run one node agent."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvstore-agent",
         description="Run a kvstore node agent: one per GPU. Holds KV blocks in a device "
-                    "pool, spills to RocksDB, serves the gRPC data plane.",
+        "pool, spills to RocksDB, serves the gRPC data plane.",
         epilog="Settings come from --config, then KVSTORE_AGENT_<FIELD> environment "
-               "variables, then these flags.")
+        "variables, then these flags.",
+    )
     p.add_argument("--config", help="YAML or JSON file with AgentConfig fields")
     p.add_argument("--node-id")
     p.add_argument("--listen", help="gRPC listen address host:port (port 0 picks a free one)")
@@ -26,8 +28,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-bytes", help="NVMe tier capacity, e.g. 200GiB (0 disables it)")
     p.add_argument("--eviction", choices=["value", "lru"])
     p.add_argument("--etcd-endpoints", help="etcd host:port[,host:port]")
-    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
-                   help="accept requests without a tenant token (development only)")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="accept requests without a tenant token (development only)",
+    )
     p.add_argument("--ready-file", help="write the bound address here once serving")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -35,11 +41,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    overrides = {k: getattr(args, k) for k in (
-        "node_id", "listen", "device", "pool_bytes", "slot_bytes", "data_dir", "nvme_bytes",
-        "eviction", "etcd_endpoints", "allow_unauthenticated")}
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "node_id",
+            "listen",
+            "device",
+            "pool_bytes",
+            "slot_bytes",
+            "data_dir",
+            "nvme_bytes",
+            "eviction",
+            "etcd_endpoints",
+            "allow_unauthenticated",
+        )
+    }
     try:
         cfg = load_config(AgentConfig, args.config, "KVSTORE_AGENT_", overrides)
     except (ValueError, OSError) as exc:
@@ -47,6 +66,7 @@ def main(argv=None) -> int:
         return 2
     from node_agent.server import serve
     from kvstore.process import StartupError
+
     try:
         asyncio.run(serve(cfg, args.ready_file))
     except StartupError as exc:

@@ -22,6 +22,7 @@ kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
 Wiring (node_agent/server.py): `await control.start()` before serving, and
 `Registration(..., on_registered=control.catch_up)` so `registered` is set only after that.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,19 +42,31 @@ log = logging.getLogger("kvstore.agent")
 
 
 class AgentControl(ControlFollower):
-    def __init__(self, store: BlockStore, endpoints: str, node_id: str,
-                 publish: Callable[[], None] | None = None,
-                 prefix: str = DEFAULT_PREFIX, max_namespaces_per_tenant: int = 0) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        endpoints: str,
+        node_id: str,
+        publish: Callable[[], None] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        max_namespaces_per_tenant: int = 0,
+    ) -> None:
         super().__init__(EtcdClient(endpoints, prefix), node_id, follow_quotas=True)
         self.store = store
-        self.namespaces = NamespaceRegistry(store, self.etcd, max_namespaces_per_tenant,
-                                            self.known_generation, self.known_namespaces,
-                                            lambda: self.flush_view_revision)
+        self.namespaces = NamespaceRegistry(
+            store,
+            self.etcd,
+            max_namespaces_per_tenant,
+            self.known_generation,
+            self.known_namespaces,
+            lambda: self.flush_view_revision,
+        )
         self._publish = publish or (lambda: None)
         acc = store.accounts
         # The configured limits: what a tenant gets back when its etcd quota is removed.
-        self._config_limits = {t: (acc.limit(t, Tier.HBM), acc.limit(t, Tier.NVME))
-                               for t in acc.tenants()}
+        self._config_limits = {
+            t: (acc.limit(t, Tier.HBM), acc.limit(t, Tier.NVME)) for t in acc.tenants()
+        }
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
         await super().start(timeout_s, what or f"agent {self.member}")
@@ -69,8 +82,13 @@ class AgentControl(ControlFollower):
         dropped = await asyncio.to_thread(self._set_generation, ns_id, generation)
         self._publish()
         if dropped:
-            log.info("namespace %s/%s now at generation %d: dropped %d blocks", tenant,
-                     ns_id.hex()[:12], generation, dropped)
+            log.info(
+                "namespace %s/%s now at generation %d: dropped %d blocks",
+                tenant,
+                ns_id.hex()[:12],
+                generation,
+                dropped,
+            )
         return dropped
 
     def _set_generation(self, ns_id: bytes, generation: int) -> int:
@@ -81,9 +99,11 @@ class AgentControl(ControlFollower):
 
     async def on_killswitch(self, enabled: bool) -> None:
         if enabled != self.store.killed:
-            log.warning("kill switch %s: %s", "ON" if enabled else "off",
-                        "every lookup misses, writes are refused" if enabled
-                        else "caching resumes")
+            log.warning(
+                "kill switch %s: %s",
+                "ON" if enabled else "off",
+                "every lookup misses, writes are refused" if enabled else "caching resumes",
+            )
         self.store.killed = enabled
 
     async def on_quota(self, tenant: str, quota: Quota | None) -> None:
@@ -93,8 +113,13 @@ class AgentControl(ControlFollower):
             nvme = nvme if quota.nvme_limit_bytes is None else quota.nvme_limit_bytes
         evicted = await asyncio.to_thread(self.store.set_tenant_limits, tenant, hbm, nvme)
         self._publish()
-        log.info("tenant %s limits: hbm %s, nvme %s bytes (%d blocks evicted to fit)", tenant,
-                 hbm or "unlimited", nvme or "unlimited", evicted)
+        log.info(
+            "tenant %s limits: hbm %s, nvme %s bytes (%d blocks evicted to fit)",
+            tenant,
+            hbm or "unlimited",
+            nvme or "unlimited",
+            evicted,
+        )
 
     async def on_flush(self, tenant: str, name: str, revision: int) -> tuple[int, int]:
         result = await self.namespaces.on_flush(tenant, name, revision)

@@ -5,6 +5,7 @@ number it reflects, then every later event in order. Both are taken under the st
 so nothing falls between them; events already covered by the snapshot are skipped.
 A subscriber that falls too far behind is cut off and resyncs from a fresh snapshot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +24,15 @@ MAX_BACKLOG = 10_000
 
 
 def event_to_proto(ev: BlockEvent) -> agent_pb2.Event:
-    return agent_pb2.Event(seq=ev.seq, kind=int(ev.kind), namespace_id=ev.namespace_id,
-                           block_ids=pack_ids(ev.block_ids), parent_id=ev.parent_id,
-                           tier=int(ev.tier) if ev.tier is not None else 0,
-                           generation=ev.generation)
+    return agent_pb2.Event(
+        seq=ev.seq,
+        kind=int(ev.kind),
+        namespace_id=ev.namespace_id,
+        block_ids=pack_ids(ev.block_ids),
+        parent_id=ev.parent_id,
+        tier=int(ev.tier) if ev.tier is not None else 0,
+        generation=ev.generation,
+    )
 
 
 class EventHub:
@@ -66,8 +72,7 @@ class EventHub:
                     return
                 live = [event_to_proto(e) for e in events if e.seq > seq]
                 if live:
-                    yield agent_pb2.EventBatch(node_id=self.node_id, epoch=self.epoch,
-                                               events=live)
+                    yield agent_pb2.EventBatch(node_id=self.node_id, epoch=self.epoch, events=live)
         finally:
             self._subs.discard(q)
 
@@ -77,10 +82,20 @@ class EventHub:
             for tier in (1, 2):
                 ids = [b for b, t in blocks if int(t) == tier]
                 for i in range(0, len(ids), SNAPSHOT_IDS_PER_EVENT):
-                    events.append(agent_pb2.Event(
-                        seq=seq, kind=agent_pb2.Event.STORED, namespace_id=ns_id,
-                        block_ids=pack_ids(ids[i: i + SNAPSHOT_IDS_PER_EVENT]), tier=tier))
+                    events.append(
+                        agent_pb2.Event(
+                            seq=seq,
+                            kind=agent_pb2.Event.STORED,
+                            namespace_id=ns_id,
+                            block_ids=pack_ids(ids[i : i + SNAPSHOT_IDS_PER_EVENT]),
+                            tier=tier,
+                        )
+                    )
         for i in range(0, max(len(events), 1), 64):
-            yield agent_pb2.EventBatch(node_id=self.node_id, epoch=self.epoch, snapshot=True,
-                                       snapshot_done=i + 64 >= len(events),
-                                       events=events[i: i + 64])
+            yield agent_pb2.EventBatch(
+                node_id=self.node_id,
+                epoch=self.epoch,
+                snapshot=True,
+                snapshot_done=i + 64 >= len(events),
+                events=events[i : i + 64],
+            )

@@ -1,6 +1,7 @@
 """gRPC edge of the agent: authentication (per-tenant bearer tokens) on top of the shared
 edge (kvstore/grpc_edge.py), the one place where undecodable requests and the core's error
 hierarchy become gRPC status codes."""
+
 from __future__ import annotations
 
 import contextvars
@@ -16,7 +17,8 @@ log = logging.getLogger("kvstore.agent")
 
 # The authenticated tenant of the current request; None when unauthenticated mode allows it.
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "current_tenant", default=None)
+    "current_tenant", default=None
+)
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
@@ -50,5 +52,6 @@ def check_access(owner: str, public: bool, write: bool) -> None:
     tenant = current_tenant.get()
     if tenant is None or tenant == owner or (public and not write):
         return
-    raise errors.PermissionDenied(f"tenant {tenant!r} may not {'write' if write else 'read'} "
-                                  f"namespaces of tenant {owner!r}")
+    raise errors.PermissionDenied(
+        f"tenant {tenant!r} may not {'write' if write else 'read'} namespaces of tenant {owner!r}"
+    )

@@ -6,6 +6,7 @@ the same AgentServicer method, so a Lookup over the lane is authorised, counted,
 and answered exactly as over gRPC. The socket lives next to the clients' shared-memory
 regions (/dev/shm): a client reaches it exactly when the agent could map its region.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +24,7 @@ from kvstore.v1 import agent_pb2
 from node_agent.shm import SHM_DIR
 
 log = logging.getLogger("kvstore.agent")
+
 
 class _Details(NamedTuple):  # what grpc.HandlerCallDetails carries
     method: str
@@ -61,16 +63,20 @@ class LocalLane:
     """Serves Lookup, shared-memory Get and Put on a Unix socket."""
 
     def __init__(self, servicer, interceptors: list, directory: str = SHM_DIR) -> None:
-        self.path = os.path.join(directory,
-                                 f"kvstore-agent-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        self.path = os.path.join(
+            directory, f"kvstore-agent-{os.getpid()}-{secrets.token_hex(4)}.sock"
+        )
         self._interceptors = list(interceptors)
         self._handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(
-                servicer.Lookup, agent_pb2.LookupRequest.FromString, _serialize),
+                servicer.Lookup, agent_pb2.LookupRequest.FromString, _serialize
+            ),
             "Get": grpc.unary_stream_rpc_method_handler(
-                servicer.Get, agent_pb2.GetRequest.FromString, _serialize),
+                servicer.Get, agent_pb2.GetRequest.FromString, _serialize
+            ),
             "Put": grpc.stream_unary_rpc_method_handler(
-                servicer.Put, agent_pb2.PutRequest.FromString, _serialize),
+                servicer.Put, agent_pb2.PutRequest.FromString, _serialize
+            ),
         }
         self._server: asyncio.AbstractServer | None = None
         self.calls = 0  # framed calls answered (Stats counters: local_lane_calls)
@@ -103,10 +109,13 @@ class LocalLane:
                 head = await reader.readexactly(lane.REQUEST_HEADER.size)
                 n, method, meta_len = lane.REQUEST_HEADER.unpack(head)
                 if n > lane.MAX_FRAME_BYTES or meta_len > n:
-                    writer.write(lane.response_frame(
-                        grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        f"local-lane frame of {n} bytes (meta {meta_len}) refused; the "
-                        f"limit is {lane.MAX_FRAME_BYTES}".encode()))
+                    writer.write(
+                        lane.response_frame(
+                            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                            f"local-lane frame of {n} bytes (meta {meta_len}) refused; the "
+                            f"limit is {lane.MAX_FRAME_BYTES}".encode(),
+                        )
+                    )
                     await writer.drain()
                     return  # the stream cannot be resynchronised: drop the connection
                 body = await reader.readexactly(n)
@@ -135,8 +144,10 @@ class LocalLane:
         if isinstance(request, Undecodable):
             return _error(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if name == "Get" and not request.HasField("shm"):
-            return _error(grpc.StatusCode.INVALID_ARGUMENT,
-                          "the local lane serves shared-memory Gets only (set shm)")
+            return _error(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the local lane serves shared-memory Gets only (set shm)",
+            )
         ctx = LaneContext(meta)
         try:
             if handler.unary_unary:
@@ -149,8 +160,7 @@ class LocalLane:
         except _Abort as exc:
             return _error(exc.code, exc.details)
         except Exception as exc:  # a bug: the edge answers the servicer's own errors
-            return _error(grpc.StatusCode.INTERNAL,
-                          log_unexpected(log, f"local-lane {name}", exc))
+            return _error(grpc.StatusCode.INTERNAL, log_unexpected(log, f"local-lane {name}", exc))
         return lane.OK, handler.response_serializer(response)
 
     async def _intercepted(self, i: int, details: _Details):
@@ -158,7 +168,8 @@ class LocalLane:
         if i == len(self._interceptors):
             return self._handlers[details.method.rsplit("/", 1)[-1]]
         return await self._interceptors[i].intercept_service(
-            lambda d: self._intercepted(i + 1, d), details)
+            lambda d: self._intercepted(i + 1, d), details
+        )
 
 
 def _error(code: grpc.StatusCode, details: str) -> tuple[int, bytes]:

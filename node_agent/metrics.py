@@ -20,6 +20,7 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
 Tokens are counted in whole blocks (block_size tokens each): the agent sees block ids only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,18 +28,63 @@ import time
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from kvstore.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
-                               tracing_enabled)
+from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 from kvstore.events import Tier
 
 log = logging.getLogger("kvstore.agent")
 
-HIT_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                     65536, 131072)
-FLUSH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                 10.0, 30.0, 60.0)
-PEER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                5.0, 10.0, 30.0, 60.0)
+HIT_TOKEN_BUCKETS = (
+    0,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+)
+FLUSH_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+PEER_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 TIERS = ((Tier.HBM, "hbm"), (Tier.NVME, "nvme"))
 # Per-tenant tally slots, in the order of the counters that expose them.
 REQUESTS, REQUESTS_HIT, LOOKUP_TOKENS, HIT_TOKENS, SAVED_TOKENS = range(5)
@@ -58,11 +104,18 @@ _EVICTIONS = (
     ("nvme", "quota", lambda c: c.get("evict_nvme_quota", 0)),
 )
 # event label -> key of RocksTier.counters()
-_NVME_EVENTS = (("write_outage", "nvme_write_outages"), ("write_recovery", "nvme_write_recoveries"),
-                ("write_refused", "nvme_writes_refused"), ("flush", "nvme_flushes"),
-                ("quarantined", "nvme_quarantined"))
-_REMOVED = (("flush", "blocks_dropped_flush"), ("expired", "removed_expired"),
-            ("corrupt", "removed_corrupt"))
+_NVME_EVENTS = (
+    ("write_outage", "nvme_write_outages"),
+    ("write_recovery", "nvme_write_recoveries"),
+    ("write_refused", "nvme_writes_refused"),
+    ("flush", "nvme_flushes"),
+    ("quarantined", "nvme_quarantined"),
+)
+_REMOVED = (
+    ("flush", "blocks_dropped_flush"),
+    ("expired", "removed_expired"),
+    ("corrupt", "removed_corrupt"),
+)
 
 
 class AgentMetrics:
@@ -92,9 +145,16 @@ class AgentMetrics:
             self._hit_length.record(res.matched * bs, self._labels[st.tenant])
         attrs = pending_attributes()
         if attrs is not None:
-            attrs.update({"kvstore.tenant": st.tenant, "kvstore.namespace": st.spec.name,
-                          "kvstore.blocks": n_blocks, "kvstore.matched_blocks": res.matched,
-                          "kvstore.hbm_blocks": res.hbm, "kvstore.nvme_blocks": res.nvme})
+            attrs.update(
+                {
+                    "kvstore.tenant": st.tenant,
+                    "kvstore.namespace": st.spec.name,
+                    "kvstore.blocks": n_blocks,
+                    "kvstore.matched_blocks": res.matched,
+                    "kvstore.hbm_blocks": res.hbm,
+                    "kvstore.nvme_blocks": res.nvme,
+                }
+            )
 
     def served(self, st, served) -> None:
         """Blocks a Get served (called per chunk of a streamed Get)."""
@@ -106,9 +166,12 @@ class AgentMetrics:
             hbm = sum(1 for s in served if s.tier == Tier.HBM)
             attrs["kvstore.tenant"] = st.tenant
             attrs["kvstore.namespace"] = st.spec.name
-            for key, n in (("kvstore.blocks", len(served)), ("kvstore.hbm_blocks", hbm),
-                           ("kvstore.nvme_blocks", len(served) - hbm),
-                           ("kvstore.bytes", len(served) * st.spec.block_bytes)):
+            for key, n in (
+                ("kvstore.blocks", len(served)),
+                ("kvstore.hbm_blocks", hbm),
+                ("kvstore.nvme_blocks", len(served) - hbm),
+                ("kvstore.bytes", len(served) * st.spec.block_bytes),
+            ):
                 attrs[key] = attrs.get(key, 0) + n
 
     def tally(self, tenant: str) -> tuple[int, ...]:
@@ -119,11 +182,12 @@ class AgentMetrics:
     def export(self, meter, store, servicer) -> None:
         """Register every agent instrument with `meter` (once)."""
         for i, (name, desc) in enumerate(_TALLY_COUNTERS):
-            meter.create_observable_counter(name, [self._tally_callback(i)],
-                                            description=desc)
+            meter.create_observable_counter(name, [self._tally_callback(i)], description=desc)
         self._hit_length = meter.create_histogram(
-            "kvstore_hit_length_tokens", description="Tokens matched per lookup",
-            explicit_bucket_boundaries_advisory=HIT_TOKEN_BUCKETS)
+            "kvstore_hit_length_tokens",
+            description="Tokens matched per lookup",
+            explicit_bucket_boundaries_advisory=HIT_TOKEN_BUCKETS,
+        )
         _StoreGauges(store, servicer).register(meter)
 
     def _tally_callback(self, i: int):
@@ -132,6 +196,7 @@ class AgentMetrics:
             # adding a tenant meanwhile.
             rows = list(self._tally.items())
             return [Observation(row[i], self._labels[t]) for t, row in rows]
+
         return callback
 
 
@@ -143,33 +208,56 @@ class _StoreGauges:
         self.servicer = servicer
 
     def register(self, meter) -> None:
-        meter.create_observable_gauge("kvstore_tier_bytes", [self.tier_bytes], unit="By",
-                                      description="Bytes held per tier and tenant")
-        meter.create_observable_gauge("kvstore_tier_blocks", [self.tier_blocks],
-                                      description="Blocks held per tier and tenant")
-        meter.create_observable_gauge("kvstore_tier_capacity_bytes", [self.capacity],
-                                      unit="By", description="Capacity per tier")
-        meter.create_observable_counter("kvstore_evictions", [self.evictions],
-                                        description="Blocks evicted per tier and reason")
-        meter.create_observable_counter("kvstore_removed_blocks", [self.removed],
-                                        description="Blocks dropped by flush, expiry, "
-                                                    "corruption")
-        meter.create_observable_counter("kvstore_tier_moves", [self.moves],
-                                        description="Promotions (to=hbm), demotions "
-                                                    "(to=nvme)")
-        meter.create_observable_gauge("kvstore_nvme_writable", [self.nvme_writable],
-                                      description="1 while the NVMe tier takes writes")
-        meter.create_observable_counter("kvstore_nvme_events", [self.nvme_events],
-                                        description="NVMe tier write outages, recoveries, "
-                                                    "refused writes, flushes, quarantines")
-        meter.create_observable_gauge("kvstore_inflight_requests", [self.inflight],
-                                      description="Data-path copies in progress")
+        meter.create_observable_gauge(
+            "kvstore_tier_bytes",
+            [self.tier_bytes],
+            unit="By",
+            description="Bytes held per tier and tenant",
+        )
+        meter.create_observable_gauge(
+            "kvstore_tier_blocks", [self.tier_blocks], description="Blocks held per tier and tenant"
+        )
+        meter.create_observable_gauge(
+            "kvstore_tier_capacity_bytes",
+            [self.capacity],
+            unit="By",
+            description="Capacity per tier",
+        )
+        meter.create_observable_counter(
+            "kvstore_evictions", [self.evictions], description="Blocks evicted per tier and reason"
+        )
+        meter.create_observable_counter(
+            "kvstore_removed_blocks",
+            [self.removed],
+            description="Blocks dropped by flush, expiry, corruption",
+        )
+        meter.create_observable_counter(
+            "kvstore_tier_moves",
+            [self.moves],
+            description="Promotions (to=hbm), demotions (to=nvme)",
+        )
+        meter.create_observable_gauge(
+            "kvstore_nvme_writable",
+            [self.nvme_writable],
+            description="1 while the NVMe tier takes writes",
+        )
+        meter.create_observable_counter(
+            "kvstore_nvme_events",
+            [self.nvme_events],
+            description="NVMe tier write outages, recoveries, refused writes, flushes, quarantines",
+        )
+        meter.create_observable_gauge(
+            "kvstore_inflight_requests", [self.inflight], description="Data-path copies in progress"
+        )
 
     def _per_tenant(self, read) -> list[Observation]:
         with self.store.lock:
             acc = self.store.accounts
-            return [Observation(read(acc, t, tier), {"tier": name, "tenant": t})
-                    for t in acc.tenants() for tier, name in TIERS]
+            return [
+                Observation(read(acc, t, tier), {"tier": name, "tenant": t})
+                for t in acc.tenants()
+                for tier, name in TIERS
+            ]
 
     def tier_bytes(self, options: CallbackOptions):
         return self._per_tenant(lambda acc, t, tier: acc.used(t, tier))
@@ -189,8 +277,10 @@ class _StoreGauges:
 
     def evictions(self, options: CallbackOptions):
         c = self._counters()
-        return [Observation(read(c), {"tier": tier, "reason": reason})
-                for tier, reason, read in _EVICTIONS]
+        return [
+            Observation(read(c), {"tier": tier, "reason": reason})
+            for tier, reason, read in _EVICTIONS
+        ]
 
     def removed(self, options: CallbackOptions):
         c = self._counters()
@@ -198,8 +288,10 @@ class _StoreGauges:
 
     def moves(self, options: CallbackOptions):
         c = self._counters()
-        return [Observation(c.get("promotions", 0), {"to": "hbm"}),
-                Observation(c.get("demotions", 0), {"to": "nvme"})]
+        return [
+            Observation(c.get("promotions", 0), {"to": "hbm"}),
+            Observation(c.get("demotions", 0), {"to": "nvme"}),
+        ]
 
     def nvme_writable(self, options: CallbackOptions):
         rocks = self.store.rocks
@@ -231,30 +323,43 @@ class AgentTelemetry(ServiceTelemetry):
         if meter is not None:
             agent.servicer.metrics.export(meter, agent.store, agent.servicer)
             self._flush = meter.create_histogram(
-                "kvstore_flush_duration_seconds", unit="s",
+                "kvstore_flush_duration_seconds",
+                unit="s",
                 description="Time to put a flushed namespace generation in force here",
-                explicit_bucket_boundaries_advisory=FLUSH_BUCKETS)
+                explicit_bucket_boundaries_advisory=FLUSH_BUCKETS,
+            )
             self._peer = meter.create_histogram(
-                "kvstore_peer_transfer_seconds", unit="s",
+                "kvstore_peer_transfer_seconds",
+                unit="s",
                 description="Prefetch time for blocks pulled from a peer",
-                explicit_bucket_boundaries_advisory=PEER_BUCKETS)
+                explicit_bucket_boundaries_advisory=PEER_BUCKETS,
+            )
             self._peer_blocks = meter.create_counter(
-                "kvstore_peer_fetched_blocks", description="Blocks pulled from peers")
+                "kvstore_peer_fetched_blocks", description="Blocks pulled from peers"
+            )
         self.interceptors: list = []
         if meter is not None or tracing_enabled():
-            self.interceptors.append(RpcTelemetry(
-                meter, {"kvstore.node": cfg.node_id},
-                {"Put": _observe_put, "Prefetch": self._observe_prefetch}))
+            self.interceptors.append(
+                RpcTelemetry(
+                    meter,
+                    {"kvstore.node": cfg.node_id},
+                    {"Put": _observe_put, "Prefetch": self._observe_prefetch},
+                )
+            )
 
     def _observe_prefetch(self, request, response, seconds: float) -> None:
         attrs = pending_attributes()
         if attrs is not None:
-            attrs.update({"kvstore.blocks": len(request.block_ids) // 16,
-                          "kvstore.present_blocks": response.present,
-                          "kvstore.fetched_blocks": response.fetched,
-                          "kvstore.waited_blocks": response.waited,
-                          "kvstore.transport": response.transport,
-                          "kvstore.stopped": response.stopped})
+            attrs.update(
+                {
+                    "kvstore.blocks": len(request.block_ids) // 16,
+                    "kvstore.present_blocks": response.present,
+                    "kvstore.fetched_blocks": response.fetched,
+                    "kvstore.waited_blocks": response.waited,
+                    "kvstore.transport": response.transport,
+                    "kvstore.stopped": response.stopped,
+                }
+            )
         if self._peer is not None and response.transport:  # something was pulled
             labels = {"transport": response.transport}
             self._peer.record(seconds, labels)

@@ -28,6 +28,7 @@ The cap (max_namespaces_per_tenant) is enforced by the claim, atomically across 
 cluster; for namespaces opened while etcd is unreachable it is checked against what this
 agent knows (the records it follows plus its pending ones), per agent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,7 +61,8 @@ def check_cap(tenant: str, held: set[bytes], ns_id: bytes, limit: int) -> None:
     if limit and ns_id not in held and len(held) >= limit:
         raise errors.ResourceExhausted(
             f"tenant {tenant!r} already has {len(held)} namespaces; the limit is {limit} "
-            "(max_namespaces_per_tenant)")
+            "(max_namespaces_per_tenant)"
+        )
 
 
 class NamespaceRegistry:
@@ -68,10 +70,15 @@ class NamespaceRegistry:
     (None: no record known), `known_ids(tenant)` the ids of the tenant's records, and
     `flush_view` the revision up to which every flush marker is known."""
 
-    def __init__(self, store: BlockStore, etcd: EtcdClient, limit: int,
-                 known: Callable[[bytes], int | None],
-                 known_ids: Callable[[str], set[bytes]],
-                 flush_view: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        etcd: EtcdClient,
+        limit: int,
+        known: Callable[[bytes], int | None],
+        known_ids: Callable[[str], set[bytes]],
+        flush_view: Callable[[], int],
+    ) -> None:
         self.store, self.etcd, self.limit = store, etcd, limit
         self._known, self._known_ids, self._flush_view = known, known_ids, flush_view
         self._pending: dict[bytes, Pending] = {}
@@ -96,8 +103,10 @@ class NamespaceRegistry:
             if self._known(st.ns_id) is None and st.ns_id not in self._pending:
                 self._pending[st.ns_id] = Pending(st.spec, 0, st.generation)
         if self._pending:
-            log.info("%d namespaces recovered without an etcd record; registering them",
-                     len(self._pending))
+            log.info(
+                "%d namespaces recovered without an etcd record; registering them",
+                len(self._pending),
+            )
             self._wake.set()
         self._task = asyncio.create_task(self._run(), name="namespace-registration")
 
@@ -122,12 +131,18 @@ class NamespaceRegistry:
                 return self.store.open_namespace(spec, generation)
             except errors.Unavailable as exc:
                 self._etcd_down = True
-                log.warning("namespace %s opened without etcd (%s); registering it as soon "
-                            "as etcd answers", spec.key, exc)
+                log.warning(
+                    "namespace %s opened without etcd (%s); registering it as soon as etcd answers",
+                    spec.key,
+                    exc,
+                )
         if ns_id in self._pending:  # opened by a concurrent call meanwhile
             return self.store.open_namespace(spec, self._pending[ns_id].generation)
-        held = (self._known_ids(spec.tenant) | self._claimed.get(spec.tenant, set())
-                | {i for i, q in self._pending.items() if q.spec.tenant == spec.tenant})
+        held = (
+            self._known_ids(spec.tenant)
+            | self._claimed.get(spec.tenant, set())
+            | {i for i, q in self._pending.items() if q.spec.tenant == spec.tenant}
+        )
         check_cap(spec.tenant, held, ns_id, self.limit)
         st = self.store.open_namespace(spec, p.generation)
         p.generation = max(p.generation, st.generation)
@@ -148,13 +163,24 @@ class NamespaceRegistry:
         opened before we knew of the flush at `revision`. Returns (flushed, dropped)."""
         flushed = dropped = 0
         for ns_id, p in list(self._pending.items()):
-            if (p.spec.tenant == tenant and name in (p.spec.name, ns_id.hex())
-                    and self._pending.get(ns_id) is p and p.seen_revision < revision):
+            if (
+                p.spec.tenant == tenant
+                and name in (p.spec.name, ns_id.hex())
+                and self._pending.get(ns_id) is p
+                and p.seen_revision < revision
+            ):
                 dropped += await self._flush_locally(p, revision)
                 flushed += 1
         if flushed:
-            log.info("flush of %s/%s (revision %d) applied to %d namespaces not yet in etcd: "
-                     "%d blocks dropped", tenant, name, revision, flushed, dropped)
+            log.info(
+                "flush of %s/%s (revision %d) applied to %d namespaces not yet in etcd: "
+                "%d blocks dropped",
+                tenant,
+                name,
+                revision,
+                flushed,
+                dropped,
+            )
         return flushed, dropped
 
     async def _flush_locally(self, p: Pending, revision: int) -> int:
@@ -162,8 +188,9 @@ class NamespaceRegistry:
         p.seen_revision = max(p.seen_revision, revision)
         p.generation = max(p.generation, self._local_generation(p.spec.namespace_id)) + 1
         try:
-            return await asyncio.to_thread(self.store.set_generation, p.spec.namespace_id,
-                                           p.generation)
+            return await asyncio.to_thread(
+                self.store.set_generation, p.spec.namespace_id, p.generation
+            )
         except errors.NotFound:  # not opened here yet: it opens at p.generation
             return 0
 
@@ -179,15 +206,17 @@ class NamespaceRegistry:
                 local = self._local(spec.namespace_id)
                 policy = local.policy if local is not None else self.store.policy_for(spec)
                 claim = await self.etcd.claim_namespace(
-                    spec.namespace_id, spec.to_dict(), policy.to_dict(), gen, seen, self.limit)
+                    spec.namespace_id, spec.to_dict(), policy.to_dict(), gen, seen, self.limit
+                )
                 if (p.seen_revision, p.generation) != (seen, gen):
                     continue  # flushed here while we asked: claim the new generation
                 if claim.flushed_at > seen:
                     await self._flush_locally(p, claim.flushed_at)
                     continue
                 return max(claim.generation, gen)
-        raise errors.Unavailable(f"namespace {spec.key}: kept being flushed while it was "
-                                 "registered; retrying")
+        raise errors.Unavailable(
+            f"namespace {spec.key}: kept being flushed while it was registered; retrying"
+        )
 
     def _finish(self, p: Pending, generation: int) -> None:
         """Registered: etcd's record (and the watch) govern it from now on. No await
@@ -215,15 +244,22 @@ class NamespaceRegistry:
                     self._etcd_down = False
                 except errors.Unavailable as exc:
                     if not self._etcd_down or delay == _RETRY_S:
-                        log.warning("%d namespaces wait for etcd to register them (still "
-                                    "served, flushed by name meanwhile): %s",
-                                    len(self._pending), exc)
+                        log.warning(
+                            "%d namespaces wait for etcd to register them (still "
+                            "served, flushed by name meanwhile): %s",
+                            len(self._pending),
+                            exc,
+                        )
                     self._etcd_down, failed = True, True
                     break
                 except errors.KvError as exc:  # cap reached meanwhile, damaged record
                     if p.refused != str(exc):
-                        log.warning("namespace %s cannot be registered in etcd: %s (still "
-                                    "served, flushed by name; retrying)", p.spec.key, exc)
+                        log.warning(
+                            "namespace %s cannot be registered in etcd: %s (still "
+                            "served, flushed by name; retrying)",
+                            p.spec.key,
+                            exc,
+                        )
                     p.refused, failed = str(exc), True
             if failed:
                 self._wake.set()

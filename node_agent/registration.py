@@ -14,6 +14,7 @@ generations and kill switch as of a revision after our record, so a flush whose
 membership check just missed us is in force before we count as registered
 (kvstore/coord/follow.py, `ControlFollower.catch_up`, has the argument).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,9 +28,14 @@ log = logging.getLogger("kvstore.agent")
 
 
 class Registration:
-    def __init__(self, endpoints: str, record: Callable[[], NodeRecord], ttl_s: int,
-                 prefix: str = DEFAULT_PREFIX,
-                 on_registered: Callable[[], Awaitable[object]] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: str,
+        record: Callable[[], NodeRecord],
+        ttl_s: int,
+        prefix: str = DEFAULT_PREFIX,
+        on_registered: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         if ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {ttl_s}")
         self._endpoints = endpoints
@@ -45,8 +51,9 @@ class Registration:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._etcd = EtcdClient(self._endpoints, self._prefix,
-                                timeout=max(1.0, min(3.0, self.ttl_s / 2)))
+        self._etcd = EtcdClient(
+            self._endpoints, self._prefix, timeout=max(1.0, min(3.0, self.ttl_s / 2))
+        )
         self._task = asyncio.create_task(self._run(), name="etcd-registration")
 
     async def stop(self) -> None:
@@ -64,8 +71,9 @@ class Registration:
                     await self._etcd.revoke(self.lease)
                     log.info("revoked etcd lease %x", self.lease)
                 except errors.KvError as exc:
-                    log.warning("could not revoke etcd lease (it will expire in %ds): %s",
-                                self.ttl_s, exc)
+                    log.warning(
+                        "could not revoke etcd lease (it will expire in %ds): %s", self.ttl_s, exc
+                    )
             await self._etcd.close()
             self._etcd = None
 
@@ -81,8 +89,7 @@ class Registration:
                 self.lease = 0  # our lease expired while we waited: take a new one
             except errors.KvError as exc:
                 if not complained:
-                    log.warning("etcd registration failing (the data path keeps serving): "
-                                "%s", exc)
+                    log.warning("etcd registration failing (the data path keeps serving): %s", exc)
                     complained = True
             except Exception:  # on_registered's hook failed: keep trying, never give up
                 log.exception("applying etcd state after registering failed; retrying")
@@ -95,15 +102,22 @@ class Registration:
         if not self.lease:
             self.lease = await self._etcd.grant(self.ttl_s)
         if not await self._etcd.register_node(rec, self.lease):
-            log.warning("node id %s is held by another live agent in etcd; waiting for its "
-                        "lease to expire", rec.node_id)
+            log.warning(
+                "node id %s is held by another live agent in etcd; waiting for its lease to expire",
+                rec.node_id,
+            )
             return False
         if self._on_registered is not None:
             # After our record is committed, not before: see the module docstring. A
             # failure here (etcd gone again) retries the whole registration.
             await self._on_registered()
-        log.info("registered %s at %s in etcd (lease %x, ttl %ds)", rec.node_id, rec.address,
-                 self.lease, self.ttl_s)
+        log.info(
+            "registered %s at %s in etcd (lease %x, ttl %ds)",
+            rec.node_id,
+            rec.address,
+            self.lease,
+            self.ttl_s,
+        )
         self.registered.set()
         self._last = rec
         return True

@@ -1,5 +1,6 @@
 """Node agent process: builds the store from config, recovers it from RocksDB, serves gRPC
 (data plane, events, health) and runs background maintenance."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,7 @@ from kvstore.eviction import make_policy
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
-from kvstore.tiers.rocks import (Quarantine, RocksTier, TierCorrupt, TierUnavailable,
-                                 quarantine)
+from kvstore.tiers.rocks import Quarantine, RocksTier, TierCorrupt, TierUnavailable, quarantine
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -52,8 +52,11 @@ def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
     """Move the unreadable files aside (kvstore.tiers.rocks.quarantine) and open an empty
     tier in their place: an agent that starts beats a crash loop over a damaged disk."""
     moved_to = quarantine(cfg.data_dir)
-    log.error("NVMe tier unreadable (%s): moved its files to %s, starting with an empty "
-              "NVMe tier", reason, moved_to)
+    log.error(
+        "NVMe tier unreadable (%s): moved its files to %s, starting with an empty NVMe tier",
+        reason,
+        moved_to,
+    )
     rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
     rocks.quarantined = Quarantine(moved_to, reason)
     return rocks
@@ -62,12 +65,19 @@ def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
 def build_store(cfg: AgentConfig) -> BlockStore:
     pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device)
     rocks = open_nvme(cfg)
-    limits = {t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
-              for t, tc in cfg.tenants.items()}
+    limits = {
+        t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
+        for t, tc in cfg.tenants.items()
+    }
     threads = cfg.copy_threads or min(4, os.cpu_count() or 1)
-    store = BlockStore(pool, rocks, make_policy(cfg.eviction), TenantAccounts(limits),
-                       policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name),
-                       copy_threads=threads)
+    store = BlockStore(
+        pool,
+        rocks,
+        make_policy(cfg.eviction),
+        TenantAccounts(limits),
+        policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name),
+        copy_threads=threads,
+    )
     return store
 
 
@@ -77,9 +87,14 @@ class AgentServer:
         self.store = build_store(cfg)
         self.hub = EventHub(self.store, cfg.node_id)
         self.shm = ShmRegistry()
-        self.servicer = AgentServicer(self.store, self.hub, self.shm, cfg.node_id,
-                                      cfg.max_blocks_per_request,
-                                      cfg.max_namespaces_per_tenant)
+        self.servicer = AgentServicer(
+            self.store,
+            self.hub,
+            self.shm,
+            cfg.node_id,
+            cfg.max_blocks_per_request,
+            cfg.max_namespaces_per_tenant,
+        )
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
@@ -104,22 +119,35 @@ class AgentServer:
     async def start(self) -> None:
         self.telemetry = AgentTelemetry(self)
         rec = self._recover()
-        log.info("recovered %d blocks from %s (%d dropped)", rec["recovered"],
-                 self.cfg.data_dir, rec["dropped"])
+        log.info(
+            "recovered %d blocks from %s (%d dropped)",
+            rec["recovered"],
+            self.cfg.data_dir,
+            rec["dropped"],
+        )
         if self.cfg.etcd_endpoints:  # catch up (flushes, kill switch) before serving
             from node_agent.control import AgentControl
-            self.control = AgentControl(self.store, self.cfg.etcd_endpoints,
-                                        self.cfg.node_id, self.hub.publish_pending,
-                                        max_namespaces_per_tenant=self.cfg.max_namespaces_per_tenant)
+
+            self.control = AgentControl(
+                self.store,
+                self.cfg.etcd_endpoints,
+                self.cfg.node_id,
+                self.hub.publish_pending,
+                max_namespaces_per_tenant=self.cfg.max_namespaces_per_tenant,
+            )
             self.telemetry.watch_generations(self.control)
             await self.control.start()
             self.servicer.control = self.control
-        opts = [("grpc.max_send_message_length", self.cfg.max_message_bytes),
-                ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
-                ("grpc.so_reuseport", 0)]
+        opts = [
+            ("grpc.max_send_message_length", self.cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
         tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
-        interceptors = [*self.telemetry.interceptors,
-                        EdgeInterceptor(tokens, self.cfg.allow_unauthenticated)]
+        interceptors = [
+            *self.telemetry.interceptors,
+            EdgeInterceptor(tokens, self.cfg.allow_unauthenticated),
+        ]
         self.server = grpc.aio.server(interceptors=interceptors, options=opts)
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -140,15 +168,24 @@ class AgentServer:
             self._tasks.append(asyncio.create_task(self._flush_nvme()))
         if self.cfg.etcd_endpoints:
             from node_agent.registration import Registration
+
             # After each (re-)registration, list generations again: a flush that read
             # membership before our key existed did not wait for us (kvstore/coord/control_follow).
-            self.registration = Registration(self.cfg.etcd_endpoints, self.node_record,
-                                             self.cfg.lease_ttl_s,
-                                             on_registered=self.control.catch_up)
+            self.registration = Registration(
+                self.cfg.etcd_endpoints,
+                self.node_record,
+                self.cfg.lease_ttl_s,
+                on_registered=self.control.catch_up,
+            )
             await self.registration.start()
-        log.info("agent %s serving on %s (device %s, %d slots of %d bytes)", self.cfg.node_id,
-                 self.address, self.store.pool.device, self.store.pool.n_slots,
-                 self.store.pool.slot_bytes)
+        log.info(
+            "agent %s serving on %s (device %s, %d slots of %d bytes)",
+            self.cfg.node_id,
+            self.address,
+            self.store.pool.device,
+            self.store.pool.n_slots,
+            self.store.pool.slot_bytes,
+        )
 
     def _recover(self) -> dict[str, int]:
         """Index what RocksDB holds; a record it cannot read quarantines the tier (the
@@ -181,13 +218,21 @@ class AgentServer:
     def node_record(self):
         """This agent as etcd publishes it (node_agent/registration.py)."""
         from kvstore.coord.etcd import NodeRecord
+
         pool = self.store.pool
         with self.store.lock:
             blocks = self.store.block_count()
-        return NodeRecord(self.cfg.node_id, self.address, self.peer_address, str(pool.device),
-                          pool.capacity_bytes, self.store.rocks.capacity_bytes
-                          if self.store.rocks is not None else 0,
-                          round(1.0 - pool.free_slots / pool.n_slots, 2), blocks, self.hub.epoch)
+        return NodeRecord(
+            self.cfg.node_id,
+            self.address,
+            self.peer_address,
+            str(pool.device),
+            pool.capacity_bytes,
+            self.store.rocks.capacity_bytes if self.store.rocks is not None else 0,
+            round(1.0 - pool.free_slots / pool.n_slots, 2),
+            blocks,
+            self.hub.epoch,
+        )
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.registration is not None:  # leave the cluster before we stop serving

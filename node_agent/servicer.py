@@ -1,11 +1,13 @@
 """Thin gRPC servicer: protobuf <-> domain objects, then the BlockStore does the work.
 Errors are KvError subclasses; node_agent/interceptors.py turns them into status codes."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 
 from kvstore import errors, native
+from kvstore.auth import CLUSTER_TENANT
 from kvstore.events import Tier
 from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
@@ -19,15 +21,22 @@ from node_agent.stats import build_stats
 
 log = logging.getLogger("kvstore.agent")
 
-CLUSTER_TENANT = "_cluster"  # routers and peers authenticate as this tenant
+
 # Copies above this many bytes run in a worker thread so the event loop keeps serving.
 _OFFLOAD_BYTES = 4 << 20
 _GRPC_CHUNK_BLOCKS = 2
 
 
 class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
-    def __init__(self, store: BlockStore, hub: EventHub, shm: ShmRegistry, node_id: str,
-                 max_blocks: int, max_namespaces_per_tenant: int = 0) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        hub: EventHub,
+        shm: ShmRegistry,
+        node_id: str,
+        max_blocks: int,
+        max_namespaces_per_tenant: int = 0,
+    ) -> None:
         self.store = store
         self.hub = hub
         self.shm = shm
@@ -68,30 +77,40 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         # Another tenant may open a public namespace (to read it: Put and Pin still check
         # write access), never a private one.
         if tenant is not None and tenant != spec.tenant and not spec.public:
-            raise errors.PermissionDenied(f"tenant {tenant!r} may not open namespaces of "
-                                          f"tenant {spec.tenant!r}")
+            raise errors.PermissionDenied(
+                f"tenant {tenant!r} may not open namespaces of tenant {spec.tenant!r}"
+            )
         if self.control is not None:  # registers it in etcd, the cap checked there
             st = await self.control.open_namespace(spec)
         else:
-            check_cap(spec.tenant, {s.ns_id for s in self.store.namespaces()
-                                    if s.tenant == spec.tenant},
-                      spec.namespace_id, self.max_namespaces)
+            check_cap(
+                spec.tenant,
+                {s.ns_id for s in self.store.namespaces() if s.tenant == spec.tenant},
+                spec.namespace_id,
+                self.max_namespaces,
+            )
             st = self.store.open_namespace(spec)
-        return agent_pb2.NamespaceInfo(namespace_id=st.ns_id, generation=st.generation,
-                                       block_bytes=spec.block_bytes,
-                                       policy=policy_to_proto(st.policy),
-                                       tenant=spec.tenant, name=spec.name)
+        return agent_pb2.NamespaceInfo(
+            namespace_id=st.ns_id,
+            generation=st.generation,
+            block_bytes=spec.block_bytes,
+            policy=policy_to_proto(st.policy),
+            tenant=spec.tenant,
+            name=spec.name,
+        )
 
     async def Lookup(self, request, context):
         st = self._ns(request.ns, write=False)
         ids = PackedIds(request.block_ids)
         if len(ids) > self.max_blocks:
-            raise errors.InvalidArgument(f"request names {len(ids)} blocks; the limit is "
-                                         f"{self.max_blocks} per request")
+            raise errors.InvalidArgument(
+                f"request names {len(ids)} blocks; the limit is {self.max_blocks} per request"
+            )
         res = self.store.lookup(st.ns_id, request.ns.generation, ids)
         self.metrics.lookup(st, len(ids), res)
-        return agent_pb2.LookupResponse(matched=res.matched, hbm=res.hbm, nvme=res.nvme,
-                                        generation=res.generation)
+        return agent_pb2.LookupResponse(
+            matched=res.matched, hbm=res.hbm, nvme=res.nvme, generation=res.generation
+        )
 
     async def Get(self, request, context):
         st = self._ns(request.ns, write=False)
@@ -103,15 +122,25 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             return
         parent = request.parent_id
         for start in range(0, len(ids), _GRPC_CHUNK_BLOCKS):
-            chunk = ids[start: start + _GRPC_CHUNK_BLOCKS]
-            served = await self._run(len(chunk) * st.spec.block_bytes, self.store.get,
-                                     st.ns_id, request.ns.generation, chunk, parent,
-                                     lambda i, n: None)
+            chunk = ids[start : start + _GRPC_CHUNK_BLOCKS]
+            served = await self._run(
+                len(chunk) * st.spec.block_bytes,
+                self.store.get,
+                st.ns_id,
+                request.ns.generation,
+                chunk,
+                parent,
+                lambda i, n: None,
+            )
             self.metrics.served(st, served)
             if served:
                 yield agent_pb2.GetResponse(
-                    count=len(served), first_index=start, data=[s.data for s in served],
-                    checksums=[s.checksum for s in served], tiers=[int(s.tier) for s in served])
+                    count=len(served),
+                    first_index=start,
+                    data=[s.data for s in served],
+                    checksums=[s.checksum for s in served],
+                    tiers=[int(s.tier) for s in served],
+                )
             if len(served) < len(chunk):
                 return
             parent = chunk[-1]
@@ -120,18 +149,28 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         region = self.shm.get(request.shm.region_id, current_tenant.get())
         offsets = list(request.shm.offsets)
         if len(offsets) != len(ids):
-            raise errors.InvalidArgument(f"shm.offsets has {len(offsets)} entries for "
-                                         f"{len(ids)} blocks")
+            raise errors.InvalidArgument(
+                f"shm.offsets has {len(offsets)} entries for {len(ids)} blocks"
+            )
         size = st.spec.block_bytes
         for off in offsets:  # validate every range before touching any block
             region.span(off, size)
-        served = await self._run(len(ids) * size, self.store.get, st.ns_id,
-                                 request.ns.generation, ids, request.parent_id,
-                                 lambda i, n: region.span(offsets[i], n))
+        served = await self._run(
+            len(ids) * size,
+            self.store.get,
+            st.ns_id,
+            request.ns.generation,
+            ids,
+            request.parent_id,
+            lambda i, n: region.span(offsets[i], n),
+        )
         self.metrics.served(st, served)
-        return agent_pb2.GetResponse(count=len(served), first_index=0,
-                                     checksums=[s.checksum for s in served],
-                                     tiers=[int(s.tier) for s in served])
+        return agent_pb2.GetResponse(
+            count=len(served),
+            first_index=0,
+            checksums=[s.checksum for s in served],
+            tiers=[int(s.tier) for s in served],
+        )
 
     async def Put(self, request_iterator, context):
         st = None
@@ -154,28 +193,42 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             # stream until the chain is long enough (later ones extend a cached prefix).
             if len(pending) < st.policy.min_prefix_blocks:
                 continue
-            s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
-                                   st.ns_id, generation, pending, root)
+            s, a = await self._run(
+                len(pending) * st.spec.block_bytes,
+                self.store.put,
+                st.ns_id,
+                generation,
+                pending,
+                root,
+            )
             stored, already, pending = stored + s, already + a, []
         if st is None:
             raise errors.InvalidArgument("empty Put stream")
         if pending:
-            s, a = await self._run(len(pending) * st.spec.block_bytes, self.store.put,
-                                   st.ns_id, generation, pending, root)
+            s, a = await self._run(
+                len(pending) * st.spec.block_bytes,
+                self.store.put,
+                st.ns_id,
+                generation,
+                pending,
+                root,
+            )
             stored, already = stored + s, already + a
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 
     def _put_items(self, st: NsState, req) -> list[PutItem]:
-        region = self.shm.get(req.shm_region_id, current_tenant.get()) \
-            if req.shm_region_id else None
+        region = (
+            self.shm.get(req.shm_region_id, current_tenant.get()) if req.shm_region_id else None
+        )
         items = []
         for b in req.blocks:
             if region is not None:
                 data = region.span(b.shm_offset, st.spec.block_bytes)
             else:
                 data = b.data
-            items.append(PutItem(b.block_id, b.parent_id, data,
-                                 b.checksum if b.has_checksum else None))
+            items.append(
+                PutItem(b.block_id, b.parent_id, data, b.checksum if b.has_checksum else None)
+            )
         return items
 
     async def Pin(self, request, context):
@@ -186,14 +239,16 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     def _pin(self, request, pin: bool):
         st = self._ns(request.ns, write=True)
-        n, total = self.store.pin(st.ns_id, request.ns.generation, self._ids(request.block_ids),
-                                  pin)
+        n, total = self.store.pin(
+            st.ns_id, request.ns.generation, self._ids(request.block_ids), pin
+        )
         return agent_pb2.PinResponse(blocks=n, pinned_bytes=total)
 
     async def RegisterShm(self, request, context):
         region = self.shm.register(request.name, request.size, current_tenant.get())
-        return agent_pb2.RegisterShmResponse(region_id=region.region_id,
-                                             local_socket=self.lane.path if self.lane else "")
+        return agent_pb2.RegisterShmResponse(
+            region_id=region.region_id, local_socket=self.lane.path if self.lane else ""
+        )
 
     async def UnregisterShm(self, request, context):
         self.shm.unregister(request.region_id, current_tenant.get())
@@ -204,8 +259,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         if tenant == CLUSTER_TENANT:  # operators and routers see every tenant
             tenant = None
         if tenant is not None and request.tenant and request.tenant != tenant:
-            raise errors.PermissionDenied(f"tenant {tenant!r} may not read stats of "
-                                          f"{request.tenant!r}")
+            raise errors.PermissionDenied(
+                f"tenant {tenant!r} may not read stats of {request.tenant!r}"
+            )
         resp = build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
         resp.native_accel = native.active()  # "python (...)": the slow fallback is in use
         if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
@@ -216,8 +272,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
     async def Subscribe(self, request, context):
         tenant = current_tenant.get()
         if tenant is not None and tenant != CLUSTER_TENANT:
-            raise errors.PermissionDenied("the event stream is for cluster components "
-                                          f"(tenant {CLUSTER_TENANT!r}) only")
+            raise errors.PermissionDenied(
+                f"the event stream is for cluster components (tenant {CLUSTER_TENANT!r}) only"
+            )
         async for batch in self.hub.subscribe(request.subscriber or context.peer()):
             yield batch
 

@@ -5,6 +5,7 @@ block payloads through it: the agent copies straight between its pool slots and 
 region (one copy, checksummed on the way), and gRPC carries only control. Each region is
 mapped only for the tenant that registered it, so tenants never see each other's bytes.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -16,8 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import (UNKNOWN_REGION, FailedPrecondition, InvalidArgument, NotFound,
-                            PermissionDenied, ResourceExhausted)
+from kvstore.errors import (
+    UNKNOWN_REGION,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -34,9 +41,11 @@ class Region:
 
     def span(self, offset: int, nbytes: int) -> np.ndarray:
         if offset < 0 or offset + nbytes > self.array.size:
-            raise InvalidArgument(f"shared-memory range [{offset}, {offset + nbytes}) is outside "
-                                  f"region {self.region_id} of {self.array.size} bytes")
-        return self.array[offset: offset + nbytes]
+            raise InvalidArgument(
+                f"shared-memory range [{offset}, {offset + nbytes}) is outside "
+                f"region {self.region_id} of {self.array.size} bytes"
+            )
+        return self.array[offset : offset + nbytes]
 
 
 class ShmRegistry:
@@ -58,11 +67,13 @@ class ShmRegistry:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
-            raise FailedPrecondition(f"shared memory {name!r} not found: client is not on "
-                                     "this host (use the gRPC path)") from None
+            raise FailedPrecondition(
+                f"shared memory {name!r} not found: client is not on this host (use the gRPC path)"
+            ) from None
         except OSError as exc:  # a directory, a socket, a link, not ours to open
-            raise FailedPrecondition(f"shared memory {name!r} cannot be opened: "
-                                     f"{exc.strerror}") from None
+            raise FailedPrecondition(
+                f"shared memory {name!r} cannot be opened: {exc.strerror}"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -72,8 +83,9 @@ class ShmRegistry:
             # Populate the mapping now: page faults at registration, not mid-transfer.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as exc:
-            raise ResourceExhausted(f"shared memory {name!r} cannot be mapped: "
-                                    f"{exc.strerror}") from None
+            raise ResourceExhausted(
+                f"shared memory {name!r} cannot be mapped: {exc.strerror}"
+            ) from None
         finally:
             os.close(fd)
         region = Region(self._new_id(), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))

@@ -1,4 +1,5 @@
 """Stats RPC: occupancy per tier and tenant, counters."""
+
 from __future__ import annotations
 
 from kvstore.events import Tier
@@ -6,8 +7,9 @@ from kvstore.store import BlockStore
 from kvstore.v1 import agent_pb2
 
 
-def build_stats(store: BlockStore, node_id: str, tenant: str | None,
-                in_flight: int) -> agent_pb2.StatsResponse:
+def build_stats(
+    store: BlockStore, node_id: str, tenant: str | None, in_flight: int
+) -> agent_pb2.StatsResponse:
     with store.lock:
         pool = store.pool
         hbm_used = (pool.n_slots - pool.free_slots) * pool.slot_bytes
@@ -18,32 +20,55 @@ def build_stats(store: BlockStore, node_id: str, tenant: str | None,
             for m in st.blocks.values():
                 hbm_blocks += m.slot >= 0
                 nvme_blocks += m.on_nvme
-        tiers = [agent_pb2.TierStats(tier=Tier.HBM, capacity_bytes=pool.capacity_bytes,
-                                     used_bytes=hbm_used, blocks=hbm_blocks,
-                                     slots_total=pool.n_slots, slots_free=pool.free_slots)]
+        tiers = [
+            agent_pb2.TierStats(
+                tier=Tier.HBM,
+                capacity_bytes=pool.capacity_bytes,
+                used_bytes=hbm_used,
+                blocks=hbm_blocks,
+                slots_total=pool.n_slots,
+                slots_free=pool.free_slots,
+            )
+        ]
         rocks = store.rocks
         if rocks is not None:
-            tiers.append(agent_pb2.TierStats(tier=Tier.NVME, capacity_bytes=rocks.capacity_bytes,
-                                             used_bytes=store.nvme_used, blocks=nvme_blocks,
-                                             condition=rocks.condition()))
+            tiers.append(
+                agent_pb2.TierStats(
+                    tier=Tier.NVME,
+                    capacity_bytes=rocks.capacity_bytes,
+                    used_bytes=store.nvme_used,
+                    blocks=nvme_blocks,
+                    condition=rocks.condition(),
+                )
+            )
         tenants = []
         for name in sorted(per_tenant | set(store.accounts.tenants())):
             if tenant is not None and name != tenant:
                 continue
             acc = store.accounts
             tc = store.tenant_counters.get(name, {})
-            tenants.append(agent_pb2.TenantStats(
-                tenant=name, hbm_bytes=acc.used(name, Tier.HBM),
-                nvme_bytes=acc.used(name, Tier.NVME),
-                hbm_limit_bytes=acc.limit(name, Tier.HBM) or 0,
-                nvme_limit_bytes=acc.limit(name, Tier.NVME) or 0,
-                lookups=tc.get("lookups", 0), lookup_hits=tc.get("lookup_hits", 0),
-                lookup_blocks=tc.get("lookup_blocks", 0),
-                lookup_hit_blocks=tc.get("lookup_hit_blocks", 0)))
+            tenants.append(
+                agent_pb2.TenantStats(
+                    tenant=name,
+                    hbm_bytes=acc.used(name, Tier.HBM),
+                    nvme_bytes=acc.used(name, Tier.NVME),
+                    hbm_limit_bytes=acc.limit(name, Tier.HBM) or 0,
+                    nvme_limit_bytes=acc.limit(name, Tier.NVME) or 0,
+                    lookups=tc.get("lookups", 0),
+                    lookup_hits=tc.get("lookup_hits", 0),
+                    lookup_blocks=tc.get("lookup_blocks", 0),
+                    lookup_hit_blocks=tc.get("lookup_hit_blocks", 0),
+                )
+            )
         counters = {} if tenant is not None else {k: int(v) for k, v in store.counters.items()}
         if tenant is None and rocks is not None:
             counters.update(rocks.counters())
         return agent_pb2.StatsResponse(
-            node_id=node_id, device=str(pool.device), tiers=tiers, tenants=tenants,
-            counters=counters, in_flight=in_flight,
-            utilization=1.0 - pool.free_slots / pool.n_slots)
+            node_id=node_id,
+            device=str(pool.device),
+            tiers=tiers,
+            tenants=tenants,
+            counters=counters,
+            in_flight=in_flight,
+            utilization=1.0 - pool.free_slots / pool.n_slots,
+        )

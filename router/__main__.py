@@ -1,4 +1,5 @@
 """`python -m router` / `kvstore-router`: run one router replica."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,32 +17,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvstore-router",
         description="Run a cache-aware router replica: discovers node agents in etcd, "
-                    "follows their block events into a global index and answers Route "
-                    "(which node should serve this prompt). Replicas are independent; each "
-                    "rebuilds its index from the agents.",
+        "follows their block events into a global index and answers Route "
+        "(which node should serve this prompt). Replicas are independent; each "
+        "rebuilds its index from the agents.",
         epilog="Settings come from --config, then KVSTORE_ROUTER_<FIELD> environment "
-               f"variables, then these flags. The cluster token (the agents' '_cluster' "
-               f"tenant) comes from --cluster-token-file or ${TOKEN_ENV}.")
+        f"variables, then these flags. The cluster token (the agents' '_cluster' "
+        f"tenant) comes from --cluster-token-file or ${TOKEN_ENV}.",
+    )
     p.add_argument("--config", help="YAML or JSON file with RouterConfig fields")
     p.add_argument("--router-id", help="name used in logs and as the event subscriber")
     p.add_argument("--listen", help="gRPC listen address host:port (port 0 picks a free one)")
     p.add_argument("--etcd-endpoints", help="etcd host:port[,host:port]")
-    p.add_argument("--etcd-prefix", default=None,
-                   help="key prefix in etcd (default /kvstore/)")
-    p.add_argument("--cluster-token-file",
-                   help="file holding the bearer token routers present to agents")
+    p.add_argument("--etcd-prefix", default=None, help="key prefix in etcd (default /kvstore/)")
+    p.add_argument(
+        "--cluster-token-file", help="file holding the bearer token routers present to agents"
+    )
     p.add_argument("--ready-file", help="write the bound address here once serving")
-    p.add_argument("--log-level", default="INFO",
-                   help="DEBUG logs every routing decision's terms (block counts only)")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG logs every routing decision's terms (block counts only)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    overrides = {"router_id": args.router_id, "listen": args.listen,
-                 "etcd_endpoints": args.etcd_endpoints}
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    overrides = {
+        "router_id": args.router_id,
+        "listen": args.listen,
+        "etcd_endpoints": args.etcd_endpoints,
+    }
     try:
         cfg = load_config(RouterConfig, args.config, "KVSTORE_ROUTER_", overrides)
         token = os.environ.get(TOKEN_ENV) or None
@@ -49,12 +58,14 @@ def main(argv=None) -> int:
             with open(args.cluster_token_file) as f:
                 token = f.read().strip() or None
         from kvstore.coord.etcd import parse_endpoints
+
         parse_endpoints(cfg.etcd_endpoints)
     except (ValueError, OSError) as exc:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)
         return 2
     from router.server import serve
     from kvstore.process import StartupError
+
     try:
         asyncio.run(serve(cfg, args.ready_file, token, args.etcd_prefix))
     except StartupError as exc:

@@ -19,6 +19,7 @@
 - Request ids are scoped to the tenant (router/routing.py InFlight); a tenant's requests
   in flight are capped (RESOURCE_EXHAUSTED).
 """
+
 from __future__ import annotations
 
 import contextvars

@@ -11,6 +11,7 @@ Wiring (router/server.py): create it next to the ClusterFollower with the Router
 `await control.start()` before `server.start()`, `await control.stop()` on shutdown, and
 call `control.check(request.namespace_id, request.generation)` at the top of Route.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ log = logging.getLogger("kvstore.router")
 
 
 class RouterControl(ControlFollower):
-    def __init__(self, etcd: EtcdClient, router_id: str, core=None, address: str = "",
-                 lease_ttl_s: int = 5) -> None:
+    def __init__(
+        self, etcd: EtcdClient, router_id: str, core=None, address: str = "", lease_ttl_s: int = 5
+    ) -> None:
         """`core` (a RouterCore, optional): its `killswitch` flag is set here before the
         kill switch is acknowledged, so the ack means routing no longer uses the cache."""
         if not router_id or "/" in router_id:
@@ -36,8 +38,9 @@ class RouterControl(ControlFollower):
         self.router_id = router_id
         self.core = core
         value = json.dumps({"router_id": router_id, "address": address}).encode()
-        self._presence = LeasedKey(etcd, ROUTERS + router_id, value, lease_ttl_s,
-                                   on_put=self.catch_up)
+        self._presence = LeasedKey(
+            etcd, ROUTERS + router_id, value, lease_ttl_s, on_put=self.catch_up
+        )
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
         what = what or f"router {self.router_id}"
@@ -51,8 +54,9 @@ class RouterControl(ControlFollower):
             await asyncio.wait_for(self._presence.live.wait(), timeout_s)
         except TimeoutError:
             await self.stop()
-            raise errors.Unavailable(f"{what}: could not announce itself in etcd within "
-                                     f"{timeout_s:g}s") from None
+            raise errors.Unavailable(
+                f"{what}: could not announce itself in etcd within {timeout_s:g}s"
+            ) from None
 
     async def stop(self) -> None:
         await self._presence.stop()
@@ -69,14 +73,18 @@ class RouterControl(ControlFollower):
         if current is not None and generation < current:
             raise errors.StaleGeneration(
                 f"namespace {ns_id.hex()[:12]} generation {generation} is stale (current "
-                f"{current}): reopen the namespace")
+                f"{current}): reopen the namespace"
+            )
 
     # ------------------------------------------------------------------ hooks
     async def on_killswitch(self, enabled: bool) -> None:
         if self.core is not None:
             if enabled != self.core.killswitch:
-                log.warning("kill switch %s: routing %s", "ON" if enabled else "off",
-                            "by load only" if enabled else "by cache again")
+                log.warning(
+                    "kill switch %s: routing %s",
+                    "ON" if enabled else "off",
+                    "by load only" if enabled else "by cache again",
+                )
             self.core.killswitch = enabled
 
     async def on_generation(self, ns_id: bytes, tenant: str, generation: int) -> int:

@@ -9,6 +9,7 @@
 - etcd namespaces/ gives namespace layouts (block bytes and tokens) for peer pricing;
   etcd killswitch turns every route into a pure load decision.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,16 @@ import logging
 
 import grpc
 
-from kvstore.coord.etcd import NAMESPACES, NODES, KILLSWITCH, EtcdClient, KeyValue, NodeRecord, \
-    WatchEvent, killswitch_enabled
+from kvstore.coord.etcd import (
+    NAMESPACES,
+    NODES,
+    KILLSWITCH,
+    EtcdClient,
+    KeyValue,
+    NodeRecord,
+    WatchEvent,
+    killswitch_enabled,
+)
 from kvstore.hashing import split_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
@@ -38,8 +47,9 @@ class Resync(Exception):
 class NodeStream:
     """Follows one agent's event stream into the index until cancelled."""
 
-    def __init__(self, core: RouterCore, node_id: str, address: str, subscriber: str,
-                 token: str | None) -> None:
+    def __init__(
+        self, core: RouterCore, node_id: str, address: str, subscriber: str, token: str | None
+    ) -> None:
         self.core = core
         self.node_id = node_id
         self.address = address
@@ -54,25 +64,35 @@ class NodeStream:
         delay = _RETRY_S[0]
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.address, options=[
-                        ("grpc.max_receive_message_length", _MAX_MESSAGE)]) as channel:
+                async with grpc.aio.insecure_channel(
+                    self.address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE)]
+                ) as channel:
                     await self._follow(agent_pb2_grpc.NodeAgentStub(channel))
             except Resync as exc:
                 log.info("node %s: %s; resyncing from a fresh snapshot", self.node_id, exc)
                 delay = _RETRY_S[0]
             except grpc.aio.AioRpcError as exc:
-                log.warning("node %s event stream at %s failed: %s %s", self.node_id,
-                            self.address, exc.code().name, exc.details())
+                log.warning(
+                    "node %s event stream at %s failed: %s %s",
+                    self.node_id,
+                    self.address,
+                    exc.code().name,
+                    exc.details(),
+                )
             except (ValueError, TypeError) as exc:  # a malformed event: start over
-                log.error("node %s sent an event the index cannot apply (%s); resyncing",
-                          self.node_id, exc)
+                log.error(
+                    "node %s sent an event the index cannot apply (%s); resyncing",
+                    self.node_id,
+                    exc,
+                )
             self.core.mark_unsynced(self.node_id)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RETRY_S[1])
 
     async def _follow(self, stub) -> None:
-        call = stub.Subscribe(agent_pb2.SubscribeRequest(subscriber=self.subscriber),
-                              metadata=self._md)
+        call = stub.Subscribe(
+            agent_pb2.SubscribeRequest(subscriber=self.subscriber), metadata=self._md
+        )
         epoch = None
         expected = None  # next live sequence number; None: accept the first one
         try:
@@ -90,8 +110,11 @@ class NodeStream:
                         expected = ev.seq + 1
                     if batch.snapshot_done:
                         self.core.mark_synced(self.node_id)
-                        log.info("node %s synced: %d blocks", self.node_id,
-                                 self.core.index.node_blocks(self.node_id)[0])
+                        log.info(
+                            "node %s synced: %d blocks",
+                            self.node_id,
+                            self.core.index.node_blocks(self.node_id)[0],
+                        )
                     continue
                 for ev in batch.events:
                     if expected is not None and ev.seq != expected:
@@ -111,15 +134,22 @@ class NodeStream:
         elif ev.kind == agent_pb2.Event.TIER_CHANGED:
             index.set_tier(self.node_id, split_ids(ev.block_ids), ev.tier)
         elif ev.kind == agent_pb2.Event.NAMESPACE_CLEARED:
-            raise Resync(f"namespace {ev.namespace_id.hex()[:12]} cleared to generation "
-                         f"{ev.generation}")
+            raise Resync(
+                f"namespace {ev.namespace_id.hex()[:12]} cleared to generation {ev.generation}"
+            )
 
 
 class ClusterFollower:
     """Runs the etcd follows and the per-node streams for one RouterCore."""
 
-    def __init__(self, core: RouterCore, etcd: EtcdClient, router_id: str,
-                 token: str | None = None, owners: NamespaceOwners | None = None) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        etcd: EtcdClient,
+        router_id: str,
+        token: str | None = None,
+        owners: NamespaceOwners | None = None,
+    ) -> None:
         """`owners`: fed each namespace's tenant (router/access.py checks Routes with it)."""
         self.core = core
         self.owners = owners or NamespaceOwners()
@@ -131,11 +161,13 @@ class ClusterFollower:
 
     def start(self) -> None:
         for prefix, reset, apply in (
-                (NODES, self._reset_nodes, self._apply_nodes),
-                (NAMESPACES, self._reset_namespaces, self._apply_namespaces),
-                (KILLSWITCH, self._reset_killswitch, self._apply_killswitch)):
-            self._tasks.append(asyncio.create_task(self.etcd.follow(prefix, reset, apply),
-                                                   name=f"etcd-{prefix}"))
+            (NODES, self._reset_nodes, self._apply_nodes),
+            (NAMESPACES, self._reset_namespaces, self._apply_namespaces),
+            (KILLSWITCH, self._reset_killswitch, self._apply_killswitch),
+        ):
+            self._tasks.append(
+                asyncio.create_task(self.etcd.follow(prefix, reset, apply), name=f"etcd-{prefix}")
+            )
 
     async def stop(self) -> None:
         tasks = self._tasks + [s.task for s in self.streams.values()]
@@ -159,7 +191,7 @@ class ClusterFollower:
 
     def _apply_nodes(self, events: list[WatchEvent]) -> None:
         for ev in events:
-            node_id = ev.key[len(NODES):]
+            node_id = ev.key[len(NODES) :]
             if ev.deleted:
                 self._remove(node_id)
             else:
@@ -174,7 +206,7 @@ class ClusterFollower:
         except (ValueError, TypeError) as exc:
             log.warning("ignoring malformed etcd record %s: %s", key, exc)
             return None
-        if key[len(NODES):] != rec.node_id:
+        if key[len(NODES) :] != rec.node_id:
             log.warning("ignoring etcd record %s: it names node %r", key, rec.node_id)
             return None
         return rec
@@ -185,8 +217,9 @@ class ClusterFollower:
             if old is not None:
                 old.cancel()
             log.info("node %s joined at %s (%s)", rec.node_id, rec.address, rec.device)
-            self.streams[rec.node_id] = NodeStream(self.core, rec.node_id, rec.address,
-                                                   self.router_id, self.token)
+            self.streams[rec.node_id] = NodeStream(
+                self.core, rec.node_id, rec.address, self.router_id, self.token
+            )
 
     def _remove(self, node_id: str) -> None:
         stream = self.streams.pop(node_id, None)
@@ -220,9 +253,13 @@ class ClusterFollower:
         self.core.set_namespace_layout(spec.namespace_id, spec.block_bytes, spec.block_size)
         # The key names the tenant and the id too; a record that disagrees with its own
         # spec grants no tenant access (the id is the spec's hash, tenant included).
-        if key[len(NAMESPACES):] != f"{spec.tenant}/{spec.namespace_id.hex()}":
-            log.warning("etcd namespace record %s holds the spec of %s/%s: no tenant may "
-                        "route it", key, spec.tenant, spec.namespace_id.hex())
+        if key[len(NAMESPACES) :] != f"{spec.tenant}/{spec.namespace_id.hex()}":
+            log.warning(
+                "etcd namespace record %s holds the spec of %s/%s: no tenant may route it",
+                key,
+                spec.tenant,
+                spec.namespace_id.hex(),
+            )
             return
         self.owners.set(spec.namespace_id, spec.tenant, spec.public)
 
@@ -238,6 +275,9 @@ class ClusterFollower:
 
     def _set_killswitch(self, on: bool) -> None:
         if on != self.core.killswitch:
-            log.warning("kill switch %s: routing %s", "ON" if on else "off",
-                        "by load only" if on else "by cache again")
+            log.warning(
+                "kill switch %s: routing %s",
+                "ON" if on else "off",
+                "by load only" if on else "by cache again",
+            )
         self.core.killswitch = on

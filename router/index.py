@@ -15,6 +15,7 @@ mask only loses bits along a prompt. `prefix_lengths` therefore binary-searches 
 points where the mask shrinks instead of scanning the prompt: O(holders x log(prompt
 blocks)) dict probes, independent of how many blocks are indexed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -192,11 +193,11 @@ class BlockIndex:
             hi = n
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                if get(packed[mid * ID:mid * ID + ID], 0) & cur == cur:
+                if get(packed[mid * ID : mid * ID + ID], 0) & cur == cur:
                     lo = mid
                 else:
                     hi = mid
-            nxt = get(packed[hi * ID:hi * ID + ID], 0) & cur if hi < n else 0
+            nxt = get(packed[hi * ID : hi * ID + ID], 0) & cur if hi < n else 0
             lost = cur & ~nxt
             while lost:
                 low = lost & -lost

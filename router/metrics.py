@@ -14,15 +14,14 @@ Exposed names:
   kvstore_router_nodes{state}            gauges read from RouterCore
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
+
 from __future__ import annotations
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from kvstore.telemetry import (RpcTelemetry, ServiceTelemetry, pending_attributes,
-                               tracing_enabled)
+from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 
-BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                 65536)
+BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 COST_BUCKETS = (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)
 
 
@@ -30,22 +29,35 @@ class RouterMetrics:
     def __init__(self, meter, core) -> None:
         self.core = core
         self._decisions = meter.create_counter(
-            "kvstore_router_decisions", description="Routing decisions per chosen node")
+            "kvstore_router_decisions", description="Routing decisions per chosen node"
+        )
         self._terms = {
-            name: meter.create_histogram(f"kvstore_router_{name}", description=desc,
-                                         explicit_bucket_boundaries_advisory=buckets)
+            name: meter.create_histogram(
+                f"kvstore_router_{name}",
+                description=desc,
+                explicit_bucket_boundaries_advisory=buckets,
+            )
             for name, desc, buckets in (
                 ("matched_blocks", "Prefix blocks already on the chosen node", BLOCK_BUCKETS),
                 ("peer_blocks", "Blocks the chosen node can fetch from a peer", BLOCK_BUCKETS),
                 ("recompute_blocks", "Blocks the chosen node recomputes", BLOCK_BUCKETS),
-                ("cost", "Cost of the chosen node", COST_BUCKETS))}
+                ("cost", "Cost of the chosen node", COST_BUCKETS),
+            )
+        }
         self._labels: dict[str, dict[str, str]] = {}
-        meter.create_observable_gauge("kvstore_router_indexed_blocks", [self._indexed],
-                                      description="Blocks the index holds per node")
-        meter.create_observable_gauge("kvstore_router_inflight", [self._inflight],
-                                      description="Routed requests not yet released")
-        meter.create_observable_gauge("kvstore_router_nodes", [self._nodes],
-                                      description="Known nodes, synced or not")
+        meter.create_observable_gauge(
+            "kvstore_router_indexed_blocks",
+            [self._indexed],
+            description="Blocks the index holds per node",
+        )
+        meter.create_observable_gauge(
+            "kvstore_router_inflight",
+            [self._inflight],
+            description="Routed requests not yet released",
+        )
+        meter.create_observable_gauge(
+            "kvstore_router_nodes", [self._nodes], description="Known nodes, synced or not"
+        )
 
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
@@ -53,25 +65,32 @@ class RouterMetrics:
         if labels is None:
             labels = self._labels[chosen.node_id] = {"node": chosen.node_id}
         self._decisions.add(1, labels)
-        for name, value in (("matched_blocks", chosen.local_blocks),
-                            ("peer_blocks", chosen.peer_blocks),
-                            ("recompute_blocks", chosen.recompute_blocks),
-                            ("cost", chosen.cost)):
+        for name, value in (
+            ("matched_blocks", chosen.local_blocks),
+            ("peer_blocks", chosen.peer_blocks),
+            ("recompute_blocks", chosen.recompute_blocks),
+            ("cost", chosen.cost),
+        ):
             self._terms[name].record(value)
 
     # Scrape-time reads: list() snapshots the dicts in one step against the event loop.
     def _indexed(self, options: CallbackOptions):
-        return [Observation(self.core.index.node_blocks(n)[0], {"node": n})
-                for n in list(self.core.nodes)]
+        return [
+            Observation(self.core.index.node_blocks(n)[0], {"node": n})
+            for n in list(self.core.nodes)
+        ]
 
     def _inflight(self, options: CallbackOptions):
-        return [Observation(self.core.inflight.count(n), {"node": n})
-                for n in list(self.core.nodes)]
+        return [
+            Observation(self.core.inflight.count(n), {"node": n}) for n in list(self.core.nodes)
+        ]
 
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]
-        return [Observation(sum(states), {"state": "synced"}),
-                Observation(len(states) - sum(states), {"state": "syncing"})]
+        return [
+            Observation(sum(states), {"state": "synced"}),
+            Observation(len(states) - sum(states), {"state": "syncing"}),
+        ]
 
 
 class RouterTelemetry(ServiceTelemetry):
@@ -84,8 +103,11 @@ class RouterTelemetry(ServiceTelemetry):
         self.metrics = RouterMetrics(meter, core) if meter is not None else None
         self.interceptors: list = []
         if meter is not None or tracing_enabled():
-            self.interceptors.append(RpcTelemetry(meter, {"kvstore.router": cfg.router_id},
-                                                  {"Route": self._observe_route}))
+            self.interceptors.append(
+                RpcTelemetry(
+                    meter, {"kvstore.router": cfg.router_id}, {"Route": self._observe_route}
+                )
+            )
 
     def _observe_route(self, request, response, seconds: float) -> None:
         if not response.candidates:
@@ -95,13 +117,17 @@ class RouterTelemetry(ServiceTelemetry):
             self.metrics.decision(chosen)
         attrs = pending_attributes()
         if attrs is not None:  # the decision's terms, as STYLE asks: visible in traces
-            attrs.update({"kvstore.node": chosen.node_id,
-                          "kvstore.blocks": len(request.block_ids) // 16,
-                          "kvstore.matched_blocks": chosen.local_blocks,
-                          "kvstore.peer_blocks": chosen.peer_blocks,
-                          "kvstore.peer_node": chosen.peer_node_id,
-                          "kvstore.recompute_blocks": chosen.recompute_blocks,
-                          "kvstore.in_flight": chosen.in_flight,
-                          "kvstore.cost": chosen.cost,
-                          "kvstore.candidates": len(response.candidates),
-                          "kvstore.dry_run": request.dry_run})
+            attrs.update(
+                {
+                    "kvstore.node": chosen.node_id,
+                    "kvstore.blocks": len(request.block_ids) // 16,
+                    "kvstore.matched_blocks": chosen.local_blocks,
+                    "kvstore.peer_blocks": chosen.peer_blocks,
+                    "kvstore.peer_node": chosen.peer_node_id,
+                    "kvstore.recompute_blocks": chosen.recompute_blocks,
+                    "kvstore.in_flight": chosen.in_flight,
+                    "kvstore.cost": chosen.cost,
+                    "kvstore.candidates": len(response.candidates),
+                    "kvstore.dry_run": request.dry_run,
+                }
+            )

@@ -3,6 +3,7 @@ requests in flight (assigned by this router), namespace layouts for peer pricing
 router/follower.py feeds it; router/server.py exposes it over gRPC; the benchmark drives
 it directly.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -18,8 +19,7 @@ from kvstore.coord.etcd import NodeRecord
 from kvstore import errors
 from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
 from router.index import BlockIndex
-from router.scoring import (NodeLoad, Pricing, Score, Weights, load_cost, score_nodes,
-                            score_ranked)
+from router.scoring import NodeLoad, Pricing, Score, Weights, load_cost, score_nodes, score_ranked
 
 MAX_CANDIDATES = 4  # candidates returned per decision: the chosen node and 3 fallbacks
 
@@ -33,21 +33,23 @@ class InFlight:
     tenant's ids name its own requests only, so no tenant can release another's, and the
     same id sent by two tenants names two requests."""
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[str], None] = lambda node_id: None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[str], None] = lambda node_id: None,
+    ) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_change = on_change
-        self._by_request: OrderedDict[tuple[str, str], tuple[str, float, float]] = \
-            OrderedDict()
+        self._by_request: OrderedDict[tuple[str, str], tuple[str, float, float]] = OrderedDict()
         self._per_node: Counter[str] = Counter()
         self._per_tenant: Counter[str] = Counter()
         self._work: dict[str, float] = {}
 
     def add(self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "") -> None:
         self.release(request_id, tenant)  # a retried request id moves, not double counts
-        self._by_request[(tenant, request_id)] = (node_id, self._clock() + self.timeout_s,
-                                                  work)
+        self._by_request[(tenant, request_id)] = (node_id, self._clock() + self.timeout_s, work)
         self._per_node[node_id] += 1
         self._per_tenant[tenant] += 1
         self._work[node_id] = self._work.get(node_id, 0.0) + work
@@ -181,9 +183,14 @@ class NodeState:
 
 
 class RouterCore:
-    def __init__(self, weights: Weights, prefill_tokens_per_s: float = 8000.0,
-                 peer_gbps: float = 1.0, inflight_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        prefill_tokens_per_s: float = 8000.0,
+        peer_gbps: float = 1.0,
+        inflight_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.weights = weights
         self.index = BlockIndex()
         self.nodes: dict[str, NodeState] = {}
@@ -195,12 +202,20 @@ class RouterCore:
 
     @classmethod
     def from_config(cls, cfg) -> "RouterCore":
-        return cls(Weights.from_config(cfg), cfg.prefill_tokens_per_s, cfg.peer_gbps,
-                   cfg.inflight_timeout_s)
+        return cls(
+            Weights.from_config(cfg),
+            cfg.prefill_tokens_per_s,
+            cfg.peer_gbps,
+            cfg.inflight_timeout_s,
+        )
 
     def _load(self, node_id: str) -> NodeLoad:
-        return NodeLoad(node_id, self.inflight.count(node_id),
-                        self.nodes[node_id].record.utilization, self.inflight.work(node_id))
+        return NodeLoad(
+            node_id,
+            self.inflight.count(node_id),
+            self.nodes[node_id].record.utilization,
+            self.inflight.work(node_id),
+        )
 
     def _touch(self, node_id: str) -> None:
         """Re-rank a node after its load, utilization or sync state changed."""
@@ -238,8 +253,9 @@ class RouterCore:
         if st is None:
             return
         if st.epoch and st.epoch != epoch:
-            log.info("node %s restarted (epoch %s -> %s); resyncing", node_id, st.epoch[:8],
-                     epoch[:8])
+            log.info(
+                "node %s restarted (epoch %s -> %s); resyncing", node_id, st.epoch[:8], epoch[:8]
+            )
         st.epoch = epoch
         self.mark_unsynced(node_id)
         self.index.clear_node(node_id)
@@ -258,8 +274,9 @@ class RouterCore:
 
     def set_namespace_layout(self, ns_id: bytes, block_bytes: int, block_tokens: int) -> None:
         p = self._default_pricing
-        self._pricing[ns_id] = Pricing(p.prefill_tokens_per_s, p.peer_gbps, block_bytes,
-                                       block_tokens)
+        self._pricing[ns_id] = Pricing(
+            p.prefill_tokens_per_s, p.peer_gbps, block_bytes, block_tokens
+        )
 
     def forget_namespace(self, ns_id: bytes) -> None:
         self._pricing.pop(ns_id, None)
@@ -268,36 +285,52 @@ class RouterCore:
         return self._pricing.get(ns_id, self._default_pricing)
 
     # --------------------------------------------------------------- routing
-    def _scores(self, total: int, local: dict[str, int], w: Weights,
-                pricing: Pricing) -> list[Score]:
+    def _scores(
+        self, total: int, local: dict[str, int], w: Weights, pricing: Pricing
+    ) -> list[Score]:
         if len(self.board) and (w.load, w.utilization, w.queue) == (
-                self.weights.load, self.weights.utilization, self.weights.queue):
-            return score_ranked(total, local, self.board.ranked, w, pricing, MAX_CANDIDATES,
-                                self.board.by_id)
+            self.weights.load,
+            self.weights.utilization,
+            self.weights.queue,
+        ):
+            return score_ranked(
+                total, local, self.board.ranked, w, pricing, MAX_CANDIDATES, self.board.by_id
+            )
         # Slow path: load weights overridden (the board's order does not apply), or no
         # node in sync yet (router just started): score every eligible node.
         ids = [n.node_id for n in self.board.ranked] or list(self.nodes)
-        return score_nodes(total, local, [self._load(i) for i in ids], w, pricing,
-                           MAX_CANDIDATES)
+        return score_nodes(total, local, [self._load(i) for i in ids], w, pricing, MAX_CANDIDATES)
 
-    def route(self, namespace_id: bytes, packed_ids: bytes, weights: Weights | None = None,
-              request_id: str = "", dry_run: bool = False, tenant: str = "",
-              max_inflight: int = 0) -> Decision:
+    def route(
+        self,
+        namespace_id: bytes,
+        packed_ids: bytes,
+        weights: Weights | None = None,
+        request_id: str = "",
+        dry_run: bool = False,
+        tenant: str = "",
+        max_inflight: int = 0,
+    ) -> Decision:
         """`tenant` scopes the request id (InFlight); `max_inflight` (0: none) caps the
         tenant's requests in flight, checked before anything is counted."""
         if len(namespace_id) != 16:
-            raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got "
-                                         f"{len(namespace_id)}")
+            raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got {len(namespace_id)}")
         if len(packed_ids) % BLOCK_ID_BYTES:
-            raise errors.InvalidArgument(f"block_ids is {len(packed_ids)} bytes, not a "
-                                         f"multiple of {BLOCK_ID_BYTES}")
+            raise errors.InvalidArgument(
+                f"block_ids is {len(packed_ids)} bytes, not a multiple of {BLOCK_ID_BYTES}"
+            )
         self.inflight.expire()
         if not self.nodes:
             raise errors.Unavailable("no node agents are registered in etcd")
-        if (max_inflight and not dry_run and self.inflight.tenant_count(tenant)
-                - self.inflight.holds(request_id, tenant) >= max_inflight):
-            raise errors.ResourceExhausted(f"{max_inflight} routed requests of this tenant "
-                                           "are in flight; release some first")
+        if (
+            max_inflight
+            and not dry_run
+            and self.inflight.tenant_count(tenant) - self.inflight.holds(request_id, tenant)
+            >= max_inflight
+        ):
+            raise errors.ResourceExhausted(
+                f"{max_inflight} routed requests of this tenant are in flight; release some first"
+            )
         total = len(packed_ids) // BLOCK_ID_BYTES
         local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
         pricing = self.pricing(namespace_id)
@@ -306,15 +339,23 @@ class RouterCore:
         rid = request_id or secrets.token_hex(16)
         if not dry_run:
             c = scores[0]  # the prefill it queues there: recompute, plus peer copies
-            self.inflight.add(rid, c.node_id,
-                              c.recompute_blocks + c.peer_blocks * pricing.peer_price, tenant)
+            self.inflight.add(
+                rid, c.node_id, c.recompute_blocks + c.peer_blocks * pricing.peer_price, tenant
+            )
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores)
         return Decision(rid, total, scores)
 
-    def route_tokens(self, namespace_id: bytes, root: bytes, tokens, block_size: int,
-                     weights: Weights | None = None, request_id: str = "",
-                     dry_run: bool = False) -> Decision:
+    def route_tokens(
+        self,
+        namespace_id: bytes,
+        root: bytes,
+        tokens,
+        block_size: int,
+        weights: Weights | None = None,
+        request_id: str = "",
+        dry_run: bool = False,
+    ) -> Decision:
         """Hash a prompt's tokens into block ids (kvstore.hashing), then route."""
         packed = hash_chain_packed(root, tokens, block_size)
         return self.route(namespace_id, packed, weights, request_id, dry_run)
@@ -330,10 +371,26 @@ class RouterCore:
 def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]) -> None:
     """Block counts and cost terms only: never tokens."""
     c = scores[0]
-    log.debug("route %s ns=%s blocks=%d -> %s local=%d peer=%d(%s) recompute=%d "
-              "in_flight=%d queued=%.1f util=%.2f cost=%.3f [recompute=%.3f peer=%.3f "
-              "space=%.3f load=%.3f util=%.3f] runner_up=%s", rid, namespace_id.hex()[:12],
-              total, c.node_id, c.local_blocks, c.peer_blocks, c.peer_node_id or "-",
-              c.recompute_blocks, c.in_flight, c.queued, c.utilization, c.cost,
-              c.recompute_cost, c.peer_cost, c.space_cost, c.load_cost, c.utilization_cost,
-              f"{scores[1].node_id}:{scores[1].cost:.3f}" if len(scores) > 1 else "-")
+    log.debug(
+        "route %s ns=%s blocks=%d -> %s local=%d peer=%d(%s) recompute=%d "
+        "in_flight=%d queued=%.1f util=%.2f cost=%.3f [recompute=%.3f peer=%.3f "
+        "space=%.3f load=%.3f util=%.3f] runner_up=%s",
+        rid,
+        namespace_id.hex()[:12],
+        total,
+        c.node_id,
+        c.local_blocks,
+        c.peer_blocks,
+        c.peer_node_id or "-",
+        c.recompute_blocks,
+        c.in_flight,
+        c.queued,
+        c.utilization,
+        c.cost,
+        c.recompute_cost,
+        c.peer_cost,
+        c.space_cost,
+        c.load_cost,
+        c.utilization_cost,
+        f"{scores[1].node_id}:{scores[1].cost:.3f}" if len(scores) > 1 else "-",
+    )

@@ -28,6 +28,7 @@ flight on n: a request waits behind that prefill, so one queued block weighs wha
 block recomputed here does (w_queue 1). The per-request term covers what does not scale
 with prompt length (scheduling, decode).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -63,16 +64,35 @@ class Weights:
 
     @classmethod
     def from_config(cls, cfg) -> "Weights":
-        return cls(cfg.weight_recompute, cfg.weight_peer_fetch, cfg.weight_load,
-                   cfg.weight_utilization, cfg.weight_queue)
+        return cls(
+            cfg.weight_recompute,
+            cfg.weight_peer_fetch,
+            cfg.weight_load,
+            cfg.weight_utilization,
+            cfg.weight_queue,
+        )
 
-    def override(self, recompute: float = 0.0, peer_fetch: float = 0.0, load: float = 0.0,
-                 utilization: float = 0.0, queue: float = 0.0) -> "Weights":
+    def override(
+        self,
+        recompute: float = 0.0,
+        peer_fetch: float = 0.0,
+        load: float = 0.0,
+        utilization: float = 0.0,
+        queue: float = 0.0,
+    ) -> "Weights":
         """Per-request override: fields left at 0 keep this object's value (proto3 cannot
         tell 0 from unset, so a weight cannot be zeroed per request)."""
-        given = {k: v for k, v in (("recompute", recompute), ("peer_fetch", peer_fetch),
-                                   ("load", load), ("utilization", utilization),
-                                   ("queue", queue)) if v}
+        given = {
+            k: v
+            for k, v in (
+                ("recompute", recompute),
+                ("peer_fetch", peer_fetch),
+                ("load", load),
+                ("utilization", utilization),
+                ("queue", queue),
+            )
+            if v
+        }
         return replace(self, **given) if given else self
 
 
@@ -129,12 +149,19 @@ class Score(NamedTuple):
 
 def load_cost(n: NodeLoad, weights: Weights) -> float:
     """The part of a node's cost that does not depend on the prompt."""
-    return (weights.load * n.in_flight + weights.queue * n.queued
-            + weights.utilization * n.utilization)
+    return (
+        weights.load * n.in_flight + weights.queue * n.queued + weights.utilization * n.utilization
+    )
 
 
-def score_nodes(total_blocks: int, local: Mapping[str, int], nodes: Sequence[NodeLoad],
-                weights: Weights, pricing: Pricing, limit: int | None = None) -> list[Score]:
+def score_nodes(
+    total_blocks: int,
+    local: Mapping[str, int],
+    nodes: Sequence[NodeLoad],
+    weights: Weights,
+    pricing: Pricing,
+    limit: int | None = None,
+) -> list[Score]:
     """Every node in `nodes` (any order) scored, cheapest first, ties by node id; at most
     `limit` of them. `local` maps a node to the leading blocks of the prompt it holds
     (absent: none)."""
@@ -142,9 +169,15 @@ def score_nodes(total_blocks: int, local: Mapping[str, int], nodes: Sequence[Nod
     return score_ranked(total_blocks, local, ranked, weights, pricing, limit)
 
 
-def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[NodeLoad],
-                 weights: Weights, pricing: Pricing, limit: int | None = None,
-                 by_id: Mapping[str, NodeLoad] | None = None) -> list[Score]:
+def score_ranked(
+    total_blocks: int,
+    local: Mapping[str, int],
+    ranked: Sequence[NodeLoad],
+    weights: Weights,
+    pricing: Pricing,
+    limit: int | None = None,
+    by_id: Mapping[str, NodeLoad] | None = None,
+) -> list[Score]:
     """`score_nodes` for `ranked` already sorted by (load_cost under `weights`, node id);
     `by_id` optionally indexes the same loads by node id.
 
@@ -159,15 +192,24 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
         by_id = {n.node_id: n for n in ranked}
     # Holders, longest prefix first, ties by node id; each one's best peer is the longest
     # other holder: the first one, or the second for the first itself.
-    held = sorted((-min(v, total_blocks), k) for k, v in local.items()
-                  if v and k in by_id) if local else []
+    held = (
+        sorted((-min(v, total_blocks), k) for k, v in local.items() if v and k in by_id)
+        if local
+        else []
+    )
     best = (-held[0][0], held[0][1]) if held else (0, "")
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price = pricing.peer_price
     peer_ok = price < 1.0
-    args = (total_blocks, weights.recompute, weights.peer_fetch * price,
-            weights.peer_fetch * DUPLICATE_PRICE,
-            weights.load, weights.queue, weights.utilization)
+    args = (
+        total_blocks,
+        weights.recompute,
+        weights.peer_fetch * price,
+        weights.peer_fetch * DUPLICATE_PRICE,
+        weights.load,
+        weights.queue,
+        weights.utilization,
+    )
     out = []
     for neg, node_id in held:
         plen, pnode = second if node_id == best[1] else best
@@ -188,17 +230,44 @@ def score_ranked(total_blocks: int, local: Mapping[str, int], ranked: Sequence[N
     return out[:limit]
 
 
-def _row(n: NodeLoad, own: int, peer_blocks: int, peer: str, dup: int, total: int,
-         w_recompute: float, w_peer_priced: float, w_space: float, w_load: float,
-         w_queue: float, w_util: float) -> Score:
+def _row(
+    n: NodeLoad,
+    own: int,
+    peer_blocks: int,
+    peer: str,
+    dup: int,
+    total: int,
+    w_recompute: float,
+    w_peer_priced: float,
+    w_space: float,
+    w_load: float,
+    w_queue: float,
+    w_util: float,
+) -> Score:
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_peer_priced * peer_blocks
     sc = w_space * dup
     lc = w_load * n.in_flight + w_queue * n.queued
     uc = w_util * n.utilization
-    return _new(Score, (n.node_id, own, peer_blocks, peer, total - own - peer_blocks,
-                        n.in_flight, n.utilization, rc + pc + sc + lc + uc, rc, pc, lc, uc,
-                        n.queued, sc))
+    return _new(
+        Score,
+        (
+            n.node_id,
+            own,
+            peer_blocks,
+            peer,
+            total - own - peer_blocks,
+            n.in_flight,
+            n.utilization,
+            rc + pc + sc + lc + uc,
+            rc,
+            pc,
+            lc,
+            uc,
+            n.queued,
+            sc,
+        ),
+    )
 
 
 _ORDER = itemgetter(7, 0)  # (cost, node_id)

@@ -1,6 +1,7 @@
 """Router process: grpc.aio server for kvstore.v1.Router plus grpc health, fed by etcd and
 the agents' event streams. The servicer only converts protobuf <-> RouterCore calls, after
 router/access.py said the caller may make them."""
+
 from __future__ import annotations
 
 import logging
@@ -23,22 +24,37 @@ from router.scoring import Weights
 log = logging.getLogger("kvstore.router")
 
 MAX_ROUTE_BLOCKS = 1 << 16  # 1M tokens at 16 per block; bigger requests are malformed
+
+
 def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
     cands = []
     for s in d.scores:
         st = core.nodes.get(s.node_id)
-        cands.append(router_pb2.Candidate(
-            node_id=s.node_id, address=st.record.address if st else "",
-            local_blocks=s.local_blocks, peer_blocks=s.peer_blocks,
-            peer_node_id=s.peer_node_id, recompute_blocks=s.recompute_blocks,
-            in_flight=s.in_flight, utilization=s.utilization, cost=s.cost))
+        cands.append(
+            router_pb2.Candidate(
+                node_id=s.node_id,
+                address=st.record.address if st else "",
+                local_blocks=s.local_blocks,
+                peer_blocks=s.peer_blocks,
+                peer_node_id=s.peer_node_id,
+                recompute_blocks=s.recompute_blocks,
+                in_flight=s.in_flight,
+                utilization=s.utilization,
+                cost=s.cost,
+            )
+        )
     c = cands[0]
     peer = core.nodes.get(c.peer_node_id) if c.peer_node_id else None
     return router_pb2.RouteResponse(
-        node_id=c.node_id, address=c.address, matched_blocks=c.local_blocks,
-        candidates=cands, request_id=d.request_id, peer_hint=c.peer_node_id,
+        node_id=c.node_id,
+        address=c.address,
+        matched_blocks=c.local_blocks,
+        candidates=cands,
+        request_id=d.request_id,
+        peer_hint=c.peer_node_id,
         peer_address=peer.record.address if peer else "",
-        peer_transfer_address=peer.record.peer_address if peer else "")
+        peer_transfer_address=peer.record.peer_address if peer else "",
+    )
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -51,8 +67,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Route(self, request, context):
         try:
             if len(request.block_ids) > MAX_ROUTE_BLOCKS * 16:
-                raise errors.InvalidArgument(f"block_ids names more than {MAX_ROUTE_BLOCKS} "
-                                             "blocks")
+                raise errors.InvalidArgument(f"block_ids names more than {MAX_ROUTE_BLOCKS} blocks")
             caller = current_caller.get()
             self.access.check_route(caller, request)  # before the fence: it tells gens
             if request.block_ids:  # no ids (a client picking a node to open on): none stale
@@ -60,22 +75,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             weights = None
             if request.HasField("weights"):
                 w = request.weights
-                weights = self.core.weights.override(w.recompute, w.peer_fetch, w.load,
-                                                     w.utilization, w.queue)
-            d = self.core.route(request.namespace_id, request.block_ids, weights,
-                                request.request_id, request.dry_run, caller.scope,
-                                self.access.inflight_cap(caller))
+                weights = self.core.weights.override(
+                    w.recompute, w.peer_fetch, w.load, w.utilization, w.queue
+                )
+            d = self.core.route(
+                request.namespace_id,
+                request.block_ids,
+                weights,
+                request.request_id,
+                request.dry_run,
+                caller.scope,
+                self.access.inflight_cap(caller),
+            )
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override
-            code = status_for(exc) if isinstance(exc, errors.KvError) \
+            code = (
+                status_for(exc)
+                if isinstance(exc, errors.KvError)
                 else grpc.StatusCode.INVALID_ARGUMENT
+            )
             await context.abort(code, str(exc))
         return decision_to_proto(d, self.core)
 
     async def Release(self, request, context):
         # Another tenant's id is one this tenant never routed: the same empty answer as an
         # unknown or expired id, and nothing changes.
-        self.core.release(request.request_id, request.prefill_done,
-                          current_caller.get().scope)
+        self.core.release(request.request_id, request.prefill_done, current_caller.get().scope)
         return router_pb2.ReleaseResponse()
 
     async def ListNodes(self, request, context):
@@ -85,17 +109,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for node_id in sorted(self.core.nodes):
             st = self.core.nodes[node_id]
             r = st.record
-            out.append(router_pb2.NodeInfo(
-                node_id=node_id, address=r.address, peer_address=r.peer_address,
-                device=r.device, hbm_capacity_bytes=r.hbm_capacity_bytes,
-                nvme_capacity_bytes=r.nvme_capacity_bytes,
-                indexed_blocks=self.core.index.node_blocks(node_id)[0], synced=st.synced))
+            out.append(
+                router_pb2.NodeInfo(
+                    node_id=node_id,
+                    address=r.address,
+                    peer_address=r.peer_address,
+                    device=r.device,
+                    hbm_capacity_bytes=r.hbm_capacity_bytes,
+                    nvme_capacity_bytes=r.nvme_capacity_bytes,
+                    indexed_blocks=self.core.index.node_blocks(node_id)[0],
+                    synced=st.synced,
+                )
+            )
         return router_pb2.ListNodesResponse(nodes=out)
 
 
 class RouterServer:
-    def __init__(self, cfg: RouterConfig, token: str | None = None,
-                 etcd_prefix: str | None = None, with_control: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        token: str | None = None,
+        etcd_prefix: str | None = None,
+        with_control: bool = False,
+    ) -> None:
         """with_control: also run router/control.RouterControl (generation fencing, kill
         switch acknowledgements, presence under routers/); the router process does."""
         self.cfg = cfg
@@ -122,9 +158,10 @@ class RouterServer:
         # on every method (kvstore/grpc_edge.py), callers are authenticated before the
         # servicer runs (router/access.py), and telemetry still times them.
         access = RouterAccess(self.cfg, self.owners)
-        self.server = grpc.aio.server(interceptors=[*self.telemetry.interceptors,
-                                                    AuthEdge(access, log)],
-                                      options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            interceptors=[*self.telemetry.interceptors, AuthEdge(access, log)],
+            options=[("grpc.so_reuseport", 0)],
+        )
         self.servicer = RouterServicer(self.core, access)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -132,20 +169,27 @@ class RouterServer:
         self.port = bind_port(self.server, self.cfg.listen)
         kwargs = {"prefix": self.etcd_prefix} if self.etcd_prefix else {}
         self._etcd = EtcdClient(self.cfg.etcd_endpoints, **kwargs)
-        self.follower = ClusterFollower(self.core, self._etcd, self.cfg.router_id, self.token,
-                                        self.owners)
+        self.follower = ClusterFollower(
+            self.core, self._etcd, self.cfg.router_id, self.token, self.owners
+        )
         self.follower.start()
         if self.with_control:  # generations and kill switch loaded before serving
             from router.control import RouterControl
-            self.control = RouterControl(self._etcd, self.cfg.router_id, core=self.core,
-                                         address=self.address)
+
+            self.control = RouterControl(
+                self._etcd, self.cfg.router_id, core=self.core, address=self.address
+            )
             await self.control.start()
             self.servicer.fence = self.control.check
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.Router", health_pb2.HealthCheckResponse.SERVING)
-        log.info("router %s serving on %s (etcd %s)", self.cfg.router_id, self.address,
-                 self.cfg.etcd_endpoints)
+        log.info(
+            "router %s serving on %s (etcd %s)",
+            self.cfg.router_id,
+            self.address,
+            self.cfg.etcd_endpoints,
+        )
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
@@ -162,6 +206,10 @@ class RouterServer:
         log.info("router %s stopped", self.cfg.router_id)
 
 
-async def serve(cfg: RouterConfig, ready_file: str | None = None, token: str | None = None,
-                etcd_prefix: str | None = None) -> None:
+async def serve(
+    cfg: RouterConfig,
+    ready_file: str | None = None,
+    token: str | None = None,
+    etcd_prefix: str | None = None,
+) -> None:
     await run_until_signalled(RouterServer(cfg, token, etcd_prefix, with_control=True), ready_file)

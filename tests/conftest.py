@@ -17,6 +17,7 @@ Fixtures:
 - `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
   BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,9 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         kind = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
         if kind not in KINDS:
-            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/<kind>/, kind one of "
-                                    f"{', '.join(KINDS)}")
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests live in tests/<kind>/, kind one of {', '.join(KINDS)}"
+            )
         item.add_marker(getattr(pytest.mark, kind))
 
 
@@ -54,10 +56,17 @@ def spawn_agent(tmp_path):
     def spawn(**config) -> AgentProc:
         n = next(counter)
         workdir = tmp_path / f"agent-{n}"
-        cfg = {"node_id": f"agent-{n}", "listen": "127.0.0.1:0",
-               "data_dir": str(workdir / "data"), "pool_bytes": "16MiB",
-               "slot_bytes": "64KiB", "nvme_bytes": "64MiB", "device": "cpu",
-               "allow_unauthenticated": True, "expire_interval_s": 0.5}
+        cfg = {
+            "node_id": f"agent-{n}",
+            "listen": "127.0.0.1:0",
+            "data_dir": str(workdir / "data"),
+            "pool_bytes": "16MiB",
+            "slot_bytes": "64KiB",
+            "nvme_bytes": "64MiB",
+            "device": "cpu",
+            "allow_unauthenticated": True,
+            "expire_interval_s": 0.5,
+        }
         cfg.update(config)
         agent = AgentProc(workdir, cfg)
         procs.append(agent)
@@ -84,10 +93,12 @@ def make_store(tmp_path):
 def start_router(tmp_path, etcd):
     routers: list[RouterProc] = []
 
-    def start(name: str | None = None, token: str | None = None,
-              config: dict | None = None) -> RouterProc:
-        r = RouterProc(tmp_path / f"router-{len(routers)}", etcd.endpoint,
-                       name or f"router-{len(routers)}")
+    def start(
+        name: str | None = None, token: str | None = None, config: dict | None = None
+    ) -> RouterProc:
+        r = RouterProc(
+            tmp_path / f"router-{len(routers)}", etcd.endpoint, name or f"router-{len(routers)}"
+        )
         routers.append(r)
         return r.start(token=token, config=config)
 

@@ -8,6 +8,7 @@ with the default /dev/shm, recovery after a stop and a start, a read-only root w
 config paths, ports and user against the image. Prints one line per check and ends with one
 JSON line; exit 1 when any check failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,24 @@ RUN = f"kvc-{uuid.uuid4().hex[:6]}"  # container and volume names of this run
 # No systemd here to run healthchecks on a timer: no timer, and `podman healthcheck run`
 # by hand (wait_healthy).
 _NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-QUIET = ("--health-interval", "disable",
-         # podman's default ulimits exceed this machine's hard limits, and runc refuses
-         # them: open files up to the hard limit, processes at a modest 4096
-         "--ulimit", f"nofile={_NOFILE}:{_NOFILE}", "--ulimit", "nproc=4096:4096")
-AGENT_ENV = {"KVSTORE_AGENT_ALLOW_UNAUTHENTICATED": "true", "KVSTORE_AGENT_POOL_BYTES": "32MiB",
-             "KVSTORE_AGENT_SLOT_BYTES": "64KiB", "KVSTORE_AGENT_NVME_BYTES": "256MiB",
-             "KVSTORE_AGENT_METRICS_PORT": "0", "KVSTORE_AGENT_DEVICE": "cpu"}
+QUIET = (
+    "--health-interval",
+    "disable",
+    # podman's default ulimits exceed this machine's hard limits, and runc refuses
+    # them: open files up to the hard limit, processes at a modest 4096
+    "--ulimit",
+    f"nofile={_NOFILE}:{_NOFILE}",
+    "--ulimit",
+    "nproc=4096:4096",
+)
+AGENT_ENV = {
+    "KVSTORE_AGENT_ALLOW_UNAUTHENTICATED": "true",
+    "KVSTORE_AGENT_POOL_BYTES": "32MiB",
+    "KVSTORE_AGENT_SLOT_BYTES": "64KiB",
+    "KVSTORE_AGENT_NVME_BYTES": "256MiB",
+    "KVSTORE_AGENT_METRICS_PORT": "0",
+    "KVSTORE_AGENT_DEVICE": "cpu",
+}
 
 CLIENT = r"""
 import sys, torch
@@ -79,15 +91,31 @@ class Check:
 
     def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
         self.results[name] = {"ok": bool(ok), "detail": detail[-600:]}
-        print(f"image-check: {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"image-check: {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         return ok
 
 
 def run_detached(image: str, name: str, args: list[str], env: dict, extra: list[str] = ()):
     envs = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
-    return sh("podman", "run", "-d", *QUIET, "--network", "host", "--name", name, *extra,
-              *envs, image, *args, check=True)
+    return sh(
+        "podman",
+        "run",
+        "-d",
+        *QUIET,
+        "--network",
+        "host",
+        "--name",
+        name,
+        *extra,
+        *envs,
+        image,
+        *args,
+        check=True,
+    )
 
 
 def wait_healthy(name: str, timeout: float = 120) -> bool:
@@ -107,42 +135,82 @@ def wait_healthy(name: str, timeout: float = 120) -> bool:
 def client(image: str, addr: str, mode: str) -> subprocess.CompletedProcess:
     # Default /dev/shm (64 MiB) and its own IPC namespace: the client must notice what
     # shared memory can hold and fall back, never crash with SIGBUS.
-    return sh("podman", "run", "--rm", *QUIET, "--network", "host", image, "python", "-c", CLIENT,
-              addr, mode, timeout=300)
+    return sh(
+        "podman",
+        "run",
+        "--rm",
+        *QUIET,
+        "--network",
+        "host",
+        image,
+        "python",
+        "-c",
+        CLIENT,
+        addr,
+        mode,
+        timeout=300,
+    )
 
 
 def chart_checks(check: Check, image: str) -> None:
     helm = ROOT / ".tools" / "helm"
     sh("bash", str(ROOT / "tools" / "install_helm.sh"), str(helm), check=True)
-    out = sh(str(helm), "template", "kv", str(ROOT / "deploy/helm/kvstore"), "-f",
-             str(ROOT / "deploy/helm/kvstore/ci/minimal-values.yaml"), check=True).stdout
+    out = sh(
+        str(helm),
+        "template",
+        "kv",
+        str(ROOT / "deploy/helm/kvstore"),
+        "-f",
+        str(ROOT / "deploy/helm/kvstore/ci/minimal-values.yaml"),
+        check=True,
+    ).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     user = sh("podman", "image", "inspect", image, "--format", "{{.Config.User}}").stdout.strip()
-    exposed = sh("podman", "image", "inspect", image, "--format",
-                 "{{json .Config.ExposedPorts}}").stdout
+    exposed = sh(
+        "podman", "image", "inspect", image, "--format", "{{json .Config.ExposedPorts}}"
+    ).stdout
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "agent.yaml" in d.get("data", {}))
     listen = {k: yaml.safe_load(v)["listen"] for k, v in cm["data"].items() if k.endswith(".yaml")}
     for wl in (d for d in docs if d["kind"] in ("DaemonSet", "Deployment")):
         spec = wl["spec"]["template"]["spec"]
         uid = spec.get("securityContext", {}).get("runAsUser")
-        check(f"chart {wl['metadata']['name']}: runAsUser is the image's user",
-              str(uid) == user.split(":")[0], f"chart {uid}, image {user}")
+        check(
+            f"chart {wl['metadata']['name']}: runAsUser is the image's user",
+            str(uid) == user.split(":")[0],
+            f"chart {uid}, image {user}",
+        )
         for c in spec["containers"]:
             cmd = c["command"]
-            found = sh("podman", "run", "--rm", *QUIET, "--entrypoint", "sh", image, "-c",
-                       f"command -v {cmd[0]}")
+            found = sh(
+                "podman",
+                "run",
+                "--rm",
+                *QUIET,
+                "--entrypoint",
+                "sh",
+                image,
+                "-c",
+                f"command -v {cmd[0]}",
+            )
             check(f"chart {c['name']}: {cmd[0]} is in the image", found.returncode == 0)
             if "--config" in cmd:
                 path = cmd[cmd.index("--config") + 1]
                 mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
-                check(f"chart {c['name']}: {path} is mounted and is where the image keeps it",
-                      path in mounts and sh("podman", "run", "--rm", *QUIET, "--entrypoint", "test",
-                                            image, "-f", path).returncode == 0)
+                check(
+                    f"chart {c['name']}: {path} is mounted and is where the image keeps it",
+                    path in mounts
+                    and sh(
+                        "podman", "run", "--rm", *QUIET, "--entrypoint", "test", image, "-f", path
+                    ).returncode
+                    == 0,
+                )
                 cfg_port = int(listen[Path(path).name].rsplit(":", 1)[1])
                 ports = {p["containerPort"] for p in c.get("ports", [])}
-                check(f"chart {c['name']}: the config's listen port is a container port",
-                      cfg_port in ports and f"{cfg_port}/tcp" in exposed,
-                      f"listen {cfg_port}, ports {sorted(ports)}, EXPOSE {exposed.strip()}")
+                check(
+                    f"chart {c['name']}: the config's listen port is a container port",
+                    cfg_port in ports and f"{cfg_port}/tcp" in exposed,
+                    f"listen {cfg_port}, ports {sorted(ports)}, EXPOSE {exposed.strip()}",
+                )
 
 
 def main() -> int:
@@ -160,22 +228,40 @@ def main() -> int:
             check(f"{cmd} --help", r.returncode == 0 and "usage:" in r.stdout, r.stderr)
         etcd_port, peer_port = free_port(), free_port()
         names.append(f"{RUN}-etcd")
-        run_detached(args.base, names[-1], [
-            "etcd", "--data-dir", "/tmp/etcd", "--listen-client-urls",
-            f"http://127.0.0.1:{etcd_port}", "--advertise-client-urls",
-            f"http://127.0.0.1:{etcd_port}", "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"], {},
-            ["-v", "/usr/bin/etcd:/usr/local/bin/etcd:ro"])
+        run_detached(
+            args.base,
+            names[-1],
+            [
+                "etcd",
+                "--data-dir",
+                "/tmp/etcd",
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer_port}",
+            ],
+            {},
+            ["-v", "/usr/bin/etcd:/usr/local/bin/etcd:ro"],
+        )
         etcd = f"127.0.0.1:{etcd_port}"
         agents = []
         for i in range(2):
             addr = f"127.0.0.1:{free_port()}"
             name = f"{RUN}-agent-{i}"
-            env = {**AGENT_ENV, "KVSTORE_AGENT_NODE_ID": f"agent-{i}",
-                   "KVSTORE_AGENT_LISTEN": addr, "KVSTORE_AGENT_ETCD_ENDPOINTS": etcd,
-                   "KVSTORE_AGENT_DATA_DIR": f"/var/lib/kvstore/agent-{i}",
-                   "KVSTORE_HEALTH_ADDR": addr}
+            env = {
+                **AGENT_ENV,
+                "KVSTORE_AGENT_NODE_ID": f"agent-{i}",
+                "KVSTORE_AGENT_LISTEN": addr,
+                "KVSTORE_AGENT_ETCD_ENDPOINTS": etcd,
+                "KVSTORE_AGENT_DATA_DIR": f"/var/lib/kvstore/agent-{i}",
+                "KVSTORE_HEALTH_ADDR": addr,
+            }
             # agent-1 runs with a read-only root: only its volume is writable.
             extra = ["-v", f"{name}-data:/var/lib/kvstore"] + (["--read-only"] if i else [])
             names.append(name)
@@ -183,24 +269,59 @@ def main() -> int:
             agents.append((name, addr, env, extra))
         router_addr = f"127.0.0.1:{free_port()}"
         names.append(f"{RUN}-router")
-        run_detached(image, names[-1], ["kvstore-router", "--config", "/etc/kvstore/router.yaml"],
-                     {"KVSTORE_ROUTER_LISTEN": router_addr, "KVSTORE_ROUTER_ETCD_ENDPOINTS": etcd,
-                      "KVSTORE_HEALTH_ADDR": router_addr})
+        run_detached(
+            image,
+            names[-1],
+            ["kvstore-router", "--config", "/etc/kvstore/router.yaml"],
+            {
+                "KVSTORE_ROUTER_LISTEN": router_addr,
+                "KVSTORE_ROUTER_ETCD_ENDPOINTS": etcd,
+                "KVSTORE_HEALTH_ADDR": router_addr,
+            },
+        )
         for name, *_ in agents:
-            check(f"{name} healthy (the image's default command and config)", wait_healthy(name),
-                  sh("podman", "logs", "--tail", "5", name).stderr)
-        check(f"{RUN}-router healthy", wait_healthy(f"{RUN}-router"),
-              sh("podman", "logs", "--tail", "5", f"{RUN}-router").stderr)
-        nodes = sh("podman", "run", "--rm", *QUIET, "--network", "host", image, "kvctl", "nodes",
-                   "--etcd", etcd, "-o", "json")
-        listed = sorted(n["node_id"] for n in json.loads(nodes.stdout)["nodes"]) \
-            if nodes.returncode == 0 else []
-        check("both agents registered in etcd (kvctl nodes from a container)",
-              listed == ["agent-0", "agent-1"], nodes.stderr or str(listed))
+            check(
+                f"{name} healthy (the image's default command and config)",
+                wait_healthy(name),
+                sh("podman", "logs", "--tail", "5", name).stderr,
+            )
+        check(
+            f"{RUN}-router healthy",
+            wait_healthy(f"{RUN}-router"),
+            sh("podman", "logs", "--tail", "5", f"{RUN}-router").stderr,
+        )
+        nodes = sh(
+            "podman",
+            "run",
+            "--rm",
+            *QUIET,
+            "--network",
+            "host",
+            image,
+            "kvctl",
+            "nodes",
+            "--etcd",
+            etcd,
+            "-o",
+            "json",
+        )
+        listed = (
+            sorted(n["node_id"] for n in json.loads(nodes.stdout)["nodes"])
+            if nodes.returncode == 0
+            else []
+        )
+        check(
+            "both agents registered in etcd (kvctl nodes from a container)",
+            listed == ["agent-0", "agent-1"],
+            nodes.stderr or str(listed),
+        )
         for name, addr, *_ in agents:
             r = client(image, addr, "store")
-            check(f"store and fetch round trip against {name} from a client container",
-                  r.returncode == 0 and "identical" in r.stdout, (r.stdout + r.stderr)[-400:])
+            check(
+                f"store and fetch round trip against {name} from a client container",
+                r.returncode == 0 and "identical" in r.stdout,
+                (r.stdout + r.stderr)[-400:],
+            )
         name, addr, env, extra = agents[0]
         sh("podman", "stop", "-t", "30", name, check=True)
         code = sh("podman", "inspect", name, "--format", "{{.State.ExitCode}}").stdout.strip()
@@ -208,14 +329,34 @@ def main() -> int:
         sh("podman", "start", name, check=True)
         check(f"{name} healthy again after a restart", wait_healthy(name))
         r = client(image, addr, "fetch")
-        check("blocks recovered after the restart (fetch only)", r.returncode == 0,
-              (r.stdout + r.stderr)[-400:])
-        bare = sh("podman", "run", "--rm", *QUIET, "--network", "host", "--read-only",
-                  *[a for k, v in {**env, "KVSTORE_AGENT_LISTEN": "127.0.0.1:0"}.items()
-                    for a in ("-e", f"{k}={v}")], image, timeout=120)
-        check("a read-only root without a volume: one clear line, no traceback",
-              bare.returncode != 0 and "Traceback" not in bare.stderr
-              and "/var/lib/kvstore" in bare.stderr, bare.stderr[-400:])
+        check(
+            "blocks recovered after the restart (fetch only)",
+            r.returncode == 0,
+            (r.stdout + r.stderr)[-400:],
+        )
+        bare = sh(
+            "podman",
+            "run",
+            "--rm",
+            *QUIET,
+            "--network",
+            "host",
+            "--read-only",
+            *[
+                a
+                for k, v in {**env, "KVSTORE_AGENT_LISTEN": "127.0.0.1:0"}.items()
+                for a in ("-e", f"{k}={v}")
+            ],
+            image,
+            timeout=120,
+        )
+        check(
+            "a read-only root without a volume: one clear line, no traceback",
+            bare.returncode != 0
+            and "Traceback" not in bare.stderr
+            and "/var/lib/kvstore" in bare.stderr,
+            bare.stderr[-400:],
+        )
         chart_checks(check, image)
     except Exception as exc:  # noqa: BLE001 - reported as a failed check, then cleaned up
         check("harness", False, f"{type(exc).__name__}: {exc}")

@@ -1,6 +1,7 @@
 """Run by the Dockerfile after `pip install .`, from /: the installed package (not the
 source tree) has the C extension, and every console script and the servers they import
 lazily resolve (catches a package that [tool.setuptools.packages.find] left out)."""
+
 import importlib
 import importlib.metadata as md
 

@@ -6,6 +6,7 @@ probe on the same port instead; this speaks the same grpc.health.v1 protocol.
 Exit status: 0 when the service reports SERVING, 1 when it reports anything else,
 2 when it cannot be reached in time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvstore-health", description=__doc__.split("\n\n")[0])
-    p.add_argument("address", nargs="?",
-                   default=os.environ.get("KVSTORE_HEALTH_ADDR", "127.0.0.1:50051"),
-                   help="host:port of the gRPC server (env KVSTORE_HEALTH_ADDR)")
-    p.add_argument("--service", default="",
-                   help='health service name ("" is the whole server)')
+    p.add_argument(
+        "address",
+        nargs="?",
+        default=os.environ.get("KVSTORE_HEALTH_ADDR", "127.0.0.1:50051"),
+        help="host:port of the gRPC server (env KVSTORE_HEALTH_ADDR)",
+    )
+    p.add_argument("--service", default="", help='health service name ("" is the whole server)')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     return p.parse_args(argv)
 
@@ -33,8 +36,7 @@ def check(address: str, service: str, timeout: float) -> int:
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
-            print(f"kvstore-health: {address}: {exc.code().name}: {exc.details()}",
-                  file=sys.stderr)
+            print(f"kvstore-health: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"kvstore-health: {address} service={service!r}: {status}")

@@ -1,1 +1,2 @@
-"""kvctl: operator command-line tools for kvstore (status, flush, quotas, planning, trace analysis)."""
+"""kvctl: operator command-line tools for kvstore (status, flush, quotas, planning, trace
+analysis)."""

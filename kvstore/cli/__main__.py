@@ -3,6 +3,7 @@
 Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
 5 a flush or kill switch change not acknowledged in time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,19 +17,33 @@ from kvstore.cli.plan import add_plan_arguments, plan_command
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvctl", description="Operator CLI for kvstore, the distributed KV-cache store.",
+        prog="kvctl",
+        description="Operator CLI for kvstore, the distributed KV-cache store.",
         epilog="Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, "
-               "4 node unreachable, 5 not acknowledged in time. 'kvctl COMMAND --help' "
-               "describes each command.")
+        "4 node unreachable, 5 not acknowledged in time. 'kvctl COMMAND --help' "
+        "describes each command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     commands = (
-        ("cluster", "local development cluster: up, down, status",
-         add_cluster_arguments, cluster_command),
-        ("plan", "capacity planning: KV bytes per token, blocks per tier",
-         add_plan_arguments, plan_command),
-        ("analyze", "prefix-ceiling analysis of a prompt trace",
-         add_analyze_arguments, analyze_command),
+        (
+            "cluster",
+            "local development cluster: up, down, status",
+            add_cluster_arguments,
+            cluster_command,
+        ),
+        (
+            "plan",
+            "capacity planning: KV bytes per token, blocks per tier",
+            add_plan_arguments,
+            plan_command,
+        ),
+        (
+            "analyze",
+            "prefix-ceiling analysis of a prompt trace",
+            add_analyze_arguments,
+            analyze_command,
+        ),
     )
     for name, help_, add, run in commands:
         p = sub.add_parser(name, help=help_)

@@ -232,8 +232,11 @@ def iter_requests(source: str | os.PathLike | Iterable) -> Iterator[Request]:
             continue
         request = parse_record(line, record)
         if request.t < last_t:
-            raise _fail(line, f"t={request.t} is earlier than the previous request "
-                              f"(t={last_t}); sort the trace by arrival time")
+            raise _fail(
+                line,
+                f"t={request.t} is earlier than the previous request "
+                f"(t={last_t}); sort the trace by arrival time",
+            )
         last_t = request.t
         yield request
 
@@ -310,7 +313,8 @@ def report_dict(report: AnalysisReport) -> dict:
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
     fmt = lambda r: "  ".join(  # noqa: E731 - local one-liner
-        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+    )
     return [fmt(headers), *(fmt(r) for r in rows)]
 
 
@@ -322,11 +326,29 @@ def _render_table(report: AnalysisReport) -> str:
         f"{report.keyspaces} keyspaces, trace span {span}",
         "",
         *_table(
-            ["tenant", "requests", "prompt tok", "cached tok", "token hit",
-             "req w/ hit", "request hit", "distinct blocks"],
-            [[name, f"{s.requests:,}", f"{s.prompt_tokens:,}", f"{s.cached_tokens:,}",
-              f"{s.token_hit_rate:.1%}", f"{s.requests_with_hit:,}",
-              f"{s.request_hit_rate:.1%}", f"{s.distinct_blocks:,}"] for name, s in rows],
+            [
+                "tenant",
+                "requests",
+                "prompt tok",
+                "cached tok",
+                "token hit",
+                "req w/ hit",
+                "request hit",
+                "distinct blocks",
+            ],
+            [
+                [
+                    name,
+                    f"{s.requests:,}",
+                    f"{s.prompt_tokens:,}",
+                    f"{s.cached_tokens:,}",
+                    f"{s.token_hit_rate:.1%}",
+                    f"{s.requests_with_hit:,}",
+                    f"{s.request_hit_rate:.1%}",
+                    f"{s.distinct_blocks:,}",
+                ]
+                for name, s in rows
+            ],
         ),
         "",
         "hit length (cached tokens per request):",
@@ -357,11 +379,12 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
         help="JSON Lines trace, one request per line with t, tenant, namespace, tokens "
-             "(sorted by t); '-' reads stdin")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per block (default 16)")
-    parser.add_argument("--output", choices=("table", "json"), default="table",
-                        help="output format (default table)")
+        "(sorted by t); '-' reads stdin",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument(
+        "--output", choices=("table", "json"), default="table", help="output format (default table)"
+    )
 
 
 def analyze_command(args: argparse.Namespace) -> int:

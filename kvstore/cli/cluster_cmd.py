@@ -1,4 +1,5 @@
 """`kvctl cluster up|down|status`: a local development cluster (kvstore/devcluster.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,52 +13,86 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Run a local development cluster on 127.0.0.1: etcd, N node "
-                          "agents (CPU device) and a router, detached, with logs and pids in "
-                          "a state directory.")
+    parser.description = (
+        "Run a local development cluster on 127.0.0.1: etcd, N node "
+        "agents (CPU device) and a router, detached, with logs and pids in "
+        "a state directory."
+    )
     sub = parser.add_subparsers(dest="cluster_cmd", metavar="{up,down,status}")
     sub.required = True
-    state_help = (f"directory for state, data and logs (default ${STATE_ENV}, else "
-                  f"{DEFAULT_STATE}; down and status also look for one in parent directories)")
-    p = sub.add_parser("up", help="start etcd, agents and a router; wait until healthy",
-                       description="Start etcd, N agents and a router, wait until every one "
-                                   "answers gRPC health and the router follows every agent, "
-                                   "then print their addresses.")
+    state_help = (
+        f"directory for state, data and logs (default ${STATE_ENV}, else "
+        f"{DEFAULT_STATE}; down and status also look for one in parent directories)"
+    )
+    p = sub.add_parser(
+        "up",
+        help="start etcd, agents and a router; wait until healthy",
+        description="Start etcd, N agents and a router, wait until every one "
+        "answers gRPC health and the router follows every agent, "
+        "then print their addresses.",
+    )
     p.add_argument("--agents", type=int, default=2, help="number of node agents (default 2)")
     p.add_argument("--state-dir", help=state_help)
     p.add_argument("--pool-bytes", default="256MiB", help="device pool per agent (256MiB)")
-    p.add_argument("--slot-bytes", default="64KiB",
-                   help="largest block payload an agent accepts (64KiB)")
+    p.add_argument(
+        "--slot-bytes", default="64KiB", help="largest block payload an agent accepts (64KiB)"
+    )
     p.add_argument("--nvme-bytes", default="1GiB", help="RocksDB tier per agent (1GiB)")
-    p.add_argument("--lease-ttl", type=int, default=5,
-                   help="agent etcd lease TTL in seconds (default 5)")
-    p.add_argument("--timeout", type=float, default=180.0,
-                   help="seconds to wait for everything to come up (default 180)")
-    p.add_argument("--router-log-level", default="INFO",
-                   help="DEBUG logs every routing decision (default INFO)")
+    p.add_argument(
+        "--lease-ttl", type=int, default=5, help="agent etcd lease TTL in seconds (default 5)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for everything to come up (default 180)",
+    )
+    p.add_argument(
+        "--router-log-level",
+        default="INFO",
+        help="DEBUG logs every routing decision (default INFO)",
+    )
     p.add_argument("--output", choices=("table", "json"), default="table")
-    p = sub.add_parser("down", help="stop the cluster (SIGTERM, then SIGKILL)",
-                       description="Stop the router and agents (SIGTERM; they leave etcd "
-                                   "cleanly), then etcd; SIGKILL whatever is left after the "
-                                   "grace period. Data and logs stay in the state directory.")
+    p = sub.add_parser(
+        "down",
+        help="stop the cluster (SIGTERM, then SIGKILL)",
+        description="Stop the router and agents (SIGTERM; they leave etcd "
+        "cleanly), then etcd; SIGKILL whatever is left after the "
+        "grace period. Data and logs stay in the state directory.",
+    )
     p.add_argument("--state-dir", help=state_help)
-    p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds to wait after SIGTERM before SIGKILL (default 10)")
-    p = sub.add_parser("status", help="show each process, its address and indexed blocks",
-                       description="Show etcd, every agent and the router: alive, healthy, "
-                                   "address; per agent whether it is registered in etcd and "
-                                   "how many blocks the router indexed for it. Exit status: 0 "
-                                   "all healthy, 3 etcd unreachable, 4 an agent or the router "
-                                   "unreachable, 1 no cluster.")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds to wait after SIGTERM before SIGKILL (default 10)",
+    )
+    p = sub.add_parser(
+        "status",
+        help="show each process, its address and indexed blocks",
+        description="Show etcd, every agent and the router: alive, healthy, "
+        "address; per agent whether it is registered in etcd and "
+        "how many blocks the router indexed for it. Exit status: 0 "
+        "all healthy, 3 etcd unreachable, 4 an agent or the router "
+        "unreachable, 1 no cluster.",
+    )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument("--output", choices=("table", "json"), default="table")
 
 
 def _up(args) -> int:
     from kvstore.devcluster import up
+
     try:
-        opts = UpOptions(args.agents, args.pool_bytes, args.slot_bytes, args.nvme_bytes,
-                         args.lease_ttl, args.timeout, args.router_log_level)
+        opts = UpOptions(
+            args.agents,
+            args.pool_bytes,
+            args.slot_bytes,
+            args.nvme_bytes,
+            args.lease_ttl,
+            args.timeout,
+            args.router_log_level,
+        )
     except ValueError as exc:
         print(f"kvctl cluster up: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,15 +100,24 @@ def _up(args) -> int:
     say = (lambda _msg: None) if quiet else print
     st = up(state_dir(args.state_dir, look_up=False).value, opts, say=say)
     if quiet:
-        print(json.dumps({"state_dir": st.state_dir, "etcd_endpoint": st.etcd_endpoint,
-                          "router_address": st.router_address,
-                          "agents": {p.name: p.address for p in st.agents}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "state_dir": st.state_dir,
+                    "etcd_endpoint": st.etcd_endpoint,
+                    "router_address": st.router_address,
+                    "agents": {p.name: p.address for p in st.agents},
+                },
+                indent=2,
+            )
+        )
     return EXIT_OK
 
 
 def _down(args) -> int:
     from kvstore.devcluster import STATE_FILE, down
     from pathlib import Path
+
     state = state_dir(args.state_dir)
     if not (Path(state.value) / STATE_FILE).exists():
         print(f"no local cluster in {state.value} ({state.source}); nothing to stop")
@@ -89,9 +133,11 @@ def render_status(report: dict) -> str:
         state = "up" if c["healthy"] else ("unhealthy" if c["alive"] else "dead")
         detail = ""
         if c["kind"] == "agent":
-            detail = (f"{'registered' if c['registered'] else 'NOT registered'}, "
-                      f"{'synced' if c['synced'] else 'not synced'}, "
-                      f"{c['indexed_blocks']} blocks indexed")
+            detail = (
+                f"{'registered' if c['registered'] else 'NOT registered'}, "
+                f"{'synced' if c['synced'] else 'not synced'}, "
+                f"{c['indexed_blocks']} blocks indexed"
+            )
         rows.append((c["name"], str(c["pid"]), state, c["address"] or "-", detail))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"cluster in {report['state_dir']} (up {report['uptime_s']}s)"]
@@ -101,6 +147,7 @@ def render_status(report: dict) -> str:
 
 def _status(args) -> int:
     from kvstore.devcluster import status
+
     state = state_dir(args.state_dir)
     try:
         report = status(state.value)

@@ -9,6 +9,7 @@ cluster's cluster.json), else $KVSTORE_ETCD, else $KVSTORE_STATE_DIR, else the
 Exit codes: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
 5 a flush or kill switch change was not acknowledged by every live member in time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ class Usage(Exception):
 # ------------------------------------------------------------------------ plumbing
 def _endpoints(args) -> discover.Found:
     from kvstore.devcluster import ClusterError
+
     try:
         return discover.etcd(args.etcd, args.state_dir)
     except ClusterError as exc:
@@ -64,6 +66,7 @@ def _run(args, body) -> int:
         target = _endpoints(args)
         async with EtcdClient(target.value, timeout=args.etcd_timeout) as etcd:
             return await body(etcd)
+
     try:
         return asyncio.run(main())
     except discover.NoCluster as exc:
@@ -76,9 +79,12 @@ def _run(args, body) -> int:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
         return USAGE
     except errors.Unavailable as exc:
-        print(f"kvctl {args.kvctl_command}: {exc}\n  (etcd from {target.source}; is etcd "
-              f"running? pass --etcd HOST:PORT, --state-dir, or set ${ETCD_ENV}; no change "
-              "was made unless stated above)", file=sys.stderr)
+        print(
+            f"kvctl {args.kvctl_command}: {exc}\n  (etcd from {target.source}; is etcd "
+            f"running? pass --etcd HOST:PORT, --state-dir, or set ${ETCD_ENV}; no change "
+            "was made unless stated above)",
+            file=sys.stderr,
+        )
         return ETCD_DOWN
     except errors.KvError as exc:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
@@ -92,8 +98,7 @@ def _json(obj) -> None:
 
 
 def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r]
-                                          for r in rows]
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
@@ -105,8 +110,12 @@ def _pct(x: float | None) -> str:
 def _progress_printer(what: str):
     def show(p: AckProgress) -> None:
         waiting = f"; waiting for {', '.join(p.missing)}" if p.missing else ""
-        print(f"{what}: {len(p.acked)}/{len(p.members)} acknowledged{waiting}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{what}: {len(p.acked)}/{len(p.members)} acknowledged{waiting}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     return show
 
 
@@ -114,45 +123,72 @@ def _progress_printer(what: str):
 def cmd_flush(args) -> int:
     tenant, sep, name = args.target.partition("/")
     if not sep or not tenant or not name or "/" in name:
-        print(f"kvctl flush: target must be TENANT/NAMESPACE, got {args.target!r}",
-              file=sys.stderr)
+        print(f"kvctl flush: target must be TENANT/NAMESPACE, got {args.target!r}", file=sys.stderr)
         return USAGE
 
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
+
         def committed(flushed, revision: int) -> None:
-            gens = ", ".join(f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}"
-                             for f in flushed)
-            print(f"flush: committed at etcd revision {revision} ({gens}); waiting for "
-                  "acknowledgements", file=sys.stderr, flush=True)
-        rep = await cp.flush(tenant, name, args.timeout, _progress_printer("flush"),
-                             committed)
+            gens = ", ".join(
+                f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}" for f in flushed
+            )
+            print(
+                f"flush: committed at etcd revision {revision} ({gens}); waiting for "
+                "acknowledgements",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        rep = await cp.flush(tenant, name, args.timeout, _progress_printer("flush"), committed)
         p = rep.progress
         if args.output == "json":
-            _json({"ok": rep.ok, "tenant": tenant, "name": name, "revision": rep.revision,
-                   "namespaces": [asdict(f) for f in rep.namespaces],
-                   "members": list(p.members), "acknowledged": list(p.acked),
-                   "missing": list(p.missing), "blocks_scheduled_for_deletion": p.dropped,
-                   "unregistered_flushed": p.unregistered,
-                   "elapsed_s": round(rep.elapsed_s, 3)})
+            _json(
+                {
+                    "ok": rep.ok,
+                    "tenant": tenant,
+                    "name": name,
+                    "revision": rep.revision,
+                    "namespaces": [asdict(f) for f in rep.namespaces],
+                    "members": list(p.members),
+                    "acknowledged": list(p.acked),
+                    "missing": list(p.missing),
+                    "blocks_scheduled_for_deletion": p.dropped,
+                    "unregistered_flushed": p.unregistered,
+                    "elapsed_s": round(rep.elapsed_s, 3),
+                }
+            )
         else:
-            print(table(["namespace id", "name", "generation"],
-                        [[f.ns_hex, f.name, f"{f.old_generation} -> {f.new_generation}"]
-                         for f in rep.namespaces]))
-            print(f"nodes acknowledged:  {len(p.acked)}/{len(p.members)}"
-                  + (f" ({', '.join(p.acked)})" if p.acked else ""))
+            print(
+                table(
+                    ["namespace id", "name", "generation"],
+                    [
+                        [f.ns_hex, f.name, f"{f.old_generation} -> {f.new_generation}"]
+                        for f in rep.namespaces
+                    ],
+                )
+            )
+            print(
+                f"nodes acknowledged:  {len(p.acked)}/{len(p.members)}"
+                + (f" ({', '.join(p.acked)})" if p.acked else "")
+            )
             print(f"blocks scheduled for deletion: {p.dropped}")
             if p.unregistered:
-                print(f"flushed on agents before their etcd registration: {p.unregistered} "
-                      "namespaces")
+                print(
+                    f"flushed on agents before their etcd registration: {p.unregistered} namespaces"
+                )
             print(f"time taken: {rep.elapsed_s:.2f}s")
         if rep.ok:
             return OK
-        print(f"kvctl flush: generation committed at etcd revision {rep.revision}, but "
-              f"{', '.join(p.missing)} did not acknowledge within {args.timeout:g}s; "
-              "they cannot serve the old generation once they catch up. Check them with "
-              "`kvctl nodes`.", file=sys.stderr)
+        print(
+            f"kvctl flush: generation committed at etcd revision {rep.revision}, but "
+            f"{', '.join(p.missing)} did not acknowledge within {args.timeout:g}s; "
+            "they cannot serve the old generation once they catch up. Check them with "
+            "`kvctl nodes`.",
+            file=sys.stderr,
+        )
         return NOT_ACKED
+
     return _run(args, body)
 
 
@@ -164,36 +200,65 @@ def cmd_killswitch(args) -> int:
             if args.output == "json":
                 _json({"enabled": on, **({"info": info} if info else {})})
             else:
-                extra = f" (reason: {info.get('reason') or '-'}, by {info.get('by', '?')})" \
-                    if on else ""
+                extra = (
+                    f" (reason: {info.get('reason') or '-'}, by {info.get('by', '?')})"
+                    if on
+                    else ""
+                )
                 print(f"kill switch: {'ON' if on else 'off'}{extra}")
             return OK
         on = args.state == "on"
         rep = await cp.set_killswitch(
-            on, args.reason, args.timeout, _progress_printer(f"kill switch {args.state}"),
-            lambda rev: print(f"kill switch {args.state}: set at etcd revision {rev}; "
-                              "waiting for acknowledgements", file=sys.stderr, flush=True))
+            on,
+            args.reason,
+            args.timeout,
+            _progress_printer(f"kill switch {args.state}"),
+            lambda rev: print(
+                f"kill switch {args.state}: set at etcd revision {rev}; "
+                "waiting for acknowledgements",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
         p = rep.progress
         if args.output == "json":
-            _json({"ok": rep.ok, "enabled": on, "revision": rep.revision,
-                   "members": list(p.members), "acknowledged": list(p.acked),
-                   "missing": list(p.missing), "elapsed_s": round(rep.elapsed_s, 3)})
+            _json(
+                {
+                    "ok": rep.ok,
+                    "enabled": on,
+                    "revision": rep.revision,
+                    "members": list(p.members),
+                    "acknowledged": list(p.acked),
+                    "missing": list(p.missing),
+                    "elapsed_s": round(rep.elapsed_s, 3),
+                }
+            )
         else:
-            print("kill switch ON: every lookup misses, writes are refused" if on
-                  else "kill switch off: caching resumes")
-            print(f"nodes acknowledged: {len(p.acked)}/{len(p.members)}; "
-                  f"time taken: {rep.elapsed_s:.2f}s")
+            print(
+                "kill switch ON: every lookup misses, writes are refused"
+                if on
+                else "kill switch off: caching resumes"
+            )
+            print(
+                f"nodes acknowledged: {len(p.acked)}/{len(p.members)}; "
+                f"time taken: {rep.elapsed_s:.2f}s"
+            )
         if rep.ok:
             return OK
-        print(f"kvctl killswitch: set in etcd, but {', '.join(p.missing)} did not "
-              f"acknowledge within {args.timeout:g}s", file=sys.stderr)
+        print(
+            f"kvctl killswitch: set in etcd, but {', '.join(p.missing)} did not "
+            f"acknowledge within {args.timeout:g}s",
+            file=sys.stderr,
+        )
         return NOT_ACKED
+
     return _run(args, body)
 
 
 def _quota_rows(quotas: dict[str, Quota]) -> list[list]:
     def one(v):
         return "(config)" if v is None else "unlimited" if v == 0 else format_size(v)
+
     return [[t, one(q.hbm_limit_bytes), one(q.nvme_limit_bytes)] for t, q in quotas.items()]
 
 
@@ -203,20 +268,24 @@ def cmd_quota(args) -> int:
         if args.action == "set":
             if args.hbm is None and args.nvme is None:
                 raise Usage("quota set needs --hbm and/or --nvme (0 removes a limit)")
-            quota = Quota(None if args.hbm is None else parse_size(args.hbm),
-                          None if args.nvme is None else parse_size(args.nvme))
+            quota = Quota(
+                None if args.hbm is None else parse_size(args.hbm),
+                None if args.nvme is None else parse_size(args.nvme),
+            )
             quotas = {args.tenant: await cp.set_quota(args.tenant, quota)}
         elif args.action == "get":
             q = await cp.get_quota(args.tenant)
             if q is None:
-                print(f"kvctl quota get: tenant {args.tenant!r} has no quota in etcd (the "
-                      "agents' configured limits apply)", file=sys.stderr)
+                print(
+                    f"kvctl quota get: tenant {args.tenant!r} has no quota in etcd (the "
+                    "agents' configured limits apply)",
+                    file=sys.stderr,
+                )
                 return FAILED
             quotas = {args.tenant: q}
         elif args.action == "clear":
             if not await cp.clear_quota(args.tenant):
-                print(f"kvctl quota clear: tenant {args.tenant!r} has no quota",
-                      file=sys.stderr)
+                print(f"kvctl quota clear: tenant {args.tenant!r} has no quota", file=sys.stderr)
                 return FAILED
             quotas = {}
         else:
@@ -226,9 +295,9 @@ def cmd_quota(args) -> int:
         elif quotas:
             print(table(["tenant", "hbm per node", "nvme per node"], _quota_rows(quotas)))
         else:
-            print("no quotas set" if args.action == "list" else
-                  f"quota of {args.tenant} removed")
+            print("no quotas set" if args.action == "list" else f"quota of {args.tenant} removed")
         return OK
+
     return _run(args, body)
 
 
@@ -239,18 +308,33 @@ def cmd_namespaces(args) -> int:
         for r in records:
             counts[r.tenant] = counts.get(r.tenant, 0) + 1
         if args.output == "json":
-            _json({"tenants": counts,
-                   **({"namespaces": [asdict(r) for r in records]} if args.tenant else {})})
+            _json(
+                {
+                    "tenants": counts,
+                    **({"namespaces": [asdict(r) for r in records]} if args.tenant else {}),
+                }
+            )
         elif args.tenant:
-            print(table(["namespace id", "name", "model", "generation"],
-                        [[r.ns_hex, r.name, r.model_name, r.generation] for r in records])
-                  if records else f"tenant {args.tenant} has no namespaces in etcd")
-            print(f"\n{args.tenant}: {len(records)} namespaces (limit: the agents' "
-                  "max_namespaces_per_tenant, default 1024)")
+            print(
+                table(
+                    ["namespace id", "name", "model", "generation"],
+                    [[r.ns_hex, r.name, r.model_name, r.generation] for r in records],
+                )
+                if records
+                else f"tenant {args.tenant} has no namespaces in etcd"
+            )
+            print(
+                f"\n{args.tenant}: {len(records)} namespaces (limit: the agents' "
+                "max_namespaces_per_tenant, default 1024)"
+            )
         else:
-            print(table(["tenant", "namespaces"], sorted(counts.items()))
-                  if counts else "no namespaces in etcd")
+            print(
+                table(["tenant", "namespaces"], sorted(counts.items()))
+                if counts
+                else "no namespaces in etcd"
+            )
         return OK
+
     return _run(args, body)
 
 
@@ -258,27 +342,66 @@ def _tier_cells(node) -> list[str]:
     out = []
     for name in ("hbm", "nvme"):
         t = next((t for t in node.tiers if t.tier == name), None)
-        out.append("-" if t is None else
-                   f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)} "
-                   f"({t.blocks} blk)" + (f" [{t.condition}]" if t.condition else ""))
+        out.append(
+            "-"
+            if t is None
+            else f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)} "
+            f"({t.blocks} blk)" + (f" [{t.condition}]" if t.condition else "")
+        )
     return out
 
 
 def _nodes_table(view: ClusterView) -> str:
-    rows = [[n.node_id, n.address, n.device or "-", "up" if n.reachable else "UNREACHABLE",
-             *_tier_cells(n), f"{100 * n.utilization:.0f}%" if n.reachable else "-",
-             n.in_flight if n.reachable else "-", n.native_accel or "-"] for n in view.nodes]
-    rows += [[f"router:{r.get('router_id', '?')}", r.get("address") or "-", "-", "up",
-              "-", "-", "-", "-", "-"] for r in view.routers]
-    return table(["node", "address", "device", "state", "hbm used / capacity",
-                  "nvme used / capacity", "pool util", "in flight", "hashing"], rows)
+    rows = [
+        [
+            n.node_id,
+            n.address,
+            n.device or "-",
+            "up" if n.reachable else "UNREACHABLE",
+            *_tier_cells(n),
+            f"{100 * n.utilization:.0f}%" if n.reachable else "-",
+            n.in_flight if n.reachable else "-",
+            n.native_accel or "-",
+        ]
+        for n in view.nodes
+    ]
+    rows += [
+        [
+            f"router:{r.get('router_id', '?')}",
+            r.get("address") or "-",
+            "-",
+            "up",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+        for r in view.routers
+    ]
+    return table(
+        [
+            "node",
+            "address",
+            "device",
+            "state",
+            "hbm used / capacity",
+            "nvme used / capacity",
+            "pool util",
+            "in flight",
+            "hashing",
+        ],
+        rows,
+    )
 
 
 def _unreachable_exit(view: ClusterView, command: str) -> int:
     for n in view.nodes:
         if not n.reachable:
-            print(f"kvctl {command}: node {n.node_id} at {n.address} is unreachable: "
-                  f"{n.error}", file=sys.stderr)
+            print(
+                f"kvctl {command}: node {n.node_id} at {n.address} is unreachable: {n.error}",
+                file=sys.stderr,
+            )
     return NODE_DOWN if view.unreachable else OK
 
 
@@ -293,8 +416,10 @@ def cmd_status(args) -> int:
             e = view.etcd
             up = len(view.nodes) - len(view.unreachable)
             print(f"health:      {view.health}")
-            print(f"etcd:        {','.join(view.etcd_endpoints)} (v{e['version']}, revision "
-                  f"{e['revision']}, {format_size(e['db_size_bytes'])})")
+            print(
+                f"etcd:        {','.join(view.etcd_endpoints)} (v{e['version']}, revision "
+                f"{e['revision']}, {format_size(e['db_size_bytes'])})"
+            )
             print(f"kill switch: {'ON' if view.killswitch else 'off'}")
             print(f"agents:      {up}/{len(view.nodes)} reachable")
             print(f"routers:     {len(view.routers)}")
@@ -304,6 +429,7 @@ def cmd_status(args) -> int:
                 print()
                 print(_nodes_table(view))
         return _unreachable_exit(view, "status")
+
     return _run(args, body)
 
 
@@ -317,6 +443,7 @@ def cmd_nodes(args) -> int:
         else:
             print("no agents or routers registered in etcd")
         return _unreachable_exit(view, "nodes")
+
     return _run(args, body)
 
 
@@ -326,25 +453,62 @@ def cmd_stats(args) -> int:
         tenants = view.tenants(args.tenant)
         ev = view.evictions()
         if args.output == "json":
-            _json({"tenants": [t.to_dict() for t in tenants], "evictions": ev,
-                   "nodes": [{"node_id": n.node_id, "reachable": n.reachable,
-                              "evictions": n.evictions,
-                              "tenants": [t.to_dict() for t in n.tenants]}
-                             for n in view.nodes]})
+            _json(
+                {
+                    "tenants": [t.to_dict() for t in tenants],
+                    "evictions": ev,
+                    "nodes": [
+                        {
+                            "node_id": n.node_id,
+                            "reachable": n.reachable,
+                            "evictions": n.evictions,
+                            "tenants": [t.to_dict() for t in n.tenants],
+                        }
+                        for n in view.nodes
+                    ],
+                }
+            )
         else:
-            print(table(["tenant", "lookups", "hit rate (requests)", "hit rate (tokens)",
-                         "hbm used", "nvme used", "hbm quota/node", "nvme quota/node"],
-                        [[t.tenant, t.lookups, _pct(t.request_hit_rate),
-                          _pct(t.token_hit_rate), format_size(t.hbm_bytes),
-                          format_size(t.nvme_bytes),
-                          format_size(t.hbm_limit_bytes) if t.hbm_limit_bytes else "-",
-                          format_size(t.nvme_limit_bytes) if t.nvme_limit_bytes else "-"]
-                         for t in tenants]) if tenants else "no tenant activity")
+            print(
+                table(
+                    [
+                        "tenant",
+                        "lookups",
+                        "hit rate (requests)",
+                        "hit rate (tokens)",
+                        "hbm used",
+                        "nvme used",
+                        "hbm quota/node",
+                        "nvme quota/node",
+                    ],
+                    [
+                        [
+                            t.tenant,
+                            t.lookups,
+                            _pct(t.request_hit_rate),
+                            _pct(t.token_hit_rate),
+                            format_size(t.hbm_bytes),
+                            format_size(t.nvme_bytes),
+                            format_size(t.hbm_limit_bytes) if t.hbm_limit_bytes else "-",
+                            format_size(t.nvme_limit_bytes) if t.nvme_limit_bytes else "-",
+                        ]
+                        for t in tenants
+                    ],
+                )
+                if tenants
+                else "no tenant activity"
+            )
             print()
-            print(table(["eviction reason", "blocks", "meaning"],
-                        [[k, v, EVICTION_REASONS[k]] for k, v in ev.items()])
-                  if ev else "no evictions")
+            print(
+                table(
+                    ["eviction reason", "blocks", "meaning"],
+                    [[k, v, EVICTION_REASONS[k]] for k, v in ev.items()],
+                )
+                if ev
+                else "no evictions"
+            )
         return _unreachable_exit(view, "stats")
+
     return _run(args, body)
 
 
@@ -354,31 +518,60 @@ def cmd_audit(args) -> int:
         if args.output == "json":
             _json([asdict(r) for r in records])
         elif records:
-            print(table(["when (UTC)", "who", "action", "target", "ok", "result"],
-                        [[time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.at)), r.who,
-                          r.action, r.target, "yes" if r.ok else "NO", r.result]
-                         for r in records]))
+            print(
+                table(
+                    ["when (UTC)", "who", "action", "target", "ok", "result"],
+                    [
+                        [
+                            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.at)),
+                            r.who,
+                            r.action,
+                            r.target,
+                            "yes" if r.ok else "NO",
+                            r.result,
+                        ]
+                        for r in records
+                    ],
+                )
+            )
         else:
             print("no admin actions recorded")
         return OK
+
     return _run(args, body)
 
 
 # ------------------------------------------------------------------------- parsers
 def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
-    p.add_argument("--etcd", metavar="ENDPOINTS",
-                   help=f"etcd host:port[,host:port] (default ${ETCD_ENV}, else the local "
-                        f"cluster of ${STATE_ENV} or of .state/cluster here or in a parent)")
-    p.add_argument("--state-dir", help="a local cluster's state directory (kvctl cluster "
-                                       "up, make run): use its etcd")
+    p.add_argument(
+        "--etcd",
+        metavar="ENDPOINTS",
+        help=f"etcd host:port[,host:port] (default ${ETCD_ENV}, else the local "
+        f"cluster of ${STATE_ENV} or of .state/cluster here or in a parent)",
+    )
+    p.add_argument(
+        "--state-dir",
+        help="a local cluster's state directory (kvctl cluster up, make run): use its etcd",
+    )
     p.add_argument("--output", "-o", choices=["table", "json"], default="table")
-    p.add_argument("--etcd-timeout", type=float, default=3.0, metavar="S",
-                   help="seconds per etcd call (default 3)")
+    p.add_argument(
+        "--etcd-timeout",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds per etcd call (default 3)",
+    )
     if nodes:
-        p.add_argument("--token-file", help=f"cluster token for the agents' Stats "
-                                            f"(default ${TOKEN_ENV})")
-        p.add_argument("--node-timeout", type=float, default=3.0, metavar="S",
-                       help="seconds to wait for each agent (default 3)")
+        p.add_argument(
+            "--token-file", help=f"cluster token for the agents' Stats (default ${TOKEN_ENV})"
+        )
+        p.add_argument(
+            "--node-timeout",
+            type=float,
+            default=3.0,
+            metavar="S",
+            help="seconds to wait for each agent (default 3)",
+        )
 
 
 def register(sub) -> None:
@@ -388,36 +581,52 @@ def register(sub) -> None:
 
 
 def _register_actions(sub) -> None:
-    p = sub.add_parser("flush", help="atomically flush a namespace (bump its generation)",
-                       description="Raise the generation of every namespace record named "
-                       "TENANT/NAMESPACE (all specs and revisions under that name; a 32-hex "
-                       "namespace id selects one) in one etcd transaction, then wait until "
-                       "every live agent and router acknowledged it. Once it returns 0, no "
-                       "Lookup, Get or Route anywhere hits the old generation.")
+    p = sub.add_parser(
+        "flush",
+        help="atomically flush a namespace (bump its generation)",
+        description="Raise the generation of every namespace record named "
+        "TENANT/NAMESPACE (all specs and revisions under that name; a 32-hex "
+        "namespace id selects one) in one etcd transaction, then wait until "
+        "every live agent and router acknowledged it. Once it returns 0, no "
+        "Lookup, Get or Route anywhere hits the old generation.",
+    )
     p.add_argument("target", metavar="TENANT/NAMESPACE")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="how long to wait for acknowledgements (default 30; exit 5 after)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="how long to wait for acknowledgements (default 30; exit 5 after)",
+    )
     _common(p)
     p.set_defaults(func=cmd_flush, kvctl_command="flush")
 
-    p = sub.add_parser("killswitch", help="make every lookup miss and refuse writes",
-                       description="on: every lookup on every node misses and writes are "
-                       "refused, until off; the state lives in etcd and survives restarts.")
+    p = sub.add_parser(
+        "killswitch",
+        help="make every lookup miss and refuse writes",
+        description="on: every lookup on every node misses and writes are "
+        "refused, until off; the state lives in etcd and survives restarts.",
+    )
     p.add_argument("state", choices=["on", "off", "status"])
     p.add_argument("--reason", default="", help="recorded with the switch and in the audit log")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S")
     _common(p)
     p.set_defaults(func=cmd_killswitch, kvctl_command="killswitch")
 
-    p = sub.add_parser("quota", help="per-tenant byte quotas (per node, per tier)",
-                       description="Quotas are per-node limits of a tenant's bytes in each "
-                       "tier, applied live by every agent. A tenant over its quota has its "
-                       "own blocks evicted; writes that cannot fit get RESOURCE_EXHAUSTED.")
+    p = sub.add_parser(
+        "quota",
+        help="per-tenant byte quotas (per node, per tier)",
+        description="Quotas are per-node limits of a tenant's bytes in each "
+        "tier, applied live by every agent. A tenant over its quota has its "
+        "own blocks evicted; writes that cannot fit get RESOURCE_EXHAUSTED.",
+    )
     qs = p.add_subparsers(dest="action", required=True)
-    for action, helptext in (("set", "set or change limits (0: unlimited)"),
-                             ("get", "show one tenant's limits"),
-                             ("clear", "remove a tenant's quota (configured limits apply)"),
-                             ("list", "every tenant with a quota")):
+    for action, helptext in (
+        ("set", "set or change limits (0: unlimited)"),
+        ("get", "show one tenant's limits"),
+        ("clear", "remove a tenant's quota (configured limits apply)"),
+        ("list", "every tenant with a quota"),
+    ):
         q = qs.add_parser(action, help=helptext)
         if action != "list":
             q.add_argument("tenant")
@@ -431,20 +640,27 @@ def _register_actions(sub) -> None:
 def _register_views(sub) -> None:
 
     for name, fn, helptext in (
-            ("status", cmd_status, "cluster health at a glance"),
-            ("nodes", cmd_nodes, "capacity and occupancy per node and tier"),
-            ("stats", cmd_stats, "hit rates per tenant (request- and token-weighted), "
-                                 "evictions by reason")):
+        ("status", cmd_status, "cluster health at a glance"),
+        ("nodes", cmd_nodes, "capacity and occupancy per node and tier"),
+        (
+            "stats",
+            cmd_stats,
+            "hit rates per tenant (request- and token-weighted), evictions by reason",
+        ),
+    ):
         p = sub.add_parser(name, help=helptext)
         if name == "stats":
             p.add_argument("--tenant", help="only this tenant")
         _common(p, nodes=True)
         p.set_defaults(func=fn, kvctl_command=name)
 
-    p = sub.add_parser("namespaces", help="namespaces registered in etcd, counted per tenant",
-                       description="Count the namespace records of each tenant (the agents "
-                       "refuse a tenant's namespace beyond max_namespaces_per_tenant); with "
-                       "--tenant, list that tenant's namespaces and their generations.")
+    p = sub.add_parser(
+        "namespaces",
+        help="namespaces registered in etcd, counted per tenant",
+        description="Count the namespace records of each tenant (the agents "
+        "refuse a tenant's namespace beyond max_namespaces_per_tenant); with "
+        "--tenant, list that tenant's namespaces and their generations.",
+    )
     p.add_argument("--tenant", help="list this tenant's namespaces")
     _common(p)
     p.set_defaults(func=cmd_namespaces, kvctl_command="namespaces")

@@ -13,6 +13,7 @@ STATE_DIR/cluster.json, STATE_DIR being .state/cluster by default. So that a bar
 When nothing is found there is no guess: NoCluster says what was looked at and how to
 point kvctl at a cluster.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,11 @@ from kvstore.devcluster import STATE_FILE, ClusterError, ClusterState
 DEFAULT_STATE = ".state/cluster"
 ETCD_ENV = "KVSTORE_ETCD"
 STATE_ENV = "KVSTORE_STATE_DIR"
-HOW_TO_POINT = ("start a local cluster here with `make run` or `kvctl cluster up`, or pass "
-                "--etcd HOST:PORT[,HOST:PORT] or --state-dir DIR, or set "
-                f"${ETCD_ENV} or ${STATE_ENV}")
+HOW_TO_POINT = (
+    "start a local cluster here with `make run` or `kvctl cluster up`, or pass "
+    "--etcd HOST:PORT[,HOST:PORT] or --state-dir DIR, or set "
+    f"${ETCD_ENV} or ${STATE_ENV}"
+)
 
 
 class NoCluster(Exception):
@@ -60,8 +63,12 @@ def search(start: Path | None = None) -> Search:
     return Search(None, tuple(looked))
 
 
-def state_dir(flag: str | None, env: Mapping[str, str] = os.environ,
-              start: Path | None = None, look_up: bool = True) -> Found:
+def state_dir(
+    flag: str | None,
+    env: Mapping[str, str] = os.environ,
+    start: Path | None = None,
+    look_up: bool = True,
+) -> Found:
     """The local cluster's state directory for `kvctl cluster ...` (see the module doc);
     `cluster up` passes look_up=False: it starts a cluster here, not in a parent."""
     if flag:
@@ -77,12 +84,17 @@ def state_dir(flag: str | None, env: Mapping[str, str] = os.environ,
 
 def _etcd_of(state: str | os.PathLike, source: str) -> Found:
     """Raises ClusterError (with the state directory named) when it holds no cluster."""
-    return Found(ClusterState.load(state).etcd_endpoint,
-                 f"{Path(state).resolve() / STATE_FILE} ({source})")
+    return Found(
+        ClusterState.load(state).etcd_endpoint, f"{Path(state).resolve() / STATE_FILE} ({source})"
+    )
 
 
-def etcd(etcd_flag: str | None, state_flag: str | None,
-         env: Mapping[str, str] = os.environ, start: Path | None = None) -> Found:
+def etcd(
+    etcd_flag: str | None,
+    state_flag: str | None,
+    env: Mapping[str, str] = os.environ,
+    start: Path | None = None,
+) -> Found:
     """etcd endpoints for a control command and where they came from (see the module doc).
     Raises ClusterError for a named state directory without a cluster, NoCluster when
     nothing names or holds one."""
@@ -104,4 +116,5 @@ def etcd(etcd_flag: str | None, state_flag: str | None,
     raise NoCluster(
         f"no cluster to talk to: no --etcd or --state-dir, ${ETCD_ENV} and ${STATE_ENV} "
         f"are not set, and no {DEFAULT_STATE}/{STATE_FILE} in {looked}.\n  To point kvctl "
-        f"at a cluster: {HOW_TO_POINT}.")
+        f"at a cluster: {HOW_TO_POINT}."
+    )

@@ -205,9 +205,18 @@ def plan(
     working_set_tokens: int | None = None,
 ) -> PlanReport:
     """Size the device pool and NVMe tier for ``model`` in blocks of ``block_size`` tokens."""
-    _validate(block_size, context_len, concurrency, {
-        "hbm_bytes": hbm_bytes, "nvme_bytes": nvme_bytes, "gpu_mem_bytes": gpu_mem_bytes,
-        "weights_bytes": weights_bytes, "working_set_tokens": working_set_tokens})
+    _validate(
+        block_size,
+        context_len,
+        concurrency,
+        {
+            "hbm_bytes": hbm_bytes,
+            "nvme_bytes": nvme_bytes,
+            "gpu_mem_bytes": gpu_mem_bytes,
+            "weights_bytes": weights_bytes,
+            "working_set_tokens": working_set_tokens,
+        },
+    )
     bpt = kv_bytes_per_token(model, kv_dtype)
     bpb = bpt * block_size
     hbm_blocks, nvme_blocks = hbm_bytes // bpb, nvme_bytes // bpb
@@ -218,18 +227,27 @@ def plan(
     else:
         working_set_blocks = working_set_tokens // block_size
     report = PlanReport(
-        model=model, kv_dtype=kv_dtype, block_size=block_size, context_len=context_len,
-        concurrency=concurrency, bytes_per_token=bpt, bytes_per_block=bpb,
-        hbm_bytes=hbm_bytes, nvme_bytes=nvme_bytes,
-        hbm_blocks=hbm_blocks, nvme_blocks=nvme_blocks,
-        hbm_tokens=hbm_blocks * block_size, nvme_tokens=nvme_blocks * block_size,
+        model=model,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        context_len=context_len,
+        concurrency=concurrency,
+        bytes_per_token=bpt,
+        bytes_per_block=bpb,
+        hbm_bytes=hbm_bytes,
+        nvme_bytes=nvme_bytes,
+        hbm_blocks=hbm_blocks,
+        nvme_blocks=nvme_blocks,
+        hbm_tokens=hbm_blocks * block_size,
+        nvme_tokens=nvme_blocks * block_size,
         running_tokens=concurrency * context_len,
         running_bytes=concurrency * context_len * bpt,
         running_blocks=running_blocks,
         cache_blocks=cache_blocks,
         shortfall_blocks=max(0, running_blocks - hbm_blocks),
         tier_mix=_tier_mix(working_set_blocks, cache_blocks, nvme_blocks),
-        gpu_mem_bytes=gpu_mem_bytes, weights_bytes=weights_bytes,
+        gpu_mem_bytes=gpu_mem_bytes,
+        weights_bytes=weights_bytes,
         gpu_headroom_bytes=_gpu_headroom(gpu_mem_bytes, weights_bytes, hbm_bytes),
         warnings=(),
     )
@@ -253,18 +271,30 @@ def _table_rows(r: PlanReport) -> list[tuple[str, str]]:
         ("block size", f"{r.block_size} tokens"),
         ("KV per token", _size_cell(r.bytes_per_token)),
         ("KV per block", _size_cell(r.bytes_per_block)),
-        ("device pool", f"{_size_cell(r.hbm_bytes)} = {r.hbm_blocks:,} blocks, "
-                        f"{r.hbm_tokens:,} tokens"),
-        ("NVMe tier", f"{_size_cell(r.nvme_bytes)} = {r.nvme_blocks:,} blocks, "
-                      f"{r.nvme_tokens:,} tokens"),
-        ("running KV", f"{r.concurrency} x {r.context_len:,} tokens = "
-                       f"{format_size(r.running_bytes)}, {r.running_blocks:,} blocks"),
-        ("pool left for prefixes", f"{r.cache_blocks:,} blocks, "
-                                   f"{r.cache_blocks * r.block_size:,} tokens"),
+        (
+            "device pool",
+            f"{_size_cell(r.hbm_bytes)} = {r.hbm_blocks:,} blocks, {r.hbm_tokens:,} tokens",
+        ),
+        (
+            "NVMe tier",
+            f"{_size_cell(r.nvme_bytes)} = {r.nvme_blocks:,} blocks, {r.nvme_tokens:,} tokens",
+        ),
+        (
+            "running KV",
+            f"{r.concurrency} x {r.context_len:,} tokens = "
+            f"{format_size(r.running_bytes)}, {r.running_blocks:,} blocks",
+        ),
+        (
+            "pool left for prefixes",
+            f"{r.cache_blocks:,} blocks, {r.cache_blocks * r.block_size:,} tokens",
+        ),
         ("pool shortfall", f"{r.shortfall_blocks:,} blocks"),
         ("working set", f"{mix.working_set_blocks:,} blocks"),
-        ("tier mix", f"HBM {mix.hbm_fraction:.1%}, NVMe {mix.nvme_fraction:.1%}, "
-                     f"recompute {mix.uncached_fraction:.1%}"),
+        (
+            "tier mix",
+            f"HBM {mix.hbm_fraction:.1%}, NVMe {mix.nvme_fraction:.1%}, "
+            f"recompute {mix.uncached_fraction:.1%}",
+        ),
     ]
     if r.gpu_mem_bytes is not None:
         rows.append(("GPU memory", _size_cell(r.gpu_mem_bytes)))
@@ -303,27 +333,46 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--layers", type=int, help="number of transformer layers")
     shape.add_argument("--kv-heads", type=int, help="number of KV heads (after GQA)")
     shape.add_argument("--head-dim", type=int, help="attention head dimension")
-    parser.add_argument("--kv-dtype", default="fp16",
-                        help=f"KV element type: {', '.join(DTYPE_BITS)} (default fp16)")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per block (default 16)")
-    parser.add_argument("--context-len", type=int, default=8192,
-                        help="tokens per running sequence (default 8192)")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="running sequences per GPU (default 1)")
-    parser.add_argument("--hbm", type=_size_arg, required=True,
-                        help="device-memory pool size, e.g. 40GiB")
-    parser.add_argument("--nvme", type=_size_arg, default=0,
-                        help="NVMe tier size, e.g. 2TiB (default 0)")
-    parser.add_argument("--gpu-mem", type=_size_arg, default=None,
-                        help="total GPU memory, to check weights + pool fit, e.g. 80GiB")
-    parser.add_argument("--weights", type=_size_arg, default=None,
-                        help="model weights resident on the GPU, e.g. 16GiB")
-    parser.add_argument("--working-set-tokens", type=int, default=None,
-                        help="cacheable working set in tokens (e.g. distinct tokens from "
-                             "'kvctl analyze'); default: prefixes of the running requests")
-    parser.add_argument("--output", choices=("table", "json"), default="table",
-                        help="output format (default table)")
+    parser.add_argument(
+        "--kv-dtype",
+        default="fp16",
+        help=f"KV element type: {', '.join(DTYPE_BITS)} (default fp16)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument(
+        "--context-len", type=int, default=8192, help="tokens per running sequence (default 8192)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="running sequences per GPU (default 1)"
+    )
+    parser.add_argument(
+        "--hbm", type=_size_arg, required=True, help="device-memory pool size, e.g. 40GiB"
+    )
+    parser.add_argument(
+        "--nvme", type=_size_arg, default=0, help="NVMe tier size, e.g. 2TiB (default 0)"
+    )
+    parser.add_argument(
+        "--gpu-mem",
+        type=_size_arg,
+        default=None,
+        help="total GPU memory, to check weights + pool fit, e.g. 80GiB",
+    )
+    parser.add_argument(
+        "--weights",
+        type=_size_arg,
+        default=None,
+        help="model weights resident on the GPU, e.g. 16GiB",
+    )
+    parser.add_argument(
+        "--working-set-tokens",
+        type=int,
+        default=None,
+        help="cacheable working set in tokens (e.g. distinct tokens from "
+        "'kvctl analyze'); default: prefixes of the running requests",
+    )
+    parser.add_argument(
+        "--output", choices=("table", "json"), default="table", help="output format (default table)"
+    )
 
 
 def _model_from_args(args: argparse.Namespace) -> ModelShape:
@@ -336,8 +385,10 @@ def _model_from_args(args: argparse.Namespace) -> ModelShape:
         return ModelShape(**{**asdict(base), **given, "name": f"{base.name} (modified)"})
     missing = [f"--{k.replace('_', '-')}" for k, v in explicit.items() if v is None]
     if missing:
-        raise ValueError(f"give --model or all of --layers, --kv-heads, --head-dim "
-                         f"(missing {', '.join(missing)})")
+        raise ValueError(
+            f"give --model or all of --layers, --kv-heads, --head-dim "
+            f"(missing {', '.join(missing)})"
+        )
     return ModelShape("custom", **explicit)
 
 

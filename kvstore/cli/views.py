@@ -8,6 +8,7 @@ Hit rates are kept apart and never mixed:
   and only full blocks are looked up, so within a namespace this is exactly cached
   tokens / cacheable prompt tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,14 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from kvstore.coord.admin import ROUTERS, Quota
-from kvstore.coord.etcd import KILLSWITCH, NAMESPACES, TENANTS, EtcdClient, NodeRecord, \
-    killswitch_enabled
+from kvstore.coord.etcd import (
+    KILLSWITCH,
+    NAMESPACES,
+    TENANTS,
+    EtcdClient,
+    NodeRecord,
+    killswitch_enabled,
+)
 from kvstore.events import Tier
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 
@@ -64,17 +71,24 @@ class TenantView:
         return self.lookup_hit_blocks / self.lookup_blocks if self.lookup_blocks else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "request_hit_rate": self.request_hit_rate,
-                "token_hit_rate": self.token_hit_rate}
+        return {
+            **asdict(self),
+            "request_hit_rate": self.request_hit_rate,
+            "token_hit_rate": self.token_hit_rate,
+        }
 
     def plus(self, o: "TenantView") -> "TenantView":
-        return TenantView(self.tenant, self.hbm_bytes + o.hbm_bytes,
-                          self.nvme_bytes + o.nvme_bytes,
-                          max(self.hbm_limit_bytes, o.hbm_limit_bytes),
-                          max(self.nvme_limit_bytes, o.nvme_limit_bytes),
-                          self.lookups + o.lookups, self.lookup_hits + o.lookup_hits,
-                          self.lookup_blocks + o.lookup_blocks,
-                          self.lookup_hit_blocks + o.lookup_hit_blocks)
+        return TenantView(
+            self.tenant,
+            self.hbm_bytes + o.hbm_bytes,
+            self.nvme_bytes + o.nvme_bytes,
+            max(self.hbm_limit_bytes, o.hbm_limit_bytes),
+            max(self.nvme_limit_bytes, o.nvme_limit_bytes),
+            self.lookups + o.lookups,
+            self.lookup_hits + o.lookup_hits,
+            self.lookup_blocks + o.lookup_blocks,
+            self.lookup_hit_blocks + o.lookup_hit_blocks,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +125,12 @@ class ClusterView:
     @property
     def degraded_tiers(self) -> list[str]:
         """'node/tier: condition' for every tier that reports a problem."""
-        return [f"{n.node_id}/{t.tier}: {t.condition}" for n in self.nodes for t in n.tiers
-                if t.condition]
+        return [
+            f"{n.node_id}/{t.tier}: {t.condition}"
+            for n in self.nodes
+            for t in n.tiers
+            if t.condition
+        ]
 
     @property
     def unreachable(self) -> list[str]:
@@ -142,53 +160,103 @@ class ClusterView:
         return dict(sorted(out.items()))
 
     def to_dict(self, tenant: str | None = None) -> dict:
-        return {"health": self.health, "etcd_endpoints": list(self.etcd_endpoints),
-                "etcd": self.etcd, "killswitch": self.killswitch,
-                "killswitch_info": self.killswitch_info,
-                "nodes": [n.to_dict() for n in self.nodes], "routers": list(self.routers),
-                "unreachable": self.unreachable, "degraded_tiers": self.degraded_tiers,
-                "namespaces": self.namespaces,
-                "quotas": self.quotas, "tenants": [t.to_dict() for t in self.tenants(tenant)],
-                "evictions": self.evictions()}
+        return {
+            "health": self.health,
+            "etcd_endpoints": list(self.etcd_endpoints),
+            "etcd": self.etcd,
+            "killswitch": self.killswitch,
+            "killswitch_info": self.killswitch_info,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "routers": list(self.routers),
+            "unreachable": self.unreachable,
+            "degraded_tiers": self.degraded_tiers,
+            "namespaces": self.namespaces,
+            "quotas": self.quotas,
+            "tenants": [t.to_dict() for t in self.tenants(tenant)],
+            "evictions": self.evictions(),
+        }
 
 
 # -------------------------------------------------------------------- gathering
 def _tenant(t: agent_pb2.TenantStats) -> TenantView:
-    return TenantView(t.tenant, t.hbm_bytes, t.nvme_bytes, t.hbm_limit_bytes,
-                      t.nvme_limit_bytes, t.lookups, t.lookup_hits, t.lookup_blocks,
-                      t.lookup_hit_blocks)
+    return TenantView(
+        t.tenant,
+        t.hbm_bytes,
+        t.nvme_bytes,
+        t.hbm_limit_bytes,
+        t.nvme_limit_bytes,
+        t.lookups,
+        t.lookup_hits,
+        t.lookup_blocks,
+        t.lookup_hit_blocks,
+    )
 
 
-async def node_view(rec: NodeRecord, token: str | None, timeout_s: float,
-                    tenant: str | None = None) -> NodeView:
+async def node_view(
+    rec: NodeRecord, token: str | None, timeout_s: float, tenant: str | None = None
+) -> NodeView:
     md = (("authorization", f"Bearer {token}"),) if token else ()
     try:
         async with grpc.aio.insecure_channel(rec.address) as channel:
             resp = await agent_pb2_grpc.NodeAgentStub(channel).Stats(
-                agent_pb2.StatsRequest(tenant=tenant or ""), metadata=md, timeout=timeout_s)
+                agent_pb2.StatsRequest(tenant=tenant or ""), metadata=md, timeout=timeout_s
+            )
     except grpc.aio.AioRpcError as exc:
-        return NodeView(rec.node_id, rec.address, rec.device, False,
-                        f"{exc.code().name}: {exc.details() or ''}".rstrip(": "))
-    tiers = tuple(TierView(Tier(t.tier).name.lower() if t.tier in (1, 2) else str(t.tier),
-                           t.capacity_bytes, t.used_bytes, t.blocks, t.condition)
-                  for t in resp.tiers)
+        return NodeView(
+            rec.node_id,
+            rec.address,
+            rec.device,
+            False,
+            f"{exc.code().name}: {exc.details() or ''}".rstrip(": "),
+        )
+    tiers = tuple(
+        TierView(
+            Tier(t.tier).name.lower() if t.tier in (1, 2) else str(t.tier),
+            t.capacity_bytes,
+            t.used_bytes,
+            t.blocks,
+            t.condition,
+        )
+        for t in resp.tiers
+    )
     evictions = {k: int(v) for k, v in resp.counters.items() if k in EVICTION_REASONS}
-    return NodeView(rec.node_id, rec.address, resp.device or rec.device, True, "",
-                    round(resp.utilization, 4), resp.in_flight, tiers,
-                    tuple(_tenant(t) for t in resp.tenants), evictions, resp.native_accel)
+    return NodeView(
+        rec.node_id,
+        rec.address,
+        resp.device or rec.device,
+        True,
+        "",
+        round(resp.utilization, 4),
+        resp.in_flight,
+        tiers,
+        tuple(_tenant(t) for t in resp.tenants),
+        evictions,
+        resp.native_accel,
+    )
 
 
 async def etcd_status(etcd: EtcdClient) -> dict:
     """Server version, revision, db size and leader of the first endpoint that answers."""
     from etcd3aio.maintenance import MaintenanceService
+
     svc = MaintenanceService(etcd._channel, max_attempts=1)
     st = await etcd._call("status", svc.status())
-    return {"version": st.version, "revision": st.header.revision, "db_size_bytes": st.dbSize,
-            "leader": f"{st.leader:x}", "member": f"{st.header.member_id:x}"}
+    return {
+        "version": st.version,
+        "revision": st.header.revision,
+        "db_size_bytes": st.dbSize,
+        "leader": f"{st.leader:x}",
+        "member": f"{st.header.member_id:x}",
+    }
 
 
-async def cluster_view(etcd: EtcdClient, token: str | None = None, timeout_s: float = 3.0,
-                       tenant: str | None = None, with_stats: bool = True) -> ClusterView:
+async def cluster_view(
+    etcd: EtcdClient,
+    token: str | None = None,
+    timeout_s: float = 3.0,
+    tenant: str | None = None,
+    with_stats: bool = True,
+) -> ClusterView:
     """Everything from etcd (raises kvstore.errors.Unavailable when it cannot be reached),
     then every registered agent's Stats in parallel (unreachable agents are marked)."""
     info = await etcd_status(etcd)
@@ -200,7 +268,7 @@ async def cluster_view(etcd: EtcdClient, token: str | None = None, timeout_s: fl
     quotas = {}
     for kv in tenants:
         try:
-            quotas[kv.key[len(TENANTS):]] = json.loads(Quota.parse(kv.value).to_json())
+            quotas[kv.key[len(TENANTS) :]] = json.loads(Quota.parse(kv.value).to_json())
         except (ValueError, TypeError):
             continue
     router_list = []
@@ -208,7 +276,7 @@ async def cluster_view(etcd: EtcdClient, token: str | None = None, timeout_s: fl
         try:
             router_list.append(json.loads(kv.value))
         except ValueError:
-            router_list.append({"router_id": kv.key[len(ROUTERS):]})
+            router_list.append({"router_id": kv.key[len(ROUTERS) :]})
     if with_stats:
         views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant) for r in nodes))
     else:
@@ -219,8 +287,13 @@ async def cluster_view(etcd: EtcdClient, token: str | None = None, timeout_s: fl
             switch_info = json.loads(switch.value)
         except ValueError:
             switch_info = {}
-    return ClusterView(tuple(etcd.endpoints), info,
-                       killswitch_enabled(switch.value if switch else b""),
-                       switch_info if isinstance(switch_info, dict) else {},
-                       tuple(sorted(views, key=lambda v: v.node_id)), tuple(router_list),
-                       len(namespaces), quotas)
+    return ClusterView(
+        tuple(etcd.endpoints),
+        info,
+        killswitch_enabled(switch.value if switch else b""),
+        switch_info if isinstance(switch_info, dict) else {},
+        tuple(sorted(views, key=lambda v: v.node_id)),
+        tuple(router_list),
+        len(namespaces),
+        quotas,
+    )

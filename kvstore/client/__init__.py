@@ -22,6 +22,7 @@ same address, a same-host client notices (its region is unknown to the new proce
 the lane's connection broke), registers its shared-memory region and the local lane
 again, and retries the call once; callers see nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,21 +36,37 @@ import numpy as np
 import torch
 
 from kvstore.telemetry import TRACER, annotate, traced_channel
-from kvstore.client.convert import (block_shape, block_tensor, blocks_to_kv, check_block,
-                                    kv_to_blocks, tensor_bytes, torch_dtype)
+from kvstore.client.convert import (
+    block_shape,
+    block_tensor,
+    blocks_to_kv,
+    check_block,
+    kv_to_blocks,
+    tensor_bytes,
+    torch_dtype,
+)
 from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
-from kvstore.client.results import (AgentStats, LookupResult, PinResult, PrefetchResult,
-                                    PutResult)
+from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.staging import create_staging
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvstore.wire import namespace_to_proto
 
-__all__ = ["KVClient", "Blocks", "NamespaceHandle", "PrefixHit", "Usage", "kv_to_blocks",
-           "blocks_to_kv", "torch_dtype", "KVClientError", "DeadlineExceeded"]
+__all__ = [
+    "KVClient",
+    "Blocks",
+    "NamespaceHandle",
+    "PrefixHit",
+    "Usage",
+    "kv_to_blocks",
+    "blocks_to_kv",
+    "torch_dtype",
+    "KVClientError",
+    "DeadlineExceeded",
+]
 
 MiB = 1 << 20
 # Smallest staging area worth having: below it (a tiny /dev/shm) payloads go over gRPC.
@@ -116,10 +133,17 @@ class _Stale(Exception):
 
 
 class KVClient:
-    def __init__(self, address: str, token: str | None = None,
-                 tenant_secret: str | bytes | None = None, use_shm: bool | None = None,
-                 shm_bytes: int = 256 * MiB, max_message_bytes: int = 64 * MiB,
-                 local_lane: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tenant_secret: str | bytes | None = None,
+        use_shm: bool | None = None,
+        shm_bytes: int = 256 * MiB,
+        max_message_bytes: int = 64 * MiB,
+        local_lane: bool = True,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         """`timeout`: the deadline of each RPC, in seconds (methods that take a
         `timeout` override it per call)."""
         if not timeout > 0:
@@ -128,9 +152,15 @@ class KVClient:
         self.tenant_secret = tenant_secret
         self.timeout = timeout
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self.channel = traced_channel(grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]))
+        self.channel = traced_channel(
+            grpc.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_send_message_length", max_message_bytes),
+                    ("grpc.max_receive_message_length", max_message_bytes),
+                ],
+            )
+        )
         self.stub = agent_pb2_grpc.NodeAgentStub(self.channel)
         self.peer_stub = peer_pb2_grpc.PeerStub(self.channel)
         self._shm: shared_memory.SharedMemory | None = None
@@ -151,9 +181,10 @@ class KVClient:
         shm = create_staging(size, min(size, STAGING_FLOOR))
         if shm is None:
             if required:
-                raise KVClientError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"shared memory cannot hold a staging area of {size} "
-                                    "bytes")
+                raise KVClientError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"shared memory cannot hold a staging area of {size} bytes",
+                )
             return
         size = shm.size
         arr = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
@@ -176,14 +207,18 @@ class KVClient:
         shm, staging = self._shm, self._staging
         if shm is None or staging is None:
             raise RuntimeError("register needs the shared-memory staging area")
-        resp = self._grpc(self.stub.RegisterShm, agent_pb2.RegisterShmRequest(
-            name=shm.name, size=staging.size), deadline)
+        resp = self._grpc(
+            self.stub.RegisterShm,
+            agent_pb2.RegisterShmRequest(name=shm.name, size=staging.size),
+            deadline,
+        )
         self._region_id, self.local_socket = resp.region_id, resp.local_socket
         self._stale = False
         if self._lane_ok and resp.local_socket:
             try:  # the agent mapped our region, so it is on this host: its socket is too
-                self._lane = LaneChannel(resp.local_socket, self._md,
-                                         max(0.01, deadline - time.monotonic()))
+                self._lane = LaneChannel(
+                    resp.local_socket, self._md, max(0.01, deadline - time.monotonic())
+                )
             except OSError:
                 pass  # e.g. /dev/shm shared but the socket not: stay on gRPC
 
@@ -194,15 +229,22 @@ class KVClient:
             self._drop_lane()
             self._stale = True  # until registered: a failure here is tried again next call
             try:
-                self._grpc(self.stub.UnregisterShm, agent_pb2.UnregisterShmRequest(
-                    region_id=self._region_id), deadline)
+                self._grpc(
+                    self.stub.UnregisterShm,
+                    agent_pb2.UnregisterShmRequest(region_id=self._region_id),
+                    deadline,
+                )
             except KVClientError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
             self._register(deadline)
             self.reregistrations += 1
-        log.info("registered again with agent %s (region %d, lane %s)", self.address,
-                 self._region_id, "on" if self._lane else "off")
+        log.info(
+            "registered again with agent %s (region %d, lane %s)",
+            self.address,
+            self._region_id,
+            "on" if self._lane else "off",
+        )
 
     def _drop_lane(self) -> None:
         if self._lane is not None:
@@ -230,8 +272,7 @@ class KVClient:
     def uses_local_lane(self) -> bool:
         return self._lane is not None
 
-    def _call(self, method: int, build, response_type, grpc_call,
-              timeout: float | None = None):
+    def _call(self, method: int, build, response_type, grpc_call, timeout: float | None = None):
         """`build()`'s request over the local lane when there is one, else over gRPC;
         once more after registering again when the agent lost our registration (calls
         are idempotent). `build` runs per attempt: the region id may change."""
@@ -251,8 +292,7 @@ class KVClient:
         lane_ch = self._lane
         if lane_ch is not None:
             try:
-                return lane_ch.call(method, request, response_type,
-                                    deadline - time.monotonic())
+                return lane_ch.call(method, request, response_type, deadline - time.monotonic())
             except LaneBroken as exc:  # e.g. the agent restarted
                 self._drop_lane()
                 raise _Stale(KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
@@ -277,7 +317,9 @@ class KVClient:
             try:
                 self.stub.UnregisterShm(
                     agent_pb2.UnregisterShmRequest(region_id=self._region_id),
-                    metadata=self._md, timeout=min(self.timeout, 2.0))
+                    metadata=self._md,
+                    timeout=min(self.timeout, 2.0),
+                )
             except grpc.RpcError:
                 pass
             self._staging = None
@@ -295,23 +337,33 @@ class KVClient:
 
     # --------------------------------------------------------------- namespaces
     def open_namespace(self, spec: Namespace, timeout: float | None = None) -> NamespaceHandle:
-        info = self._grpc(self.stub.OpenNamespace,
-                          agent_pb2.OpenNamespaceRequest(spec=namespace_to_proto(spec)),
-                          self._deadline(timeout))
-        return NamespaceHandle(spec, info.namespace_id, info.generation,
-                               spec.root(info.generation, self.tenant_secret),
-                               info.block_bytes, info.policy.min_prefix_blocks or 1)
+        info = self._grpc(
+            self.stub.OpenNamespace,
+            agent_pb2.OpenNamespaceRequest(spec=namespace_to_proto(spec)),
+            self._deadline(timeout),
+        )
+        return NamespaceHandle(
+            spec,
+            info.namespace_id,
+            info.generation,
+            spec.root(info.generation, self.tenant_secret),
+            info.block_bytes,
+            info.policy.min_prefix_blocks or 1,
+        )
 
     def block_ids(self, ns: NamespaceHandle, tokens) -> list[bytes]:
         return hash_chain(ns.root, tokens, ns.spec.block_size)
 
     # ------------------------------------------------------------------ blocks
-    def lookup(self, ns: NamespaceHandle, ids: list[bytes],
-               timeout: float | None = None) -> LookupResult:
+    def lookup(
+        self, ns: NamespaceHandle, ids: list[bytes], timeout: float | None = None
+    ) -> LookupResult:
         req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        return LookupResult.from_proto(self._call(lane.LOOKUP, lambda: req,
-                                                  agent_pb2.LookupResponse,
-                                                  self.stub.Lookup, timeout))
+        return LookupResult.from_proto(
+            self._call(
+                lane.LOOKUP, lambda: req, agent_pb2.LookupResponse, self.stub.Lookup, timeout
+            )
+        )
 
     def staging_capacity(self, ns: NamespaceHandle) -> int:
         return 0 if self._staging is None else self._staging.size // ns.block_bytes
@@ -331,21 +383,29 @@ class KVClient:
         t = self._staging_cache.get(key)
         if t is None:
             cap = self.staging_capacity(ns)
-            flat = torch.frombuffer(self._staging, dtype=torch.uint8,
-                                    count=cap * ns.block_bytes)
+            flat = torch.frombuffer(self._staging, dtype=torch.uint8, count=cap * ns.block_bytes)
             t = flat.view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
             self._staging_cache[key] = t
         return t
 
-    def get_views(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                  timeout: float | None = None) -> list[torch.Tensor]:
+    def get_views(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
         """Leading present blocks as views over the staging area (zero-copy; valid until
         the next call on this client). Needs the shared-memory path."""
         return self.get_views_tiered(ns, ids, parent, timeout).blocks
 
-    def get_views_tiered(self, ns: NamespaceHandle, ids: list[bytes],
-                         parent: bytes | None = None,
-                         timeout: float | None = None) -> "Blocks":
+    def get_views_tiered(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+    ) -> "Blocks":
         """get_views, with the tier each block was served from."""
         if self._staging is None:
             raise RuntimeError("get_views needs the same-host shared-memory path")
@@ -355,18 +415,28 @@ class KVClient:
         resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout)
         return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
-    def _get_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes,
-                    timeout: float | None = None) -> agent_pb2.GetResponse:
+    def _get_staged(
+        self, ns: NamespaceHandle, ids: list[bytes], parent: bytes, timeout: float | None = None
+    ) -> agent_pb2.GetResponse:
         """Get into staging slots 0..len(ids) (the caller checked the capacity)."""
         offsets = range(0, len(ids) * ns.block_bytes, ns.block_bytes)
         packed = pack_ids(ids)
-        return self._call(lane.GET, lambda: agent_pb2.GetRequest(
-            ns=ns.ref, block_ids=packed, parent_id=parent,
-            shm=agent_pb2.ShmTarget(region_id=self._region_id, offsets=offsets)),
-            agent_pb2.GetResponse, self._get_one, timeout)
+        return self._call(
+            lane.GET,
+            lambda: agent_pb2.GetRequest(
+                ns=ns.ref,
+                block_ids=packed,
+                parent_id=parent,
+                shm=agent_pb2.ShmTarget(region_id=self._region_id, offsets=offsets),
+            ),
+            agent_pb2.GetResponse,
+            self._get_one,
+            timeout,
+        )
 
-    def _get_one(self, req: agent_pb2.GetRequest, metadata,
-                 timeout: float) -> agent_pb2.GetResponse:
+    def _get_one(
+        self, req: agent_pb2.GetRequest, metadata, timeout: float
+    ) -> agent_pb2.GetResponse:
         """A shared-memory Get over gRPC, its responses folded into one."""
         out = agent_pb2.GetResponse()
         for r in self.stub.Get(req, metadata=metadata, timeout=timeout):
@@ -374,15 +444,25 @@ class KVClient:
             out.tiers.extend(r.tiers)
         return out
 
-    def get(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-            device: str | torch.device = "cpu",
-            timeout: float | None = None) -> list[torch.Tensor]:
+    def get(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        device: str | torch.device = "cpu",
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
         """Leading present blocks as tensors owned by the caller (on `device`)."""
         return self.get_tiered(ns, ids, parent, device, timeout).blocks
 
-    def get_tiered(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                   device: str | torch.device = "cpu",
-                   timeout: float | None = None) -> "Blocks":
+    def get_tiered(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        device: str | torch.device = "cpu",
+        timeout: float | None = None,
+    ) -> "Blocks":
         """`get`, with the tier each block was served from (kvstore.events.Tier: HBM for
         the device pool, NVME for a block read from RocksDB and promoted)."""
         parent = ns.root if parent is None else parent
@@ -390,16 +470,17 @@ class KVClient:
         if self._staging is not None:
             cap = self.staging_capacity(ns)
             for start in range(0, len(ids), cap):
-                chunk = ids[start: start + cap]
-                resp = self._get_staged(ns, chunk, parent if start == 0 else ids[start - 1],
-                                        timeout)
+                chunk = ids[start : start + cap]
+                resp = self._get_staged(
+                    ns, chunk, parent if start == 0 else ids[start - 1], timeout
+                )
                 # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
                 # per block costs ~20 us each on small blocks, and one huge buffer is
                 # freshly mapped (page faults) on every call.
                 stage = self._staging_blocks(ns)
                 per = max(1, _COPY_OUT_BYTES // ns.block_bytes)
                 for i in range(0, resp.count, per):
-                    piece = stage[i: min(i + per, resp.count)].to(device, copy=True)
+                    piece = stage[i : min(i + per, resp.count)].to(device, copy=True)
                     out.blocks.extend(piece.unbind(0))
                 out.tiers.extend(resp.tiers)
                 if resp.count < len(chunk):
@@ -407,8 +488,9 @@ class KVClient:
             return out
         req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent)
         try:
-            for resp in self.stub.Get(req, metadata=self._md,
-                                      timeout=self.timeout if timeout is None else timeout):
+            for resp in self.stub.Get(
+                req, metadata=self._md, timeout=self.timeout if timeout is None else timeout
+            ):
                 for data in resp.data:
                     out.blocks.append(block_tensor(ns.spec, bytearray(data)).to(device))
                 out.tiers.extend(resp.tiers)
@@ -416,22 +498,46 @@ class KVClient:
             raise from_rpc(exc) from None
         return out
 
-    def put_staged(self, ns: NamespaceHandle, ids: list[bytes], parent: bytes | None = None,
-                   first_slot: int = 0, timeout: float | None = None) -> PutResult:
+    def put_staged(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        first_slot: int = 0,
+        timeout: float | None = None,
+    ) -> PutResult:
         """Store blocks already written into staging slots first_slot.. (same host)."""
         parent = ns.root if parent is None else parent
         blocks = []
         for i, bid in enumerate(ids):
-            blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
-                                             shm_offset=(first_slot + i) * ns.block_bytes))
+            blocks.append(
+                agent_pb2.BlockPut(
+                    block_id=bid, parent_id=parent, shm_offset=(first_slot + i) * ns.block_bytes
+                )
+            )
             parent = bid
-        return PutResult.from_proto(self._call(lane.PUT, lambda: agent_pb2.PutRequest(
-            ns=ns.ref, shm_region_id=self._region_id, blocks=blocks, root=ns.root),
-            agent_pb2.PutResponse, lambda r, metadata, timeout: self.stub.Put(
-                iter([r]), metadata=metadata, timeout=timeout), timeout))
+        return PutResult.from_proto(
+            self._call(
+                lane.PUT,
+                lambda: agent_pb2.PutRequest(
+                    ns=ns.ref, shm_region_id=self._region_id, blocks=blocks, root=ns.root
+                ),
+                agent_pb2.PutResponse,
+                lambda r, metadata, timeout: self.stub.Put(
+                    iter([r]), metadata=metadata, timeout=timeout
+                ),
+                timeout,
+            )
+        )
 
-    def put(self, ns: NamespaceHandle, ids: list[bytes], blocks: list[torch.Tensor],
-            parent: bytes | None = None, timeout: float | None = None) -> PutResult:
+    def put(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        blocks: list[torch.Tensor],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+    ) -> PutResult:
         """Store blocks (block i is the child of block i-1; block 0 of `parent`, the chain
         root by default). Idempotent: blocks already present are skipped."""
         if len(ids) != len(blocks):
@@ -446,40 +552,63 @@ class KVClient:
             cap = self.staging_capacity(ns)
             for start in range(0, len(ids), cap):
                 views = self.staging_views(ns, min(cap, len(ids) - start))
-                for v, b in zip(views, blocks[start: start + cap]):
+                for v, b in zip(views, blocks[start : start + cap]):
                     v.copy_(b.reshape(v.shape))
-                r = self.put_staged(ns, ids[start: start + cap],
-                                    parent if start == 0 else ids[start - 1], timeout=timeout)
+                r = self.put_staged(
+                    ns,
+                    ids[start : start + cap],
+                    parent if start == 0 else ids[start - 1],
+                    timeout=timeout,
+                )
                 stored += r.stored
                 already += r.already_present
             return PutResult(stored, already)
-        return PutResult.from_proto(self._grpc(
-            self.stub.Put, self._grpc_put_stream(ns, ids, blocks, parent),
-            self._deadline(timeout)))
+        return PutResult.from_proto(
+            self._grpc(
+                self.stub.Put,
+                self._grpc_put_stream(ns, ids, blocks, parent),
+                self._deadline(timeout),
+            )
+        )
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
         for start in range(0, len(ids), _GRPC_PUT_BLOCKS):
             msg = agent_pb2.PutRequest(ns=ns.ref, root=ns.root if start == 0 else b"")
-            for bid, blk in zip(ids[start: start + _GRPC_PUT_BLOCKS],
-                                blocks[start: start + _GRPC_PUT_BLOCKS]):
-                msg.blocks.append(agent_pb2.BlockPut(block_id=bid, parent_id=parent,
-                                                     data=tensor_bytes(blk, ns.block_bytes)))
+            for bid, blk in zip(
+                ids[start : start + _GRPC_PUT_BLOCKS], blocks[start : start + _GRPC_PUT_BLOCKS]
+            ):
+                msg.blocks.append(
+                    agent_pb2.BlockPut(
+                        block_id=bid, parent_id=parent, data=tensor_bytes(blk, ns.block_bytes)
+                    )
+                )
                 parent = bid
             yield msg
 
-    def pin(self, ns: NamespaceHandle, ids: list[bytes], pin: bool = True,
-            timeout: float | None = None) -> PinResult:
+    def pin(
+        self, ns: NamespaceHandle, ids: list[bytes], pin: bool = True, timeout: float | None = None
+    ) -> PinResult:
         req = agent_pb2.PinRequest(ns=ns.ref, block_ids=pack_ids(ids))
-        return PinResult.from_proto(self._grpc(self.stub.Pin if pin else self.stub.Unpin,
-                                               req, self._deadline(timeout)))
+        return PinResult.from_proto(
+            self._grpc(self.stub.Pin if pin else self.stub.Unpin, req, self._deadline(timeout))
+        )
 
     def stats(self, tenant: str = "", timeout: float | None = None) -> AgentStats:
-        return AgentStats.from_proto(self._grpc(
-            self.stub.Stats, agent_pb2.StatsRequest(tenant=tenant), self._deadline(timeout)))
+        return AgentStats.from_proto(
+            self._grpc(
+                self.stub.Stats, agent_pb2.StatsRequest(tenant=tenant), self._deadline(timeout)
+            )
+        )
 
-    def prefetch(self, ns: NamespaceHandle, ids: list[bytes], peer_address: str,
-                 peer_ucx_address: str = "", parent: bytes | None = None,
-                 timeout_ms: int = 0) -> PrefetchResult:
+    def prefetch(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        peer_address: str,
+        peer_ucx_address: str = "",
+        parent: bytes | None = None,
+        timeout_ms: int = 0,
+    ) -> PrefetchResult:
         """Have this agent pull the leading blocks of `ids` it lacks from another agent:
         `peer_address` is that agent's gRPC host:port, `peer_ucx_address` its UCX
         listener (tried first when given; the router's ListNodes has both). The blocks
@@ -489,29 +618,52 @@ class KVClient:
         `transport` over what, `stopped` why it ended early ('' when all arrived).
         `timeout_ms` bounds the whole call (0: the agent's default, 30 s)."""
         req = peer_pb2.PrefetchRequest(
-            ns=ns.ref, spec=namespace_to_proto(ns.spec),
-            block_ids=pack_ids(ids), parent_id=ns.root if parent is None else parent,
-            peer_address=peer_address, peer_ucx_address=peer_ucx_address,
-            timeout_ms=timeout_ms)
-        return PrefetchResult.from_proto(self._grpc(
-            self.peer_stub.Prefetch, req, self._deadline((timeout_ms or 30_000) / 1000 + 10)))
+            ns=ns.ref,
+            spec=namespace_to_proto(ns.spec),
+            block_ids=pack_ids(ids),
+            parent_id=ns.root if parent is None else parent,
+            peer_address=peer_address,
+            peer_ucx_address=peer_ucx_address,
+            timeout_ms=timeout_ms,
+        )
+        return PrefetchResult.from_proto(
+            self._grpc(
+                self.peer_stub.Prefetch, req, self._deadline((timeout_ms or 30_000) / 1000 + 10)
+            )
+        )
 
     # ------------------------------------------------------------ prompt level
     @TRACER.start_as_current_span("kvstore.client.fetch")
-    def fetch(self, ns: NamespaceHandle, tokens, device: str | torch.device = "cpu",
-              timeout: float | None = None) -> PrefixHit:
+    def fetch(
+        self,
+        ns: NamespaceHandle,
+        tokens,
+        device: str | torch.device = "cpu",
+        timeout: float | None = None,
+    ) -> PrefixHit:
         """The longest cached prefix of `tokens` on this node, as block tensors
         (`timeout` bounds each of its calls)."""
         ids = self.block_ids(ns, tokens)
         matched = self.lookup(ns, ids, timeout).matched if ids else 0
         blocks = self.get(ns, ids[:matched], device=device, timeout=timeout) if matched else []
-        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
-                  "kvstore.cached_blocks": len(blocks)})
+        annotate(
+            {
+                "kvstore.tenant": ns.spec.tenant,
+                "kvstore.blocks": len(ids),
+                "kvstore.cached_blocks": len(blocks),
+            }
+        )
         return PrefixHit(ids, blocks, ns.spec.block_size)
 
     @TRACER.start_as_current_span("kvstore.client.store")
-    def store(self, ns: NamespaceHandle, tokens, kv: torch.Tensor | list[torch.Tensor],
-              cached_blocks: int = 0, timeout: float | None = None) -> Usage:
+    def store(
+        self,
+        ns: NamespaceHandle,
+        tokens,
+        kv: torch.Tensor | list[torch.Tensor],
+        cached_blocks: int = 0,
+        timeout: float | None = None,
+    ) -> Usage:
         """Store the full blocks of `tokens` past the first `cached_blocks` and report
         usage. `kv` is the prompt's KV (layers, 2, tokens, heads, head_dim) or a list of
         block tensors covering at least the full blocks."""
@@ -521,10 +673,16 @@ class KVClient:
         written = 0
         if new_ids and len(ids) >= ns.min_prefix_blocks:
             parent = ids[cached_blocks - 1] if cached_blocks else ns.root
-            r = self.put(ns, new_ids, blocks[cached_blocks: len(ids)], parent, timeout)
+            r = self.put(ns, new_ids, blocks[cached_blocks : len(ids)], parent, timeout)
             written = r.stored
-        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.blocks": len(ids),
-                  "kvstore.cached_blocks": cached_blocks, "kvstore.stored_blocks": written})
+        annotate(
+            {
+                "kvstore.tenant": ns.spec.tenant,
+                "kvstore.blocks": len(ids),
+                "kvstore.cached_blocks": cached_blocks,
+                "kvstore.stored_blocks": written,
+            }
+        )
         n = len(tokens)
         read = cached_blocks * ns.spec.block_size
         return Usage(n, read, written * ns.spec.block_size, n - read)

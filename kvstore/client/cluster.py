@@ -16,6 +16,7 @@ fails with kvstore.client.errors.KVClientError. With the shared-memory path (use
 agent's KVClient has one staging area, so use one ClusterClient per thread; with
 use_shm=False one can be shared.
 """
+
 from __future__ import annotations
 
 import functools
@@ -85,17 +86,28 @@ def _spec_msg(spec: Namespace) -> common_pb2.Namespace:
     return namespace_to_proto(spec)
 
 
-def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
-                 request_id: str = "", dry_run: bool = False,
-                 weights: router_pb2.RouteWeights | None = None,
-                 timeout: float = 5.0,
-                 metadata=()) -> tuple[list[bytes], router_pb2.RouteResponse]:
+def route_tokens(
+    stub: router_pb2_grpc.RouterStub,
+    ns: ClusterNamespace,
+    tokens,
+    request_id: str = "",
+    dry_run: bool = False,
+    weights: router_pb2.RouteWeights | None = None,
+    timeout: float = 5.0,
+    metadata=(),
+) -> tuple[list[bytes], router_pb2.RouteResponse]:
     """Hash a prompt into block ids (kvstore.hashing), then ask the router. `metadata`:
     the caller's `authorization` (ClusterClient passes its token)."""
     ids = hash_chain(ns.root, tokens, ns.spec.block_size)
-    req = router_pb2.RouteRequest(namespace_id=ns.namespace_id, generation=ns.generation,
-                                  block_ids=pack_ids(ids), request_id=request_id,
-                                  dry_run=dry_run, weights=weights, spec=_spec_msg(ns.spec))
+    req = router_pb2.RouteRequest(
+        namespace_id=ns.namespace_id,
+        generation=ns.generation,
+        block_ids=pack_ids(ids),
+        request_id=request_id,
+        dry_run=dry_run,
+        weights=weights,
+        spec=_spec_msg(ns.spec),
+    )
     try:
         return ids, stub.Route(req, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:
@@ -103,9 +115,15 @@ def route_tokens(stub: router_pb2_grpc.RouterStub, ns: ClusterNamespace, tokens,
 
 
 class ClusterClient:
-    def __init__(self, router_address: str, token: str | None = None,
-                 tenant_secret: str | bytes | None = None, use_shm: bool | None = None,
-                 shm_bytes: int = 64 * MiB, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        router_address: str,
+        token: str | None = None,
+        tenant_secret: str | bytes | None = None,
+        use_shm: bool | None = None,
+        shm_bytes: int = 64 * MiB,
+        timeout: float = 10.0,
+    ) -> None:
         self.router_address = router_address
         self.token = token
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
@@ -138,9 +156,14 @@ class ClusterClient:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                client = KVClient(address, self.token, self.tenant_secret,
-                                  use_shm=self._use_shm, shm_bytes=self._shm_bytes,
-                                  timeout=self.timeout)
+                client = KVClient(
+                    address,
+                    self.token,
+                    self.tenant_secret,
+                    use_shm=self._use_shm,
+                    shm_bytes=self._shm_bytes,
+                    timeout=self.timeout,
+                )
                 self._clients[address] = client
             return client
 
@@ -148,8 +171,11 @@ class ClusterClient:
         """Every node with its addresses: for the cluster identity (a tenant's token gets
         PERMISSION_DENIED) and development clusters."""
         try:
-            nodes = list(self.router.ListNodes(router_pb2.ListNodesRequest(),
-                                               timeout=self.timeout, metadata=self._md).nodes)
+            nodes = list(
+                self.router.ListNodes(
+                    router_pb2.ListNodesRequest(), timeout=self.timeout, metadata=self._md
+                ).nodes
+            )
         except grpc.RpcError as exc:
             raise from_rpc(exc) from None
         with self._lock:
@@ -169,15 +195,17 @@ class ClusterClient:
         """Open on one agent (for the id and generation); others open lazily. The agent is
         the router's pick for the namespace (a dry run of no blocks, which tenants may
         ask for their own namespaces, unlike ListNodes)."""
-        req = router_pb2.RouteRequest(namespace_id=spec.namespace_id, spec=_spec_msg(spec),
-                                      dry_run=True)
+        req = router_pb2.RouteRequest(
+            namespace_id=spec.namespace_id, spec=_spec_msg(spec), dry_run=True
+        )
         try:
             address = self.router.Route(req, timeout=self.timeout, metadata=self._md).address
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise from_rpc(exc) from None
-            raise RuntimeError(f"the router at {self.router_address} knows no agents yet: "
-                               f"{exc.details()}") from None
+            raise RuntimeError(
+                f"the router at {self.router_address} knows no agents yet: {exc.details()}"
+            ) from None
         first = self.agent(address).open_namespace(spec)
         ns = ClusterNamespace(spec, first.namespace_id, first.generation, first.root)
         ns.handles[address] = first
@@ -190,21 +218,35 @@ class ClusterClient:
             if h.generation != ns.generation:
                 raise RuntimeError(
                     f"agent {address} has namespace {ns.spec.key} at generation "
-                    f"{h.generation}, this handle has {ns.generation}: open it again")
+                    f"{h.generation}, this handle has {ns.generation}: open it again"
+                )
             ns.handles[address] = h
         return h
 
     # ------------------------------------------------------------------ prompts
-    def route(self, ns: ClusterNamespace, tokens, request_id: str = "",
-              dry_run: bool = False, weights: router_pb2.RouteWeights | None = None):
+    def route(
+        self,
+        ns: ClusterNamespace,
+        tokens,
+        request_id: str = "",
+        dry_run: bool = False,
+        weights: router_pb2.RouteWeights | None = None,
+    ):
         """(block ids, RouteResponse) for a prompt."""
-        return route_tokens(self.router, ns, tokens, request_id, dry_run, weights,
-                            self.timeout, self._md)
+        return route_tokens(
+            self.router, ns, tokens, request_id, dry_run, weights, self.timeout, self._md
+        )
 
     @TRACER.start_as_current_span("kvstore.cluster.fetch")
-    def fetch(self, ns: ClusterNamespace, tokens, device: str | torch.device = "cpu",
-              address: str | None = None, request_id: str = "",
-              prefetch: bool = True) -> ClusterHit:
+    def fetch(
+        self,
+        ns: ClusterNamespace,
+        tokens,
+        device: str | torch.device = "cpu",
+        address: str | None = None,
+        request_id: str = "",
+        prefetch: bool = True,
+    ) -> ClusterHit:
         """Route the prompt (or use `address`), then load its longest cached prefix from
         that agent. When the router priced fetching part of that prefix from another node
         as cheaper than recomputing it (its peer hint), the chosen agent first pulls those
@@ -222,14 +264,22 @@ class ClusterClient:
         pulled = self._pull_peer_blocks(client, h, ids, resp) if prefetch and resp else None
         matched = client.lookup(h, ids).matched if ids else 0
         blocks = client.get(h, ids[:matched], device=device) if matched else []
-        annotate({"kvstore.tenant": ns.spec.tenant, "kvstore.node": node_id,
-                  "kvstore.blocks": len(ids), "kvstore.cached_blocks": len(blocks),
-                  "kvstore.peer_fetched": pulled.fetched if pulled else 0})
-        return ClusterHit(node_id, address, rid, PrefixHit(ids, blocks, ns.spec.block_size),
-                          resp, pulled)
+        annotate(
+            {
+                "kvstore.tenant": ns.spec.tenant,
+                "kvstore.node": node_id,
+                "kvstore.blocks": len(ids),
+                "kvstore.cached_blocks": len(blocks),
+                "kvstore.peer_fetched": pulled.fetched if pulled else 0,
+            }
+        )
+        return ClusterHit(
+            node_id, address, rid, PrefixHit(ids, blocks, ns.spec.block_size), resp, pulled
+        )
 
-    def _pull_peer_blocks(self, client: KVClient, h: NamespaceHandle, ids: list[bytes],
-                          resp: router_pb2.RouteResponse) -> PrefetchResult | None:
+    def _pull_peer_blocks(
+        self, client: KVClient, h: NamespaceHandle, ids: list[bytes], resp: router_pb2.RouteResponse
+    ) -> PrefetchResult | None:
         """Have the chosen agent pull the prefix blocks the router found on the hinted
         peer. A failed call is a shorter prefix (the caller recomputes), not an error."""
         chosen = resp.candidates[0] if resp.candidates else None  # sorted, chosen first
@@ -237,24 +287,42 @@ class ClusterClient:
             return None
         n = min(len(ids), chosen.local_blocks + chosen.peer_blocks)
         if not resp.peer_address:  # the router names the hinted peer's addresses
-            return PrefetchResult(0, 0, 0, "", f"peer {resp.peer_hint} is not a known node "
-                                  "any more")
+            return PrefetchResult(
+                0, 0, 0, "", f"peer {resp.peer_hint} is not a known node any more"
+            )
         try:
-            return client.prefetch(h, ids[:n], resp.peer_address, resp.peer_transfer_address,
-                                   timeout_ms=int(self.timeout * 1000))
+            return client.prefetch(
+                h,
+                ids[:n],
+                resp.peer_address,
+                resp.peer_transfer_address,
+                timeout_ms=int(self.timeout * 1000),
+            )
         except grpc.RpcError as exc:
-            log.warning("prefetch of %d blocks from %s onto %s failed: %s", n,
-                        resp.peer_hint, resp.node_id, exc.code().name)
+            log.warning(
+                "prefetch of %d blocks from %s onto %s failed: %s",
+                n,
+                resp.peer_hint,
+                resp.node_id,
+                exc.code().name,
+            )
             return PrefetchResult(0, 0, 0, "", f"Prefetch failed: {exc.code().name}")
 
     @TRACER.start_as_current_span("kvstore.cluster.store")
-    def store(self, ns: ClusterNamespace, hit: ClusterHit, tokens,
-              kv: torch.Tensor | list[torch.Tensor], release: bool = True) -> Usage:
+    def store(
+        self,
+        ns: ClusterNamespace,
+        hit: ClusterHit,
+        tokens,
+        kv: torch.Tensor | list[torch.Tensor],
+        release: bool = True,
+    ) -> Usage:
         """Store the prompt's new blocks on the node that served `hit`; then release the
         route (the router stops counting the request as in flight)."""
         try:
-            return self.agent(hit.address).store(self.handle(ns, hit.address), tokens, kv,
-                                                 cached_blocks=hit.cached_blocks)
+            return self.agent(hit.address).store(
+                self.handle(ns, hit.address), tokens, kv, cached_blocks=hit.cached_blocks
+            )
         finally:
             if release:
                 self.release(hit)
@@ -267,9 +335,11 @@ class ClusterClient:
         rid = hit if isinstance(hit, str) else hit.request_id
         if rid:
             try:
-                self.router.Release(router_pb2.ReleaseRequest(request_id=rid,
-                                                              prefill_done=prefill_done),
-                                    timeout=self.timeout, metadata=self._md)
+                self.router.Release(
+                    router_pb2.ReleaseRequest(request_id=rid, prefill_done=prefill_done),
+                    timeout=self.timeout,
+                    metadata=self._md,
+                )
             except grpc.RpcError as exc:
                 raise from_rpc(exc) from None
 
@@ -293,6 +363,7 @@ class RoutedClient:
             raise RuntimeError("RoutedClient.store needs a fetch first")
         hit, self.last = self.last, None
         if cached_blocks != hit.cached_blocks:
-            raise ValueError(f"store says {cached_blocks} cached blocks, the fetch served "
-                             f"{hit.cached_blocks}")
+            raise ValueError(
+                f"store says {cached_blocks} cached blocks, the fetch served {hit.cached_blocks}"
+            )
         return self.cluster.store(ns, hit, tokens, kv)

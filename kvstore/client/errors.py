@@ -3,6 +3,7 @@ grpc.RpcError with the same code() and details() the agent answered, whichever t
 carried the call (gRPC or the local lane), so callers written against grpc.RpcError keep
 working. A call that ran past its deadline raises DeadlineExceeded (code()
 DEADLINE_EXCEEDED), never hangs."""
+
 from __future__ import annotations
 
 import grpc
@@ -24,8 +25,7 @@ class KVClientError(grpc.RpcError):
     @property
     def unknown_region(self) -> bool:
         """The agent does not know our shared-memory region (it restarted)."""
-        return self._code == grpc.StatusCode.NOT_FOUND and \
-            self._details.startswith(UNKNOWN_REGION)
+        return self._code == grpc.StatusCode.NOT_FOUND and self._details.startswith(UNKNOWN_REGION)
 
 
 class DeadlineExceeded(KVClientError):

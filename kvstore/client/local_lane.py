@@ -6,6 +6,7 @@ paths alike. A call past its deadline raises DeadlineExceeded and closes the con
 (the stream is out of step). A broken connection raises LaneBroken: the client then
 registers with the agent again (it may have restarted) and retries.
 """
+
 from __future__ import annotations
 
 import socket
@@ -55,25 +56,25 @@ class LaneChannel:
         frame = lane.request_frame(method, meta, request.SerializeToString())
         wait = self._timeout if timeout is None else timeout
         if wait <= 0:
-            raise DeadlineExceeded(f"local lane {self.path}: the deadline passed before "
-                                   "the call")
+            raise DeadlineExceeded(f"local lane {self.path}: the deadline passed before the call")
         with self._lock:
             try:
                 self._sock.settimeout(wait)
                 self._sock.sendall(frame)
-                n, status = lane.RESPONSE_HEADER.unpack(
-                    self._recv(lane.RESPONSE_HEADER.size))
+                n, status = lane.RESPONSE_HEADER.unpack(self._recv(lane.RESPONSE_HEADER.size))
                 body = self._recv(n)
             except TimeoutError:  # the stream is out of step now: never reuse it
                 self._sock.close()
-                raise DeadlineExceeded(f"local lane {self.path}: no answer within "
-                                       f"{wait:.3g} s") from None
+                raise DeadlineExceeded(
+                    f"local lane {self.path}: no answer within {wait:.3g} s"
+                ) from None
             except OSError as exc:
                 self._sock.close()
                 raise LaneBroken(f"local lane {self.path}: {exc}") from exc
         if status != lane.OK:
-            raise LaneError(_STATUS.get(status, grpc.StatusCode.UNKNOWN),
-                            body.decode(errors="replace"))
+            raise LaneError(
+                _STATUS.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace")
+            )
         return response_type.FromString(body)
 
     def _recv(self, n: int) -> bytearray:

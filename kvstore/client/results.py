@@ -1,5 +1,6 @@
 """What the client hands its callers: its own frozen records, never protobuf messages, so
 callers depend on the client's API and not on the wire format behind it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,10 +90,39 @@ class AgentStats:
 
     @classmethod
     def from_proto(cls, msg) -> AgentStats:
-        tiers = tuple(TierUsage(t.tier, t.capacity_bytes, t.used_bytes, t.blocks,
-                                t.slots_total, t.slots_free, t.condition) for t in msg.tiers)
-        tenants = tuple(TenantUsage(t.tenant, t.hbm_bytes, t.nvme_bytes, t.hbm_limit_bytes,
-                                    t.nvme_limit_bytes, t.lookups, t.lookup_hits,
-                                    t.lookup_blocks, t.lookup_hit_blocks) for t in msg.tenants)
-        return cls(msg.node_id, msg.device, tiers, tenants, dict(msg.counters), msg.in_flight,
-                   msg.utilization, msg.native_accel)
+        tiers = tuple(
+            TierUsage(
+                t.tier,
+                t.capacity_bytes,
+                t.used_bytes,
+                t.blocks,
+                t.slots_total,
+                t.slots_free,
+                t.condition,
+            )
+            for t in msg.tiers
+        )
+        tenants = tuple(
+            TenantUsage(
+                t.tenant,
+                t.hbm_bytes,
+                t.nvme_bytes,
+                t.hbm_limit_bytes,
+                t.nvme_limit_bytes,
+                t.lookups,
+                t.lookup_hits,
+                t.lookup_blocks,
+                t.lookup_hit_blocks,
+            )
+            for t in msg.tenants
+        )
+        return cls(
+            msg.node_id,
+            msg.device,
+            tiers,
+            tenants,
+            dict(msg.counters),
+            msg.in_flight,
+            msg.utilization,
+            msg.native_accel,
+        )

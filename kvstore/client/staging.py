@@ -7,6 +7,7 @@ page past what the filesystem can back. So the pages are reserved up front with
 posix_fallocate, which fails cleanly (ENOSPC) instead; a smaller area is tried next, and
 below `floor` the client goes without one (payloads over gRPC), saying so once.
 """
+
 from __future__ import annotations
 
 import errno
@@ -41,18 +42,27 @@ def create_staging(size: int, floor: int) -> shared_memory.SharedMemory | None:
     down to `floor` that the filesystem can back; None when not even `floor` fits."""
     want = size
     while size >= floor:
-        shm = shared_memory.SharedMemory(name=f"kvstore-{os.getpid()}-{secrets.token_hex(6)}",
-                                         create=True, size=size)
+        shm = shared_memory.SharedMemory(
+            name=f"kvstore-{os.getpid()}-{secrets.token_hex(6)}", create=True, size=size
+        )
         if _reserve(shm):
             if size < want:
-                log.warning("shared memory holds less than the %d MiB staging area asked for: "
-                            "using %d MiB (raise the size of %s, e.g. docker/podman "
-                            "--shm-size)", want >> 20, size >> 20, SHM_DIR)
+                log.warning(
+                    "shared memory holds less than the %d MiB staging area asked for: "
+                    "using %d MiB (raise the size of %s, e.g. docker/podman "
+                    "--shm-size)",
+                    want >> 20,
+                    size >> 20,
+                    SHM_DIR,
+                )
             return shm
         shm.close()
         shm.unlink()
         size //= 2
-    log.warning("shared memory cannot hold even a %d MiB staging area (%s is too small or "
-                "full): payloads go over gRPC, slower (raise its size, e.g. --shm-size)",
-                floor >> 20, SHM_DIR)
+    log.warning(
+        "shared memory cannot hold even a %d MiB staging area (%s is too small or "
+        "full): payloads go over gRPC, slower (raise its size, e.g. --shm-size)",
+        floor >> 20,
+        SHM_DIR,
+    )
     return None

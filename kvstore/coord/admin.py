@@ -28,6 +28,7 @@ Every admin write goes in one etcd transaction together with its audit record, s
 action and its record are never separated; the record is updated with the final result
 (acknowledged or not) when the command finishes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,16 @@ from etcd3aio import prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
-from kvstore.coord.etcd import (KILLSWITCH, NAMESPACES, NODES, TENANTS, EtcdClient,
-                                flush_marker_key, killswitch_enabled, ns_count_key)
+from kvstore.coord.etcd import (
+    KILLSWITCH,
+    NAMESPACES,
+    NODES,
+    TENANTS,
+    EtcdClient,
+    flush_marker_key,
+    killswitch_enabled,
+    ns_count_key,
+)
 from kvstore import errors
 from kvstore.units import format_size
 
@@ -71,8 +80,7 @@ def marker_name(target: str) -> str:
     """The flush marker of `kvctl flush TENANT/TARGET`: the name, or a namespace id in
     lowercase hex (agents match either against their specs)."""
     lower = target.lower()
-    return lower if len(lower) == 32 and all(c in "0123456789abcdef" for c in lower) \
-        else target
+    return lower if len(lower) == 32 and all(c in "0123456789abcdef" for c in lower) else target
 
 
 def name_ack_key(tenant: str, name: str, member: str) -> str:
@@ -170,13 +178,20 @@ class Quota:
 
     def merged(self, other: "Quota") -> "Quota":
         """`other`'s fields where set, ours elsewhere."""
-        return Quota(*(o if o is not None else s for s, o in (
-            (self.hbm_limit_bytes, other.hbm_limit_bytes),
-            (self.nvme_limit_bytes, other.nvme_limit_bytes))))
+        return Quota(
+            *(
+                o if o is not None else s
+                for s, o in (
+                    (self.hbm_limit_bytes, other.hbm_limit_bytes),
+                    (self.nvme_limit_bytes, other.nvme_limit_bytes),
+                )
+            )
+        )
 
     def to_json(self) -> bytes:
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None},
-                          sort_keys=True).encode()
+        return json.dumps(
+            {k: v for k, v in asdict(self).items() if v is not None}, sort_keys=True
+        ).encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> "Quota":
@@ -186,6 +201,7 @@ class Quota:
     def describe(self) -> str:
         def one(v):
             return "(agent config)" if v is None else "unlimited" if v == 0 else format_size(v)
+
         return f"hbm {one(self.hbm_limit_bytes)}, nvme {one(self.nvme_limit_bytes)}"
 
 
@@ -205,8 +221,15 @@ class AuditRecord:
     @classmethod
     def parse(cls, raw: bytes) -> "AuditRecord":
         d = _loads(raw, "audit record")
-        return cls(float(d["at"]), str(d["who"]), str(d["action"]), str(d["target"]),
-                   bool(d["ok"]), str(d["result"]), dict(d.get("params") or {}))
+        return cls(
+            float(d["at"]),
+            str(d["who"]),
+            str(d["action"]),
+            str(d["target"]),
+            bool(d["ok"]),
+            str(d["result"]),
+            dict(d.get("params") or {}),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,21 +300,23 @@ def delete_op(etcd: EtcdClient, key: str):
 
 
 def mod_equals(etcd: EtcdClient, key: str, mod_revision: int) -> Compare:
-    return Compare(result=Compare.EQUAL, target=Compare.MOD, key=etcd._key(key),
-                   mod_revision=mod_revision)
+    return Compare(
+        result=Compare.EQUAL, target=Compare.MOD, key=etcd._key(key), mod_revision=mod_revision
+    )
 
 
 async def put_many(etcd: EtcdClient, items: list[tuple[str, bytes]]) -> None:
     """Unconditional puts, batched into transactions (one round trip per batch)."""
     for i in range(0, len(items), _TXN_MAX_OPS):
-        batch = items[i:i + _TXN_MAX_OPS]
+        batch = items[i : i + _TXN_MAX_OPS]
         await txn(etcd, f"put {len(batch)} keys", [], [put_op(etcd, k, v) for k, v in batch])
 
 
 async def delete_prefix(etcd: EtcdClient, prefix: str) -> int:
     start = etcd._key(prefix)
-    resp = await etcd._call(f"delete {prefix}",
-                            etcd._kv.delete(start, range_end=prefix_range_end(start)))
+    resp = await etcd._call(
+        f"delete {prefix}", etcd._kv.delete(start, range_end=prefix_range_end(start))
+    )
     return resp.deleted
 
 
@@ -303,8 +328,10 @@ async def live_members(etcd: EtcdClient) -> list[str]:
     """Agents (nodes/) and routers (routers/) that hold a live lease right now."""
     _, nodes = await etcd.list(NODES)
     _, routers = await etcd.list(ROUTERS)
-    return sorted([kv.key[len(NODES):] for kv in nodes]
-                  + [router_member(kv.key[len(ROUTERS):]) for kv in routers])
+    return sorted(
+        [kv.key[len(NODES) :] for kv in nodes]
+        + [router_member(kv.key[len(ROUTERS) :]) for kv in routers]
+    )
 
 
 # -------------------------------------------------------------------- admin actions
@@ -317,13 +344,21 @@ class ControlPlane:
         self.who = who or default_operator()
 
     # ------------------------------------------------------------------- audit
-    def _audit_op(self, key: str, action: str, target: str, ok: bool, result: str,
-                  params: dict, at: float):
+    def _audit_op(
+        self, key: str, action: str, target: str, ok: bool, result: str, params: dict, at: float
+    ):
         rec = AuditRecord(at, self.who, action, target, ok, result, params)
         return put_op(self.etcd, key, rec.to_json())
 
-    async def audit(self, action: str, target: str, ok: bool, result: str,
-                    params: dict | None = None, key: str | None = None) -> str:
+    async def audit(
+        self,
+        action: str,
+        target: str,
+        ok: bool,
+        result: str,
+        params: dict | None = None,
+        key: str | None = None,
+    ) -> str:
         """Write (or, given `key`, rewrite) one audit record; returns its key."""
         at = time.time()
         key = key or audit_key(at)
@@ -357,14 +392,14 @@ class ControlPlane:
                 out.append((kv, ns_hex, spec_name, rec))
         return revision, out
 
-    async def commit_flush(self, tenant: str, name: str
-                           ) -> tuple[list[FlushedNamespace], int, str]:
+    async def commit_flush(self, tenant: str, name: str) -> tuple[list[FlushedNamespace], int, str]:
         """Raise the generation of every namespace record `tenant/name` (every spec and
         revision under that name, or one namespace id) by one and write the name's flush
         marker, in one transaction that carries the audit record and compares each record
         and the tenant's record counter with the listing (so neither a concurrent flush nor
-        a namespace registered meanwhile is missed). No record at all is not an error here: agents may
-        hold the name unregistered (`flush` decides). Returns (flushed, revision, key)."""
+        a namespace registered meanwhile is missed). No record at all is not an error here:
+        agents may hold the name unregistered (`flush` decides). Returns (flushed, revision,
+        key)."""
         target = f"{tenant}/{name}"
         if not tenant or not name or "/" in tenant or "/" in name:
             raise errors.InvalidArgument(f"flush target must be TENANT/NAME, got {target!r}")
@@ -372,9 +407,14 @@ class ControlPlane:
             listed, matches = await self._matching(tenant, name)
             # No record created since the listing (the tenant's counter, bumped by every
             # creation, is as old as it), none of ours changed (a concurrent flush).
-            compares = [Compare(result=Compare.LESS, target=Compare.MOD,
-                                key=self.etcd._key(ns_count_key(tenant)),
-                                mod_revision=listed + 1)]
+            compares = [
+                Compare(
+                    result=Compare.LESS,
+                    target=Compare.MOD,
+                    key=self.etcd._key(ns_count_key(tenant)),
+                    mod_revision=listed + 1,
+                )
+            ]
             flushed, ops = [], []
             for kv, ns_hex, spec_name, rec in matches:
                 old = int(rec.get("generation", 0))
@@ -385,18 +425,35 @@ class ControlPlane:
             at = time.time()
             akey = audit_key(at)
             params = {"namespaces": [asdict(f) for f in flushed]}
-            ops.append(put_op(self.etcd, flush_marker_key(tenant, marker_name(name)),
-                              json.dumps({"by": self.who, "at": at}).encode()))
-            ops.append(self._audit_op(akey, "flush", target, True,
-                                      "committed; waiting for acknowledgements", params, at))
+            ops.append(
+                put_op(
+                    self.etcd,
+                    flush_marker_key(tenant, marker_name(name)),
+                    json.dumps({"by": self.who, "at": at}).encode(),
+                )
+            )
+            ops.append(
+                self._audit_op(
+                    akey,
+                    "flush",
+                    target,
+                    True,
+                    "committed; waiting for acknowledgements",
+                    params,
+                    at,
+                )
+            )
             ok, revision = await txn(self.etcd, f"flush {target}", compares, ops)
             if ok:
                 return flushed, revision, akey
-        raise errors.Unavailable(f"flush {target}: the namespace records kept changing "
-                                 f"during {_CAS_ATTEMPTS} attempts; retry")
+        raise errors.Unavailable(
+            f"flush {target}: the namespace records kept changing "
+            f"during {_CAS_ATTEMPTS} attempts; retry"
+        )
 
-    async def flush_progress(self, tenant: str, name: str, flushed: list[FlushedNamespace],
-                             revision: int) -> AckProgress:
+    async def flush_progress(
+        self, tenant: str, name: str, flushed: list[FlushedNamespace], revision: int
+    ) -> AckProgress:
         """A member counts once it acknowledged every flushed record and the flush by
         name (its unregistered copies of the name are flushed too)."""
         members = await live_members(self.etcd)
@@ -419,18 +476,25 @@ class ControlPlane:
                 continue
             if nack.revision >= revision:
                 by_name[kv.key.rsplit("/", 1)[-1]] = nack
-        acked = [m for m in members
-                 if len(acks.get(m, ())) == len(flushed) and m in by_name]
+        acked = [m for m in members if len(acks.get(m, ())) == len(flushed) and m in by_name]
         dropped = sum(a.dropped for m in acked for a in acks.get(m, ()))
         dropped += sum(by_name[m].dropped for m in acked)
-        return AckProgress(tuple(members), tuple(acked),
-                           tuple(m for m in members if m not in acked), dropped,
-                           sum(by_name[m].flushed for m in acked))
+        return AckProgress(
+            tuple(members),
+            tuple(acked),
+            tuple(m for m in members if m not in acked),
+            dropped,
+            sum(by_name[m].flushed for m in acked),
+        )
 
-    async def flush(self, tenant: str, name: str, timeout_s: float = 30.0,
-                    progress: Callable[[AckProgress], None] | None = None,
-                    on_commit: Callable[[list[FlushedNamespace], int], None] | None = None
-                    ) -> FlushReport:
+    async def flush(
+        self,
+        tenant: str,
+        name: str,
+        timeout_s: float = 30.0,
+        progress: Callable[[AckProgress], None] | None = None,
+        on_commit: Callable[[list[FlushedNamespace], int], None] | None = None,
+    ) -> FlushReport:
         """Commit the flush, then wait (at most `timeout_s`) until every live agent and
         router acknowledged the new generations and the flush by name. Members that leave
         meanwhile (lease gone) stop counting; members that join catch up before they
@@ -444,25 +508,36 @@ class ControlPlane:
             raise
         if on_commit is not None:
             on_commit(flushed, revision)
-        state = await self._wait(lambda: self.flush_progress(tenant, name, flushed, revision),
-                                 t0 + timeout_s, progress)
+        state = await self._wait(
+            lambda: self.flush_progress(tenant, name, flushed, revision), t0 + timeout_s, progress
+        )
         elapsed = time.monotonic() - t0
         if not flushed and state.done and not state.unregistered:
-            msg = (f"no namespace named {target} in etcd (an agent creates the record when "
-                   "a client opens it), nor unregistered on any agent")
+            msg = (
+                f"no namespace named {target} in etcd (an agent creates the record when "
+                "a client opens it), nor unregistered on any agent"
+            )
             await self.audit("flush", target, False, msg, key=akey)
             raise errors.NotFound(msg)
-        gens = ", ".join(f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}"
-                         for f in flushed) or "no etcd record"
+        gens = (
+            ", ".join(f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}" for f in flushed)
+            or "no etcd record"
+        )
         extra = f"; {state.unregistered} unregistered on agents" if state.unregistered else ""
-        result = (f"acknowledged by {len(state.acked)}/{len(state.members)} members in "
-                  f"{elapsed:.2f}s; {state.dropped} blocks dropped ({gens}{extra})"
-                  if state.done else
-                  f"generation committed ({gens}) but not acknowledged within {timeout_s:g}s "
-                  f"by: {', '.join(state.missing)}")
-        params = {"namespaces": [asdict(f) for f in flushed], "revision": revision,
-                  "acked": list(state.acked), "missing": list(state.missing),
-                  "unregistered": state.unregistered}
+        result = (
+            f"acknowledged by {len(state.acked)}/{len(state.members)} members in "
+            f"{elapsed:.2f}s; {state.dropped} blocks dropped ({gens}{extra})"
+            if state.done
+            else f"generation committed ({gens}) but not acknowledged within {timeout_s:g}s "
+            f"by: {', '.join(state.missing)}"
+        )
+        params = {
+            "namespaces": [asdict(f) for f in flushed],
+            "revision": revision,
+            "acked": list(state.acked),
+            "missing": list(state.missing),
+            "unregistered": state.unregistered,
+        }
         await self.audit("flush", target, state.done, result, params, key=akey)
         return FlushReport(tenant, name, tuple(flushed), revision, state, elapsed, akey)
 
@@ -480,33 +555,65 @@ class ControlPlane:
             await asyncio.sleep(_POLL_S)
 
     # -------------------------------------------------------------- kill switch
-    async def set_killswitch(self, enabled: bool, reason: str = "", timeout_s: float = 30.0,
-                             progress: Callable[[AckProgress], None] | None = None,
-                             on_commit: Callable[[int], None] | None = None) -> SwitchReport:
+    async def set_killswitch(
+        self,
+        enabled: bool,
+        reason: str = "",
+        timeout_s: float = 30.0,
+        progress: Callable[[AckProgress], None] | None = None,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> SwitchReport:
         t0 = time.monotonic()
         at = time.time()
         akey = audit_key(at)
         target = "on" if enabled else "off"
         params = {"reason": reason}
-        op = (put_op(self.etcd, KILLSWITCH,
-                     json.dumps({"enabled": True, "reason": reason, "by": self.who,
-                                 "at": at}).encode())
-              if enabled else delete_op(self.etcd, KILLSWITCH))
-        _, revision = await txn(self.etcd, f"kill switch {target}", [], [
-            op, self._audit_op(akey, "killswitch", target, True,
-                               "set; waiting for acknowledgements", params, at)])
+        op = (
+            put_op(
+                self.etcd,
+                KILLSWITCH,
+                json.dumps({"enabled": True, "reason": reason, "by": self.who, "at": at}).encode(),
+            )
+            if enabled
+            else delete_op(self.etcd, KILLSWITCH)
+        )
+        _, revision = await txn(
+            self.etcd,
+            f"kill switch {target}",
+            [],
+            [
+                op,
+                self._audit_op(
+                    akey,
+                    "killswitch",
+                    target,
+                    True,
+                    "set; waiting for acknowledgements",
+                    params,
+                    at,
+                ),
+            ],
+        )
         if on_commit is not None:
             on_commit(revision)
-        state = await self._wait(lambda: self.switch_progress(enabled, revision),
-                                 t0 + timeout_s, progress)
+        state = await self._wait(
+            lambda: self.switch_progress(enabled, revision), t0 + timeout_s, progress
+        )
         elapsed = time.monotonic() - t0
-        result = (f"in force on {len(state.acked)}/{len(state.members)} members after "
-                  f"{elapsed:.2f}s" if state.done else
-                  f"set in etcd but not acknowledged within {timeout_s:g}s by: "
-                  f"{', '.join(state.missing)}")
-        await self.audit("killswitch", target, state.done, result,
-                         {**params, "revision": revision, "missing": list(state.missing)},
-                         key=akey)
+        result = (
+            f"in force on {len(state.acked)}/{len(state.members)} members after {elapsed:.2f}s"
+            if state.done
+            else f"set in etcd but not acknowledged within {timeout_s:g}s by: "
+            f"{', '.join(state.missing)}"
+        )
+        await self.audit(
+            "killswitch",
+            target,
+            state.done,
+            result,
+            {**params, "revision": revision, "missing": list(state.missing)},
+            key=akey,
+        )
         return SwitchReport(enabled, reason, revision, state, elapsed)
 
     async def switch_progress(self, enabled: bool, revision: int) -> AckProgress:
@@ -519,7 +626,7 @@ class ControlPlane:
             except (ValueError, KeyError, TypeError):
                 continue
             if ack.enabled == enabled and ack.revision >= revision:
-                good.add(kv.key[len(SWITCH_ACKS):])
+                good.add(kv.key[len(SWITCH_ACKS) :])
         acked = tuple(m for m in members if m in good)
         return AckProgress(tuple(members), acked, tuple(m for m in members if m not in good))
 
@@ -549,24 +656,55 @@ class ControlPlane:
                     pass  # a damaged record is replaced
             new = current.merged(quota)
             at = time.time()
-            cmp = (mod_equals(self.etcd, key, kv.mod_revision) if kv is not None else
-                   KVService.txn_compare_create_revision(self.etcd._key(key), 0))
-            ok, _ = await txn(self.etcd, f"quota set {tenant}", [cmp], [
-                put_op(self.etcd, key, new.to_json()),
-                self._audit_op(audit_key(at), "quota-set", tenant, True, new.describe(),
-                               json.loads(new.to_json()), at)])
+            cmp = (
+                mod_equals(self.etcd, key, kv.mod_revision)
+                if kv is not None
+                else KVService.txn_compare_create_revision(self.etcd._key(key), 0)
+            )
+            ok, _ = await txn(
+                self.etcd,
+                f"quota set {tenant}",
+                [cmp],
+                [
+                    put_op(self.etcd, key, new.to_json()),
+                    self._audit_op(
+                        audit_key(at),
+                        "quota-set",
+                        tenant,
+                        True,
+                        new.describe(),
+                        json.loads(new.to_json()),
+                        at,
+                    ),
+                ],
+            )
             if ok:
                 return new
         raise errors.Unavailable(f"quota {tenant}: the record kept changing; retry")
 
     async def clear_quota(self, tenant: str) -> bool:
         at = time.time()
-        ok, _ = await txn(self.etcd, f"quota clear {tenant}", [
-            KVService.txn_compare_create_revision(self.etcd._key(TENANTS + tenant), 0,
-                                                  result=Compare.GREATER)],
-            [delete_op(self.etcd, TENANTS + tenant),
-             self._audit_op(audit_key(at), "quota-clear", tenant, True,
-                            "removed; agents use their configured limits", {}, at)])
+        ok, _ = await txn(
+            self.etcd,
+            f"quota clear {tenant}",
+            [
+                KVService.txn_compare_create_revision(
+                    self.etcd._key(TENANTS + tenant), 0, result=Compare.GREATER
+                )
+            ],
+            [
+                delete_op(self.etcd, TENANTS + tenant),
+                self._audit_op(
+                    audit_key(at),
+                    "quota-clear",
+                    tenant,
+                    True,
+                    "removed; agents use their configured limits",
+                    {},
+                    at,
+                ),
+            ],
+        )
         return ok
 
     async def get_quota(self, tenant: str) -> Quota | None:
@@ -578,7 +716,7 @@ class ControlPlane:
         out = {}
         for kv in items:
             try:
-                out[kv.key[len(TENANTS):]] = Quota.parse(kv.value)
+                out[kv.key[len(TENANTS) :]] = Quota.parse(kv.value)
             except (ValueError, TypeError):
                 continue
         return out

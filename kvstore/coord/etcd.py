@@ -22,6 +22,7 @@ never see etcd3aio or grpc exceptions. Watches resume from the revision after th
 event they delivered (etcd keeps revisions across restarts) and report a compaction so
 the caller relists.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,10 +34,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import grpc
-from etcd3aio import (EtcdError, EtcdPermissionDeniedError, EtcdUnauthenticatedError,
-                      prefix_range_end)
-from etcd3aio._protobuf import (Compare, LeaseKeepAliveRequest, LeaseStub, RangeRequest,
-                                RequestOp, WatchCreateRequest, WatchRequest, WatchStub)
+from etcd3aio import (
+    EtcdError,
+    EtcdPermissionDeniedError,
+    EtcdUnauthenticatedError,
+    prefix_range_end,
+)
+from etcd3aio._protobuf import (
+    Compare,
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    RangeRequest,
+    RequestOp,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchStub,
+)
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
@@ -72,7 +85,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
         item = item.strip()
         for scheme in ("http://", "https://"):
             if item.startswith(scheme):
-                item = item[len(scheme):]
+                item = item[len(scheme) :]
         item = item.rstrip("/")
         if item:
             host, sep, port = item.rpartition(":")
@@ -104,8 +117,11 @@ class NodeRecord:
             raise ValueError(f"node_id must be non-empty without '/', got {self.node_id!r}")
         if not self.address:
             raise ValueError(f"node {self.node_id}: address is empty")
-        if not (isinstance(self.utilization, (int, float)) and math.isfinite(self.utilization)
-                and 0.0 <= self.utilization <= 1.0):
+        if not (
+            isinstance(self.utilization, (int, float))
+            and math.isfinite(self.utilization)
+            and 0.0 <= self.utilization <= 1.0
+        ):
             raise ValueError(f"node {self.node_id}: utilization must be in [0, 1]")
 
     def to_json(self) -> bytes:
@@ -202,8 +218,9 @@ class EtcdClient:
     """Asyncio etcd v3 client scoped to a key prefix. Create it inside the event loop
     that uses it; `close()` when done (or use `async with`)."""
 
-    def __init__(self, endpoints: str | Sequence[str], prefix: str = DEFAULT_PREFIX,
-                 timeout: float = 3.0) -> None:
+    def __init__(
+        self, endpoints: str | Sequence[str], prefix: str = DEFAULT_PREFIX, timeout: float = 3.0
+    ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         if not prefix.endswith("/"):
             raise ValueError(f"etcd prefix must end with '/', got {prefix!r}")
@@ -229,7 +246,7 @@ class EtcdClient:
         return (self.prefix + key).encode()
 
     def _rel(self, raw: bytes) -> str:
-        return raw.decode()[len(self.prefix):]
+        return raw.decode()[len(self.prefix) :]
 
     async def _call(self, what: str, aw: Awaitable):
         """The edge: every etcd call goes through here so failures read the same."""
@@ -248,12 +265,12 @@ class EtcdClient:
                 # cannot help, so this is not an outage.
                 raise errors.InvalidArgument(f"etcd refused {what}: {exc.details()}") from exc
             raise errors.Unavailable(
-                f"etcd unreachable at {','.join(self.endpoints)} ({what}): "
-                f"{_reason(exc)}") from exc
+                f"etcd unreachable at {','.join(self.endpoints)} ({what}): {_reason(exc)}"
+            ) from exc
         except (EtcdError, TimeoutError, OSError) as exc:
             raise errors.Unavailable(
-                f"etcd unreachable at {','.join(self.endpoints)} ({what}): "
-                f"{_reason(exc)}") from exc
+                f"etcd unreachable at {','.join(self.endpoints)} ({what}): {_reason(exc)}"
+            ) from exc
 
     # -------------------------------------------------------------------- plain KV
     async def get(self, key: str) -> KeyValue | None:
@@ -266,10 +283,12 @@ class EtcdClient:
     async def list(self, prefix: str) -> tuple[int, list[KeyValue]]:
         """Every key under `prefix` and the store revision the listing reflects."""
         start = self._key(prefix)
-        resp = await self._call(f"list {prefix}",
-                                self._kv.get(start, range_end=prefix_range_end(start)))
-        items = [KeyValue(self._rel(kv.key), kv.value, kv.mod_revision, kv.lease)
-                 for kv in resp.kvs]
+        resp = await self._call(
+            f"list {prefix}", self._kv.get(start, range_end=prefix_range_end(start))
+        )
+        items = [
+            KeyValue(self._rel(kv.key), kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs
+        ]
         return resp.header.revision, items
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
@@ -280,8 +299,7 @@ class EtcdClient:
         resp = await self._call(f"delete {key}", self._kv.delete(self._key(key)))
         return resp.deleted > 0
 
-    async def _txn(self, what: str, compare: Compare, key: str, value: bytes,
-                   lease: int) -> bool:
+    async def _txn(self, what: str, compare: Compare, key: str, value: bytes, lease: int) -> bool:
         op = KVService.txn_op_put(self._key(key), value, lease=lease)
         resp = await self._call(what, self._kv.txn([compare], [op]))
         return resp.succeeded
@@ -293,14 +311,14 @@ class EtcdClient:
 
     async def replace(self, key: str, value: bytes, mod_revision: int, lease: int = 0) -> bool:
         """Put only if the key was last modified at `mod_revision` (optimistic CAS)."""
-        cmp = Compare(result=Compare.EQUAL, target=Compare.MOD, key=self._key(key),
-                      mod_revision=mod_revision)
+        cmp = Compare(
+            result=Compare.EQUAL, target=Compare.MOD, key=self._key(key), mod_revision=mod_revision
+        )
         return await self._txn(f"replace {key}", cmp, key, value, lease)
 
     async def put_if_lease(self, key: str, value: bytes, lease: int) -> bool:
         """Put only if the key exists and is attached to `lease` (we still own it)."""
-        cmp = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=self._key(key),
-                      lease=lease)
+        cmp = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=self._key(key), lease=lease)
         return await self._txn(f"update {key}", cmp, key, value, lease)
 
     # ---------------------------------------------------------------------- leases
@@ -310,6 +328,7 @@ class EtcdClient:
 
     async def keepalive(self, lease: int) -> int:
         """Refresh a lease once; returns the TTL left (0: the lease is gone)."""
+
         async def one():
             yield LeaseKeepAliveRequest(ID=lease)
 
@@ -335,8 +354,9 @@ class EtcdClient:
         """Events under `prefix` from `start_revision` on, batch by batch. One stream:
         ends with Unavailable when etcd goes away, Compacted when history is gone."""
         key = self._key(prefix)
-        create = WatchCreateRequest(key=key, range_end=prefix_range_end(key),
-                                    start_revision=start_revision)
+        create = WatchCreateRequest(
+            key=key, range_end=prefix_range_end(key), start_revision=start_revision
+        )
 
         async def requests():
             yield WatchRequest(create_request=create)
@@ -348,24 +368,39 @@ class EtcdClient:
                 if resp.compact_revision:
                     raise Compacted(resp.compact_revision)
                 if resp.canceled:
-                    raise errors.Unavailable(f"etcd cancelled the watch on {prefix}: "
-                                             f"{resp.cancel_reason or 'no reason given'}")
+                    raise errors.Unavailable(
+                        f"etcd cancelled the watch on {prefix}: "
+                        f"{resp.cancel_reason or 'no reason given'}"
+                    )
                 if resp.created and resp.header.revision + 1 < start_revision:
                     # The store is behind where we were: etcd lost its data. Relist.
                     raise Compacted(resp.header.revision)
                 if resp.events:
-                    yield [WatchEvent(self._rel(ev.kv.key), ev.kv.value, ev.kv.mod_revision,
-                                      ev.type == ev.DELETE) for ev in resp.events]
+                    yield [
+                        WatchEvent(
+                            self._rel(ev.kv.key),
+                            ev.kv.value,
+                            ev.kv.mod_revision,
+                            ev.type == ev.DELETE,
+                        )
+                        for ev in resp.events
+                    ]
             raise errors.Unavailable(f"etcd closed the watch on {prefix}")
         except grpc.aio.AioRpcError as exc:
-            raise errors.Unavailable(f"etcd watch on {prefix} at {','.join(self.endpoints)} "
-                                     f"broke: {_reason(exc)}") from exc
+            raise errors.Unavailable(
+                f"etcd watch on {prefix} at {','.join(self.endpoints)} broke: {_reason(exc)}"
+            ) from exc
         finally:
             call.cancel()
 
-    async def follow(self, prefix: str, reset: Callable[[list[KeyValue]], None],
-                     apply: Callable[[list[WatchEvent]], None],
-                     retry_s: float = 0.5, max_retry_s: float = 3.0) -> None:
+    async def follow(
+        self,
+        prefix: str,
+        reset: Callable[[list[KeyValue]], None],
+        apply: Callable[[list[WatchEvent]], None],
+        retry_s: float = 0.5,
+        max_retry_s: float = 3.0,
+    ) -> None:
         """List `prefix`, hand the full state to `reset`, then hand every later change
         to `apply`, forever. Resumes from the next revision after an etcd outage and
         relists (calling `reset` again) after a compaction. Cancel the task to stop."""
@@ -380,8 +415,12 @@ class EtcdClient:
                     next_rev = revision + 1
                 async for batch in self.watch(prefix, next_rev):
                     if down:
-                        log.info("etcd watch on %s%s resumed at revision %d", self.prefix,
-                                 prefix, next_rev)
+                        log.info(
+                            "etcd watch on %s%s resumed at revision %d",
+                            self.prefix,
+                            prefix,
+                            next_rev,
+                        )
                         down, delay = False, retry_s
                     apply(batch)
                     next_rev = batch[-1].mod_revision + 1
@@ -424,8 +463,9 @@ class EtcdClient:
                 log.warning("ignoring malformed node record %s: %s", kv.key, exc)
         return out
 
-    async def put_namespace(self, tenant: str, ns_id: bytes, spec: dict,
-                            policy: dict | None = None) -> int:
+    async def put_namespace(
+        self, tenant: str, ns_id: bytes, spec: dict, policy: dict | None = None
+    ) -> int:
         """Create the namespace record if missing; returns its generation."""
         key = f"{NAMESPACES}{tenant}/{ns_id.hex()}"
         rec = {"spec": spec, "generation": 0, "policy": policy or {}}
@@ -434,8 +474,15 @@ class EtcdClient:
         current = await self.get(key)
         return int(json.loads(current.value)["generation"]) if current else 0
 
-    async def claim_namespace(self, ns_id: bytes, spec: dict, policy: dict, generation: int,
-                              seen_revision: int, limit: int = 0) -> "NamespaceClaim":
+    async def claim_namespace(
+        self,
+        ns_id: bytes,
+        spec: dict,
+        policy: dict,
+        generation: int,
+        seen_revision: int,
+        limit: int = 0,
+    ) -> "NamespaceClaim":
         """Make etcd hold the record of namespace `ns_id` (`spec`, `policy`: its JSON
         fields) at `generation` or above, in one
         transaction that also checks that
@@ -455,67 +502,92 @@ class EtcdClient:
             snap = await self._ns_snapshot(key, markers, tenant)
             if snap.flushed_at > seen_revision:
                 return NamespaceClaim(0, False, snap.flushed_at, snap.count)
-            compares = [Compare(result=Compare.LESS, target=Compare.MOD, key=self._key(m),
-                                mod_revision=seen_revision + 1) for m in markers]
+            compares = [
+                Compare(
+                    result=Compare.LESS,
+                    target=Compare.MOD,
+                    key=self._key(m),
+                    mod_revision=seen_revision + 1,
+                )
+                for m in markers
+            ]
             if snap.record is None:
                 if limit and snap.count >= limit:
                     raise errors.ResourceExhausted(
                         f"tenant {tenant!r} already has {snap.count} namespaces; the limit "
-                        f"is {limit} (max_namespaces_per_tenant)")
+                        f"is {limit} (max_namespaces_per_tenant)"
+                    )
                 # No record of the tenant created since we counted.
-                compares += [Compare(result=Compare.EQUAL, target=Compare.MOD,
-                                     key=self._key(counter), mod_revision=snap.count_mod),
-                             KVService.txn_compare_create_revision(self._key(key), 0)]
+                compares += [
+                    Compare(
+                        result=Compare.EQUAL,
+                        target=Compare.MOD,
+                        key=self._key(counter),
+                        mod_revision=snap.count_mod,
+                    ),
+                    KVService.txn_compare_create_revision(self._key(key), 0),
+                ]
                 rec = {"spec": spec, "generation": generation, "policy": policy}
             else:
                 try:
                     rec = json.loads(snap.record.value)
                     current = int(rec["generation"])
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise errors.FailedPrecondition(f"namespace record {key} in etcd is "
-                                                    f"damaged: {exc}") from None
+                    raise errors.FailedPrecondition(
+                        f"namespace record {key} in etcd is damaged: {exc}"
+                    ) from None
                 if current >= generation:
                     return NamespaceClaim(current, False, snap.flushed_at, snap.count)
                 rec["generation"] = generation
-                compares.append(Compare(result=Compare.EQUAL, target=Compare.MOD,
-                                        key=self._key(key),
-                                        mod_revision=snap.record.mod_revision))
+                compares.append(
+                    Compare(
+                        result=Compare.EQUAL,
+                        target=Compare.MOD,
+                        key=self._key(key),
+                        mod_revision=snap.record.mod_revision,
+                    )
+                )
             ops = [KVService.txn_op_put(self._key(key), json.dumps(rec, sort_keys=True).encode())]
             if snap.record is None:
-                ops.append(KVService.txn_op_put(
-                    self._key(counter), json.dumps({"count": snap.count + 1}).encode()))
+                ops.append(
+                    KVService.txn_op_put(
+                        self._key(counter), json.dumps({"count": snap.count + 1}).encode()
+                    )
+                )
             resp = await self._call(f"claim {key}", self._kv.txn(compares, ops))
             if resp.succeeded:
                 created = snap.record is None
-                return NamespaceClaim(generation, created, snap.flushed_at,
-                                      snap.count + created)
+                return NamespaceClaim(generation, created, snap.flushed_at, snap.count + created)
             await asyncio.sleep(random.uniform(0.0, 0.01 * (attempt + 1)))  # other claimers
-        raise errors.Unavailable(f"namespace {key}: the tenant's records kept changing during "
-                                 f"{_CAS_ATTEMPTS} attempts; retry")
+        raise errors.Unavailable(
+            f"namespace {key}: the tenant's records kept changing during "
+            f"{_CAS_ATTEMPTS} attempts; retry"
+        )
 
-    async def _ns_snapshot(self, key: str, markers: Sequence[str], tenant: str
-                           ) -> "_NsSnapshot":
+    async def _ns_snapshot(self, key: str, markers: Sequence[str], tenant: str) -> "_NsSnapshot":
         """The record, the newest flush marker revision and the tenant's record count,
         read at one revision (a transaction without compares)."""
         keys = [key, *markers, ns_count_key(tenant)]
         ops = [RequestOp(request_range=RangeRequest(key=self._key(k))) for k in keys]
         resp = await self._call(f"read {key}", self._kv.txn([], ops))
         rec, *marks, counter = (r.response_range for r in resp.responses)
-        record = (KeyValue(key, rec.kvs[0].value, rec.kvs[0].mod_revision) if rec.kvs
-                  else None)
+        record = KeyValue(key, rec.kvs[0].value, rec.kvs[0].mod_revision) if rec.kvs else None
         flushed_at = max((m.kvs[0].mod_revision for m in marks if m.kvs), default=0)
         if counter.kvs:
             try:
                 count = int(json.loads(counter.kvs[0].value)["count"])
             except (ValueError, KeyError, TypeError) as exc:
-                raise errors.FailedPrecondition(f"namespace counter of tenant {tenant!r} in "
-                                                f"etcd is damaged: {exc}") from None
+                raise errors.FailedPrecondition(
+                    f"namespace counter of tenant {tenant!r} in etcd is damaged: {exc}"
+                ) from None
             return _NsSnapshot(record, flushed_at, count, counter.kvs[0].mod_revision)
         # No counter yet (records written before it existed): start it from a count; the
         # claim creates it only if it is still absent.
         start = self._key(f"{NAMESPACES}{tenant}/")
-        resp = await self._call(f"count {tenant}", self._kv.get(
-            start, range_end=prefix_range_end(start), count_only=True))
+        resp = await self._call(
+            f"count {tenant}",
+            self._kv.get(start, range_end=prefix_range_end(start), count_only=True),
+        )
         return _NsSnapshot(record, flushed_at, resp.count, 0)
 
     async def list_namespaces(self, tenant: str = "") -> Sequence["NamespaceRecord"]:
@@ -525,13 +597,19 @@ class EtcdClient:
         _, items = await self.list(f"{NAMESPACES}{tenant}/" if tenant else NAMESPACES)
         out = []
         for kv in items:
-            owner, _, ns_hex = kv.key[len(NAMESPACES):].rpartition("/")
+            owner, _, ns_hex = kv.key[len(NAMESPACES) :].rpartition("/")
             try:
                 rec = json.loads(kv.value)
                 spec = rec["spec"]
-                out.append(NamespaceRecord(owner, ns_hex, str(spec["name"]),
-                                           str(spec.get("model_name", "")),
-                                           int(rec["generation"])))
+                out.append(
+                    NamespaceRecord(
+                        owner,
+                        ns_hex,
+                        str(spec["name"]),
+                        str(spec.get("model_name", "")),
+                        int(rec["generation"]),
+                    )
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring malformed namespace record %s: %s", kv.key, exc)
         return out
@@ -550,11 +628,12 @@ class EtcdClient:
                 raise errors.NotFound(f"namespace {tenant}/{ns_id.hex()} is not in etcd")
             rec = json.loads(kv.value)
             rec["generation"] = int(rec.get("generation", 0)) + 1
-            if await self.replace(key, json.dumps(rec, sort_keys=True).encode(),
-                                  kv.mod_revision):
+            if await self.replace(key, json.dumps(rec, sort_keys=True).encode(), kv.mod_revision):
                 return rec["generation"]
-        raise errors.Unavailable(f"namespace {tenant}/{ns_id.hex()}: generation kept changing "
-                                 f"under {_CAS_ATTEMPTS} attempts; retry")
+        raise errors.Unavailable(
+            f"namespace {tenant}/{ns_id.hex()}: generation kept changing "
+            f"under {_CAS_ATTEMPTS} attempts; retry"
+        )
 
     async def put_tenant(self, tenant: str, quotas: dict) -> None:
         if not tenant or "/" in tenant:

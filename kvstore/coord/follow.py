@@ -16,6 +16,7 @@ subclass hooks, then acknowledged in etcd.
   then name-acks/<tenant>/<name>/<member> is written. `flush_view_revision` is the
   revision up to which every marker is known here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,19 +24,40 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from kvstore.coord.admin import (SWITCH_ACKS, Ack, NameAck, Quota, SwitchAck, ack_key,
-                                 name_ack_key, put_many)
-from kvstore.coord.etcd import (FLUSHES, KILLSWITCH, NAMESPACES, TENANTS, Compacted, EtcdClient,
-                                KeyValue, WatchEvent, killswitch_enabled)
+from kvstore.coord.admin import (
+    SWITCH_ACKS,
+    Ack,
+    NameAck,
+    Quota,
+    SwitchAck,
+    ack_key,
+    name_ack_key,
+    put_many,
+)
+from kvstore.coord.etcd import (
+    FLUSHES,
+    KILLSWITCH,
+    NAMESPACES,
+    TENANTS,
+    Compacted,
+    EtcdClient,
+    KeyValue,
+    WatchEvent,
+    killswitch_enabled,
+)
 from kvstore import errors
 
 log = logging.getLogger("kvstore.control")
 
 
-async def follow_revisions(etcd: EtcdClient, prefix: str,
-                           reset: Callable[[list[KeyValue], int], None],
-                           apply: Callable[[list[WatchEvent]], None],
-                           retry_s: float = 0.2, max_retry_s: float = 2.0) -> None:
+async def follow_revisions(
+    etcd: EtcdClient,
+    prefix: str,
+    reset: Callable[[list[KeyValue], int], None],
+    apply: Callable[[list[WatchEvent]], None],
+    retry_s: float = 0.2,
+    max_retry_s: float = 2.0,
+) -> None:
     """Like EtcdClient.follow, but `reset` also gets the revision the listing reflects
     (the kill switch ack needs it: a deleted key leaves no revision of its own)."""
     next_rev = 0
@@ -70,8 +92,14 @@ class LeasedKey:
     rewrite after the lease is lost, retry quietly while etcd is down. `on_put` runs after
     every (re)write of the key and before `live` is set (routers: `catch_up`)."""
 
-    def __init__(self, etcd: EtcdClient, key: str, value: bytes, ttl_s: int = 5,
-                 on_put: Callable[[], Awaitable[object]] | None = None) -> None:
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        key: str,
+        value: bytes,
+        ttl_s: int = 5,
+        on_put: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         self.etcd, self.key, self.value, self.ttl_s = etcd, key, value, ttl_s
         self.on_put = on_put
         self.lease = 0
@@ -90,8 +118,9 @@ class LeasedKey:
             try:
                 await self.etcd.revoke(self.lease)
             except errors.KvError as exc:
-                log.warning("could not revoke lease of %s (expires in %ds): %s", self.key,
-                            self.ttl_s, exc)
+                log.warning(
+                    "could not revoke lease of %s (expires in %ds): %s", self.key, self.ttl_s, exc
+                )
             self.lease = 0
 
     async def _run(self) -> None:
@@ -138,8 +167,7 @@ class ControlFollower:
         self.etcd = etcd
         self.member = member
         self.ready = asyncio.Event()
-        self._prefixes = [NAMESPACES, KILLSWITCH, FLUSHES] + ([TENANTS] if follow_quotas
-                                                              else [])
+        self._prefixes = [NAMESPACES, KILLSWITCH, FLUSHES] + ([TENANTS] if follow_quotas else [])
         self._synced: set[str] = set()
         self._want_gen: dict[bytes, tuple[str, int]] = {}  # ns_id -> (tenant, generation)
         self._applied_gen: dict[bytes, int] = {}
@@ -183,8 +211,7 @@ class ControlFollower:
         """Start following; return once the first listing of everything is applied. With
         no timeout this waits for etcd as long as it takes, logging every few seconds."""
         for prefix in self._prefixes:
-            self._tasks.append(asyncio.create_task(self._follow(prefix),
-                                                   name=f"control-{prefix}"))
+            self._tasks.append(asyncio.create_task(self._follow(prefix), name=f"control-{prefix}"))
         self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="control-apply"))
         self._tasks.append(asyncio.create_task(self._ack_loop(), name="control-acks"))
         loop = asyncio.get_running_loop()
@@ -199,10 +226,14 @@ class ControlFollower:
                     raise errors.Unavailable(
                         f"{what or self.member}: could not load generations and the kill "
                         f"switch from etcd at {','.join(self.etcd.endpoints)} within "
-                        f"{timeout_s:g}s") from None
-                log.warning("%s waits for etcd at %s to load namespace generations and the "
-                            "kill switch before serving", what or self.member,
-                            ",".join(self.etcd.endpoints))
+                        f"{timeout_s:g}s"
+                    ) from None
+                log.warning(
+                    "%s waits for etcd at %s to load namespace generations and the "
+                    "kill switch before serving",
+                    what or self.member,
+                    ",".join(self.etcd.endpoints),
+                )
 
     async def catch_up(self) -> int:
         """List generations and the kill switch again and return once they are in force
@@ -290,23 +321,22 @@ class ControlFollower:
     def _record(self, prefix: str, key: str, value: bytes, deleted: bool, rev: int) -> None:
         try:
             if prefix == FLUSHES:
-                tenant, _, name = key[len(FLUSHES):].partition("/")
+                tenant, _, name = key[len(FLUSHES) :].partition("/")
                 if not deleted and tenant and name:
                     old = self._want_flush.get((tenant, name), 0)
                     self._want_flush[(tenant, name)] = max(old, rev)
             elif prefix == KILLSWITCH:
                 # Older than what catch_up() listed: a lagging watch must not undo it.
-                if key == KILLSWITCH and (self._want_switch is None
-                                          or rev >= self._want_switch[1]):
+                if key == KILLSWITCH and (self._want_switch is None or rev >= self._want_switch[1]):
                     self._want_switch = (not deleted and killswitch_enabled(value), rev)
             elif prefix == TENANTS:
-                tenant = key[len(TENANTS):]
+                tenant = key[len(TENANTS) :]
                 if deleted:
                     self._want_quota.pop(tenant, None)
                 else:
                     self._want_quota[tenant] = Quota.parse(value)
             elif not deleted:  # a deleted namespace record keeps its last generation
-                tenant, ns_hex = key[len(NAMESPACES):].rsplit("/", 1)
+                tenant, ns_hex = key[len(NAMESPACES) :].rsplit("/", 1)
                 ns_id = bytes.fromhex(ns_hex)
                 gen = int(json.loads(value)["generation"])
                 old = self._want_gen.get(ns_id, ("", -1))[1]
@@ -329,8 +359,12 @@ class ControlFollower:
                 self._dirty.set()
                 continue
             if complete and not self.ready.is_set():
-                log.info("%s caught up with etcd: %d namespaces, kill switch %s",
-                         self.member, len(self._want_gen), "ON" if self.killed else "off")
+                log.info(
+                    "%s caught up with etcd: %d namespaces, kill switch %s",
+                    self.member,
+                    len(self._want_gen),
+                    "ON" if self.killed else "off",
+                )
                 self.ready.set()
 
     async def _reconcile(self) -> None:
@@ -345,16 +379,16 @@ class ControlFollower:
             dropped = await self.on_generation(ns_id, tenant, gen)
             self._applied_gen[ns_id] = gen
             if gen > 0:  # generation 0 was never flushed: nobody waits for it
-                self._ack(ack_key(tenant, ns_id.hex(), self.member),
-                          Ack(gen, dropped).to_json())
+                self._ack(ack_key(tenant, ns_id.hex(), self.member), Ack(gen, dropped).to_json())
         # After the generations: a flush's name ack follows its record acks here.
         for (tenant, name), rev in list(self._want_flush.items()):
             if self._applied_flush.get((tenant, name), 0) >= rev:
                 continue
             flushed, dropped = await self.on_flush(tenant, name, rev)
             self._applied_flush[(tenant, name)] = rev
-            self._ack(name_ack_key(tenant, name, self.member),
-                      NameAck(rev, flushed, dropped).to_json())
+            self._ack(
+                name_ack_key(tenant, name, self.member), NameAck(rev, flushed, dropped).to_json()
+            )
         for tenant in sorted(set(self._want_quota) | set(self._applied_quota)):
             quota = self._want_quota.get(tenant)
             if quota != self._applied_quota.get(tenant):

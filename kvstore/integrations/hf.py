@@ -19,6 +19,7 @@ head_dim); kvstore block tensors are (layers, 2 [K, V], block_size, kv_heads, he
 Written against transformers 5.x (the `cache=` forward argument, `Cache.layers`); the
 4.x spellings (`past_key_values=`, `key_cache`/`value_cache`, legacy tuples) are read too.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,25 +38,49 @@ from kvstore.namespace import KV_DTYPE_BYTES, Namespace
 
 log = logging.getLogger("kvstore.integrations.hf")
 
-__all__ = ["namespace_for_model", "model_layout", "cache_to_kv", "kv_to_cache",
-           "reference_logits", "reference_greedy", "CachedPrefillWorker", "PrefillResult",
-           "PrefixCacheClient"]
+__all__ = [
+    "namespace_for_model",
+    "model_layout",
+    "cache_to_kv",
+    "kv_to_cache",
+    "reference_logits",
+    "reference_greedy",
+    "CachedPrefillWorker",
+    "PrefillResult",
+    "PrefixCacheClient",
+]
 
 # Namespace fields a caller supplies (what the model object cannot tell us).
-_CALLER_FIELDS = ("model_name", "model_revision", "adapter_id", "adapter_revision",
-                  "tokenizer_id", "tokenizer_revision", "prompt_template_version",
-                  "tp_rank", "tp_size", "public")
+_CALLER_FIELDS = (
+    "model_name",
+    "model_revision",
+    "adapter_id",
+    "adapter_revision",
+    "tokenizer_id",
+    "tokenizer_revision",
+    "prompt_template_version",
+    "tp_rank",
+    "tp_size",
+    "public",
+)
 # Namespace fields read from the model; a handle whose spec disagrees is refused.
-LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "kv_dtype", "rope_type",
-                 "rope_theta", "rope_scaling", "attention_impl")
+LAYOUT_FIELDS = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "kv_dtype",
+    "rope_type",
+    "rope_theta",
+    "rope_scaling",
+    "attention_impl",
+)
 _DTYPE_NAMES = {torch_dtype(name): name for name in KV_DTYPE_BYTES}
 
 # Default verification tolerances per KV dtype (atol, rtol). A poisoned prefix moved the
 # tiny test model's logits by ~0.6; honest noise from running only the suffix on top of a
 # loaded prefix measured <= 4e-7 in float32 on CPU (0 in 16-bit). 16-bit types get
 # looser bounds because GPU attention kernels reorder reductions (not measured here).
-VERIFY_TOLERANCE = {"float32": (1e-4, 1e-3), "float16": (1e-2, 1e-2),
-                    "bfloat16": (5e-2, 2e-2)}
+VERIFY_TOLERANCE = {"float32": (1e-4, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 2e-2)}
 
 
 class PrefixCacheClient(Protocol):
@@ -63,8 +88,7 @@ class PrefixCacheClient(Protocol):
 
     def fetch(self, ns: Any, tokens: Sequence[int], device: Any = "cpu") -> Any: ...
 
-    def store(self, ns: Any, tokens: Sequence[int], kv: Any, cached_blocks: int = 0
-              ) -> Usage: ...
+    def store(self, ns: Any, tokens: Sequence[int], kv: Any, cached_blocks: int = 0) -> Usage: ...
 
 
 # --------------------------------------------------------------------------- namespace
@@ -79,8 +103,10 @@ def _rope_fields(config) -> tuple[str, float, str]:
         if getattr(config, "rope_theta", None) is not None:
             p.setdefault("rope_theta", config.rope_theta)
     if any(isinstance(v, dict) for v in p.values()):
-        raise ValueError("per-layer-type rope parameters are not supported: "
-                         f"{sorted(k for k, v in p.items() if isinstance(v, dict))}")
+        raise ValueError(
+            "per-layer-type rope parameters are not supported: "
+            f"{sorted(k for k, v in p.items() if isinstance(v, dict))}"
+        )
     # "type" is the pre-4.45 spelling of "rope_type"; an absent type means plain RoPE,
     # the way transformers itself reads such a config.
     rope_type = p.pop("rope_type", None) or p.pop("type", None) or "default"
@@ -97,12 +123,14 @@ def _check_full_attention(config) -> None:
     be the state the model expects; such models are refused until supported."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"only full-attention models are supported, config has layer "
-                         f"types {sorted(set(layer_types))}")
-    if getattr(config, "sliding_window", None) and \
-            getattr(config, "use_sliding_window", True):
-        raise ValueError(f"sliding-window attention (window {config.sliding_window}) "
-                         "is not supported")
+        raise ValueError(
+            f"only full-attention models are supported, config has layer "
+            f"types {sorted(set(layer_types))}"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"sliding-window attention (window {config.sliding_window}) is not supported"
+        )
 
 
 def model_layout(model) -> dict:
@@ -118,10 +146,16 @@ def model_layout(model) -> dict:
     dtype = model.dtype
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"model dtype {dtype} is not a KV dtype kvstore stores")
-    return dict(num_layers=config.num_hidden_layers,
-                num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                head_dim=head_dim, kv_dtype=_DTYPE_NAMES[dtype], rope_type=rope_type,
-                rope_theta=rope_theta, rope_scaling=rope_scaling, attention_impl=attn)
+    return dict(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        kv_dtype=_DTYPE_NAMES[dtype],
+        rope_type=rope_type,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        attention_impl=attn,
+    )
 
 
 def _derived_defaults(model) -> dict:
@@ -131,8 +165,9 @@ def _derived_defaults(model) -> dict:
     if name:
         out["model_name"] = name
     # A model with no adapter attached runs the base weights: "none" is a fact here.
-    if not getattr(model, "_hf_peft_config_loaded", False) and \
-            not getattr(model, "peft_config", None):
+    if not getattr(model, "_hf_peft_config_loaded", False) and not getattr(
+        model, "peft_config", None
+    ):
         out["adapter_id"] = out["adapter_revision"] = "none"
     tp_size = getattr(model, "_tp_size", None) or getattr(model, "tp_size", None) or 1
     if tp_size == 1:
@@ -140,22 +175,26 @@ def _derived_defaults(model) -> dict:
     return out
 
 
-def namespace_for_model(model, tenant: str, name: str, block_size: int = 16,
-                        **revisions) -> Namespace:
+def namespace_for_model(
+    model, tenant: str, name: str, block_size: int = 16, **revisions
+) -> Namespace:
     """A Namespace for `model`: layout, RoPE, attention implementation and KV dtype from
     the model; model/tokenizer/adapter revisions and prompt-template version from the
     caller (`revisions`). Missing revisions are refused by Namespace, never defaulted."""
     unknown = sorted(set(revisions) - set(_CALLER_FIELDS))
     if unknown:
-        raise ValueError(f"unknown namespace fields for namespace_for_model: {unknown}; "
-                         f"the caller supplies {list(_CALLER_FIELDS)}, the rest comes "
-                         "from the model")
+        raise ValueError(
+            f"unknown namespace fields for namespace_for_model: {unknown}; "
+            f"the caller supplies {list(_CALLER_FIELDS)}, the rest comes "
+            "from the model"
+        )
     fields = {f: "" for f in _CALLER_FIELDS if f not in ("tp_rank", "tp_size", "public")}
     fields.update(tp_rank=0, tp_size=0, public=False)  # 0: refused unless derived/given
     fields.update(_derived_defaults(model))
     fields.update(revisions)
-    return Namespace(tenant=tenant, name=name, block_size=block_size,
-                     **model_layout(model), **fields)
+    return Namespace(
+        tenant=tenant, name=name, block_size=block_size, **model_layout(model), **fields
+    )
 
 
 # ------------------------------------------------------------------------ conversions
@@ -173,18 +212,17 @@ def cache_to_kv(past_key_values) -> torch.Tensor:
     if not layers or any(k is None or k.dim() != 4 for k, _ in layers):
         raise ValueError("cache has no initialized (batch, heads, seq, head_dim) layers")
     if layers[0][0].shape[0] != 1:
-        raise ValueError(f"cache_to_kv takes one sequence, cache has batch "
-                         f"{layers[0][0].shape[0]}")
+        raise ValueError(f"cache_to_kv takes one sequence, cache has batch {layers[0][0].shape[0]}")
     # (1, heads, seq, dim) -> (seq, heads, dim) for K and V, stacked per layer.
-    return torch.stack([torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
-                        for k, v in layers])
+    return torch.stack(
+        [torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)]) for k, v in layers]
+    )
 
 
 def kv_to_cache(kv: torch.Tensor) -> DynamicCache:
     """(layers, 2, tokens, kv_heads, head_dim) -> a DynamicCache of one sequence."""
     if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be (layers, 2, tokens, heads, head_dim), got "
-                         f"{tuple(kv.shape)}")
+        raise ValueError(f"kv must be (layers, 2, tokens, heads, head_dim), got {tuple(kv.shape)}")
     cache = DynamicCache()
     for i in range(kv.shape[0]):
         k = kv[i, 0].transpose(0, 1).unsqueeze(0).contiguous()
@@ -204,8 +242,12 @@ def _forward(model, kwarg: str, tokens: Sequence[int], start: int, cache):
     device = model.device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     pos = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-    out = model(input_ids=ids, position_ids=pos, use_cache=True,
-                **{kwarg: cache if cache is not None else DynamicCache()})
+    out = model(
+        input_ids=ids,
+        position_ids=pos,
+        use_cache=True,
+        **{kwarg: cache if cache is not None else DynamicCache()},
+    )
     new_cache = out.get("cache")
     if new_cache is None:
         new_cache = out.get("past_key_values")
@@ -262,14 +304,25 @@ class CachedPrefillWorker:
     `verify_mismatches`, logged, and the recomputed result is served and stored.
     """
 
-    def __init__(self, model, client: PrefixCacheClient, ns, *, verify_prob: float = 0.0,
-                 verify_seed: int = 0, verify_atol: float | None = None,
-                 verify_rtol: float | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        client: PrefixCacheClient,
+        ns,
+        *,
+        verify_prob: float = 0.0,
+        verify_seed: int = 0,
+        verify_atol: float | None = None,
+        verify_rtol: float | None = None,
+    ) -> None:
         if not 0.0 <= verify_prob <= 1.0:
             raise ValueError(f"verify_prob must be in [0, 1], got {verify_prob}")
         layout = model_layout(model)
-        bad = [f"{f}: namespace {getattr(ns.spec, f)!r}, model {layout[f]!r}"
-               for f in LAYOUT_FIELDS if getattr(ns.spec, f) != layout[f]]
+        bad = [
+            f"{f}: namespace {getattr(ns.spec, f)!r}, model {layout[f]!r}"
+            for f in LAYOUT_FIELDS
+            if getattr(ns.spec, f) != layout[f]
+        ]
         if bad:
             raise ValueError("namespace does not match the model: " + "; ".join(bad))
         self.model = model.eval()
@@ -293,8 +346,7 @@ class CachedPrefillWorker:
             raise ValueError("prefill needs at least one token")
         bad = [t for t in toks if not 0 <= t < self._vocab]
         if bad:
-            raise ValueError(f"{len(bad)} token ids outside [0, {self._vocab}), "
-                             f"first {bad[0]}")
+            raise ValueError(f"{len(bad)} token ids outside [0, {self._vocab}), first {bad[0]}")
         return toks
 
     def prefill(self, tokens: Sequence[int]) -> PrefillResult:
@@ -312,7 +364,7 @@ class CachedPrefillWorker:
         # Blocks already cached are passed through untouched; store writes only the rest.
         new_blocks = []
         if len(toks) // self.block_size > hit.cached_blocks:
-            kv = cache_to_kv(cache)[:, :, hit.cached_tokens:]
+            kv = cache_to_kv(cache)[:, :, hit.cached_tokens :]
             new_blocks = kv_to_blocks(kv, self.block_size)
         blocks = list(hit.blocks) + new_blocks
         written = self.client.store(self.ns, toks, blocks, cached_blocks=hit.cached_blocks)
@@ -326,13 +378,18 @@ class CachedPrefillWorker:
         diff = float((logits.float() - ref.float()).abs().max())
         self.verify_checks += 1
         self.verify_max_abs_diff = max(self.verify_max_abs_diff, diff)
-        if torch.allclose(logits.float(), ref.float(), atol=self.verify_atol,
-                          rtol=self.verify_rtol):
+        if torch.allclose(
+            logits.float(), ref.float(), atol=self.verify_atol, rtol=self.verify_rtol
+        ):
             return True, logits, cache
         self.verify_mismatches += 1
-        log.warning("kv verification mismatch: namespace %s, %d cached tokens, max abs "
-                    "logits diff %.3g; serving the recomputed result",
-                    self.ns.spec.key, prefix, diff)
+        log.warning(
+            "kv verification mismatch: namespace %s, %d cached tokens, max abs "
+            "logits diff %.3g; serving the recomputed result",
+            self.ns.spec.key,
+            prefix,
+            diff,
+        )
         return False, ref, ref_cache
 
     def generate_greedy(self, tokens: Sequence[int], n: int) -> tuple[list[int], Usage]:
@@ -341,6 +398,12 @@ class CachedPrefillWorker:
             raise ValueError(f"generate_greedy needs n >= 1, got {n}")
         res = self.prefill(tokens)
         with torch.no_grad():
-            out = _greedy_loop(self.model, self._kwarg, res.last_logits, res.cache,
-                               res.prefix_tokens + res.computed_tokens, n)
+            out = _greedy_loop(
+                self.model,
+                self._kwarg,
+                res.last_logits,
+                res.cache,
+                res.prefix_tokens + res.computed_tokens,
+                n,
+            )
         return out, res.usage

@@ -8,6 +8,7 @@ glue). ``load()`` is how kvstore.hashing and kvstore.checksum get the extension,
 fallback is never silent, it logs a warning once per process and ``active()`` names it
 (the agent's Stats report it as ``native_accel``; ``python -m kvstore.native`` prints it).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -65,10 +66,17 @@ def load() -> Accel:
         _first = accel
     if accel.module is None and accel.reason not in _warned:
         _warned.add(accel.reason)
-        how = ("unset it for the native code" if accel.reason.startswith("disabled") else
-               "rebuild with `make install` or `pip install -e .`")
-        log.warning("kvstore hashing and checksums use the pure-Python fallback (several "
-                    "times slower): %s; %s", accel.reason, how)
+        how = (
+            "unset it for the native code"
+            if accel.reason.startswith("disabled")
+            else "rebuild with `make install` or `pip install -e .`"
+        )
+        log.warning(
+            "kvstore hashing and checksums use the pure-Python fallback (several "
+            "times slower): %s; %s",
+            accel.reason,
+            how,
+        )
     return accel
 
 

@@ -1,6 +1,7 @@
 """`python -m kvstore.native`: print what hashing and checksums use. Exit status 1 when
 the extension does not import where it must build (`make install` runs this after pip,
 which catches a build that succeeded but left a module that cannot load)."""
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ host memory. Every slot moves through an explicit state machine and writes are t
 reserve -> (copy) -> commit, or abort. Nothing is allocated on the hot path: the backing
 tensor is allocated and touched once at start-up, and the free list is a plain stack.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -69,8 +70,9 @@ def _read_only_tensor(src) -> torch.Tensor:
     nothing writes through this one, so that warning (once per process, in every GPU
     agent's log) is silenced here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning
+        )
         return torch.frombuffer(src, dtype=torch.uint8)
 
 
@@ -81,8 +83,9 @@ class DevicePool:
     tensors hashed by the device kernel, as a CUDA pool does; tests only (under Triton's
     interpreter), to run the device code paths where no GPU is."""
 
-    def __init__(self, n_slots: int, slot_bytes: int, device: str = "auto",
-                 tensor_views: bool = False) -> None:
+    def __init__(
+        self, n_slots: int, slot_bytes: int, device: str = "auto", tensor_views: bool = False
+    ) -> None:
         if n_slots <= 0 or slot_bytes <= 0:
             raise InvalidArgument("pool needs n_slots > 0 and slot_bytes > 0")
         self.device = resolve_device(device)
@@ -90,11 +93,9 @@ class DevicePool:
         self.slot_bytes = slot_bytes
         if self.device.type == "cpu":
             self._mem = host_memory(n_slots * slot_bytes)
-            self.tensor = torch.frombuffer(self._mem, dtype=torch.uint8).view(n_slots,
-                                                                              slot_bytes)
+            self.tensor = torch.frombuffer(self._mem, dtype=torch.uint8).view(n_slots, slot_bytes)
         else:
-            self.tensor = torch.empty((n_slots, slot_bytes), dtype=torch.uint8,
-                                      device=self.device)
+            self.tensor = torch.empty((n_slots, slot_bytes), dtype=torch.uint8, device=self.device)
         self.tensor.zero_()  # touch every page now, not on the first put
         self._host = self.tensor.numpy() if self.device.type == "cpu" else None
         self.tensor_views = self.is_cuda or tensor_views
@@ -217,8 +218,9 @@ class DevicePool:
         in device memory (UCX registers it; torch cannot mark it read-only). Only where
         `in_place`."""
         if not self.in_place:
-            raise InvalidArgument("this pool cannot verify payloads in place "
-                                  f"({self.why_not_in_place})")
+            raise InvalidArgument(
+                f"this pool cannot verify payloads in place ({self.why_not_in_place})"
+            )
         want = SlotState.RESERVED if writable else SlotState.OCCUPIED
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")

@@ -15,6 +15,7 @@ read-only after a background error) raises TierUnavailable and starts a back-off
 which writes are refused without touching RocksDB (see WriteHealth); files RocksDB cannot
 read raise TierCorrupt, at open or when a scan meets a damaged record.
 """
+
 from __future__ import annotations
 
 import gc
@@ -84,8 +85,12 @@ class WriteHealth:
             self.down_since = now
             self.outages += 1
             self.backoff_s = BACKOFF_FIRST_S
-            log.warning("NVMe tier %s cannot write (%s): spills drop leaf blocks or keep "
-                        "them in the pool until it can; retrying with back-off", path, err)
+            log.warning(
+                "NVMe tier %s cannot write (%s): spills drop leaf blocks or keep "
+                "them in the pool until it can; retrying with back-off",
+                path,
+                err,
+            )
         else:
             self.backoff_s = min(BACKOFF_MAX_S, 2 * self.backoff_s)
         self.retry_at = now + self.backoff_s
@@ -93,8 +98,12 @@ class WriteHealth:
     def succeeded(self, path: str) -> None:
         if self.down_since is None:
             return
-        log.warning("NVMe tier %s writes again after %.1f s (%d writes refused so far)",
-                    path, self.clock() - self.down_since, self.refused)
+        log.warning(
+            "NVMe tier %s writes again after %.1f s (%d writes refused so far)",
+            path,
+            self.clock() - self.down_since,
+            self.refused,
+        )
         self.down_since = None
         self.recoveries += 1
         self.backoff_s = 0.0
@@ -133,9 +142,13 @@ def _open_error(path: str, exc: Exception) -> Exception:
 
 
 class RocksTier:
-    def __init__(self, path: str, capacity_bytes: int,
-                 flush_bytes: int = DEFAULT_FLUSH_BYTES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        flush_bytes: int = DEFAULT_FLUSH_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
         self.health = WriteHealth(clock)
@@ -149,8 +162,11 @@ class RocksTier:
         # close() must not run under a flush the agent started on another thread.
         self._io_lock = threading.Lock()
         try:
-            self._db = Rdict(path, _options(), column_families={
-                "blocks": _options(self._memtable_bytes), "meta": _options()})
+            self._db = Rdict(
+                path,
+                _options(),
+                column_families={"blocks": _options(self._memtable_bytes), "meta": _options()},
+            )
         except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
             raise _open_error(path, exc) from None
         wo = WriteOptions()
@@ -172,8 +188,7 @@ class RocksTier:
     def put_batch(self, items: list[tuple[bytes, bytes]]) -> None:
         """Write block records; TierUnavailable when the tier cannot write now."""
         if not self.health.may_try():
-            raise TierUnavailable(f"NVMe tier {self.path} is backing off: "
-                                  f"{self.health.last_error}")
+            raise TierUnavailable(f"NVMe tier {self.path} is backing off: {self.health.last_error}")
         wb = WriteBatch(raw_mode=True)
         wb.set_default_column_family(self._blocks_handle)
         for key, value in items:
@@ -231,13 +246,13 @@ class RocksTier:
     def delete_prefix(self, prefix: bytes) -> bool:
         """Drop every block whose key starts with `prefix` (a namespace id)."""
         end = (int.from_bytes(prefix, "big") + 1).to_bytes(len(prefix), "big")
-        return self._best_effort("delete_range",
-                                 lambda: self._blocks.delete_range(prefix, end))
+        return self._best_effort("delete_range", lambda: self._blocks.delete_range(prefix, end))
 
     def meta_put(self, key: bytes, value: bytes) -> bool:
         def put() -> None:
             self._meta[key] = value
             self._meta.flush()  # durable now: blocks of an unknown namespace are dropped
+
         return self._best_effort("meta write", put)
 
     # -------------------------------------------------------------------- reads
@@ -279,18 +294,21 @@ class RocksTier:
     def counters(self) -> dict[str, int]:
         """The tier's own tallies, for Stats and Prometheus."""
         h = self.health
-        return {"nvme_write_outages": h.outages, "nvme_write_recoveries": h.recoveries,
-                "nvme_writes_refused": h.refused, "nvme_flushes": self.flushes,
-                "nvme_write_stalls": self.stalls,
-                "nvme_write_errors": self.write_errors,
-                "nvme_quarantined": int(self.quarantined is not None)}
+        return {
+            "nvme_write_outages": h.outages,
+            "nvme_write_recoveries": h.recoveries,
+            "nvme_writes_refused": h.refused,
+            "nvme_flushes": self.flushes,
+            "nvme_write_stalls": self.stalls,
+            "nvme_write_errors": self.write_errors,
+            "nvme_quarantined": int(self.quarantined is not None),
+        }
 
     def condition(self) -> str:
         """'' when healthy, else what an operator should know about this tier."""
         notes = [self.health.condition()]
         if self.quarantined is not None:
-            notes.append(f"started empty: unreadable files moved to "
-                         f"{self.quarantined.moved_to}")
+            notes.append(f"started empty: unreadable files moved to {self.quarantined.moved_to}")
         return "; ".join(n for n in notes if n)
 
     # --------------------------------------------------------------- durability
@@ -318,8 +336,11 @@ class RocksTier:
                 self._blocks.flush()
                 self._meta.flush()
             except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
-                log.warning("NVMe tier %s: final flush failed, unflushed blocks are lost: "
-                            "%s", self.path, exc)
+                log.warning(
+                    "NVMe tier %s: final flush failed, unflushed blocks are lost: %s",
+                    self.path,
+                    exc,
+                )
             del self._blocks, self._meta, self._blocks_handle
             try:
                 self._db.close()

@@ -1,5 +1,6 @@
 """De-duplication of concurrent Prefetches: the first call that needs a block claims it
 and transfers it; later calls wait for its outcome instead of transferring it again."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,9 @@ class Claims:
                 runs.append(ClaimRun(i, i + 1, mine, [fut]))
         return runs
 
-    def release(self, st: NsState, gen: int, ids: list[bytes],
-                futs: dict[int, asyncio.Future]) -> None:
+    def release(
+        self, st: NsState, gen: int, ids: list[bytes], futs: dict[int, asyncio.Future]
+    ) -> None:
         """Resolve this call's claims (unstored ones as failed) and forget them."""
         for i, fut in futs.items():
             if not fut.done():

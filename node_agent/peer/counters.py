@@ -1,4 +1,5 @@
 """The agent's counters as peer transfer writes them."""
+
 from __future__ import annotations
 
 from kvstore.store import BlockStore

@@ -1,4 +1,5 @@
 """How a peer transfer fails, and the bounded wait every network await goes through."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """The gRPC transport of peer transfer: the Peer service (FetchBlocks, the fallback
 transport, and Prefetch, the entry point) and GrpcTransport, which pulls over FetchBlocks.
 The protocol and the UCX fast path are described in node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,13 @@ log = logging.getLogger("kvstore.agent.peer")
 
 GRPC_CHUNK_BYTES = 16 << 20  # payload per gRPC chunk: larger messages only add copy time
 # gRPC status names that mean "the peer will not serve this", not "the transport broke".
-REFUSALS = ("NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "INVALID_ARGUMENT",
-            "UNAUTHENTICATED")
+REFUSALS = (
+    "NOT_FOUND",
+    "FAILED_PRECONDITION",
+    "PERMISSION_DENIED",
+    "INVALID_ARGUMENT",
+    "UNAUTHENTICATED",
+)
 
 
 class PeerServicer(peer_pb2_grpc.PeerServicer):
@@ -33,8 +39,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     pools that verify in place; gRPC payloads go through host memory anyway, so GPU
     slots are copied out in a worker thread, never lent to this event loop)."""
 
-    def __init__(self, source: BlockSource, prefetcher: Prefetcher, max_message_bytes: int,
-                 borrow: bool) -> None:
+    def __init__(
+        self, source: BlockSource, prefetcher: Prefetcher, max_message_bytes: int, borrow: bool
+    ) -> None:
         self.source = source
         self.prefetcher = prefetcher
         self.max_message_bytes = max_message_bytes
@@ -59,10 +66,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 async for rb in it:
                     try:
                         chunk = peer_pb2.FetchChunk(
-                            first_index=rb.first, count=len(rb.served),
+                            first_index=rb.first,
+                            count=len(rb.served),
                             checksums=[s.checksum for s in rb.served],
                             data=[rb.bufs[i][:size].tobytes() for i in range(len(rb.served))],
-                            done=rb.last)
+                            done=rb.last,
+                        )
                     finally:
                         self.source.done_with(rb)
                     yield chunk
@@ -71,9 +80,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     async def Prefetch(self, request, context):
         md = dict(context.invocation_metadata() or ())
-        return await self.prefetcher.prefetch(request, current_tenant.get(),
-                                              md.get("authorization", ""),
-                                              context.time_remaining())
+        return await self.prefetcher.prefetch(
+            request, current_tenant.get(), md.get("authorization", ""), context.time_remaining()
+        )
 
 
 class GrpcTransport:
@@ -85,8 +94,10 @@ class GrpcTransport:
     def __init__(self, max_message_bytes: int, io_timeout_s: float) -> None:
         self._max_message_bytes = max_message_bytes
         self._io_timeout = io_timeout_s
-        self._opts = [("grpc.max_send_message_length", max_message_bytes),
-                      ("grpc.max_receive_message_length", max_message_bytes)]
+        self._opts = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def address_of(self, peer: PeerRef) -> str:
@@ -94,8 +105,14 @@ class GrpcTransport:
 
     def chunk_blocks(self, block_bytes: int, batch: int) -> int:
         """At most GRPC_CHUNK_BYTES per chunk, well inside the message size limit."""
-        return max(1, min(batch, GRPC_CHUNK_BYTES // block_bytes,
-                          (self._max_message_bytes // 2) // block_bytes))
+        return max(
+            1,
+            min(
+                batch,
+                GRPC_CHUNK_BYTES // block_bytes,
+                (self._max_message_bytes // 2) // block_bytes,
+            ),
+        )
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerStub:
         ch = self._channels.get(address)
@@ -108,8 +125,15 @@ class GrpcTransport:
             await ch.close()
         self._channels.clear()
 
-    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
-                    batch: int, deadline: float, authorization: str) -> None:
+    async def fetch(
+        self,
+        address: str,
+        req: peer_pb2.FetchRequest,
+        sink: BatchSink,
+        batch: int,
+        deadline: float,
+        authorization: str,
+    ) -> None:
         """Pull `req` into `sink`, the caller's token in the call's metadata (the peer's
         gRPC edge checks it); PeerTransportError / PeerRefused as the Transport says."""
         md = (("authorization", authorization),) if authorization else None
@@ -125,11 +149,11 @@ class GrpcTransport:
                     raise PeerTransportError(f"{address} ended the stream early")
                 first = sink.check(msg, batch)
                 if len(msg.data) != msg.count:
-                    raise PeerTransportError(f"{address} sent {len(msg.data)} payloads for "
-                                             f"a chunk of {msg.count}")
+                    raise PeerTransportError(
+                        f"{address} sent {len(msg.data)} payloads for a chunk of {msg.count}"
+                    )
                 sink.remote_done = msg.done
-                if msg.count and not await sink.push(first, list(msg.data),
-                                                     list(msg.checksums)):
+                if msg.count and not await sink.push(first, list(msg.data), list(msg.checksums)):
                     break
             await sink.drain()
         except grpc.aio.AioRpcError as exc:

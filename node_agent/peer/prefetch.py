@@ -3,6 +3,7 @@ ones from a peer. Blocks a concurrent call already transfers are waited for (cla
 this call's own runs go over the first transport that reaches the peer, and whatever is
 left over the next one (the transports, in order of preference, come from the
 composition root: node_agent/peer/service.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +50,16 @@ class FetchJob:
 class Prefetcher:
     """The fetching side of one agent: Prefetch calls, over `transports` in order."""
 
-    def __init__(self, store: BlockStore, requests: PeerRequests, staging: StagingPool,
-                 pcfg: PeerConfig, counters: Counters, transports: Sequence[Transport],
-                 published=lambda: None) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        requests: PeerRequests,
+        staging: StagingPool,
+        pcfg: PeerConfig,
+        counters: Counters,
+        transports: Sequence[Transport],
+        published=lambda: None,
+    ) -> None:
         self._store = store
         self._requests = requests
         self._staging = staging
@@ -63,9 +71,13 @@ class Prefetcher:
         # Concurrent transfers pulled, all transports together: each holds staging sets.
         self._slots = asyncio.Semaphore(pcfg.max_transfers)
 
-    async def prefetch(self, req: peer_pb2.PrefetchRequest, tenant: str | None,
-                       authorization: str, time_left: float | None
-                       ) -> peer_pb2.PrefetchResponse:
+    async def prefetch(
+        self,
+        req: peer_pb2.PrefetchRequest,
+        tenant: str | None,
+        authorization: str,
+        time_left: float | None,
+    ) -> peer_pb2.PrefetchResponse:
         """Make the leading blocks of `req.block_ids` present here, pulling the missing
         ones from the peer. Never raises for transfer trouble: that is a shorter result."""
         spec = req.spec if req.HasField("spec") else None
@@ -79,21 +91,28 @@ class Prefetcher:
         if time_left is not None:
             budget = min(budget, time_left)
         peer = PeerRef(req.peer_address, req.peer_ucx_address)
-        job = FetchJob(st, gen, ids, req.parent_id, peer, time.monotonic() + budget,
-                       authorization)
+        job = FetchJob(st, gen, ids, req.parent_id, peer, time.monotonic() + budget, authorization)
         await self._run(job)
         present = present_prefix(self._store, st.ns_id, gen, ids, req.parent_id)
         stopped = "" if present == len(ids) else (job.stopped or "blocks left after fetch")
         if stopped:
-            log.info("prefetch of %d blocks from %s stopped at %d: %s", len(ids),
-                     peer.ucx_address or peer.grpc_address, present, stopped)
-        return peer_pb2.PrefetchResponse(present=present, fetched=job.fetched,
-                                         waited=job.waited, transport="+".join(job.used),
-                                         stopped=stopped)
+            log.info(
+                "prefetch of %d blocks from %s stopped at %d: %s",
+                len(ids),
+                peer.ucx_address or peer.grpc_address,
+                present,
+                stopped,
+            )
+        return peer_pb2.PrefetchResponse(
+            present=present,
+            fetched=job.fetched,
+            waited=job.waited,
+            transport="+".join(job.used),
+            stopped=stopped,
+        )
 
     async def _run(self, job: FetchJob) -> None:
-        start = present_prefix(self._store, job.st.ns_id, job.generation, job.ids,
-                               job.parent_id)
+        start = present_prefix(self._store, job.st.ns_id, job.generation, job.ids, job.parent_id)
         if start == len(job.ids):
             return
         runs = self._claims.claim(job.st, job.generation, job.ids, start)
@@ -102,8 +121,9 @@ class Prefetcher:
                 job.mine.update(zip(range(run.start, run.end), run.futures))
         try:
             for run in runs:
-                ok = await (self._transfer(job, run.start, run.end) if run.mine
-                            else self._wait(job, run))
+                ok = await (
+                    self._transfer(job, run.start, run.end) if run.mine else self._wait(job, run)
+                )
                 if not ok:
                     break
         finally:
@@ -113,7 +133,8 @@ class Prefetcher:
         left = job.deadline - time.monotonic()
         try:
             done = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.shield(f) for f in run.futures)), max(left, 0.001))
+                asyncio.gather(*(asyncio.shield(f) for f in run.futures)), max(left, 0.001)
+            )
         except asyncio.TimeoutError:
             job.stopped = "deadline passed waiting for a concurrent fetch of these blocks"
             return False
@@ -125,12 +146,16 @@ class Prefetcher:
         return True
 
     @staticmethod
-    def _request(job: FetchJob, ids: list[bytes], parent: bytes, batch: int
-                 ) -> peer_pb2.FetchRequest:
+    def _request(
+        job: FetchJob, ids: list[bytes], parent: bytes, batch: int
+    ) -> peer_pb2.FetchRequest:
         return peer_pb2.FetchRequest(
             ns=agent_pb2.NamespaceRef(namespace_id=job.st.ns_id, generation=job.generation),
-            spec=namespace_to_proto(job.st.spec), block_ids=pack_ids(ids), parent_id=parent,
-            batch_blocks=batch)
+            spec=namespace_to_proto(job.st.spec),
+            block_ids=pack_ids(ids),
+            parent_id=parent,
+            batch_blocks=batch,
+        )
 
     @staticmethod
     def _on_stored(job: FetchJob, offset: int):
@@ -139,6 +164,7 @@ class Prefetcher:
                 fut = job.mine.get(i)
                 if fut is not None and not fut.done():
                     fut.set_result(True)
+
         return on_stored
 
     async def _transfer(self, job: FetchJob, s: int, e: int) -> bool:
@@ -146,41 +172,66 @@ class Prefetcher:
         takes over where the previous one stopped, while blocks are missing, nothing
         refused them, the peer may hold more, and time is left."""
         parent = job.ids[s - 1] if s else job.parent_id
-        sink = BatchSink(self._store, self._staging, self._counters, self._published,
-                         job.st, job.generation, job.ids[s:e], parent, job.parent_id,
-                         self._on_stored(job, s))
+        sink = BatchSink(
+            self._store,
+            self._staging,
+            self._counters,
+            self._published,
+            job.st,
+            job.generation,
+            job.ids[s:e],
+            parent,
+            job.parent_id,
+            self._on_stored(job, s),
+        )
         # The store refuses chains shorter than min_prefix_blocks per put: the first
         # batch must be at least that long.
         size = job.st.spec.block_bytes
-        batch = max(self._pcfg.batch_for(size), min(job.st.policy.min_prefix_blocks,
-                                                    self._pcfg.max_batch_blocks))
+        batch = max(
+            self._pcfg.batch_for(size),
+            min(job.st.policy.min_prefix_blocks, self._pcfg.max_batch_blocks),
+        )
         tried = False
         for transport in self._transports:
             address = transport.address_of(job.peer)
             if not address:
                 continue
-            if tried and (sink.stored >= e - s or sink.stop_reason or sink.remote_done
-                          or time.monotonic() >= job.deadline):
+            if tried and (
+                sink.stored >= e - s
+                or sink.stop_reason
+                or sink.remote_done
+                or time.monotonic() >= job.deadline
+            ):
                 break
             tried = True
-            await self._attempt(job, transport, address, sink,
-                                transport.chunk_blocks(size, batch))
+            await self._attempt(job, transport, address, sink, transport.chunk_blocks(size, batch))
         job.fetched += sink.stored
         if sink.stored == e - s:
             return True
-        job.stopped = sink.stop_reason or job.stopped or (
-            f"the peer holds only {s + sink.stored} of the blocks" if sink.remote_done
-            else "transfer incomplete")
+        job.stopped = (
+            sink.stop_reason
+            or job.stopped
+            or (
+                f"the peer holds only {s + sink.stored} of the blocks"
+                if sink.remote_done
+                else "transfer incomplete"
+            )
+        )
         return False
 
-    async def _attempt(self, job: FetchJob, transport: Transport, address: str,
-                       sink: BatchSink, batch: int) -> None:
+    async def _attempt(
+        self, job: FetchJob, transport: Transport, address: str, sink: BatchSink, batch: int
+    ) -> None:
         want = sink.begin()
         job.used.append(transport.name)
         self._counters.add(f"peer_fetch_{transport.name}")
         try:
-            await within(self._slots.acquire(), job.deadline,
-                         job.deadline - time.monotonic(), "a free transfer slot")
+            await within(
+                self._slots.acquire(),
+                job.deadline,
+                job.deadline - time.monotonic(),
+                "a free transfer slot",
+            )
         except PeerTransportError as exc:
             job.stopped = f"{transport.name}: {exc}"
             return
@@ -192,7 +243,13 @@ class Prefetcher:
         except PeerTransportError as exc:
             self._counters.add(f"peer_{transport.name}_failures")
             job.stopped = f"{transport.name}: {exc}"
-            log.warning("%s fetch of %d blocks from %s failed after %d: %s", transport.name,
-                        len(sink.ids), address, sink.stored, exc)
+            log.warning(
+                "%s fetch of %d blocks from %s failed after %d: %s",
+                transport.name,
+                len(sink.ids),
+                address,
+                sink.stored,
+                exc,
+            )
         finally:
             self._slots.release()

@@ -1,12 +1,13 @@
 """What both sides of peer transfer check in a request: the namespace it names (opened
 from its spec when this node never saw it; generation fencing; access), the block ids."""
+
 from __future__ import annotations
 
 from kvstore import errors
 from kvstore.hashing import BlockId
 from kvstore.store import BlockStore, NsState
 from kvstore.wire import namespace_from_proto, unpack_ids
-from node_agent.servicer import CLUSTER_TENANT
+from kvstore.auth import CLUSTER_TENANT
 
 
 class PeerRequests:
@@ -59,6 +60,7 @@ def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
         return
     if st.spec.public and not write:
         return
-    raise errors.PermissionDenied(f"tenant {tenant!r} may not {'write' if write else 'read'} "
-                                  f"namespaces of tenant {st.tenant!r}")
-
+    raise errors.PermissionDenied(
+        f"tenant {tenant!r} may not {'write' if write else 'read'} "
+        f"namespaces of tenant {st.tenant!r}"
+    )

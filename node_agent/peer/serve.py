@@ -2,6 +2,7 @@
 into a ServeRequest, and the verified batches that answer it, borrowed from pool slots or
 copied into staging, each read while the previous one is on the wire. The protocol:
 node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,14 @@ class BlockSource:
     """Reads the blocks peers ask for. Serving transports (UcxServer, PeerServicer) send
     what it yields, and bound their concurrent transfers with `slots`."""
 
-    def __init__(self, store: BlockStore, requests: PeerRequests, staging: StagingPool,
-                 pcfg: PeerConfig, counters: Counters) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        requests: PeerRequests,
+        staging: StagingPool,
+        pcfg: PeerConfig,
+        counters: Counters,
+    ) -> None:
         self._store = store
         self._requests = requests
         self._staging = staging
@@ -62,16 +69,19 @@ class BlockSource:
         st = await self._requests.namespace(req.ns, spec, tenant, write=False)
         ids = self._requests.ids(req.block_ids)
         parent = self._requests.parent(req.parent_id)
-        batch = min(req.batch_blocks or self._pcfg.batch_for(st.spec.block_bytes),
-                    self._pcfg.max_batch_blocks)
+        batch = min(
+            req.batch_blocks or self._pcfg.batch_for(st.spec.block_bytes),
+            self._pcfg.max_batch_blocks,
+        )
         return ServeRequest(st, req.ns.generation, ids, parent, batch)
 
     def lease(self, n_sets: int, batch: int, block_bytes: int) -> StagingLease:
         """Staging sets for one transfer's batches (read_batches' `lease`)."""
         return self._staging.lease(n_sets, batch, block_bytes)
 
-    async def read_batches(self, req: ServeRequest, lease: StagingLease, pack: bool = False,
-                           borrow: bool = True):
+    async def read_batches(
+        self, req: ServeRequest, lease: StagingLease, pack: bool = False, borrow: bool = True
+    ):
         """Yield a verified ReadBatch per batch, batch k's staging copies in lease[k]
         (`pack`: all of its payloads, contiguous, and no borrow outlives the read; not
         `borrow`: every block copied into staging, none lent from the pool). Batch
@@ -84,16 +94,26 @@ class BlockSource:
             if not ids:
                 yield ReadBatch(0, [], [], None, True)
                 return
-            pending = self._read(st, generation, ids, 0, req.parent_id, lease[0], batch, pack,
-                                 borrow)
+            pending = self._read(
+                st, generation, ids, 0, req.parent_id, lease[0], batch, pack, borrow
+            )
             for k, start in enumerate(range(0, len(ids), batch)):
                 rb = await pending
                 pending = None
                 n = min(batch, len(ids) - start)
                 rb.first, rb.last = start, len(rb.served) < n or start + n >= len(ids)
                 if not rb.last:
-                    pending = self._read(st, generation, ids, start + n, ids[start + n - 1],
-                                         lease[k + 1], batch, pack, borrow)
+                    pending = self._read(
+                        st,
+                        generation,
+                        ids,
+                        start + n,
+                        ids[start + n - 1],
+                        lease[k + 1],
+                        batch,
+                        pack,
+                        borrow,
+                    )
                 self._counters.add("peer_blocks_served", len(rb.served))
                 yield rb
                 if rb.last:
@@ -115,12 +135,13 @@ class BlockSource:
             self._store.release(rb.borrowed)
             rb.borrowed = None
 
-    def _read(self, st, generation, ids, start, parent, bufs, batch, pack, borrow
-              ) -> asyncio.Future:
+    def _read(
+        self, st, generation, ids, start, parent, bufs, batch, pack, borrow
+    ) -> asyncio.Future:
         """Read one batch. Borrowing is bookkeeping only (no bytes move: the receiver
         verifies), so it runs right here; copies (packed batches, blocks on NVMe) run in a
         worker thread when big enough."""
-        chunk = ids[start:start + batch]
+        chunk = ids[start : start + batch]
         fut = asyncio.get_running_loop().create_future()
         try:
             if pack:
@@ -147,23 +168,25 @@ class BlockSource:
         self._counters.add("peer_blocks_borrowed", len(b.served))
         return ReadBatch(0, list(b.served), list(b.views), b)
 
-    def _copy_rest(self, st, generation, chunk, parent, bufs, rb: ReadBatch | None
-                   ) -> ReadBatch:
+    def _copy_rest(self, st, generation, chunk, parent, bufs, rb: ReadBatch | None) -> ReadBatch:
         """Copy into staging what `rb` did not borrow (get verifies, and promotes blocks
         read from NVMe). Packed (`rb` None), every block is copied by get (one verified
         copy each) and nothing stays borrowed."""
         if rb is None:
-            served = self._store.get(st.ns_id, generation, chunk, parent,
-                                    lambda i, n: bufs[i][:n])
-            return ReadBatch(0, served, [contiguous(bufs, len(served))] if served else [],
-                             None)
+            served = self._store.get(st.ns_id, generation, chunk, parent, lambda i, n: bufs[i][:n])
+            return ReadBatch(0, served, [contiguous(bufs, len(served))] if served else [], None)
         k = len(rb.served)
         try:
-            got = self._store.get(st.ns_id, generation, chunk[k:], chunk[k - 1] if k else parent,
-                                 lambda i, n: bufs[i][:n])
+            got = self._store.get(
+                st.ns_id,
+                generation,
+                chunk[k:],
+                chunk[k - 1] if k else parent,
+                lambda i, n: bufs[i][:n],
+            )
         except BaseException:
             self.done_with(rb)
             raise
         rb.served += got
-        rb.bufs += bufs[:len(got)]
+        rb.bufs += bufs[: len(got)]
         return rb

@@ -1,6 +1,7 @@
 """The composition root of peer transfer: builds one agent's serving side, fetching side
 and transports from its store and config, and owns their lifecycle. Nothing else in
 node_agent/peer/ knows how the pieces are wired."""
+
 from __future__ import annotations
 
 import logging
@@ -30,13 +31,19 @@ class PeerTransfer:
         staging = StagingPool()
         self._requests = PeerRequests(store, cfg.max_blocks_per_request)
         source = BlockSource(store, self._requests, staging, pcfg, counters)
-        self._ucx = UcxTransport(store, source, staging, TokenTable.from_config(cfg), pcfg,
-                                 counters, cfg.peer_port) if cfg.ucx_enabled else None
+        self._ucx = (
+            UcxTransport(
+                store, source, staging, TokenTable.from_config(cfg), pcfg, counters, cfg.peer_port
+            )
+            if cfg.ucx_enabled
+            else None
+        )
         grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s)
         # Order of preference: UCX, then gRPC for whatever UCX could not move.
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
-        prefetcher = Prefetcher(store, self._requests, staging, pcfg, counters,
-                                self._transports, publish)
+        prefetcher = Prefetcher(
+            store, self._requests, staging, pcfg, counters, self._transports, publish
+        )
         # FetchBlocks lends pool slots to the event loop's copy only where the pool
         # verifies in place in host memory.
         borrow = pcfg.in_place and store.supports_in_place and not store.pool.is_cuda

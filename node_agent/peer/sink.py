@@ -1,6 +1,7 @@
 """The fetching side of peer transfer, whatever the transport: BatchSink stores the
 batches a transport receives, in chain order, verified before any block is visible. The
 protocol: node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,9 +56,19 @@ class BatchSink:
     chain root of the whole Prefetch: a block whose parent is neither held nor `root` is
     refused as an orphan."""
 
-    def __init__(self, store: BlockStore, staging: StagingPool, counters: Counters,
-                 published, st: NsState, generation: int, ids: list[bytes], parent_id: bytes,
-                 root: bytes, on_stored) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        staging: StagingPool,
+        counters: Counters,
+        published,
+        st: NsState,
+        generation: int,
+        ids: list[bytes],
+        parent_id: bytes,
+        root: bytes,
+        on_stored,
+    ) -> None:
         self._store = store
         self._staging_pool = staging
         self._counters = counters
@@ -80,29 +91,36 @@ class BatchSink:
         """Start a (re)request for the ids not stored yet."""
         self.base = self.expect = self.stored
         self.remote_done = False
-        rest = self.ids[self.stored:]
+        rest = self.ids[self.stored :]
         parent = self.ids[self.stored - 1] if self.stored else self.parent_id
         return FetchRequestIds(rest, parent)
 
     def check(self, chunk: peer_pb2.FetchChunk, max_count: int) -> int:
         """Validate a chunk header against what was asked; returns its absolute index."""
         first = self.base + chunk.first_index
-        if first != self.expect or chunk.count > max_count or \
-                first + chunk.count > len(self.ids) or len(chunk.checksums) != chunk.count:
+        if (
+            first != self.expect
+            or chunk.count > max_count
+            or first + chunk.count > len(self.ids)
+            or len(chunk.checksums) != chunk.count
+        ):
             raise PeerTransportError(
                 f"malformed chunk from peer: first_index {chunk.first_index}, count "
                 f"{chunk.count}, {len(chunk.checksums)} checksums (expected index "
-                f"{self.expect - self.base}, at most {max_count})")
+                f"{self.expect - self.base}, at most {max_count})"
+            )
         self.expect = first + chunk.count
         return first
 
-    async def push(self, first: int, bufs, checksums: list[int],
-                   staging: list | None = None) -> bool:
+    async def push(
+        self, first: int, bufs, checksums: list[int], staging: list | None = None
+    ) -> bool:
         """Queue a received batch for storing (a copying put); False when the transfer
         should stop. `staging`: a set that goes back to the pool once the put is done."""
         size = sum(memoryview(b).nbytes for b in bufs)
-        return await self._queue(len(bufs), size >= OFFLOAD_BYTES, staging, self._put,
-                                 first, bufs, checksums)
+        return await self._queue(
+            len(bufs), size >= OFFLOAD_BYTES, staging, self._put, first, bufs, checksums
+        )
 
     async def land(self, ld: Landing) -> bool:
         """Queue a batch received into a Landing for storing: verified in place (packed:
@@ -110,8 +128,9 @@ class BatchSink:
         from staging on device pools)."""
         staging, ld.scratch = (ld.scratch, []) if ld.pack else (None, ld.scratch)
         if ld.res is None:
-            return await self.push(ld.first, (staging or ld.scratch)[:ld.count],
-                                   ld.checksums, staging)
+            return await self.push(
+                ld.first, (staging or ld.scratch)[: ld.count], ld.checksums, staging
+            )
         if not ld.pack:
             self._counters.add("peer_blocks_in_place", len(ld.res))
         digests = None  # taken as the messages landed; else the store step hashes
@@ -121,10 +140,10 @@ class BatchSink:
                 digests = [d for part in parts for d in part]
         # Hashed already, committing is bookkeeping only: right here, without two thread
         # hand-offs (else the commit copies or hashes the batch: a worker thread).
-        offload = (digests is None or bool(staging)) and \
-            ld.count * self.st.spec.block_bytes >= OFFLOAD_BYTES
-        return await self._queue(ld.count, offload, staging, self._commit, ld, staging,
-                                 digests)
+        offload = (
+            digests is None or bool(staging)
+        ) and ld.count * self.st.spec.block_bytes >= OFFLOAD_BYTES
+        return await self._queue(ld.count, offload, staging, self._commit, ld, staging, digests)
 
     async def _queue(self, n: int, offload: bool, staging: list | None, fn, *args) -> bool:
         """Store a batch (fn(*args)): in a worker thread when `offload` (it copies or
@@ -146,9 +165,14 @@ class BatchSink:
         """Pool slots for blocks first..first+count of the chain (after `after`'s), to
         receive into and then commit (land). KvError when none can be had."""
         parent = self.ids[first - 1] if first else self.parent_id
-        return self._store.reserve(self.st.ns_id, self.generation,
-                                       self.ids[first:first + count], parent, self.root,
-                                       after=after)
+        return self._store.reserve(
+            self.st.ns_id,
+            self.generation,
+            self.ids[first : first + count],
+            parent,
+            self.root,
+            after=after,
+        )
 
     def _commit(self, ld: Landing, staging: list | None, digests: list[int] | None):
         """Worker-thread part of land(): verify (packed: copy from `staging` and verify;
@@ -156,9 +180,12 @@ class BatchSink:
         reason = ""
         n_res = len(ld.res)
         try:
-            self._store.commit(ld.res, ld.checksums[:n_res],
-                                   sources=staging[:n_res] if staging else None,
-                                   digests=digests)
+            self._store.commit(
+                ld.res,
+                ld.checksums[:n_res],
+                sources=staging[:n_res] if staging else None,
+                digests=digests,
+            )
         except errors.DataLoss as exc:
             self._counters.add("peer_checksum_mismatch")
             reason = f"checksum mismatch: {exc}"
@@ -166,8 +193,9 @@ class BatchSink:
             reason = f"not stored here: {exc}"
         if n_res < ld.count and not reason:
             reason = f"not stored here: {ld.res.reason}"
-        n = present_prefix(self._store, self.st.ns_id, self.generation, self.ids,
-                           self.parent_id, ld.first)
+        n = present_prefix(
+            self._store, self.st.ns_id, self.generation, self.ids, self.parent_id, ld.first
+        )
         return ld.first, min(n, ld.count), ld.count, reason
 
     async def drain(self) -> bool:
@@ -200,9 +228,15 @@ class BatchSink:
     def _put(self, first: int, bufs, checksums: list[int]):
         """Worker-thread part: put, then see how far the chain got (put may skip blocks
         on a full pool or refuse them on a checksum mismatch)."""
-        items = [PutItem(self.ids[first + i],
-                         self.ids[first + i - 1] if first + i else self.parent_id,
-                         bufs[i], checksums[i]) for i in range(len(bufs))]
+        items = [
+            PutItem(
+                self.ids[first + i],
+                self.ids[first + i - 1] if first + i else self.parent_id,
+                bufs[i],
+                checksums[i],
+            )
+            for i in range(len(bufs))
+        ]
         reason = ""
         try:
             # A block whose parent is neither held nor the chain root is an orphan.
@@ -212,8 +246,9 @@ class BatchSink:
             reason = f"checksum mismatch: {exc}"
         except errors.KvError as exc:
             reason = f"not stored here: {exc}"
-        n = present_prefix(self._store, self.st.ns_id, self.generation, self.ids,
-                           self.parent_id, first)
+        n = present_prefix(
+            self._store, self.st.ns_id, self.generation, self.ids, self.parent_id, first
+        )
         return first, min(n, len(bufs)), len(bufs), reason
 
     @property
@@ -221,8 +256,14 @@ class BatchSink:
         return self.st.spec.block_bytes
 
 
-def present_prefix(store: BlockStore, ns_id: bytes, generation: int, ids: list[bytes],
-                   parent_id: bytes, start: int = 0) -> int:
+def present_prefix(
+    store: BlockStore,
+    ns_id: bytes,
+    generation: int,
+    ids: list[bytes],
+    parent_id: bytes,
+    start: int = 0,
+) -> int:
     """How many of ids[start:] continue a chain held here. Unlike store.lookup this counts
     no lookup in the hit-rate statistics: it is bookkeeping, not a request."""
     with store.lock:

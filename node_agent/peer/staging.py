@@ -1,5 +1,6 @@
 """Host staging buffers of peer transfer, and the memory layout of payloads: which pool
 slots or buffers lie back to back, so that a run of blocks travels as one message."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +25,7 @@ class StagingPool:
             self._idle_bytes -= n * nbytes
             return idle.pop()
         arena = np.empty(n * nbytes, dtype=np.uint8)
-        return [arena[i * nbytes:(i + 1) * nbytes] for i in range(n)]
+        return [arena[i * nbytes : (i + 1) * nbytes] for i in range(n)]
 
     def give(self, bufs: list[np.ndarray]) -> None:
         size = len(bufs) * bufs[0].nbytes
@@ -59,7 +60,7 @@ class StagingLease:
 def contiguous(bufs: list[np.ndarray], n: int) -> np.ndarray:
     """The first n buffers of a staging set as one array: StagingPool.take carves a set
     in order from one arena, so they lie back to back."""
-    return bufs[0].base[:n * bufs[0].nbytes]
+    return bufs[0].base[: n * bufs[0].nbytes]
 
 
 def _where(buf) -> tuple[int, bool]:
@@ -80,8 +81,7 @@ def runs_of(bufs: list, size: int, cap: int = 0) -> list[int]:
     prev = None
     for b in bufs:
         addr, dense = _where(b)
-        if prev is not None and addr == prev + size and dense and \
-                (cap <= 0 or runs[-1] < cap):
+        if prev is not None and addr == prev + size and dense and (cap <= 0 or runs[-1] < cap):
             runs[-1] += 1
         else:
             runs.append(1)
@@ -97,15 +97,18 @@ def spans(bufs: list, runs: list[int], size: int) -> list | None:
     out: list = []
     i = 0
     for r in runs:
-        part = bufs[i:i + r]
+        part = bufs[i : i + r]
         if runs_of(part, size) != [r] or not _where(part[0])[1]:
             return None
         first = part[0]
         if r == 1:
             out.append(first[:size])
         elif isinstance(first, np.ndarray):
-            out.append(np.lib.stride_tricks.as_strided(
-                first, shape=(r * size,), strides=(1,), writeable=first.flags.writeable))
+            out.append(
+                np.lib.stride_tricks.as_strided(
+                    first, shape=(r * size,), strides=(1,), writeable=first.flags.writeable
+                )
+            )
         else:  # a tensor: the same storage, r slots long
             out.append(first.as_strided((r * size,), (1,)))
         i += r

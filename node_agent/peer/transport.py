@@ -2,6 +2,7 @@
 gRPC: node_agent/peer/grpc_transport.py). The Prefetcher holds transports in order of
 preference and tries the next one for whatever the previous one left; it never asks which
 transport it holds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,15 @@ class Transport(Protocol):
     def chunk_blocks(self, block_bytes: int, batch: int) -> int:
         """Blocks per chunk to ask for, given the preferred `batch` (message limits)."""
 
-    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
-                    batch: int, deadline: float, authorization: str) -> None:
+    async def fetch(
+        self,
+        address: str,
+        req: peer_pb2.FetchRequest,
+        sink: BatchSink,
+        batch: int,
+        deadline: float,
+        authorization: str,
+    ) -> None:
         """Pull `req` (authorization not filled in) from `address` into `sink`,
         forwarding the caller's `authorization`. Raises PeerTransportError on transport
         trouble (the next transport may work), PeerRefused when the peer declines."""

@@ -6,6 +6,7 @@ agent, and the Prometheus alerts and Grafana dashboard.
 Helm comes from tools/install_helm.sh (into .tools/, once per session); the helm tests skip
 only when it cannot be installed.
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,18 +34,34 @@ VALUES = ["minimal-values.yaml", "production-values.yaml", "external-etcd-values
 KUBE_VERSIONS = ["1.29.0", "1.33.0"]
 RELEASE, NAMESPACE = "kv", "kvstore-test"
 # Stand-ins for what the kubelet fills in (fieldRef) and for Secrets the values only name.
-FIELD_REFS = {"spec.nodeName": "gpu-node-7", "status.podIP": "10.1.2.3",
-              "metadata.name": "kv-kvstore-router-5d9c8-abcde"}
+FIELD_REFS = {
+    "spec.nodeName": "gpu-node-7",
+    "status.podIP": "10.1.2.3",
+    "metadata.name": "kv-kvstore-router-5d9c8-abcde",
+}
 EXISTING_SECRETS = {
-    "tenants.json": json.dumps({"acme": {"token_sha256": "ab" * 32, "hbm_limit_bytes": "1GiB"},
-                                "_cluster": {"token_sha256": "cd" * 32}}),
-    "token": "stand-in-cluster-token"}
+    "tenants.json": json.dumps(
+        {
+            "acme": {"token_sha256": "ab" * 32, "hbm_limit_bytes": "1GiB"},
+            "_cluster": {"token_sha256": "cd" * 32},
+        }
+    ),
+    "token": "stand-in-cluster-token",
+}
 METRICS = {
-    "kvstore_lookup_tokens_total", "kvstore_lookup_hit_tokens_total", "kvstore_requests_total",
-    "kvstore_requests_hit_total", "kvstore_hit_length_tokens_bucket",
-    "kvstore_saved_prefill_tokens_total", "kvstore_rpc_duration_seconds_bucket",
-    "kvstore_tier_bytes", "kvstore_tier_capacity_bytes", "kvstore_evictions_total",
-    "kvstore_flush_duration_seconds_bucket", "kvstore_router_decisions_total"}
+    "kvstore_lookup_tokens_total",
+    "kvstore_lookup_hit_tokens_total",
+    "kvstore_requests_total",
+    "kvstore_requests_hit_total",
+    "kvstore_hit_length_tokens_bucket",
+    "kvstore_saved_prefill_tokens_total",
+    "kvstore_rpc_duration_seconds_bucket",
+    "kvstore_tier_bytes",
+    "kvstore_tier_capacity_bytes",
+    "kvstore_evictions_total",
+    "kvstore_flush_duration_seconds_bucket",
+    "kvstore_router_decisions_total",
+}
 WORKLOADS = ("DaemonSet", "Deployment", "StatefulSet")
 
 
@@ -53,17 +70,24 @@ def require(module: str, requirement: str):
     try:
         return __import__(module)
     except ImportError:
-        pytest.fail(f"{requirement} is not installed (a dev dependency of tests/deploy/test_helm.py)")
+        pytest.fail(
+            f"{requirement} is not installed (a dev dependency of tests/deploy/test_helm.py)"
+        )
 
 
 # ---- helm ---------------------------------------------------------------------------------
+
 
 def _helm_works(path: Path) -> bool:
     if not path.exists():
         return False
     try:
-        return subprocess.run([str(path), "version", "--short"], capture_output=True,
-                              timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                [str(path), "version", "--short"], capture_output=True, timeout=30
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -72,8 +96,12 @@ def _helm_works(path: Path) -> bool:
 def helm() -> str:
     if not _helm_works(HELM):
         try:
-            proc = subprocess.run(["bash", str(ROOT / "tools" / "install_helm.sh"), str(HELM)],
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                ["bash", str(ROOT / "tools" / "install_helm.sh"), str(HELM)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             why = proc.stderr[-500:]
         except subprocess.TimeoutExpired:
             why = "tools/install_helm.sh timed out"
@@ -82,18 +110,22 @@ def helm() -> str:
     return str(HELM)
 
 
-def run_helm(helm: str, command: str, *args: str,
-             chart: Path = CHART) -> subprocess.CompletedProcess:
+def run_helm(
+    helm: str, command: str, *args: str, chart: Path = CHART
+) -> subprocess.CompletedProcess:
     release = [RELEASE] if command == "template" else []
-    return subprocess.run([helm, command, *release, str(chart), "-n", NAMESPACE, *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [helm, command, *release, str(chart), "-n", NAMESPACE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 _RENDERED: dict[tuple, list[dict]] = {}
 
 
-def render(helm: str, values: str | None = None, *sets: str,
-           kube: str = "1.33.0") -> list[dict]:
+def render(helm: str, values: str | None = None, *sets: str, kube: str = "1.33.0") -> list[dict]:
     key = (values, sets, kube)
     if key not in _RENDERED:
         args = ["template", "--kube-version", kube]
@@ -135,6 +167,7 @@ def test_helm_lint(helm, values):
 
 # ---- strict Kubernetes validation -----------------------------------------------------------
 
+
 def check_service_monitor(sm: dict, docs: list[dict]) -> list[str]:
     """No schema ships for the Prometheus Operator CRD: check what it must reference."""
     errs = []
@@ -147,8 +180,9 @@ def check_service_monitor(sm: dict, docs: list[dict]) -> list[str]:
     if spec.get("namespaceSelector") != {"matchNames": [NAMESPACE]}:
         errs.append(f"namespaceSelector {spec.get('namespaceSelector')}")
     want = spec["selector"]["matchLabels"]
-    services = [s for s in of_kind(docs, "Service")
-                if want.items() <= s["metadata"]["labels"].items()]
+    services = [
+        s for s in of_kind(docs, "Service") if want.items() <= s["metadata"]["labels"].items()
+    ]
     ports = {p["name"] for s in services for p in s["spec"]["ports"]}
     for ep in spec.get("endpoints") or [None]:
         if ep is None or ep.get("port") not in ports:
@@ -183,8 +217,9 @@ def test_rendered_manifests_validate_strictly(helm, values, kube):
 
 
 def _pod_labels(docs):
-    return [(w, w["spec"]["template"]["metadata"]["labels"])
-            for w in docs if w["kind"] in WORKLOADS]
+    return [
+        (w, w["spec"]["template"]["metadata"]["labels"]) for w in docs if w["kind"] in WORKLOADS
+    ]
 
 
 @pytest.mark.parametrize("values", VALUES)
@@ -204,9 +239,13 @@ def test_references_resolve(helm, values):
         assert "replicas" not in one(docs, "Deployment", "-router")["spec"]
     given = yaml.safe_load((CHART / "ci" / values).read_text())
     secrets = {n for k, n in names if k == "Secret"} | {
-        given.get(section, {}).get(key) for section, key in
-        (("auth", "existingSecret"), ("auth", "existingClusterTokenSecret"),
-         ("tls", "existingSecret"))}
+        given.get(section, {}).get(key)
+        for section, key in (
+            ("auth", "existingSecret"),
+            ("auth", "existingClusterTokenSecret"),
+            ("tls", "existingSecret"),
+        )
+    }
     for wl, _ in pods:
         spec = wl["spec"]["template"]["spec"]
         for vol in spec.get("volumes", []):
@@ -218,14 +257,16 @@ def test_references_resolve(helm, values):
             for e in c.get("env", []):
                 if "secretKeyRef" in e.get("valueFrom", {}):
                     assert e["valueFrom"]["secretKeyRef"]["name"] in secrets, e["name"]
-            ports = {p["containerPort"] for p in c.get("ports", [])} | \
-                {p["name"] for p in c.get("ports", [])}
+            ports = {p["containerPort"] for p in c.get("ports", [])} | {
+                p["name"] for p in c.get("ports", [])
+            }
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 handler = c[probe].get("grpc") or c[probe].get("httpGet")
                 assert handler["port"] in ports, f"{c['name']} {probe}"
 
 
 # ---- rendered configuration, loaded by the processes' own loader ------------------------------
+
 
 def _secret_value(docs, ref: dict) -> str:
     for s in of_kind(docs, "Secret"):
@@ -272,12 +313,17 @@ def test_rendered_configs_load(helm, values, tmp_path, monkeypatch):
         (tmp_path / name).write_text(cm["data"][name])
         load_config(cls, str(tmp_path / name))  # the file alone is a complete config
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
-    rcfg = load_as_container(docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_",
-                             tmp_path, monkeypatch)
+    rcfg = load_as_container(
+        docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+    )
     assert rcfg.router_id == FIELD_REFS["metadata.name"]
     assert rcfg.listen.endswith(f":{router['ports'][0]['containerPort']}")
-    cfgs = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path,
-                              monkeypatch) for c in agent_containers(docs)]
+    cfgs = [
+        load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        for c in agent_containers(docs)
+    ]
     assert len({c.node_id for c in cfgs}) == len({c.data_dir for c in cfgs}) == len(cfgs)
     assert len({c.listen for c in cfgs}) == len(cfgs)
     for cfg, c in zip(cfgs, agent_containers(docs)):
@@ -285,8 +331,11 @@ def test_rendered_configs_load(helm, values, tmp_path, monkeypatch):
         assert c["ports"][0]["containerPort"] == port
         assert cfg.advertise == f"{FIELD_REFS['status.podIP']}:{port}"
         assert cfg.node_id.startswith(FIELD_REFS["spec.nodeName"])
-        assert any(cfg.data_dir.startswith(m["mountPath"] + "/") for m in c["volumeMounts"]
-                   if m["name"] == "data"), "RocksDB lives on the NVMe volume"
+        assert any(
+            cfg.data_dir.startswith(m["mountPath"] + "/")
+            for m in c["volumeMounts"]
+            if m["name"] == "data"
+        ), "RocksDB lives on the NVMe volume"
         assert cfg.etcd_endpoints == rcfg.etcd_endpoints != ""
         assert cfg.tenants or cfg.allow_unauthenticated
 
@@ -295,8 +344,12 @@ def test_production_agents_one_gpu_each(helm, tmp_path, monkeypatch):
     docs = render(helm, "production-values.yaml")
     containers = agent_containers(docs)
     assert len(containers) == 8
-    cfgs = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path,
-                              monkeypatch) for c in containers]
+    cfgs = [
+        load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        for c in containers
+    ]
     # The device plugin shows each container only its own GPU, as cuda:0.
     assert {c.device for c in cfgs} == {"cuda:0"}
     for c in containers:
@@ -315,8 +368,15 @@ def test_cluster_token_matches_its_hash(helm, tmp_path, monkeypatch):
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     token = container_env(docs, router)["KVSTORE_CLUSTER_TOKEN"]
     assert len(token) >= 32  # generated: the values give none
-    agent = load_as_container(docs, agent_containers(docs)[0], AgentConfig, "agent.yaml",
-                              "KVSTORE_AGENT_", tmp_path, monkeypatch)
+    agent = load_as_container(
+        docs,
+        agent_containers(docs)[0],
+        AgentConfig,
+        "agent.yaml",
+        "KVSTORE_AGENT_",
+        tmp_path,
+        monkeypatch,
+    )
     # The agent's interceptor resolves a bearer token by its SHA-256.
     assert agent.tenants["_cluster"].token_sha256 == hashlib.sha256(token.encode()).hexdigest()
 
@@ -325,10 +385,18 @@ def test_routers_authenticate_the_agents_tenants(helm, tmp_path, monkeypatch):
     """Tenants authenticate to routers as to agents: one Secret, no anonymous routers."""
     docs = render(helm, "production-values.yaml")
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
-    rcfg = load_as_container(docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_",
-                             tmp_path, monkeypatch)
-    agent = load_as_container(docs, agent_containers(docs)[0], AgentConfig, "agent.yaml",
-                              "KVSTORE_AGENT_", tmp_path, monkeypatch)
+    rcfg = load_as_container(
+        docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+    )
+    agent = load_as_container(
+        docs,
+        agent_containers(docs)[0],
+        AgentConfig,
+        "agent.yaml",
+        "KVSTORE_AGENT_",
+        tmp_path,
+        monkeypatch,
+    )
     assert rcfg.tenants == agent.tenants and "_cluster" in rcfg.tenants
     assert not rcfg.allow_unauthenticated and rcfg.max_inflight_per_tenant > 0
     assert "token_sha256" not in one(docs, "ConfigMap", "-config")["data"]["router.yaml"]
@@ -337,12 +405,18 @@ def test_routers_authenticate_the_agents_tenants(helm, tmp_path, monkeypatch):
 def test_agents_without_device_plugin_take_cuda_index(helm, tmp_path, monkeypatch):
     docs = render(helm, "external-etcd-values.yaml")
     containers = agent_containers(docs)
-    cfgs = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path,
-                              monkeypatch) for c in containers]
+    cfgs = [
+        load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        for c in containers
+    ]
     assert [c.device for c in cfgs] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert all("nvidia.com/gpu" not in c["resources"]["limits"] for c in containers)
-    assert cfgs[0].etcd_endpoints == \
-        "etcd-a.infra.svc:2379,etcd-b.infra.svc:2379,etcd-c.infra.svc:2379"
+    assert (
+        cfgs[0].etcd_endpoints
+        == "etcd-a.infra.svc:2379,etcd-b.infra.svc:2379,etcd-c.infra.svc:2379"
+    )
     assert not of_kind(docs, "StatefulSet")
     assert {c.metrics_port for c in cfgs} == {0}
 
@@ -350,18 +424,32 @@ def test_agents_without_device_plugin_take_cuda_index(helm, tmp_path, monkeypatc
 def test_peer_settings_reach_every_agent_alike(helm, tmp_path, monkeypatch):
     """Peer transfer settings are chart values, rendered into agent.yaml's `peer:` section:
     every agent of the release loads the same ones (agents of one host must agree)."""
-    default = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_",
-                                 tmp_path, monkeypatch)
-               for docs in [render(helm, "production-values.yaml")]
-               for c in agent_containers(docs)]
+    default = [
+        load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        for docs in [render(helm, "production-values.yaml")]
+        for c in agent_containers(docs)
+    ]
     assert {c.peer for c in default} == {PeerConfig()} and all(c.ucx_enabled for c in default)
-    docs = render(helm, "production-values.yaml", "agent.peer.batchMiB=32",
-                  "agent.peer.sharedMemory=false", "agent.peer.inPlace=false",
-                  "agent.peer.ioTimeoutSeconds=3", "agent.peer.ucxEnabled=false")
-    cfgs = [load_as_container(docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path,
-                              monkeypatch) for c in agent_containers(docs)]
-    assert {c.peer for c in cfgs} == {PeerConfig(batch_bytes=32 << 20, shared_memory=False,
-                                                in_place=False, io_timeout_s=3.0)}
+    docs = render(
+        helm,
+        "production-values.yaml",
+        "agent.peer.batchMiB=32",
+        "agent.peer.sharedMemory=false",
+        "agent.peer.inPlace=false",
+        "agent.peer.ioTimeoutSeconds=3",
+        "agent.peer.ucxEnabled=false",
+    )
+    cfgs = [
+        load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        for c in agent_containers(docs)
+    ]
+    assert {c.peer for c in cfgs} == {
+        PeerConfig(batch_bytes=32 << 20, shared_memory=False, in_place=False, io_timeout_s=3.0)
+    }
     assert not any(c.ucx_enabled for c in cfgs)
 
 
@@ -390,8 +478,9 @@ def test_local_volume_sized_for_all_gpus(helm):
     claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == "local-nvme"
     assert int(claim["resources"]["requests"]["storage"].removesuffix("Gi")) >= 8 * 500
-    err = render_error(helm, "production-values.yaml",
-                       "agent.storage.localPersistentVolume.sizeGiB=100")
+    err = render_error(
+        helm, "production-values.yaml", "agent.storage.localPersistentVolume.sizeGiB=100"
+    )
     assert "smaller than nvmeGiB x gpusPerNode (4000)" in err
     hostpath = one(render(helm, "minimal-values.yaml"), "DaemonSet", "-agent")
     (vol,) = [v for v in hostpath["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"]
@@ -404,8 +493,10 @@ def test_bundled_etcd_members_match_endpoints(helm):
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
     (cluster,) = [a.split("=", 1)[1] for a in args if a.startswith("--initial-cluster=")]
-    members = [m.split("=")[1].removeprefix("http://").replace(":2380", ":2379")
-               for m in cluster.split(",")]
+    members = [
+        m.split("=")[1].removeprefix("http://").replace(":2380", ":2379")
+        for m in cluster.split(",")
+    ]
     agent = yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
     assert agent["etcd_endpoints"].split(",") == members
     headless = one(docs, "Service", "-etcd-headless")
@@ -419,8 +510,9 @@ def test_service_monitor_only_when_enabled(helm):
     assert not of_kind(render(helm, "minimal-values.yaml"), "ServiceMonitor")
     docs = render(helm, "production-values.yaml")
     agent_sm = one(docs, "ServiceMonitor", "-agent")
-    assert [e["port"] for e in agent_sm["spec"]["endpoints"]] == \
-        [f"metrics-gpu{i}" for i in range(8)]
+    assert [e["port"] for e in agent_sm["spec"]["endpoints"]] == [
+        f"metrics-gpu{i}" for i in range(8)
+    ]
     assert agent_sm["metadata"]["labels"]["release"] == "prometheus"
     one(docs, "ServiceMonitor", "-router")
 
@@ -433,8 +525,11 @@ def test_network_policies(helm):
     # Agent to agent: every port (UCX peer transfers choose theirs).
     assert any("ports" not in r for r in agent["ingress"])
     etcd = one(docs, "NetworkPolicy", "-etcd")["spec"]
-    assert all(r.get("from") for r in etcd["ingress"] if {"port": 2379, "protocol": "TCP"}
-               in r.get("ports", [])), "etcd clients are restricted to this release"
+    assert all(
+        r.get("from")
+        for r in etcd["ingress"]
+        if {"port": 2379, "protocol": "TCP"} in r.get("ports", [])
+    ), "etcd clients are restricted to this release"
     assert not of_kind(render(helm, "minimal-values.yaml"), "NetworkPolicy")
 
 
@@ -459,12 +554,15 @@ def test_schema_rejects_bad_values(helm, setting, where):
     assert "schema" in err and (where in err or "/" + where.replace(".", "/") in err), err
 
 
-@pytest.mark.parametrize("sets,message", [
-    ((), "no tenants and allowUnauthenticated is false"),
-    (("etcd.mode=external",), "etcd.external.endpoints is empty"),
-    (("tls.enabled=true",), "tls.enabled needs tls.existingSecret"),
-    (("auth.existingSecret=mine",), "go together"),
-])
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        ((), "no tenants and allowUnauthenticated is false"),
+        (("etcd.mode=external",), "etcd.external.endpoints is empty"),
+        (("tls.enabled=true",), "tls.enabled needs tls.existingSecret"),
+        (("auth.existingSecret=mine",), "go together"),
+    ],
+)
 def test_template_refuses_unusable_settings(helm, sets, message):
     values = None if not sets else "minimal-values.yaml"
     assert message in render_error(helm, values, *sets)
@@ -476,10 +574,18 @@ def test_notes_tell_how_to_reach_kvctl(helm, tmp_path):
     chart = tmp_path / "kvstore"
     shutil.copytree(CHART, chart)
     (chart / "templates" / "zz-notes.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
-        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n')
-    proc = run_helm(helm, "template", "-f", str(CHART / "ci" / "external-etcd-values.yaml"),
-                    "--show-only", "templates/zz-notes.yaml", chart=chart)
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
+    )
+    proc = run_helm(
+        helm,
+        "template",
+        "-f",
+        str(CHART / "ci" / "external-etcd-values.yaml"),
+        "--show-only",
+        "templates/zz-notes.yaml",
+        chart=chart,
+    )
     assert proc.returncode == 0, proc.stderr
     notes = yaml.safe_load(proc.stdout)["data"]["notes"]
     assert f"kubectl -n {NAMESPACE} exec -it deploy/{RELEASE}-kvstore-router" in notes
@@ -488,6 +594,7 @@ def test_notes_tell_how_to_reach_kvctl(helm, tmp_path):
 
 
 # ---- container image --------------------------------------------------------------------------
+
 
 def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -524,20 +631,30 @@ def test_dockerfile_dependency_step_reads_pyproject(tmp_path):
     (run,) = [c.value[0] for c in cmds if c.cmd == "RUN" and "tomllib" in c.value[0]]
     argv = shlex.split(run.split(">")[0])
     assert argv[:2] == ["python", "-c"]
-    out = subprocess.run([sys.executable, "-c", argv[2]], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", argv[2]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
     project = _pyproject()["project"]
     assert out == project["dependencies"] + project["optional-dependencies"]["server"]
     assert len([r for r in out if r.startswith("torch")]) == 1  # the CPU-index install step
 
 
 def test_dockerignore_keeps_what_the_build_needs():
-    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]
+    lines = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert lines[0] == "*", "allowlist: everything else stays out of the build context"
     kept = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
-    packages = {p.rstrip("*") for p in
-                _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = {
+        p.rstrip("*") for p in _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
     assert packages | {"pyproject.toml", "setup.py", "deploy/docker"} <= kept
     assert all((ROOT / k).exists() for k in kept)
 
@@ -561,16 +678,24 @@ def test_health_check_script_against_real_agent(spawn_agent):
 
 # ---- monitoring ---------------------------------------------------------------------------------
 
+
 def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bkvstore_[a-z_]+", expr))
 
 
 def test_alert_rules_are_complete():
-    rules = [r for g in yaml.safe_load((ROOT / "deploy/prometheus/alerts.yaml").read_text())
-             ["groups"] for r in g["rules"]]
+    rules = [
+        r
+        for g in yaml.safe_load((ROOT / "deploy/prometheus/alerts.yaml").read_text())["groups"]
+        for r in g["rules"]
+    ]
     names = {r["alert"] for r in rules}
-    assert {"KvstoreTokenHitRateDrop", "KvstoreDevicePoolPressure", "KvstoreAgentDown",
-            "KvstoreFlushSlow"} <= names
+    assert {
+        "KvstoreTokenHitRateDrop",
+        "KvstoreDevicePoolPressure",
+        "KvstoreAgentDown",
+        "KvstoreFlushSlow",
+    } <= names
     for r in rules:
         assert r["expr"].strip() and re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]
         assert r["labels"]["severity"] in ("critical", "warning", "info"), r["alert"]
@@ -578,8 +703,7 @@ def test_alert_rules_are_complete():
         assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
         assert metric_names(r["expr"]) <= METRICS, r["alert"]
     hit = next(r for r in rules if r["alert"] == "KvstoreTokenHitRateDrop")["expr"]
-    assert {"kvstore_lookup_hit_tokens_total", "kvstore_lookup_tokens_total"} <= \
-        metric_names(hit)
+    assert {"kvstore_lookup_hit_tokens_total", "kvstore_lookup_tokens_total"} <= metric_names(hit)
 
 
 def test_dashboard_uses_only_exported_metrics():

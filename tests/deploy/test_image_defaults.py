@@ -1,6 +1,7 @@
 """The image's default configuration (deploy/docker/*.yaml, copied to /etc/kvstore/): it
 loads as the processes load it, and listens where a container must (every interface, so a
 port mapping reaches it), with its data under the volume path."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,7 @@ def test_default_agent_config_suits_a_container():
 
 
 def test_default_router_config_suits_a_container():
-    cfg = load_config(RouterConfig, str(ROOT / "deploy/docker/router.yaml"), "KVSTORE_ROUTER_",
-                      {})
+    cfg = load_config(RouterConfig, str(ROOT / "deploy/docker/router.yaml"), "KVSTORE_ROUTER_", {})
     assert cfg.listen.startswith("0.0.0.0:")
     assert not cfg.allow_unauthenticated  # like the agents: tenants must be configured
 

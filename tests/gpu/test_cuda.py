@@ -4,6 +4,7 @@ store tests of test_store.py, run again over a GPU pool), an agent serving from 
 pool, and peer transfer into, out of and between GPU pools (payloads land in GPU memory
 and are verified there by the device kernel, kvstore/device_hash.py; tests/
 test_device_hash.py runs its checks on the GPU too)."""
+
 from __future__ import annotations
 
 import random
@@ -12,8 +13,14 @@ import warnings
 import pytest
 from unit import test_store
 import torch
-from support.common import (TEST_SECRET, chain_items, free_port, make_namespace, prompt_tokens,
-                      store_maker)
+from support.common import (
+    TEST_SECRET,
+    chain_items,
+    free_port,
+    make_namespace,
+    prompt_tokens,
+    store_maker,
+)
 
 from kvstore import checksum as cks
 from kvstore.client import KVClient
@@ -28,17 +35,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 test_put_lookup_get_round_trip = test_store.test_put_lookup_get_round_trip
 test_get_verifies_the_chain = test_store.test_get_verifies_the_chain
 test_spill_to_nvme_and_promote_on_get = test_store.test_spill_to_nvme_and_promote_on_get
-test_promotion_keeps_the_pool_prefix_closed = \
-    test_store.test_promotion_keeps_the_pool_prefix_closed
+test_promotion_keeps_the_pool_prefix_closed = test_store.test_promotion_keeps_the_pool_prefix_closed
 test_nvme_capacity_evicts_leaves_from_nvme = test_store.test_nvme_capacity_evicts_leaves_from_nvme
 test_prefix_consistency_under_pressure = test_store.test_prefix_consistency_under_pressure
-test_parent_with_children_is_never_evicted_before_its_leaves = \
+test_parent_with_children_is_never_evicted_before_its_leaves = (
     test_store.test_parent_with_children_is_never_evicted_before_its_leaves
+)
 test_generation_fencing = test_store.test_generation_fencing
 test_flush_while_a_get_is_copying = test_store.test_flush_while_a_get_is_copying
 test_payloads_are_copied_not_referenced = test_store.test_payloads_are_copied_not_referenced
-test_concurrent_gets_puts_expiry_and_flushes = \
+test_concurrent_gets_puts_expiry_and_flushes = (
     test_store.test_concurrent_gets_puts_expiry_and_flushes
+)
 
 BIG = make_namespace(name="big-cuda", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
 
@@ -76,6 +84,7 @@ def test_a_gpu_where_the_kernel_does_not_build_keeps_copying_writes(monkeypatch)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler")
+
     monkeypatch.setattr(device_hash, "slot_digests", broken)
     pool = DevicePool(2, 4096, "cuda:0")
     assert not pool.in_place and "no compiler" in pool.why_not_in_place
@@ -116,12 +125,12 @@ def blocks_for(spec, n: int, seed: int) -> list[torch.Tensor]:
 
 def same_bytes(a, b) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8)) for x, y in zip(a, b))
+        torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8)) for x, y in zip(a, b)
+    )
 
 
 def test_agent_on_a_gpu_pool_round_trips_tensors_from_and_to_the_gpu(spawn_agent):
-    agent = spawn_agent(device="cuda:0", slot_bytes="2MiB", pool_bytes="64MiB",
-                        nvme_bytes="64MiB")
+    agent = spawn_agent(device="cuda:0", slot_bytes="2MiB", pool_bytes="64MiB", nvme_bytes="64MiB")
     with KVClient(agent.address, tenant_secret=TEST_SECRET) as c:
         assert c.stats().device.startswith("cuda")
         ns = c.open_namespace(BIG)
@@ -139,15 +148,18 @@ def test_agent_on_a_gpu_pool_round_trips_tensors_from_and_to_the_gpu(spawn_agent
         assert same_bytes(c.get(ns, ids), blocks)
 
 
-@pytest.mark.parametrize("gpu", ["a", "b", "ab"],
-                         ids=["into-gpu-pool", "out-of-gpu-pool", "between-gpu-pools"])
+@pytest.mark.parametrize(
+    "gpu", ["a", "b", "ab"], ids=["into-gpu-pool", "out-of-gpu-pool", "between-gpu-pools"]
+)
 def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
     mem = dict(slot_bytes="2MiB", pool_bytes="128MiB", nvme_bytes=0)
     b_port, a_port = free_port(), free_port()
     b = spawn_agent(peer_port=b_port, device="cuda:0" if "b" in gpu else "cpu", **mem)
     a = spawn_agent(peer_port=a_port, device="cuda:0" if "a" in gpu else "cpu", **mem)
-    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
-            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb = cb.open_namespace(BIG)
         ids = cb.block_ids(nb, prompt_tokens(33, 40 * BIG.block_size))
         blocks = blocks_for(BIG, 40, 33)
@@ -159,7 +171,9 @@ def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
         assert r.transport in ("ucx", "grpc"), r.transport
         assert same_bytes(ca.get(na, ids), blocks)
         counters = dict(ca.stats().counters)
-        print(f"transport {r.transport}, A's counters: "
-              f"{ {k: v for k, v in counters.items() if k.startswith('peer_')} }")
+        print(
+            f"transport {r.transport}, A's counters: "
+            f"{ {k: v for k, v in counters.items() if k.startswith('peer_')} }"
+        )
         if r.transport == "ucx":  # straight into A's slots (GPU memory on a GPU pool)
             assert counters["peer_blocks_in_place"] == 40, counters

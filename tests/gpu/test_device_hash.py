@@ -5,6 +5,7 @@ where they lie, with the same XXH64 the host computes.
 On a machine without a GPU the Triton kernel runs under Triton's interpreter on CPU tensors
 (slow: the blocks here are a few hundred bytes); on a GPU machine the same tests run the
 compiled kernel on the GPU (tools/gpu_check.sh)."""
+
 from __future__ import annotations
 
 import os
@@ -44,17 +45,20 @@ def test_the_kernel_is_there():
     assert device_hash.available(torch.device(DEVICE)), device_hash.why_not()
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 7, 8, 12, 31, 32, 33, 100, 255, 256, 257,
-                                    300, 512, 520, 1100])
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, 3, 4, 7, 8, 12, 31, 32, 33, 100, 255, 256, 257, 300, 512, 520, 1100]
+)
 def test_digests_equal_the_host_xxh64(nbytes):
     """Every part of XXH64: no stripe, stripes in whole unrolled steps (16 a step) and left
     over, 8-byte words, a 4-byte word and single bytes after them."""
-    pool = torch.randint(0, 256, (5, 1104), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(nbytes)).to(DEVICE)
+    pool = torch.randint(
+        0, 256, (5, 1104), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
+    ).to(DEVICE)
     slots = [4, 0, 2, 2]  # any order, repeats allowed
     host = pool.cpu().numpy()
-    assert device_hash.slot_digests(pool, slots, nbytes) == \
-        [cks.checksum(host[s, :nbytes]) for s in slots]
+    assert device_hash.slot_digests(pool, slots, nbytes) == [
+        cks.checksum(host[s, :nbytes]) for s in slots
+    ]
 
 
 def test_one_flipped_bit_changes_the_digest():
@@ -64,12 +68,15 @@ def test_one_flipped_bit_changes_the_digest():
     assert a == cks.checksum(bytes(264)) and b != a
 
 
-@pytest.mark.parametrize("bad,why", [
-    (lambda: torch.zeros((2, 64), dtype=torch.int16, device=DEVICE), "uint8"),
-    (lambda: torch.zeros((2, 128), dtype=torch.uint8, device=DEVICE)[:, :64], "contiguous"),
-    (lambda: torch.zeros(128, dtype=torch.uint8, device=DEVICE), "2-D"),
-    (lambda: torch.zeros((2, 60), dtype=torch.uint8, device=DEVICE), "aligned"),
-])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        (lambda: torch.zeros((2, 64), dtype=torch.int16, device=DEVICE), "uint8"),
+        (lambda: torch.zeros((2, 128), dtype=torch.uint8, device=DEVICE)[:, :64], "contiguous"),
+        (lambda: torch.zeros(128, dtype=torch.uint8, device=DEVICE), "2-D"),
+        (lambda: torch.zeros((2, 60), dtype=torch.uint8, device=DEVICE), "aligned"),
+    ],
+)
 def test_bad_pools_are_refused(bad, why):
     with pytest.raises(InvalidArgument, match=why):
         device_hash.slot_digests(bad(), [0], 8)
@@ -104,11 +111,17 @@ def test_the_kernel_compiles_for_cuda_gpus(arch, ints):
     triton), with 32- and 64-bit sizes. In a subprocess: this one runs the interpreter."""
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9 warns when it is unset
-    r = subprocess.run([sys.executable, "-c", COMPILE, str(arch), ints], env=env,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(arch), ints],
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     warps, cubin = map(int, r.stdout.split())
     assert warps == 1 and cubin > 0
@@ -135,8 +148,7 @@ def fill(res, items) -> list[int]:
 
 def get(store, ids) -> list[bytes]:
     bufs = []
-    store.get(SMALL.namespace_id, 0, ids, ROOT,
-              lambda i, n: bufs.append(bytearray(n)) or bufs[-1])
+    store.get(SMALL.namespace_id, 0, ids, ROOT, lambda i, n: bufs.append(bytearray(n)) or bufs[-1])
     return [bytes(b) for b in bufs]
 
 
@@ -145,8 +157,7 @@ def test_in_place_writes_are_verified_where_they_landed():
     assert store.supports_in_place and store.pool.in_place
     ids, items = prompt(1, 4)
     res = store.reserve(SMALL.namespace_id, 0, ids, ROOT, ROOT)
-    assert all(isinstance(v, torch.Tensor) and v.device == store.pool.device
-               for v in res.views)
+    assert all(isinstance(v, torch.Tensor) and v.device == store.pool.device for v in res.views)
     sums = fill(res, items)
     assert store.pool.digests(res.views) == sums
     assert store.commit(res, sums) == 4
@@ -215,6 +226,7 @@ def test_the_benchmark_verifies_and_reports(capsys):
     import json
 
     from loadtest import bench_device_hash
+
     assert bench_device_hash.main(["--blocks", "2", "--block-bytes", "4096", "--reps", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["host_xxh64_gbps"] > 0 and out["host_memcpy_gbps"] > 0

@@ -1,6 +1,7 @@
 """Node agent over real gRPC, as a real process (spawn_agent): data path on both transports,
 spill/promotion, restart recovery, on-disk corruption, precise status codes for bad input,
 tenant auth, health checking and the event stream."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,14 @@ from multiprocessing import shared_memory
 import grpc
 import pytest
 import torch
-from support.common import (TEST_SECRET, block_payload, flip_rocks_byte, make_namespace,
-                      open_rocks_raw, prompt_tokens)
+from support.common import (
+    TEST_SECRET,
+    block_payload,
+    flip_rocks_byte,
+    make_namespace,
+    open_rocks_raw,
+    prompt_tokens,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import checksum as cks
@@ -30,8 +37,9 @@ SMALL_POOL = dict(pool_bytes=f"{8 * 64}KiB")  # 8 slots of 64 KiB
 
 def blocks_for(seed: int, n: int, spec=SPEC) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(spec), generator=g).to(torch_dtype(spec.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(spec), generator=g).to(torch_dtype(spec.kv_dtype)) for _ in range(n)
+    ]
 
 
 def store_prompt(client, ns, seed: int, n_blocks: int):
@@ -56,8 +64,9 @@ def own_region(stub, size: int = 1 << 20, metadata=()):
     """A shared-memory region created and registered the way a client does it."""
     shm = shared_memory.SharedMemory(create=True, size=size)
     try:
-        rid = stub.RegisterShm(agent_pb2.RegisterShmRequest(name=shm.name, size=size),
-                               metadata=metadata).region_id
+        rid = stub.RegisterShm(
+            agent_pb2.RegisterShmRequest(name=shm.name, size=size), metadata=metadata
+        ).region_id
         yield shm.name, rid
         stub.UnregisterShm(agent_pb2.UnregisterShmRequest(region_id=rid), metadata=metadata)
     finally:
@@ -79,8 +88,10 @@ def expect_status(code: grpc.StatusCode, fn, *args, match: str | None = None, **
 # ------------------------------------------------------------------------- data path
 def test_round_trip_over_shared_memory_and_grpc(spawn_agent):
     agent = spawn_agent()
-    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as shm_c, \
-            KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as grpc_c:
+    with (
+        KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as shm_c,
+        KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as grpc_c,
+    ):
         assert shm_c.uses_shm and not grpc_c.uses_shm
         ns_s = shm_c.open_namespace(SPEC)
         ns_g = grpc_c.open_namespace(SPEC)
@@ -169,17 +180,29 @@ def test_stale_generation_is_failed_precondition(spawn_agent):
         ids, _ = store_prompt(c, ns, 1, 4)
         store_prompt(c, ns, 2, 8)
         ahead = agent_pb2.NamespaceRef(namespace_id=ns.namespace_id, generation=1)
-        expect_status(grpc.StatusCode.FAILED_PRECONDITION, c.stub.Lookup,
-                      agent_pb2.LookupRequest(ns=ahead, block_ids=pack_ids(ids)), match="ahead")
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            c.stub.Lookup,
+            agent_pb2.LookupRequest(ns=ahead, block_ids=pack_ids(ids)),
+            match="ahead",
+        )
     agent.stop()
     _set_generation_on_disk(agent.config["data_dir"], SPEC.namespace_id, 1)  # a flush
     agent.start()
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
         old = agent_pb2.NamespaceRef(namespace_id=SPEC.namespace_id, generation=0)
-        expect_status(grpc.StatusCode.FAILED_PRECONDITION, c.stub.Lookup,
-                      agent_pb2.LookupRequest(ns=old, block_ids=pack_ids(ids)), match="stale")
-        expect_status(grpc.StatusCode.FAILED_PRECONDITION, c.stub.Get,
-                      agent_pb2.GetRequest(ns=old, block_ids=pack_ids(ids)), match="stale")
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            c.stub.Lookup,
+            agent_pb2.LookupRequest(ns=old, block_ids=pack_ids(ids)),
+            match="stale",
+        )
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            c.stub.Get,
+            agent_pb2.GetRequest(ns=old, block_ids=pack_ids(ids)),
+            match="stale",
+        )
         ns = c.open_namespace(SPEC)
         assert ns.generation == 1
         assert c.lookup(ns, ids).matched == 0
@@ -211,8 +234,10 @@ def _put_req(ns, ids, datas, parent, **kw):
 
 def test_bad_requests_get_precise_status_codes(spawn_agent):
     agent = spawn_agent(max_message_bytes="1MiB", max_blocks_per_request=64)
-    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c, \
-            own_region(c.stub) as (_, region):
+    with (
+        KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c,
+        own_region(c.stub) as (_, region),
+    ):
         assert c.uses_shm
         probe = Probe(c)
         ns, stub, IA = probe.ns, c.stub, grpc.StatusCode.INVALID_ARGUMENT
@@ -220,60 +245,164 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
         good = [bytes(NB)] * 4
         checks = [
             # wrong block size
-            (IA, stub.Put, iter([_put_req(ns, ids[:1], [b"x" * (NB - 2)], ns.root)]),
-             f"{NB - 2} bytes"),
+            (
+                IA,
+                stub.Put,
+                iter([_put_req(ns, ids[:1], [b"x" * (NB - 2)], ns.root)]),
+                f"{NB - 2} bytes",
+            ),
             # block ids not a multiple of 16
-            (IA, stub.Lookup, agent_pb2.LookupRequest(ns=ns.ref, block_ids=b"x" * 17),
-             "multiple of 16"),
-            (IA, stub.Get, agent_pb2.GetRequest(ns=ns.ref, block_ids=b"x" * 33),
-             "multiple of 16"),
-            (IA, stub.Pin, agent_pb2.PinRequest(ns=ns.ref, block_ids=b"x" * 5),
-             "multiple of 16"),
+            (
+                IA,
+                stub.Lookup,
+                agent_pb2.LookupRequest(ns=ns.ref, block_ids=b"x" * 17),
+                "multiple of 16",
+            ),
+            (IA, stub.Get, agent_pb2.GetRequest(ns=ns.ref, block_ids=b"x" * 33), "multiple of 16"),
+            (IA, stub.Pin, agent_pb2.PinRequest(ns=ns.ref, block_ids=b"x" * 5), "multiple of 16"),
             # unknown namespace, malformed namespace id
-            (grpc.StatusCode.NOT_FOUND, stub.Lookup, agent_pb2.LookupRequest(
-                ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 16), block_ids=ids[0]),
-             "unknown namespace"),
-            (IA, stub.Lookup, agent_pb2.LookupRequest(
-                ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 3)), "16 bytes"),
+            (
+                grpc.StatusCode.NOT_FOUND,
+                stub.Lookup,
+                agent_pb2.LookupRequest(
+                    ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 16), block_ids=ids[0]
+                ),
+                "unknown namespace",
+            ),
+            (
+                IA,
+                stub.Lookup,
+                agent_pb2.LookupRequest(ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 3)),
+                "16 bytes",
+            ),
             # too many blocks
-            (IA, stub.Lookup, agent_pb2.LookupRequest(ns=ns.ref, block_ids=b"\0" * 16 * 65),
-             "limit is 64"),
-            (IA, stub.Get, agent_pb2.GetRequest(ns=ns.ref, block_ids=b"\0" * 16 * 65),
-             "limit is 64"),
+            (
+                IA,
+                stub.Lookup,
+                agent_pb2.LookupRequest(ns=ns.ref, block_ids=b"\0" * 16 * 65),
+                "limit is 64",
+            ),
+            (
+                IA,
+                stub.Get,
+                agent_pb2.GetRequest(ns=ns.ref, block_ids=b"\0" * 16 * 65),
+                "limit is 64",
+            ),
             # a bad parent id, an empty Put, a Put without its namespace
-            (IA, stub.Get, agent_pb2.GetRequest(ns=ns.ref, block_ids=ids[0],
-                                                parent_id=b"xy"), "parent_id"),
+            (
+                IA,
+                stub.Get,
+                agent_pb2.GetRequest(ns=ns.ref, block_ids=ids[0], parent_id=b"xy"),
+                "parent_id",
+            ),
             (IA, stub.Put, iter([]), "empty Put"),
             (IA, stub.Put, iter([agent_pb2.PutRequest()]), "must carry ns"),
             # checksum mismatch on put
-            (grpc.StatusCode.DATA_LOSS, stub.Put, iter([_put_req(
-                ns, ids[:1], good[:1], ns.root, checksum=cks.checksum(b"other"),
-                has_checksum=True)]), "checksum"),
+            (
+                grpc.StatusCode.DATA_LOSS,
+                stub.Put,
+                iter(
+                    [
+                        _put_req(
+                            ns,
+                            ids[:1],
+                            good[:1],
+                            ns.root,
+                            checksum=cks.checksum(b"other"),
+                            has_checksum=True,
+                        )
+                    ]
+                ),
+                "checksum",
+            ),
             # shared-memory targets: unknown region, range outside it, offsets count
-            (grpc.StatusCode.NOT_FOUND, stub.Get, agent_pb2.GetRequest(
-                ns=ns.ref, block_ids=probe.ids[0], parent_id=ns.root,
-                shm=agent_pb2.ShmTarget(region_id=999, offsets=[0])), "region 999"),
-            (IA, stub.Get, agent_pb2.GetRequest(
-                ns=ns.ref, block_ids=probe.ids[0], parent_id=ns.root,
-                shm=agent_pb2.ShmTarget(region_id=region, offsets=[(1 << 20) - 10])),
-             "outside region"),
-            (IA, stub.Get, agent_pb2.GetRequest(
-                ns=ns.ref, block_ids=pack_ids(probe.ids), parent_id=ns.root,
-                shm=agent_pb2.ShmTarget(region_id=region, offsets=[0])), "offsets"),
-            (IA, stub.Put, iter([agent_pb2.PutRequest(
-                ns=ns.ref, shm_region_id=region, root=ns.root, blocks=[agent_pb2.BlockPut(
-                    block_id=ids[0], parent_id=ns.root, shm_offset=1 << 40)])]),
-             "outside region"),
-            (grpc.StatusCode.NOT_FOUND, stub.Put, iter([agent_pb2.PutRequest(
-                ns=ns.ref, shm_region_id=12345, blocks=[agent_pb2.BlockPut(
-                    block_id=ids[0], parent_id=ns.root)])]), "region 12345"),
-            (IA, stub.RegisterShm, agent_pb2.RegisterShmRequest(name="../etc/passwd",
-                                                                size=4096), "name"),
-            (grpc.StatusCode.FAILED_PRECONDITION, stub.RegisterShm,
-             agent_pb2.RegisterShmRequest(name="kvstore-test-missing", size=4096), "not found"),
+            (
+                grpc.StatusCode.NOT_FOUND,
+                stub.Get,
+                agent_pb2.GetRequest(
+                    ns=ns.ref,
+                    block_ids=probe.ids[0],
+                    parent_id=ns.root,
+                    shm=agent_pb2.ShmTarget(region_id=999, offsets=[0]),
+                ),
+                "region 999",
+            ),
+            (
+                IA,
+                stub.Get,
+                agent_pb2.GetRequest(
+                    ns=ns.ref,
+                    block_ids=probe.ids[0],
+                    parent_id=ns.root,
+                    shm=agent_pb2.ShmTarget(region_id=region, offsets=[(1 << 20) - 10]),
+                ),
+                "outside region",
+            ),
+            (
+                IA,
+                stub.Get,
+                agent_pb2.GetRequest(
+                    ns=ns.ref,
+                    block_ids=pack_ids(probe.ids),
+                    parent_id=ns.root,
+                    shm=agent_pb2.ShmTarget(region_id=region, offsets=[0]),
+                ),
+                "offsets",
+            ),
+            (
+                IA,
+                stub.Put,
+                iter(
+                    [
+                        agent_pb2.PutRequest(
+                            ns=ns.ref,
+                            shm_region_id=region,
+                            root=ns.root,
+                            blocks=[
+                                agent_pb2.BlockPut(
+                                    block_id=ids[0], parent_id=ns.root, shm_offset=1 << 40
+                                )
+                            ],
+                        )
+                    ]
+                ),
+                "outside region",
+            ),
+            (
+                grpc.StatusCode.NOT_FOUND,
+                stub.Put,
+                iter(
+                    [
+                        agent_pb2.PutRequest(
+                            ns=ns.ref,
+                            shm_region_id=12345,
+                            blocks=[agent_pb2.BlockPut(block_id=ids[0], parent_id=ns.root)],
+                        )
+                    ]
+                ),
+                "region 12345",
+            ),
+            (
+                IA,
+                stub.RegisterShm,
+                agent_pb2.RegisterShmRequest(name="../etc/passwd", size=4096),
+                "name",
+            ),
+            (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                stub.RegisterShm,
+                agent_pb2.RegisterShmRequest(name="kvstore-test-missing", size=4096),
+                "not found",
+            ),
             # blocks bigger than this node's slots
-            (IA, stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=common_pb2.Namespace(
-                **make_namespace(head_dim=4096).to_dict())), "slots"),
+            (
+                IA,
+                stub.OpenNamespace,
+                agent_pb2.OpenNamespaceRequest(
+                    spec=common_pb2.Namespace(**make_namespace(head_dim=4096).to_dict())
+                ),
+                "slots",
+            ),
             (IA, stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(), "needs a spec"),
         ]
         for code, fn, req, match in checks:
@@ -282,18 +411,28 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
         # An incomplete namespace spec names every missing field.
         spec = SPEC.to_dict()
         spec.update(model_revision="", tokenizer_id="", rope_theta=0.0)
-        err = expect_status(IA, stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(
-            spec=common_pb2.Namespace(**spec)))
+        err = expect_status(
+            IA,
+            stub.OpenNamespace,
+            agent_pb2.OpenNamespaceRequest(spec=common_pb2.Namespace(**spec)),
+        )
         for name in ("model_revision", "tokenizer_id", "rope_theta"):
             assert name in err.details()
-        expect_status(IA, stub.OpenNamespace, agent_pb2.OpenNamespaceRequest(
-            spec=common_pb2.Namespace(**{**SPEC.to_dict(), "kv_dtype": "fp4"})),
-            match="kv_dtype")
+        expect_status(
+            IA,
+            stub.OpenNamespace,
+            agent_pb2.OpenNamespaceRequest(
+                spec=common_pb2.Namespace(**{**SPEC.to_dict(), "kv_dtype": "fp4"})
+            ),
+            match="kv_dtype",
+        )
         # A message over max_message_bytes is refused by gRPC itself.
         big = [bytes(NB)] * 300  # ~1.2 MiB of payload in one message
-        expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.Put,
-                      iter([_put_req(ns, c.block_ids(ns, prompt_tokens(6, 300 * BS)), big,
-                                     ns.root)]))
+        expect_status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            stub.Put,
+            iter([_put_req(ns, c.block_ids(ns, prompt_tokens(6, 300 * BS)), big, ns.root)]),
+        )
         probe.intact()
         # A checksum mismatch keeps nothing of the bad block, and no slot leaks.
         assert c.lookup(ns, ids).matched == 0
@@ -301,8 +440,10 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
         assert st.tiers[0].slots_total - st.tiers[0].slots_free == 3
         # Still serving, and a later good put works.
         health = health_pb2_grpc.HealthStub(c.channel)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         assert c.put(ns, ids, blocks_for(5, 4)).stored == 4
 
 
@@ -313,20 +454,25 @@ B_MD = (("authorization", "Bearer " + TOKENS["beta"]),)
 
 
 def _tenants():
-    return {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()}
-            for t, tok in TOKENS.items()}
+    return {
+        t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()} for t, tok in TOKENS.items()
+    }
 
 
 def test_tenant_auth_and_isolation(spawn_agent):
     agent = spawn_agent(allow_unauthenticated=False, tenants=_tenants())
     private = make_namespace(tenant="acme", name="chat")
     public = make_namespace(tenant="acme", name="docs", public=True)
-    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="acme-secret",
-                  use_shm=False) as a, \
-            KVClient(agent.address, token=TOKENS["beta"], tenant_secret="beta-secret",
-                     use_shm=False) as b, \
-            KVClient(agent.address, use_shm=False) as anon, \
-            own_region(a.stub, metadata=A_MD) as (a_region, a_region_id):
+    with (
+        KVClient(
+            agent.address, token=TOKENS["acme"], tenant_secret="acme-secret", use_shm=False
+        ) as a,
+        KVClient(
+            agent.address, token=TOKENS["beta"], tenant_secret="beta-secret", use_shm=False
+        ) as b,
+        KVClient(agent.address, use_shm=False) as anon,
+        own_region(a.stub, metadata=A_MD) as (a_region, a_region_id),
+    ):
         ns_priv = a.open_namespace(private)
         ns_pub = a.open_namespace(public)
         ids_priv, blocks_priv = store_prompt(a, ns_priv, 1, 3)
@@ -343,12 +489,25 @@ def test_tenant_auth_and_isolation(spawn_agent):
         expect_status(P, b.put, ns_priv, ids_priv, blocks_priv)
         expect_status(P, b.stats, "acme")
         # A's shared-memory region is A's alone.
-        expect_status(P, b.stub.Get, agent_pb2.GetRequest(
-            ns=ns_pub.ref, block_ids=ids_pub[0], parent_id=ns_pub.root,
-            shm=agent_pb2.ShmTarget(region_id=a_region_id, offsets=[0])), metadata=B_MD)
+        expect_status(
+            P,
+            b.stub.Get,
+            agent_pb2.GetRequest(
+                ns=ns_pub.ref,
+                block_ids=ids_pub[0],
+                parent_id=ns_pub.root,
+                shm=agent_pb2.ShmTarget(region_id=a_region_id, offsets=[0]),
+            ),
+            metadata=B_MD,
+        )
         # Nor can B map A's region by its name (anyone on the host can list /dev/shm).
-        expect_status(P, b.stub.RegisterShm, agent_pb2.RegisterShmRequest(
-            name=a_region, size=1 << 20), metadata=B_MD, match="another tenant")
+        expect_status(
+            P,
+            b.stub.RegisterShm,
+            agent_pb2.RegisterShmRequest(name=a_region, size=1 << 20),
+            metadata=B_MD,
+            match="another tenant",
+        )
         # A public namespace is readable by B, not writable.
         ns_pub_b = b.open_namespace(public)
         assert ns_pub_b.root == ns_pub.root  # unkeyed: B computes the same ids
@@ -361,8 +520,13 @@ def test_tenant_auth_and_isolation(spawn_agent):
         # The event stream is for cluster components.
         expect_status(P, b.stub.Subscribe, agent_pb2.SubscribeRequest(), metadata=B_MD)
         router_md = (("authorization", "Bearer " + TOKENS["_cluster"]),)
-        first = next(iter(a.stub.Subscribe(agent_pb2.SubscribeRequest(subscriber="r"),
-                                           metadata=router_md, timeout=10)))
+        first = next(
+            iter(
+                a.stub.Subscribe(
+                    agent_pb2.SubscribeRequest(subscriber="r"), metadata=router_md, timeout=10
+                )
+            )
+        )
         assert first.snapshot
         # Nothing B tried changed A's blocks; B's stats show nothing of A's.
         assert same(a.get(ns_priv, ids_priv), blocks_priv)
@@ -371,8 +535,10 @@ def test_tenant_auth_and_isolation(spawn_agent):
         assert [t.tenant for t in a.stats().tenants] == ["acme"]
         # Health checking needs no token.
         health = health_pb2_grpc.HealthStub(anon.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(
-            service="kvstore.v1.NodeAgent")).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.NodeAgent")).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
 
 
 # ----------------------------------------------------------------- health, events
@@ -388,7 +554,8 @@ def test_health_and_event_stream(spawn_agent):
             ns = c.open_namespace(SPEC)
             ids_a, _ = store_prompt(c, ns, 1, 3)
             stream = agent_pb2_grpc.NodeAgentStub(channel).Subscribe(
-                agent_pb2.SubscribeRequest(subscriber="test"), timeout=20)
+                agent_pb2.SubscribeRequest(subscriber="test"), timeout=20
+            )
             snap = []
             for batch in stream:
                 assert batch.snapshot
@@ -403,39 +570,45 @@ def test_health_and_event_stream(spawn_agent):
             for batch in stream:
                 assert not batch.snapshot
                 live.extend(batch.events)
-                if sum(len(_split(e.block_ids)) for e in live
-                       if e.kind == agent_pb2.Event.STORED) >= 8 and any(
-                        e.kind == agent_pb2.Event.TIER_CHANGED for e in live):
+                if sum(
+                    len(_split(e.block_ids)) for e in live if e.kind == agent_pb2.Event.STORED
+                ) >= 8 and any(e.kind == agent_pb2.Event.TIER_CHANGED for e in live):
                     break
             stream.cancel()
         assert [e.seq for e in live] == list(range(seq0 + 1, seq0 + 1 + len(live)))
-        stored = [b for e in live if e.kind == agent_pb2.Event.STORED
-                  for b in _split(e.block_ids)]
+        stored = [b for e in live if e.kind == agent_pb2.Event.STORED for b in _split(e.block_ids)]
         assert stored == ids_b
         first_stored = next(e for e in live if e.kind == agent_pb2.Event.STORED)
         assert first_stored.parent_id == ns.root
-        demoted = {b for e in live if e.kind == agent_pb2.Event.TIER_CHANGED
-                   for b in _split(e.block_ids)}
+        demoted = {
+            b for e in live if e.kind == agent_pb2.Event.TIER_CHANGED for b in _split(e.block_ids)
+        }
         assert demoted and demoted <= set(ids_a)
     finally:
         channel.close()
 
 
 def _split(packed: bytes) -> list[bytes]:
-    return [packed[i:i + 16] for i in range(0, len(packed), 16)]
+    return [packed[i : i + 16] for i in range(0, len(packed), 16)]
 
 
 def test_agent_rejects_bad_configuration(tmp_path):
     import subprocess
     import sys
+
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"pool_bytes": "lots"}))
-    r = subprocess.run([sys.executable, "-m", "node_agent", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=60,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+    r = subprocess.run(
+        [sys.executable, "-m", "node_agent", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        ),
+    )
     assert r.returncode == 2
     assert "pool_bytes" in r.stderr
-
 
 
 def test_orphan_blocks_are_refused(spawn_agent):

@@ -1,6 +1,7 @@
 """loadtest/bench_peer.py end to end in a tiny configuration: it starts two agents, moves
 real blocks both ways it measures, and ends with the one JSON line its README promises.
 Figures are not checked (benchmarks, not timed tests); their presence and sanity are."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,18 +18,42 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
 def test_bench_peer_runs_and_reports_every_figure():
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_peer", "--blocks", "4", "--rounds", "1",
-         "--burst", "2", "--small-rounds", "1", "--perftest-iters", "5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "loadtest.bench_peer",
+            "--blocks",
+            "4",
+            "--rounds",
+            "1",
+            "--burst",
+            "2",
+            "--small-rounds",
+            "1",
+            "--perftest-iters",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("limit_gbps", "limit_footprint_gbps", "ucx_gbps", "ucx_cold_gbps",
-                "grpc_gbps", "ucx_ratio", "ucx_ratio_footprint", "prefetch_60x8k_ms_ucx",
-                "prefetch_60x8k_ms_grpc"):
+    for key in (
+        "limit_gbps",
+        "limit_footprint_gbps",
+        "ucx_gbps",
+        "ucx_cold_gbps",
+        "grpc_gbps",
+        "ucx_ratio",
+        "ucx_ratio_footprint",
+        "prefetch_60x8k_ms_ucx",
+        "prefetch_60x8k_ms_grpc",
+    ):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
     assert result["batch_blocks"] == 64 and result["blocks"] == 4 and result["burst"] == 2
     assert result["limit_method"] in ("ucx_perftest tcp", "python socket")
-    assert result["ucx_ratio"] == pytest.approx(result["ucx_gbps"] / result["limit_gbps"],
-                                                rel=0.01)
+    assert result["ucx_ratio"] == pytest.approx(result["ucx_gbps"] / result["limit_gbps"], rel=0.01)
     # Same-host agents move payloads with CMA reads (UCX's own account of its choice).
     assert result["ucx_transport"].startswith("cma"), result["ucx_transport"]

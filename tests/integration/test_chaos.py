@@ -2,6 +2,7 @@
 seconds of load and one of each fault (real etcd, agents, router, RocksDB, tmpfs when
 root). Goals other than wrong_bytes are findings the harness reports, not assertions
 here: every figure must be present and sane, and no byte read may be wrong."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,41 @@ def _number(v) -> bool:
 @pytest.mark.timeout(900)  # a busy host slows agent restarts; the run is bounded anyway
 def test_chaos_runs_every_fault_and_reports_every_figure():
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.chaos", "--minutes", "0.1", "--agents", "2",
-         "--tenants", "2", "--rate", "5", "--lease-ttl-s", str(TTL), "--warmup-s", "4",
-         "--fault-every-s", "0", "--tail-s", "2", "--stop-s", "3", "--disk-hold-s", "1",
-         "--disk-mb", "128", "--seed", "7"],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=880)
+        [
+            sys.executable,
+            "-m",
+            "loadtest.chaos",
+            "--minutes",
+            "0.1",
+            "--agents",
+            "2",
+            "--tenants",
+            "2",
+            "--rate",
+            "5",
+            "--lease-ttl-s",
+            str(TTL),
+            "--warmup-s",
+            "4",
+            "--fault-every-s",
+            "0",
+            "--tail-s",
+            "2",
+            "--stop-s",
+            "3",
+            "--disk-hold-s",
+            "1",
+            "--disk-mb",
+            "128",
+            "--seed",
+            "7",
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout[-2000:]  # exactly one JSON line on stdout
@@ -38,8 +69,9 @@ def test_chaos_runs_every_fault_and_reports_every_figure():
     assert r["verified_blocks"] > 0 and r["verified_bytes"] == r["verified_blocks"] * 8192
     assert sum(r["served_by"].values()) == r["ops"]
     assert set(r["served_by"]) <= {"agent-0", "agent-1"}
-    assert all(isinstance(k, str) and isinstance(v, int) and v > 0
-               for k, v in r["client_errors"].items())
+    assert all(
+        isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in r["client_errors"].items()
+    )
     assert _number(r["max_unavailable_s"]) and r["max_unavailable_s"] >= 0
     assert r["nvme_census_blocks"] >= r["nvme_recovered_blocks"] >= 0
     ratio = r["nvme_recovered_ratio"]
@@ -66,20 +98,32 @@ def test_chaos_runs_every_fault_and_reports_every_figure():
     assert damage["detail"]["mode"] == "flip" and damage["detail"]["file"].endswith(".sst")
 
     goals = r["goals"]
-    assert set(goals) == {"wrong_bytes", "slot_leaks", "max_unavailable_s",
-                          "nvme_recovered_ratio", "rss_drift_pct"}
+    assert set(goals) == {
+        "wrong_bytes",
+        "slot_leaks",
+        "max_unavailable_s",
+        "nvme_recovered_ratio",
+        "rss_drift_pct",
+    }
     assert goals["max_unavailable_s"]["limit"] == 2 * TTL
     for name, g in goals.items():
         assert g["value"] == r[name]
-        want = g["value"] is not None and (g["value"] <= g["limit"] if g["cmp"] == "<="
-                                           else g["value"] >= g["limit"])
+        want = g["value"] is not None and (
+            g["value"] <= g["limit"] if g["cmp"] == "<=" else g["value"] >= g["limit"]
+        )
         assert g["ok"] is want, (name, g)
     assert goals["wrong_bytes"]["ok"]
 
 
 def test_chaos_refuses_an_unknown_fault_with_a_message():
-    proc = subprocess.run([sys.executable, "-m", "loadtest.chaos", "--faults", "kill9,meteor"],
-                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.chaos", "--faults", "kill9,meteor"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "unknown fault(s) meteor" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""

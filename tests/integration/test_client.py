@@ -1,5 +1,6 @@
 """Client library against a real agent: prompt-level fetch/store and usage reporting
 (prompt, cache-read, cache-write and uncached tokens), on both transports."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,9 @@ def agent(spawn_agent):
 def clients(agent):
     """One client per transport: (shared memory, plain gRPC)."""
     for use_shm in (True, False):
-        with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=use_shm,
-                      shm_bytes=1 << 20) as c:
+        with KVClient(
+            agent.address, tenant_secret=TEST_SECRET, use_shm=use_shm, shm_bytes=1 << 20
+        ) as c:
             assert c.uses_shm is use_shm
             yield c
 
@@ -49,15 +51,14 @@ def _usage_checks(c: KVClient, seed: int) -> None:
 
         miss = c.fetch(ns, tokens)
         assert (miss.cached_blocks, miss.cached_tokens, len(miss.block_ids)) == (0, 0, 2)
-        assert c.store(ns, tokens, kv, cached_blocks=miss.cached_blocks) == \
-            Usage(prompt_tokens=40, cache_read_tokens=0, cache_write_tokens=32,
-                  uncached_tokens=40)
+        assert c.store(ns, tokens, kv, cached_blocks=miss.cached_blocks) == Usage(
+            prompt_tokens=40, cache_read_tokens=0, cache_write_tokens=32, uncached_tokens=40
+        )
 
         hit = c.fetch(ns, tokens)
         assert hit.cached_tokens == 32
         assert torch.equal(blocks_to_kv(hit.blocks), kv[:, :, :32])
-        assert c.store(ns, tokens, kv, cached_blocks=hit.cached_blocks) == \
-            Usage(40, 32, 0, 8)
+        assert c.store(ns, tokens, kv, cached_blocks=hit.cached_blocks) == Usage(40, 32, 0, 8)
 
         # The partial tail was not cached: the same 32 tokens then another tail still hit
         # exactly two blocks, and a third full block is a new write.

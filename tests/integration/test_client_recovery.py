@@ -2,6 +2,7 @@
 and the local lane again and retries, transparently), and no client call hangs on a
 frozen agent: each has a deadline and fails with the client's DeadlineExceeded. Real
 agent processes, restarted on the same port or stopped with SIGSTOP."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ BS = SPEC.block_size
 
 def blocks_for(seed: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype)) for _ in range(n)
+    ]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -32,8 +34,9 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def test_same_host_clients_register_again_after_an_agent_restart(spawn_agent):
     agent = spawn_agent(default_policy={"persist": True})  # blocks outlive the restart
-    grpc_shm = KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20,
-                        local_lane=False)
+    grpc_shm = KVClient(
+        agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20, local_lane=False
+    )
     lane_c = KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20)
     try:
         assert grpc_shm.uses_shm and not grpc_shm.uses_local_lane and lane_c.uses_local_lane
@@ -75,6 +78,7 @@ def _in_thread(fn):
             out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             out["error"] = exc
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(60)  # far beyond any deadline below: only a hang gets here
@@ -83,8 +87,7 @@ def _in_thread(fn):
 
 def test_a_frozen_agent_gives_deadline_exceeded_not_a_hang(spawn_agent):
     agent = spawn_agent()
-    lane_c = KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20,
-                      timeout=1.0)
+    lane_c = KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20, timeout=1.0)
     plain = KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False, timeout=1.0)
     try:
         assert lane_c.uses_local_lane
@@ -93,15 +96,16 @@ def test_a_frozen_agent_gives_deadline_exceeded_not_a_hang(spawn_agent):
         lane_c.put(ns[lane_c], ids, blocks_for(5, 2))
         os.kill(agent.proc.pid, signal.SIGSTOP)
         try:
-            calls = [lambda: lane_c.lookup(ns[lane_c], ids),  # the lane
-                     lambda: lane_c.get(ns[lane_c], ids),  # registering again, gRPC
-                     lambda: plain.lookup(ns[plain], ids),
-                     lambda: plain.get(ns[plain], ids),
-                     lambda: plain.put(ns[plain], ids, blocks_for(5, 2)),
-                     lambda: plain.stats(),
-                     lambda: plain.lookup(ns[plain], ids, timeout=0.2),  # per call
-                     lambda: KVClient(agent.address, use_shm=False, timeout=0.5)
-                     .open_namespace(SPEC)]
+            calls = [
+                lambda: lane_c.lookup(ns[lane_c], ids),  # the lane
+                lambda: lane_c.get(ns[lane_c], ids),  # registering again, gRPC
+                lambda: plain.lookup(ns[plain], ids),
+                lambda: plain.get(ns[plain], ids),
+                lambda: plain.put(ns[plain], ids, blocks_for(5, 2)),
+                lambda: plain.stats(),
+                lambda: plain.lookup(ns[plain], ids, timeout=0.2),  # per call
+                lambda: KVClient(agent.address, use_shm=False, timeout=0.5).open_namespace(SPEC),
+            ]
             for i, call in enumerate(calls):
                 finished, err = _in_thread(call)
                 assert finished, f"call {i} hung on a frozen agent"

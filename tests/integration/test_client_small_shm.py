@@ -5,6 +5,7 @@ payloads over gRPC, says so once, and serves correctly either way.
 The client runs in a mount namespace of its own with a small tmpfs on /dev/shm (root: the
 test suite runs as root in CI; elsewhere it skips saying why), so the agent cannot map its
 region either, as between two containers."""
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,17 @@ print("round_trip", "identical" if same else "DIFFERENT")
 def test_small_dev_shm_gives_a_smaller_staging_area_or_grpc(spawn_agent, shm_mib, says):
     agent = spawn_agent()
     spec = make_namespace(name=f"small-shm-{shm_mib}")
-    script = (f"mount -t tmpfs -o size={shm_mib}m tmpfs /dev/shm && exec {PY} -c "
-              f"'{CLIENT}' {agent.address} \"{spec.to_dict()!r}\"")
-    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    script = (
+        f"mount -t tmpfs -o size={shm_mib}m tmpfs /dev/shm && exec {PY} -c "
+        f"'{CLIENT}' {agent.address} \"{spec.to_dict()!r}\""
+    )
+    r = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-2000:]  # SIGBUS was exit 135
     assert r.stderr.count(says) == 1, r.stderr
     # The agent cannot map a region in another /dev/shm either: payloads over gRPC.

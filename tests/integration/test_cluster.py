@@ -1,5 +1,6 @@
 """Cluster membership end to end (agents join and leave, etcd restarts) and the local
 development cluster driven through `kvctl cluster` and ClusterClient."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def test_etcd_restart_keeps_serving_and_watches_resume(etcd, spawn_agent, start_
     tokens = prompt_tokens(2, 8 * SPEC.block_size)
     with KVClient(a0.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
         ns = c.open_namespace(SPEC)
-        kv = torch.zeros(SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim,
-                         dtype=torch.float16)
+        kv = torch.zeros(
+            SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim, dtype=torch.float16
+        )
         assert c.store(ns, tokens, kv).cache_write_tokens == len(tokens)
         ids = c.block_ids(ns, tokens)
         assert c.lookup(ns, ids).matched == 8
@@ -70,9 +72,14 @@ def test_etcd_restart_keeps_serving_and_watches_resume(etcd, spawn_agent, start_
 
 # ------------------------------------------------------------------- local cluster
 def kvctl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT, timeout=timeout,
-                          capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args],
+        cwd=ROOT,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 @pytest.fixture
@@ -97,8 +104,9 @@ def test_kvctl_usage_errors(tmp_path):
 
 
 def test_local_cluster_up_demo_status_down(local_cluster):
-    r = kvctl("cluster", "up", "--agents", "2", "--state-dir", str(local_cluster),
-              "--pool-bytes", "32MiB")
+    r = kvctl(
+        "cluster", "up", "--agents", "2", "--state-dir", str(local_cluster), "--pool-bytes", "32MiB"
+    )
     assert r.returncode == 0, r.stderr
     assert "router" in r.stdout and "agent-1" in r.stdout
     st = ClusterState.load(local_cluster)
@@ -110,8 +118,9 @@ def test_local_cluster_up_demo_status_down(local_cluster):
     tokens = prompt_tokens(5, 200)
     with ClusterClient(st.router_address, tenant_secret=TEST_SECRET, use_shm=False) as cc:
         ns = cc.open_namespace(SPEC)
-        kv = torch.randn(SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim,
-                         dtype=torch.float16)
+        kv = torch.randn(
+            SPEC.num_layers, 2, len(tokens), SPEC.num_kv_heads, SPEC.head_dim, dtype=torch.float16
+        )
         first = cc.fetch(ns, tokens)
         assert first.cached_tokens == 0 and first.node_id in ("agent-0", "agent-1")
         assert cc.store(ns, first, tokens, kv).cache_write_tokens == 192
@@ -119,9 +128,13 @@ def test_local_cluster_up_demo_status_down(local_cluster):
         assert second.node_id == first.node_id
         assert torch.equal(torch.cat(second.hit.blocks, dim=2), kv[:, :, :192])
 
-    demo = subprocess.run([sys.executable, "-m", "loadtest.demo", "--state-dir",
-                           str(local_cluster), "--turns", "2"], cwd=ROOT, timeout=120,
-                          capture_output=True, text=True)
+    demo = subprocess.run(
+        [sys.executable, "-m", "loadtest.demo", "--state-dir", str(local_cluster), "--turns", "2"],
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
     assert demo.returncode == 0, demo.stderr
     assert "token-weighted hit rate" in demo.stdout and "round-robin" in demo.stdout
 

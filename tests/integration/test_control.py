@@ -2,6 +2,7 @@
 flush racing lookups and routes, a node down during a flush, the kill switch across
 restarts, quotas isolating tenants, and an etcd outage (data path keeps serving, admin
 commands fail clearly)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,16 @@ import grpc
 import pytest
 from support.cluster import spawn_many
 from support.common import PY, ROOT, make_namespace, wait_for
-from support.control import (AgentClient, agent_cfg, chain, kvctl, kvctl_json,
-                             lagging_watches, status_of, with_fake_member)
+from support.control import (
+    AgentClient,
+    agent_cfg,
+    chain,
+    kvctl,
+    kvctl_json,
+    lagging_watches,
+    status_of,
+    with_fake_member,
+)
 
 from kvstore.coord.admin import ROUTERS, ControlPlane
 from kvstore.coord.etcd import EtcdClient, NodeRecord
@@ -60,8 +69,7 @@ class Storm:
         self.counts[kind][self.done_at is not None and sent > self.done_at] += 1
 
     def _more(self, kind: str, deadline: float) -> bool:
-        return (self.counts[kind][1] < PER_PHASE
-                and asyncio.get_running_loop().time() < deadline)
+        return self.counts[kind][1] < PER_PHASE and asyncio.get_running_loop().time() < deadline
 
     def ready(self) -> bool:
         return all(c[0] >= PER_PHASE for c in self.counts.values())
@@ -74,8 +82,9 @@ class Storm:
         req = agent_pb2.LookupRequest(ns=ref, block_ids=pack_ids(self.ids))
         router = grpc.aio.insecure_channel(self.router_address)
         route_stub = router_pb2_grpc.RouterStub(router)
-        route_req = router_pb2.RouteRequest(namespace_id=SPEC.namespace_id, generation=0,
-                                            block_ids=pack_ids(self.ids), dry_run=True)
+        route_req = router_pb2.RouteRequest(
+            namespace_id=SPEC.namespace_id, generation=0, block_ids=pack_ids(self.ids), dry_run=True
+        )
 
         async def lookups(stub):
             while self._more("lookup", deadline):
@@ -99,8 +108,9 @@ class Storm:
 
         stubs = [agent_pb2_grpc.NodeAgentStub(c) for c in channels]
         try:
-            await asyncio.gather(*[lookups(s) for s in stubs for _ in range(8)],
-                                 *[routes() for _ in range(4)])
+            await asyncio.gather(
+                *[lookups(s) for s in stubs for _ in range(8)], *[routes() for _ in range(4)]
+            )
         finally:
             for c in channels + [router]:
                 await c.close()
@@ -114,9 +124,20 @@ async def _flush_under_load(etcd, addresses, router_address, ids):
             break
         await asyncio.sleep(0.05)
     proc = await asyncio.create_subprocess_exec(
-        PY, "-m", "kvstore.cli", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json",
-        cwd=ROOT, env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        PY,
+        "-m",
+        "kvstore.cli",
+        "flush",
+        "acme/chat",
+        "--etcd",
+        etcd.endpoint,
+        "-o",
+        "json",
+        cwd=ROOT,
+        env={**os.environ, "KVSTORE_OPERATOR": "test-operator"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
     storm.done_at = asyncio.get_running_loop().time()
     await asyncio.wait_for(task, _STORM_LIMIT_S + 10)
@@ -138,17 +159,18 @@ def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent, s
     router = start_router("r1")
     router.wait_nodes({"agent-0": 16, "agent-1": 16})
     assert router.route(SPEC.namespace_id, pack_ids(ids), dry_run=True).matched_blocks == 8
-    report, storm = asyncio.run(_flush_under_load(etcd, [a.address for a in agents],
-                                                  router.address, ids))
+    report, storm = asyncio.run(
+        _flush_under_load(etcd, [a.address for a in agents], router.address, ids)
+    )
 
     assert report["ok"] and report["missing"] == []
     assert set(report["acknowledged"]) == {"agent-0", "agent-1", "router:r1"}
-    assert {(n["name"], n["new_generation"]) for n in report["namespaces"]} == {
-        ("chat", 1)}, "both revisions of acme/chat, nothing else"
+    assert {(n["name"], n["new_generation"]) for n in report["namespaces"]} == {("chat", 1)}, (
+        "both revisions of acme/chat, nothing else"
+    )
     assert len(report["namespaces"]) == 2
     assert report["blocks_scheduled_for_deletion"] == 2 * (8 + 4)
-    assert storm.ready() and all(c[1] >= PER_PHASE for c in storm.counts.values()), \
-        storm.counts
+    assert storm.ready() and all(c[1] >= PER_PHASE for c in storm.counts.values()), storm.counts
     before = [s for s in storm.samples if s[0] <= storm.done_at]
     after = [s for s in storm.samples if s[0] > storm.done_at]
     assert {k for _, k, outcome in before if outcome == "hit"} == {"lookup", "route"}
@@ -169,7 +191,8 @@ def test_flush_racing_lookups_and_routes_leaves_no_old_hits(etcd, spawn_agent, s
         c.close()
     audit = kvctl_json("audit", etcd=etcd)
     assert [(a["action"], a["target"], a["ok"], a["who"]) for a in audit] == [
-        ("flush", "acme/chat", True, "test-operator")]
+        ("flush", "acme/chat", True, "test-operator")
+    ]
 
 
 # ------------------------------------------------------ node down during a flush
@@ -182,9 +205,13 @@ def test_node_down_during_flush_catches_up_before_serving(etcd, spawn_agent):
     cb.close()
     b.stop()  # clean stop: its blocks go to NVMe, its lease is revoked
     # A crashed node: its lease lives until its TTL runs out, and the flush waits it out.
-    r = with_fake_member(etcd.endpoint, "crashed",
-                         lambda: kvctl("flush", "acme/chat", "--timeout", "20", etcd=etcd),
-                         ttl=2, keep=False)
+    r = with_fake_member(
+        etcd.endpoint,
+        "crashed",
+        lambda: kvctl("flush", "acme/chat", "--timeout", "20", etcd=etcd),
+        ttl=2,
+        keep=False,
+    )
     assert r.returncode == 0, r.stderr
     assert "waiting for crashed" in r.stderr, r.stderr  # progress while it was live
     assert f"nodes acknowledged:  1/1 ({a.config['node_id']})" in r.stdout, r.stdout
@@ -209,8 +236,9 @@ def test_node_down_during_flush_catches_up_before_serving(etcd, spawn_agent):
 def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     a = spawn_agent(**agent_cfg(etcd))
     AgentClient(a.address).open(SPEC)
-    r = with_fake_member(etcd.endpoint, "ghost",
-                         lambda: kvctl("flush", "acme/chat", "--timeout", "1.5", etcd=etcd))
+    r = with_fake_member(
+        etcd.endpoint, "ghost", lambda: kvctl("flush", "acme/chat", "--timeout", "1.5", etcd=etcd)
+    )
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "ghost did not acknowledge" in r.stderr
     assert "generation committed at etcd revision" in r.stderr
@@ -235,8 +263,12 @@ def test_agent_registering_after_a_flush_never_serves_the_old_generation(etcd, m
     async def main():
         control = AgentControl(store, etcd.endpoint, "agent-j")
         release = lagging_watches(control.etcd)
-        reg = Registration(etcd.endpoint, lambda: NodeRecord("agent-j", "127.0.0.1:9"), 2,
-                           on_registered=control.catch_up)
+        reg = Registration(
+            etcd.endpoint,
+            lambda: NodeRecord("agent-j", "127.0.0.1:9"),
+            2,
+            on_registered=control.catch_up,
+        )
         try:
             await control.start(timeout_s=15)  # first listing: generation 0
             await control.open_namespace(SPEC)  # creates the namespace record in etcd
@@ -262,6 +294,7 @@ def test_agent_registering_after_a_flush_never_serves_the_old_generation(etcd, m
         finally:
             await reg.stop()
             await control.stop()
+
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
@@ -280,6 +313,7 @@ def test_router_announcing_after_a_flush_never_routes_the_old_generation(etcd):
                     reports.append(await plane.flush("acme", "chat", 5.0))
                     reports.append(await plane.set_killswitch(True, "test", 5.0))
                 return await real_put(key, value, lease=lease)
+
             client.put = put
             control = RouterControl(client, "rj", lease_ttl_s=2)
             await control.start(timeout_s=15)  # the router serves from here on
@@ -301,6 +335,7 @@ def test_router_announcing_after_a_flush_never_routes_the_old_generation(etcd):
                 assert not control.is_killed()
             finally:
                 await control.stop()
+
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
@@ -316,6 +351,7 @@ def test_killswitch_on_off_survives_restarts(etcd, spawn_agent, start_router):
 
     def routed(block_ids) -> int:
         return router.route(SPEC.namespace_id, pack_ids(block_ids), dry_run=True).matched_blocks
+
     assert routed(ids) == 5
 
     r = kvctl("killswitch", "on", "--reason", "pollution suspected", etcd=etcd)
@@ -349,16 +385,14 @@ def test_killswitch_on_off_survives_restarts(etcd, spawn_agent, start_router):
 
 # ---------------------------------------------------------------------- quotas
 def test_quotas_isolate_tenants(etcd, spawn_agent):
-    a = spawn_agent(**agent_cfg(etcd, pool_bytes="256KiB", slot_bytes="4KiB",
-                                nvme_bytes="1MiB"))
+    a = spawn_agent(**agent_cfg(etcd, pool_bytes="256KiB", slot_bytes="4KiB", nvme_bytes="1MiB"))
     c = AgentClient(a.address)
     noisy, quiet = make_namespace(tenant="noisy"), make_namespace(tenant="quiet")
     for spec in (noisy, quiet):
         c.open(spec)
     quiet_ids = [c.put_chain(quiet, 100 + i, 4, 0) for i in range(5)]
     blk = SPEC.block_bytes
-    r = kvctl("quota", "set", "noisy", "--hbm", str(8 * blk), "--nvme", str(12 * blk),
-              etcd=etcd)
+    r = kvctl("quota", "set", "noisy", "--hbm", str(8 * blk), "--nvme", str(12 * blk), etcd=etcd)
     assert r.returncode == 0, r.stderr
     wait_for(lambda: c.tenant("noisy").hbm_limit_bytes == 8 * blk, 10, what="quota applied")
     for i in range(12):  # 48 blocks through an 8-block quota
@@ -403,10 +437,13 @@ def test_etcd_down_data_path_serves_last_known_generations(etcd, spawn_agent):
         more = c.put_chain(SPEC, 10, 2, 1)
         assert c.lookup(SPEC, more, 1).matched == 2
         assert c.open(SPEC).generation == 1
-        for args, what in ((("flush", "acme/chat"), "flush"),
-                           (("killswitch", "on"), "killswitch"),
-                           (("quota", "set", "acme", "--hbm", "1GiB"), "quota set"),
-                           (("status",), "status"), (("audit",), "audit")):
+        for args, what in (
+            (("flush", "acme/chat"), "flush"),
+            (("killswitch", "on"), "killswitch"),
+            (("quota", "set", "acme", "--hbm", "1GiB"), "quota set"),
+            (("status",), "status"),
+            (("audit",), "audit"),
+        ):
             t0 = time.monotonic()
             r = kvctl(*args, "--etcd-timeout", "2", etcd=etcd)
             assert r.returncode == 3, (args, r.stdout, r.stderr)

@@ -1,6 +1,7 @@
 """kvstore/coord/etcd.py and node_agent/registration.py against a real etcd (the `etcd` fixture):
 compare-and-create registration, leases, list-then-watch, compaction, etcd restarts,
 error translation at the edge."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,10 @@ def rec(node_id: str = "n1", **kw) -> NodeRecord:
 
 # ---------------------------------------------------------------------------- basics
 def test_parse_endpoints_and_record_validation():
-    assert parse_endpoints("http://localhost:2379, 10.0.0.1:2380/") == \
-        ["127.0.0.1:2379", "10.0.0.1:2380"]
+    assert parse_endpoints("http://localhost:2379, 10.0.0.1:2380/") == [
+        "127.0.0.1:2379",
+        "10.0.0.1:2380",
+    ]
     for bad in ("", "nohost", "host:port"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
@@ -50,8 +53,12 @@ def test_parse_endpoints_and_record_validation():
     r = rec(device="cpu", utilization=0.25, blocks=7)
     assert NodeRecord.from_json(r.to_json()) == r
     # Fields a newer agent adds are ignored, not fatal.
-    assert NodeRecord.from_json(json.dumps({"node_id": "a", "address": "x:1",
-                                            "future": 1}).encode()).node_id == "a"
+    assert (
+        NodeRecord.from_json(
+            json.dumps({"node_id": "a", "address": "x:1", "future": 1}).encode()
+        ).node_id
+        == "a"
+    )
 
 
 def test_compare_and_create_registration(etcd):
@@ -71,6 +78,7 @@ def test_compare_and_create_registration(etcd):
             assert await c.keepalive(l2) > 0
             with pytest.raises(errors.NotFound):
                 await c.put("x", b"1", lease=l1)
+
     run(main())
 
 
@@ -79,8 +87,8 @@ def test_lease_expiry_removes_the_record(etcd):
         async with EtcdClient(etcd.endpoint) as c:
             lease = await c.grant(2)
             assert await c.register_node(rec(), lease)
-            await until(lambda: _gone(c), 15,
-                        "the record to expire with its lease")
+            await until(lambda: _gone(c), 15, "the record to expire with its lease")
+
     run(main())
 
 
@@ -108,6 +116,7 @@ def test_namespace_generation_bumps_are_atomic(etcd):
             assert await c.get_killswitch()
             await c.set_killswitch(False)
             assert not await c.get_killswitch()
+
     run(main())
 
 
@@ -159,6 +168,7 @@ def test_follow_lists_then_watches_and_relists_after_compaction(etcd):
             task = asyncio.create_task(c.follow("nodes/", m2.reset, m2.apply))
             await until(lambda: m2.data == {"nodes/b": b"2", "nodes/c": b"4"}, what="relist")
             task.cancel()
+
     run(main())
 
 
@@ -166,8 +176,9 @@ def test_watch_resumes_after_etcd_restart(etcd):
     async def main():
         async with EtcdClient(etcd.endpoint) as c:
             m = Mirror()
-            task = asyncio.create_task(c.follow("nodes/", m.reset, m.apply, retry_s=0.1,
-                                                max_retry_s=0.5))
+            task = asyncio.create_task(
+                c.follow("nodes/", m.reset, m.apply, retry_s=0.1, max_retry_s=0.5)
+            )
             await c.put("nodes/a", b"1")
             await until(lambda: m.data == {"nodes/a": b"1"}, what="first event")
             await asyncio.to_thread(etcd.stop)
@@ -180,6 +191,7 @@ def test_watch_resumes_after_etcd_restart(etcd):
             await until(lambda: m.data == {"nodes/b": b"2"}, 20, "events after the restart")
             assert m.resets == 1  # resumed from the revision, not relisted
             task.cancel()
+
     run(main())
 
 
@@ -190,6 +202,7 @@ def test_unreachable_etcd_is_unavailable_with_a_clear_message():
                 await c.list("nodes/")
             with pytest.raises(errors.Unavailable):
                 await c.grant(5)
+
     run(main())
 
 
@@ -212,8 +225,7 @@ def test_registration_lifecycle(etcd):
             # The lease vanishes behind the agent's back (as after a long outage):
             # it registers again under a new one.
             await c.revoke(first_lease)
-            await until(lambda: _registered_with_new_lease(c, first_lease), 15,
-                        "re-registration")
+            await until(lambda: _registered_with_new_lease(c, first_lease), 15, "re-registration")
             # etcd restarts: the agent keeps serving its record with the same lease.
             lease = (await c.get("nodes/agent-x")).lease
             await asyncio.to_thread(etcd.stop)
@@ -232,6 +244,7 @@ def test_registration_lifecycle(etcd):
             assert NodeRecord.from_json((await c.get("nodes/agent-x")).value).address == "x:9"
             await other.stop()
             assert await c.get("nodes/agent-x") is None
+
     run(main(), 90)
 
 

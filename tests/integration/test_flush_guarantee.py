@@ -3,6 +3,7 @@ against real etcd and real agents: a namespace opened while etcd was down is reg
 once it is back and a flush reaches it (also while its registration is still pending);
 a spec too large for an etcd record is refused, never served; a tenant's namespaces are
 capped cluster-wide."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,17 +53,22 @@ def test_namespace_opened_while_etcd_down_is_registered_and_flushed(etcd, spawn_
 
     report = kvctl_json("flush", "acme/chat", etcd=etcd)
     assert report["ok"] and report["acknowledged"] == ["agent-0"], report
-    assert status_of(c.lookup, SPEC, ids, 0) == STALE, \
+    assert status_of(c.lookup, SPEC, ids, 0) == STALE, (
         "the namespace opened during the outage still serves the flushed generation"
+    )
     generation = c.open(SPEC).generation
     assert generation >= 1
     assert c.lookup(SPEC, chain(SPEC, 2, 4, generation)[0], generation).matched == 0
     # registered once etcd answered, at the generation it is served at
-    wait_for(lambda: _records(etcd).get(SPEC.namespace_id.hex()) == generation, 20,
-             what="the namespace registered in etcd")
+    wait_for(
+        lambda: _records(etcd).get(SPEC.namespace_id.hex()) == generation,
+        20,
+        what="the namespace registered in etcd",
+    )
     report = kvctl_json("flush", "acme/chat", etcd=etcd)  # now through its record
     assert {(n["ns_hex"], n["new_generation"]) for n in report["namespaces"]} >= {
-        (SPEC.namespace_id.hex(), generation + 1)}
+        (SPEC.namespace_id.hex(), generation + 1)
+    }
     assert status_of(c.lookup, SPEC, ids, generation) == STALE
 
 
@@ -77,8 +83,12 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
 
     async def main():
         control = AgentControl(store, etcd.endpoint, "agent-p")
-        reg = Registration(etcd.endpoint, lambda: NodeRecord("agent-p", "127.0.0.1:9"), 2,
-                           on_registered=control.catch_up)
+        reg = Registration(
+            etcd.endpoint,
+            lambda: NodeRecord("agent-p", "127.0.0.1:9"),
+            2,
+            on_registered=control.catch_up,
+        )
         release = threading.Event()
         real_claim = control.etcd.claim_namespace
 
@@ -86,6 +96,7 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
             if not release.is_set():
                 raise errors.Unavailable("injected: this agent cannot reach etcd")
             return await real_claim(*args, **kw)
+
         try:
             await control.start(timeout_s=15)
             await reg.start()
@@ -107,8 +118,9 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
                 assert report.progress.unregistered == 1, report
 
                 report = await plane.flush("acme", "code", 15.0)  # no record anywhere
-                assert report.ok and report.namespaces == () and \
-                    report.progress.unregistered == 1, report
+                assert (
+                    report.ok and report.namespaces == () and report.progress.unregistered == 1
+                ), report
                 with pytest.raises(errors.StaleGeneration):
                     store.lookup(CODE.namespace_id, 0, code_ids)
 
@@ -127,16 +139,20 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
                 report = await plane.flush("acme", "chat", 15.0)
                 assert report.ok and report.progress.unregistered == 0
                 assert {f.ns_hex: f.new_generation for f in report.namespaces} == {
-                    SPEC.namespace_id.hex(): 2, SPEC_R2.namespace_id.hex(): 2}
+                    SPEC.namespace_id.hex(): 2,
+                    SPEC_R2.namespace_id.hex(): 2,
+                }
         finally:
             await reg.stop()
             await control.stop()
+
     asyncio.run(asyncio.wait_for(main(), 90))
 
 
 def test_flush_lists_again_when_a_namespace_registers_during_it(etcd):
     """A registration committed between a flush's listing and its transaction is not
     missed: the transaction compares every record of the tenant, so it lists again."""
+
     async def main():
         async with EtcdClient(etcd.endpoint) as admin, EtcdClient(etcd.endpoint) as agent:
             await agent.claim_namespace(SPEC_R2.namespace_id, SPEC_R2.to_dict(), {}, 0, 0)
@@ -145,22 +161,32 @@ def test_flush_lists_again_when_a_namespace_registers_during_it(etcd):
             async def list_(prefix: str):
                 out = await real_list(prefix)
                 if prefix == "namespaces/acme/" and not injected:  # an agent registers now
-                    injected.append(await agent.claim_namespace(
-                        SPEC.namespace_id, SPEC.to_dict(), {}, 0, 0))
+                    injected.append(
+                        await agent.claim_namespace(SPEC.namespace_id, SPEC.to_dict(), {}, 0, 0)
+                    )
                 return out
+
             admin.list = list_
             flushed, revision, _ = await ControlPlane(admin, who="test").commit_flush(
-                "acme", "chat")
+                "acme", "chat"
+            )
             assert injected and injected[0].created
             assert {f.ns_hex: f.new_generation for f in flushed} == {
-                SPEC.namespace_id.hex(): 1, SPEC_R2.namespace_id.hex(): 1}
+                SPEC.namespace_id.hex(): 1,
+                SPEC_R2.namespace_id.hex(): 1,
+            }
             assert (await admin.get_namespace("acme", SPEC.namespace_id))["generation"] == 1
             # and a registration from a view older than that flush writes nothing
-            late = await agent.claim_namespace(make_namespace(model_revision="r3").namespace_id,
-                                               make_namespace(model_revision="r3").to_dict(),
-                                               {}, 0, revision - 1)
+            late = await agent.claim_namespace(
+                make_namespace(model_revision="r3").namespace_id,
+                make_namespace(model_revision="r3").to_dict(),
+                {},
+                0,
+                revision - 1,
+            )
             assert (late.flushed_at, late.created) == (revision, False)
             assert len(await admin.list_namespaces("acme")) == 2
+
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
@@ -192,15 +218,14 @@ def _ns_msg(**overrides):
     from support.common import NS_DEFAULTS
 
     from kvstore.v1 import agent_pb2, common_pb2
-    return agent_pb2.OpenNamespaceRequest(spec=common_pb2.Namespace(**{**NS_DEFAULTS,
-                                                                      **overrides}))
+
+    return agent_pb2.OpenNamespaceRequest(spec=common_pb2.Namespace(**{**NS_DEFAULTS, **overrides}))
 
 
 # ------------------------------------------------------------ namespace cap
 def test_namespace_cap_per_tenant_is_cluster_wide_and_atomic(etcd, spawn_agent):
     limit = 4
-    agents = [spawn_agent(**agent_cfg(etcd, max_namespaces_per_tenant=limit))
-              for _ in range(2)]
+    agents = [spawn_agent(**agent_cfg(etcd, max_namespaces_per_tenant=limit)) for _ in range(2)]
     clients = [AgentClient(a.address) for a in agents]
     specs = [make_namespace(name=f"ns{i}") for i in range(10)]
     codes: dict[str, grpc.StatusCode] = {}
@@ -215,6 +240,7 @@ def test_namespace_cap_per_tenant_is_cluster_wide_and_atomic(etcd, spawn_agent):
         except grpc.RpcError as exc:
             codes[specs[i].name] = exc.code()
             details.append(exc.details())
+
     threads = [threading.Thread(target=open_one, args=(i,)) for i in range(len(specs))]
     for t in threads:
         t.start()
@@ -241,8 +267,7 @@ def test_namespace_cap_without_etcd_is_per_agent(spawn_agent):
     c.open(SPEC)
     c.open(CODE)
     c.open(SPEC)  # already held: not a new one
-    assert status_of(c.open, make_namespace(name="third")) == \
-        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(c.open, make_namespace(name="third")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     c.open(make_namespace(tenant="other"))
 
 
@@ -258,14 +283,15 @@ def test_namespace_cap_while_etcd_is_unreachable_is_per_agent(etcd, make_store):
 
             async def unreachable(*args, **kw):
                 raise errors.Unavailable("injected: this agent cannot reach etcd")
+
             control.etcd.claim_namespace = unreachable
             await control.open_namespace(CODE)  # pending: the second
             await control.open_namespace(CODE)
             with pytest.raises(errors.ResourceExhausted, match="the limit is 2"):
                 await control.open_namespace(make_namespace(name="third"))
             await control.open_namespace(make_namespace(tenant="other"))
-            assert sorted(s.key for s in control.namespaces.pending) == ["acme/code",
-                                                                          "other/chat"]
+            assert sorted(s.key for s in control.namespaces.pending) == ["acme/code", "other/chat"]
         finally:
             await control.stop()
+
     asyncio.run(asyncio.wait_for(main(), 60))

@@ -5,6 +5,7 @@ blocks it held, verified, with its Stats readable and its memory in bounds.
 
 A seeded mutator (no new dependency): the same seed sends the same bytes, so a failure
 reproduces. Real agent, router and etcd processes."""
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         elif op == 1:  # insert random bytes
             buf[pos:pos] = rng.randbytes(rng.randint(1, 8))
         elif op == 2 and buf:  # delete a run
-            del buf[pos: pos + rng.randint(1, 8)]
+            del buf[pos : pos + rng.randint(1, 8)]
         elif op == 3:  # truncate
             del buf[pos:]
         elif op == 4 and buf:  # overwrite with a varint-ish byte
@@ -71,13 +72,19 @@ def _value(rng: random.Random, field, depth: int):
         return rng.random() < 0.5
     if field.type == fd.TYPE_ENUM:
         return rng.choice([v.number for v in field.enum_type.values])
-    top = (1 << 31) - 1 if field.type in (fd.TYPE_INT32, fd.TYPE_UINT32, fd.TYPE_SINT32,
-                                          fd.TYPE_FIXED32, fd.TYPE_SFIXED32) else None
+    top = (
+        (1 << 31) - 1
+        if field.type
+        in (fd.TYPE_INT32, fd.TYPE_UINT32, fd.TYPE_SINT32, fd.TYPE_FIXED32, fd.TYPE_SFIXED32)
+        else None
+    )
     v = rng.choice(_INTS)
     if top is not None:
         v = min(v, top)
-    if field.type in (fd.TYPE_INT32, fd.TYPE_INT64, fd.TYPE_SINT32, fd.TYPE_SINT64) \
-            and rng.random() < 0.3:
+    if (
+        field.type in (fd.TYPE_INT32, fd.TYPE_INT64, fd.TYPE_SINT32, fd.TYPE_SINT64)
+        and rng.random() < 0.3
+    ):
         v = -v
     return v
 
@@ -101,34 +108,48 @@ def random_message(rng: random.Random, cls, depth: int = 0):
 
 def blocks_for(seed: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype)) for _ in range(n)
+    ]
 
 
 def seeds(ns, ids: list[bytes]) -> dict[str, list[bytes]]:
     """Valid requests per method, the mutator's starting points."""
     ref, packed = ns.ref, pack_ids(ids)
     spec = common_pb2.Namespace(**SPEC.to_dict())
-    put = agent_pb2.PutRequest(ns=ref, root=ns.root, blocks=[agent_pb2.BlockPut(
-        block_id=ids[0], parent_id=ns.root, data=bytes(SPEC.block_bytes))])
+    put = agent_pb2.PutRequest(
+        ns=ref,
+        root=ns.root,
+        blocks=[
+            agent_pb2.BlockPut(block_id=ids[0], parent_id=ns.root, data=bytes(SPEC.block_bytes))
+        ],
+    )
     msgs = {
         "/kvstore.v1.NodeAgent/OpenNamespace": agent_pb2.OpenNamespaceRequest(spec=spec),
         "/kvstore.v1.NodeAgent/Lookup": agent_pb2.LookupRequest(ns=ref, block_ids=packed),
-        "/kvstore.v1.NodeAgent/Get": agent_pb2.GetRequest(ns=ref, block_ids=packed,
-                                                          parent_id=ns.root),
+        "/kvstore.v1.NodeAgent/Get": agent_pb2.GetRequest(
+            ns=ref, block_ids=packed, parent_id=ns.root
+        ),
         "/kvstore.v1.NodeAgent/Put": put,
         "/kvstore.v1.NodeAgent/Pin": agent_pb2.PinRequest(ns=ref, block_ids=packed),
         "/kvstore.v1.NodeAgent/Unpin": agent_pb2.PinRequest(ns=ref, block_ids=packed),
         "/kvstore.v1.NodeAgent/Stats": agent_pb2.StatsRequest(tenant="acme"),
         "/kvstore.v1.NodeAgent/RegisterShm": agent_pb2.RegisterShmRequest(
-            name="kvstore-fuzz-missing", size=4096),
+            name="kvstore-fuzz-missing", size=4096
+        ),
         "/kvstore.v1.NodeAgent/UnregisterShm": agent_pb2.UnregisterShmRequest(region_id=7),
         "/kvstore.v1.NodeAgent/Subscribe": agent_pb2.SubscribeRequest(subscriber="fuzz"),
-        "/kvstore.v1.Peer/FetchBlocks": peer_pb2.FetchRequest(ns=ref, block_ids=packed,
-                                                              parent_id=ns.root),
+        "/kvstore.v1.Peer/FetchBlocks": peer_pb2.FetchRequest(
+            ns=ref, block_ids=packed, parent_id=ns.root
+        ),
         "/kvstore.v1.Peer/Prefetch": peer_pb2.PrefetchRequest(
-            ns=ref, spec=spec, block_ids=packed, parent_id=ns.root,
-            peer_address="127.0.0.1:1", timeout_ms=500),
+            ns=ref,
+            spec=spec,
+            block_ids=packed,
+            parent_id=ns.root,
+            peer_address="127.0.0.1:1",
+            timeout_ms=500,
+        ),
         "/grpc.health.v1.Health/Check": health_pb2.HealthCheckRequest(),
         "/grpc.health.v1.Health/List": health_pb2.HealthListRequest(),
     }
@@ -136,33 +157,51 @@ def seeds(ns, ids: list[bytes]) -> dict[str, list[bytes]]:
 
 
 ROUTER_SEEDS = {
-    "/kvstore.v1.Router/Route": [router_pb2.RouteRequest(
-        namespace_id=SPEC.namespace_id, block_ids=bytes(32), request_id="r",
-        weights=router_pb2.RouteWeights(load=1.0)).SerializeToString()],
-    "/kvstore.v1.Router/Release": [router_pb2.ReleaseRequest(
-        request_id="r", prefill_done=True).SerializeToString()],
+    "/kvstore.v1.Router/Route": [
+        router_pb2.RouteRequest(
+            namespace_id=SPEC.namespace_id,
+            block_ids=bytes(32),
+            request_id="r",
+            weights=router_pb2.RouteWeights(load=1.0),
+        ).SerializeToString()
+    ],
+    "/kvstore.v1.Router/Release": [
+        router_pb2.ReleaseRequest(request_id="r", prefill_done=True).SerializeToString()
+    ],
     "/kvstore.v1.Router/ListNodes": [router_pb2.ListNodesRequest().SerializeToString()],
-    "/grpc.health.v1.Health/Check": [health_pb2.HealthCheckRequest(
-        service="kvstore.v1.Router").SerializeToString()],
+    "/grpc.health.v1.Health/Check": [
+        health_pb2.HealthCheckRequest(service="kvstore.v1.Router").SerializeToString()
+    ],
     "/grpc.health.v1.Health/List": [health_pb2.HealthListRequest().SerializeToString()],
 }
 
 
 def methods(*services) -> dict[str, object]:
     """Full method name -> request message class, for every method of `services`."""
-    return {f"/{svc.full_name}/{m.name}": m.input_type._concrete_class
-            for svc in services for m in svc.methods}
+    return {
+        f"/{svc.full_name}/{m.name}": m.input_type._concrete_class
+        for svc in services
+        for m in svc.methods
+    }
 
 
-AGENT_METHODS = methods(agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"],
-                        peer_pb2.DESCRIPTOR.services_by_name["Peer"],
-                        health_pb2.DESCRIPTOR.services_by_name["Health"])
-ROUTER_METHODS = methods(router_pb2.DESCRIPTOR.services_by_name["Router"],
-                         health_pb2.DESCRIPTOR.services_by_name["Health"])
+AGENT_METHODS = methods(
+    agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"],
+    peer_pb2.DESCRIPTOR.services_by_name["Peer"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+)
+ROUTER_METHODS = methods(
+    router_pb2.DESCRIPTOR.services_by_name["Router"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+)
 WATCH = "/grpc.health.v1.Health/Watch"  # streams forever; Check covers the health edge
 STREAMING_REQUESTS = {"/kvstore.v1.NodeAgent/Put"}
-STREAMING_RESPONSES = {"/kvstore.v1.NodeAgent/Get", "/kvstore.v1.NodeAgent/Subscribe",
-                       "/kvstore.v1.Peer/FetchBlocks", WATCH}
+STREAMING_RESPONSES = {
+    "/kvstore.v1.NodeAgent/Get",
+    "/kvstore.v1.NodeAgent/Subscribe",
+    "/kvstore.v1.Peer/FetchBlocks",
+    WATCH,
+}
 
 
 def call_raw(channel: grpc.Channel, method: str, payloads: list[bytes]):
@@ -181,8 +220,9 @@ def call_raw(channel: grpc.Channel, method: str, payloads: list[bytes]):
     return grpc.StatusCode.OK, ""
 
 
-def fuzz(channel: grpc.Channel, table: dict[str, list[bytes]], types: dict,
-         rng: random.Random) -> dict:
+def fuzz(
+    channel: grpc.Channel, table: dict[str, list[bytes]], types: dict, rng: random.Random
+) -> dict:
     """Every method: random bytes, random well-formed messages of its request type
     (`types`) and mutations of its seeds; codes seen, and the
     requests that got UNKNOWN or INTERNAL (a bug: bad input has a precise status)."""
@@ -215,7 +255,7 @@ def records(log: str) -> list[str]:
     out = []
     for m, nxt in zip(starts, starts[1:] + [None]):
         if m.group(1) != "DEBUG":
-            out.append(log[m.start(): nxt.start() if nxt else len(log)])
+            out.append(log[m.start() : nxt.start() if nxt else len(log)])
     return out
 
 
@@ -231,13 +271,18 @@ def lane_frames(rng: random.Random, good: bytes) -> list[bytes]:
     frames = []
     for i in range(60):
         method = rng.choice([lane.LOOKUP, lane.GET, lane.PUT, 0, 4, 255])
-        meta = rng.choice([b"", b"authorization=Bearer x", rng.randbytes(rng.randint(0, 12)),
-                           b"\xff\xfe=\x00"])
+        meta = rng.choice(
+            [b"", b"authorization=Bearer x", rng.randbytes(rng.randint(0, 12)), b"\xff\xfe=\x00"]
+        )
         body = mutate(rng, good) if i % 3 else rng.randbytes(rng.randint(0, 32))
         frame = lane.request_frame(method, meta, body)
         if i % 7 == 0:  # a header that lies about the lengths
-            frame = lane.REQUEST_HEADER.pack(rng.choice([0, 3, len(frame), 1 << 31]),
-                                             method, rng.randrange(1 << 16)) + frame[7:]
+            frame = (
+                lane.REQUEST_HEADER.pack(
+                    rng.choice([0, 3, len(frame), 1 << 31]), method, rng.randrange(1 << 16)
+                )
+                + frame[7:]
+            )
         frames.append(frame)
     return frames
 
@@ -255,14 +300,15 @@ def lane_call(path: str, frame: bytes) -> int | None:
         return lane.RESPONSE_HEADER.unpack(head)[1]
 
 
-def test_garbage_requests_never_get_unknown_and_break_nothing(etcd, spawn_agent,
-                                                              start_router):
+def test_garbage_requests_never_get_unknown_and_break_nothing(etcd, spawn_agent, start_router):
     agent = spawn_agent(etcd_endpoints=etcd.endpoint, lease_ttl_s=2)
     router = start_router()
     wait_for(lambda: router.nodes(), 30, what="the router to list the agent")
     rng = random.Random(20261201)
-    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c, \
-            KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as lane_c:
+    with (
+        KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c,
+        KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as lane_c,
+    ):
         ns = c.open_namespace(SPEC)
         ids = c.block_ids(ns, prompt_tokens(1, 4 * BS))
         blocks = blocks_for(1, 4)
@@ -277,8 +323,10 @@ def test_garbage_requests_never_get_unknown_and_break_nothing(etcd, spawn_agent,
             agent_run = fuzz(ch, table, AGENT_METHODS, rng)
         with grpc.insecure_channel(router.address) as ch:
             router_run = fuzz(ch, ROUTER_SEEDS, ROUTER_METHODS, rng)
-        assert not agent_run["unknown"] and not router_run["unknown"], \
-            (agent_run["unknown"], router_run["unknown"])
+        assert not agent_run["unknown"] and not router_run["unknown"], (
+            agent_run["unknown"],
+            router_run["unknown"],
+        )
         # Refusing bad input costs no log records (it once cost one with a traceback
         # each): a few from the requests that were served are fine.
         sent = sum(agent_run["codes"].values()) + sum(router_run["codes"].values())

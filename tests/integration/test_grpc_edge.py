@@ -2,6 +2,7 @@
 that injects faults: an unexpected exception is INTERNAL with short details and one log
 line (no traceback), an unimplemented method UNIMPLEMENTED, a servicer's own abort and a
 KvError keep their status, and undecodable bytes are INVALID_ARGUMENT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +40,14 @@ async def _calls() -> list[tuple[grpc.StatusCode, str]]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             raw = ch.unary_unary("/kvstore.v1.Router/Route")
-            calls = [lambda rid=rid: stub.Route(router_pb2.RouteRequest(request_id=rid),
-                                                timeout=10)
-                     for rid in ("bug", "kv", "abort", "ok")]
-            calls += [lambda: stub.Release(router_pb2.ReleaseRequest(), timeout=10),
-                      lambda: raw(b"\xff\xff\xff", timeout=10)]
+            calls = [
+                lambda rid=rid: stub.Route(router_pb2.RouteRequest(request_id=rid), timeout=10)
+                for rid in ("bug", "kv", "abort", "ok")
+            ]
+            calls += [
+                lambda: stub.Release(router_pb2.ReleaseRequest(), timeout=10),
+                lambda: raw(b"\xff\xff\xff", timeout=10),
+            ]
             for call in calls:
                 try:
                     await call()
@@ -59,9 +63,14 @@ def test_edge_statuses_and_one_brief_log_line(caplog):
     with caplog.at_level(logging.DEBUG):
         got = asyncio.run(_calls())
     codes = [c for c, _ in got]
-    assert codes == [grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION,
-                     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OK,
-                     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT]
+    assert codes == [
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OK,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ]
     assert got[0][1] == "internal error in Route: KeyError: 'no such thing'"
     assert got[1][1] == "stale generation 3" and got[2][1] == "own status"
     assert got[5][1].startswith("Route request of 3 bytes does not parse")
@@ -69,6 +78,7 @@ def test_edge_statuses_and_one_brief_log_line(caplog):
     assert len(mine) == 1 and mine[0].levelno == logging.ERROR  # the bug, once
     assert "KeyError" in mine[0].getMessage() and "test_grpc_edge.py" in mine[0].getMessage()
     assert mine[0].exc_info is None and "\n" not in mine[0].getMessage()
-    grpc_logs = [r for r in caplog.records if r.name.startswith("grpc")
-                 and r.levelno >= logging.WARNING]
+    grpc_logs = [
+        r for r in caplog.records if r.name.startswith("grpc") and r.levelno >= logging.WARNING
+    ]
     assert not grpc_logs, [r.getMessage() for r in grpc_logs]

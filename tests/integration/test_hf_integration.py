@@ -10,6 +10,7 @@ attention and the projections over the suffix only can change the CPU kernels'
 reduction order (measured max abs difference: 0 to ~5e-7). Greedy tokens must match
 exactly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,15 +21,25 @@ import torch
 from kvstore.client import KVClient, NamespaceHandle
 from kvstore.client.convert import kv_to_blocks
 from kvstore.errors import InvalidArgument
-from kvstore.integrations.hf import (CachedPrefillWorker, cache_to_kv, kv_to_cache,
-                                     namespace_for_model, reference_greedy,
-                                     reference_logits)
+from kvstore.integrations.hf import (
+    CachedPrefillWorker,
+    cache_to_kv,
+    kv_to_cache,
+    namespace_for_model,
+    reference_greedy,
+    reference_logits,
+)
 from loadtest.model import build_tiny_llama, measure_prefill
 
 BS = 16
 SECRET = "acme-secret"
-REVISIONS = dict(model_name="tiny-llama", model_revision="r1", tokenizer_id="tiny-tok",
-                 tokenizer_revision="r1", prompt_template_version="v1")
+REVISIONS = dict(
+    model_name="tiny-llama",
+    model_revision="r1",
+    tokenizer_id="tiny-tok",
+    tokenizer_revision="r1",
+    prompt_template_version="v1",
+)
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -61,7 +72,8 @@ def count_positions(model):
     """Counts the token positions the model runs on (hook on the embedding layer)."""
     seen: list[int] = []
     handle = model.get_input_embeddings().register_forward_pre_hook(
-        lambda _mod, args: seen.append(args[0].shape[-1]))
+        lambda _mod, args: seen.append(args[0].shape[-1])
+    )
     try:
         yield seen
     finally:
@@ -106,8 +118,13 @@ def test_namespace_from_model_config():
     assert s2.namespace_id != spec.namespace_id
     assert ns_for(model.to(torch.bfloat16)).kv_dtype == "bfloat16"
     with pytest.raises(InvalidArgument, match="model_revision"):
-        namespace_for_model(build_tiny_llama(0), "acme", "chat", BS,
-                            **{k: v for k, v in REVISIONS.items() if k != "model_revision"})
+        namespace_for_model(
+            build_tiny_llama(0),
+            "acme",
+            "chat",
+            BS,
+            **{k: v for k, v in REVISIONS.items() if k != "model_revision"},
+        )
     with pytest.raises(ValueError, match="num_layers"):
         ns_for(model, num_layers=3)
 
@@ -146,10 +163,12 @@ def test_cached_prefill_matches_uncached(model, spawn_agent, use_shm):
             second = worker.prefill(PROMPT_B)
         assert second.usage.cache_read_tokens == 3 * BS
         assert seen == [len(PROMPT_B) - 3 * BS] and second.computed_tokens == seen[0]
-        ref = reference_logits(model, PROMPT_B)[3 * BS:]
+        ref = reference_logits(model, PROMPT_B)[3 * BS :]
         torch.testing.assert_close(second.logits, ref, atol=ATOL, rtol=RTOL)
-        print(f"max abs logits diff ({'shm' if use_shm else 'grpc'}): "
-              f"{max_diff(second.logits, ref):.3g}")
+        print(
+            f"max abs logits diff ({'shm' if use_shm else 'grpc'}): "
+            f"{max_diff(second.logits, ref):.3g}"
+        )
 
         tokens, usage = worker.generate_greedy(PROMPT_B, 8)
         assert usage.cache_read_tokens == 4 * BS  # B's 4th block was stored by `second`
@@ -160,8 +179,9 @@ def test_cached_prefill_matches_uncached(model, spawn_agent, use_shm):
         with count_positions(model) as seen:
             full = worker.prefill(whole)
         assert seen == [1] and full.usage.cache_read_tokens == 4 * BS - 1
-        torch.testing.assert_close(full.last_logits, reference_logits(model, whole)[-1],
-                                   atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            full.last_logits, reference_logits(model, whole)[-1], atol=ATOL, rtol=RTOL
+        )
 
 
 def test_other_model_revision_gets_no_hit(model, spawn_agent):
@@ -169,8 +189,9 @@ def test_other_model_revision_gets_no_hit(model, spawn_agent):
     agent = start_agent(spawn_agent, spec)
     with KVClient(agent.address, tenant_secret=SECRET) as client:
         CachedPrefillWorker(model, client, client.open_namespace(spec)).prefill(PROMPT_A)
-        other = CachedPrefillWorker(model, client,
-                                    client.open_namespace(ns_for(model, model_revision="r2")))
+        other = CachedPrefillWorker(
+            model, client, client.open_namespace(ns_for(model, model_revision="r2"))
+        )
         with count_positions(model) as seen:
             res = other.prefill(PROMPT_A)
         assert res.usage.cache_read_tokens == 0 and seen == [len(PROMPT_A)]
@@ -182,8 +203,7 @@ def test_sampled_verification_catches_poisoned_blocks(model, spawn_agent):
     spec = ns_for(model)
     agent = start_agent(spawn_agent, spec)
     with KVClient(agent.address, tenant_secret=SECRET) as client:
-        honest = CachedPrefillWorker(model, client, client.open_namespace(spec),
-                                     verify_prob=1.0)
+        honest = CachedPrefillWorker(model, client, client.open_namespace(spec), verify_prob=1.0)
         honest.prefill(PROMPT_A)
         assert honest.prefill(PROMPT_B).verified is True
         assert (honest.verify_checks, honest.verify_mismatches) == (1, 0)
@@ -203,14 +223,14 @@ def test_sampled_verification_catches_poisoned_blocks(model, spawn_agent):
         assert res.usage.cache_read_tokens == 3 * BS
         assert (checker.verify_checks, checker.verify_mismatches) == (1, 1)
         assert res.verified is False
-        torch.testing.assert_close(res.logits, ref[3 * BS:], atol=ATOL, rtol=RTOL)  # clean
+        torch.testing.assert_close(res.logits, ref[3 * BS :], atol=ATOL, rtol=RTOL)  # clean
         print(f"verification max abs logits diff (poisoned): {checker.verify_max_abs_diff:.3g}")
 
         # Without verification the poison reaches the output: the check is what saved it.
         blind = CachedPrefillWorker(model, client, poisoned)
         served = blind.prefill(PROMPT_A)
         assert served.prefix_tokens > 0
-        assert max_diff(served.logits, ref[served.prefix_tokens:]) > 1e-2
+        assert max_diff(served.logits, ref[served.prefix_tokens :]) > 1e-2
 
 
 def test_verification_sampling_is_seeded(model, spawn_agent):
@@ -238,15 +258,14 @@ def test_16bit_kv_round_trip(spawn_agent, dtype):
         worker.prefill(PROMPT_A)
         res = worker.prefill(PROMPT_B)
         assert res.usage.cache_read_tokens == 3 * BS
-        ref = reference_logits(model, PROMPT_B)[3 * BS:]
+        ref = reference_logits(model, PROMPT_B)[3 * BS :]
         torch.testing.assert_close(res.logits, ref, atol=1e-2, rtol=1e-2)
         print(f"max abs logits diff ({dtype}): {max_diff(res.logits, ref):.3g}")
         assert worker.generate_greedy(PROMPT_B, 8)[0] == reference_greedy(model, PROMPT_B, 8)
 
 
 # ------------------------------------------------------- through the router, two agents
-def test_cached_prefill_through_router_across_two_agents(model, spawn_agent, etcd,
-                                                         start_router):
+def test_cached_prefill_through_router_across_two_agents(model, spawn_agent, etcd, start_router):
     """Prefixes stored through the router on two agents: every later request is routed to
     the node holding its prefix, and logits and greedy tokens still equal a cache-free
     run."""
@@ -256,8 +275,11 @@ def test_cached_prefill_through_router_across_two_agents(model, spawn_agent, etc
     from kvstore.client.cluster import ClusterClient, RoutedClient
 
     spec = ns_for(model)
-    spawn_many(spawn_agent, 2, **agent_config(etcd, slot_bytes=spec.block_bytes,
-                                              pool_bytes=256 * spec.block_bytes))
+    spawn_many(
+        spawn_agent,
+        2,
+        **agent_config(etcd, slot_bytes=spec.block_bytes, pool_bytes=256 * spec.block_bytes),
+    )
     router = start_router()
     router.wait_nodes({"agent-0": 0, "agent-1": 0})
     other = SYSTEM[:BS] + prompt(9, 3 * BS)  # shares one block with A and B
@@ -266,18 +288,22 @@ def test_cached_prefill_through_router_across_two_agents(model, spawn_agent, etc
         worker = CachedPrefillWorker(model, client, cc.open_namespace(spec))
         first = worker.prefill(PROMPT_A)
         assert first.usage.cache_read_tokens == 0
-        holder_id = wait_for(lambda: next((k for k, n in router.nodes().items()
-                                           if n.indexed_blocks == 4), None),
-                             20, what="the router to index prompt A's 4 blocks")
+        holder_id = wait_for(
+            lambda: next((k for k, n in router.nodes().items() if n.indexed_blocks == 4), None),
+            20,
+            what="the router to index prompt A's 4 blocks",
+        )
         hit_b = cc.fetch(cc.open_namespace(spec), PROMPT_B)
         cc.release(hit_b)
         assert hit_b.node_id == holder_id and hit_b.cached_blocks == 3
         second = worker.prefill(PROMPT_B)
         assert second.usage.cache_read_tokens == 3 * BS
-        torch.testing.assert_close(second.logits, reference_logits(model, PROMPT_B)[3 * BS:],
-                                   atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            second.logits, reference_logits(model, PROMPT_B)[3 * BS :], atol=ATOL, rtol=RTOL
+        )
         tokens, _ = worker.generate_greedy(PROMPT_B, 8)
         assert tokens == reference_greedy(model, PROMPT_B, 8)
         third = worker.prefill(other)
-        torch.testing.assert_close(third.last_logits, reference_logits(model, other)[-1],
-                                   atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            third.last_logits, reference_logits(model, other)[-1], atol=ATOL, rtol=RTOL
+        )

@@ -2,6 +2,7 @@
 exit codes (2 bad usage, 3 etcd unreachable, 4 node unreachable), --state-dir, and the
 audit log. Most calls run kvctl's main() in-process (the same code `python -m kvstore.cli`
 runs, without paying an interpreter start per call); a few go through the real process."""
+
 from __future__ import annotations
 
 import json
@@ -45,10 +46,12 @@ def test_quota_commands_in_both_formats(etcd, capsys):
     assert out.split("\n")[0].split() == ["tenant", "hbm", "per", "node", "nvme", "per", "node"]
     assert out.split("\n")[1].split() == ["acme", "10.0", "GiB", "200.0", "GiB"]
     assert run_json(capsys, "quota", "get", "acme", *e) == {
-        "acme": {"hbm_limit_bytes": 10 << 30, "nvme_limit_bytes": 200 << 30}}
+        "acme": {"hbm_limit_bytes": 10 << 30, "nvme_limit_bytes": 200 << 30}
+    }
     run(capsys, "quota", "set", "beta", "--nvme", "0", *e)  # 0: explicitly unlimited
     assert run_json(capsys, "quota", "set", "acme", "--hbm", "1GiB", *e) == {
-        "acme": {"hbm_limit_bytes": 1 << 30, "nvme_limit_bytes": 200 << 30}}, "nvme kept"
+        "acme": {"hbm_limit_bytes": 1 << 30, "nvme_limit_bytes": 200 << 30}
+    }, "nvme kept"
     rc, out, _ = run(capsys, "quota", "list", *e)
     assert "beta (config) unlimited" in " ".join(out.split()), out
     assert set(run_json(capsys, "quota", "list", *e)) == {"acme", "beta"}
@@ -57,17 +60,24 @@ def test_quota_commands_in_both_formats(etcd, capsys):
     assert rc == 1 and "has no quota" in err
     rc, _, err = run(capsys, "quota", "get", "beta", *e)
     assert rc == 1 and "configured limits apply" in err
-    for bad in (("quota", "set", "acme"), ("quota", "set", "acme", "--hbm", "lots"),
-                ("quota", "set", "a/b", "--hbm", "1GiB"), ("flush", "noslash"),
-                ("status", "--output", "xml")):
+    for bad in (
+        ("quota", "set", "acme"),
+        ("quota", "set", "acme", "--hbm", "lots"),
+        ("quota", "set", "a/b", "--hbm", "1GiB"),
+        ("flush", "noslash"),
+        ("status", "--output", "xml"),
+    ):
         rc, _, err = run(capsys, *bad, *e)
         assert rc == 2, (bad, err)
         assert err.strip(), bad
 
     audit = run_json(capsys, "audit", *e)
     assert [(a["action"], a["target"], a["who"], a["ok"]) for a in audit] == [
-        ("quota-set", "acme", "ops@test", True), ("quota-set", "beta", "ops@test", True),
-        ("quota-set", "acme", "ops@test", True), ("quota-clear", "beta", "ops@test", True)]
+        ("quota-set", "acme", "ops@test", True),
+        ("quota-set", "beta", "ops@test", True),
+        ("quota-set", "acme", "ops@test", True),
+        ("quota-clear", "beta", "ops@test", True),
+    ]
     rc, out, _ = run(capsys, "audit", "--limit", "1", *e)
     lines = out.strip().split("\n")
     assert lines[0].split()[:4] == ["when", "(UTC)", "who", "action"] and len(lines) == 2
@@ -82,6 +92,7 @@ def _traffic(client: AgentClient) -> None:
     ids = client.put_chain(SPEC, 1, 4, 0)
     assert client.lookup(SPEC, ids, 0).matched == 4
     from support.control import chain
+
     assert client.lookup(SPEC, chain(SPEC, 2, 12, 0)[0], 0).matched == 0
     beta = client.put_chain(BETA, 3, 2, 0)
     assert client.lookup(BETA, beta, 0).matched == 2
@@ -124,7 +135,8 @@ def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
 
     by_id = run_json(capsys, "flush", f"beta/{BETA.namespace_id.hex()}", *e)  # by namespace id
     assert [(n["ns_hex"], n["new_generation"]) for n in by_id["namespaces"]] == [
-        (BETA.namespace_id.hex(), 1)]
+        (BETA.namespace_id.hex(), 1)
+    ]
 
     # a registered node that does not answer: exit 4, named, the rest still shown
     def check_unreachable():
@@ -134,13 +146,21 @@ def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
         assert "UNREACHABLE" in out and "agent-0" in out
         st = run_json(capsys, "status", "--node-timeout", "1", *e, rc=4)
         assert st["health"] == "degraded" and st["unreachable"] == ["ghost"]
+
     with_fake_member(etcd.endpoint, "ghost", check_unreachable)
 
 
 def test_etcd_unreachable_and_state_dir(tmp_path, etcd, capsys):
     dead = f"127.0.0.1:{free_port()}"
-    for argv in (("status",), ("nodes",), ("stats",), ("audit",), ("quota", "list"),
-                 ("killswitch", "status"), ("flush", "acme/chat")):
+    for argv in (
+        ("status",),
+        ("nodes",),
+        ("stats",),
+        ("audit",),
+        ("quota", "list"),
+        ("killswitch", "status"),
+        ("flush", "acme/chat"),
+    ):
         rc, out, err = run(capsys, *argv, "--etcd", dead, "--etcd-timeout", "1")
         assert rc == 3, (argv, err)
         assert f"etcd unreachable at {dead}" in err and "is etcd running?" in err
@@ -149,6 +169,7 @@ def test_etcd_unreachable_and_state_dir(tmp_path, etcd, capsys):
     rc, _, err = run(capsys, "status", "--state-dir", str(tmp_path / "none"))
     assert rc == 2 and "no local cluster" in err
     from kvstore.devcluster import ClusterState
+
     ClusterState(str(tmp_path), etcd.endpoint, "", (), 0.0).save()
     st = run_json(capsys, "status", "--state-dir", str(tmp_path))
     assert st["etcd_endpoints"] == [etcd.endpoint] and st["health"] == "no agents"

@@ -2,6 +2,7 @@
 real `kvctl cluster up` in a temp dir, then kvctl with no flags from there and from a
 subdirectory; explicit --etcd and $KVSTORE_STATE_DIR still win, and with no cluster left
 the error says what was looked at (precedence details: tests/unit/test_kvctl_discover.py)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,14 @@ from kvstore.devcluster import ClusterState
 def _kvctl(cwd, *args: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in (ETCD_ENV, STATE_ENV)}
     base["PYTHONPATH"] = str(ROOT)  # this checkout's kvctl, whatever the directory
-    return subprocess.run([PY, "-m", "kvstore.cli", *args], cwd=cwd, env={**base, **env},
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [PY, "-m", "kvstore.cli", *args],
+        cwd=cwd,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 calls Lookup, Get and Put over the agent's Unix socket with the same answers, status codes
 and tenant isolation as over gRPC; bad frames get precise errors and cost nothing; a
 broken lane falls back to gRPC. Real agent processes, real sockets."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,15 @@ A_MD = (("authorization", "Bearer " + TOKENS["acme"]),)
 
 def blocks_for(seed: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype)) for _ in range(n)
+    ]
 
 
 def tenants() -> dict:
-    return {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()}
-            for t, tok in TOKENS.items()}
+    return {
+        t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()} for t, tok in TOKENS.items()
+    }
 
 
 def code_of(fn, *args) -> tuple[grpc.StatusCode, str]:
@@ -47,8 +50,9 @@ def code_of(fn, *args) -> tuple[grpc.StatusCode, str]:
 
 def socket_path(agent_address: str, token: str | None = None) -> str:
     """What the agent tells a client whose region it mapped (RegisterShm)."""
-    with KVClient(agent_address, token=token, use_shm=True, shm_bytes=1 << 16,
-                  local_lane=False) as c:
+    with KVClient(
+        agent_address, token=token, use_shm=True, shm_bytes=1 << 16, local_lane=False
+    ) as c:
         assert not c.uses_local_lane
         return c.local_socket
 
@@ -77,24 +81,25 @@ def test_same_host_client_round_trips_over_the_lane_without_grpc(spawn_agent):
 
 def test_lane_errors_match_grpc_and_tenants_stay_apart(spawn_agent):
     agent = spawn_agent(allow_unauthenticated=False, tenants=tenants())
-    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a") as a, \
-            KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b") as b, \
-            KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b",
-                     use_shm=False) as b_grpc:
+    with (
+        KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a") as a,
+        KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b") as b,
+        KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b", use_shm=False) as b_grpc,
+    ):
         assert a.uses_local_lane and b.uses_local_lane and not b_grpc.uses_local_lane
         ns = a.open_namespace(SPEC)
         ids = a.block_ids(ns, prompt_tokens(4, 3 * BS))
         blocks = blocks_for(4, 3)
         assert a.put(ns, ids, blocks).stored == 3
         # B over the lane gets what B over gRPC gets: no access to A's private namespace.
-        for fn, args in ((b.lookup, (ns, ids)), (b.get, (ns, ids)),
-                         (b.put, (ns, ids, blocks))):
+        for fn, args in ((b.lookup, (ns, ids)), (b.get, (ns, ids)), (b.put, (ns, ids, blocks))):
             lane_err = code_of(fn, *args)
             grpc_err = code_of(getattr(b_grpc, fn.__name__), *args)
             assert lane_err == grpc_err and lane_err[0] == grpc.StatusCode.PERMISSION_DENIED
         # An older generation and malformed ids: same codes and details on both paths.
-        with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a",
-                      use_shm=False) as a_grpc:
+        with KVClient(
+            agent.address, token=TOKENS["acme"], tenant_secret="a", use_shm=False
+        ) as a_grpc:
             for gen in (ns.generation + 1, ns.generation + 7):
                 other = dataclasses.replace(ns, generation=gen)
                 lane_err = code_of(a.lookup, other, ids)
@@ -116,8 +121,7 @@ def test_lane_needs_a_token_like_grpc(spawn_agent):
     agent = spawn_agent(allow_unauthenticated=False, tenants=tenants())
     path = socket_path(agent.address, TOKENS["acme"])
     assert os.path.dirname(path) == "/dev/shm"
-    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a",
-                  use_shm=False) as a:
+    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a", use_shm=False) as a:
         ns = a.open_namespace(SPEC)
     req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=bytes(16))
     for meta in ((), (("authorization", "Bearer wrong"),)):
@@ -155,15 +159,30 @@ def test_bad_frames_get_precise_errors_and_lose_nothing(spawn_agent):
         lookup = agent_pb2.LookupRequest(ns=ns.ref, block_ids=b"".join(ids)).SerializeToString()
         cases = [
             (lane.request_frame(99, b"", lookup), grpc.StatusCode.UNIMPLEMENTED, b"method 99"),
-            (lane.request_frame(lane.LOOKUP, b"no-equals-sign", lookup),
-             grpc.StatusCode.INVALID_ARGUMENT, b"metadata"),
-            (lane.request_frame(lane.LOOKUP, b"", b"\xff\xff\xff"),
-             grpc.StatusCode.INVALID_ARGUMENT, b"does not parse"),
-            (lane.request_frame(lane.GET, b"", agent_pb2.GetRequest(
-                ns=ns.ref, block_ids=b"".join(ids)).SerializeToString()),
-             grpc.StatusCode.INVALID_ARGUMENT, b"shared-memory Gets only"),
-            (lane.REQUEST_HEADER.pack(lane.MAX_FRAME_BYTES + 1, lane.LOOKUP, 0),
-             grpc.StatusCode.INVALID_ARGUMENT, b"refused"),
+            (
+                lane.request_frame(lane.LOOKUP, b"no-equals-sign", lookup),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                b"metadata",
+            ),
+            (
+                lane.request_frame(lane.LOOKUP, b"", b"\xff\xff\xff"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                b"does not parse",
+            ),
+            (
+                lane.request_frame(
+                    lane.GET,
+                    b"",
+                    agent_pb2.GetRequest(ns=ns.ref, block_ids=b"".join(ids)).SerializeToString(),
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                b"shared-memory Gets only",
+            ),
+            (
+                lane.REQUEST_HEADER.pack(lane.MAX_FRAME_BYTES + 1, lane.LOOKUP, 0),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                b"refused",
+            ),
         ]
         for frame, want, text in cases:
             status, body = raw_call(path, frame)
@@ -238,8 +257,10 @@ def test_meta_encoding_round_trips_and_refuses_newlines():
 
 def test_get_tiered_names_the_tier_of_each_block_on_every_path(spawn_agent):
     agent = spawn_agent(pool_bytes=f"{8 * 64}KiB")  # 8 slots: a second prompt spills the first
-    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c, \
-            KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as g:
+    with (
+        KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c,
+        KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as g,
+    ):
         assert c.uses_local_lane
         ns, ns_g = c.open_namespace(SPEC), g.open_namespace(SPEC)
         ids_a, blocks_a = c.block_ids(ns, prompt_tokens(7, 6 * BS)), blocks_for(7, 6)
@@ -250,19 +271,18 @@ def test_get_tiered_names_the_tier_of_each_block_on_every_path(spawn_agent):
         got = c.get_tiered(ns, ids_a)
         assert all(torch.equal(x, y) for x, y in zip(got.blocks, blocks_a))
         assert len(got.tiers) == len(got.blocks) == 6
-        assert (got.tiers.count(Tier.HBM), got.tiers.count(Tier.NVME)) == \
-            (before.hbm, before.nvme)
+        assert (got.tiers.count(Tier.HBM), got.tiers.count(Tier.NVME)) == (before.hbm, before.nvme)
         assert got.tiers == sorted(got.tiers)  # the pool holds prefixes: HBM blocks lead
         # The gRPC stream reports tiers too (A was promoted by the Get above).
         now = g.lookup(ns_g, ids_a)
         again = g.get_tiered(ns_g, ids_a)
         assert all(torch.equal(x, y) for x, y in zip(again.blocks, blocks_a))
-        assert (again.tiers.count(Tier.HBM), again.tiers.count(Tier.NVME)) == \
-            (now.hbm, now.nvme)
+        assert (again.tiers.count(Tier.HBM), again.tiers.count(Tier.NVME)) == (now.hbm, now.nvme)
 
 
 def test_stale_sockets_of_killed_agents_are_removed(tmp_path):
     from node_agent.local_lane import remove_stale_sockets
+
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(tmp_path / "kvstore-agent-1-dead.sock"))
     dead.close()  # bound, never listening: what a SIGKILLed agent leaves behind
@@ -272,7 +292,9 @@ def test_stale_sockets_of_killed_agents_are_removed(tmp_path):
     (tmp_path / "other.sock").write_text("")  # not ours: never touched
     try:
         assert remove_stale_sockets(str(tmp_path)) == 1
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["kvstore-agent-2-live.sock",
-                                                              "other.sock"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "kvstore-agent-2-live.sock",
+            "other.sock",
+        ]
     finally:
         live.close()

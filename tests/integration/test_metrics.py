@@ -1,6 +1,7 @@
 """Prometheus metrics of real agent and router processes: a known workload, then a scrape
 of /metrics whose values must equal what the workload did (tokens, requests, hit lengths,
 RPC counts) and what the agent's own Stats RPC reports (occupancy, evictions)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,11 @@ KiB = 1 << 10
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def val(m: dict, name: str, **labels) -> float:
@@ -42,8 +46,9 @@ def val(m: dict, name: str, **labels) -> float:
 
 def blocks_for(seed: int, n: int, spec=ACME) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(spec), generator=g).to(torch_dtype(spec.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(spec), generator=g).to(torch_dtype(spec.kv_dtype)) for _ in range(n)
+    ]
 
 
 def store(client: KVClient, ns, seed: int, n_blocks: int) -> list[int]:
@@ -62,8 +67,10 @@ def test_agent_metrics_equal_the_workload(spawn_agent):
     port = free_port()
     # 8 pool slots: the third prompt evicts (demotes) blocks to NVMe.
     agent = spawn_agent(metrics_port=port, pool_bytes=f"{8 * 64}KiB")
-    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as a, \
-            KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as g:
+    with (
+        KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as a,
+        KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as g,
+    ):
         ns_a, ns_g = a.open_namespace(ACME), g.open_namespace(GLOBEX)
         t1 = store(a, ns_a, 1, 4)
         t2 = store(g, ns_g, 2, 3)
@@ -76,8 +83,11 @@ def test_agent_metrics_equal_the_workload(spawn_agent):
         counters = dict(a.stats().counters)
         hbm_blocks = a.stats().tiers[0].blocks
     assert f"metrics at http://127.0.0.1:{port}/metrics" in agent.log
-    m = wait_for(lambda: (lambda m: m if rpc_count(m, "Stats") == 3 else None)(scrape(port)),
-                 10, what="the scrape to show every RPC")
+    m = wait_for(
+        lambda: (lambda m: m if rpc_count(m, "Stats") == 3 else None)(scrape(port)),
+        10,
+        what="the scrape to show every RPC",
+    )
 
     # Request- and token-weighted hit rates, per tenant, exactly as issued.
     expect = {"acme": (2, 1, 7 * BS, 4 * BS, 4 * BS), "globex": (1, 1, 3 * BS, 3 * BS, 3 * BS)}
@@ -110,8 +120,13 @@ def test_agent_metrics_equal_the_workload(spawn_agent):
     assert val(m, "kvstore_tier_moves_total", to="hbm") == counters.get("promotions", 0)
 
     # One timing per RPC: 3 opens+puts, 3 lookups, 2 gets (the miss fetched nothing).
-    for method, n in (("OpenNamespace", 2), ("RegisterShm", 1), ("Put", 3), ("Lookup", 3),
-                      ("Get", 2)):
+    for method, n in (
+        ("OpenNamespace", 2),
+        ("RegisterShm", 1),
+        ("Put", 3),
+        ("Lookup", 3),
+        ("Get", 2),
+    ):
         assert rpc_count(m, method) == n, method
         assert val(m, "kvstore_rpc_duration_seconds_bucket", method=method, le="+Inf") == n
     assert not any(k[0].startswith("kvstore_rpc") and ("method", "Check") in k[1] for k in m)
@@ -122,11 +137,21 @@ def test_metrics_host_follows_listen_unless_set():
     assert metrics_bind_host("", "127.0.0.1:0") == "127.0.0.1"
     assert metrics_bind_host("", "[::1]:50051") == "::1"
     assert metrics_bind_host("10.0.0.5", "0.0.0.0:50051") == "10.0.0.5"
-    cfg = load_config(AgentConfig, None, None, {"metrics_port": "9400",
-                                                 "metrics_host": "0.0.0.0",
-                                                 "otlp_endpoint": "http://collector:4317"})
+    cfg = load_config(
+        AgentConfig,
+        None,
+        None,
+        {
+            "metrics_port": "9400",
+            "metrics_host": "0.0.0.0",
+            "otlp_endpoint": "http://collector:4317",
+        },
+    )
     assert (cfg.metrics_port, cfg.metrics_host, cfg.otlp_endpoint) == (
-        9400, "0.0.0.0", "http://collector:4317")
+        9400,
+        "0.0.0.0",
+        "http://collector:4317",
+    )
     assert RouterConfig().metrics_host == "" and RouterConfig().otlp_endpoint == ""
 
 
@@ -170,10 +195,16 @@ def test_router_decisions_and_agent_flush_duration(etcd, spawn_agent, start_rout
     assert val(m, "kvstore_router_nodes", state="synced") == 1
 
     before = scrape(agent_port)
-    assert ("kvstore_flush_duration_seconds_count", frozenset()) not in before or \
-        val(before, "kvstore_flush_duration_seconds_count") == 0
-    r = subprocess.run([PY, "-m", "kvstore.cli", "flush", "acme/chat", "--etcd", etcd.endpoint,
-                        "-o", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ("kvstore_flush_duration_seconds_count", frozenset()) not in before or val(
+        before, "kvstore_flush_duration_seconds_count"
+    ) == 0
+    r = subprocess.run(
+        [PY, "-m", "kvstore.cli", "flush", "acme/chat", "--etcd", etcd.endpoint, "-o", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)
     m = scrape(agent_port)

@@ -1,5 +1,6 @@
 """The agent's Stats and `kvctl nodes` name what an agent hashes and checksums with:
 "native avx2" / "native scalar", or "python (<why>)" for the slow fallback."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ from kvstore.native import OFF_ENV
 FALLBACK_LOG = "use the pure-Python fallback"
 
 
-def test_agent_stats_and_kvctl_nodes_name_the_hashing_path(etcd, spawn_agent, monkeypatch,
-                                                           capsys):
+def test_agent_stats_and_kvctl_nodes_name_the_hashing_path(etcd, spawn_agent, monkeypatch, capsys):
     fast = spawn_agent(**agent_cfg(etcd))
     monkeypatch.setenv(OFF_ENV, "1")  # the next agent inherits it
     slow = spawn_agent(**agent_cfg(etcd))
@@ -32,4 +32,5 @@ def test_agent_stats_and_kvctl_nodes_name_the_hashing_path(etcd, spawn_agent, mo
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[-1] == "hashing"
     assert next(ln for ln in table if ln.startswith("agent-1")).endswith(
-        f"python (disabled by {OFF_ENV})")
+        f"python (disabled by {OFF_ENV})"
+    )

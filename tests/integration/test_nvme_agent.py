@@ -2,6 +2,7 @@
 RocksDB, RocksDB files damaged while it is stopped (it quarantines them and starts with an
 empty tier, and says so in its log, its Stats and `kvctl nodes`), and what kill -9 loses
 (bounded by nvme_flush_interval_s and nvme_flush_bytes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,12 @@ def stop_exit_code(agent) -> int:
 
 # ------------------------------------------------------------------------ full disk
 def test_full_disk_agent_serves_stops_cleanly_and_recovers(small_fs, spawn_agent):
-    agent = spawn_agent(data_dir=str(small_fs / "data"), pool_bytes="512KiB",
-                        nvme_flush_bytes="1MiB", nvme_flush_interval_s=3600)
+    agent = spawn_agent(
+        data_dir=str(small_fs / "data"),
+        pool_bytes="512KiB",
+        nvme_flush_bytes="1MiB",
+        nvme_flush_interval_s=3600,
+    )
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
         ns = c.open_namespace(BIG)
         ids = [put_one(c, ns, seed) for seed in range(120)]  # 7.5 MiB through 3 MiB
@@ -87,6 +92,7 @@ def test_full_disk_agent_serves_stops_cleanly_and_recovers(small_fs, spawn_agent
 def write_stopped_agent_db(data_dir) -> int:
     """What a stopped agent leaves: 40 prompts of 4 blocks, all on NVMe."""
     from support.store import prompt, put
+
     rocks = RocksTier(str(data_dir), 64 << 20)
     store = BlockStore(DevicePool(4, SPEC.block_bytes, "cpu"), rocks)
     store.open_namespace(SPEC)
@@ -131,8 +137,11 @@ def test_kill9_loses_nothing_flushed_by_the_interval(spawn_agent):
         spilled, flushes = tier.blocks, counters["nvme_flushes"]
         assert spilled == 26
         # two more flushes: the second one started after the last spill
-        wait_for(lambda: nvme_stats(c)[1]["nvme_flushes"] >= flushes + 2, 60,
-                 what="two periodic NVMe flushes")
+        wait_for(
+            lambda: nvme_stats(c)[1]["nvme_flushes"] >= flushes + 2,
+            60,
+            what="two periodic NVMe flushes",
+        )
     agent.kill()
     agent.start()
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
@@ -142,8 +151,9 @@ def test_kill9_loses_nothing_flushed_by_the_interval(spawn_agent):
 
 
 def test_kill9_loses_at_most_nvme_flush_bytes(spawn_agent):
-    agent = spawn_agent(pool_bytes="512KiB", nvme_flush_bytes="1MiB",
-                        nvme_flush_interval_s=3600)  # only the byte budget flushes
+    agent = spawn_agent(
+        pool_bytes="512KiB", nvme_flush_bytes="1MiB", nvme_flush_interval_s=3600
+    )  # only the byte budget flushes
     with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
         ns = c.open_namespace(BIG)
         seed = 0

@@ -1,6 +1,7 @@
 """Peer-to-peer block transfer between two real agent processes on loopback: UCX (ucxx)
 first, gRPC streaming as fallback (node_agent/peer/). B holds blocks, the test asks A to
 Prefetch them from B, then reads them from A with a normal Get."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from support.common import (TEST_SECRET, AgentProc, free_port, make_namespace, prompt_tokens,
-                      wait_for)
+from support.common import (
+    TEST_SECRET,
+    AgentProc,
+    free_port,
+    make_namespace,
+    prompt_tokens,
+    wait_for,
+)
 
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
@@ -26,8 +33,9 @@ from kvstore.hashing import pack_ids
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 # Without ucxx the agents run gRPC-only; the transport-agnostic tests still run.
-needs_ucx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
-                               reason="needs ucxx (pip install ucxx-cu12)")
+needs_ucx = pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="needs ucxx (pip install ucxx-cu12)"
+)
 
 SMALL = make_namespace()  # 4 KiB blocks
 BIG = make_namespace(name="big", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
@@ -47,14 +55,24 @@ def random_blocks(spec, n: int, seed: int) -> list[torch.Tensor]:
 
 def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     # Byte equality: random bytes viewed as floats include NaNs, which never compare equal.
-    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b)
+    )
 
 
 def agent_config(workdir: Path, name: str, **overrides) -> dict:
-    cfg = {"node_id": name, "listen": "127.0.0.1:0", "data_dir": str(workdir / "data"),
-           "slot_bytes": "2MiB", "pool_bytes": "512MiB", "nvme_bytes": 0, "device": "cpu",
-           "allow_unauthenticated": True, "expire_interval_s": 0.5, "peer_port": free_port()}
+    cfg = {
+        "node_id": name,
+        "listen": "127.0.0.1:0",
+        "data_dir": str(workdir / "data"),
+        "slot_bytes": "2MiB",
+        "pool_bytes": "512MiB",
+        "nvme_bytes": 0,
+        "device": "cpu",
+        "allow_unauthenticated": True,
+        "expire_interval_s": 0.5,
+        "peer_port": free_port(),
+    }
     cfg.update(overrides)
     return cfg
 
@@ -68,16 +86,23 @@ class Cluster:
     def __init__(self, root: Path) -> None:
         self.procs: dict[str, AgentProc] = {}
         self.clients: dict[str, KVClient] = {}
-        for name, extra in (("a", dict(pool_bytes="2GiB")), ("b", {}),
-                            ("g", dict(ucx_enabled=False, pool_bytes="64MiB"))):
+        for name, extra in (
+            ("a", dict(pool_bytes="2GiB")),
+            ("b", {}),
+            ("g", dict(ucx_enabled=False, pool_bytes="64MiB")),
+        ):
             self.start(root, name, **extra)
 
     def start(self, root: Path, name: str, **extra) -> AgentProc:
         proc = AgentProc(root / name, agent_config(root / name, name, **extra))
         self.procs[name] = proc
         proc.start()
-        self.clients[name] = KVClient(proc.address, tenant_secret=TEST_SECRET,
-                                      use_shm=name.startswith("b"), shm_bytes=64 << 20)
+        self.clients[name] = KVClient(
+            proc.address,
+            tenant_secret=TEST_SECRET,
+            use_shm=name.startswith("b"),
+            shm_bytes=64 << 20,
+        )
         return proc
 
     def ucx(self, name: str) -> str:
@@ -93,12 +118,18 @@ class Cluster:
         assert r.stored == n
         return self.clients[dst].open_namespace(spec), ids, blocks
 
-    def request(self, na, ids, src: str = "b", ucx: str | None = None,
-                timeout_ms: int = 0) -> peer_pb2.PrefetchRequest:
+    def request(
+        self, na, ids, src: str = "b", ucx: str | None = None, timeout_ms: int = 0
+    ) -> peer_pb2.PrefetchRequest:
         return peer_pb2.PrefetchRequest(
-            ns=na.ref, spec=common_pb2.Namespace(**na.spec.to_dict()), block_ids=pack_ids(ids),
-            parent_id=na.root, peer_address=self.procs[src].address,
-            peer_ucx_address=self.ucx(src) if ucx is None else ucx, timeout_ms=timeout_ms)
+            ns=na.ref,
+            spec=common_pb2.Namespace(**na.spec.to_dict()),
+            block_ids=pack_ids(ids),
+            parent_id=na.root,
+            peer_address=self.procs[src].address,
+            peer_ucx_address=self.ucx(src) if ucx is None else ucx,
+            timeout_ms=timeout_ms,
+        )
 
     def peer_stub(self, dst: str) -> peer_pb2_grpc.PeerStub:
         return peer_pb2_grpc.PeerStub(self.clients[dst].channel)
@@ -238,8 +269,10 @@ def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cl
     def run(name: str, k: int) -> None:
         results[name] = cluster.prefetch(na, ids[:k])
 
-    threads = [threading.Thread(target=run, args=("long", n)),
-               threading.Thread(target=run, args=("short", 64))]
+    threads = [
+        threading.Thread(target=run, args=("long", n)),
+        threading.Thread(target=run, args=("short", 64)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -252,16 +285,20 @@ def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cl
 
 
 @needs_ucx
-def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
-        cluster, tmp_path):
+def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(cluster, tmp_path):
     cluster.start(tmp_path, "b2", pool_bytes="1GiB")
     n = 320  # 640 MiB: long enough to kill B2 in the middle
     na, ids, blocks = cluster.seed(BIG, n, seed=8, src="b2")
     da = Delta(cluster, "a")
     call = cluster.peer_stub("a").Prefetch.future(
-        cluster.request(na, ids, src="b2", timeout_ms=20_000), timeout=60)
-    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
-             timeout=60, interval=0.01, what="the transfer to start")
+        cluster.request(na, ids, src="b2", timeout_ms=20_000), timeout=60
+    )
+    wait_for(
+        lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+        timeout=60,
+        interval=0.01,
+        what="the transfer to start",
+    )
     cluster.procs["b2"].kill()
     r = call.result(timeout=60)  # returns (within the 20 s bound), never hangs
     assert r.present < n and r.fetched == r.present, r
@@ -281,9 +318,14 @@ def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
     na, ids, blocks = cluster.seed(BIG, n, seed=12, src="b3")
     da = Delta(cluster, "a")
     call = cluster.peer_stub("a").Prefetch.future(
-        cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60)
-    wait_for(lambda: call.done() or da.now()["peer_blocks_received"] > 0,
-             timeout=60, interval=0.01, what="the transfer to start")
+        cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60
+    )
+    wait_for(
+        lambda: call.done() or da.now()["peer_blocks_received"] > 0,
+        timeout=60,
+        interval=0.01,
+        what="the transfer to start",
+    )
     b3.proc.send_signal(signal.SIGSTOP)  # alive but silent: only timeouts can end this
     try:
         r = call.result(timeout=60)
@@ -303,12 +345,16 @@ def run_fake_peer(tmp_path: Path, mode: str, blocks):
     np.save(data, np.stack([b.view(torch.uint8).reshape(-1).numpy() for b in blocks]))
     port_file = tmp_path / f"fake-{mode}.port"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, str(FAULT_SCRIPT), mode, str(data),
-                             str(port_file)], cwd=ROOT, env=env,
-                            stdout=open(tmp_path / f"fake-{mode}.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 30,
-                    what="fake peer port")
+    proc = subprocess.Popen(
+        [sys.executable, str(FAULT_SCRIPT), mode, str(data), str(port_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp_path / f"fake-{mode}.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    port = wait_for(
+        lambda: port_file.exists() and port_file.read_text().strip(), 30, what="fake peer port"
+    )
     return proc, f"127.0.0.1:{port}"
 
 
@@ -357,26 +403,35 @@ def test_ucx_peer_dying_mid_transfer_falls_back_to_grpc(cluster, fake_peer):
 def test_prefetch_forwards_the_callers_token_and_checks_access(spawn_agent):
     """The UCX path bypasses the gRPC edge: B checks the token A forwards in the request."""
     tokens = {"acme": "acme-token", "other": "other-token"}
-    tenants = {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()}
-               for t, tok in tokens.items()}
+    tenants = {
+        t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()} for t, tok in tokens.items()
+    }
     cfg = dict(allow_unauthenticated=False, tenants=tenants)
     b_port = free_port()
     b = spawn_agent(peer_port=b_port, **cfg)
     a = spawn_agent(peer_port=free_port(), **cfg)
-    with KVClient(b.address, token="acme-token", tenant_secret=TEST_SECRET) as cb, \
-            KVClient(a.address, token="acme-token", tenant_secret=TEST_SECRET,
-                     use_shm=False) as ca:
+    with (
+        KVClient(b.address, token="acme-token", tenant_secret=TEST_SECRET) as cb,
+        KVClient(a.address, token="acme-token", tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb = cb.open_namespace(SMALL)
         ids = cb.block_ids(nb, prompt_tokens(11, 6 * SMALL.block_size))
         blocks = random_blocks(SMALL, 6, 11)
         assert cb.put(nb, ids, blocks).stored == 6
         na = ca.open_namespace(SMALL)
         req = peer_pb2.PrefetchRequest(
-            ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()), block_ids=pack_ids(ids),
-            parent_id=na.root, peer_address=b.address, peer_ucx_address=f"127.0.0.1:{b_port}")
+            ns=na.ref,
+            spec=common_pb2.Namespace(**SMALL.to_dict()),
+            block_ids=pack_ids(ids),
+            parent_id=na.root,
+            peer_address=b.address,
+            peer_ucx_address=f"127.0.0.1:{b_port}",
+        )
         stub = peer_pb2_grpc.PeerStub(ca.channel)
-        for token, code in (("other-token", grpc.StatusCode.PERMISSION_DENIED),
-                            (None, grpc.StatusCode.UNAUTHENTICATED)):
+        for token, code in (
+            ("other-token", grpc.StatusCode.PERMISSION_DENIED),
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+        ):
             md = (("authorization", f"Bearer {token}"),) if token else ()
             with pytest.raises(grpc.RpcError) as ei:
                 stub.Prefetch(req, metadata=md, timeout=30)
@@ -395,8 +450,10 @@ def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
     mem = dict(slot_bytes="2MiB", pool_bytes="64MiB")
     b = spawn_agent(peer_port=b_port, max_blocks_per_request=4, **mem)
     a = spawn_agent(peer_port=free_port(), **mem)
-    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
-            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb = cb.open_namespace(spec)
         ids = cb.block_ids(nb, prompt_tokens(12, 6 * spec.block_size))
         assert cb.put(nb, ids[:4], random_blocks(spec, 4, 12)).stored == 4
@@ -410,8 +467,9 @@ def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
 
 
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
-def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, monkeypatch,
-                                                               transport):
+def test_small_blocks_arrive_intact_over_several_packed_batches(
+    spawn_agent, monkeypatch, transport
+):
     """Small blocks travel a whole batch per message (node_agent/peer/ucx/wire.packed):
     several batches and a short last one, two prompts over the kept connection."""
     if transport == "ucx" and importlib.util.find_spec("ucxx") is None:
@@ -421,8 +479,10 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
     b = spawn_agent(peer_port=b_port, slot_bytes="4KiB")
     a = spawn_agent(peer_port=free_port(), slot_bytes="4KiB")
     n = 100  # six batches of 16 and one of 4
-    with KVClient(b.address, tenant_secret=TEST_SECRET) as cb, \
-            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb, na = cb.open_namespace(SMALL), ca.open_namespace(SMALL)
         stub = peer_pb2_grpc.PeerStub(ca.channel)
         for seed in (21, 22):
@@ -430,9 +490,13 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
             blocks = random_blocks(SMALL, n, seed)
             assert cb.put(nb, ids, blocks).stored == n
             req = peer_pb2.PrefetchRequest(
-                ns=na.ref, spec=common_pb2.Namespace(**SMALL.to_dict()),
-                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
-                peer_ucx_address=f"127.0.0.1:{b_port}" if transport == "ucx" else "")
+                ns=na.ref,
+                spec=common_pb2.Namespace(**SMALL.to_dict()),
+                block_ids=pack_ids(ids),
+                parent_id=na.root,
+                peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}" if transport == "ucx" else "",
+            )
             r = stub.Prefetch(req, timeout=60)
             assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, transport, ""), r
             assert same_bytes(ca.get(na, ids), blocks)
@@ -442,11 +506,11 @@ def test_small_blocks_arrive_intact_over_several_packed_batches(spawn_agent, mon
         assert counters[f"peer_{transport}_failures"] == 0
 
 
-
 @needs_ucx
 @pytest.mark.parametrize("in_place", ["1", "0"], ids=["in-place", "staged"])
-def test_large_blocks_move_between_slots_in_place_or_through_staging(spawn_agent,
-                                                                     monkeypatch, in_place):
+def test_large_blocks_move_between_slots_in_place_or_through_staging(
+    spawn_agent, monkeypatch, in_place
+):
     """In place, B sends from borrowed pool slots and A receives into reserved ones (one
     message per run of adjacent slots); with KVSTORE_PEER_IN_PLACE=0 (what a GPU pool does
     without the device hash or a UCX built with CUDA) both sides copy through host
@@ -458,8 +522,10 @@ def test_large_blocks_move_between_slots_in_place_or_through_staging(spawn_agent
     b = spawn_agent(peer_port=b_port, **big)
     a = spawn_agent(peer_port=free_port(), **big)
     n = 12  # chunks of 5, 5 and 2 blocks
-    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
-            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb, na = cb.open_namespace(MID), ca.open_namespace(MID)
         ids = cb.block_ids(nb, prompt_tokens(51, n * MID.block_size))
         blocks = random_blocks(MID, n, 51)
@@ -480,12 +546,11 @@ def put_one_by_one(client: KVClient, chains) -> None:
         for handle, ids, blocks in chains:
             if i < len(ids):
                 parent = ids[i - 1] if i else None
-                assert client.put(handle, ids[i:i + 1], blocks[i:i + 1], parent).stored == 1
+                assert client.put(handle, ids[i : i + 1], blocks[i : i + 1], parent).stored == 1
 
 
 @needs_ucx
-def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
-                                                                    monkeypatch):
+def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent, monkeypatch):
     """Blocks lying back to back in B's pool travel as one message per run; A receives a
     run in place when the slots it reserved lie back to back too, else into staging and
     copies in its verifying pass. Every layout arrives intact, over several chunks."""
@@ -495,13 +560,18 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
     b = spawn_agent(peer_port=b_port, **big)
     a = spawn_agent(peer_port=free_port(), policies={"acme/short": {"ttl_seconds": 1}}, **big)
     n = 12  # chunks of 5, 5 and 2 blocks
-    with KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb, \
-            KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca:
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
         nb = cb.open_namespace(MID)
 
         def chain(client, handle, seed):
-            return (handle, client.block_ids(handle, prompt_tokens(seed, n * MID.block_size)),
-                    random_blocks(MID, n, seed))
+            return (
+                handle,
+                client.block_ids(handle, prompt_tokens(seed, n * MID.block_size)),
+                random_blocks(MID, n, seed),
+            )
 
         contiguous_on_b = chain(cb, nb, 31)
         assert cb.put(*contiguous_on_b).stored == n
@@ -509,20 +579,28 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
         put_one_by_one(cb, [scattered_on_b, chain(cb, nb, 33)])
         # A: interleave a chain that expires with one that stays, so that once it expired
         # the free slots A hands out next lie two apart.
-        short = chain(ca, ca.open_namespace(make_namespace(name="short", num_layers=4,
-                                                           num_kv_heads=8, head_dim=128)), 34)
+        short = chain(
+            ca,
+            ca.open_namespace(
+                make_namespace(name="short", num_layers=4, num_kv_heads=8, head_dim=128)
+            ),
+            34,
+        )
         put_one_by_one(ca, [short, chain(ca, ca.open_namespace(MID), 35)])
         wait_for(lambda: ca.stats().tiers[0].blocks == n, timeout=15)  # swept: slots free
         na = ca.open_namespace(MID)
         stub = peer_pb2_grpc.PeerStub(ca.channel)
         before = Counter(dict(ca.stats().counters))
-        for (_, ids, blocks), staged, messages in ((contiguous_on_b, n, 3),
-                                                   (scattered_on_b, 0, n)):
+        for (_, ids, blocks), staged, messages in ((contiguous_on_b, n, 3), (scattered_on_b, 0, n)):
             sent = Counter(dict(cb.stats().counters))["peer_payload_messages"]
             req = peer_pb2.PrefetchRequest(
-                ns=na.ref, spec=common_pb2.Namespace(**MID.to_dict()),
-                block_ids=pack_ids(ids), parent_id=na.root, peer_address=b.address,
-                peer_ucx_address=f"127.0.0.1:{b_port}")
+                ns=na.ref,
+                spec=common_pb2.Namespace(**MID.to_dict()),
+                block_ids=pack_ids(ids),
+                parent_id=na.root,
+                peer_address=b.address,
+                peer_ucx_address=f"127.0.0.1:{b_port}",
+            )
             r = stub.Prefetch(req, timeout=60)
             assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
             assert same_bytes(ca.get(na, ids), blocks)
@@ -531,21 +609,25 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
             assert after["peer_blocks_staged"] - before["peer_blocks_staged"] == staged
             before = after
             # B: one message per chunk when its blocks lie back to back, else one each.
-            assert Counter(dict(cb.stats().counters))["peer_payload_messages"] - sent == \
-                messages
+            assert Counter(dict(cb.stats().counters))["peer_payload_messages"] - sent == messages
         assert before["peer_checksum_mismatch"] == 0 and before["peer_ucx_failures"] == 0
 
 
 def test_runs_and_spans_follow_memory_layout():
     from node_agent.peer.staging import runs_of, spans
     from node_agent.peer.ucx.wire import check_runs
+
     arena = np.arange(8 * 4, dtype=np.uint8)
-    slot = [arena[i * 4:(i + 1) * 4] for i in range(8)]
+    slot = [arena[i * 4 : (i + 1) * 4] for i in range(8)]
     bufs = [slot[0], slot[1], slot[2], slot[5], slot[4], slot[6], slot[7]]
     assert runs_of(bufs, 4) == [3, 1, 1, 2]
     got = spans(bufs, [3, 1, 1, 2], 4)
-    assert [bytes(g) for g in got] == [bytes(arena[0:12]), bytes(arena[20:24]),
-                                       bytes(arena[16:20]), bytes(arena[24:32])]
+    assert [bytes(g) for g in got] == [
+        bytes(arena[0:12]),
+        bytes(arena[20:24]),
+        bytes(arena[16:20]),
+        bytes(arena[24:32]),
+    ]
     got[0][5] = 99  # a span is a view: receiving into it fills the slots
     assert slot[1][1] == 99
     assert spans(bufs, [4, 3], 4) is None  # slots 2 and 5 are not adjacent
@@ -565,8 +647,12 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     import asyncio
 
     from node_agent.peer.errors import PeerTransportError
-    from node_agent.peer.ucx.wire import (MAX_CONTROL_BYTES, control_buffer, post_control,
-                                          recv_control)
+    from node_agent.peer.ucx.wire import (
+        MAX_CONTROL_BYTES,
+        control_buffer,
+        post_control,
+        recv_control,
+    )
 
     class Wire:  # stands in for a UCX endpoint: what was sent is what the next recv gets
         data = b""
@@ -575,7 +661,7 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
             self.data = frame.tobytes()
 
         async def recv(self, buf):
-            buf[:len(self.data)] = np.frombuffer(self.data, dtype=np.uint8)
+            buf[: len(self.data)] = np.frombuffer(self.data, dtype=np.uint8)
 
     async def round_trip(wire, payload):
         await post_control(wire, payload)

@@ -1,6 +1,7 @@
 """Peer settings reach the agent through its one configuration system (kvstore/config.py:
 AgentConfig.peer, KVSTORE_PEER_<FIELD> as its env layer): a bad one stops the agent at
 start with one line naming it, never a silent default."""
+
 from __future__ import annotations
 
 import os
@@ -10,13 +11,35 @@ from support.common import PY, ROOT
 
 
 def _start_agent(tmp_path, **peer_env: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_"))
+    }
     env.update(peer_env)
-    return subprocess.run([PY, "-m", "node_agent", "--listen", "127.0.0.1:0", "--device", "cpu",
-                           "--pool-bytes", "4MiB", "--slot-bytes", "64KiB", "--nvme-bytes", "0",
-                           "--data-dir", str(tmp_path / "data"), "--allow-unauthenticated"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            PY,
+            "-m",
+            "node_agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "cpu",
+            "--pool-bytes",
+            "4MiB",
+            "--slot-bytes",
+            "64KiB",
+            "--nvme-bytes",
+            "0",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--allow-unauthenticated",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_agent_with_a_misspelt_peer_boolean_refuses_to_start(tmp_path):

@@ -9,6 +9,7 @@ router (with peer fetch) serves each turn's whole previous prompt from cache. Th
 requests ask about public documents, each by both tenants: a public namespace is shared,
 so the second tenant's request hits what the first one stored.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,15 +40,22 @@ def interleaved_chat_trace(path: Path, seed: int = 3) -> None:
     lines, t = [], 0.0
     for _turn in range(TURNS):
         for s in range(SESSIONS):
-            lines.append({"t": t, "tenant": f"tenant-{s % 2}", "namespace": "tiny",
-                          "tokens": list(prompts[s])})
+            lines.append(
+                {
+                    "t": t,
+                    "tenant": f"tenant-{s % 2}",
+                    "namespace": "tiny",
+                    "tokens": list(prompts[s]),
+                }
+            )
             prompts[s] = prompts[s] + text(128)  # the answer and the next user message
             t += 0.05
     for _ in range(DOCS):  # requests 110, 112, ... by tenant-0; the next, by tenant-1
         doc = text(200)
         for tenant in ("tenant-0", "tenant-1"):
-            lines.append({"t": t, "tenant": tenant, "namespace": "docs", "public": True,
-                          "tokens": doc})
+            lines.append(
+                {"t": t, "tenant": tenant, "namespace": "docs", "public": True, "tokens": doc}
+            )
             t += 0.05
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
@@ -74,18 +82,39 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
     trace, out = tmp_path / "trace.jsonl", tmp_path / "out"
     interleaved_chat_trace(trace)
     env = dict(os.environ, TMPDIR=str(replay_tmp), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "loadtest.replay", "--trace", str(trace), "--agents", "2",
-           "--workers", "4", "--pool-fraction", "2", "--prefill-tokens-per-s", "8000",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=400)
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.replay",
+        "--trace",
+        str(trace),
+        "--agents",
+        "2",
+        "--workers",
+        "4",
+        "--pool-fraction",
+        "2",
+        "--prefill-tokens-per-s",
+        "8000",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # stdout is the JSON line, nothing else
     head = json.loads(lines[0])
     assert head["requests"] == 120 and head["agents"] == 2
-    for key in ("ceiling", "token_hit_rate", "request_hit_rate", "ttft_p50_ratio",
-                "ttft_p99_ratio", "max_mean_load", "rr_token_hit_rate", "pool_fraction"):
+    for key in (
+        "ceiling",
+        "token_hit_rate",
+        "request_hit_rate",
+        "ttft_p50_ratio",
+        "ttft_p99_ratio",
+        "max_mean_load",
+        "rr_token_hit_rate",
+        "pool_fraction",
+    ):
         assert isinstance(head[key], float), key
     for policy in ("", "rr_", "chash_"):
         assert 0.0 <= head[f"{policy}token_hit_rate"] <= head["ceiling"] + 1e-9
@@ -119,6 +148,7 @@ def test_interleaved_trace_ceiling_beats_alternating_nodes(tmp_path):
     a cache holding only what a node saw under round robin gets less than the ceiling."""
     from kvstore.cli.analyze import analyze, iter_requests
     from loadtest.replay_sim import ceiling_per_request
+
     trace = tmp_path / "trace.jsonl"
     interleaved_chat_trace(trace)
     reqs = list(iter_requests(trace))
@@ -162,8 +192,27 @@ def test_percentile_and_balance():
 
 def test_shortfall_splits_lost_tokens():
     def row(ceiling, best, chosen, cached):
-        return report.Outcome(0, "t", 0.0, "a", 1000, cached, ceiling, 0, 0, 0, best,
-                              chosen, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return report.Outcome(
+            0,
+            "t",
+            0.0,
+            "a",
+            1000,
+            cached,
+            ceiling,
+            0,
+            0,
+            0,
+            best,
+            chosen,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+        )
+
     parts = report.shortfall([row(640, 30, 20, 160), row(320, -1, -1, 0)], block_size=16)
     # ceiling 640: index had 480 anywhere (160 lost to capacity), chosen node 320 (160
     # lost to routing), served 160 (160 lost serving); the router-less row is skipped
@@ -172,6 +221,7 @@ def test_shortfall_splits_lost_tokens():
 
 def test_weight_overrides_parse_and_refuse_bad_input():
     from loadtest.replay import parse_weights
+
     w = parse_weights("load=2,recompute=1.5")
     assert (w.load, w.recompute, w.peer_fetch) == (2.0, 1.5, 0.0)
     assert parse_weights(None) is None
@@ -182,6 +232,7 @@ def test_weight_overrides_parse_and_refuse_bad_input():
 
 def test_cli_refuses_bad_arguments(capsys):
     from loadtest.replay import main
+
     assert main(["--policies", "ours,random"]) == 2
     assert "unknown policies" in capsys.readouterr().err
     assert main(["--decode-ms-per-token", "-1"]) == 2
@@ -189,17 +240,16 @@ def test_cli_refuses_bad_arguments(capsys):
     assert main(["--requests", "0"]) == 2
 
 
-def test_bad_traces_are_refused_before_anything_starts(tmp_path, capsys, replay_tmp,
-                                                      monkeypatch):
+def test_bad_traces_are_refused_before_anything_starts(tmp_path, capsys, replay_tmp, monkeypatch):
     from loadtest.replay import main
+
     monkeypatch.setenv("TMPDIR", str(replay_tmp))  # where a started cluster would live
     good = {"t": 0.0, "tenant": "acme", "namespace": "tiny", "tokens": list(range(40))}
     cases = [
         ([good, {**good, "t": 1.0, "namespace": "team/a"}], "line 2", "'/'"),
         ([{**good, "tenant": "a/b"}], "line 1", "'/'"),
         ([{**good, "public": "yes"}], "line 1", "'public' must be true or false"),
-        ([good, {**good, "t": 1.0, "public": True}], "line 2",
-         "public here but private on line 1"),
+        ([good, {**good, "t": 1.0, "public": True}], "line 2", "public here but private on line 1"),
         ([{**good, "namespace": "\ud800"}], "line 1", "surrogates not allowed"),
     ]
     trace = tmp_path / "bad.jsonl"
@@ -217,11 +267,14 @@ def test_bad_traces_are_refused_before_anything_starts(tmp_path, capsys, replay_
 def test_public_namespaces_are_one_keyspace_for_every_tenant():
     from kvstore.cli.analyze import analyze
     from loadtest.replay_sim import PUBLIC_TENANT, replay_spec
+
     doc = list(range(64))
-    lines = [{"t": 0, "tenant": "a", "namespace": "docs", "public": True, "tokens": doc},
-             {"t": 1, "tenant": "b", "namespace": "docs", "public": True, "tokens": doc},
-             {"t": 2, "tenant": "b", "namespace": "mine", "tokens": doc},
-             {"t": 3, "tenant": "a", "namespace": "mine", "tokens": doc}]
+    lines = [
+        {"t": 0, "tenant": "a", "namespace": "docs", "public": True, "tokens": doc},
+        {"t": 1, "tenant": "b", "namespace": "docs", "public": True, "tokens": doc},
+        {"t": 2, "tenant": "b", "namespace": "mine", "tokens": doc},
+        {"t": 3, "tenant": "a", "namespace": "mine", "tokens": doc},
+    ]
     assert analyze(lines).overall.cached_tokens == 64  # b's ask of the public doc only
     a, b = (replay_spec(t, "docs", True, "n-ours") for t in ("a", "b"))
     assert a == b and a.public and a.tenant == PUBLIC_TENANT
@@ -232,6 +285,7 @@ def test_public_namespaces_are_one_keyspace_for_every_tenant():
 
 def test_decode_speed_given_or_measured_on_the_tiny_llama():
     from loadtest.replay_sim import decode_seconds_per_token
+
     said = []
     assert decode_seconds_per_token(2.5, said.append) == pytest.approx(0.0025)
     assert decode_seconds_per_token(0, said.append) == 0 and not said

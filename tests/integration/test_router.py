@@ -1,6 +1,7 @@
 """The router as a real process over real agents and etcd: the index follows the agents'
 event streams (puts, evictions, restarts), routing decisions over gRPC, router restarts
 and replicas."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,10 @@ def put_blocks(client: KVClient, ids: list[bytes], first: int = 0) -> None:
     """Store ids[first:] (ids[:first] must already be on the node)."""
     ns = client.open_namespace(SPEC)
     g = torch.Generator().manual_seed(len(ids))
-    blocks = [torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
-              for _ in ids[first:]]
+    blocks = [
+        torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
+        for _ in ids[first:]
+    ]
     r = client.put(ns, ids[first:], blocks, ids[first - 1] if first else None)
     assert r.stored + r.already_present == len(ids) - first
 
@@ -46,9 +49,24 @@ def local_of(resp: router_pb2.RouteResponse) -> dict[str, int]:
 
 def decision(resp: router_pb2.RouteResponse) -> tuple:
     """Everything in a response except the request id."""
-    return (resp.node_id, resp.address, resp.matched_blocks, resp.peer_hint,
-            tuple((c.node_id, c.local_blocks, c.peer_blocks, c.peer_node_id,
-                   c.recompute_blocks, c.in_flight, round(c.cost, 9)) for c in resp.candidates))
+    return (
+        resp.node_id,
+        resp.address,
+        resp.matched_blocks,
+        resp.peer_hint,
+        tuple(
+            (
+                c.node_id,
+                c.local_blocks,
+                c.peer_blocks,
+                c.peer_node_id,
+                c.recompute_blocks,
+                c.in_flight,
+                round(c.cost, 9),
+            )
+            for c in resp.candidates
+        ),
+    )
 
 
 def test_index_follows_puts_and_evictions(etcd, spawn_agent, start_router):
@@ -93,8 +111,7 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
         r.wait_nodes({"agent-0": 0, "agent-1": 0, "agent-2": 10})
     prompt = pack_ids(prefix + ids_for(8, 5))
     resp = slow.route(NS_ID, prompt, dry_run=True)
-    assert (resp.node_id, resp.matched_blocks, resp.address) == ("agent-2", 10,
-                                                                  agents[2].address)
+    assert (resp.node_id, resp.matched_blocks, resp.address) == ("agent-2", 10, agents[2].address)
     assert local_of(resp) == {"agent-0": 0, "agent-1": 0, "agent-2": 10}
     assert all(c.peer_blocks == 0 for c in resp.candidates)
     assert [c.recompute_blocks for c in resp.candidates] == [5, 15, 15]
@@ -119,8 +136,10 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
         slow.release(f"p{i}")
 
     # Nobody holds a cold prompt: load spreads them evenly.
-    cold = [slow.route(NS_ID, pack_ids(ids_for(100 + i, 6)), request_id=f"c{i}").node_id
-            for i in range(6)]
+    cold = [
+        slow.route(NS_ID, pack_ids(ids_for(100 + i, 6)), request_id=f"c{i}").node_id
+        for i in range(6)
+    ]
     assert sorted(cold) == ["agent-0", "agent-0", "agent-1", "agent-1", "agent-2", "agent-2"]
     for i in range(6):
         slow.release(f"c{i}")
@@ -131,6 +150,7 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
         r = fast.route(NS_ID, prompt, dry_run=True)
         other = {c.node_id: c for c in r.candidates}["agent-0"]
         return other.peer_blocks == 10 and other.peer_node_id == "agent-2" and r
+
     resp = wait_for(peer_priced, 15, what="peer pricing from the etcd namespace record")
     assert resp.node_id == "agent-2" and resp.peer_hint == ""
     # ... so one request in flight on the holder sends the next one elsewhere, hinted.
@@ -141,7 +161,8 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
 
 
 def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
-        etcd, spawn_agent, start_router):
+    etcd, spawn_agent, start_router
+):
     """The router sends a request away from a busy holder with a peer hint; the cluster
     client has the chosen agent pull the hinted blocks first, so they are a hit there."""
     agents = spawn_many(spawn_agent, 2, **agent_config(etcd))
@@ -153,9 +174,17 @@ def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
         expected = holder.get(holder.open_namespace(SPEC), prefix)
     router.wait_nodes({"agent-0": 0, "agent-1": 10})
     prompt = pack_ids(hash_chain(ROOT, tokens, BS))
-    wait_for(lambda: {c.node_id: c.peer_blocks for c in router.route(
-        NS_ID, prompt, dry_run=True).candidates}["agent-0"] == 10, 15,
-        what="peer pricing from the etcd namespace record")
+    wait_for(
+        lambda: (
+            {
+                c.node_id: c.peer_blocks
+                for c in router.route(NS_ID, prompt, dry_run=True).candidates
+            }["agent-0"]
+            == 10
+        ),
+        15,
+        what="peer pricing from the etcd namespace record",
+    )
     router.route(NS_ID, prompt, request_id="busy")  # the holder has a request in flight
     with ClusterClient(router.address, tenant_secret=TEST_SECRET, use_shm=False) as cc:
         ns = cc.open_namespace(SPEC)
@@ -169,8 +198,10 @@ def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
         assert (p.present, p.fetched, p.stopped) == (10, 10, ""), p
         assert p.transport in ("ucx", "grpc")
         assert hit.cached_blocks == 10
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(hit.blocks, expected))
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(hit.blocks, expected)
+        )
         cc.release(hit)
     router.release("busy")
 
@@ -187,19 +218,30 @@ def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start
     a, b = start_router("router-a"), start_router("router-b")
     a.wait_nodes(expect)
     b.wait_nodes(expect)
-    prompts = [pack_ids(held[0] + ids_for(50, 3)), pack_ids(held[1]),
-               pack_ids(held[0][:7]), pack_ids(ids_for(51, 9))]
+    prompts = [
+        pack_ids(held[0] + ids_for(50, 3)),
+        pack_ids(held[1]),
+        pack_ids(held[0][:7]),
+        pack_ids(ids_for(51, 9)),
+    ]
 
     def same_decisions(x: RouterProc, y: RouterProc) -> None:
         # Utilization reaches each replica through its own etcd watch: equal once settled.
-        wait_for(lambda: all(decision(x.route(NS_ID, p, dry_run=True)) ==
-                             decision(y.route(NS_ID, p, dry_run=True)) for p in prompts),
-                 15, what="replicas to agree")
+        wait_for(
+            lambda: all(
+                decision(x.route(NS_ID, p, dry_run=True))
+                == decision(y.route(NS_ID, p, dry_run=True))
+                for p in prompts
+            ),
+            15,
+            what="replicas to agree",
+        )
 
     same_decisions(a, b)
     for i, p in enumerate(prompts * 2):  # stateful: identical load accounting too
-        assert decision(a.route(NS_ID, p, request_id=f"s{i}")) == \
-            decision(b.route(NS_ID, p, request_id=f"s{i}"))
+        assert decision(a.route(NS_ID, p, request_id=f"s{i}")) == decision(
+            b.route(NS_ID, p, request_id=f"s{i}")
+        )
     for i in range(len(prompts) * 2):
         a.release(f"s{i}")
         b.release(f"s{i}")
@@ -208,23 +250,30 @@ def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start
     a2 = start_router("router-a2")
     a2.wait_nodes(expect)
     same_decisions(a2, b)
-    assert decision(a2.route(NS_ID, prompts[0], dry_run=True))[:3] == \
-        ("agent-0", agents[0].address, 12)
+    assert decision(a2.route(NS_ID, prompts[0], dry_run=True))[:3] == (
+        "agent-0",
+        agents[0].address,
+        12,
+    )
 
 
 def test_agent_restart_resyncs_on_epoch_change(etcd, spawn_agent, start_router):
     cluster_token, tenant_token = "cluster-secret-token", "acme-token"
-    tenants = {"_cluster": {"token_sha256": hashlib.sha256(cluster_token.encode()).hexdigest()},
-               "acme": {"token_sha256": hashlib.sha256(tenant_token.encode()).hexdigest()}}
+    tenants = {
+        "_cluster": {"token_sha256": hashlib.sha256(cluster_token.encode()).hexdigest()},
+        "acme": {"token_sha256": hashlib.sha256(tenant_token.encode()).hexdigest()},
+    }
     # A long lease: the restarted agent comes back before its old record expires, so
     # only the event stream's epoch tells the router the node's contents changed.
-    agent = spawn_agent(**agent_config(etcd, nvme_bytes=0, lease_ttl_s=30, tenants=tenants,
-                                       allow_unauthenticated=False))
+    agent = spawn_agent(
+        **agent_config(
+            etcd, nvme_bytes=0, lease_ttl_s=30, tenants=tenants, allow_unauthenticated=False
+        )
+    )
     router = start_router(token=cluster_token)
     router.wait_nodes({"agent-0": 0})
     ids = ids_for(3, 8)
-    with KVClient(agent.address, token=tenant_token, tenant_secret=TEST_SECRET,
-                  use_shm=False) as c:
+    with KVClient(agent.address, token=tenant_token, tenant_secret=TEST_SECRET, use_shm=False) as c:
         put_blocks(c, ids)
     router.wait_nodes({"agent-0": 8})
     agent.kill()
@@ -232,8 +281,7 @@ def test_agent_restart_resyncs_on_epoch_change(etcd, spawn_agent, start_router):
     agent.start()
     router.wait_nodes({"agent-0": 0}, timeout=30)
     assert "restarted (epoch" in router.log
-    with KVClient(agent.address, token=tenant_token, tenant_secret=TEST_SECRET,
-                  use_shm=False) as c:
+    with KVClient(agent.address, token=tenant_token, tenant_secret=TEST_SECRET, use_shm=False) as c:
         put_blocks(c, ids[:3])
     router.wait_nodes({"agent-0": 3})
     assert router.route(NS_ID, pack_ids(ids), dry_run=True).matched_blocks == 3
@@ -245,10 +293,12 @@ def test_router_rejects_malformed_requests(etcd, start_router):
         router.route(NS_ID, pack_ids(ids_for(1, 2)))
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no node agents" in ei.value.details()
-    for bad, what in (({"namespace_id": b"x"}, "namespace_id"),
-                      ({"block_ids": b"y" * 17}, "multiple of 16"),
-                      ({"weights": router_pb2.RouteWeights(load=-1)}, "load"),
-                      ({"weights": router_pb2.RouteWeights(queue=-2)}, "queue")):
+    for bad, what in (
+        ({"namespace_id": b"x"}, "namespace_id"),
+        ({"block_ids": b"y" * 17}, "multiple of 16"),
+        ({"weights": router_pb2.RouteWeights(load=-1)}, "load"),
+        ({"weights": router_pb2.RouteWeights(queue=-2)}, "queue"),
+    ):
         req = {"namespace_id": NS_ID, "block_ids": b"", **bad}
         with pytest.raises(grpc.RpcError) as ei:
             router.stub.Route(router_pb2.RouteRequest(**req), timeout=5)
@@ -261,6 +311,7 @@ def test_router_rejects_malformed_requests(etcd, start_router):
         async with EtcdClient(etcd.endpoint) as e:
             await e.put_namespace(SPEC.tenant, NS_ID, SPEC.to_dict())
             return await e.bump_generation(SPEC.tenant, NS_ID)
+
     assert asyncio.run(flush()) == 1
 
     def fenced():
@@ -269,6 +320,7 @@ def test_router_rejects_malformed_requests(etcd, start_router):
         except grpc.RpcError as exc:
             return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in exc.details()
         return False
+
     wait_for(fenced, 15, what="the generation fence")
 
 
@@ -290,15 +342,18 @@ class ScriptedAgent(agent_pb2_grpc.NodeAgentServicer):
 
 
 def snapshot(epoch: str, seq: int, ids: list[bytes]) -> agent_pb2.EventBatch:
-    ev = agent_pb2.Event(seq=seq, kind=agent_pb2.Event.STORED, namespace_id=NS_ID,
-                         block_ids=pack_ids(ids), tier=1)
-    return agent_pb2.EventBatch(node_id="n", epoch=epoch, snapshot=True, snapshot_done=True,
-                                events=[ev] if ids else [])
+    ev = agent_pb2.Event(
+        seq=seq, kind=agent_pb2.Event.STORED, namespace_id=NS_ID, block_ids=pack_ids(ids), tier=1
+    )
+    return agent_pb2.EventBatch(
+        node_id="n", epoch=epoch, snapshot=True, snapshot_done=True, events=[ev] if ids else []
+    )
 
 
 def live(epoch: str, seq: int, ids: list[bytes], kind=agent_pb2.Event.STORED):
-    ev = agent_pb2.Event(seq=seq, kind=kind, namespace_id=NS_ID, block_ids=pack_ids(ids),
-                         tier=1, generation=1)
+    ev = agent_pb2.Event(
+        seq=seq, kind=kind, namespace_id=NS_ID, block_ids=pack_ids(ids), tier=1, generation=1
+    )
     return agent_pb2.EventBatch(node_id="n", epoch=epoch, events=[ev])
 
 
@@ -307,6 +362,7 @@ async def follow_scripted(scripts, until_connections: int) -> tuple:
     from router.follower import NodeStream
     from router.routing import RouterCore
     from router.scoring import Weights
+
     agent = ScriptedAgent(scripts)
     server = grpc.aio.server()
     agent_pb2_grpc.add_NodeAgentServicer_to_server(agent, server)
@@ -330,9 +386,11 @@ async def follow_scripted(scripts, until_connections: int) -> tuple:
 @pytest.mark.parametrize("fault", ["gap", "epoch", "cleared"])
 def test_stream_faults_resync_from_a_fresh_snapshot(fault):
     a, b, c = ids_for(1, 4), ids_for(2, 3), ids_for(3, 2)
-    bad = {"gap": live("e1", 8, c),  # seq 7 never came
-           "epoch": live("e2", 7, c),  # another process answered mid-stream
-           "cleared": live("e1", 7, [], agent_pb2.Event.NAMESPACE_CLEARED)}[fault]
+    bad = {
+        "gap": live("e1", 8, c),  # seq 7 never came
+        "epoch": live("e2", 7, c),  # another process answered mid-stream
+        "cleared": live("e1", 7, [], agent_pb2.Event.NAMESPACE_CLEARED),
+    }[fault]
     first = [snapshot("e1", 5, a), live("e1", 6, b), bad]
     second = [snapshot("e1" if fault != "epoch" else "e2", 9, a + c)]
     connections, core = asyncio.run(follow_scripted([first, second], 2))

@@ -1,6 +1,7 @@
 """Router authentication and least privilege (issue 18, item 3), each test written as the
 attack of a caller holding one tenant's valid token (or none), against a real router, etcd
 and agents that know tenants acme (A), globex (B) and the cluster identity."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,10 @@ NOT_YOURS = "namespace is unknown or not open to this tenant"
 
 
 def tenants(**extra) -> dict:
-    return {t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest(), **extra.get(t, {})}
-            for t, tok in TOKENS.items()}
+    return {
+        t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest(), **extra.get(t, {})}
+        for t, tok in TOKENS.items()
+    }
 
 
 def md(tenant: str | None) -> tuple:
@@ -41,13 +44,16 @@ class Caller:
         self.md = md(tenant)
 
     def route(self, ns_id: bytes, ids: list[bytes], **kw) -> router_pb2.RouteResponse:
-        return self.stub.Route(router_pb2.RouteRequest(namespace_id=ns_id,
-                                                       block_ids=pack_ids(ids), **kw),
-                               timeout=5, metadata=self.md)
+        return self.stub.Route(
+            router_pb2.RouteRequest(namespace_id=ns_id, block_ids=pack_ids(ids), **kw),
+            timeout=5,
+            metadata=self.md,
+        )
 
     def release(self, request_id: str) -> None:
-        self.stub.Release(router_pb2.ReleaseRequest(request_id=request_id), timeout=5,
-                          metadata=self.md)
+        self.stub.Release(
+            router_pb2.ReleaseRequest(request_id=request_id), timeout=5, metadata=self.md
+        )
 
     def nodes(self) -> dict[str, router_pb2.NodeInfo]:
         resp = self.stub.ListNodes(router_pb2.ListNodesRequest(), timeout=5, metadata=self.md)
@@ -64,12 +70,18 @@ def start(etcd, spawn_agent, start_router, n_agents: int = 2, **router_cfg):
     """Agents and a router that authenticate (no anonymous access anywhere)."""
     for _ in range(n_agents):
         spawn_agent(**agent_config(etcd, tenants=tenants(), allow_unauthenticated=False))
-    router = start_router(token=TOKENS["_cluster"], config={
-        "tenants": tenants(), "allow_unauthenticated": False, **router_cfg})
+    router = start_router(
+        token=TOKENS["_cluster"],
+        config={"tenants": tenants(), "allow_unauthenticated": False, **router_cfg},
+    )
     cluster = Caller(router.address, "_cluster")
-    wait_for(lambda: len(cluster.nodes()) == n_agents
-             and all(n.synced for n in cluster.nodes().values()), 30,
-             what="router to follow every agent")
+    wait_for(
+        lambda: (
+            len(cluster.nodes()) == n_agents and all(n.synced for n in cluster.nodes().values())
+        ),
+        30,
+        what="router to follow every agent",
+    )
     return router, cluster
 
 
@@ -79,15 +91,17 @@ def in_flight(cluster: Caller, ns_id: bytes) -> dict[str, int]:
     return {c.node_id: c.in_flight for c in resp.candidates}
 
 
-def test_anonymous_callers_are_refused_and_the_cluster_lists_nodes(etcd, spawn_agent,
-                                                                   start_router):
+def test_anonymous_callers_are_refused_and_the_cluster_lists_nodes(etcd, spawn_agent, start_router):
     router, cluster = start(etcd, spawn_agent, start_router, n_agents=1)
     anon = Caller(router.address, None)
     forged = Caller(router.address, None)
     forged.md = (("authorization", "Bearer guessed-token"),)
     for who in (anon, forged):
-        for call, args in ((who.nodes, ()), (who.release, ("r-1",)),
-                           (who.route, (A_SPEC.namespace_id, [bytes(16)]))):
+        for call, args in (
+            (who.nodes, ()),
+            (who.release, ("r-1",)),
+            (who.route, (A_SPEC.namespace_id, [bytes(16)])),
+        ):
             assert refused(call, *args).code() == grpc.StatusCode.UNAUTHENTICATED
     # Nothing an anonymous Route did is counted anywhere.
     assert set(in_flight(cluster, A_SPEC.namespace_id).values()) == {0}
@@ -103,23 +117,27 @@ def store_prompt(cc: ClusterClient, spec, tokens) -> str:
     ns = cc.open_namespace(spec)
     hit = cc.fetch(ns, tokens)
     g = torch.Generator().manual_seed(7)
-    kv = torch.randn(spec.num_layers, 2, len(tokens), spec.num_kv_heads, spec.head_dim,
-                     generator=g).to(torch_dtype(spec.kv_dtype))
+    kv = torch.randn(
+        spec.num_layers, 2, len(tokens), spec.num_kv_heads, spec.head_dim, generator=g
+    ).to(torch_dtype(spec.kv_dtype))
     assert block_shape(spec)[2] == BS
     cc.store(ns, hit, tokens, kv)
     return hit.node_id
 
 
-def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_agent,
-                                                                   start_router):
+def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_agent, start_router):
     router, cluster = start(etcd, spawn_agent, start_router)
     tokens = prompt_tokens(5, 32 * BS)
     a_ids = hash_chain(A_SPEC.root(0, TEST_SECRET), tokens, BS)
-    with ClusterClient(router.address, token=TOKENS["acme"], tenant_secret=TEST_SECRET,
-                       use_shm=False) as cc_a:
+    with ClusterClient(
+        router.address, token=TOKENS["acme"], tenant_secret=TEST_SECRET, use_shm=False
+    ) as cc_a:
         home = store_prompt(cc_a, A_SPEC, tokens)
-        wait_for(lambda: cluster.nodes()[home].indexed_blocks == 32, 15,
-                 what="the router to index A's 32 blocks")
+        wait_for(
+            lambda: cluster.nodes()[home].indexed_blocks == 32,
+            15,
+            what="the router to index A's 32 blocks",
+        )
         a = Caller(router.address, "acme")
         b = Caller(router.address, "globex")
         mine = a.route(A_SPEC.namespace_id, a_ids, dry_run=True)
@@ -128,20 +146,26 @@ def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_a
         # Hit oracle: B routes A's namespace with A's ids (32 cached), with ids nothing
         # caches, and an id no namespace has: one answer, decided before any lookup.
         answers = set()
-        for ns_id, ids in ((A_SPEC.namespace_id, a_ids), (A_SPEC.namespace_id, [bytes(16)]),
-                           (bytes(range(16)), a_ids)):
+        for ns_id, ids in (
+            (A_SPEC.namespace_id, a_ids),
+            (A_SPEC.namespace_id, [bytes(16)]),
+            (bytes(range(16)), a_ids),
+        ):
             err = refused(b.route, ns_id, ids, dry_run=True)
             answers.add((err.code(), err.details()))
         assert answers == {(grpc.StatusCode.PERMISSION_DENIED, NOT_YOURS)}
         # Nor with a spec naming A (of a namespace the router knows, or of one it does
         # not), nor with B's own spec sent along an id that is A's or nobody's.
         unopened = make_namespace(tenant="acme", name="not-opened")
-        for ns_id, spec in ((A_SPEC.namespace_id, A_SPEC), (unopened.namespace_id, unopened),
-                            (A_SPEC.namespace_id, B_SPEC), (bytes(range(16)), B_SPEC)):
+        for ns_id, spec in (
+            (A_SPEC.namespace_id, A_SPEC),
+            (unopened.namespace_id, unopened),
+            (A_SPEC.namespace_id, B_SPEC),
+            (bytes(range(16)), B_SPEC),
+        ):
             claim = common_pb2.Namespace(**spec.to_dict())
             err = refused(b.route, ns_id, a_ids, spec=claim)
-            assert (err.code(), err.details()) == (grpc.StatusCode.PERMISSION_DENIED,
-                                                   NOT_YOURS)
+            assert (err.code(), err.details()) == (grpc.StatusCode.PERMISSION_DENIED, NOT_YOURS)
 
         # Request ids: unguessable, and B's Release of A's live ids changes nothing.
         rids = [a.route(A_SPEC.namespace_id, a_ids).request_id for _ in range(5)]
@@ -159,15 +183,22 @@ def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_a
 
         # Weight overrides: B's 20 steering routes are refused and count nowhere, and A's
         # route for its 32 blocks stays on the node holding them.
-        steer = router_pb2.RouteWeights(recompute=1e-9, peer_fetch=1e-9, load=1e-9,
-                                        utilization=1e-9, queue=1e-9)
+        steer = router_pb2.RouteWeights(
+            recompute=1e-9, peer_fetch=1e-9, load=1e-9, utilization=1e-9, queue=1e-9
+        )
         b_ids = hash_chain(B_SPEC.root(0, TEST_SECRET), tokens, BS)
-        with ClusterClient(router.address, token=TOKENS["globex"],
-                           tenant_secret=TEST_SECRET, use_shm=False) as cc_b:
+        with ClusterClient(
+            router.address, token=TOKENS["globex"], tenant_secret=TEST_SECRET, use_shm=False
+        ) as cc_b:
             cc_b.open_namespace(B_SPEC)  # B's own namespace: B may route it
         for _ in range(20):
-            err = refused(b.route, B_SPEC.namespace_id, b_ids, weights=steer,
-                          spec=common_pb2.Namespace(**B_SPEC.to_dict()))
+            err = refused(
+                b.route,
+                B_SPEC.namespace_id,
+                b_ids,
+                weights=steer,
+                spec=common_pb2.Namespace(**B_SPEC.to_dict()),
+            )
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
         assert set(in_flight(cluster, A_SPEC.namespace_id).values()) == {0}
         assert a.route(A_SPEC.namespace_id, a_ids, dry_run=True).node_id == home
@@ -176,8 +207,7 @@ def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_a
 
 
 def test_per_tenant_in_flight_cap(etcd, spawn_agent, start_router):
-    router, cluster = start(etcd, spawn_agent, start_router, n_agents=1,
-                            max_inflight_per_tenant=3)
+    router, cluster = start(etcd, spawn_agent, start_router, n_agents=1, max_inflight_per_tenant=3)
     b = Caller(router.address, "globex")
     a = Caller(router.address, "acme")
     spec_b = common_pb2.Namespace(**B_SPEC.to_dict())

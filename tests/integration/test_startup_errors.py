@@ -1,5 +1,6 @@
 """A process that cannot start says why in one line and exits non-zero: no traceback for
 the operator to decode (docs/runbook.md, 'A node agent that will not start')."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,9 +14,23 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 
 def test_agent_on_a_taken_port_exits_1_with_one_clear_line(spawn_agent, tmp_path):
     first = spawn_agent()
-    r = _run("-m", "node_agent", "--listen", first.address, "--device", "cpu",
-             "--pool-bytes", "4MiB", "--slot-bytes", "64KiB", "--nvme-bytes", "0",
-             "--data-dir", str(tmp_path / "second"), "--allow-unauthenticated")
+    r = _run(
+        "-m",
+        "node_agent",
+        "--listen",
+        first.address,
+        "--device",
+        "cpu",
+        "--pool-bytes",
+        "4MiB",
+        "--slot-bytes",
+        "64KiB",
+        "--nvme-bytes",
+        "0",
+        "--data-dir",
+        str(tmp_path / "second"),
+        "--allow-unauthenticated",
+    )
     assert r.returncode == 1
     assert f"kvstore-agent: cannot start: cannot listen on {first.address}" in r.stderr
     assert "Traceback" not in r.stderr

@@ -4,6 +4,7 @@ thread. Client spans, the router's Route, the agents' Lookup/Get and the peer ho
 (Prefetch on A -> FetchBlocks on B) must share one trace through W3C metadata, carry
 counts and node names, and never a token id. Then a real agent process exporting over
 OTLP/gRPC to a collector the test runs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,15 +53,25 @@ def spans():
 
 def blocks_for(seed: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype))
-            for _ in range(n)]
+    return [
+        torch.randn(block_shape(SPEC), generator=g).to(torch_dtype(SPEC.kv_dtype)) for _ in range(n)
+    ]
 
 
 def agent_cfg(tmp_path, name: str, etcd) -> AgentConfig:
-    return AgentConfig(node_id=name, listen="127.0.0.1:0", data_dir=str(tmp_path / name),
-                       pool_bytes=4 << 20, slot_bytes=64 << 10, nvme_bytes=0, device="cpu",
-                       allow_unauthenticated=True, etcd_endpoints=etcd.endpoint,
-                       lease_ttl_s=2, ucx_enabled=False)
+    return AgentConfig(
+        node_id=name,
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / name),
+        pool_bytes=4 << 20,
+        slot_bytes=64 << 10,
+        nvme_bytes=0,
+        device="cpu",
+        allow_unauthenticated=True,
+        etcd_endpoints=etcd.endpoint,
+        lease_ttl_s=2,
+        ucx_enabled=False,
+    )
 
 
 def workload(router: str, a: str, b: str) -> None:
@@ -68,8 +79,11 @@ def workload(router: str, a: str, b: str) -> None:
     with KVClient(b, tenant_secret=TEST_SECRET, use_shm=False) as cb:
         cb.store(cb.open_namespace(SPEC), TOKENS, blocks_for(1, N_BLOCKS))
     with ClusterClient(router, tenant_secret=TEST_SECRET, use_shm=False) as cc:
-        wait_for(lambda: any(n.indexed_blocks == N_BLOCKS and n.synced for n in cc.nodes()),
-                 20, what="the router to index B's blocks")
+        wait_for(
+            lambda: any(n.indexed_blocks == N_BLOCKS and n.synced for n in cc.nodes()),
+            20,
+            what="the router to index B's blocks",
+        )
         ns = cc.open_namespace(SPEC)
         hit = cc.fetch(ns, TOKENS)
         assert hit.cached_blocks == N_BLOCKS and hit.address == b
@@ -77,8 +91,12 @@ def workload(router: str, a: str, b: str) -> None:
     with KVClient(a, tenant_secret=TEST_SECRET, use_shm=False) as ca:
         na = ca.open_namespace(SPEC)
         req = peer_pb2.PrefetchRequest(
-            ns=na.ref, spec=common_pb2.Namespace(**SPEC.to_dict()),
-            block_ids=pack_ids(ca.block_ids(na, TOKENS)), parent_id=na.root, peer_address=b)
+            ns=na.ref,
+            spec=common_pb2.Namespace(**SPEC.to_dict()),
+            block_ids=pack_ids(ca.block_ids(na, TOKENS)),
+            parent_id=na.root,
+            peer_address=b,
+        )
         with TRACER.start_as_current_span("test.prefetch"):
             r = peer_pb2_grpc.PeerStub(ca.channel).Prefetch(req, timeout=30)
         assert (r.present, r.fetched, r.transport) == (N_BLOCKS, N_BLOCKS, "grpc")
@@ -86,16 +104,22 @@ def workload(router: str, a: str, b: str) -> None:
 
 async def run_cluster(tmp_path, etcd) -> tuple[str, str]:
     agents = [AgentServer(agent_cfg(tmp_path, name, etcd)) for name in ("agent-a", "agent-b")]
-    router = RouterServer(RouterConfig(router_id="router-t", listen="127.0.0.1:0",
-                                       etcd_endpoints=etcd.endpoint,
-                                       allow_unauthenticated=True))
+    router = RouterServer(
+        RouterConfig(
+            router_id="router-t",
+            listen="127.0.0.1:0",
+            etcd_endpoints=etcd.endpoint,
+            allow_unauthenticated=True,
+        )
+    )
     started = []
     try:
         for server in (*agents, router):
             await server.start()
             started.append(server)
-        await asyncio.wait_for(asyncio.to_thread(
-            workload, router.address, agents[0].address, agents[1].address), 90)
+        await asyncio.wait_for(
+            asyncio.to_thread(workload, router.address, agents[0].address, agents[1].address), 90
+        )
     finally:
         for server in reversed(started):
             await server.stop(0)
@@ -103,8 +127,11 @@ async def run_cluster(tmp_path, etcd) -> tuple[str, str]:
 
 
 def one(spans, name: str, **attrs):
-    found = [s for s in spans if s.name == name
-             and all(s.attributes.get(k) == v for k, v in attrs.items())]
+    found = [
+        s
+        for s in spans
+        if s.name == name and all(s.attributes.get(k) == v for k, v in attrs.items())
+    ]
     assert len(found) == 1, (name, attrs, [(s.name, dict(s.attributes)) for s in spans])
     return found[0]
 
@@ -113,9 +140,13 @@ def test_trace_spans_client_router_agent_and_peer(tmp_path, etcd, spans):
     spans.clear()
     node_a, node_b = asyncio.run(run_cluster(tmp_path, etcd))
     # B's FetchBlocks span ends when A cancels the drained stream: it may trail Prefetch.
-    done = wait_for(lambda: (lambda got: got if any(s.name.endswith("/FetchBlocks")
-                                                    for s in got) else None)(
-        spans.get_finished_spans()), 10, what="the peer's FetchBlocks span")
+    done = wait_for(
+        lambda: (lambda got: got if any(s.name.endswith("/FetchBlocks") for s in got) else None)(
+            spans.get_finished_spans()
+        ),
+        10,
+        what="the peer's FetchBlocks span",
+    )
 
     fetch = one(done, "kvstore.cluster.fetch")
     # (open_namespace's dry run picking the agent to open on is a Route of its own.)
@@ -154,9 +185,17 @@ def test_local_lane_calls_carry_the_trace(tmp_path, spans):
     """Same-host calls skip gRPC (the local lane) but not tracing: the agent's spans are
     children of the caller's, as over gRPC."""
     spans.clear()
-    cfg = AgentConfig(node_id="agent-l", listen="127.0.0.1:0", data_dir=str(tmp_path / "l"),
-                      pool_bytes=4 << 20, slot_bytes=64 << 10, nvme_bytes=0, device="cpu",
-                      allow_unauthenticated=True, ucx_enabled=False)
+    cfg = AgentConfig(
+        node_id="agent-l",
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "l"),
+        pool_bytes=4 << 20,
+        slot_bytes=64 << 10,
+        nvme_bytes=0,
+        device="cpu",
+        allow_unauthenticated=True,
+        ucx_enabled=False,
+    )
 
     def work(address: str) -> None:
         with KVClient(address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
@@ -183,8 +222,9 @@ def test_local_lane_calls_carry_the_trace(tmp_path, spans):
         assert server.kind == trace.SpanKind.SERVER
         assert server.context.trace_id == parent.context.trace_id
         assert server.parent.span_id == client_span.context.span_id and server.parent.is_remote
-    assert one(done, "/kvstore.v1.NodeAgent/Lookup").attributes["kvstore.matched_blocks"] \
-        == N_BLOCKS
+    assert (
+        one(done, "/kvstore.v1.NodeAgent/Lookup").attributes["kvstore.matched_blocks"] == N_BLOCKS
+    )
     assert_no_tokens(done)
 
 

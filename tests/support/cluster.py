@@ -1,5 +1,6 @@
 """Helpers for the cluster tests (test_router.py, test_cluster.py): real router processes,
 agent spawning in parallel, waiting on what the router reports."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import pytest
 from support.common import ROOT, wait_for
 
 from kvstore.v1 import router_pb2, router_pb2_grpc
@@ -28,8 +28,13 @@ class RouterProc:
         self._channel: grpc.Channel | None = None
         self.stub: router_pb2_grpc.RouterStub | None = None
 
-    def start(self, listen: str = "127.0.0.1:0", timeout: float = 30.0,
-              token: str | None = None, config: dict | None = None) -> "RouterProc":
+    def start(
+        self,
+        listen: str = "127.0.0.1:0",
+        timeout: float = 30.0,
+        token: str | None = None,
+        config: dict | None = None,
+    ) -> "RouterProc":
         """`config`: RouterConfig fields, written to a file the router loads."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         ready = self.workdir / "ready"
@@ -42,11 +47,28 @@ class RouterProc:
         # the test's config says otherwise (tests/integration/test_router_auth.py).
         cfg_path.write_text(json.dumps({"allow_unauthenticated": True, **(config or {})}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router", "--router-id", self.name, "--listen", listen,
-             "--etcd-endpoints", self.etcd_endpoint, "--ready-file", str(ready),
-             "--config", str(cfg_path), "--log-level", "DEBUG"],
-            cwd=ROOT, env=env, stdout=open(self.workdir / "router.log", "ab"),
-            stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "--router-id",
+                self.name,
+                "--listen",
+                listen,
+                "--etcd-endpoints",
+                self.etcd_endpoint,
+                "--ready-file",
+                str(ready),
+                "--config",
+                str(cfg_path),
+                "--log-level",
+                "DEBUG",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.workdir / "router.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
 
         def is_ready():
             if self.proc.poll() is not None:
@@ -84,16 +106,19 @@ class RouterProc:
         return {n.node_id: n for n in resp.nodes}
 
     def route(self, ns_id: bytes, packed: bytes, **kw) -> router_pb2.RouteResponse:
-        return self.stub.Route(router_pb2.RouteRequest(namespace_id=ns_id, block_ids=packed,
-                                                       **kw), timeout=5)
+        return self.stub.Route(
+            router_pb2.RouteRequest(namespace_id=ns_id, block_ids=packed, **kw), timeout=5
+        )
 
     def release(self, request_id: str, prefill_done: bool = False) -> None:
-        self.stub.Release(router_pb2.ReleaseRequest(request_id=request_id,
-                                                    prefill_done=prefill_done), timeout=5)
+        self.stub.Release(
+            router_pb2.ReleaseRequest(request_id=request_id, prefill_done=prefill_done), timeout=5
+        )
 
     def wait_nodes(self, expect: dict[str, int] | set[str], timeout: float = 30.0):
         """Until the router lists exactly these nodes, all in sync (and, for a dict, with
         these indexed block counts)."""
+
         def check():
             try:
                 nodes = self.nodes()
@@ -104,11 +129,8 @@ class RouterProc:
             if isinstance(expect, dict):
                 return all(nodes[k].indexed_blocks == v for k, v in expect.items()) and nodes
             return nodes
-        return wait_for(check, timeout, interval=0.1,
-                        what=f"router {self.name} to list {expect}")
 
-
-
+        return wait_for(check, timeout, interval=0.1, what=f"router {self.name} to list {expect}")
 
 
 def spawn_many(spawn_agent, n: int, **config) -> list:

@@ -1,6 +1,7 @@
 """What the tests share that is not a fixture: process wrappers for etcd and agents on
 127.0.0.1 with free ports, waiting, namespaces, prompts and chains, RocksDB damage, the
 store factory behind the `make_store` fixture (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from kvstore.namespace import Namespace
 
@@ -65,15 +65,33 @@ class EtcdProc:
         cu = f"http://127.0.0.1:{self.client_port}"
         pu = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
-            [binary, "--name", "test", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", cu, "--advertise-client-urls", cu,
-             "--listen-peer-urls", pu, "--initial-advertise-peer-urls", pu,
-             "--initial-cluster", f"test={pu}", "--log-level", "warn"],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+            [
+                binary,
+                "--name",
+                "test",
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                cu,
+                "--advertise-client-urls",
+                cu,
+                "--listen-peer-urls",
+                pu,
+                "--initial-advertise-peer-urls",
+                pu,
+                "--initial-cluster",
+                f"test={pu}",
+                "--log-level",
+                "warn",
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
         wait_for(self._healthy, 30, what="etcd health")
 
     def _healthy(self) -> bool:
         import urllib.request
+
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
                 return b"true" in r.read()
@@ -84,9 +102,6 @@ class EtcdProc:
         if self.proc is not None:
             _stop_proc(self.proc)
             self.proc = None
-
-
-
 
 
 class AgentProc:
@@ -106,13 +121,18 @@ class AgentProc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [PY, "-m", "node_agent", "--config", str(cfg_path), "--ready-file", str(ready)],
-            cwd=ROOT, env=env, stdout=open(self.workdir / "agent.log", "ab"),
-            stderr=subprocess.STDOUT)
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.workdir / "agent.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
 
         def is_ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited with {self.proc.returncode}: "
-                                   f"{(self.workdir / 'agent.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"agent exited with {self.proc.returncode}: "
+                    f"{(self.workdir / 'agent.log').read_text()[-2000:]}"
+                )
             return ready.exists() and ready.read_text().strip()
 
         self.address = wait_for(is_ready, timeout, what="agent ready file")
@@ -139,27 +159,38 @@ class AgentProc:
         return (self.workdir / "agent.log").read_text()
 
 
-
-
-
 NS_DEFAULTS = dict(
-    tenant="acme", name="chat", model_name="tiny-llama", model_revision="r1",
-    adapter_id="none", adapter_revision="none", tokenizer_id="tiny-tok",
-    tokenizer_revision="r1", rope_type="default", rope_theta=10000.0, rope_scaling="none",
-    attention_impl="sdpa", kv_dtype="float16", prompt_template_version="v1", num_layers=2,
-    num_kv_heads=2, head_dim=16, tp_rank=0, tp_size=1, block_size=16)
+    tenant="acme",
+    name="chat",
+    model_name="tiny-llama",
+    model_revision="r1",
+    adapter_id="none",
+    adapter_revision="none",
+    tokenizer_id="tiny-tok",
+    tokenizer_revision="r1",
+    rope_type="default",
+    rope_theta=10000.0,
+    rope_scaling="none",
+    attention_impl="sdpa",
+    kv_dtype="float16",
+    prompt_template_version="v1",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    tp_rank=0,
+    tp_size=1,
+    block_size=16,
+)
 
 
 def make_namespace(**overrides) -> Namespace:
     return Namespace(**{**NS_DEFAULTS, **overrides})
 
 
-
-
-
 # ---------------------------------------------------------------------------------------
 # In-process BlockStore helpers (test_store, test_eviction, test_accounting, test_agent).
 # Appended; the fixtures above are unchanged.
+
 
 class ManualClock:
     """An injected clock: tests move time explicitly instead of sleeping."""
@@ -180,6 +211,7 @@ TEST_SECRET = b"tenant-secret-for-tests"
 def prompt_tokens(seed: int, n_tokens: int) -> list[int]:
     """Deterministic token ids; the same seed always gives the same prompt."""
     import random
+
     rng = random.Random(seed)
     return [rng.randrange(0, 128_000) for _ in range(n_tokens)]
 
@@ -187,6 +219,7 @@ def prompt_tokens(seed: int, n_tokens: int) -> list[int]:
 def block_payload(block_id: bytes, nbytes: int) -> bytes:
     """Deterministic payload for a block id: equal prefixes carry equal KV, as in a model."""
     import hashlib
+
     return hashlib.shake_128(block_id).digest(nbytes)
 
 
@@ -194,19 +227,26 @@ def chain_items(spec, tokens, secret=TEST_SECRET, generation: int = 0, start: in
     """(ids, items) for the full blocks of `tokens`, items from block `start` on."""
     from kvstore.hashing import hash_chain
     from kvstore.store import PutItem
+
     root = spec.root(generation, None if spec.public else secret)
     ids = hash_chain(root, tokens, spec.block_size)
-    items = [PutItem(ids[i], ids[i - 1] if i else root, block_payload(ids[i], spec.block_bytes))
-             for i in range(start, len(ids))]
+    items = [
+        PutItem(ids[i], ids[i - 1] if i else root, block_payload(ids[i], spec.block_bytes))
+        for i in range(start, len(ids))
+    ]
     return ids, items
 
 
 def open_rocks_raw(path):
     """The agent's RocksDB opened with rocksdict directly, for fault injection."""
     from rocksdict import Options, Rdict
+
     opts = Options(raw_mode=True)
-    return Rdict(str(path), opts, column_families={"blocks": Options(raw_mode=True),
-                                                   "meta": Options(raw_mode=True)})
+    return Rdict(
+        str(path),
+        opts,
+        column_families={"blocks": Options(raw_mode=True), "meta": Options(raw_mode=True)},
+    )
 
 
 def flip_rocks_byte(path, key: bytes | None = None, offset: int = -1) -> bytes:
@@ -237,10 +277,12 @@ def store_maker(tmp_path, device: str):
     from kvstore.store import BlockStore
     from kvstore.tiers.pool import DevicePool
     from kvstore.tiers.rocks import RocksTier
+
     made = []
 
-    def make(n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0,
-             **kwargs) -> BlockStore:
+    def make(
+        n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0, **kwargs
+    ) -> BlockStore:
         pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, device)
         rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
         store = BlockStore(pool, rocks, **kwargs)
@@ -251,5 +293,3 @@ def store_maker(tmp_path, device: str):
     for store in made:
         if store.rocks is not None:
             store.rocks.close()
-
-

@@ -1,5 +1,6 @@
 """Helpers for test_control.py and test_kvctl.py: raw gRPC calls to real agents, the kvctl
 CLI as a subprocess, and a fake etcd member for fault injection."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,23 +38,30 @@ class AgentClient:
         self.channel.close()
 
     def open(self, spec) -> agent_pb2.NamespaceInfo:
-        return self.stub.OpenNamespace(agent_pb2.OpenNamespaceRequest(spec=ns_proto(spec)),
-                                       timeout=10)
+        return self.stub.OpenNamespace(
+            agent_pb2.OpenNamespaceRequest(spec=ns_proto(spec)), timeout=10
+        )
 
     def put_chain(self, spec, seed: int, n_blocks: int, generation: int) -> list[bytes]:
         """Store an n-block prompt at `generation`; returns its block ids."""
         ids, items = chain(spec, seed, n_blocks, generation)
         ref = agent_pb2.NamespaceRef(namespace_id=spec.namespace_id, generation=generation)
-        req = agent_pb2.PutRequest(ns=ref, root=items[0].parent_id, blocks=[
-            agent_pb2.BlockPut(block_id=it.block_id, parent_id=it.parent_id, data=it.data)
-            for it in items])
+        req = agent_pb2.PutRequest(
+            ns=ref,
+            root=items[0].parent_id,
+            blocks=[
+                agent_pb2.BlockPut(block_id=it.block_id, parent_id=it.parent_id, data=it.data)
+                for it in items
+            ],
+        )
         self.stub.Put(iter([req]), timeout=10)
         return ids
 
     def lookup(self, spec, ids: list[bytes], generation: int) -> agent_pb2.LookupResponse:
         ref = agent_pb2.NamespaceRef(namespace_id=spec.namespace_id, generation=generation)
-        return self.stub.Lookup(agent_pb2.LookupRequest(ns=ref, block_ids=pack_ids(ids)),
-                                timeout=10)
+        return self.stub.Lookup(
+            agent_pb2.LookupRequest(ns=ref, block_ids=pack_ids(ids)), timeout=10
+        )
 
     def get_count(self, spec, ids: list[bytes], generation: int) -> int:
         ref = agent_pb2.NamespaceRef(namespace_id=spec.namespace_id, generation=generation)
@@ -64,8 +72,10 @@ class AgentClient:
         return self.stub.Stats(agent_pb2.StatsRequest(tenant=tenant), timeout=10)
 
     def tenant(self, name: str) -> agent_pb2.TenantStats:
-        return next((t for t in self.stats(name).tenants if t.tenant == name),
-                    agent_pb2.TenantStats(tenant=name))
+        return next(
+            (t for t in self.stats(name).tenants if t.tenant == name),
+            agent_pb2.TenantStats(tenant=name),
+        )
 
 
 def chain(spec, seed: int, n_blocks: int, generation: int):
@@ -82,8 +92,9 @@ def status_of(fn, *args, **kw) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def kvctl(*args: str, etcd=None, process: bool = False, timeout: float = 60.0,
-          **env) -> subprocess.CompletedProcess:
+def kvctl(
+    *args: str, etcd=None, process: bool = False, timeout: float = 60.0, **env
+) -> subprocess.CompletedProcess:
     """Run kvctl with `--etcd` added. In-process by default (kvctl's main(), the code
     `python -m kvstore.cli` runs, without an interpreter start per call); process=True runs
     the real `python -m kvstore.cli`."""
@@ -93,9 +104,16 @@ def kvctl(*args: str, etcd=None, process: bool = False, timeout: float = 60.0,
     env = {"KVSTORE_OPERATOR": "test-operator", **env}
     if process:
         full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
-        return subprocess.run([PY, "-m", "kvstore.cli", *argv], cwd=ROOT, env={**full_env, **env},
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [PY, "-m", "kvstore.cli", *argv],
+            cwd=ROOT,
+            env={**full_env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     from kvstore.cli.__main__ import main
+
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in [*env, "KVSTORE_ETCD"]}
     os.environ.pop("KVSTORE_ETCD", None)
@@ -121,8 +139,7 @@ def kvctl_json(*args: str, etcd=None, expect_rc: int = 0, **env):
     return json.loads(r.stdout)
 
 
-def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30,
-                     keep: bool = True):
+def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30, keep: bool = True):
     """Fault injection: a node record under a live lease for an agent that does not exist
     (so it never acknowledges anything), held while `fn()` runs in a thread. keep=False:
     the lease is never refreshed, as for a crashed agent, and expires after `ttl`."""
@@ -137,6 +154,7 @@ def with_fake_member(etcd_endpoint: str, node_id: str, fn, ttl: int = 30,
             finally:
                 if keep:
                     await client.revoke(lease)
+
     return asyncio.run(main())
 
 
@@ -151,5 +169,6 @@ def lagging_watches(client) -> asyncio.Event:
         await release.wait()
         async for batch in real(prefix, start_revision):
             yield batch
+
     client.watch = watch
     return release

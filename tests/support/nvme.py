@@ -1,5 +1,6 @@
 """Helpers for the NVMe fault tests: a real small filesystem (tmpfs) to fill, RocksDB
 files damaged the way disks damage them, and a RocksTier whose writes can be made to fail."""
+
 from __future__ import annotations
 
 import glob
@@ -25,8 +26,12 @@ def mount_small_fs(tmp_path):
         pytest.skip("mounting a small tmpfs (a real full disk) needs root")
     mnt = tmp_path / "small-fs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=False,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     (mnt / "filler").write_bytes(b"\0" * (1 << 20))
@@ -91,6 +96,11 @@ def delete_sst(path) -> None:
     os.unlink(largest_sst(path))
 
 
-DAMAGE = {"flipped-sst-byte": flip_sst_byte, "truncated-sst": truncate_sst,
-          "damaged-footer": damage_footer, "damaged-manifest": damage_manifest,
-          "deleted-current": delete_current, "deleted-sst": delete_sst}
+DAMAGE = {
+    "flipped-sst-byte": flip_sst_byte,
+    "truncated-sst": truncate_sst,
+    "damaged-footer": damage_footer,
+    "damaged-manifest": damage_manifest,
+    "deleted-current": delete_current,
+    "deleted-sst": delete_sst,
+}

@@ -7,6 +7,7 @@ answers the i-th requested block), and misbehaves on purpose:
 
 Usage: python tests/support/peer_fault.py MODE DATA.npy PORT_FILE
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
     os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
     os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
     import ucxx as ucx
-    ucx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
-             env_takes_precedence=True, progress_mode="thread", enable_python_future=True)
+
+    ucx.init(
+        options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+        env_takes_precedence=True,
+        progress_mode="thread",
+        enable_python_future=True,
+    )
     done = asyncio.Event()
 
     async def handler(ep) -> None:
@@ -42,7 +48,7 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         buf = np.zeros(1 << 20, dtype=np.uint8)
         await asyncio.wait_for(ep.recv(buf), 10)
         n_req = int.from_bytes(buf[:4].tobytes(), "little")
-        req = peer_pb2.FetchRequest.FromString(buf[4:4 + n_req].tobytes())
+        req = peer_pb2.FetchRequest.FromString(buf[4 : 4 + n_req].tobytes())
         n = len(req.block_ids) // 16
         batch = req.batch_blocks or 8
         if mode == "die":
@@ -54,8 +60,7 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
             if mode == "corrupt" and start <= CORRUPT_INDEX < start + len(rows):
                 rows[CORRUPT_INDEX - start][100] ^= 0xFF
             last = start + len(rows) >= n
-            hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums,
-                                      done=last)
+            hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums, done=last)
             raw = hdr.SerializeToString()
             frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
             await asyncio.wait_for(ep.send(frame), 10)

@@ -1,4 +1,5 @@
 """Helpers shared by the in-process BlockStore tests (test_store*.py)."""
+
 from __future__ import annotations
 
 from support.common import TEST_SECRET, chain_items, make_namespace, prompt_tokens
@@ -62,12 +63,14 @@ def check_invariants(store: BlockStore) -> None:
             assert m.slot >= 0 or m.on_nvme, "a block held in no tier"
             if m.slot >= 0:
                 in_pool += 1
-                per_tenant[(st.tenant, Tier.HBM)] = per_tenant.get((st.tenant, Tier.HBM), 0) \
-                    + m.nbytes
+                per_tenant[(st.tenant, Tier.HBM)] = (
+                    per_tenant.get((st.tenant, Tier.HBM), 0) + m.nbytes
+                )
             if m.on_nvme:
                 nvme_bytes += m.nbytes
-                per_tenant[(st.tenant, Tier.NVME)] = per_tenant.get((st.tenant, Tier.NVME), 0) \
-                    + m.nbytes
+                per_tenant[(st.tenant, Tier.NVME)] = (
+                    per_tenant.get((st.tenant, Tier.NVME), 0) + m.nbytes
+                )
                 assert store.rocks.get(st.ns_id + m.block_id) is not None
     assert store.pool.n_slots - store.pool.free_slots == in_pool, "a pool slot leaked"
     assert store.nvme_used == nvme_bytes

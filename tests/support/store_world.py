@@ -7,6 +7,7 @@ A block id names the whole prefix up to it, so one id names exactly one payload
 (`block_payload(id)`): a served block is right only if it is a block some caller offered
 (put or reserved), of the generation in force, with exactly that payload, and (in TTL
 namespaces) not past the expiry the model allows."""
+
 from __future__ import annotations
 
 import random
@@ -52,8 +53,7 @@ def build_store(path: str, clock, pool_wrapper=None) -> BlockStore:
     pool = DevicePool(N_SLOTS, NB, "cpu")
     if pool_wrapper is not None:
         pool = pool_wrapper(pool)
-    return BlockStore(pool, RocksTier(path, NVME_BLOCKS * NB), policy_for=policy_for,
-                      clock=clock)
+    return BlockStore(pool, RocksTier(path, NVME_BLOCKS * NB), policy_for=policy_for, clock=clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +90,9 @@ class World:
         ids = self._chains.get((key, gen))
         if ids is None:
             split = min(key.split, MAX_BLOCKS)
-            tokens = (prompt_tokens(key.base, split * BS)
-                      + prompt_tokens(1000 + 10 * key.base + key.branch,
-                                      (MAX_BLOCKS - split) * BS))
+            tokens = prompt_tokens(key.base, split * BS) + prompt_tokens(
+                1000 + 10 * key.base + key.branch, (MAX_BLOCKS - split) * BS
+            )
             ids = list(hash_chain(self.root(key.ns, gen), tokens, BS))
             with self._lock:
                 self._chains[(key, gen)] = ids
@@ -101,8 +101,16 @@ class World:
     def parent(self, ns: str, ids: list[bytes], i: int, gen: int | None = None) -> bytes:
         return ids[i - 1] if i else self.root(ns, gen)
 
-    def items(self, ns: str, ids: list[bytes], start: int, end: int, gen: int | None = None,
-              with_checksum: bool = False, bad_at: int = -1) -> list[PutItem]:
+    def items(
+        self,
+        ns: str,
+        ids: list[bytes],
+        start: int,
+        end: int,
+        gen: int | None = None,
+        with_checksum: bool = False,
+        bad_at: int = -1,
+    ) -> list[PutItem]:
         """PutItems for ids[start:end]; item `bad_at` carries damaged bytes (with the
         checksum of the right ones when `with_checksum`)."""
         out = []
@@ -111,12 +119,19 @@ class World:
             good = data
             if i == bad_at:
                 data = bytes([data[0] ^ 0x5A]) + data[1:]
-            out.append(PutItem(ids[i], self.parent(ns, ids, i, gen), data,
-                               cks.checksum(good) if with_checksum else None))
+            out.append(
+                PutItem(
+                    ids[i],
+                    self.parent(ns, ids, i, gen),
+                    data,
+                    cks.checksum(good) if with_checksum else None,
+                )
+            )
         return out
 
-    def offer(self, ns: str, ids: list[bytes], start: int, end: int,
-              gen: int | None = None) -> None:
+    def offer(
+        self, ns: str, ids: list[bytes], start: int, end: int, gen: int | None = None
+    ) -> None:
         """Record ids[start:end] as given to the store (before the call that gives them)."""
         gen = self.gen[ns] if gen is None else gen
         with self._lock:
@@ -144,20 +159,21 @@ class World:
         ttl = POLICIES[ns].ttl_seconds
         return not ttl or now < self.last_touch.get(bid, -1e18) + ttl
 
-    def check_block(self, ns: str, gen: int, bid: bytes, now: float | None,
-                    data=None) -> None:
+    def check_block(self, ns: str, gen: int, bid: bytes, now: float | None, data=None) -> None:
         """One block the store claims (lookup) or serves (get, borrow); `now` None skips
         the expiry check (threads: touches are recorded after the fact)."""
         assert bid in self.offered, "served a block nobody put"
-        assert self.offered[bid] == (ns, gen), "served a block of another namespace or " \
-            "of a flushed generation"
+        assert self.offered[bid] == (ns, gen), (
+            "served a block of another namespace or of a flushed generation"
+        )
         if now is not None:
             assert self.live(bid, now), "served a block past its TTL"
         if data is not None:
             assert bytes(data) == block_payload(bid, NB), "served bytes that were not put"
 
-    def check_served(self, ns: str, gen: int, want: list[bytes], served, payloads,
-                     now: float | None) -> None:
+    def check_served(
+        self, ns: str, gen: int, want: list[bytes], served, payloads, now: float | None
+    ) -> None:
         """Served blocks are the leading ones asked for, in order, each right."""
         assert [s.block_id for s in served] == list(want[: len(served)])
         assert len(payloads) == len(served)
@@ -166,8 +182,9 @@ class World:
             assert s.checksum == cks.checksum(block_payload(s.block_id, NB))
 
 
-def getter(store: BlockStore, ns_id: bytes, gen: int, ids: list[bytes], parent: bytes,
-           as_bytes: bool):
+def getter(
+    store: BlockStore, ns_id: bytes, gen: int, ids: list[bytes], parent: bytes, as_bytes: bool
+):
     """store.get with fresh buffers (or bytes back); returns (served, payloads)."""
     bufs: list[bytearray] = []
 
@@ -198,8 +215,9 @@ def check_slots(store: BlockStore, reserved: set[int], borrowed: set[int]) -> No
     pool = store.pool
     states = [pool.state(s) for s in range(pool.n_slots)]
     assert {s for s, x in enumerate(states) if x == SlotState.RESERVED} == reserved
-    assert {s for s, x in enumerate(states) if x == SlotState.OCCUPIED} == \
-        set(held) | borrowed, "a pool slot leaked, or is held by nobody"
+    assert {s for s, x in enumerate(states) if x == SlotState.OCCUPIED} == set(held) | borrowed, (
+        "a pool slot leaked, or is held by nobody"
+    )
     assert pool.free_slots == states.count(SlotState.FREE)
 
 

@@ -1,4 +1,5 @@
 """Per-tenant byte accounting per tier, and tenant quotas on a real BlockStore."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,12 @@ def get(store, spec, ids):
 def usage(store, tenant):
     """(HBM bytes, HBM blocks, NVMe bytes, NVMe blocks) of a tenant, in blocks of NB."""
     a = store.accounts
-    return (a.used(tenant, Tier.HBM) // NB, a.blocks(tenant, Tier.HBM),
-            a.used(tenant, Tier.NVME) // NB, a.blocks(tenant, Tier.NVME))
+    return (
+        a.used(tenant, Tier.HBM) // NB,
+        a.blocks(tenant, Tier.HBM),
+        a.used(tenant, Tier.NVME) // NB,
+        a.blocks(tenant, Tier.NVME),
+    )
 
 
 # ------------------------------------------------------------------- unit
@@ -95,7 +100,7 @@ def test_tenant_over_hbm_quota_evicts_its_own_blocks(make_store):
     b_ids, b_items = prompt(BETA, 1, 3)
     put(store, BETA, b_items)
     acme = [prompt(ACME, 10 + i, 1) for i in range(5)]
-    for ids, items in acme:
+    for _ids, items in acme:
         assert put(store, ACME, items) == (1, 0)
         assert store.accounts.used("acme", Tier.HBM) <= 2 * NB
     assert store.counters["evict_hbm_quota"] == 3
@@ -125,8 +130,11 @@ def test_tenant_over_nvme_quota_drops_its_own_blocks(make_store):
 
 def test_non_persist_tenant_quota_drops_own_blocks(make_store):
     accounts = TenantAccounts({"acme": {Tier.HBM: 1 * NB}})
-    store = make_store(n_slots=4, accounts=accounts,
-                       policy_for=lambda ns: NamespacePolicy(persist=ns.tenant != "acme"))
+    store = make_store(
+        n_slots=4,
+        accounts=accounts,
+        policy_for=lambda ns: NamespacePolicy(persist=ns.tenant != "acme"),
+    )
     for spec in (ACME, BETA):
         store.open_namespace(spec)
     b_ids, b_items = prompt(BETA, 1, 2)

@@ -33,11 +33,14 @@ def _write(tmp_path, lines, name="trace.jsonl"):
 
 def test_exact_block_prefix_hits_rounded_down():
     base = list(range(10))  # block size 4: two full blocks + 2 tail tokens
-    report = analyze(_lines(
-        _req(0.0, base),
-        _req(1.0, base[:8] + [99] * 8),  # shares two blocks -> 8 cached tokens
-        _req(2.0, base),  # same prompt again: the tail is never cached
-    ), block_size=4)
+    report = analyze(
+        _lines(
+            _req(0.0, base),
+            _req(1.0, base[:8] + [99] * 8),  # shares two blocks -> 8 cached tokens
+            _req(2.0, base),  # same prompt again: the tail is never cached
+        ),
+        block_size=4,
+    )
     s = report.overall
     assert (s.requests, s.prompt_tokens, s.cached_tokens) == (3, 36, 16)
     assert s.requests_with_hit == 2
@@ -65,12 +68,15 @@ def test_only_leading_blocks_count():
 
 def test_keyspaces_are_separate_per_tenant_and_namespace():
     tokens = list(range(32))
-    report = analyze(_lines(
-        _req(0, tokens, tenant="a", namespace="m"),
-        _req(1, tokens, tenant="b", namespace="m"),  # other tenant: miss
-        _req(2, tokens, tenant="a", namespace="n"),  # other namespace: miss
-        _req(3, tokens, tenant="a", namespace="m"),  # same keyspace: full hit
-    ), block_size=16)
+    report = analyze(
+        _lines(
+            _req(0, tokens, tenant="a", namespace="m"),
+            _req(1, tokens, tenant="b", namespace="m"),  # other tenant: miss
+            _req(2, tokens, tenant="a", namespace="n"),  # other namespace: miss
+            _req(3, tokens, tenant="a", namespace="m"),  # same keyspace: full hit
+        ),
+        block_size=16,
+    )
     assert report.keyspaces == 3
     assert report.overall.cached_tokens == 32
     assert report.overall.distinct_blocks == 6
@@ -175,14 +181,25 @@ def test_empty_trace():
 
 
 def test_render_json_and_table():
-    report = analyze(_lines(_req(0, range(64), tenant="acme"), _req(1, range(64), tenant="acme"),
-                            _req(2, range(64), tenant="zeta")))
+    report = analyze(
+        _lines(
+            _req(0, range(64), tenant="acme"),
+            _req(1, range(64), tenant="acme"),
+            _req(2, range(64), tenant="zeta"),
+        )
+    )
     data = json.loads(render_analysis(report, "json"))
     assert data["overall"]["token_hit_rate"] == pytest.approx(64 / 192)
     assert data["overall"]["request_hit_rate"] == pytest.approx(1 / 3)
     assert data["tenants"]["acme"]["cached_tokens"] == 64
     assert data["overall"]["hit_length_histogram"] == {
-        "0": 2, "1-255": 1, "256-1k": 0, "1k-4k": 0, "4k-16k": 0, "16k+": 0}
+        "0": 2,
+        "1-255": 1,
+        "256-1k": 0,
+        "1k-4k": 0,
+        "4k-16k": 0,
+        "16k+": 0,
+    }
     assert data["overall"]["distinct_blocks"] == 8
     table = render_analysis(report, "table")
     assert "acme" in table and "zeta" in table and "33.3%" in table
@@ -217,6 +234,7 @@ def test_analyze_command_success_and_bad_input(tmp_path, capsys):
 
 def test_output_tokens_are_optional_and_checked():
     from kvstore.cli.analyze import iter_requests
+
     reqs = list(iter_requests([_req(0, range(16)), {**_req(1, range(16)), "output_tokens": 7}]))
     assert [r.output_tokens for r in reqs] == [0, 7]
     for bad in (-1, 1.5, "3", True):

@@ -1,5 +1,6 @@
 """The client hands its callers its own result types, never protobuf messages: callers
 depend on the client's API, not on the wire format behind it."""
+
 from __future__ import annotations
 
 import inspect

@@ -1,4 +1,5 @@
 """Typed configuration: file, then env, then overrides; every bad value names its field."""
+
 from __future__ import annotations
 
 import hashlib
@@ -6,8 +7,7 @@ import os
 
 import pytest
 
-from kvstore.config import (AgentConfig, PeerConfig, RouterConfig, TenantConfig, load_config,
-                            to_dict)
+from kvstore.config import AgentConfig, PeerConfig, RouterConfig, TenantConfig, load_config, to_dict
 from kvstore.policy import NamespacePolicy
 
 MiB = 1 << 20
@@ -55,16 +55,24 @@ def test_load_from_yaml(tmp_path):
     assert cfg.nvme_bytes == 2 << 30 and cfg.pool_slots == 256
     assert cfg.allow_unauthenticated is True
     assert cfg.default_policy == NamespacePolicy(ttl_seconds=600.0, persist=False)
-    assert cfg.policy_for("acme", "chat") == NamespacePolicy(min_prefix_blocks=2,
-                                                             pin_budget_bytes=MiB)
+    assert cfg.policy_for("acme", "chat") == NamespacePolicy(
+        min_prefix_blocks=2, pin_budget_bytes=MiB
+    )
     assert cfg.policy_for("acme", "other") == cfg.default_policy
     assert cfg.tenants == {"acme": TenantConfig(token_sha256=digest, hbm_limit_bytes=8 * MiB)}
 
 
 def test_load_from_json_and_round_trip(tmp_path):
     import json
-    cfg = load_config(AgentConfig, write(tmp_path, json.dumps(
-        {"pool_bytes": 4 * MiB, "tenants": {"b": {"nvme_limit_bytes": "1GiB"}}}), "a.json"))
+
+    cfg = load_config(
+        AgentConfig,
+        write(
+            tmp_path,
+            json.dumps({"pool_bytes": 4 * MiB, "tenants": {"b": {"nvme_limit_bytes": "1GiB"}}}),
+            "a.json",
+        ),
+    )
     assert cfg.pool_bytes == 4 * MiB and cfg.tenants["b"].nvme_limit_bytes == 1 << 30
     assert load_config(AgentConfig, overrides=to_dict(cfg)) == cfg
 
@@ -85,39 +93,42 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
     path = write(tmp_path, "pool_bytes: 16MiB\nnode_id: from-file\ndevice: cpu\n")
     monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTES", "32MiB")
     monkeypatch.setenv("KVSTORE_AGENT_NODE_ID", "from-env")
-    cfg = load_config(AgentConfig, path, "KVSTORE_AGENT_", {"pool_bytes": "64MiB",
-                                                          "node_id": None})
+    cfg = load_config(AgentConfig, path, "KVSTORE_AGENT_", {"pool_bytes": "64MiB", "node_id": None})
     assert cfg.pool_bytes == 64 * MiB  # override beats env beats file
     assert cfg.node_id == "from-env"  # a None override is "not given"
     assert cfg.device == "cpu"  # only in the file
     assert load_config(AgentConfig, path).pool_bytes == 16 * MiB
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("pool_bytes", "lots", "pool_bytes"),
-    ("pool_bytes", -5, "pool_bytes"),
-    ("slot_bytes", "0", "slot_bytes"),
-    ("max_blocks_per_request", "many", "max_blocks_per_request"),
-    ("max_blocks_per_request", 0, "max_blocks_per_request"),
-    ("max_message_bytes", 0, "max_message_bytes"),
-    ("expire_interval_s", "soon", "expire_interval_s"),
-    ("expire_interval_s", 0, "expire_interval_s"),
-    ("lease_ttl_s", -1, "lease_ttl_s"),
-    ("allow_unauthenticated", "maybe", "allow_unauthenticated"),
-    ("eviction", "fifo", "eviction"),
-    ("node_id", "a/b", "node_id"),
-    ("tenants", {"acme": {"hbm_limit_bytes": "x"}}, r"tenants\.acme\.hbm_limit_bytes"),
-    ("tenants", {"acme": {"colour": 1}}, r"unknown tenants\.acme fields: colour"),
-    ("tenants", "[1, 2]", "tenants"),
-    ("default_policy", {"ttl_seconds": -1}, "ttl_seconds"),
-    ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
-    ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
-    ("colour", "blue", "unknown AgentConfig fields: colour"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("pool_bytes", "lots", "pool_bytes"),
+        ("pool_bytes", -5, "pool_bytes"),
+        ("slot_bytes", "0", "slot_bytes"),
+        ("max_blocks_per_request", "many", "max_blocks_per_request"),
+        ("max_blocks_per_request", 0, "max_blocks_per_request"),
+        ("max_message_bytes", 0, "max_message_bytes"),
+        ("expire_interval_s", "soon", "expire_interval_s"),
+        ("expire_interval_s", 0, "expire_interval_s"),
+        ("lease_ttl_s", -1, "lease_ttl_s"),
+        ("allow_unauthenticated", "maybe", "allow_unauthenticated"),
+        ("eviction", "fifo", "eviction"),
+        ("node_id", "a/b", "node_id"),
+        ("tenants", {"acme": {"hbm_limit_bytes": "x"}}, r"tenants\.acme\.hbm_limit_bytes"),
+        ("tenants", {"acme": {"colour": 1}}, r"unknown tenants\.acme fields: colour"),
+        ("tenants", "[1, 2]", "tenants"),
+        ("default_policy", {"ttl_seconds": -1}, "ttl_seconds"),
+        ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
+        ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
+        ("colour", "blue", "unknown AgentConfig fields: colour"),
+    ],
+)
 def test_bad_values_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
-        load_config(AgentConfig, overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB",
-                                            field: value})
+        load_config(
+            AgentConfig, overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB", field: value}
+        )
 
 
 def test_pool_must_hold_a_slot():
@@ -140,33 +151,40 @@ def test_router_config_validation():
 
 
 def test_peer_section_merges_file_env_and_overrides_field_by_field(tmp_path, monkeypatch):
-    path = write(tmp_path, "peer:\n  batch_bytes: 64MiB\n  max_transfers: 2\n"
-                           "  io_timeout_s: 4\n")
-    assert load_config(AgentConfig, path).peer == PeerConfig(batch_bytes=64 * MiB,
-                                                             max_transfers=2, io_timeout_s=4)
+    path = write(tmp_path, "peer:\n  batch_bytes: 64MiB\n  max_transfers: 2\n  io_timeout_s: 4\n")
+    assert load_config(AgentConfig, path).peer == PeerConfig(
+        batch_bytes=64 * MiB, max_transfers=2, io_timeout_s=4
+    )
     # The KVSTORE_PEER_<FIELD> variables operators and benchmarks set are the env layer;
     # sizes parse as everywhere else.
     monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", "32MiB")
     monkeypatch.setenv("KVSTORE_PEER_IN_PLACE", "0")
     monkeypatch.setenv("KVSTORE_AGENT_PEER", '{"connect_timeout_s": 1.5}')
     cfg = load_config(AgentConfig, path, "KVSTORE_AGENT_", {"peer": {"max_transfers": 3}})
-    assert cfg.peer == PeerConfig(batch_bytes=32 * MiB, max_transfers=3, io_timeout_s=4,
-                                  connect_timeout_s=1.5, in_place=False)
+    assert cfg.peer == PeerConfig(
+        batch_bytes=32 * MiB, max_transfers=3, io_timeout_s=4, connect_timeout_s=1.5, in_place=False
+    )
     assert cfg.peer.batch_for(2 * MiB) == 16
     assert load_config(AgentConfig, overrides=to_dict(cfg)) == cfg
     assert AgentConfig().peer == PeerConfig()
 
 
-@pytest.mark.parametrize("var,value,match", [
-    ("KVSTORE_PEER_IN_PLACE", "flase", r"peer\.in_place: expected a boolean, got 'flase'"),
-    ("KVSTORE_PEER_SHARED_MEMORY", "", r"peer\.shared_memory: expected a boolean"),
-    ("KVSTORE_PEER_BATCH_BYTES", "lots", r"peer\.batch_bytes"),
-    ("KVSTORE_PEER_BATCH_BYTES", "0", r"peer\.batch_bytes must be >= 1"),
-    ("KVSTORE_PEER_STAGING_SETS", "2", r"peer\.staging_sets must be >= 3"),
-    ("KVSTORE_PEER_IO_TIMEOUT_S", "soon", r"peer\.io_timeout_s"),
-    ("KVSTORE_PEER_INPLACE", "0", "unknown peer settings in the environment: "
-                                  "KVSTORE_PEER_INPLACE"),
-])
+@pytest.mark.parametrize(
+    "var,value,match",
+    [
+        ("KVSTORE_PEER_IN_PLACE", "flase", r"peer\.in_place: expected a boolean, got 'flase'"),
+        ("KVSTORE_PEER_SHARED_MEMORY", "", r"peer\.shared_memory: expected a boolean"),
+        ("KVSTORE_PEER_BATCH_BYTES", "lots", r"peer\.batch_bytes"),
+        ("KVSTORE_PEER_BATCH_BYTES", "0", r"peer\.batch_bytes must be >= 1"),
+        ("KVSTORE_PEER_STAGING_SETS", "2", r"peer\.staging_sets must be >= 3"),
+        ("KVSTORE_PEER_IO_TIMEOUT_S", "soon", r"peer\.io_timeout_s"),
+        (
+            "KVSTORE_PEER_INPLACE",
+            "0",
+            "unknown peer settings in the environment: KVSTORE_PEER_INPLACE",
+        ),
+    ],
+)
 def test_bad_peer_env_is_an_error_naming_it(monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=match):
@@ -180,4 +198,3 @@ def test_bad_peer_file_values_name_the_field(tmp_path):
         load_config(AgentConfig, write(tmp_path, "peer: 5\n"))
     with pytest.raises(ValueError, match=r"peer\.max_transfers must be >= 1"):
         load_config(AgentConfig, overrides={"peer": {"max_transfers": 0}})
-

@@ -1,5 +1,6 @@
 """Eviction strategies: priority functions, removal from the heaps, and a workload where
 value-aware eviction keeps a hot shared prefix that LRU throws away."""
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,9 @@ def test_lru_priority_is_last_access():
 def test_value_aware_orders_by_value_per_byte():
     p = ValueAwarePolicy()
     base = p.priority(Meta())
-    assert p.priority(Meta(hits=3)) > base          # hit more often: keep
-    assert p.priority(Meta(depth=40)) > base        # deeper: more prefill saved per hit
-    assert p.priority(Meta(nbytes=8192)) < base     # bigger for the same saving: go first
+    assert p.priority(Meta(hits=3)) > base  # hit more often: keep
+    assert p.priority(Meta(depth=40)) > base  # deeper: more prefill saved per hit
+    assert p.priority(Meta(nbytes=8192)) < base  # bigger for the same saving: go first
     assert p.priority(Meta(last_access=60)) > base  # recent: keep
 
 
@@ -45,7 +46,8 @@ def test_value_aware_exact_formula_and_half_life():
     assert p.priority(m) == pytest.approx(math.log2(4 * 2.0 / 1024) + 2.5)
     # One doubling of value is worth exactly one half-life of recency.
     assert p.priority(Meta(hits=1, last_access=0.0)) == pytest.approx(
-        p.priority(Meta(hits=0, last_access=100.0)))
+        p.priority(Meta(hits=0, last_access=100.0))
+    )
 
 
 def test_make_policy():
@@ -72,8 +74,13 @@ def _present(store, bids) -> bool:
 @pytest.mark.parametrize("policy", ["lru", "value"])
 def test_removed_block_is_never_chosen_as_victim(make_store, policy):
     clock = ManualClock()
-    store = make_store(n_slots=4, nvme_bytes=0, eviction=make_policy(policy), clock=clock,
-                       policy_for=lambda ns: NamespacePolicy(ttl_seconds=50))
+    store = make_store(
+        n_slots=4,
+        nvme_bytes=0,
+        eviction=make_policy(policy),
+        clock=clock,
+        policy_for=lambda ns: NamespacePolicy(ttl_seconds=50),
+    )
     st = store.open_namespace(SPEC)
     ids = _one_block_prompts(store, [1])
     clock.advance(40)
@@ -87,13 +94,23 @@ def test_removed_block_is_never_chosen_as_victim(make_store, policy):
     # Two more prompts need two victims: 2 and 3, never the re-stored 1 through its old
     # heap entry.
     ids.update(_one_block_prompts(store, [5, 6]))
-    assert [_present(store, ids[s]) for s in (1, 2, 3, 4, 5, 6)] == \
-        [True, False, False, True, True, True]
+    assert [_present(store, ids[s]) for s in (1, 2, 3, 4, 5, 6)] == [
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
 
 
 def test_pinned_and_read_blocks_are_not_victims(make_store):
-    store = make_store(n_slots=2, nvme_bytes=0, eviction=LRUPolicy(),
-                       policy_for=lambda ns: NamespacePolicy(pin_budget_bytes=1 << 20))
+    store = make_store(
+        n_slots=2,
+        nvme_bytes=0,
+        eviction=LRUPolicy(),
+        policy_for=lambda ns: NamespacePolicy(pin_budget_bytes=1 << 20),
+    )
     store.open_namespace(SPEC)
     ids = _one_block_prompts(store, [1, 2])
     store.pin(SPEC.namespace_id, 0, ids[1], True)

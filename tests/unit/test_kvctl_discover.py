@@ -3,6 +3,7 @@
 current directory up to the repository root; with nothing found, an error that says what
 was looked at and how to point kvctl at a cluster. State directories are real cluster.json
 files written by ClusterState.save."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,12 +39,14 @@ def test_precedence_flag_env_then_nearest_state_dir(tmp_path):
     env[ETCD_ENV] = "10.0.0.1:2379"
     assert discover.etcd(None, None, env, start=deep).value == "10.0.0.1:2379"
     assert discover.etcd(None, str(repo / ".state/cluster"), env).value == "127.0.0.1:1111"
-    assert discover.etcd("10.0.0.9:2379", str(tmp_path / "other"), env, start=deep) == \
-        discover.Found("10.0.0.9:2379", "--etcd")
+    assert discover.etcd(
+        "10.0.0.9:2379", str(tmp_path / "other"), env, start=deep
+    ) == discover.Found("10.0.0.9:2379", "--etcd")
     assert discover.state_dir("given", env, start=deep).value == "given"
     # cluster up starts a cluster here, not in a parent
-    assert discover.state_dir(None, NO_ENV, start=deep, look_up=False).value == \
-        discover.DEFAULT_STATE
+    assert (
+        discover.state_dir(None, NO_ENV, start=deep, look_up=False).value == discover.DEFAULT_STATE
+    )
 
     with pytest.raises(ClusterError, match=rf"\${STATE_ENV}=.*no local cluster in"):
         discover.etcd(None, None, {STATE_ENV: str(tmp_path / "none")}, start=deep)
@@ -58,6 +61,12 @@ def test_search_stops_at_the_repository_root(tmp_path):
         discover.etcd(None, None, NO_ENV, start=repo / "src")
     msg = str(err.value)
     assert f"in {repo / 'src'}, {repo}." in msg and str(tmp_path) + "," not in msg
-    for hint in ("make run", "kvctl cluster up", "--etcd HOST:PORT", "--state-dir DIR",
-                 f"${ETCD_ENV}", f"${STATE_ENV}"):
+    for hint in (
+        "make run",
+        "kvctl cluster up",
+        "--etcd HOST:PORT",
+        "--state-dir DIR",
+        f"${ETCD_ENV}",
+        f"${STATE_ENV}",
+    ):
         assert hint in msg, hint

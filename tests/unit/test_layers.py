@@ -1,5 +1,6 @@
 """The layering written down in pyproject.toml ([tool.importlinter]) holds, and every module
 of the installed packages sits in a layer (a new module cannot slip past the contracts)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -18,8 +19,13 @@ LINT = Path(sys.executable).with_name("lint-imports")
 
 @pytest.mark.parametrize("contract", ["layers", "core", "acyclic"])
 def test_import_contract_is_kept(contract):
-    r = subprocess.run([str(LINT), "--no-cache", "--no-logo", "--contract", contract],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(LINT), "--no-cache", "--no-logo", "--contract", contract],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -56,8 +62,11 @@ def test_the_client_needs_none_of_the_server_dependencies():
     client: RocksDB, etcd, the OpenTelemetry SDK, Prometheus and matplotlib stay out."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = " ".join(project["dependencies"])
-    assert not any(dep in names for dep in ("rocksdict", "etcd3aio", "opentelemetry-sdk",
-                                            "prometheus", "matplotlib"))
-    r = subprocess.run([sys.executable, "-c", CLIENT_ONLY], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    assert not any(
+        dep in names
+        for dep in ("rocksdict", "etcd3aio", "opentelemetry-sdk", "prometheus", "matplotlib")
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", CLIENT_ONLY], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr

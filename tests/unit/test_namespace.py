@@ -1,5 +1,6 @@
 """Namespace: canonical encoding (golden bytes), validation of every required field,
 keyed vs public chain roots, generation, from_dict."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +12,28 @@ from kvstore.errors import InvalidArgument
 from kvstore.namespace import KV_DTYPE_BYTES, Namespace, tenant_key
 
 SPEC = dict(
-    tenant="acme", name="chat", model_name="llama-3-8b", model_revision="rev-41",
-    adapter_id="none", adapter_revision="none", tokenizer_id="llama-3",
-    tokenizer_revision="tok-7", rope_type="llama3", rope_theta=500000.0,
-    rope_scaling="factor=8", attention_impl="flash-attn-2", kv_dtype="bfloat16",
-    prompt_template_version="tmpl-3", num_layers=32, num_kv_heads=8, head_dim=128,
-    tp_rank=1, tp_size=2, block_size=16, public=False)
+    tenant="acme",
+    name="chat",
+    model_name="llama-3-8b",
+    model_revision="rev-41",
+    adapter_id="none",
+    adapter_revision="none",
+    tokenizer_id="llama-3",
+    tokenizer_revision="tok-7",
+    rope_type="llama3",
+    rope_theta=500000.0,
+    rope_scaling="factor=8",
+    attention_impl="flash-attn-2",
+    kv_dtype="bfloat16",
+    prompt_template_version="tmpl-3",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    tp_rank=1,
+    tp_size=2,
+    block_size=16,
+    public=False,
+)
 
 # Golden values: if one of these changes, every deployed node and client disagrees on
 # block ids. Change them only together with the "kvns1" version magic.
@@ -26,13 +43,26 @@ GOLDEN_CANONICAL = (
     "37060000006c6c616d61330000000080841e4108000000666163746f723d380c000000666c617368"
     "2d6174746e2d320800000062666c6f6174313606000000746d706c2d332000000000000000080000"
     "00000000008000000000000000010000000000000002000000000000001000000000000000"
-    "00")
+    "00"
+)
 GOLDEN_ID = "f394adab859fe78013a0db2d627b588f"
 GOLDEN_ROOT_GEN3 = "81c0646a42393ea07a626e31dcf74d58"
 
-STR_FIELDS = ["tenant", "name", "model_name", "model_revision", "adapter_id",
-              "adapter_revision", "tokenizer_id", "tokenizer_revision", "rope_type",
-              "rope_scaling", "attention_impl", "kv_dtype", "prompt_template_version"]
+STR_FIELDS = [
+    "tenant",
+    "name",
+    "model_name",
+    "model_revision",
+    "adapter_id",
+    "adapter_revision",
+    "tokenizer_id",
+    "tokenizer_revision",
+    "rope_type",
+    "rope_scaling",
+    "attention_impl",
+    "kv_dtype",
+    "prompt_template_version",
+]
 INT_FIELDS = ["num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size"]
 
 
@@ -107,8 +137,10 @@ def test_several_missing_fields_are_all_named():
         assert name in str(ei.value)
 
 
-@pytest.mark.parametrize("rank,size,ok", [(0, 1, True), (1, 2, True), (2, 2, False),
-                                          (-1, 2, False), (7, 8, True), (8, 8, False)])
+@pytest.mark.parametrize(
+    "rank,size,ok",
+    [(0, 1, True), (1, 2, True), (2, 2, False), (-1, 2, False), (7, 8, True), (8, 8, False)],
+)
 def test_tp_rank_range(rank, size, ok):
     if ok:
         assert ns(tp_rank=rank, tp_size=size).tp_rank == rank

@@ -44,7 +44,7 @@ def ref_chain(root: bytes, toks: bytes, block_size: int, extra: bytes) -> bytes:
     step = 4 * block_size
     out, parent = [], root
     for i in range(len(toks) // step):
-        parent = ref_b2(parent + toks[i * step:(i + 1) * step] + extra)
+        parent = ref_b2(parent + toks[i * step : (i + 1) * step] + extra)
         out.append(parent)
     return b"".join(out)
 
@@ -127,7 +127,7 @@ def test_xxh64_matches_xxhash(n):
 def test_xxh64_unaligned_views_and_keyword_seed():
     data = rbytes(5000)
     for off in range(9):
-        view = memoryview(data)[off:off + 4000 - off]
+        view = memoryview(data)[off : off + 4000 - off]
         assert _native.xxh64(view, seed=7) == xxhash.xxh64_intdigest(bytes(view), 7)
 
 
@@ -222,12 +222,12 @@ def test_chain_hash_is_hash_block_loop_and_ignores_partial_tail():
     packed = _native.chain_hash(root, toks, 16, b"lora:7")
     parent, ids = root, []
     for i in range(9):
-        parent = hashing.hash_block(parent, toks[16 * i:16 * (i + 1)], b"lora:7")
+        parent = hashing.hash_block(parent, toks[16 * i : 16 * (i + 1)], b"lora:7")
         ids.append(parent)
     assert packed == b"".join(ids)
-    assert _native.chain_hash(root, toks[:16 * 9], 16, b"lora:7") == packed
+    assert _native.chain_hash(root, toks[: 16 * 9], 16, b"lora:7") == packed
     # prefix property: the chain of a prefix is a prefix of the chain
-    assert _native.chain_hash(root, toks[:16 * 4], 16, b"lora:7") == packed[:16 * 4]
+    assert _native.chain_hash(root, toks[: 16 * 4], 16, b"lora:7") == packed[: 16 * 4]
     # extra=None and omitted mean no suffix
     assert _native.chain_hash(root, toks, 16) == _native.chain_hash(root, toks, 16, None)
     assert _native.chain_hash(root, toks, 16) == ref_chain(root, toks.tobytes(), 16, b"")
@@ -325,7 +325,10 @@ def test_tokens_to_bytes_canonical_across_containers():
         arr = np.array([0, 1, 100, 127], dtype=dtype)
         assert bytes(hashing.tokens_to_bytes(arr)) == arr.astype("<i4").tobytes()
     assert bytes(hashing.tokens_to_bytes(range(5))) == np.arange(5, dtype="<i4").tobytes()
-    assert bytes(hashing.tokens_to_bytes(torch.arange(10)[::2])) == np.arange(0, 10, 2, dtype="<i4").tobytes()
+    assert (
+        bytes(hashing.tokens_to_bytes(torch.arange(10)[::2]))
+        == np.arange(0, 10, 2, dtype="<i4").tobytes()
+    )
 
 
 @pytest.mark.parametrize(
@@ -369,7 +372,9 @@ def test_hash_block_is_blake2b_of_canonical_bytes():
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 28, 29, 64])
-@pytest.mark.parametrize("extra", [b"", b"tenant-model", rbytes(120)], ids=lambda e: f"extra{len(e)}")
+@pytest.mark.parametrize(
+    "extra", [b"", b"tenant-model", rbytes(120)], ids=lambda e: f"extra{len(e)}"
+)
 def test_hash_chain_front_and_fallback_agree(block_size, extra):
     root = hashing.BlockId(rbytes(16))
     toks = rand_tokens(7 * block_size + block_size // 2)
@@ -384,11 +389,13 @@ def test_hash_chain_front_and_fallback_agree(block_size, extra):
     assert hashing.pack_ids(ids) == want
     parent = root
     for i, block_id in enumerate(ids):
-        parent = hashing.hash_block(parent, toks[i * block_size:(i + 1) * block_size], extra)
+        parent = hashing.hash_block(parent, toks[i * block_size : (i + 1) * block_size], extra)
         assert block_id == parent
 
 
-@pytest.mark.parametrize("fn", [hashing.hash_chain_packed, hashing.py_hash_chain_packed, hashing.hash_chain])
+@pytest.mark.parametrize(
+    "fn", [hashing.hash_chain_packed, hashing.py_hash_chain_packed, hashing.hash_chain]
+)
 def test_hash_chain_validation(fn):
     root = b"\0" * 16
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
@@ -414,7 +421,9 @@ def test_fallback_module_matches_native(monkeypatch):
     root = rbytes(16)
     toks = rand_tokens(1000)
     for bs in (1, 16, 50):
-        assert fallback.hash_chain_packed(root, toks, bs, b"e") == hashing.hash_chain_packed(root, toks, bs, b"e")
+        assert fallback.hash_chain_packed(root, toks, bs, b"e") == hashing.hash_chain_packed(
+            root, toks, bs, b"e"
+        )
 
 
 def test_split_and_pack_ids():
@@ -435,18 +444,34 @@ def test_split_and_pack_ids():
 # ---------------------------------------------------------------- copies
 
 NT_MIN = getattr(_native, "NT_MIN_BYTES", 128 * 1024)
-COPY_SIZES = [0, 1, 15, 16, 17, 31, 63, 64, 65, 1000, 4096 + 3,
-              NT_MIN - 1, NT_MIN, NT_MIN + 1, NT_MIN + 77, (2 << 20) + 5]
+COPY_SIZES = [
+    0,
+    1,
+    15,
+    16,
+    17,
+    31,
+    63,
+    64,
+    65,
+    1000,
+    4096 + 3,
+    NT_MIN - 1,
+    NT_MIN,
+    NT_MIN + 1,
+    NT_MIN + 77,
+    (2 << 20) + 5,
+]
 
 
 def _check_copy(copy_fn, n, src_off, dst_off, seed=None):
     src_buf = np.frombuffer(rbytes(n + 16), dtype=np.uint8)
     dst_buf = np.full(n + 64, 0xAB, dtype=np.uint8)
-    src = src_buf[src_off:src_off + n]
-    dst = memoryview(dst_buf)[dst_off:dst_off + n + 8]  # dst larger than src
+    src = src_buf[src_off : src_off + n]
+    dst = memoryview(dst_buf)[dst_off : dst_off + n + 8]  # dst larger than src
     ret = copy_fn(dst, src) if seed is None else copy_fn(dst, src, seed)
-    assert np.array_equal(dst_buf[dst_off:dst_off + n], src)
-    assert (dst_buf[:dst_off] == 0xAB).all() and (dst_buf[dst_off + n:] == 0xAB).all()
+    assert np.array_equal(dst_buf[dst_off : dst_off + n], src)
+    assert (dst_buf[:dst_off] == 0xAB).all() and (dst_buf[dst_off + n :] == 0xAB).all()
     return ret, src
 
 
@@ -476,9 +501,9 @@ def test_copy_overlapping_hashes_original_source(n, shift):
         buf = bytearray(rbytes(n + 128))
         mv = memoryview(buf)
         s0 = 48
-        original = bytes(buf[s0:s0 + n])
-        ret = fn(mv[s0 + shift:s0 + shift + n], mv[s0:s0 + n])
-        assert bytes(buf[s0 + shift:s0 + shift + n]) == original
+        original = bytes(buf[s0 : s0 + n])
+        ret = fn(mv[s0 + shift : s0 + shift + n], mv[s0 : s0 + n])
+        assert bytes(buf[s0 + shift : s0 + shift + n]) == original
         if fn is _native.copy_checksum:
             assert ret == xxhash.xxh64_intdigest(original)
 
@@ -489,9 +514,11 @@ def test_copy_checksum_large_blocks_into_slab():
     slab = np.zeros(4 * block, dtype=np.uint8)
     srcs = [np.frombuffer(rbytes(block), dtype=np.uint8) for _ in range(4)]
     for i, src in enumerate(srcs):
-        assert _native.copy_checksum(slab[i * block:(i + 1) * block], src) == xxhash.xxh64_intdigest(src)
+        assert _native.copy_checksum(
+            slab[i * block : (i + 1) * block], src
+        ) == xxhash.xxh64_intdigest(src)
     for i, src in enumerate(srcs):
-        assert np.array_equal(slab[i * block:(i + 1) * block], src)
+        assert np.array_equal(slab[i * block : (i + 1) * block], src)
 
 
 @needs_native
@@ -537,7 +564,7 @@ def test_checksum_front_and_fallback(n):
     for copy in (cks.copy_with_checksum, cks.py_copy_with_checksum):
         dst = bytearray(b"\xee" * (n + 3))
         assert copy(memoryview(dst)[1:], memoryview(data)) == want
-        assert bytes(dst[1:n + 1]) == data and dst[0] == 0xEE and dst[n + 1:] == b"\xee\xee"
+        assert bytes(dst[1 : n + 1]) == data and dst[0] == 0xEE and dst[n + 1 :] == b"\xee\xee"
 
 
 def test_checksum_fallback_errors_match_native_types():
@@ -554,4 +581,6 @@ def test_checksum_fallback_errors_match_native_types():
     for ver in (cks.verify, cks.py_verify):
         with pytest.raises(ValueError, match="expected must be in"):
             ver(b"x", -1)
-    assert cks.py_checksum(np.arange(4, dtype=np.int64)) == xxhash.xxh64_intdigest(np.arange(4, dtype=np.int64).tobytes())
+    assert cks.py_checksum(np.arange(4, dtype=np.int64)) == xxhash.xxh64_intdigest(
+        np.arange(4, dtype=np.int64).tobytes()
+    )

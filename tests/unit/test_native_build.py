@@ -3,6 +3,7 @@ x86_64/aarch64) a source that does not compile fails the build with a message sa
 to do; elsewhere, or with KVSTORE_NATIVE_OPTIONAL=1, the build goes on and the pure-Python
 fallback logs itself once and is named (the agent's Stats: tests/integration/
 test_native_accel.py)."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,11 @@ def _project(tmp_path, broken: bool):
     for name in ("setup.py", "pyproject.toml"):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kvstore" / "native", src / "kvstore" / "native",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "kvstore" / "native",
+        src / "kvstore" / "native",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     if broken:
         glue = src / "kvstore" / "native" / "module.c"
         glue.write_text("#error deliberately broken by the test\n" + glue.read_text())
@@ -58,8 +62,14 @@ def _project(tmp_path, broken: bool):
 
 
 def _build(src, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "setup.py", "build_ext", "--inplace"], cwd=src,
-                          env=_env(**env), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [PY, "setup.py", "build_ext", "--inplace"],
+        cwd=src,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(not must_build(env={}), reason="the extension is optional on this platform")
@@ -81,16 +91,30 @@ def test_broken_source_fails_the_build_with_a_message(tmp_path):
 
 
 def test_fallback_is_logged_once_and_named():
-    code = ("from kvstore import checksum, hashing, native; "
-            "print(hashing.NATIVE, checksum.NATIVE, native.active())")
-    r = subprocess.run([PY, "-c", code], env=_env(**{OFF_ENV: "1"}), cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    code = (
+        "from kvstore import checksum, hashing, native; "
+        "print(hashing.NATIVE, checksum.NATIVE, native.active())"
+    )
+    r = subprocess.run(
+        [PY, "-c", code],
+        env=_env(**{OFF_ENV: "1"}),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"False False python (disabled by {OFF_ENV})"
     assert r.stderr.count(FALLBACK_LOG) == 1, r.stderr  # one line for both modules
     assert f"disabled by {OFF_ENV}" in r.stderr
 
-    r = subprocess.run([PY, "-m", "kvstore.native"], env=_env(), cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [PY, "-m", "kvstore.native"],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and FALLBACK_LOG not in r.stderr, r.stderr
     assert r.stdout.strip() == f"kvstore native acceleration: {native.active()}"

@@ -1,6 +1,7 @@
 """The NVMe tier when the disk fails it, in-process (BlockStore over a real RocksTier):
 a real full filesystem (tmpfs), injected write failures with a manual clock for the
 back-off, and RocksDB files damaged on disk before recovery."""
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,11 @@ def put_prompts(store, seeds, n_blocks: int = 1) -> list[tuple[int, int]]:
 
 
 def outage_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "kvstore.nvme" and "cannot write" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kvstore.nvme" and "cannot write" in r.getMessage()
+    ]
 
 
 # ------------------------------------------------------------------------ full disk
@@ -179,14 +183,18 @@ def test_recover_raises_on_unreadable_sst_and_leaves_the_store_empty(make_store,
 
 
 # ------------------------------------------------------------------- configuration
-@pytest.mark.parametrize("field, value, match", [
-    ("nvme_flush_bytes", "512KiB", "nvme_flush_bytes must be >= 1MiB"),
-    ("nvme_flush_interval_s", "0", "nvme_flush_interval_s must be > 0"),
-    ("nvme_flush_interval_s", "nan", "nvme_flush_interval_s must be > 0"),
-    ("nvme_flush_interval_s", "7200", "<= 3600"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("nvme_flush_bytes", "512KiB", "nvme_flush_bytes must be >= 1MiB"),
+        ("nvme_flush_interval_s", "0", "nvme_flush_interval_s must be > 0"),
+        ("nvme_flush_interval_s", "nan", "nvme_flush_interval_s must be > 0"),
+        ("nvme_flush_interval_s", "7200", "<= 3600"),
+    ],
+)
 def test_flush_budget_is_validated(field, value, match):
     from kvstore.config import AgentConfig, load_config
+
     with pytest.raises(ValueError, match=match):
         load_config(AgentConfig, overrides={field: value})
     cfg = load_config(AgentConfig, overrides={"nvme_flush_bytes": "8MiB"})

@@ -1,4 +1,5 @@
 """Block payload format: header round trip, and every single-byte flip is DataLoss."""
+
 from __future__ import annotations
 
 import random
@@ -7,16 +8,23 @@ import pytest
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, InvalidArgument
-from kvstore.payload import (BlockHeader, block_shape, decode_block, decode_header,
-                             encode_block)
+from kvstore.payload import BlockHeader, block_shape, decode_block, decode_header, encode_block
 from support.common import make_namespace
 
 
 def _header(payload: bytes, **kw) -> BlockHeader:
     spec = make_namespace()
-    fields = dict(namespace_id=spec.namespace_id, generation=7, block_id=b"\x11" * 16,
-                  parent_id=b"\x22" * 16, depth=3, dtype=spec.kv_dtype,
-                  shape=block_shape(spec), length=len(payload), checksum=cks.checksum(payload))
+    fields = dict(
+        namespace_id=spec.namespace_id,
+        generation=7,
+        block_id=b"\x11" * 16,
+        parent_id=b"\x22" * 16,
+        depth=3,
+        dtype=spec.kv_dtype,
+        shape=block_shape(spec),
+        length=len(payload),
+        checksum=cks.checksum(payload),
+    )
     fields.update(kw)
     return BlockHeader(**fields)
 

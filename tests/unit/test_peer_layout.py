@@ -2,6 +2,7 @@
 not even one hidden behind TYPE_CHECKING or a function-local import; every transport
 implements the one Transport interface, and the transport-agnostic modules never name a
 transport; files stay small. Static: the source is parsed, nothing is started."""
+
 from __future__ import annotations
 
 import ast
@@ -43,7 +44,7 @@ def test_node_agent_has_no_import_cycle():
 
     def visit(name: str, path: list[str], done: set[str]) -> None:
         if name in path:
-            cycles.append(" -> ".join(path[path.index(name):] + [name]))
+            cycles.append(" -> ".join(path[path.index(name) :] + [name]))
             return
         if name in done:
             return
@@ -69,7 +70,8 @@ def test_peer_package_imports_at_module_level_only():
                 continue
             for node in ast.walk(fn):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                        ("node_agent", "kvstore", "cluster")):
+                    ("node_agent", "kvstore", "cluster")
+                ):
                     found.append(f"{name}.{fn.name} imports {node.module}")
         if any(isinstance(n, ast.Name) and n.id == "TYPE_CHECKING" for n in ast.walk(tree)):
             found.append(f"{name} uses TYPE_CHECKING")
@@ -81,32 +83,41 @@ def test_every_transport_implements_the_interface():
     from node_agent.peer.transport import Transport
     from node_agent.peer.ucx.transport import UcxTransport
 
-    wanted = [n for n, v in vars(Transport).items() if inspect.isfunction(v)
-              and not n.startswith("_")]
+    wanted = [
+        n for n, v in vars(Transport).items() if inspect.isfunction(v) and not n.startswith("_")
+    ]
     assert set(wanted) == {"address_of", "chunk_blocks", "fetch", "close"}
     for cls in (UcxTransport, GrpcTransport):
         for name in wanted:
-            assert inspect.signature(getattr(cls, name)) == \
-                inspect.signature(getattr(Transport, name)), (cls.__name__, name)
-            assert inspect.iscoroutinefunction(getattr(cls, name)) == \
-                inspect.iscoroutinefunction(getattr(Transport, name)), (cls.__name__, name)
+            assert inspect.signature(getattr(cls, name)) == inspect.signature(
+                getattr(Transport, name)
+            ), (cls.__name__, name)
+            assert inspect.iscoroutinefunction(getattr(cls, name)) == inspect.iscoroutinefunction(
+                getattr(Transport, name)
+            ), (cls.__name__, name)
     assert {UcxTransport.name, GrpcTransport.name} == {"ucx", "grpc"}
 
 
-@pytest.mark.parametrize("module", ["prefetch", "claims", "sink", "serve", "requests",
-                                    "transport", "staging"])
+@pytest.mark.parametrize(
+    "module", ["prefetch", "claims", "sink", "serve", "requests", "transport", "staging"]
+)
 def test_transport_agnostic_modules_never_name_a_transport(module):
     """The caller picks a transport object; it never branches on a transport's name."""
     tree = ast.parse((PEER / f"{module}.py").read_text())
-    names = [n.value for n in ast.walk(tree)
-             if isinstance(n, ast.Constant) and n.value in ("ucx", "grpc")]
-    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               and (n.module or "").startswith(("node_agent.peer.ucx",
-                                                "node_agent.peer.grpc_transport"))]
+    names = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and n.value in ("ucx", "grpc")
+    ]
+    imports = [
+        n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and (n.module or "").startswith(("node_agent.peer.ucx", "node_agent.peer.grpc_transport"))
+    ]
     assert not names and not imports, (names, imports)
 
 
 def test_peer_files_stay_small():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
-             for p in PEER.rglob("*.py")}
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PEER.rglob("*.py")}
     assert sizes and max(sizes.values()) <= 600, sizes

@@ -45,8 +45,15 @@ def test_llama3_8b_fp16_block_is_exactly_2_mib():
 
 @pytest.mark.parametrize(
     ("dtype", "per_token"),
-    [("fp32", 262144), ("fp16", 131072), ("bf16", 131072), ("fp8", 65536),
-     ("int8", 65536), ("int4", 32768), ("fp4", 32768)],
+    [
+        ("fp32", 262144),
+        ("fp16", 131072),
+        ("bf16", 131072),
+        ("fp8", 65536),
+        ("int8", 65536),
+        ("int4", 32768),
+        ("fp4", 32768),
+    ],
 )
 def test_bytes_per_element_by_dtype(dtype, per_token):
     assert kv_bytes_per_token(LLAMA8B, dtype) == per_token
@@ -101,8 +108,10 @@ def test_shortfall_when_running_kv_exceeds_pool():
 def test_tier_mix_spills_from_hbm_to_nvme_then_recompute():
     # 1000 free pool blocks, 500 NVMe blocks, 2000-block working set.
     report = _plan(
-        hbm_bytes=1000 * 2 * 2**20, nvme_bytes=500 * 2 * 2**20,
-        concurrency=0, working_set_tokens=2000 * 16,
+        hbm_bytes=1000 * 2 * 2**20,
+        nvme_bytes=500 * 2 * 2**20,
+        concurrency=0,
+        working_set_tokens=2000 * 16,
     )
     mix = report.tier_mix
     assert mix.working_set_blocks == 2000
@@ -122,8 +131,11 @@ def test_tier_mix_default_working_set_is_running_prefixes():
 def test_gpu_headroom_and_overcommit_warning():
     ok = _plan(gpu_mem_bytes=parse_size("80GiB"), weights_bytes=parse_size("16GiB"))
     assert ok.gpu_headroom_bytes == parse_size("54GiB")
-    over = _plan(hbm_bytes=parse_size("70GiB"), gpu_mem_bytes=parse_size("80GiB"),
-                 weights_bytes=parse_size("16GiB"))
+    over = _plan(
+        hbm_bytes=parse_size("70GiB"),
+        gpu_mem_bytes=parse_size("80GiB"),
+        weights_bytes=parse_size("16GiB"),
+    )
     assert over.gpu_headroom_bytes == -parse_size("6GiB")
     assert any("exceed GPU memory by 6 GiB" in w for w in over.warnings)
     with pytest.raises(ValueError, match="gpu_mem_bytes"):
@@ -132,8 +144,14 @@ def test_gpu_headroom_and_overcommit_warning():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("block_size", 0), ("context_len", -1), ("concurrency", -2), ("hbm_bytes", -1),
-     ("block_size", 1.5), ("concurrency", True)],
+    [
+        ("block_size", 0),
+        ("context_len", -1),
+        ("concurrency", -2),
+        ("hbm_bytes", -1),
+        ("block_size", 1.5),
+        ("concurrency", True),
+    ],
 )
 def test_rejects_bad_numbers(field, value):
     with pytest.raises(ValueError, match=field):
@@ -147,16 +165,28 @@ def test_model_shape_validated():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("10GiB", 10 * 2**30), ("10 GiB", 10 * 2**30), ("1.5GiB", 3 * 2**29), ("512", 512),
-     ("512B", 512), ("2KB", 2000), ("3MB", 3_000_000), ("4GB", 4 * 10**9),
-     ("1KiB", 1024), ("5MiB", 5 * 2**20), ("2TiB", 2 * 2**40), ("1gib", 2**30)],
+    [
+        ("10GiB", 10 * 2**30),
+        ("10 GiB", 10 * 2**30),
+        ("1.5GiB", 3 * 2**29),
+        ("512", 512),
+        ("512B", 512),
+        ("2KB", 2000),
+        ("3MB", 3_000_000),
+        ("4GB", 4 * 10**9),
+        ("1KiB", 1024),
+        ("5MiB", 5 * 2**20),
+        ("2TiB", 2 * 2**40),
+        ("1gib", 2**30),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "10 PiB", "ten GiB", "-1GiB", "1.5.2GiB",
-                                  "0.5B", "10 GiB extra"])
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "10 PiB", "ten GiB", "-1GiB", "1.5.2GiB", "0.5B", "10 GiB extra"]
+)
 def test_parse_size_rejects_junk(text):
     with pytest.raises(ValueError):
         parse_size(text)
@@ -169,8 +199,15 @@ def test_parse_size_error_names_units():
 
 @pytest.mark.parametrize(
     ("num", "text"),
-    [(0, "0 B"), (1023, "1023 B"), (1024, "1 KiB"), (1536, "1.5 KiB"),
-     (2 * 2**20, "2 MiB"), (10 * 2**30, "10 GiB"), (3 * 2**40, "3 TiB")],
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (2 * 2**20, "2 MiB"),
+        (10 * 2**30, "10 GiB"),
+        (3 * 2**40, "3 TiB"),
+    ],
 )
 def test_format_size(num, text):
     assert format_size(num) == text
@@ -202,8 +239,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_plan_command_prints_json(capsys):
     args = _parser().parse_args(
-        ["--model", "llama-3-8b", "--hbm", "10GiB", "--nvme", "1TiB", "--concurrency", "4",
-         "--output", "json"])
+        [
+            "--model",
+            "llama-3-8b",
+            "--hbm",
+            "10GiB",
+            "--nvme",
+            "1TiB",
+            "--concurrency",
+            "4",
+            "--output",
+            "json",
+        ]
+    )
     assert plan_command(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hbm_blocks"] == 5120 and data["nvme_blocks"] == 524288
@@ -211,7 +259,8 @@ def test_plan_command_prints_json(capsys):
 
 def test_plan_command_explicit_shape_and_bad_input(capsys):
     args = _parser().parse_args(
-        ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--hbm", "1GiB"])
+        ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--hbm", "1GiB"]
+    )
     assert plan_command(args) == 0
     assert "custom" in capsys.readouterr().out
     bad = _parser().parse_args(["--model", "gpt-9", "--hbm", "1GiB"])
@@ -227,7 +276,8 @@ def test_plan_command_explicit_shape_and_bad_input(capsys):
 
 def test_plan_command_override_on_preset(capsys):
     args = _parser().parse_args(
-        ["--model", "llama-3-8b", "--layers", "16", "--hbm", "1GiB", "--output", "json"])
+        ["--model", "llama-3-8b", "--layers", "16", "--hbm", "1GiB", "--output", "json"]
+    )
     assert plan_command(args) == 0
     assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 65536
 

@@ -1,4 +1,5 @@
 """DevicePool: explicit slot state machine, two-phase writes, capacity, checksums."""
+
 from __future__ import annotations
 
 import random
@@ -71,8 +72,11 @@ def _slot_in(pool: DevicePool, state: SlotState) -> int:
     return slot
 
 
-LEGAL = {(SlotState.RESERVED, "commit"), (SlotState.RESERVED, "abort"),
-         (SlotState.OCCUPIED, "release")}
+LEGAL = {
+    (SlotState.RESERVED, "commit"),
+    (SlotState.RESERVED, "abort"),
+    (SlotState.OCCUPIED, "release"),
+}
 
 
 @pytest.mark.parametrize("state", list(SlotState))
@@ -128,6 +132,7 @@ def test_resolve_device():
     with pytest.raises(InvalidArgument, match="only cuda:N and cpu"):
         resolve_device("meta")
     import torch
+
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgument, match="CUDA is not available"):
             resolve_device("cuda:0")

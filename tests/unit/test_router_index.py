@@ -1,4 +1,5 @@
 """Pure tests of the router's index, cost function and in-flight bookkeeping."""
+
 from __future__ import annotations
 
 import pytest
@@ -120,8 +121,7 @@ def test_peer_price():
     slow = Pricing(prefill_tokens_per_s=8000, peer_gbps=1, block_bytes=2 << 20, block_tokens=16)
     assert slow.peer_price == pytest.approx((2 << 20) * 8 / 1e9 / (16 / 8000))
     assert slow.peer_price > 1
-    fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100, block_bytes=2 << 20,
-                   block_tokens=16)
+    fast = Pricing(prefill_tokens_per_s=8000, peer_gbps=100, block_bytes=2 << 20, block_tokens=16)
     assert fast.peer_price < 1
     with pytest.raises(ValueError):
         Pricing(peer_gbps=0)
@@ -184,8 +184,7 @@ def test_weights_override_and_validation():
         Weights(recompute=float("nan"))
     nodes = [NodeLoad("a", in_flight=4), NodeLoad("b")]  # 16 against 10 + 1.5 for space
     assert score_nodes(10, {"a": 10}, nodes, base, Pricing())[0].node_id == "b"
-    assert score_nodes(10, {"a": 10}, nodes, base.override(load=0.1),
-                       Pricing())[0].node_id == "a"
+    assert score_nodes(10, {"a": 10}, nodes, base.override(load=0.1), Pricing())[0].node_id == "a"
 
 
 def test_duplicates_pay_for_pool_space_and_queued_work_counts_per_block():
@@ -264,10 +263,18 @@ def test_core_counts_the_prefill_a_route_queues():
 def test_ranked_scoring_equals_full_scoring():
     w = Weights(recompute=1, peer_fetch=0.5, load=3, utilization=2)
     pricing = Pricing(peer_gbps=50)
-    nodes = [NodeLoad(f"n{i:02d}", in_flight=i % 4, utilization=(i * 37 % 10) / 10,
-                      queued=float(i * 13 % 7) * (i % 4 > 0)) for i in range(30)]
-    ranked = sorted(nodes, key=lambda n: (3 * n.in_flight + n.queued + 2 * n.utilization,
-                                          n.node_id))
+    nodes = [
+        NodeLoad(
+            f"n{i:02d}",
+            in_flight=i % 4,
+            utilization=(i * 37 % 10) / 10,
+            queued=float(i * 13 % 7) * (i % 4 > 0),
+        )
+        for i in range(30)
+    ]
+    ranked = sorted(
+        nodes, key=lambda n: (3 * n.in_flight + n.queued + 2 * n.utilization, n.node_id)
+    )
     for local in ({}, {"n05": 90}, {"n07": 30, "n11": 100, "n29": 100}, {"n03": 0}):
         full = score_nodes(100, local, nodes, w, pricing)
         for limit in (1, 4, None):
@@ -277,8 +284,7 @@ def test_ranked_scoring_equals_full_scoring():
 
 
 def test_zero_blocks_routes_by_load():
-    s = score_nodes(0, {}, [NodeLoad("b"), NodeLoad("a", utilization=0.5)], Weights(),
-                    Pricing())
+    s = score_nodes(0, {}, [NodeLoad("b"), NodeLoad("a", utilization=0.5)], Weights(), Pricing())
     assert [x.node_id for x in s] == ["b", "a"]
 
 
@@ -349,8 +355,9 @@ def test_core_rejects_malformed_requests():
 
 
 def test_replicas_fed_in_different_orders_decide_identically():
-    streams = {n: [chain(40, seed=s)[: 10 + 7 * s] for s in range(5) if (s + ord(n)) % 2]
-               for n in "abcd"}
+    streams = {
+        n: [chain(40, seed=s)[: 10 + 7 * s] for s in range(5) if (s + ord(n)) % 2] for n in "abcd"
+    }
     a, b = make_core("abcd"), make_core("dcba")
     for core, order in ((a, "abcd"), (b, "dcba")):
         for n in order:
@@ -358,5 +365,7 @@ def test_replicas_fed_in_different_orders_decide_identically():
                 core.index.store(n, ids)
     for s in range(6):
         packed = pack_ids(chain(60, seed=s))
-        assert a.route(NS, packed, request_id=f"x{s}").scores == \
-            b.route(NS, packed, request_id=f"x{s}").scores
+        assert (
+            a.route(NS, packed, request_id=f"x{s}").scores
+            == b.route(NS, packed, request_id=f"x{s}").scores
+        )

@@ -1,16 +1,40 @@
 """BlockStore in-process, on a real CPU DevicePool and a real RocksDB in tmp_path: round
 trip, chain checks, tiers, prefix consistency, policies, generations, events, threads.
 Restart recovery and corruption are in test_store_recovery.py."""
+
 from __future__ import annotations
 
 import pytest
-from support.common import (TEST_SECRET, ManualClock, block_payload, chain_items, make_namespace,
-                      prompt_tokens)
-from support.store import (BS, NB, SPEC, check_invariants, demote_all, events_of, get, lookup,
-                           policy, prompt, put)
+from support.common import (
+    TEST_SECRET,
+    ManualClock,
+    block_payload,
+    chain_items,
+    make_namespace,
+    prompt_tokens,
+)
+from support.store import (
+    BS,
+    NB,
+    SPEC,
+    check_invariants,
+    demote_all,
+    events_of,
+    get,
+    lookup,
+    policy,
+    prompt,
+    put,
+)
 
-from kvstore.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound,
-                            ResourceExhausted, StaleGeneration)
+from kvstore.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StaleGeneration,
+)
 from kvstore.events import EventKind, Tier
 from kvstore.store import BlockStore, PutItem
 from kvstore.tiers.pool import DevicePool
@@ -289,9 +313,11 @@ def test_generation_fencing(make_store):
     assert store.set_generation(SPEC.namespace_id, 1) == 0  # not newer: no-op
     cleared = events_of(store)
     assert [(e.kind, e.generation) for e in cleared] == [(EventKind.NAMESPACE_CLEARED, 1)]
-    for call in (lambda: store.lookup(SPEC.namespace_id, 0, ids),
-                 lambda: put(store, items, gen=0),
-                 lambda: get(store, ids, gen=0)):
+    for call in (
+        lambda: store.lookup(SPEC.namespace_id, 0, ids),
+        lambda: put(store, items, gen=0),
+        lambda: get(store, ids, gen=0),
+    ):
         with pytest.raises(StaleGeneration, match="stale"):
             call()
     assert store.block_count() == 0 and sum(1 for _ in store.rocks.scan()) == 0
@@ -365,24 +391,25 @@ def _apply(model: dict, ev) -> None:
 
 def test_snapshot_plus_events_reproduce_the_store(make_store):
     clock = ManualClock()
-    store = make_store(n_slots=4, nvme_bytes=6 * NB, clock=clock,
-                       policy_for=policy(ttl_seconds=100))
+    store = make_store(
+        n_slots=4, nvme_bytes=6 * NB, clock=clock, policy_for=policy(ttl_seconds=100)
+    )
     st = store.open_namespace(SPEC)
     put(store, prompt(1, 3)[1])
     seq0, snap = store.snapshot()
     model = {ns_id: dict(blocks) for ns_id, blocks in snap}
     store.events.drain()
     ids2, items2 = prompt(2, 4)
-    put(store, items2)                       # STORED, demotions
-    get(store, prompt(1, 3)[0])              # promotions
+    put(store, items2)  # STORED, demotions
+    get(store, prompt(1, 3)[0])  # promotions
     for seed in range(3, 7):
-        put(store, prompt(seed, 2)[1])       # NVMe evictions, REMOVED
+        put(store, prompt(seed, 2)[1])  # NVMe evictions, REMOVED
     store.pool.raw_view(next(m.slot for m in st.blocks.values() if m.slot >= 0))[3] ^= 1
     for seed in range(3, 7):
-        get(store, prompt(seed, 2)[0])       # corrupt drops
+        get(store, prompt(seed, 2)[0])  # corrupt drops
     clock.advance(150)
     put(store, prompt(8, 2)[1])
-    store.expire()                           # expiry
+    store.expire()  # expiry
     put(store, prompt(9, 1)[1])
     evs = store.events.drain()
     assert [e.seq for e in evs] == list(range(seq0 + 1, seq0 + 1 + len(evs)))
@@ -428,8 +455,7 @@ def test_concurrent_gets_puts_expiry_and_flushes(make_store):
     import threading
 
     clock = ManualClock()
-    store = make_store(n_slots=6, nvme_bytes=6 * NB, clock=clock,
-                       policy_for=policy(ttl_seconds=5))
+    store = make_store(n_slots=6, nvme_bytes=6 * NB, clock=clock, policy_for=policy(ttl_seconds=5))
     store.open_namespace(SPEC)
     errors: list[BaseException] = []
     served_total = [0]
@@ -442,6 +468,7 @@ def test_concurrent_gets_puts_expiry_and_flushes(make_store):
 
     def reader(seed):
         import random
+
         rng = random.Random(seed)
         for _ in range(300):
             gen = current_gen()
@@ -475,8 +502,10 @@ def test_concurrent_gets_puts_expiry_and_flushes(make_store):
         except BaseException as exc:  # reported below, with its traceback
             errors.append(exc)
 
-    threads = [threading.Thread(target=guard, args=a) for a in
-               [(reader, 1), (reader, 2), (writer,), (chaos,)]]
+    threads = [
+        threading.Thread(target=guard, args=a)
+        for a in [(reader, 1), (reader, 2), (writer,), (chaos,)]
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,6 +1,7 @@
 """Writers of the same chain racing each other (issue: concurrent identical Puts leaked
 pool slots). The store plans under its lock, copies outside it and commits under it again:
 a block committed by another writer in between must not be committed twice."""
+
 from __future__ import annotations
 
 import threading

@@ -16,6 +16,7 @@ longer locally:
 (KVSTORE_PROPS_RANDOM=1: a fresh random search each run instead of the fixed one; a
 failure prints the steps that reproduce it.)
 """
+
 from __future__ import annotations
 
 import gc
@@ -31,8 +32,20 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from support.store import check_invariants
-from support.store_world import (MAX_BLOCKS, NB, POLICIES, SPECS, TENANTS, ChainKey, Limits,
-                                 World, build_store, check_slots, getter, slot_of)
+from support.store_world import (
+    MAX_BLOCKS,
+    NB,
+    POLICIES,
+    SPECS,
+    TENANTS,
+    ChainKey,
+    Limits,
+    World,
+    build_store,
+    check_slots,
+    getter,
+    slot_of,
+)
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
@@ -44,10 +57,10 @@ RANDOM = os.environ.get("KVSTORE_PROPS_RANDOM", "") not in ("", "0")
 
 NS = hs.sampled_from(sorted(SPECS))
 # Few distinct prompts, so re-puts, shared prefixes and races on one chain are common.
-KEYS = hs.builds(ChainKey, NS, hs.integers(0, 1), hs.integers(0, 1),
-                 hs.sampled_from([1, 3, MAX_BLOCKS]))
-SPAN = hs.tuples(hs.one_of(hs.just(0), hs.integers(0, MAX_BLOCKS - 1)),
-                 hs.integers(1, MAX_BLOCKS))
+KEYS = hs.builds(
+    ChainKey, NS, hs.integers(0, 1), hs.integers(0, 1), hs.sampled_from([1, 3, MAX_BLOCKS])
+)
+SPAN = hs.tuples(hs.one_of(hs.just(0), hs.integers(0, MAX_BLOCKS - 1)), hs.integers(1, MAX_BLOCKS))
 PICK = hs.integers(0, 1 << 16)
 
 
@@ -118,8 +131,7 @@ class StoreMachine(RuleBasedStateMachine):
         items = w.items(ns, ids, start, end, with_checksum=checksum, bad_at=bad)
         w.offer(ns, ids, start, end)
         try:
-            stored, already = self.store.put(self.ns_id(ns), self.gen(ns), items,
-                                             root=w.root(ns))
+            stored, already = self.store.put(self.ns_id(ns), self.gen(ns), items, root=w.root(ns))
         except FailedPrecondition:
             assert self.killed
             return
@@ -133,8 +145,12 @@ class StoreMachine(RuleBasedStateMachine):
         assert not self.killed, "a put went through with the kill switch on"
         w.touch(ids[start:end])
         assert 0 <= stored and stored + already <= end - start
-        if (start == 0 and bad < 0 and stored + already == end
-                and end >= POLICIES[ns].min_prefix_blocks):
+        if (
+            start == 0
+            and bad < 0
+            and stored + already == end
+            and end >= POLICIES[ns].min_prefix_blocks
+        ):
             got = self.store.lookup(self.ns_id(ns), self.gen(ns), ids[:end])
             assert got.matched == end, "a put reported stored is not all visible"
 
@@ -147,8 +163,9 @@ class StoreMachine(RuleBasedStateMachine):
         if wrong_parent:
             parent = b"\x00" * 15 + b"x"
         now = self.clock()
-        served, payloads = getter(self.store, self.ns_id(ns), self.gen(ns), ids[start:end],
-                                  parent, as_bytes)
+        served, payloads = getter(
+            self.store, self.ns_id(ns), self.gen(ns), ids[start:end], parent, as_bytes
+        )
         if self.killed or wrong_parent:
             assert served == [], "served with the kill switch on, or under a wrong parent"
         w.check_served(ns, self.gen(ns), ids[start:end], served, payloads, now)
@@ -196,8 +213,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _reserve(self, ns, ids, start, end, parent, after, fill):
         try:
-            res = self.store.reserve(self.ns_id(ns), self.gen(ns), ids[start:end], parent,
-                                     self.world.root(ns), after=after)
+            res = self.store.reserve(
+                self.ns_id(ns),
+                self.gen(ns),
+                ids[start:end],
+                parent,
+                self.world.root(ns),
+                after=after,
+            )
         except FailedPrecondition:
             assert self.killed
             return
@@ -217,13 +240,17 @@ class StoreMachine(RuleBasedStateMachine):
         r.filled = True
 
     @precondition(lambda self: self.reservations)
-    @rule(pick=PICK, mode=hs.sampled_from(["in_place", "sources", "digests"]),
-          n=hs.integers(0, MAX_BLOCKS), corrupt=hs.integers(-1, MAX_BLOCKS - 1))
+    @rule(
+        pick=PICK,
+        mode=hs.sampled_from(["in_place", "sources", "digests"]),
+        n=hs.integers(0, MAX_BLOCKS),
+        corrupt=hs.integers(-1, MAX_BLOCKS - 1),
+    )
     def commit(self, pick, mode, n, corrupt):
         r = self.reservations.pop(pick % len(self.reservations))
         k = len(r.views)
         n = min(n or k, k)
-        ids = r.ids[r.start: r.start + k]
+        ids = r.ids[r.start : r.start + k]
         sums = [cks.checksum(block_payload(b, NB)) for b in ids]
         corrupt = corrupt if corrupt < n else -1
         sources = None
@@ -240,8 +267,10 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             stored = self.store.commit(r.res, sums, n=n, sources=sources, digests=digests)
         except DataLoss:
-            assert corrupt >= 0, "a commit of good payloads failed its checksum " \
+            assert corrupt >= 0, (
+                "a commit of good payloads failed its checksum "
                 "(a reserved slot was written by someone else)"
+            )
             stored = None
         else:
             assert corrupt < 0, "a corrupt payload was committed"
@@ -270,8 +299,7 @@ class StoreMachine(RuleBasedStateMachine):
         ns, w = key.ns, self.world
         ids = w.chain(key)[start:end]
         now = self.clock()
-        b = self.store.borrow(self.ns_id(ns), self.gen(ns), ids, w.parent(ns, w.chain(key),
-                                                                           start))
+        b = self.store.borrow(self.ns_id(ns), self.gen(ns), ids, w.parent(ns, w.chain(key), start))
         if self.killed:
             assert len(b) == 0
         w.check_served(ns, self.gen(ns), ids, b.served, b.views, now)
@@ -312,21 +340,29 @@ class StoreMachine(RuleBasedStateMachine):
         if not self.gen(key.ns):
             return
         ids = self.world.chain(key, self.gen(key.ns) - 1)
-        served, _ = getter(self.store, self.ns_id(key.ns), self.gen(key.ns), ids,
-                           self.world.root(key.ns, self.gen(key.ns) - 1), False)
+        served, _ = getter(
+            self.store,
+            self.ns_id(key.ns),
+            self.gen(key.ns),
+            ids,
+            self.world.root(key.ns, self.gen(key.ns) - 1),
+            False,
+        )
         assert served == []
 
     @rule(on=hs.booleans())
     def kill_switch(self, on):
         self.store.killed = self.killed = on
 
-    @rule(tenant=hs.sampled_from(TENANTS), hbm=hs.sampled_from([None, 2, 4, 6, 8]),
-          nvme=hs.sampled_from([None, 2, 4, 6]))
+    @rule(
+        tenant=hs.sampled_from(TENANTS),
+        hbm=hs.sampled_from([None, 2, 4, 6, 8]),
+        nvme=hs.sampled_from([None, 2, 4, 6]),
+    )
     def quota(self, tenant, hbm, nvme):
         self.limits.hbm[tenant] = hbm and hbm * NB
         self.limits.nvme[tenant] = nvme and nvme * NB
-        self.store.set_tenant_limits(tenant, self.limits.hbm[tenant],
-                                     self.limits.nvme[tenant])
+        self.store.set_tenant_limits(tenant, self.limits.hbm[tenant], self.limits.nvme[tenant])
 
     def _borrowed_slots(self) -> set[int]:
         return {slot_of(self.store.pool, v) for b in self.borrows for v in b.borrowed.views}
@@ -336,8 +372,12 @@ class StoreMachine(RuleBasedStateMachine):
         """Flip a byte of a held block's slot (not one lent to a borrower: that one was
         verified and handed out already)."""
         lent = self._borrowed_slots()
-        metas = [m for st in self.store.namespaces() for m in st.blocks.values()
-                 if m.slot >= 0 and m.slot not in lent]
+        metas = [
+            m
+            for st in self.store.namespaces()
+            for m in st.blocks.values()
+            if m.slot >= 0 and m.slot not in lent
+        ]
         if metas:
             self.store.pool.raw_view(metas[pick % len(metas)].slot)[byte] ^= 0x10
 
@@ -382,8 +422,9 @@ class StoreMachine(RuleBasedStateMachine):
     def borrowed_views_hold_what_was_put(self):
         for b in self.borrows:
             for bid, view in zip(b.ids, b.borrowed.views):
-                assert bytes(view) == block_payload(bid, NB), \
+                assert bytes(view) == block_payload(bid, NB), (
                     "a borrowed slot was reused or evicted before release"
+                )
 
     @invariant()
     def quotas_never_grow_past_their_limit(self):
@@ -392,14 +433,16 @@ class StoreMachine(RuleBasedStateMachine):
         write evicts, but never further over."""
         acc = self.store.accounts
         for t in TENANTS:
-            inflight = NB * sum(len(r.views) for r in self.reservations
-                                if SPECS[r.ns].tenant == t)
-            for tier, limit in ((Tier.HBM, self.limits.hbm.get(t)),
-                                (Tier.NVME, self.limits.nvme.get(t))):
+            inflight = NB * sum(len(r.views) for r in self.reservations if SPECS[r.ns].tenant == t)
+            for tier, limit in (
+                (Tier.HBM, self.limits.hbm.get(t)),
+                (Tier.NVME, self.limits.nvme.get(t)),
+            ):
                 used = acc.used(t, tier) + (inflight if tier == Tier.HBM else 0)
                 if limit and used > limit:
-                    assert used <= self.prev_used.get((t, tier), 0), \
+                    assert used <= self.prev_used.get((t, tier), 0), (
                         f"tenant {t} went further over its {tier.name} quota"
+                    )
                 self.prev_used[(t, tier)] = used
 
 
@@ -414,7 +457,12 @@ def _cheap_gc():
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-    derandomize=not RANDOM, database=None, print_blob=RANDOM,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    derandomize=not RANDOM,
+    database=None,
+    print_blob=RANDOM,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 test_store_state_machine = pytest.mark.timeout(1800)(StoreMachine.TestCase)

@@ -1,5 +1,6 @@
 """Plain regression tests for the bugs the property-based tests of the BlockStore found
 (test_store_props.py, test_store_props_threads.py), each minimized to its few steps."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -17,6 +17,7 @@ Bounded in the normal run; longer locally:
     KVSTORE_PROPS_THREAD_SEEDS=20 KVSTORE_PROPS_THREAD_OPS=600 \
         python -m pytest -q tests/unit/test_store_props_threads.py
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,19 @@ import numpy as np
 import pytest
 from support.common import ManualClock, block_payload
 from support.store import check_invariants
-from support.store_world import (MAX_BLOCKS, NB, SPECS, TENANTS, ChainKey, JitterPool, Limits,
-                                 World, build_store, check_structure, getter)
+from support.store_world import (
+    MAX_BLOCKS,
+    NB,
+    SPECS,
+    TENANTS,
+    ChainKey,
+    JitterPool,
+    Limits,
+    World,
+    build_store,
+    check_structure,
+    getter,
+)
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted, StaleGeneration
@@ -49,10 +61,20 @@ class Worker:
     def __init__(self, run: Run, seed: int) -> None:
         self.run = run
         self.rng = random.Random(seed)
-        self.ops = [(self.put, 6), (self.get, 6), (self.lookup, 3), (self.in_place, 4),
-                    (self.borrow, 3), (self.pin, 1), (self.expire, 1), (self.flush, 1),
-                    (self.kill_switch, 1), (self.quota, 1), (self.corrupt, 1),
-                    (self.check, 2)]
+        self.ops = [
+            (self.put, 6),
+            (self.get, 6),
+            (self.lookup, 3),
+            (self.in_place, 4),
+            (self.borrow, 3),
+            (self.pin, 1),
+            (self.expire, 1),
+            (self.flush, 1),
+            (self.kill_switch, 1),
+            (self.quota, 1),
+            (self.corrupt, 1),
+            (self.check, 2),
+        ]
 
     def __call__(self, n_ops: int) -> None:
         fns, weights = zip(*self.ops)
@@ -64,8 +86,9 @@ class Worker:
 
     def pick(self):
         r = self.rng
-        key = ChainKey(r.choice(sorted(SPECS)), r.randrange(2), r.randrange(2),
-                       r.choice([1, 3, MAX_BLOCKS]))
+        key = ChainKey(
+            r.choice(sorted(SPECS)), r.randrange(2), r.randrange(2), r.choice([1, 3, MAX_BLOCKS])
+        )
         start = r.choice([0, 0, 0, r.randrange(MAX_BLOCKS)])
         end = min(MAX_BLOCKS, start + r.randint(1, MAX_BLOCKS))
         gen = self.run.world.gen[key.ns]
@@ -76,16 +99,22 @@ class Worker:
         w = self.run.world
         w.offer(ns, ids, start, end, gen)
         items = w.items(ns, ids, start, end, gen, with_checksum=self.rng.random() < 0.5)
-        stored, already = self.run.store.put(SPECS[ns].namespace_id, gen, items,
-                                             root=w.root(ns, gen))
+        stored, already = self.run.store.put(
+            SPECS[ns].namespace_id, gen, items, root=w.root(ns, gen)
+        )
         assert 0 <= stored and stored + already <= end - start
         self.run.count("stored", stored)
 
     def get(self) -> None:
         ns, gen, ids, start, end = self.pick()
-        served, payloads = getter(self.run.store, SPECS[ns].namespace_id, gen,
-                                  ids[start:end], self.run.world.parent(ns, ids, start, gen),
-                                  self.rng.random() < 0.5)
+        served, payloads = getter(
+            self.run.store,
+            SPECS[ns].namespace_id,
+            gen,
+            ids[start:end],
+            self.run.world.parent(ns, ids, start, gen),
+            self.rng.random() < 0.5,
+        )
         self.run.world.check_served(ns, gen, ids[start:end], served, payloads, None)
         self.run.count("served", len(served))
 
@@ -98,8 +127,13 @@ class Worker:
         ns, gen, ids, start, end = self.pick()
         w, store = self.run.world, self.run.store
         w.offer(ns, ids, start, end, gen)
-        res = store.reserve(SPECS[ns].namespace_id, gen, ids[start:end],
-                            w.parent(ns, ids, start, gen), w.root(ns, gen))
+        res = store.reserve(
+            SPECS[ns].namespace_id,
+            gen,
+            ids[start:end],
+            w.parent(ns, ids, start, gen),
+            w.root(ns, gen),
+        )
         views, n = res.views, len(res)
         for i, view in enumerate(views):
             view[:] = np.frombuffer(block_payload(ids[start + i], NB), dtype=np.uint8)
@@ -113,7 +147,7 @@ class Worker:
         bad = self.rng.randrange(n) if n and self.rng.random() < 0.2 else -1
         if bad >= 0:
             views[bad][3] ^= 0x21
-        sums = [cks.checksum(block_payload(b, NB)) for b in ids[start: start + n]]
+        sums = [cks.checksum(block_payload(b, NB)) for b in ids[start : start + n]]
         try:
             store.commit(res, sums)
         except DataLoss:
@@ -122,15 +156,15 @@ class Worker:
     def borrow(self) -> None:
         ns, gen, ids, start, end = self.pick()
         w, store = self.run.world, self.run.store
-        b = store.borrow(SPECS[ns].namespace_id, gen, ids[start:end],
-                         w.parent(ns, ids, start, gen))
+        b = store.borrow(SPECS[ns].namespace_id, gen, ids[start:end], w.parent(ns, ids, start, gen))
         try:
             w.check_served(ns, gen, ids[start:end], b.served, b.views, None)
             for _ in range(self.rng.randrange(3)):
                 self.rng.choice([self.put, self.get])()
             for sb, view in zip(b.served, b.views):
-                assert bytes(view) == block_payload(sb.block_id, NB), \
+                assert bytes(view) == block_payload(sb.block_id, NB), (
                     "a borrowed slot was reused or evicted before release"
+                )
         finally:
             store.release(b)
 
@@ -169,8 +203,12 @@ class Worker:
         """Flip a byte of a held block nobody is reading: whoever reads it next verifies."""
         store = self.run.store
         with store.lock:
-            metas = [m for st in store.namespaces() for m in st.blocks.values()
-                     if m.slot >= 0 and not m.readers]
+            metas = [
+                m
+                for st in store.namespaces()
+                for m in st.blocks.values()
+                if m.slot >= 0 and not m.readers
+            ]
             if metas:
                 store.pool.raw_view(self.rng.choice(metas).slot)[self.rng.randrange(NB)] ^= 4
 
@@ -192,8 +230,7 @@ class Run:
             self.stats[what] += n
 
     def open(self, recover: bool) -> None:
-        self.store = build_store(self.path, self.clock,
-                                 lambda pool: JitterPool(pool, self.seed))
+        self.store = build_store(self.path, self.clock, lambda pool: JitterPool(pool, self.seed))
         if recover:
             self.store.recover()
         for name, spec in SPECS.items():
@@ -229,8 +266,9 @@ class Run:
                 for branch in range(2):
                     for split in (1, 3, MAX_BLOCKS):
                         ids = w.chain(ChainKey(ns, base, branch, split), gen)
-                        served, payloads = getter(self.store, SPECS[ns].namespace_id, gen,
-                                                  ids, w.root(ns, gen), False)
+                        served, payloads = getter(
+                            self.store, SPECS[ns].namespace_id, gen, ids, w.root(ns, gen), False
+                        )
                         w.check_served(ns, gen, ids, served, payloads, None)
         check_invariants(self.store)
 

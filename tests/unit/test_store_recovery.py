@@ -1,11 +1,11 @@
 """BlockStore restart recovery and corruption: records flipped on disk (through
 rocksdict, with the store closed) or in the tier, and bytes flipped in pool slots (through
 DevicePool.raw_view). A corrupt block is never served; it and its descendants are dropped."""
+
 from __future__ import annotations
 
 from support.common import flip_rocks_byte
-from support.store import (SPEC, check_invariants, demote_all, events_of, get, lookup,
-                           prompt, put)
+from support.store import SPEC, check_invariants, demote_all, events_of, get, lookup, prompt, put
 
 from kvstore.events import EventKind
 

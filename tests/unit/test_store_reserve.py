@@ -1,5 +1,6 @@
 """BlockStore in-place transfers (kvstore/store_inplace.py): reserve -> fill the slot views
 -> commit (verified in place) / abort, and borrowed verified read-only slot views."""
+
 from __future__ import annotations
 
 import numpy as np

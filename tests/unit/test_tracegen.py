@@ -151,7 +151,8 @@ def test_rag_requests_share_documents_across_sessions(default_trace):
         # ... and popular documents make prompts of different sessions share much more.
         doc_sharing = {
             (a["session"], b["session"])
-            for i, a in enumerate(rag) for b in rag[i + 1:]
+            for i, a in enumerate(rag)
+            for b in rag[i + 1 :]
             if a["session"] != b["session"]
             and _common_prefix(a["tokens"], b["tokens"]) >= system_len + 200
         }
@@ -200,10 +201,18 @@ def test_generate_is_lazy_and_exact():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(requests=-1), dict(vocab_size=1), dict(tenant_weights=()),
-     dict(tenant_weights=(1.0, 0.0)), dict(agent=-0.1), dict(agent=0, chat=0, rag=0, oneoff=0),
-     dict(max_prompt_tokens=8), dict(rate=0.0), dict(namespace_weights=(1.0,)),
-     dict(docs_per_tenant=2)],
+    [
+        dict(requests=-1),
+        dict(vocab_size=1),
+        dict(tenant_weights=()),
+        dict(tenant_weights=(1.0, 0.0)),
+        dict(agent=-0.1),
+        dict(agent=0, chat=0, rag=0, oneoff=0),
+        dict(max_prompt_tokens=8),
+        dict(rate=0.0),
+        dict(namespace_weights=(1.0,)),
+        dict(docs_per_tenant=2),
+    ],
 )
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):

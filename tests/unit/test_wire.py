@@ -1,4 +1,5 @@
 """kvstore.wire: the one place core types meet the protobuf messages."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,10 +23,17 @@ def test_a_message_missing_a_field_is_refused_naming_it():
 
 
 def test_policy_to_proto_keeps_every_field():
-    msg = wire.policy_to_proto(NamespacePolicy(ttl_seconds=30.0, min_prefix_blocks=2,
-                                               persist=False, pin_budget_bytes=1 << 20))
-    assert (msg.ttl_seconds, msg.min_prefix_blocks, msg.persist, msg.pin_budget_bytes) == \
-        (30, 2, False, 1 << 20)
+    msg = wire.policy_to_proto(
+        NamespacePolicy(
+            ttl_seconds=30.0, min_prefix_blocks=2, persist=False, pin_budget_bytes=1 << 20
+        )
+    )
+    assert (msg.ttl_seconds, msg.min_prefix_blocks, msg.persist, msg.pin_budget_bytes) == (
+        30,
+        2,
+        False,
+        1 << 20,
+    )
 
 
 def test_unpack_ids_checks_length_and_the_limit():

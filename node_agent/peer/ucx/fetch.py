@@ -1,6 +1,7 @@
 """The fetching side of the UCX transport: one request to a peer's listener, its batches
 received into reserved pool slots (or staging) and handed to the BatchSink, and the
 connections kept for the next request. The protocol: node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,15 @@ class UcxFetcher:
     """Pulls FetchRequests from peers' UCX listeners into BatchSinks. `in_place`: receive
     into reserved pool slots (UcxTransport.in_place), else through staging."""
 
-    def __init__(self, ucx, store: BlockStore, staging: StagingPool, pcfg: PeerConfig,
-                 counters: Counters, in_place: bool) -> None:
+    def __init__(
+        self,
+        ucx,
+        store: BlockStore,
+        staging: StagingPool,
+        pcfg: PeerConfig,
+        counters: Counters,
+        in_place: bool,
+    ) -> None:
         self._ucx = ucx  # the initialised ucxx module
         self._store = store
         self._staging = staging
@@ -82,8 +90,9 @@ class UcxFetcher:
         else:
             ep.abort()
 
-    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
-                    batch: int, deadline: float) -> None:
+    async def fetch(
+        self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink, batch: int, deadline: float
+    ) -> None:
         """Pull `req` over UCX into `sink`. Raises PeerTransportError on transport trouble
         (the caller may fall back), PeerRefused when the peer declines.
 
@@ -100,8 +109,16 @@ class UcxFetcher:
         ep = await self._connect(address, deadline)
         await self._transfer(ep, address, req, sink, batch, deadline, False)
 
-    async def _transfer(self, ep, address: str, req: peer_pb2.FetchRequest,
-                        sink: BatchSink, batch: int, deadline: float, reused: bool) -> None:
+    async def _transfer(
+        self,
+        ep,
+        address: str,
+        req: peer_pb2.FetchRequest,
+        sink: BatchSink,
+        batch: int,
+        deadline: float,
+        reused: bool,
+    ) -> None:
         io = self._pcfg.io_timeout_s
         control = control_buffer()  # chunk headers, one after another
         posted: list[Landing] = []  # batches whose payloads are on their way, oldest first
@@ -127,20 +144,19 @@ class UcxFetcher:
                 first = sink.check(hdr, batch)
                 sink.remote_done = hdr.done
                 if hdr.count:
-                    runs = None if packed(sink.block_bytes) else \
-                        check_runs(hdr.runs, hdr.count)
+                    runs = None if packed(sink.block_bytes) else check_runs(hdr.runs, hdr.count)
                     # _post owns the slots reserved ahead from here; unused, `finally` frees them
                     take = ahead.pop() if ahead else None
                     if not await self._post(ep, sink, posted, first, hdr, batch, runs, take):
                         abandoned = True  # payloads of this batch come with no receive posted
                         break
                 if len(posted) > self._pcfg.staging_sets - 2 and not await self._store_oldest(
-                        posted, sink, deadline, io):
+                    posted, sink, deadline, io
+                ):
                     break
                 if sink.remote_done:
                     break
-                raw = await within(recv_control(ep, control), deadline, io,
-                                   "chunk header")
+                raw = await within(recv_control(ep, control), deadline, io, "chunk header")
             while posted and await self._store_oldest(posted, sink, deadline, io):
                 pass
             if sink.remote_done and not posted and not abandoned:
@@ -152,8 +168,9 @@ class UcxFetcher:
         except (PeerTransportError, PeerRefused, _StaleConnection):
             raise
         except Exception as exc:  # ucxx errors: reset by peer, truncation, closed endpoint
-            raise PeerTransportError(f"UCX transfer from {address}: {type(exc).__name__}: "
-                                     f"{exc}") from exc
+            raise PeerTransportError(
+                f"UCX transfer from {address}: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             for res in ahead:  # no header came to take them: nothing wrote into them
                 self._store.abort(res)
@@ -167,18 +184,29 @@ class UcxFetcher:
         this peer (it waits for that on it); a connection whose acknowledgement fails is
         dropped."""
         try:
-            await within(ep.send(np.frombuffer(ACK, dtype=np.uint8)),
-                         time.monotonic() + self._pcfg.io_timeout_s, self._pcfg.io_timeout_s,
-                         "acknowledgement")
+            await within(
+                ep.send(np.frombuffer(ACK, dtype=np.uint8)),
+                time.monotonic() + self._pcfg.io_timeout_s,
+                self._pcfg.io_timeout_s,
+                "acknowledgement",
+            )
         except Exception as exc:
             log.debug("acknowledging to %s failed (%s); dropping the connection", address, exc)
             ep.abort()
             return
         self._checkin(address, ep)
 
-    async def _post(self, ep, sink: BatchSink, posted: list[Landing], first: int,
-                    hdr: peer_pb2.FetchChunk, batch: int, runs: list[int] | None,
-                    ahead: Reservation | None) -> bool:
+    async def _post(
+        self,
+        ep,
+        sink: BatchSink,
+        posted: list[Landing],
+        first: int,
+        hdr: peer_pb2.FetchChunk,
+        batch: int,
+        runs: list[int] | None,
+        ahead: Reservation | None,
+    ) -> bool:
         """Reserve the batch's destination (or take `ahead`, slots reserved for it before its
         header came) and post its receives, one per message of `runs` (large blocks); False
         (the sink knows why) when not one block of it can be stored here."""
@@ -205,17 +233,19 @@ class UcxFetcher:
             size = sink.block_bytes
             ld.digests, i, slots = [], 0, ld.res.views
             for recv, msg in zip(recvs, ld.msgs):
-                views = slots[i:i + msg.nbytes // size]
+                views = slots[i : i + msg.nbytes // size]
                 if not views:
                     break
-                ld.digests.append(asyncio.ensure_future(
-                    _digest_landed(recv, views, self._store.pool.digests)))
+                ld.digests.append(
+                    asyncio.ensure_future(_digest_landed(recv, views, self._store.pool.digests))
+                )
                 i += len(views)
         posted.append(ld)
         return True
 
-    async def _store_oldest(self, posted: list[Landing], sink: BatchSink, deadline: float,
-                            io: float) -> bool:
+    async def _store_oldest(
+        self, posted: list[Landing], sink: BatchSink, deadline: float, io: float
+    ) -> bool:
         """Wait for the oldest posted batch to land, then hand it to the sink."""
         ld = posted[0]
         results = await within(asyncio.shield(ld.recvs), deadline, io, f"{ld.count} payloads")
@@ -240,8 +270,11 @@ class UcxFetcher:
                     self._store.abort(ld.res)
                 self._give_back(ld)
             else:
-                log.error("a UCX receive did not complete after abort: %d slots stay reserved "
-                          "until it does", len(ld.res) if ld.res is not None else 0)
+                log.error(
+                    "a UCX receive did not complete after abort: %d slots stay reserved "
+                    "until it does",
+                    len(ld.res) if ld.res is not None else 0,
+                )
                 if ld.res is not None:
                     res = ld.res
                     ld.recvs.add_done_callback(lambda _f, res=res: self._store.abort(res))
@@ -259,13 +292,18 @@ class UcxFetcher:
             if not is_ip(host):
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port)
                 host = infos[0][4][0]
-            return await within(connect_endpoint(self._ucx, host, port, timeout), deadline,
-                                timeout, f"UCX connect to {address}")
+            return await within(
+                connect_endpoint(self._ucx, host, port, timeout),
+                deadline,
+                timeout,
+                f"UCX connect to {address}",
+            )
         except PeerTransportError:
             raise
         except Exception as exc:
-            raise PeerTransportError(f"UCX connect to {address}: {type(exc).__name__}: "
-                                     f"{exc}") from exc
+            raise PeerTransportError(
+                f"UCX connect to {address}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _reserve_ahead(self, sink: BatchSink, count: int) -> Reservation | None:
         """Slots for the next `count` blocks, reserved while the request is on its way so
@@ -282,9 +320,17 @@ class UcxFetcher:
         except errors.KvError:
             return None
 
-    def _destination(self, sink: BatchSink, first: int, count: int, checksums: list[int],
-                     after: Reservation | None, batch: int, runs: list[int] | None,
-                     ahead: Reservation | None = None) -> Landing:
+    def _destination(
+        self,
+        sink: BatchSink,
+        first: int,
+        count: int,
+        checksums: list[int],
+        after: Reservation | None,
+        batch: int,
+        runs: list[int] | None,
+        ahead: Reservation | None = None,
+    ) -> Landing:
         """Reserve pool slots for blocks first..first+count (a Landing with no slots when
         the store cannot take them in place; `reason` of a short reservation stops the
         transfer after this batch), or take `ahead` (_reserve_ahead) for them. `runs`:
@@ -301,8 +347,9 @@ class UcxFetcher:
             res = sink.reserve(first, count, after)
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
             scratch = self._staging.take(batch, size)
-            return Landing(first, count, checksums, res, scratch,
-                           [contiguous(scratch, count)], pack=True)
+            return Landing(
+                first, count, checksums, res, scratch, [contiguous(scratch, count)], pack=True
+            )
         left = count - (len(res) if res is not None else 0)
         scratch = self._staging.take(left, size) if left else []
         msgs = spans((res.views if res is not None else []) + scratch, runs, size)
@@ -312,16 +359,16 @@ class UcxFetcher:
             self._staging.give(scratch)
         scratch = self._staging.take(batch, size)  # a set is contiguous
         self._counters.add("peer_blocks_staged", count)
-        return Landing(first, count, checksums, res, scratch,
-                       spans(scratch[:count], runs, size), pack=True)
+        return Landing(
+            first, count, checksums, res, scratch, spans(scratch[:count], runs, size), pack=True
+        )
 
 
 class _StaleConnection(Exception):
     """A kept connection failed before the peer answered: retry on a fresh one."""
 
 
-async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float,
-               meanwhile=None):
+async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float, meanwhile=None):
     """Send the request and receive the first chunk header, the receive posted without
     waiting for the sends to complete (one completion wait less); a failed send ends
     the wait at once. `meanwhile()` runs once both are posted, while the peer works."""
@@ -331,8 +378,12 @@ async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: flo
         if meanwhile is not None:
             await asyncio.sleep(0)  # the send and the receive reach UCX first
             meanwhile()
-        await within(asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
-                     deadline, io, "first chunk header")
+        await within(
+            asyncio.wait({sending, answer}, return_when=asyncio.FIRST_EXCEPTION),
+            deadline,
+            io,
+            "first chunk header",
+        )
         if sending.done() and sending.exception() is not None:
             raise sending.exception()
         return answer.result()

@@ -1,6 +1,7 @@
 """The serving side of the UCX transport: one connection of a fetching agent, its
 FetchRequests answered one after another from the BlockSource. The protocol:
 node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,14 @@ class UcxServer:
     the gRPC edge, so the token the fetching agent forwards is checked here (`tokens`).
     `borrow`: payloads are sent straight from pool slots (UcxTransport.in_place)."""
 
-    def __init__(self, source: BlockSource, tokens: TokenTable, pcfg: PeerConfig,
-                 counters: Counters, borrow: bool) -> None:
+    def __init__(
+        self,
+        source: BlockSource,
+        tokens: TokenTable,
+        pcfg: PeerConfig,
+        counters: Counters,
+        borrow: bool,
+    ) -> None:
         self._source = source
         self._tokens = tokens
         self._pcfg = pcfg
@@ -62,8 +69,12 @@ class UcxServer:
         try:
             while True:
                 try:
-                    raw = await within(recv_control(ep, control), far,
-                                       self._pcfg.idle_endpoint_s if served else io, "request")
+                    raw = await within(
+                        recv_control(ep, control),
+                        far,
+                        self._pcfg.idle_endpoint_s if served else io,
+                        "request",
+                    )
                 except Exception as exc:
                     if served:  # the fetcher closed its end between requests: normal
                         log.debug("UCX peer connection ends after %d requests", served)
@@ -74,8 +85,9 @@ class UcxServer:
                 await within(ep.recv(ack), far, io, "acknowledgement")
                 served += 1
         except Exception as exc:  # the fetching side turns this into a miss or a fallback
-            log.warning("UCX peer transfer (serving side) ended early: %s: %s",
-                        type(exc).__name__, exc)
+            log.warning(
+                "UCX peer transfer (serving side) ended early: %s: %s", type(exc).__name__, exc
+            )
         finally:
             self._serving.discard(ep)
             ep.abort()
@@ -87,8 +99,9 @@ class UcxServer:
             src = await self._source.request(req, tenant)
         except errors.KvError as exc:
             err = peer_pb2.FetchChunk(done=True, error=str(exc), error_code=exc.code)
-            await within(post_control(ep, err.SerializeToString()), far,
-                         self._pcfg.io_timeout_s, "refusal")
+            await within(
+                post_control(ep, err.SerializeToString()), far, self._pcfg.io_timeout_s, "refusal"
+            )
             return
         async with self._source.slots:
             await self._send_batches(ep, src)
@@ -125,18 +138,23 @@ class UcxServer:
     def _announce(self, ep, rb: ReadBatch, size: int, pack: bool) -> list[asyncio.Future]:
         """Post the header of `rb` and its payloads (packed: the batch as one message;
         else one per run of blocks back to back in memory); the sends' futures."""
-        hdr = peer_pb2.FetchChunk(first_index=rb.first, count=len(rb.served),
-                                  checksums=[s.checksum for s in rb.served], done=rb.last)
+        hdr = peer_pb2.FetchChunk(
+            first_index=rb.first,
+            count=len(rb.served),
+            checksums=[s.checksum for s in rb.served],
+            done=rb.last,
+        )
         payloads = []
         if rb.served and pack:
-            payloads = [rb.bufs[0][:len(rb.served) * size]]
+            payloads = [rb.bufs[0][: len(rb.served) * size]]
         elif rb.served:
-            views = rb.bufs[:len(rb.served)]
+            views = rb.bufs[: len(rb.served)]
             hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
             payloads = spans(views, hdr.runs, size)
         self._counters.add("peer_payload_messages", len(payloads))
-        return [post_control(ep, hdr.SerializeToString())] + \
-            [asyncio.ensure_future(ep.send(p)) for p in payloads]
+        return [post_control(ep, hdr.SerializeToString())] + [
+            asyncio.ensure_future(ep.send(p)) for p in payloads
+        ]
 
     async def _sent(self, inflight: list, far: float, io: float) -> None:
         fut, rb = inflight[0]

@@ -1,6 +1,7 @@
 """Transport "ucx": this agent's UCX listener (serving its blocks, UcxServer) and the
 fetcher that pulls from other agents' listeners (UcxFetcher), brought up together at
 start. The protocol: node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import logging
@@ -28,9 +29,16 @@ class UcxTransport:
 
     name = "ucx"
 
-    def __init__(self, store: BlockStore, source: BlockSource, staging: StagingPool,
-                 tokens: TokenTable, pcfg: PeerConfig, counters: Counters,
-                 port: int) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        source: BlockSource,
+        staging: StagingPool,
+        tokens: TokenTable,
+        pcfg: PeerConfig,
+        counters: Counters,
+        port: int,
+    ) -> None:
         self._store = store
         self._source = source
         self._staging = staging
@@ -53,33 +61,45 @@ class UcxTransport:
         try:
             ucx = init_ucx(self._pcfg.shared_memory)
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
-            server = UcxServer(self._source, self._tokens, self._pcfg, self._counters,
-                               borrow=self.in_place)
-            listener = ucx.create_listener(server.handle, port=self._port,
-                                           endpoint_error_handling=True)
+            server = UcxServer(
+                self._source, self._tokens, self._pcfg, self._counters, borrow=self.in_place
+            )
+            listener = ucx.create_listener(
+                server.handle, port=self._port, endpoint_error_handling=True
+            )
         except Exception as exc:  # import failure, no transport, port taken
-            log.error("UCX unavailable (%s: %s): peers use the gRPC fallback",
-                      type(exc).__name__, exc)
+            log.error(
+                "UCX unavailable (%s: %s): peers use the gRPC fallback", type(exc).__name__, exc
+            )
             return
         self._ucx, self._server, self._listener = ucx, server, listener
-        self._fetcher = UcxFetcher(ucx, self._store, self._staging, self._pcfg,
-                                   self._counters, self.in_place)
+        self._fetcher = UcxFetcher(
+            ucx, self._store, self._staging, self._pcfg, self._counters, self.in_place
+        )
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         self.address = f"{host}:{listener.port}"
         log.info("UCX peer listener on %s (ucx %s)", self.address, ucx.__ucx_version__)
         if self._store.pool.is_cuda:
             why = self._store.pool.why_not_in_place or (
-                "UCX has no CUDA support" if self._pcfg.in_place else "peer.in_place is off")
-            log.info("GPU pool: peer payloads %s", "move straight from and into GPU memory "
-                     "(UCX registers it; verified there by the device hash)"
-                     if self.in_place else f"are staged in host memory ({why})")
+                "UCX has no CUDA support" if self._pcfg.in_place else "peer.in_place is off"
+            )
+            log.info(
+                "GPU pool: peer payloads %s",
+                "move straight from and into GPU memory "
+                "(UCX registers it; verified there by the device hash)"
+                if self.in_place
+                else f"are staged in host memory ({why})",
+            )
 
     def _decide_in_place(self, ucx_cuda: bool) -> bool:
         """Whether payloads move straight between pool slots: configured so, and the pool
         verifies in place; a GPU pool also needs a UCX that moves CUDA memory."""
-        return self._pcfg.in_place and self._store.supports_in_place and \
-            (ucx_cuda or not self._store.pool.is_cuda)
+        return (
+            self._pcfg.in_place
+            and self._store.supports_in_place
+            and (ucx_cuda or not self._store.pool.is_cuda)
+        )
 
     def address_of(self, peer: PeerRef) -> str:
         return peer.ucx_address if self._fetcher is not None else ""
@@ -87,8 +107,15 @@ class UcxTransport:
     def chunk_blocks(self, block_bytes: int, batch: int) -> int:
         return batch
 
-    async def fetch(self, address: str, req: peer_pb2.FetchRequest, sink: BatchSink,
-                    batch: int, deadline: float, authorization: str) -> None:
+    async def fetch(
+        self,
+        address: str,
+        req: peer_pb2.FetchRequest,
+        sink: BatchSink,
+        batch: int,
+        deadline: float,
+        authorization: str,
+    ) -> None:
         """The caller's token travels in the request: the peer's UcxServer checks it."""
         if self._fetcher is None:  # address_of gave no address: not called
             raise PeerTransportError("UCX is not up on this agent")

@@ -1,5 +1,6 @@
 """The UCX wire: control-message framing, the layout of a chunk's payload messages, and
 bringing ucxx up (init, connect). The protocol: node_agent/peer/__init__.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,9 @@ def check_runs(runs, count: int) -> list[int]:
         return [1] * count
     runs = list(runs)
     if min(runs) < 1 or sum(runs) != count:
-        raise PeerTransportError(f"malformed chunk from peer: runs {runs[:8]} do not split "
-                                 f"{count} blocks")
+        raise PeerTransportError(
+            f"malformed chunk from peer: runs {runs[:8]} do not split {count} blocks"
+        )
     return runs
 
 
@@ -68,9 +70,10 @@ async def recv_control(ep, buf: np.ndarray) -> bytes:
     await ep.recv(buf)
     n = int.from_bytes(buf[:4].tobytes(), "little")
     if n > buf.nbytes - 4:
-        raise PeerTransportError(f"peer sent a control message claiming {n} bytes (limit "
-                                 f"{MAX_CONTROL_BYTES})")
-    return buf[4:4 + n].tobytes()
+        raise PeerTransportError(
+            f"peer sent a control message claiming {n} bytes (limit {MAX_CONTROL_BYTES})"
+        )
+    return buf[4 : 4 + n].tobytes()
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -111,10 +114,14 @@ def init_ucx(shared_memory: bool = True):
     os.environ.setdefault("UCX_MM_ERROR_HANDLING", flag)
     os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", flag)
     import ucxx
+
     try:
-        ucxx.init(options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
-                  env_takes_precedence=True, progress_mode="thread",
-                  enable_python_future=True)
+        ucxx.init(
+            options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+            env_takes_precedence=True,
+            progress_mode="thread",
+            enable_python_future=True,
+        )
     except RuntimeError:
         pass  # already initialised in this process
     return ucxx
@@ -139,15 +146,18 @@ async def connect_endpoint(ucx, host: str, port: int, timeout: float):
         from ucxx._lib_async.endpoint import Endpoint
         from ucxx._lib_async.exchange_peer_info import exchange_peer_info
         from ucxx._lib_async.utils import hash64bits
+
         ctx = ucx.core._get_ctx()
     except (ImportError, AttributeError):
-        return await ucx.create_endpoint(host, port, endpoint_error_handling=True,
-                                         connect_timeout=timeout)
+        return await ucx.create_endpoint(
+            host, port, endpoint_error_handling=True, connect_timeout=timeout
+        )
     ctx.continuous_ucx_progress()
     raw = api.UCXEndpoint.create(ctx.worker, host, port, True)
     msg_tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
-    task = asyncio.ensure_future(exchange_peer_info(endpoint=raw, msg_tag=msg_tag,
-                                                    listener=False, connect_timeout=timeout))
+    task = asyncio.ensure_future(
+        exchange_peer_info(endpoint=raw, msg_tag=msg_tag, listener=False, connect_timeout=timeout)
+    )
     try:
         while not (await asyncio.wait({task}, timeout=0.01))[0]:
             raw.raise_on_error()
@@ -156,5 +166,4 @@ async def connect_endpoint(ucx, host: str, port: int, timeout: float):
         task.cancel()
         raw.close_blocking(period=10**9, max_attempts=1)
         raise
-    return Endpoint(endpoint=raw, ctx=ctx, tags={"msg_send": info["msg_tag"],
-                                                 "msg_recv": msg_tag})
+    return Endpoint(endpoint=raw, ctx=ctx, tags={"msg_send": info["msg_tag"], "msg_recv": msg_tag})
