@@ -10,7 +10,7 @@ import os
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.process import bind_port, run_until_signalled
+from kvstore.process import StartupError, bind_port, run_until_signalled
 from kvstore.accounting import TenantAccounts
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
@@ -38,7 +38,14 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
     without the tier (a restart once there is space brings it back)."""
     if not cfg.nvme_bytes:
         return None
-    os.makedirs(cfg.data_dir, exist_ok=True)
+    try:
+        os.makedirs(cfg.data_dir, exist_ok=True)
+    except OSError as exc:  # e.g. a read-only root filesystem with no volume mounted
+        raise StartupError(
+            f"data_dir {cfg.data_dir} cannot be created ({exc.strerror}): mount a writable "
+            "volume there (in a container: a volume on /var/lib/kvstore), or set "
+            "nvme_bytes: 0 to run without the NVMe tier"
+        ) from exc
     try:
         return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
     except TierCorrupt as exc:

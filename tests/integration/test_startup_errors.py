@@ -3,7 +3,10 @@ the operator to decode (docs/runbook.md, 'A node agent that will not start')."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+
+import pytest
 
 from support.common import PY, ROOT
 
@@ -48,3 +51,28 @@ def test_agent_with_a_bad_size_exits_2_naming_the_field():
     r = _run("-m", "node_agent", "--pool-bytes", "12XB")
     assert r.returncode == 2
     assert "pool_bytes: invalid size unit 'XB'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private read-only mount")
+def test_agent_on_a_read_only_filesystem_names_its_data_dir(tmp_path):
+    """What a container with a read-only root and no volume on /var/lib/kvstore sees."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    agent = (
+        f"{PY} -m node_agent --listen 127.0.0.1:0 --device cpu --pool-bytes 4MiB "
+        f"--slot-bytes 64KiB --data-dir {ro}/agent-0 --allow-unauthenticated"
+    )
+    script = f"mount -t tmpfs -o ro tmpfs {ro} && exec {agent}"
+    r = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert (
+        f"kvstore-agent: cannot start: data_dir {ro}/agent-0 cannot be created "
+        "(Read-only file system): mount a writable volume there" in r.stderr
+    )
+    assert "Traceback" not in r.stderr
