@@ -109,6 +109,10 @@ class EvictionMixin:
             self._remove(m)
             self.events.append(EventKind.REMOVED, m.ns.ns_id, (m.block_id,))
             return True
+        if not m.on_nvme:
+            self._persist_ancestors(m)
+            if m.ns.blocks.get(m.block_id) is not m:
+                return True  # an ancestor was found corrupt: m went with it
         if not m.on_nvme and not self._write_nvme(m):
             if m.ns.blocks.get(m.block_id) is not m:
                 return True  # found corrupt and dropped
@@ -121,6 +125,27 @@ class EvictionMixin:
         self.counters["demotions"] += 1
         self.events.append(EventKind.TIER_CHANGED, m.ns.ns_id, (m.block_id,), tier=Tier.NVME)
         return True
+
+    def _persist_ancestors(self, m: BlockMeta) -> None:
+        """Give m's ancestors held only in the pool an NVMe copy too (they stay in the pool):
+        recovery keeps a block only with its whole prefix, so without them a crash would
+        orphan every block spilled below a chain head that lived in the pool. Best effort,
+        root first; each ancestor is written once (later spills find it on NVMe)."""
+        chain = []
+        p = m.ns.blocks.get(m.parent_id) if m.depth else None
+        while p is not None and not p.on_nvme and p.slot >= 0:
+            chain.append(p)
+            p = p.ns.blocks.get(p.parent_id) if p.depth else None
+        for b in chain:
+            b.readers += 1  # neither demoted nor dropped from NVMe while its chain is written
+        try:
+            for b in reversed(chain):
+                if b.ns.blocks.get(b.block_id) is not b or not self._write_nvme(b):
+                    break
+                self.counters["nvme_prefix_copies"] += 1
+        finally:
+            for b in chain:
+                self._done_reading(b)
 
     def _write_nvme(self, m: BlockMeta) -> bool:
         """Spill `m` to NVMe; False when it could not (full, failing, or found corrupt)."""

@@ -71,22 +71,23 @@ def test_bytes_per_tier_follow_every_move(make_store):
 
     b_ids, b_items = prompt(BETA, 2, 2)
     put(store, BETA, b_items)  # one acme leaf is demoted to make room
-    assert usage(store, "acme") == (2, 2, 1, 1)
+    # ... after its two ancestors got NVMe copies (a crash must not orphan it)
+    assert usage(store, "acme") == (2, 2, 3, 3)
     assert usage(store, "beta") == (2, 2, 0, 0)
 
     assert len(get(store, ACME, a_ids)) == 3  # promotion: a beta leaf is demoted
-    assert usage(store, "acme") == (3, 3, 1, 1)  # the promoted block keeps its NVMe copy
-    assert usage(store, "beta") == (1, 1, 1, 1)
+    assert usage(store, "acme") == (3, 3, 3, 3)  # the promoted block keeps its NVMe copy
+    assert usage(store, "beta") == (1, 1, 2, 2)
 
     assert store.set_generation(BETA.namespace_id, 1) == 2  # flush
     assert usage(store, "beta") == (0, 0, 0, 0)
-    assert usage(store, "acme") == (3, 3, 1, 1)
+    assert usage(store, "acme") == (3, 3, 3, 3)
 
     # Corruption found on a read removes the block and its descendants from both tiers.
     st = store.namespace(ACME.namespace_id, 0)
     store.pool.raw_view(st.blocks[a_ids[1]].slot)[0] ^= 1
     assert len(get(store, ACME, a_ids)) == 1
-    assert usage(store, "acme") == (1, 1, 0, 0)
+    assert usage(store, "acme") == (1, 1, 1, 1)
     assert store.set_generation(ACME.namespace_id, 1) == 1
     assert usage(store, "acme") == (0, 0, 0, 0)
     assert store.pool.free_slots == 4 and store.nvme_used == 0

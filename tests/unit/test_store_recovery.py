@@ -32,8 +32,8 @@ def test_restart_recovery(make_store, tmp_path):
 
 
 def test_persist_pool_before_restart_keeps_whole_chains(make_store, tmp_path):
-    """Spilled tails survive a restart only together with their heads, which sit in the
-    pool: a clean stop writes the heads to NVMe first."""
+    """Spilled tails survive a restart only together with their heads: the heads got an
+    NVMe copy when their tails spilled, and a clean stop writes the rest of the pool."""
     path = tmp_path / "db"
     store = make_store(n_slots=4, path=path)
     store.open_namespace(SPEC)
@@ -41,7 +41,8 @@ def test_persist_pool_before_restart_keeps_whole_chains(make_store, tmp_path):
     put(store, items)
     put(store, prompt(2, 2)[1])  # spills the tail ids[2:], the head stays in the pool
     assert lookup(store, ids) == (4, 2, 2)
-    assert store.persist_pool(deadline_s=10) == 4  # ids[:2] and the second prompt
+    assert store.counters["nvme_prefix_copies"] == 3  # ids[:3], copied when ids[3] spilled
+    assert store.persist_pool(deadline_s=10) == 2  # the second prompt
     assert store.persist_pool() == 0  # everything is on NVMe now
     check_invariants(store)
     store.rocks.close()
@@ -51,14 +52,34 @@ def test_persist_pool_before_restart_keeps_whole_chains(make_store, tmp_path):
     assert data == [it.data for it in items]
 
 
-def test_restart_without_heads_drops_orphaned_tails(make_store, tmp_path):
+def test_a_spilled_tail_survives_a_restart_without_persist_pool(make_store, tmp_path):
+    """What a kill -9 leaves: no clean stop wrote the pool. The tail's heads were copied to
+    NVMe when the tail spilled, so recovery keeps the whole chain."""
+    path = tmp_path / "db"
+    store = make_store(n_slots=4, path=path)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 4)
+    put(store, items)
+    put(store, prompt(2, 2)[1])  # spills the tail ids[2:]; the head stays in the pool
+    assert lookup(store, ids) == (4, 2, 2)
+    check_invariants(store)
+    store.rocks.close()  # no persist_pool: only what was spilled is on NVMe
+    again = make_store(n_slots=4, path=path)
+    assert again.recover() == {"recovered": 4, "dropped": 0}
+    assert lookup(again, ids) == (4, 0, 4)
+    assert get(again, ids)[1] == [it.data for it in items]
+    check_invariants(again)
+
+
+def test_restart_drops_records_whose_heads_are_gone(make_store, tmp_path):
     path = tmp_path / "db"
     store = make_store(n_slots=4, path=path)
     store.open_namespace(SPEC)
     ids, items = prompt(1, 4)
     put(store, items)
     put(store, prompt(2, 2)[1])
-    store.rocks.close()  # no persist_pool: the heads die with the pool (a crash)
+    store.rocks.delete_batch([SPEC.namespace_id + i for i in ids[:2]])  # heads lost
+    store.rocks.close()
     again = make_store(n_slots=4, path=path)
     assert again.recover() == {"recovered": 0, "dropped": 2}
     assert lookup(again, ids)[0] == 0
@@ -121,10 +142,11 @@ def test_corrupt_block_found_on_demotion_drops_its_subtree(make_store):
     st = store.open_namespace(SPEC)
     ids, items = prompt(1, 2)
     put(store, items)
-    put(store, prompt(2, 1)[1])  # ids[1] spills; ids[0] stays in the pool with a child
     store.pool.raw_view(st.blocks[ids[0]].slot)[9] ^= 0x10
     store.events.drain()
-    put(store, prompt(3, 1)[1])  # ids[0] is the next victim: found corrupt, not spilled
+    # ids[1] spills; its head ids[0] is copied to NVMe first: found corrupt, not spilled,
+    # and it goes with its subtree
+    put(store, prompt(2, 1)[1])
     assert lookup(store, ids)[0] == 0
     assert store.rocks.get(SPEC.namespace_id + ids[0]) is None
     assert store.rocks.get(SPEC.namespace_id + ids[1]) is None
