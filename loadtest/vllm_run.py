@@ -1,0 +1,113 @@
+"""Run vLLM (CPU, offline) on a plan of engines and prompts; print one JSON line per event.
+
+Runs in the vLLM venv (`make vllm-env`), never inside pytest: vLLM changes torch's thread
+count and binds OpenMP threads. Engines run one after another in this one process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor), so several cost one start-up.
+
+    .venv-vllm/bin/python -m loadtest.vllm_run plan.json
+
+plan.json: {"model": DIR, "tiny": {write_tiny_llama arguments} | absent, "block_size": 32, "engines": [{"kvstore": {extra config} | null,
+"prefix_caching": false, "batches": [[{"prompt": [ids], "salt": s|null, "max_tokens": n},
+...] | {"wait": NAME}, ...]}, ...]}. A batch is generated greedily in one `generate` call;
+{"wait": NAME} prints {"event": "wait", "name": NAME} and blocks until a line arrives on
+stdin (the driver kills or freezes the agent meanwhile). Each batch prints
+{"event": "batch", "engine": i, "outputs": [{"tokens": [...], "cached": n}, ...]}; after an
+engine's batches its queued kvstore saves are drained before the next engine starts.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
+       "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def emit(event: dict) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def make_engine(plan: dict, spec: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if spec.get("kvstore") is not None:
+        kv = KVTransferConfig(kv_connector="KVStoreConnector",
+                              kv_connector_module_path="kvstore.integrations.vllm",
+                              kv_role="kv_both", kv_connector_extra_config=spec["kvstore"])
+    return LLM(model=plan["model"], dtype=plan.get("dtype", "float32"),
+               block_size=plan.get("block_size", 32), enforce_eager=True,
+               distributed_executor_backend="uni", max_model_len=plan.get("max_len", 2048),
+               enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+               kv_transfer_config=kv, seed=0)
+
+
+def run_batch(llm, batch: list[dict]) -> list[dict]:
+    from vllm import SamplingParams
+
+    prompts, params = [], []
+    for r in batch:
+        p = {"prompt_token_ids": list(r["prompt"])}
+        if r.get("salt"):
+            p["cache_salt"] = r["salt"]
+        prompts.append(p)
+        params.append(SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8),
+                                     ignore_eos=True))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)}
+            for o in outs]
+
+
+def drain_and_close(llm) -> None:
+    from vllm.distributed import kv_transfer
+
+    if kv_transfer.has_kv_transfer_group():
+        conn = kv_transfer.get_kv_transfer_group()
+        if hasattr(conn, "drain_saves"):
+            conn.drain_saves()
+    # The connector is a process-wide singleton: a next engine must build its own.
+    kv_transfer.ensure_kv_transfer_shutdown()
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None and hasattr(engine, "engine_core"):
+        try:
+            engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort between engines
+            pass
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import (destroy_distributed_environment,
+                                                 destroy_model_parallel)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def main() -> None:
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    plan = json.loads(open(sys.argv[1]).read())
+    if plan.get("tiny") is not None:  # build the model first (kept when already there)
+        from loadtest.vllm_model import write_tiny_llama
+        write_tiny_llama(plan["model"], **plan["tiny"])
+    for i, spec in enumerate(plan["engines"]):
+        t0 = time.monotonic()
+        llm = make_engine(plan, spec)
+        emit({"event": "engine", "engine": i, "start_s": round(time.monotonic() - t0, 2)})
+        for batch in spec["batches"]:
+            if isinstance(batch, dict):
+                emit({"event": "wait", "name": batch["wait"]})
+                sys.stdin.readline()
+                continue
+            emit({"event": "batch", "engine": i, "outputs": run_batch(llm, batch)})
+        drain_and_close(llm)
+    emit({"event": "done"})
+
+
+if __name__ == "__main__":
+    main()

