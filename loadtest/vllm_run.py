@@ -6,13 +6,16 @@ count and binds OpenMP threads. Engines run one after another in this one proces
 
     .venv-vllm/bin/python -m loadtest.vllm_run plan.json
 
-plan.json: {"model": DIR, "tiny": {write_tiny_llama arguments} | absent, "block_size": 32, "engines": [{"kvstore": {extra config} | null,
-"prefix_caching": false, "batches": [[{"prompt": [ids], "salt": s|null, "max_tokens": n},
-...] | {"wait": NAME}, ...]}, ...]}. A batch is generated greedily in one `generate` call;
-{"wait": NAME} prints {"event": "wait", "name": NAME} and blocks until a line arrives on
-stdin (the driver kills or freezes the agent meanwhile). Each batch prints
-{"event": "batch", "engine": i, "outputs": [{"tokens": [...], "cached": n}, ...]}; after an
-engine's batches its queued kvstore saves are drained before the next engine starts.
+plan.json: {"model": DIR, "tiny": {write_tiny_llama arguments} (optional),
+"block_size": 32, "engines": [{"kvstore": {extra config} | null, "prefix_caching": false,
+"batches": [STEP, ...]}, ...]}. A STEP is one of:
+- a batch, [{"prompt": [ids], "salt": s | null, "max_tokens": n}, ...], generated greedily
+  in one `generate` call; prints {"event": "batch", "engine": i, "outputs": [{"tokens":
+  [...], "cached": n}, ...]};
+- {"drain": true}: wait until the connector's queued saves reached the agent;
+- {"wait": NAME}: print {"event": "wait", "name": NAME} and block until a line arrives on
+  stdin (the driver kills the agent or flips the kill switch meanwhile).
+After an engine's steps its queued saves are drained before the next engine starts.
 """
 from __future__ import annotations
 
@@ -65,13 +68,20 @@ def run_batch(llm, batch: list[dict]) -> list[dict]:
             for o in outs]
 
 
-def drain_and_close(llm) -> None:
+def drain_saves() -> None:
+    """Wait until the kvstore connector's queued saves reached the agent."""
     from vllm.distributed import kv_transfer
 
     if kv_transfer.has_kv_transfer_group():
         conn = kv_transfer.get_kv_transfer_group()
         if hasattr(conn, "drain_saves"):
             conn.drain_saves()
+
+
+def drain_and_close(llm) -> None:
+    from vllm.distributed import kv_transfer
+
+    drain_saves()
     # The connector is a process-wide singleton: a next engine must build its own.
     kv_transfer.ensure_kv_transfer_shutdown()
     engine = getattr(llm, "llm_engine", None)
@@ -100,6 +110,9 @@ def main() -> None:
         llm = make_engine(plan, spec)
         emit({"event": "engine", "engine": i, "start_s": round(time.monotonic() - t0, 2)})
         for batch in spec["batches"]:
+            if isinstance(batch, dict) and batch.get("drain"):
+                drain_saves()
+                continue
             if isinstance(batch, dict):
                 emit({"event": "wait", "name": batch["wait"]})
                 sys.stdin.readline()

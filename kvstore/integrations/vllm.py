@@ -132,10 +132,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs = self._block_size
         tokens = list(request.prompt_token_ids or [])
         salt = getattr(request, "cache_salt", None)
-        ids = self._link.block_ids(tokens, salt) or []
         # At least one token is computed: the engine needs its logits.
-        usable = ids[: (len(tokens) - 1) // bs]
-        matched = self._link.matched(usable, salt) if usable else 0
+        ids, matched = self._link.prefix(tokens, (len(tokens) - 1) // bs, salt)
         self._reqs[request.request_id] = _ReqState(salt, ids, len(tokens), matched)
         external = matched * bs - num_computed_tokens
         if external <= 0:
@@ -158,10 +156,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVStoreMetadata()
-        for st in self._reqs.values():
-            if st.pending_load is not None:
-                meta.loads.append(st.pending_load)
-                st.pending_load = None
+        for pending in self._reqs.values():
+            if pending.pending_load is not None:
+                meta.loads.append(pending.pending_load)
+                pending.pending_load = None
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:

@@ -12,6 +12,8 @@ import threading
 import time
 from dataclasses import replace
 
+import torch
+
 from kvstore.client import KVClient, NamespaceHandle
 from kvstore.integrations.vllm_config import ConnectorSettings, salt_secret, salted
 from kvstore.namespace import Namespace
@@ -78,78 +80,84 @@ class AgentLink:
                 self._client = None
 
     # ------------------------------------------------------------------ calls
-    def block_ids(self, tokens: list[int], salt: str | None) -> list[bytes] | None:
-        """The chain ids of the full blocks of `tokens`; None when the agent is out."""
+    def _call(self, what: str, fn, default):
+        """`fn(client)` under the lock; `default` when the agent is out or the call fails.
+        A FAILED_PRECONDITION (e.g. the namespace was flushed: our generation is stale) is
+        retried once at once on reopened namespaces."""
         with self._lock:
-            client = self._connect()
-            if client is None:
-                return None
-            try:
-                return client.block_ids(self._handle(client, salt), tokens)
-            except Exception as exc:  # noqa: BLE001
-                self._mark_down(f"open namespace: {_why(exc)}")
-                return None
+            for attempt in (0, 1):
+                client = self._connect()
+                if client is None:
+                    return default
+                try:
+                    return fn(client)
+                except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
+                    if attempt == 0 and _code(exc) == "FAILED_PRECONDITION":
+                        log.info("kvstore %s: %s: %s; reopening the namespace", self.role,
+                                 what, _why(exc))
+                        self._handles.clear()
+                        continue
+                    self._mark_down(f"{what}: {_why(exc)}")
+                    return default
+            return default
 
-    def matched(self, ids: list[bytes], salt: str | None) -> int:
-        """How many leading blocks of `ids` the agent holds (0 on any failure)."""
-        if not ids:
-            return 0
-        with self._lock:
-            client = self._connect()
-            if client is None:
-                return 0
-            try:
-                return int(client.lookup(self._handle(client, salt), ids).matched)
-            except Exception as exc:  # noqa: BLE001
-                self._mark_down(f"lookup: {_why(exc)}")
-                return 0
+    def prefix(self, tokens: list[int], usable: int, salt: str | None
+               ) -> tuple[list[bytes], int]:
+        """The chain ids of the full blocks of `tokens` and how many of the first `usable`
+        the agent holds; ([], 0) when the agent is out. One call, so ids and answer come
+        from the same generation (a flush in between reopens and recomputes both)."""
+        def run(client: KVClient) -> tuple[list[bytes], int]:
+            ns = self._handle(client, salt)
+            ids = client.block_ids(ns, tokens)
+            head = ids[:usable]
+            return ids, int(client.lookup(ns, head).matched) if head else 0
+
+        return self._call("lookup", run, ([], 0))
 
     def load(self, ids: list[bytes], parent: bytes | None, salt: str | None, sink) -> int:
         """Get blocks `ids` (children of `parent`, the root when None) and hand each run to
         `sink(first, blocks)`, blocks a (n, *block shape) tensor valid during the call.
         Returns how many leading blocks were loaded: fewer than asked means the rest must be
-        recomputed (missing, failed verification, agent gone)."""
-        with self._lock:
-            client = self._connect()
-            if client is None:
-                return 0
-            done = 0
-            try:
-                ns = self._handle(client, salt)
-                cap = max(1, client.staging_capacity(ns))
-                while done < len(ids):
-                    chunk = ids[done: done + cap]
-                    par = parent if done == 0 else ids[done - 1]
-                    views = client.get_views(ns, chunk, par if par is not None else ns.root)
-                    if views:
-                        sink(done, torch_stack(views))
-                    done += len(views)
-                    if len(views) < len(chunk):
-                        break
-            except Exception as exc:  # noqa: BLE001
-                self._mark_down(f"get: {_why(exc)}")
+        recomputed (missing, failed verification, agent gone, kill switch)."""
+        progress = [0]
+
+        def run(client: KVClient) -> int:
+            ns = self._handle(client, salt)
+            cap = max(1, client.staging_capacity(ns))
+            done = progress[0] = 0
+            while done < len(ids):
+                chunk = ids[done: done + cap]
+                par = parent if done == 0 else ids[done - 1]
+                views = client.get_views(ns, chunk, ns.root if par is None else par)
+                if views:
+                    sink(done, torch.stack(views))
+                done = progress[0] = done + len(views)
+                if len(views) < len(chunk):
+                    break
             return done
 
+        got = self._call("get", run, None)
+        return progress[0] if got is None else got
+
     def save(self, ids: list[bytes], parent: bytes | None, salt: str | None,
-             blocks) -> int:
+             blocks: torch.Tensor) -> int:
         """Put blocks (a (n, *block shape) tensor); returns how many were newly stored."""
-        with self._lock:
-            client = self._connect()
-            if client is None:
-                return 0
-            try:
-                ns = self._handle(client, salt)
-                r = client.put(ns, ids, list(blocks.unbind(0)),
-                               parent if parent is not None else ns.root)
-                return int(r.stored)
-            except Exception as exc:  # noqa: BLE001
-                self._mark_down(f"put: {_why(exc)}")
-                return 0
+        def run(client: KVClient) -> int:
+            ns = self._handle(client, salt)
+            r = client.put(ns, ids, list(blocks.unbind(0)), ns.root if parent is None else parent)
+            return int(r.stored)
+
+        return self._call("put", run, 0)
 
 
-def torch_stack(views):
-    import torch
-    return torch.stack(views)
+def _code(exc: Exception) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        try:
+            return code().name
+        except Exception:  # noqa: BLE001
+            return ""
+    return ""
 
 
 def _why(exc: Exception) -> str:

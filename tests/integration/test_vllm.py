@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.control import agent_cfg, kvctl
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -74,9 +75,9 @@ def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
     return batches
 
 
-def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, spawn_agent):
+def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent):
     p = _prompts()
-    agent = spawn_agent(slot_bytes="64KiB", pool_bytes="16MiB")
+    agent = spawn_agent(**agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB"))
     extra = {"agent": agent.address, "tenant": "acme", "tenant_secret": SECRET, "shm_mib": 8}
 
     def req(name: str, salt: str | None = None) -> dict:
@@ -88,13 +89,21 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, spawn_agent):
                 {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
                 {"kvstore": extra, "batches": [
                     [req("A")], [req("B")], [req("C", "s2")], [req("C", "s1")], [req("C")],
+                    {"wait": "flush"}, [req("A")], {"drain": True}, [req("A")],
+                    {"wait": "killswitch-on"}, [req("A")], {"wait": "killswitch-off"},
                     {"wait": "kill-agent"}, [req("A"), req("D")]]},
             ]}
-    killed = []
+    waits = []
 
     def on_wait(name: str) -> None:
-        agent.kill()
-        killed.append(name)
+        waits.append(name)
+        if name == "kill-agent":
+            agent.kill()
+            return
+        argv = {"flush": ("flush", "acme/vllm"), "killswitch-on": ("killswitch", "on"),
+                "killswitch-off": ("killswitch", "off")}[name]
+        r = kvctl(*argv, etcd=etcd)
+        assert r.returncode == 0, (r.stdout, r.stderr)
 
     batches = _run_plan(tmp_path, plan, on_wait)
     ref = {k: o["tokens"] for k, o in zip("ABCD", batches[0]["outputs"])}
@@ -103,7 +112,8 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, spawn_agent):
     assert all(o["cached"] == 0 for o in first)  # nothing stored yet
 
     fresh = [b["outputs"] for b in batches[2:]]
-    (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_dead, d_dead) = fresh
+    (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_flushed,), (a_again,), (a_killswitch,), \
+        (a_dead, d_dead) = fresh
     # (a) a fresh engine loads the prefix the other engine stored: every full block but
     # the one holding the last prompt token, and the same greedy tokens as no connector.
     assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
@@ -113,8 +123,14 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, spawn_agent):
     assert c_s2 == {"tokens": ref["C"], "cached": 0}
     assert c_s1 == {"tokens": ref["C"], "cached": (150 - 1) // BLOCK * BLOCK}
     assert c_plain == {"tokens": ref["C"], "cached": 0}
+    # `kvctl flush` drops the namespace's blocks: recomputed, same tokens; the recomputed
+    # prompt is stored again under the new generation and served from there.
+    assert a_flushed == {"tokens": ref["A"], "cached": 0}
+    assert a_again == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
+    # The kill switch makes every lookup miss: recomputed, same tokens.
+    assert a_killswitch == {"tokens": ref["A"], "cached": 0}
     # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
-    assert killed == ["kill-agent"]
+    assert waits == ["flush", "killswitch-on", "killswitch-off", "kill-agent"]
     assert a_dead == {"tokens": ref["A"], "cached": 0}
     assert d_dead == {"tokens": ref["D"], "cached": 0}
     log = (tmp_path / "vllm.log").read_text()

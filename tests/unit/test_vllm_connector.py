@@ -1,0 +1,136 @@
+"""The vLLM connector's pure parts, without vLLM: settings, the namespace derived from an
+engine config (read by attribute, so a plain record stands in for vLLM's), cache_salt
+isolation, and the copies between vLLM's paged CPU cache and kvstore blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore.integrations.vllm_config import (ConnectorSettings, NamespaceRefused,
+                                              engine_namespace, salt_secret, salted)
+from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
+
+EXTRA = {"agent": "127.0.0.1:1", "tenant": "acme", "tenant_secret": "s3cret"}
+
+
+@dataclass
+class _Model:
+    model: str
+    tokenizer: str
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    dtype: torch.dtype = torch.float32
+    hf_config: object = field(default_factory=lambda: SimpleNamespace(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+    def get_num_layers(self, pc) -> int:
+        return 2
+
+    def get_num_kv_heads(self, pc) -> int:
+        return 2
+
+    def get_head_size(self) -> int:
+        return 32
+
+
+def _config(model: _Model, lora=None, cache_dtype="auto"):
+    return SimpleNamespace(
+        model_config=model, lora_config=lora,
+        cache_config=SimpleNamespace(block_size=32, cache_dtype=cache_dtype),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"))
+
+
+def _model_dir(tmp_path, weights: bytes):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(weights)
+    (d / "tokenizer.json").write_text("{}")
+    return str(d)
+
+
+def test_settings_name_what_is_missing(tmp_path):
+    with pytest.raises(NamespaceRefused, match="lacks agent, tenant, tenant_secret or "
+                                               "tenant_secret_file"):
+        ConnectorSettings.from_extra({})
+    secret = tmp_path / "secret"
+    secret.write_text("from-file\n")
+    s = ConnectorSettings.from_extra({"agent": "h:1", "tenant": "t",
+                                      "tenant_secret_file": str(secret), "shm_mib": 8})
+    assert (s.tenant_secret, s.shm_bytes, s.token) == ("from-file", 8 << 20, None)
+    with pytest.raises(NamespaceRefused, match="cannot read"):
+        ConnectorSettings.from_extra({**EXTRA, "tenant_secret": "",
+                                      "tenant_secret_file": str(tmp_path / "none")})
+
+
+def test_namespace_comes_from_the_engine_config(tmp_path):
+    settings = ConnectorSettings.from_extra(EXTRA)
+    path = _model_dir(tmp_path, b"weights-1")
+    ns = engine_namespace(_config(_Model(path, path)), settings, 0, "0.32.0")
+    assert (ns.tenant, ns.name, ns.model_name, ns.kv_dtype) == ("acme", "vllm", path, "float32")
+    assert (ns.num_layers, ns.num_kv_heads, ns.head_dim, ns.block_size) == (2, 2, 32, 32)
+    assert ns.attention_impl == "vllm-0.32.0-cpu" and ns.model_revision.startswith("local-")
+    # A local model without a revision is named by its content: new weights, new namespace.
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"weights-2")
+    other = engine_namespace(_config(_Model(path, path)), settings, 0, "0.32.0")
+    assert other.model_revision != ns.model_revision
+    assert other.tokenizer_revision == ns.tokenizer_revision
+    given = engine_namespace(_config(_Model(path, path, revision="abc")), settings, 0, "x")
+    assert given.model_revision == "abc"
+
+
+def test_namespace_refusals_say_why(tmp_path):
+    settings = ConnectorSettings.from_extra(EXTRA)
+    with pytest.raises(NamespaceRefused, match="'org/model' has no revision"):
+        engine_namespace(_config(_Model("org/model", "org/model")), settings, 0, "x")
+    path = _model_dir(tmp_path, b"w")
+    with pytest.raises(NamespaceRefused, match="LoRA"):
+        engine_namespace(_config(_Model(path, path), lora=object()), settings, 0, "x")
+    with pytest.raises(NamespaceRefused, match="'int4' is not one kvstore stores"):
+        engine_namespace(_config(_Model(path, path), cache_dtype="int4"), settings, 0, "x")
+    swa = _Model(path, path, hf_config=SimpleNamespace(
+        rope_parameters={"rope_theta": 1e4}, sliding_window=128))
+    with pytest.raises(NamespaceRefused, match="sliding-window"):
+        engine_namespace(_config(swa), settings, 0, "x")
+
+
+def test_cache_salts_get_their_own_namespace_and_root(tmp_path):
+    path = _model_dir(tmp_path, b"w")
+    ns = engine_namespace(_config(_Model(path, path)), ConnectorSettings.from_extra(EXTRA), 0,
+                          "x")
+    assert salted(ns, None) == ns and salted(ns, "") == ns
+    s1, s2 = salted(ns, "one"), salted(ns, "two")
+    assert len({ns.namespace_id, s1.namespace_id, s2.namespace_id}) == 3
+    assert "/" not in s1.name and "one" not in s1.name  # the salt itself is not exposed
+    roots = {s1.root(0, salt_secret("s3cret", "one")), s1.root(0, salt_secret("s3cret", "x")),
+             s1.root(0, "s3cret")}
+    assert len(roots) == 3
+
+
+def _cpu_cache(blocks=6, heads=2, bs=32, hd=32):
+    return torch.randn(blocks, heads, bs, 2 * hd)
+
+
+def test_cpu_layout_round_trip_and_kernel_view():
+    layers = [_cpu_cache(), _cpu_cache()]
+    layout = PagedLayout.detect(layers, 32, 2, 32)
+    out = torch.empty(2, 2, 2, 32, 2, 32)  # (n, layers, K/V, block, heads, head_dim)
+    layout.gather([4, 1], out)
+    # The CPU kernel reads a block as (heads, 2 * block, head_dim): K rows, then V rows.
+    kernel = layers[1].view(6, 2, 64, 32)
+    k, v = kernel[4].chunk(2, dim=1)
+    assert torch.equal(out[0, 1, 0], k.transpose(0, 1))
+    assert torch.equal(out[0, 1, 1], v.transpose(0, 1))
+    fresh = [torch.zeros_like(x) for x in layers]
+    PagedLayout.detect(fresh, 32, 2, 32).scatter([2, 5], out)
+    assert torch.equal(fresh[0][2], layers[0][4]) and torch.equal(fresh[1][5], layers[1][1])
+    assert not fresh[0][0].any()
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(UnsupportedLayout, match="not a layout kvstore knows"):
+        PagedLayout.detect([torch.zeros(4, 32, 2, 64)], 32, 2, 32)
