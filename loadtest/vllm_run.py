@@ -8,10 +8,12 @@ count and binds OpenMP threads. Engines run one after another in this one proces
 
 plan.json: {"model": DIR, "tiny": {write_tiny_llama arguments} (optional),
 "block_size": 32, "engines": [{"kvstore": {extra config} | null, "prefix_caching": false,
-"batches": [STEP, ...]}, ...]}. A STEP is one of:
+"connector": {KVTransferConfig fields} (instead of "kvstore"), "may_fail": false (a start
+failure prints {"event": "engine_failed", ...} and the run goes on), "batches": [STEP, ...]},
+...]}. A STEP is one of:
 - a batch, [{"prompt": [ids], "salt": s | null, "max_tokens": n}, ...], generated greedily
   in one `generate` call; prints {"event": "batch", "engine": i, "outputs": [{"tokens":
-  [...], "cached": n}, ...]};
+  [...], "cached": n}, ...], "wall_ms": t};
 - {"drain": true}: wait until the connector's queued saves reached the agent;
 - {"wait": NAME}: print {"event": "wait", "name": NAME} and block until a line arrives on
   stdin (the driver kills the agent or flips the kill switch meanwhile).
@@ -45,6 +47,8 @@ def make_engine(plan: dict, spec: dict):
         kv = KVTransferConfig(kv_connector="KVStoreConnector",
                               kv_connector_module_path="kvstore.integrations.vllm",
                               kv_role="kv_both", kv_connector_extra_config=spec["kvstore"])
+    elif spec.get("connector") is not None:  # another connector, e.g. vLLM's offloading one
+        kv = KVTransferConfig(kv_role="kv_both", **spec["connector"])
     return LLM(model=plan["model"], dtype=plan.get("dtype", "float32"),
                block_size=plan.get("block_size", 32), enforce_eager=True,
                distributed_executor_backend="uni", max_model_len=plan.get("max_len", 2048),
@@ -91,9 +95,18 @@ def drain_and_close(llm) -> None:
         except Exception:  # noqa: BLE001 - best effort between engines
             pass
     del llm
-    gc.collect()
+    release_process_state()
+
+
+def release_process_state() -> None:
+    """What an engine leaves behind in the process (the connector singleton, the
+    distributed groups), released so that the next engine can start."""
+    from vllm.distributed import kv_transfer
     from vllm.distributed.parallel_state import (destroy_distributed_environment,
                                                  destroy_model_parallel)
+
+    gc.collect()
+    kv_transfer.ensure_kv_transfer_shutdown()
     destroy_model_parallel()
     destroy_distributed_environment()
 
@@ -107,7 +120,15 @@ def main() -> None:
         write_tiny_llama(plan["model"], **plan["tiny"])
     for i, spec in enumerate(plan["engines"]):
         t0 = time.monotonic()
-        llm = make_engine(plan, spec)
+        try:
+            llm = make_engine(plan, spec)
+        except Exception as exc:  # noqa: BLE001 - reported, the next engine still runs
+            if not spec.get("may_fail"):
+                raise
+            emit({"event": "engine_failed", "engine": i, "reason": f"{type(exc).__name__}: "
+                  f"{str(exc)[:300]}"})
+            release_process_state()
+            continue
         emit({"event": "engine", "engine": i, "start_s": round(time.monotonic() - t0, 2)})
         for batch in spec["batches"]:
             if isinstance(batch, dict) and batch.get("drain"):
@@ -117,7 +138,10 @@ def main() -> None:
                 emit({"event": "wait", "name": batch["wait"]})
                 sys.stdin.readline()
                 continue
-            emit({"event": "batch", "engine": i, "outputs": run_batch(llm, batch)})
+            t0 = time.perf_counter()
+            outputs = run_batch(llm, batch)
+            emit({"event": "batch", "engine": i, "outputs": outputs,
+                  "wall_ms": (time.perf_counter() - t0) * 1000})
         drain_and_close(llm)
     emit({"event": "done"})
 

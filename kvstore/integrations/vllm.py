@@ -172,7 +172,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
+            if req_id in cached.resumed_req_ids:  # back from preemption: all new blocks
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
             self._maybe_save(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
         return meta
