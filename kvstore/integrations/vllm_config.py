@@ -35,7 +35,8 @@ class ConnectorSettings:
     """`kv_connector_extra_config` keys: `agent` (host:port, required), `tenant` (required),
     `tenant_secret` or `tenant_secret_file` (one required), `token` or `token_file`,
     `name` (namespace name, default "vllm"), `shm_mib` (staging per client, default 64),
-    `save_queue` (pending saves before new ones are dropped, default 64)."""
+    `save_queue` (pending saves before new ones are dropped, default 64), `local_lane`
+    (default true: the hot calls skip gRPC over the agent's Unix socket on the same host)."""
 
     agent: str
     tenant: str
@@ -44,6 +45,7 @@ class ConnectorSettings:
     name: str = "vllm"
     shm_bytes: int = 64 * MiB
     save_queue: int = 64
+    local_lane: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -58,7 +60,8 @@ class ConnectorSettings:
         return cls(agent=str(extra["agent"]), tenant=str(extra["tenant"]),
                    tenant_secret=secret, token=token, name=str(extra.get("name", "vllm")),
                    shm_bytes=int(extra.get("shm_mib", 64)) * MiB,
-                   save_queue=int(extra.get("save_queue", 64)))
+                   save_queue=int(extra.get("save_queue", 64)),
+                   local_lane=bool(extra.get("local_lane", True)))
 
 
 def _read_file(path: str | None) -> str:

@@ -5,6 +5,8 @@ vLLM runs in a subprocess (loadtest/vllm_run.py), never in pytest's process, and
 engines share one process start: an engine without any connector gives the reference
 greedy token ids, a first kvstore engine stores prompts, a fresh one loads them. Prefix
 caching is off in the kvstore engines, so every hit they report came through kvstore.
+Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch
+and a SIGKILL of the agent.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.control import agent_cfg, kvctl
+from support.grpc_proxy import AgentProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -79,6 +82,8 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     p = _prompts()
     agent = spawn_agent(**agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB"))
     extra = {"agent": agent.address, "tenant": "acme", "tenant_secret": SECRET, "shm_mib": 8}
+    proxy = AgentProxy(agent.address)  # fault injection: Gets fail while Lookups answer
+    via_proxy = {**extra, "agent": proxy.address, "local_lane": False}
 
     def req(name: str, salt: str | None = None) -> dict:
         return {"prompt": p[name], "salt": salt, "max_tokens": 8}
@@ -87,6 +92,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
             "engines": [
                 {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D")]]},
                 {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
+                {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
                 {"kvstore": extra, "batches": [
                     [req("A")], [req("B")], [req("C", "s2")], [req("C", "s1")], [req("C")],
                     {"wait": "flush"}, [req("A")], {"drain": True}, [req("A")],
@@ -100,18 +106,32 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         if name == "kill-agent":
             agent.kill()
             return
+        if name == "fail-get":
+            proxy.fail = {"Get"}
+            return
         argv = {"flush": ("flush", "acme/vllm"), "killswitch-on": ("killswitch", "on"),
                 "killswitch-off": ("killswitch", "off")}[name]
         r = kvctl(*argv, etcd=etcd)
         assert r.returncode == 0, (r.stdout, r.stderr)
 
-    batches = _run_plan(tmp_path, plan, on_wait)
+    try:
+        batches = _run_plan(tmp_path, plan, on_wait)
+    finally:
+        proxy.close()
     ref = {k: o["tokens"] for k, o in zip("ABCD", batches[0]["outputs"])}
     first = batches[1]["outputs"]
     assert [o["tokens"] for o in first] == [ref["A"], ref["C"]]
     assert all(o["cached"] == 0 for o in first)  # nothing stored yet
 
-    fresh = [b["outputs"] for b in batches[2:]]
+    # The agent holds A but every Get fails: the blocks the scheduler counted are reported
+    # as load errors and recomputed; same tokens.
+    (a_failed_load,) = batches[2]["outputs"]
+    assert a_failed_load["tokens"] == ref["A"]
+    assert proxy.calls.get("Lookup", 0) >= 1 and proxy.calls.get("Get", 0) >= 1
+    log = (tmp_path / "vllm.log").read_text()
+    assert "loaded 0 of 6 blocks; recomputing the rest" in log
+
+    fresh = [b["outputs"] for b in batches[3:]]
     (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_flushed,), (a_again,), (a_killswitch,), \
         (a_dead, d_dead) = fresh
     # (a) a fresh engine loads the prefix the other engine stored: every full block but
@@ -130,8 +150,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     # The kill switch makes every lookup miss: recomputed, same tokens.
     assert a_killswitch == {"tokens": ref["A"], "cached": 0}
     # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
-    assert waits == ["flush", "killswitch-on", "killswitch-off", "kill-agent"]
+    assert waits == ["fail-get", "flush", "killswitch-on", "killswitch-off", "kill-agent"]
     assert a_dead == {"tokens": ref["A"], "cached": 0}
     assert d_dead == {"tokens": ref["D"], "cached": 0}
-    log = (tmp_path / "vllm.log").read_text()
     assert "kvstore connector (scheduler) on agent" in log
