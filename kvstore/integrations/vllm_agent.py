@@ -45,7 +45,8 @@ class AgentLink:
             self._client = KVClient(self.settings.agent, token=self.settings.token,
                                     tenant_secret=self.settings.tenant_secret,
                                     shm_bytes=self.settings.shm_bytes,
-                                    local_lane=self.settings.local_lane)
+                                    local_lane=self.settings.local_lane,
+                                    timeout=self.settings.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
             self._mark_down(f"cannot reach agent {self.settings.agent}: {_why(exc)}")
             return None

@@ -36,7 +36,9 @@ class ConnectorSettings:
     `tenant_secret` or `tenant_secret_file` (one required), `token` or `token_file`,
     `name` (namespace name, default "vllm"), `shm_mib` (staging per client, default 64),
     `save_queue` (pending saves before new ones are dropped, default 64), `local_lane`
-    (default true: the hot calls skip gRPC over the agent's Unix socket on the same host)."""
+    (default true: the hot calls skip gRPC over the agent's Unix socket on the same host),
+    `timeout_s` (deadline of each agent call, default 2: a frozen agent stalls a scheduler
+    step at most that long, then the engine recomputes)."""
 
     agent: str
     tenant: str
@@ -46,6 +48,7 @@ class ConnectorSettings:
     shm_bytes: int = 64 * MiB
     save_queue: int = 64
     local_lane: bool = True
+    timeout_s: float = 2.0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -61,7 +64,8 @@ class ConnectorSettings:
                    tenant_secret=secret, token=token, name=str(extra.get("name", "vllm")),
                    shm_bytes=int(extra.get("shm_mib", 64)) * MiB,
                    save_queue=int(extra.get("save_queue", 64)),
-                   local_lane=bool(extra.get("local_lane", True)))
+                   local_lane=bool(extra.get("local_lane", True)),
+                   timeout_s=float(extra.get("timeout_s", 2.0)))
 
 
 def _read_file(path: str | None) -> str:

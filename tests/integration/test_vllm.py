@@ -5,14 +5,15 @@ vLLM runs in a subprocess (loadtest/vllm_run.py), never in pytest's process, and
 engines share one process start: an engine without any connector gives the reference
 greedy token ids, a first kvstore engine stores prompts, a fresh one loads them. Prefix
 caching is off in the kvstore engines, so every hit they report came through kvstore.
-Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch
-and a SIGKILL of the agent.
+Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch,
+a frozen agent (SIGSTOP) and a SIGKILL of the agent.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import signal
 import subprocess
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
                     [req("A")], [req("B")], [req("C", "s2")], [req("C", "s1")], [req("C")],
                     {"wait": "flush"}, [req("A")], {"drain": True}, [req("A")],
                     {"wait": "killswitch-on"}, [req("A")], {"wait": "killswitch-off"},
+                    {"wait": "freeze-agent"}, [req("A")], {"wait": "thaw-agent"},
                     {"wait": "kill-agent"}, [req("A"), req("D")]]},
             ]}
     waits = []
@@ -105,6 +107,9 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         waits.append(name)
         if name == "kill-agent":
             agent.kill()
+            return
+        if name in ("freeze-agent", "thaw-agent"):
+            os.kill(agent.proc.pid, signal.SIGSTOP if name == "freeze-agent" else signal.SIGCONT)
             return
         if name == "fail-get":
             proxy.fail = {"Get"}
@@ -133,7 +138,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
 
     fresh = [b["outputs"] for b in batches[3:]]
     (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_flushed,), (a_again,), (a_killswitch,), \
-        (a_dead, d_dead) = fresh
+        (a_frozen,), (a_dead, d_dead) = fresh
     # (a) a fresh engine loads the prefix the other engine stored: every full block but
     # the one holding the last prompt token, and the same greedy tokens as no connector.
     assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
@@ -149,8 +154,11 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     assert a_again == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
     # The kill switch makes every lookup miss: recomputed, same tokens.
     assert a_killswitch == {"tokens": ref["A"], "cached": 0}
+    # A frozen agent (SIGSTOP): its calls run into the connector's deadline; recomputed.
+    assert a_frozen == {"tokens": ref["A"], "cached": 0}
     # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
-    assert waits == ["fail-get", "flush", "killswitch-on", "killswitch-off", "kill-agent"]
+    assert waits == ["fail-get", "flush", "killswitch-on", "killswitch-off", "freeze-agent",
+                     "thaw-agent", "kill-agent"]
     assert a_dead == {"tokens": ref["A"], "cached": 0}
     assert d_dead == {"tokens": ref["D"], "cached": 0}
     assert "kvstore connector (scheduler) on agent" in log
