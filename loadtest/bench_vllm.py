@@ -19,6 +19,7 @@ process (no HTTP, no streaming client): prefill plus one step, which is what the
 changes. `identical_outputs`: every configuration produced the same first token for every
 request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 32
 
 
-def conversations(n: int, turns: int, system: int, user: int, reply: int,
-                  seed: int = 0) -> list[list[list[int]]]:
+def conversations(
+    n: int, turns: int, system: int, user: int, reply: int, seed: int = 0
+) -> list[list[list[int]]]:
     """Prompts per conversation per turn (each the whole conversation so far)."""
     rng = random.Random(seed)
 
@@ -68,63 +70,95 @@ def _pct(xs: list[float], q: float) -> float:
 def _summary(name: str, batches: list[dict]) -> dict:
     ms = [b["wall_ms"] for b in batches]
     cached = sum(b["outputs"][0]["cached"] for b in batches)
-    return {f"{name}_ttft_p50_ms": round(statistics.median(ms), 1),
-            f"{name}_ttft_p99_ms": _pct(ms, 0.99), f"{name}_cached_tokens": cached}
+    return {
+        f"{name}_ttft_p50_ms": round(statistics.median(ms), 1),
+        f"{name}_ttft_p99_ms": _pct(ms, 0.99),
+        f"{name}_cached_tokens": cached,
+    }
 
 
 def plan(model: str, tiny: dict, workload, extra: dict, offload_bytes: int) -> dict:
     order = [p for turn in zip(*workload) for p in turn]  # turn by turn, interleaved
     final = [conv[-1] for conv in workload]
-    offload = {"kv_connector": "OffloadingConnector",
-               "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes}}
-    return {"model": model, "tiny": tiny, "block_size": BLOCK, "max_len": tiny["max_positions"],
-            "engines": [
-                {"name": "nocache", "batches": _reqs(order)},
-                {"name": "prefix", "prefix_caching": True, "batches": _reqs(order)},
-                {"name": "offload", "prefix_caching": True, "connector": offload,
-                 "may_fail": True, "batches": _reqs(order)},
-                {"name": "kvstore", "prefix_caching": True, "kvstore": extra,
-                 "batches": _reqs(order) + _reqs(final)},
-                {"name": "cross_kvstore", "prefix_caching": True, "kvstore": extra,
-                 "batches": _reqs(final)},
-                {"name": "cross_prefix", "prefix_caching": True, "batches": _reqs(final)},
-            ]}
+    offload = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes},
+    }
+    return {
+        "model": model,
+        "tiny": tiny,
+        "block_size": BLOCK,
+        "max_len": tiny["max_positions"],
+        "engines": [
+            {"name": "nocache", "batches": _reqs(order)},
+            {"name": "prefix", "prefix_caching": True, "batches": _reqs(order)},
+            {
+                "name": "offload",
+                "prefix_caching": True,
+                "connector": offload,
+                "may_fail": True,
+                "batches": _reqs(order),
+            },
+            {
+                "name": "kvstore",
+                "prefix_caching": True,
+                "kvstore": extra,
+                "batches": _reqs(order) + _reqs(final),
+            },
+            {
+                "name": "cross_kvstore",
+                "prefix_caching": True,
+                "kvstore": extra,
+                "batches": _reqs(final),
+            },
+            {"name": "cross_prefix", "prefix_caching": True, "batches": _reqs(final)},
+        ],
+    }
 
 
 def run(args) -> dict:
-    workload = conversations(args.conversations, args.turns, args.system, args.user,
-                             args.reply)
+    workload = conversations(args.conversations, args.turns, args.system, args.user, args.reply)
     n_order = args.conversations * args.turns
-    tiny = {"seed": 0, "layers": args.layers, "hidden": args.hidden,
-            "max_positions": 4096}
+    tiny = {"seed": 0, "layers": args.layers, "hidden": args.hidden, "max_positions": 4096}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        agent = Agent(Path(tmp) / "agent", pool_bytes="512MiB", slot_bytes="1MiB",
-                      nvme_bytes=0)
+        agent = Agent(Path(tmp) / "agent", pool_bytes="512MiB", slot_bytes="1MiB", nvme_bytes=0)
         try:
-            extra = {"agent": agent.address, "tenant": "bench", "tenant_secret": "bench",
-                     "shm_mib": 64}
+            extra = {
+                "agent": agent.address,
+                "tenant": "bench",
+                "tenant_secret": "bench",
+                "shm_mib": 64,
+            }
             p = plan(str(Path(tmp) / "model"), tiny, workload, extra, 256 << 20)
             (Path(tmp) / "plan.json").write_text(json.dumps(p))
-            r = subprocess.run([str(VLLM_PY), "-m", "loadtest.vllm_run",
-                                str(Path(tmp) / "plan.json")], cwd=ROOT, text=True,
-                               capture_output=True, env={"PYTHONPATH": str(ROOT),
-                                                         "PATH": "/usr/bin:/bin"})
+            r = subprocess.run(
+                [str(VLLM_PY), "-m", "loadtest.vllm_run", str(Path(tmp) / "plan.json")],
+                cwd=ROOT,
+                text=True,
+                capture_output=True,
+                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            )
         finally:
             agent.stop()
-    events = [json.loads(line) for line in r.stdout.splitlines()
-              if line.startswith('{"event"')]
+    events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"event"')]
     if r.returncode != 0 or not any(e["event"] == "done" for e in events):
         log = Path(tempfile.gettempdir()) / "bench_vllm.log"
         log.write_text(r.stdout + r.stderr)
-        raise SystemExit(f"vLLM run failed (rc {r.returncode}), its output is in {log}: "
-                         f"{r.stderr[-2000:]}")
+        raise SystemExit(
+            f"vLLM run failed (rc {r.returncode}), its output is in {log}: {r.stderr[-2000:]}"
+        )
     names = [e["name"] for e in p["engines"]]
     by: dict[str, list[dict]] = {n: [] for n in names}
     for e in events:
         if e["event"] == "batch":
             by[names[e["engine"]]].append(e)
-    out: dict = {"conversations": args.conversations, "turns": args.turns,
-                 "system_tokens": args.system, "layers": args.layers, "hidden": args.hidden}
+    out: dict = {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "system_tokens": args.system,
+        "layers": args.layers,
+        "hidden": args.hidden,
+    }
     failed = [e for e in events if e["event"] == "engine_failed"]
     for e in failed:
         out[f"{names[e['engine']]}_skipped"] = e["reason"]
@@ -138,13 +172,17 @@ def run(args) -> dict:
     out.update(_summary("cross_prefix", by["cross_prefix"]))
     prompt_tokens = sum(len(p) for conv in workload for p in conv)
     out["kvstore_cached_token_share"] = round(out["kvstore_cached_tokens"] / prompt_tokens, 3)
-    first = {n: [b["outputs"][0]["tokens"] for b in by[n][:n_order]]
-             for n in ("nocache", "prefix", "offload", "kvstore") if by[n]}
-    finals = [[b["outputs"][0]["tokens"] for b in by[n]] for n in ("cross_kvstore",
-                                                                    "cross_prefix")]
+    first = {
+        n: [b["outputs"][0]["tokens"] for b in by[n][:n_order]]
+        for n in ("nocache", "prefix", "offload", "kvstore")
+        if by[n]
+    }
+    finals = [[b["outputs"][0]["tokens"] for b in by[n]] for n in ("cross_kvstore", "cross_prefix")]
     finals.append([b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]])
-    out["identical_outputs"] = len({json.dumps(v) for v in first.values()}) == 1 and \
-        len({json.dumps(v) for v in finals}) == 1
+    out["identical_outputs"] = (
+        len({json.dumps(v) for v in first.values()}) == 1
+        and len({json.dumps(v) for v in finals}) == 1
+    )
     return out
 
 

@@ -7,6 +7,7 @@ vLLM venv (.venv-vllm, `make vllm-env`), which has transformers and tokenizers.
 
     python -m loadtest.vllm_model /tmp/tiny-llama --layers 2 --hidden 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,18 @@ def _tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
 
 
-def write_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128,
-                     heads: int = 4, kv_heads: int = 2, vocab: int = 1000,
-                     max_positions: int = 4096, dtype: str = "float32") -> Path:
+def write_tiny_llama(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1000,
+    max_positions: int = 4096,
+    dtype: str = "float32",
+) -> Path:
     """Write the model to `path` (idempotent: an existing complete one is kept) and return
     it. Same arguments, same weights."""
     import torch
@@ -38,14 +48,28 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden
 
     path = Path(path)
     marker = path / "kvstore-tiny.json"
-    args = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads,
-            "kv_heads": kv_heads, "vocab": vocab, "max_positions": max_positions,
-            "dtype": dtype}
+    args = {
+        "seed": seed,
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "vocab": vocab,
+        "max_positions": max_positions,
+        "dtype": dtype,
+    }
     if marker.exists() and json.loads(marker.read_text()) == args:
         return path
-    model = build_tiny_llama(seed, dtype=getattr(torch, dtype), layers=layers, hidden=hidden,
-                             heads=heads, kv_heads=kv_heads, vocab=vocab,
-                             max_positions=max_positions)
+    model = build_tiny_llama(
+        seed,
+        dtype=getattr(torch, dtype),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        max_positions=max_positions,
+    )
     model.config.architectures = ["LlamaForCausalLM"]
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -62,8 +86,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--max-positions", type=int, default=4096)
     a = ap.parse_args()
-    print(write_tiny_llama(a.path, seed=a.seed, layers=a.layers, hidden=a.hidden,
-                           max_positions=a.max_positions))
+    print(
+        write_tiny_llama(
+            a.path, seed=a.seed, layers=a.layers, hidden=a.hidden, max_positions=a.max_positions
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ failure prints {"event": "engine_failed", ...} and the run goes on), "batches": 
   stdin (the driver kills the agent or flips the kill switch meanwhile).
 After an engine's steps its queued saves are drained before the next engine starts.
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,10 +28,17 @@ import os
 import sys
 import time
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
-       "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 
 
 def emit(event: dict) -> None:
@@ -44,16 +52,25 @@ def make_engine(plan: dict, spec: dict):
 
     kv = None
     if spec.get("kvstore") is not None:
-        kv = KVTransferConfig(kv_connector="KVStoreConnector",
-                              kv_connector_module_path="kvstore.integrations.vllm",
-                              kv_role="kv_both", kv_connector_extra_config=spec["kvstore"])
+        kv = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["kvstore"],
+        )
     elif spec.get("connector") is not None:  # another connector, e.g. vLLM's offloading one
         kv = KVTransferConfig(kv_role="kv_both", **spec["connector"])
-    return LLM(model=plan["model"], dtype=plan.get("dtype", "float32"),
-               block_size=plan.get("block_size", 32), enforce_eager=True,
-               distributed_executor_backend="uni", max_model_len=plan.get("max_len", 2048),
-               enable_prefix_caching=bool(spec.get("prefix_caching", False)),
-               kv_transfer_config=kv, seed=0)
+    return LLM(
+        model=plan["model"],
+        dtype=plan.get("dtype", "float32"),
+        block_size=plan.get("block_size", 32),
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        max_model_len=plan.get("max_len", 2048),
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+        kv_transfer_config=kv,
+        seed=0,
+    )
 
 
 def run_batch(llm, batch: list[dict]) -> list[dict]:
@@ -65,11 +82,14 @@ def run_batch(llm, batch: list[dict]) -> list[dict]:
         if r.get("salt"):
             p["cache_salt"] = r["salt"]
         prompts.append(p)
-        params.append(SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8),
-                                     ignore_eos=True))
+        params.append(
+            SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8), ignore_eos=True)
+        )
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [{"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)}
-            for o in outs]
+    return [
+        {"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)}
+        for o in outs
+    ]
 
 
 def drain_saves() -> None:
@@ -102,8 +122,10 @@ def release_process_state() -> None:
     """What an engine leaves behind in the process (the connector singleton, the
     distributed groups), released so that the next engine can start."""
     from vllm.distributed import kv_transfer
-    from vllm.distributed.parallel_state import (destroy_distributed_environment,
-                                                 destroy_model_parallel)
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
 
     gc.collect()
     kv_transfer.ensure_kv_transfer_shutdown()
@@ -117,6 +139,7 @@ def main() -> None:
     plan = json.loads(open(sys.argv[1]).read())
     if plan.get("tiny") is not None:  # build the model first (kept when already there)
         from loadtest.vllm_model import write_tiny_llama
+
         write_tiny_llama(plan["model"], **plan["tiny"])
     for i, spec in enumerate(plan["engines"]):
         t0 = time.monotonic()
@@ -125,8 +148,13 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - reported, the next engine still runs
             if not spec.get("may_fail"):
                 raise
-            emit({"event": "engine_failed", "engine": i, "reason": f"{type(exc).__name__}: "
-                  f"{str(exc)[:300]}"})
+            emit(
+                {
+                    "event": "engine_failed",
+                    "engine": i,
+                    "reason": f"{type(exc).__name__}: {str(exc)[:300]}",
+                }
+            )
             release_process_state()
             continue
         emit({"event": "engine", "engine": i, "start_s": round(time.monotonic() - t0, 2)})
@@ -140,8 +168,14 @@ def main() -> None:
                 continue
             t0 = time.perf_counter()
             outputs = run_batch(llm, batch)
-            emit({"event": "batch", "engine": i, "outputs": outputs,
-                  "wall_ms": (time.perf_counter() - t0) * 1000})
+            emit(
+                {
+                    "event": "batch",
+                    "engine": i,
+                    "outputs": outputs,
+                    "wall_ms": (time.perf_counter() - t0) * 1000,
+                }
+            )
         drain_and_close(llm)
     emit({"event": "done"})
 

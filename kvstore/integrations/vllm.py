@@ -19,6 +19,7 @@ missing the connector logs why and only recomputes. Any failure (agent down, slo
 flushed, kill switch, a block failing verification) loads fewer blocks; the blocks not
 loaded are reported by `get_block_ids_with_load_errors` and vLLM recomputes them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,14 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                                 KVConnectorMetadata,
-                                                                 KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.integrations.vllm_agent import AgentLink
-from kvstore.integrations.vllm_config import (ConnectorSettings, NamespaceRefused,
-                                              engine_namespace)
+from kvstore.integrations.vllm_config import ConnectorSettings, NamespaceRefused, engine_namespace
 from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
 
 log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: its handlers print it
@@ -88,10 +90,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         try:
             import vllm
+
             settings = ConnectorSettings.from_extra(
-                self._kv_transfer_config.kv_connector_extra_config)
-            self.spec = engine_namespace(vllm_config, settings, self._tp_rank(role),
-                                         vllm.__version__)
+                self._kv_transfer_config.kv_connector_extra_config
+            )
+            self.spec = engine_namespace(
+                vllm_config, settings, self._tp_rank(role), vllm.__version__
+            )
             self._settings = settings
             self._link = AgentLink(settings, self.spec, self._role_name)
         except NamespaceRefused as exc:
@@ -101,8 +106,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layout: PagedLayout | None = None
         self._load_errors: set[int] = set()
-        self._saves: queue.Queue = queue.Queue(maxsize=getattr(self, "_settings", None)
-                                               and self._settings.save_queue or 1)
+        self._saves: queue.Queue = queue.Queue(
+            maxsize=getattr(self, "_settings", None) and self._settings.save_queue or 1
+        )
         self._saver: threading.Thread | None = None
         self._save_link: AgentLink | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -110,14 +116,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             # mean recompute, never a failed request.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         if self.disabled is None:
-            log.info("kvstore connector (%s) on agent %s, namespace %s, block %d",
-                     self._role_name, self._settings.agent, self.spec.key, self._block_size)
+            log.info(
+                "kvstore connector (%s) on agent %s, namespace %s, block %d",
+                self._role_name,
+                self._settings.agent,
+                self.spec.key,
+                self._block_size,
+            )
 
     @staticmethod
     def _tp_rank(role) -> int:
         if role == KVConnectorRole.SCHEDULER:
             return 0  # the scheduler asks about rank 0's blocks; every rank saves its own
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         return get_tensor_model_parallel_rank()
 
     def _disable(self, reason: str) -> None:
@@ -125,8 +137,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.error("kvstore connector disabled, recomputing everything: %s", reason)
 
     # ============================================================== scheduler side
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self.disabled or self._link is None:
             return 0, False
         bs = self._block_size
@@ -150,9 +163,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         bs = self._block_size
         first = st.stored - num_external_tokens // bs
-        st.pending_load = LoadSpec(request.request_id, st.salt, st.ids[first: st.stored],
-                                   st.ids[first - 1] if first else None,
-                                   block_ids[first: st.stored])
+        st.pending_load = LoadSpec(
+            request.request_id,
+            st.salt,
+            st.ids[first : st.stored],
+            st.ids[first - 1] if first else None,
+            block_ids[first : st.stored],
+        )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVStoreMetadata()
@@ -164,8 +181,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._maybe_save(new.req_id, st, new.num_computed_tokens, scheduler_output,
-                                 meta)
+                self._maybe_save(new.req_id, st, new.num_computed_tokens, scheduler_output, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -185,9 +201,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         full = min(done, st.prompt_len) // self._block_size
         full = min(full, len(st.ids), len(st.block_ids))
         if full > st.stored:
-            meta.saves.append(SaveSpec(req_id, st.salt, st.ids[st.stored: full],
-                                       st.ids[st.stored - 1] if st.stored else None,
-                                       st.block_ids[st.stored: full]))
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    st.salt,
+                    st.ids[st.stored : full],
+                    st.ids[st.stored - 1] if st.stored else None,
+                    st.block_ids[st.stored : full],
+                )
+            )
             st.stored = full
         if done >= st.prompt_len:
             self._reqs.pop(req_id, None)  # the prompt is done: nothing more to save
@@ -203,19 +225,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.disabled:
             return
         try:
-            self._layout = PagedLayout.detect(list(kv_caches.values()), self._block_size,
-                                              self.spec.num_kv_heads, self.spec.head_dim)
+            self._layout = PagedLayout.detect(
+                list(kv_caches.values()),
+                self._block_size,
+                self.spec.num_kv_heads,
+                self.spec.head_dim,
+            )
         except UnsupportedLayout as exc:
             self._disable(str(exc))
             return
-        if kv_caches and next(iter(kv_caches.values())).dtype != torch_dtype(
-                self.spec.kv_dtype):
-            self._disable(f"KV cache dtype {next(iter(kv_caches.values())).dtype} is not "
-                          f"the namespace's {self.spec.kv_dtype}")
+        if kv_caches and next(iter(kv_caches.values())).dtype != torch_dtype(self.spec.kv_dtype):
+            self._disable(
+                f"KV cache dtype {next(iter(kv_caches.values())).dtype} is not "
+                f"the namespace's {self.spec.kv_dtype}"
+            )
             return
         self._save_link = AgentLink(self._settings, self.spec, "saver")
-        self._saver = threading.Thread(target=self._save_loop, name="kvstore-save",
-                                       daemon=True)
+        self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
         self._saver.start()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -228,20 +254,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                 layout = self._layout
 
                 def sink(first: int, blocks: torch.Tensor, spec=spec, layout=layout) -> None:
-                    layout.scatter(spec.block_ids[first: first + len(blocks)], blocks)
+                    layout.scatter(spec.block_ids[first : first + len(blocks)], blocks)
 
                 loaded = self._link.load(spec.kv_ids, spec.parent, spec.salt, sink)
             if loaded < len(spec.block_ids):
                 # vLLM recomputes from the first block not loaded.
                 self._load_errors.update(spec.block_ids[loaded:])
-                log.warning("kvstore: request %s loaded %d of %d blocks; recomputing the "
-                            "rest", spec.req_id, loaded, len(spec.block_ids))
+                log.warning(
+                    "kvstore: request %s loaded %d of %d blocks; recomputing the rest",
+                    spec.req_id,
+                    loaded,
+                    len(spec.block_ids),
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward starts
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
+    ) -> None:
         return  # wait_for_save copies all layers at once, after the forward
 
     def wait_for_save(self) -> None:
@@ -250,11 +281,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         for spec in meta.saves:
             if self._saves.full():
-                log.warning("kvstore: save queue full; request %s's blocks are not stored",
-                            spec.req_id)
+                log.warning(
+                    "kvstore: save queue full; request %s's blocks are not stored", spec.req_id
+                )
                 continue
-            out = torch.empty((len(spec.block_ids), *block_shape(self.spec)),
-                              dtype=torch_dtype(self.spec.kv_dtype))
+            out = torch.empty(
+                (len(spec.block_ids), *block_shape(self.spec)),
+                dtype=torch_dtype(self.spec.kv_dtype),
+            )
             self._layout.gather(spec.block_ids, out)
             self._saves.put_nowait((spec, out))
 
@@ -268,8 +302,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._save_link.save(spec.kv_ids, spec.parent, spec.salt, blocks)
             self._saves.task_done()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                  set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -5,6 +5,7 @@ A client is made lazily and remade after a failure (agent restarted, flushed gen
 the handles are dropped and reopened), at most once per `retry_s`, so a dead agent costs
 the engine one failed connect per few seconds, not one per request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ __all__ = ["AgentLink"]
 
 
 class AgentLink:
-    def __init__(self, settings: ConnectorSettings, spec: Namespace, role: str,
-                 retry_s: float = 2.0) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, spec: Namespace, role: str, retry_s: float = 2.0
+    ) -> None:
         self.settings = settings
         self.spec = spec
         self.role = role
@@ -42,11 +44,14 @@ class AgentLink:
         if time.monotonic() < self._down_until:
             return None
         try:
-            self._client = KVClient(self.settings.agent, token=self.settings.token,
-                                    tenant_secret=self.settings.tenant_secret,
-                                    shm_bytes=self.settings.shm_bytes,
-                                    local_lane=self.settings.local_lane,
-                                    timeout=self.settings.timeout_s)
+            self._client = KVClient(
+                self.settings.agent,
+                token=self.settings.token,
+                tenant_secret=self.settings.tenant_secret,
+                shm_bytes=self.settings.shm_bytes,
+                local_lane=self.settings.local_lane,
+                timeout=self.settings.timeout_s,
+            )
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
             self._mark_down(f"cannot reach agent {self.settings.agent}: {_why(exc)}")
             return None
@@ -70,8 +75,9 @@ class AgentLink:
             spec = salted(self.spec, salt)
             h = client.open_namespace(spec)
             if salt:  # its own chain root, keyed by tenant secret and salt
-                h = replace(h, root=spec.root(h.generation,
-                                              salt_secret(self.settings.tenant_secret, salt)))
+                h = replace(
+                    h, root=spec.root(h.generation, salt_secret(self.settings.tenant_secret, salt))
+                )
             self._handles[key] = h
         return h
 
@@ -95,19 +101,23 @@ class AgentLink:
                     return fn(client)
                 except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
                     if attempt == 0 and _code(exc) == "FAILED_PRECONDITION":
-                        log.info("kvstore %s: %s: %s; reopening the namespace", self.role,
-                                 what, _why(exc))
+                        log.info(
+                            "kvstore %s: %s: %s; reopening the namespace",
+                            self.role,
+                            what,
+                            _why(exc),
+                        )
                         self._handles.clear()
                         continue
                     self._mark_down(f"{what}: {_why(exc)}")
                     return default
             return default
 
-    def prefix(self, tokens: list[int], usable: int, salt: str | None
-               ) -> tuple[list[bytes], int]:
+    def prefix(self, tokens: list[int], usable: int, salt: str | None) -> tuple[list[bytes], int]:
         """The chain ids of the full blocks of `tokens` and how many of the first `usable`
         the agent holds; ([], 0) when the agent is out. One call, so ids and answer come
         from the same generation (a flush in between reopens and recomputes both)."""
+
         def run(client: KVClient) -> tuple[list[bytes], int]:
             ns = self._handle(client, salt)
             ids = client.block_ids(ns, tokens)
@@ -128,7 +138,7 @@ class AgentLink:
             cap = max(1, client.staging_capacity(ns))
             done = progress[0] = 0
             while done < len(ids):
-                chunk = ids[done: done + cap]
+                chunk = ids[done : done + cap]
                 par = parent if done == 0 else ids[done - 1]
                 views = client.get_views(ns, chunk, ns.root if par is None else par)
                 if views:
@@ -141,9 +151,11 @@ class AgentLink:
         got = self._call("get", run, None)
         return progress[0] if got is None else got
 
-    def save(self, ids: list[bytes], parent: bytes | None, salt: str | None,
-             blocks: torch.Tensor) -> int:
+    def save(
+        self, ids: list[bytes], parent: bytes | None, salt: str | None, blocks: torch.Tensor
+    ) -> int:
         """Put blocks (a (n, *block shape) tensor); returns how many were newly stored."""
+
         def run(client: KVClient) -> int:
             ns = self._handle(client, salt)
             r = client.put(ns, ids, list(blocks.unbind(0)), ns.root if parent is None else parent)

@@ -4,6 +4,7 @@ the namespace, derived from the engine's own configuration and never typed by ha
 Nothing here imports vLLM: the engine config is read by attribute, so a field vLLM renames
 shows up as a refusal with its name ("cannot name the namespace: ..."), not as a crash.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,15 +15,20 @@ from pathlib import Path
 from kvstore.integrations.hf import _check_full_attention, _rope_fields
 from kvstore.namespace import KV_DTYPE_BYTES, Namespace
 
-__all__ = ["ConnectorSettings", "NamespaceRefused", "engine_namespace", "salted",
-           "salt_secret"]
+__all__ = ["ConnectorSettings", "NamespaceRefused", "engine_namespace", "salted", "salt_secret"]
 
 MiB = 1 << 20
 # Weights hashed to name a local model without a revision; bigger ones need --revision.
 _MAX_HASHED_BYTES = 2 << 30
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
 _SALT_PERSON = b"kvstore-vllmsalt"
 
 
@@ -60,12 +66,17 @@ class ConnectorSettings:
         if missing:
             raise NamespaceRefused("kv_connector_extra_config lacks " + ", ".join(missing))
         token = extra.get("token") or _read_file(extra.get("token_file")) or None
-        return cls(agent=str(extra["agent"]), tenant=str(extra["tenant"]),
-                   tenant_secret=secret, token=token, name=str(extra.get("name", "vllm")),
-                   shm_bytes=int(extra.get("shm_mib", 64)) * MiB,
-                   save_queue=int(extra.get("save_queue", 64)),
-                   local_lane=bool(extra.get("local_lane", True)),
-                   timeout_s=float(extra.get("timeout_s", 2.0)))
+        return cls(
+            agent=str(extra["agent"]),
+            tenant=str(extra["tenant"]),
+            tenant_secret=secret,
+            token=token,
+            name=str(extra.get("name", "vllm")),
+            shm_bytes=int(extra.get("shm_mib", 64)) * MiB,
+            save_queue=int(extra.get("save_queue", 64)),
+            local_lane=bool(extra.get("local_lane", True)),
+            timeout_s=float(extra.get("timeout_s", 2.0)),
+        )
 
 
 def _read_file(path: str | None) -> str:
@@ -82,14 +93,23 @@ def _fingerprint(root: str, names: tuple[str, ...] | None, what: str) -> str:
     engine was given none. Weight files count in full, so changed weights, same name,
     never share KV."""
     d = Path(root)
-    files = sorted(p for p in d.iterdir() if p.is_file() and (
-        p.name in names if names is not None else
-        p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
+    files = sorted(
+        p
+        for p in d.iterdir()
+        if p.is_file()
+        and (
+            p.name in names
+            if names is not None
+            else p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES
+        )
+    )
     if not files:
         raise NamespaceRefused(f"{what} directory {root} has no files to fingerprint")
     if sum(p.stat().st_size for p in files) > _MAX_HASHED_BYTES:
-        raise NamespaceRefused(f"{what} {root} has no revision and is too big to hash; "
-                               "start vLLM with --revision / --tokenizer-revision")
+        raise NamespaceRefused(
+            f"{what} {root} has no revision and is too big to hash; "
+            "start vLLM with --revision / --tokenizer-revision"
+        )
     h = hashlib.blake2b(digest_size=16)
     for p in files:
         h.update(p.name.encode() + b"\0")
@@ -104,16 +124,19 @@ def _revision(name: str, revision: str | None, names, what: str) -> str:
         return str(revision)
     if os.path.isdir(name):
         return _fingerprint(name, names, what)
-    raise NamespaceRefused(f"{what} {name!r} has no revision; start vLLM with "
-                           f"--{'tokenizer-' if what == 'tokenizer' else ''}revision so "
-                           "its KV is named by exact weights")
+    raise NamespaceRefused(
+        f"{what} {name!r} has no revision; start vLLM with "
+        f"--{'tokenizer-' if what == 'tokenizer' else ''}revision so "
+        "its KV is named by exact weights"
+    )
 
 
 def _kv_dtype(model_config, cache_config) -> str:
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
     if cache_dtype != "auto":
-        name = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                "fp8_e5m2": "float8_e5m2"}.get(cache_dtype, cache_dtype)
+        name = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
+            cache_dtype, cache_dtype
+        )
     else:
         name = str(model_config.dtype).removeprefix("torch.")
     if name not in KV_DTYPE_BYTES:
@@ -121,13 +144,13 @@ def _kv_dtype(model_config, cache_config) -> str:
     return name
 
 
-def engine_namespace(vllm_config, settings: ConnectorSettings, tp_rank: int,
-                     engine_version: str) -> Namespace:
+def engine_namespace(
+    vllm_config, settings: ConnectorSettings, tp_rank: int, engine_version: str
+) -> Namespace:
     """The namespace of this engine's KV, from its configuration."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if getattr(vllm_config, "lora_config", None) is not None:
-        raise NamespaceRefused("LoRA adapters are not supported yet (their KV differs per "
-                               "adapter)")
+        raise NamespaceRefused("LoRA adapters are not supported yet (their KV differs per adapter)")
     hf = mc.hf_config
     try:
         _check_full_attention(hf)
@@ -138,19 +161,30 @@ def engine_namespace(vllm_config, settings: ConnectorSettings, tp_rank: int,
         raise NamespaceRefused("pipeline parallelism is not supported yet")
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "?"
     return Namespace(
-        tenant=settings.tenant, name=settings.name, model_name=str(mc.model),
+        tenant=settings.tenant,
+        name=settings.name,
+        model_name=str(mc.model),
         model_revision=_revision(mc.model, mc.revision, None, "model"),
-        adapter_id="none", adapter_revision="none",
+        adapter_id="none",
+        adapter_revision="none",
         tokenizer_id=str(mc.tokenizer),
-        tokenizer_revision=_revision(mc.tokenizer, mc.tokenizer_revision, _TOKENIZER_FILES,
-                                     "tokenizer"),
-        rope_type=rope_type, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        tokenizer_revision=_revision(
+            mc.tokenizer, mc.tokenizer_revision, _TOKENIZER_FILES, "tokenizer"
+        ),
+        rope_type=rope_type,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         # KV from another engine, version or device is not bit-identical: never shared.
         attention_impl=f"vllm-{engine_version}-{device}",
-        kv_dtype=_kv_dtype(mc, cc), prompt_template_version="token-ids",
-        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(), tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-        block_size=cc.block_size)
+        kv_dtype=_kv_dtype(mc, cc),
+        prompt_template_version="token-ids",
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        tp_rank=tp_rank,
+        tp_size=pc.tensor_parallel_size,
+        block_size=cc.block_size,
+    )
 
 
 def salted(spec: Namespace, salt: str | None) -> Namespace:
@@ -158,6 +192,7 @@ def salted(spec: Namespace, salt: str | None) -> Namespace:
     if not salt:
         return spec
     from dataclasses import replace
+
     tag = hashlib.blake2b(salt.encode(), digest_size=8, person=_SALT_PERSON).hexdigest()
     return replace(spec, name=f"{spec.name}.salt-{tag}")
 
@@ -168,5 +203,4 @@ def salt_secret(secret: str, salt: str | None) -> str:
     if not salt:
         return secret
     key = hashlib.blake2b(secret.encode(), digest_size=32).digest()
-    return hashlib.blake2b(salt.encode(), digest_size=32, key=key,
-                           person=_SALT_PERSON).hexdigest()
+    return hashlib.blake2b(salt.encode(), digest_size=32, key=key, person=_SALT_PERSON).hexdigest()

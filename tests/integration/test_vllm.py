@@ -8,6 +8,7 @@ caching is off in the kvstore engines, so every hit they report came through kvs
 Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch,
 a frozen agent (SIGSTOP) and a SIGKILL of the agent.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ BLOCK = 32
 SECRET = "vllm-test-secret"
 
 pytestmark = [
-    pytest.mark.skipif(not VLLM_PY.exists(),
-                       reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"),
+    pytest.mark.skipif(
+        not VLLM_PY.exists(), reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"
+    ),
     pytest.mark.timeout(1200),
 ]
 
@@ -48,10 +50,15 @@ def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([str(VLLM_PY), "-m", "loadtest.vllm_run", str(plan_file)],
-                            cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=open(tmp_path / "vllm.log", "w"),
-                            text=True)
+    proc = subprocess.Popen(
+        [str(VLLM_PY), "-m", "loadtest.vllm_run", str(plan_file)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "vllm.log", "w"),
+        text=True,
+    )
     batches, done, out = [], False, []
     try:
         for line in proc.stdout:
@@ -73,8 +80,7 @@ def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
             proc.kill()
     log = "".join(out) + (tmp_path / "vllm.log").read_text()
     (tmp_path / "vllm.log").write_text(log)
-    assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + \
-        log[-6000:]
+    assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + log[-6000:]
     assert "Traceback" not in log, log[-6000:]
     return batches
 
@@ -89,18 +95,38 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     def req(name: str, salt: str | None = None) -> dict:
         return {"prompt": p[name], "salt": salt, "max_tokens": 8}
 
-    plan = {"model": str(tmp_path / "tiny-llama"), "tiny": {"seed": 1}, "block_size": BLOCK,
-            "engines": [
-                {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D")]]},
-                {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
-                {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
-                {"kvstore": extra, "batches": [
-                    [req("A")], [req("B")], [req("C", "s2")], [req("C", "s1")], [req("C")],
-                    {"wait": "flush"}, [req("A")], {"drain": True}, [req("A")],
-                    {"wait": "killswitch-on"}, [req("A")], {"wait": "killswitch-off"},
-                    {"wait": "freeze-agent"}, [req("A")], {"wait": "thaw-agent"},
-                    {"wait": "kill-agent"}, [req("A"), req("D")]]},
-            ]}
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "engines": [
+            {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D")]]},
+            {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
+            {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
+            {
+                "kvstore": extra,
+                "batches": [
+                    [req("A")],
+                    [req("B")],
+                    [req("C", "s2")],
+                    [req("C", "s1")],
+                    [req("C")],
+                    {"wait": "flush"},
+                    [req("A")],
+                    {"drain": True},
+                    [req("A")],
+                    {"wait": "killswitch-on"},
+                    [req("A")],
+                    {"wait": "killswitch-off"},
+                    {"wait": "freeze-agent"},
+                    [req("A")],
+                    {"wait": "thaw-agent"},
+                    {"wait": "kill-agent"},
+                    [req("A"), req("D")],
+                ],
+            },
+        ],
+    }
     waits = []
 
     def on_wait(name: str) -> None:
@@ -114,8 +140,11 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         if name == "fail-get":
             proxy.fail = {"Get"}
             return
-        argv = {"flush": ("flush", "acme/vllm"), "killswitch-on": ("killswitch", "on"),
-                "killswitch-off": ("killswitch", "off")}[name]
+        argv = {
+            "flush": ("flush", "acme/vllm"),
+            "killswitch-on": ("killswitch", "on"),
+            "killswitch-off": ("killswitch", "off"),
+        }[name]
         r = kvctl(*argv, etcd=etcd)
         assert r.returncode == 0, (r.stdout, r.stderr)
 
@@ -137,8 +166,18 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     assert "loaded 0 of 6 blocks; recomputing the rest" in log
 
     fresh = [b["outputs"] for b in batches[3:]]
-    (a,), (b,), (c_s2,), (c_s1,), (c_plain,), (a_flushed,), (a_again,), (a_killswitch,), \
-        (a_frozen,), (a_dead, d_dead) = fresh
+    (
+        (a,),
+        (b,),
+        (c_s2,),
+        (c_s1,),
+        (c_plain,),
+        (a_flushed,),
+        (a_again,),
+        (a_killswitch,),
+        (a_frozen,),
+        (a_dead, d_dead),
+    ) = fresh
     # (a) a fresh engine loads the prefix the other engine stored: every full block but
     # the one holding the last prompt token, and the same greedy tokens as no connector.
     assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
@@ -157,8 +196,15 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     # A frozen agent (SIGSTOP): its calls run into the connector's deadline; recomputed.
     assert a_frozen == {"tokens": ref["A"], "cached": 0}
     # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
-    assert waits == ["fail-get", "flush", "killswitch-on", "killswitch-off", "freeze-agent",
-                     "thaw-agent", "kill-agent"]
+    assert waits == [
+        "fail-get",
+        "flush",
+        "killswitch-on",
+        "killswitch-off",
+        "freeze-agent",
+        "thaw-agent",
+        "kill-agent",
+    ]
     assert a_dead == {"tokens": ref["A"], "cached": 0}
     assert d_dead == {"tokens": ref["D"], "cached": 0}
     assert "kvstore connector (scheduler) on agent" in log

@@ -4,6 +4,7 @@ bytes and, while `fail` names a method, answers that method UNAVAILABLE instead.
     proxy = AgentProxy(agent.address)      # clients use proxy.address
     proxy.fail = {"Get"}                   # Lookups still answer; Gets fail
 """
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -19,12 +20,20 @@ class AgentProxy(grpc.GenericRpcHandler):
     def __init__(self, target: str) -> None:
         self.fail: set[str] = set()
         self.calls: dict[str, int] = {}
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.max_receive_message_length", 64 << 20)])
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.max_receive_message_length", 64 << 20)])
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
+        )
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8),
+            options=[
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
+        )
         self._server.add_generic_rpc_handlers((self,))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
@@ -48,17 +57,22 @@ class AgentProxy(grpc.GenericRpcHandler):
             return tuple(context.invocation_metadata())
 
         if name in _SERVER_STREAM:
+
             def us(request, context):
                 self._check(method, context)
                 yield from self._channel.unary_stream(method)(request, metadata=md(context))
+
             return grpc.unary_stream_rpc_method_handler(us)
         if name in _CLIENT_STREAM:
+
             def su(requests, context):
                 self._check(method, context)
                 return self._channel.stream_unary(method)(requests, metadata=md(context))
+
             return grpc.stream_unary_rpc_method_handler(su)
 
         def uu(request, context):
             self._check(method, context)
             return self._channel.unary_unary(method)(request, metadata=md(context))
+
         return grpc.unary_unary_rpc_method_handler(uu)

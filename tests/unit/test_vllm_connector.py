@@ -1,6 +1,7 @@
 """The vLLM connector's pure parts, without vLLM: settings, the namespace derived from an
 engine config (read by attribute, so a plain record stands in for vLLM's), cache_salt
 isolation, and the copies between vLLM's paged CPU cache and kvstore blocks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstore.integrations.vllm_config import (ConnectorSettings, NamespaceRefused,
-                                              engine_namespace, salt_secret, salted)
+from kvstore.integrations.vllm_config import (
+    ConnectorSettings,
+    NamespaceRefused,
+    engine_namespace,
+    salt_secret,
+    salted,
+)
 from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
 
 EXTRA = {"agent": "127.0.0.1:1", "tenant": "acme", "tenant_secret": "s3cret"}
@@ -23,8 +29,11 @@ class _Model:
     revision: str | None = None
     tokenizer_revision: str | None = None
     dtype: torch.dtype = torch.float32
-    hf_config: object = field(default_factory=lambda: SimpleNamespace(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    hf_config: object = field(
+        default_factory=lambda: SimpleNamespace(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
+    )
 
     def get_num_layers(self, pc) -> int:
         return 2
@@ -38,10 +47,12 @@ class _Model:
 
 def _config(model: _Model, lora=None, cache_dtype="auto"):
     return SimpleNamespace(
-        model_config=model, lora_config=lora,
+        model_config=model,
+        lora_config=lora,
         cache_config=SimpleNamespace(block_size=32, cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"))
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
 
 
 def _model_dir(tmp_path, weights: bytes):
@@ -54,17 +65,20 @@ def _model_dir(tmp_path, weights: bytes):
 
 
 def test_settings_name_what_is_missing(tmp_path):
-    with pytest.raises(NamespaceRefused, match="lacks agent, tenant, tenant_secret or "
-                                               "tenant_secret_file"):
+    with pytest.raises(
+        NamespaceRefused, match="lacks agent, tenant, tenant_secret or tenant_secret_file"
+    ):
         ConnectorSettings.from_extra({})
     secret = tmp_path / "secret"
     secret.write_text("from-file\n")
-    s = ConnectorSettings.from_extra({"agent": "h:1", "tenant": "t",
-                                      "tenant_secret_file": str(secret), "shm_mib": 8})
+    s = ConnectorSettings.from_extra(
+        {"agent": "h:1", "tenant": "t", "tenant_secret_file": str(secret), "shm_mib": 8}
+    )
     assert (s.tenant_secret, s.shm_bytes, s.token) == ("from-file", 8 << 20, None)
     with pytest.raises(NamespaceRefused, match="cannot read"):
-        ConnectorSettings.from_extra({**EXTRA, "tenant_secret": "",
-                                      "tenant_secret_file": str(tmp_path / "none")})
+        ConnectorSettings.from_extra(
+            {**EXTRA, "tenant_secret": "", "tenant_secret_file": str(tmp_path / "none")}
+        )
 
 
 def test_namespace_comes_from_the_engine_config(tmp_path):
@@ -92,22 +106,27 @@ def test_namespace_refusals_say_why(tmp_path):
         engine_namespace(_config(_Model(path, path), lora=object()), settings, 0, "x")
     with pytest.raises(NamespaceRefused, match="'int4' is not one kvstore stores"):
         engine_namespace(_config(_Model(path, path), cache_dtype="int4"), settings, 0, "x")
-    swa = _Model(path, path, hf_config=SimpleNamespace(
-        rope_parameters={"rope_theta": 1e4}, sliding_window=128))
+    swa = _Model(
+        path,
+        path,
+        hf_config=SimpleNamespace(rope_parameters={"rope_theta": 1e4}, sliding_window=128),
+    )
     with pytest.raises(NamespaceRefused, match="sliding-window"):
         engine_namespace(_config(swa), settings, 0, "x")
 
 
 def test_cache_salts_get_their_own_namespace_and_root(tmp_path):
     path = _model_dir(tmp_path, b"w")
-    ns = engine_namespace(_config(_Model(path, path)), ConnectorSettings.from_extra(EXTRA), 0,
-                          "x")
+    ns = engine_namespace(_config(_Model(path, path)), ConnectorSettings.from_extra(EXTRA), 0, "x")
     assert salted(ns, None) == ns and salted(ns, "") == ns
     s1, s2 = salted(ns, "one"), salted(ns, "two")
     assert len({ns.namespace_id, s1.namespace_id, s2.namespace_id}) == 3
     assert "/" not in s1.name and "one" not in s1.name  # the salt itself is not exposed
-    roots = {s1.root(0, salt_secret("s3cret", "one")), s1.root(0, salt_secret("s3cret", "x")),
-             s1.root(0, "s3cret")}
+    roots = {
+        s1.root(0, salt_secret("s3cret", "one")),
+        s1.root(0, salt_secret("s3cret", "x")),
+        s1.root(0, "s3cret"),
+    }
     assert len(roots) == 3
 
 
