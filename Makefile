@@ -84,7 +84,7 @@ check: install
 lint: check
 	$(VENV)/bin/mypy
 
-test: install check
+test: install check vllm-env
 	$(VPY) -m pytest -q
 
 # The unit tests alone (no processes, no network): well under a minute.
