@@ -211,10 +211,15 @@ class ChaosCluster:
         d = self.state / "router"
         d.mkdir(parents=True, exist_ok=True)
         address = f"127.0.0.1:{free_port()}"
+        # Like the agents (and kvctl cluster up): callers without a token are the cluster.
+        config = d / "router.json"
+        config.write_text(json.dumps({"allow_unauthenticated": True}) + "\n")
         cmd = [
             sys.executable,
             "-m",
             "router",
+            "--config",
+            str(config),
             "--router-id",
             "router-0",
             "--listen",
