@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.devcluster import ROOT, etcd_healthy, free_port, grpc_healthy, router_nodes
+from kvstore.devcluster import ROOT, etcd_healthy, grpc_healthy, router_nodes
 
 MiB = 1 << 20
 
@@ -119,12 +121,37 @@ class ClusterSpec:
     start_timeout_s: float = 180.0
 
 
+# Every process keeps its port across restarts, so ports are chosen once, below the
+# kernel's ephemeral range (32768-60999 by default): an outgoing connection of any process
+# may take an ephemeral port between choosing it and a (re)start binding it.
+_PORTS = range(20000, 32000)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class ChaosCluster:
     state: Path
     spec: ClusterSpec
     etcd: Managed | None = None
     agents: list[Managed] = field(default_factory=list)
+    _taken: set[int] = field(default_factory=set)
+
+    def free_port(self) -> int:
+        """A port no process of this cluster has, that nothing listens on now."""
+        while True:
+            port = random.choice(_PORTS)
+            if port not in self._taken and _bindable(port):
+                self._taken.add(port)
+                return port
+
     router: Managed | None = None
     mounts: list[Path] = field(default_factory=list)
     closed: bool = False  # set by close(): nothing starts after that
@@ -153,7 +180,7 @@ class ChaosCluster:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         if not os.access(binary, os.X_OK):
             raise HarnessError("etcd is not installed (apt-get install etcd-server)")
-        cu, pu = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        cu, pu = f"http://127.0.0.1:{self.free_port()}", f"http://127.0.0.1:{self.free_port()}"
         cmd = [
             binary,
             "--name",
@@ -181,7 +208,7 @@ class ChaosCluster:
         data.mkdir(parents=True, exist_ok=True)
         if self.spec.disk_mb and i == self.spec.agents - 1:
             self._mount_tmpfs(data, self.spec.disk_mb)
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{self.free_port()}"
         cfg = {
             "node_id": f"agent-{i}",
             "listen": address,
@@ -210,7 +237,7 @@ class ChaosCluster:
     def _router(self) -> Managed:
         d = self.state / "router"
         d.mkdir(parents=True, exist_ok=True)
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{self.free_port()}"
         # Like the agents (and kvctl cluster up): callers without a token are the cluster.
         config = d / "router.json"
         config.write_text(json.dumps({"allow_unauthenticated": True}) + "\n")
