@@ -32,30 +32,9 @@ import torch
 from kvstore.client.cluster import ClusterClient, ClusterNamespace
 from kvstore.client.convert import block_tensor
 from kvstore.namespace import Namespace
+from loadtest.replay_sim import BLOCK, LAYOUT  # the replay's tiny Llama: 8 KiB blocks
 
 MiB = 1 << 20
-BLOCK = 16
-# The tiny Llama layout of loadtest/replay.py: 8 KiB per 16-token block.
-LAYOUT = dict(
-    model_name="tiny-llama",
-    model_revision="seed0",
-    adapter_id="none",
-    adapter_revision="none",
-    tokenizer_id="synthetic",
-    tokenizer_revision="v1",
-    rope_type="default",
-    rope_theta=10000.0,
-    rope_scaling="none",
-    attention_impl="sdpa",
-    kv_dtype="float16",
-    prompt_template_version="v1",
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=32,
-    tp_rank=0,
-    tp_size=1,
-    block_size=BLOCK,
-)
 SYSTEM_BLOCKS = 2  # every session of a tenant starts with the same system prompt
 MAX_TURNS = 10
 ACTIVE_SESSIONS = 4
