@@ -28,7 +28,7 @@ ENV PATH=/opt/kvstore/bin:$PATH
 WORKDIR /src
 
 # Dependencies first, from pyproject.toml alone, so a source edit does not reinstall torch.
-COPY pyproject.toml setup.py ./
+COPY pyproject.toml setup.py deploy/docker/ucx_requirement.py ./
 RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["server"]))' > /tmp/requirements.txt
 # TORCH_INDEX_URL: where torch comes from (e.g. PyTorch's CPU index); its dependencies may
 # come from PyPI, and a local-version wheel (+cpu) wins over PyPI's build of that version.
@@ -37,6 +37,10 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
         "$(grep '^torch' /tmp/requirements.txt)"; \
     fi \
  && pip install -r /tmp/requirements.txt
+# UCX for peer transfers, built for the CUDA this torch was built for (cu13 for PyPI's
+# default torch, cu12 for CUDA 12 and for a CPU torch, where it runs without a GPU).
+RUN python ucx_requirement.py > /tmp/ucx-requirements.txt \
+ && pip install -r /tmp/ucx-requirements.txt
 
 COPY . .
 # Fail the build, not the pod: the image must have the C extension, and every console

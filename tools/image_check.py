@@ -285,6 +285,13 @@ def main() -> int:
                 wait_healthy(name),
                 sh("podman", "logs", "--tail", "5", name).stderr,
             )
+            # The image ships the UCX build for its torch: peers must not fall back to gRPC.
+            logs = sh("podman", "logs", name)
+            check(
+                f"{name} serves peers over UCX",
+                "UCX peer listener on" in logs.stdout + logs.stderr,
+                "\n".join(line for line in logs.stderr.splitlines() if "UCX" in line)[-500:],
+            )
         check(
             f"{RUN}-router healthy",
             wait_healthy(f"{RUN}-router"),
