@@ -44,4 +44,3 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
 
     def _authenticate(self, context) -> None:
         current_tenant.set(self.resolve(context))
-

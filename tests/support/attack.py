@@ -120,3 +120,27 @@ def agent_view(address: str) -> AgentView:
         counters,
         tuple(t.SerializeToString(deterministic=True) for t in s.tiers),
     )
+
+
+class TokenTrap(grpc.GenericRpcHandler):
+    """A gRPC listener an attacker names as a 'peer': it records the authorization each
+    call presents and refuses the call (UNAVAILABLE)."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        self.seen: list[str] = []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        self._server.add_generic_rpc_handlers((self,))
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def close(self) -> None:
+        self._server.stop(grace=None)
+
+    def service(self, details):
+        def refuse(request, context):
+            self.seen.append(dict(context.invocation_metadata()).get("authorization", ""))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "trap")
+
+        return grpc.unary_stream_rpc_method_handler(refuse)
