@@ -6,10 +6,22 @@ cluster token moves no blocks (test_attack_tenant.py). Real etcd and agent proce
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+
+import pytest
 
 from support.attack import TOKENS, As, TokenTrap, etcd_items, ns_msg, ref, tenants
 from support.cluster import agent_config
-from support.common import TEST_SECRET, block_payload, make_namespace, prompt_tokens, wait_for
+from support.common import (
+    PY,
+    ROOT,
+    TEST_SECRET,
+    block_payload,
+    make_namespace,
+    prompt_tokens,
+    wait_for,
+)
 
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.v1 import agent_pb2
@@ -71,3 +83,35 @@ def test_pulls_show_the_agent_credential_to_registered_agents_only(etcd, spawn_a
         assert trap.seen and set(trap.seen) == {f"Bearer {TOKENS['acme']}"}
     finally:
         trap.close()
+
+
+@pytest.mark.parametrize("content", [None, ""], ids=["missing", "empty"])
+def test_agent_with_an_unusable_agent_token_file_exits_1_naming_it(tmp_path, content):
+    path = tmp_path / "agent-token"
+    if content is not None:
+        path.write_text(content)
+    cfg = tmp_path / "agent.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": "127.0.0.1:0",
+                "device": "cpu",
+                "pool_bytes": "4MiB",
+                "slot_bytes": "64KiB",
+                "nvme_bytes": 0,
+                "data_dir": str(tmp_path / "data"),
+                "allow_unauthenticated": True,
+                "agent_token_file": str(path),
+            }
+        )
+    )
+    r = subprocess.run(
+        [PY, "-m", "node_agent", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr
+    assert f"kvstore-agent: cannot start: agent_token_file {path}" in r.stderr
+    assert "Traceback" not in r.stderr
