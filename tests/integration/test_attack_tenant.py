@@ -7,6 +7,8 @@ index. The timing side of probes is measured by loadtest/probe_timing.py, not he
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from support.attack import (
     TOKENS,
@@ -65,12 +67,23 @@ class World:
             assert a.put(ns, self.ids, tensors).stored == N_BLOCKS
         self.router_stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(self.router.address))
         wait_for(lambda: self.indexed() == N_BLOCKS, 30, what="the router to index A's blocks")
+        # Agents publish what they hold in their etcd records on a heartbeat: let that
+        # catch up with A's blocks, so a later change there is one a probe made.
+        wait_for(
+            lambda: sum(r["blocks"] for r in self.node_records()) == N_BLOCKS,
+            30,
+            what="the agents' etcd records to show A's blocks",
+        )
 
     def indexed(self) -> int:
         resp = self.router_stub.ListNodes(
             router_pb2.ListNodesRequest(), metadata=As(self.router.address, "_cluster").md
         )
         return sum(n.indexed_blocks for n in resp.nodes)
+
+    def node_records(self) -> list[dict]:
+        items = etcd_items(self.etcd.endpoint)
+        return [json.loads(v) for k, v in items.items() if k.startswith("nodes/")]
 
     def snapshot(self) -> tuple:
         return (
