@@ -12,8 +12,18 @@ from typing import Protocol
 
 from kvstore import errors
 from kvstore.config import TenantConfig
+from kvstore.namespace import Namespace
 
-CLUSTER_TENANT = "_cluster"  # routers, peer agents and kvctl authenticate as this tenant
+# Reserved identities (tenant names in tenants.json). Least privilege (docs/security.md):
+# the cluster identity (routers, kvctl) follows event streams, lists nodes and reads
+# stats, but never a tenant's payloads; the agent identity (peer agents) moves blocks
+# between agents (Peer.FetchBlocks, Peer.Prefetch) and nothing else.
+CLUSTER_TENANT = "_cluster"
+AGENT_TENANT = "_agent"
+RESERVED_TENANTS = (CLUSTER_TENANT, AGENT_TENANT)
+# One answer for a namespace that is unknown and one of another tenant's: a probe must not
+# tell them apart (the router and the agents answer it alike).
+NOT_YOURS = "namespace is unknown or not open to this tenant"
 
 
 class _HasTenants(Protocol):  # AgentConfig, RouterConfig
@@ -49,3 +59,28 @@ class TokenTable:
         if tenant is None:
             raise errors.Unauthenticated("unknown token")
         return tenant
+
+
+def check_namespace(
+    caller: str | None, spec: Namespace | None, write: bool, peer: bool = False
+) -> None:
+    """Raise PermissionDenied unless `caller` may use the namespace `spec` (None: not known
+    on this node). Decided from the identity and the spec alone, before any block index,
+    generation, registry or counter is touched, so a refusal changes nothing and reads the
+    same whether or not the namespace exists or holds the prefix asked about.
+
+    `peer`: a peer-transfer method (FetchBlocks, Prefetch), which the agent identity may
+    use on any namespace. Unauthenticated callers (development) pass; an unknown namespace
+    is then NOT_FOUND from the store."""
+    if caller is None or (peer and caller == AGENT_TENANT):
+        return
+    if caller in RESERVED_TENANTS:
+        raise errors.PermissionDenied(
+            f"identity {caller!r} may not {'write' if write else 'read'} tenants' blocks"
+        )
+    if spec is None or (spec.tenant != caller and not spec.public):
+        raise errors.PermissionDenied(NOT_YOURS)
+    if write and spec.tenant != caller:
+        raise errors.PermissionDenied(
+            f"tenant {caller!r} may not write namespaces of tenant {spec.tenant!r}"
+        )

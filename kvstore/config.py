@@ -118,6 +118,10 @@ class AgentConfig:
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
     local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
+    # File holding this agent's bearer token as the "_agent" identity (docs/security.md):
+    # presented on pulls from registered agents (etcd nodes/); "": pulls forward the token
+    # of the Prefetch's caller.
+    agent_token_file: str = ""
     # Peer transfer tuning: `peer:` in the file, KVSTORE_AGENT_PEER (JSON), and one
     # KVSTORE_PEER_<FIELD> variable per field (what operators and benchmarks set).
     peer: PeerConfig = field(default_factory=PeerConfig, metadata={"env_prefix": "KVSTORE_PEER_"})

@@ -17,8 +17,10 @@ after a grace period. `status` reports each process and what the router has inde
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -273,9 +275,22 @@ def _start_etcd(state: Path) -> tuple[subprocess.Popen, str, Path]:
     return proc, f"127.0.0.1:{cport}", log
 
 
+def _agent_token(state: Path) -> tuple[Path, str]:
+    """The agent credential ("_agent", docs/security.md) the agents present to each other
+    on peer pulls: made once per state directory, readable by its owner only; returns
+    the file and the token's SHA-256 (the agents' tenants entry)."""
+    path = state / "agent-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path, hashlib.sha256(path.read_text().strip().encode()).hexdigest()
+
+
 def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
     d = state / f"agent-{i}"
     d.mkdir(parents=True, exist_ok=True)
+    token_file, token_sha256 = _agent_token(state)
     cfg = {
         "node_id": f"agent-{i}",
         "listen": "127.0.0.1:0",
@@ -287,6 +302,10 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
         "allow_unauthenticated": True,
         "etcd_endpoints": etcd,
         "lease_ttl_s": opts.lease_ttl_s,
+        # Callers without a token are still admitted (development); pulls between these
+        # agents authenticate as the agent identity.
+        "agent_token_file": str(token_file),
+        "tenants": {"_agent": {"token_sha256": token_sha256}},
     }
     (d / "agent.json").write_text(json.dumps(cfg, indent=2) + "\n")
     ready = d / "ready"

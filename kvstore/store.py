@@ -128,6 +128,12 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 self.set_generation(st.ns_id, generation)
             return st
 
+    def spec_of(self, ns_id: bytes) -> Namespace | None:
+        """The spec of a namespace known here (None: unknown), whatever its generation:
+        what access checks decide on before anything else is looked at."""
+        st = self._ns.get(ns_id)
+        return None if st is None else st.spec
+
     def namespace(self, ns_id: bytes, generation: int) -> NsState:
         st = self._ns.get(ns_id)
         if st is None:

@@ -10,7 +10,6 @@ import logging
 import grpc
 
 from kvstore.grpc_edge import wrap_handler
-from kvstore import errors
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent")
@@ -45,13 +44,3 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
 
     def _authenticate(self, context) -> None:
         current_tenant.set(self.resolve(context))
-
-
-def check_access(owner: str, public: bool, write: bool) -> None:
-    """Tenants touch their own namespaces; public ones are readable by everyone."""
-    tenant = current_tenant.get()
-    if tenant is None or tenant == owner or (public and not write):
-        return
-    raise errors.PermissionDenied(
-        f"tenant {tenant!r} may not {'write' if write else 'read'} namespaces of tenant {owner!r}"
-    )

@@ -10,6 +10,7 @@ import os
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.auth import RESERVED_TENANTS
 from kvstore.process import StartupError, bind_port, run_until_signalled
 from kvstore.accounting import TenantAccounts
 from kvstore.config import AgentConfig
@@ -72,9 +73,10 @@ def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
 def build_store(cfg: AgentConfig) -> BlockStore:
     pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device)
     rocks = open_nvme(cfg)
-    limits = {
+    limits = {  # the reserved identities (routers, peer agents) hold no blocks
         t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}
         for t, tc in cfg.tenants.items()
+        if t not in RESERVED_TENANTS
     }
     threads = cfg.copy_threads or min(4, os.cpu_count() or 1)
     store = BlockStore(

@@ -7,13 +7,13 @@ import asyncio
 import logging
 
 from kvstore import errors, native
-from kvstore.auth import CLUSTER_TENANT
+from kvstore.auth import CLUSTER_TENANT, check_namespace
 from kvstore.events import Tier
 from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from kvstore.wire import check_id, namespace_from_proto, policy_to_proto, unpack_ids
 from node_agent.events import EventHub
-from node_agent.interceptors import check_access, current_tenant
+from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
 from node_agent.shm import ShmRegistry
@@ -53,10 +53,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         return unpack_ids(packed, self.max_blocks, what)
 
     def _ns(self, ref: agent_pb2.NamespaceRef, write: bool) -> NsState:
+        """The namespace a request names, access decided first: an unknown namespace and
+        another tenant's get the same refusal, before generations or blocks are looked at
+        (docs/security.md)."""
         check_id(ref.namespace_id, "namespace_id")
-        st = self.store.namespace(ref.namespace_id, ref.generation)
-        check_access(st.spec.tenant, st.spec.public, write)
-        return st
+        check_namespace(current_tenant.get(), self.store.spec_of(ref.namespace_id), write)
+        return self.store.namespace(ref.namespace_id, ref.generation)
 
     async def _run(self, nbytes: int, fn, *args):
         self.in_flight += 1
@@ -75,11 +77,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         spec = namespace_from_proto(request.spec)
         tenant = current_tenant.get()
         # Another tenant may open a public namespace (to read it: Put and Pin still check
-        # write access), never a private one.
+        # write access), never a private one; the reserved identities open none.
         if tenant is not None and tenant != spec.tenant and not spec.public:
             raise errors.PermissionDenied(
                 f"tenant {tenant!r} may not open namespaces of tenant {spec.tenant!r}"
             )
+        check_namespace(tenant, spec, write=False)
         if self.control is not None:  # registers it in etcd, the cap checked there
             st = await self.control.open_namespace(spec)
         else:

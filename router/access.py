@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore import errors
-from kvstore.auth import CLUSTER_TENANT, TokenTable
+from kvstore.auth import CLUSTER_TENANT, NOT_YOURS, TokenTable
 from kvstore.grpc_edge import wrap_handler
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
-# One message for an unknown namespace and another tenant's: they must not be told apart.
-NOT_YOURS = "namespace is unknown or not open to this tenant"
+# NOT_YOURS (kvstore/auth.py): one message for an unknown namespace and another tenant's,
+# the agents' too: they must not be told apart.
 MAX_LEARNED = 1 << 16  # namespaces admitted from specs, beyond those in etcd
 
 

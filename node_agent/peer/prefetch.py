@@ -20,6 +20,7 @@ from kvstore.v1 import agent_pb2, peer_pb2
 from kvstore.wire import namespace_to_proto
 from node_agent.peer.claims import ClaimRun, Claims
 from node_agent.peer.counters import Counters
+from node_agent.peer.credential import PeerCredential
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
 from node_agent.peer.requests import PeerRequests
 from node_agent.peer.sink import BatchSink, present_prefix
@@ -39,7 +40,7 @@ class FetchJob:
     parent_id: bytes
     peer: PeerRef
     deadline: float
-    authorization: str  # the caller's, forwarded to the peer
+    authorization: str  # what the peer is shown: the agent's, or the caller's (credential.py)
     fetched: int = 0
     waited: int = 0
     used: list[str] = field(default_factory=list)  # transports tried, in order
@@ -59,6 +60,7 @@ class Prefetcher:
         counters: Counters,
         transports: Sequence[Transport],
         published=lambda: None,
+        credential: PeerCredential | None = None,
     ) -> None:
         self._store = store
         self._requests = requests
@@ -67,6 +69,7 @@ class Prefetcher:
         self._counters = counters
         self._transports = list(transports)
         self._published = published  # ship the store's pending events (event loop)
+        self._credential = credential or PeerCredential("")  # which token a pull presents
         self._claims = Claims()
         # Concurrent transfers pulled, all transports together: each holds staging sets.
         self._slots = asyncio.Semaphore(pcfg.max_transfers)
@@ -91,7 +94,8 @@ class Prefetcher:
         if time_left is not None:
             budget = min(budget, time_left)
         peer = PeerRef(req.peer_address, req.peer_ucx_address)
-        job = FetchJob(st, gen, ids, req.parent_id, peer, time.monotonic() + budget, authorization)
+        auth = self._credential.for_pull(peer, authorization)
+        job = FetchJob(st, gen, ids, req.parent_id, peer, time.monotonic() + budget, auth)
         await self._run(job)
         present = present_prefix(self._store, st.ns_id, gen, ids, req.parent_id)
         stopped = "" if present == len(ids) else (job.stopped or "blocks left after fetch")

@@ -7,7 +7,7 @@ from kvstore import errors
 from kvstore.hashing import BlockId
 from kvstore.store import BlockStore, NsState
 from kvstore.wire import namespace_from_proto, unpack_ids
-from kvstore.auth import CLUSTER_TENANT
+from kvstore.auth import check_namespace
 
 
 class PeerRequests:
@@ -24,24 +24,25 @@ class PeerRequests:
 
     async def namespace(self, ref, spec_msg, tenant: str | None, write: bool) -> NsState:
         """The namespace a request names, opened from its spec if this node never saw it;
-        generation fencing applies (store.namespace)."""
+        generation fencing applies (store.namespace). Access is decided first, from the
+        caller and the spec (known here, or sent: the id is the spec's hash, so a spec
+        proves whose namespace it is): a refused call opens nothing, registers nothing in
+        etcd and reads the same whether or not the namespace exists here."""
         if len(ref.namespace_id) != 16:
             raise errors.InvalidArgument("namespace_id must be 16 bytes")
-        try:
-            st = self._store.namespace(ref.namespace_id, ref.generation)
-        except errors.NotFound:
-            if spec_msg is None:
-                raise
+        spec = None
+        if spec_msg is not None:
             spec = namespace_from_proto(spec_msg)
             if spec.namespace_id != ref.namespace_id:
-                raise errors.InvalidArgument("spec does not match namespace_id") from None
+                raise errors.InvalidArgument("spec does not match namespace_id")
+        known = self._store.spec_of(ref.namespace_id)
+        check_namespace(tenant, known or spec, write, peer=True)
+        if known is None and spec is not None:
             if self._control is not None:
                 await self._control.open_namespace(spec)
             else:
                 self._store.open_namespace(spec)
-            st = self._store.namespace(ref.namespace_id, ref.generation)
-        check_peer_access(tenant, st, write)
-        return st
+        return self._store.namespace(ref.namespace_id, ref.generation)
 
     def ids(self, packed: bytes) -> list[BlockId]:
         return unpack_ids(packed, self._max_blocks)
@@ -51,16 +52,3 @@ class PeerRequests:
         if parent_id and len(parent_id) != 16:
             raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
         return parent_id
-
-
-def check_peer_access(tenant: str | None, st: NsState, write: bool) -> None:
-    """Owners and cluster components (routers, peers) may move a namespace's blocks;
-    other tenants may only read public namespaces."""
-    if tenant is None or tenant == CLUSTER_TENANT or tenant == st.tenant:
-        return
-    if st.spec.public and not write:
-        return
-    raise errors.PermissionDenied(
-        f"tenant {tenant!r} may not {'write' if write else 'read'} "
-        f"namespaces of tenant {st.tenant!r}"
-    )

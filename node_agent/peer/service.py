@@ -9,6 +9,7 @@ import logging
 from kvstore.config import AgentConfig
 from kvstore.store import BlockStore
 from node_agent.peer.counters import Counters
+from node_agent.peer.credential import PeerCredential, read_token
 from node_agent.peer.grpc_transport import GrpcTransport, PeerServicer
 from node_agent.peer.prefetch import Prefetcher
 from node_agent.peer.requests import PeerRequests
@@ -41,8 +42,17 @@ class PeerTransfer:
         grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s)
         # Order of preference: UCX, then gRPC for whatever UCX could not move.
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
+        self._credential = PeerCredential(read_token(cfg.agent_token_file))
+        self._etcd_endpoints = cfg.etcd_endpoints
         prefetcher = Prefetcher(
-            store, self._requests, staging, pcfg, counters, self._transports, publish
+            store,
+            self._requests,
+            staging,
+            pcfg,
+            counters,
+            self._transports,
+            publish,
+            self._credential,
         )
         # FetchBlocks lends pool slots to the event loop's copy only where the pool
         # verifies in place in host memory.
@@ -55,13 +65,16 @@ class PeerTransfer:
 
     async def start(self, host: str, control=None) -> None:
         """Bring UCX up (listening on `host`); open unseen namespaces through `control`
-        (etcd generations) when given."""
+        (etcd generations) when given; follow the registered agents that pulls may show
+        the agent credential to."""
         self._requests.use_control(control)
+        self._credential.start(self._etcd_endpoints)
         if self._ucx is None:
             log.info("UCX disabled by configuration: peers use the gRPC fallback")
             return
         await self._ucx.start(host)
 
     async def stop(self) -> None:
+        await self._credential.stop()
         for transport in self._transports:
             await transport.close()

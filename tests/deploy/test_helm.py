@@ -355,7 +355,7 @@ def test_production_agents_one_gpu_each(helm, tmp_path, monkeypatch):
     for c in containers:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert [int(c.listen.rsplit(":", 1)[1]) for c in cfgs] == list(range(50051, 50059))
-    assert set(cfgs[0].tenants) == {"acme", "globex", "_cluster"}
+    assert set(cfgs[0].tenants) == {"acme", "globex", "_cluster", "_agent"}
     assert cfgs[0].tenants["acme"].hbm_limit_bytes == 100 << 30
     assert cfgs[0].policies["acme/chat"].pin_budget_bytes == 4096 << 20
     assert not cfgs[0].allow_unauthenticated
@@ -379,6 +379,28 @@ def test_cluster_token_matches_its_hash(helm, tmp_path, monkeypatch):
     )
     # The agent's interceptor resolves a bearer token by its SHA-256.
     assert agent.tenants["_cluster"].token_sha256 == hashlib.sha256(token.encode()).hexdigest()
+
+
+def test_agents_hold_the_agent_token_routers_do_not(helm, tmp_path, monkeypatch):
+    """Peers prove they are agents (docs/security.md): the agent credential is mounted into
+    agents only, its hash is the "_agent" entry, and it is not the cluster token."""
+    docs = render(helm, "production-values.yaml")
+    container = agent_containers(docs)[0]
+    agent = load_as_container(
+        docs, container, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+    )
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "agent-token")
+    assert agent.agent_token_file == mount["mountPath"] + "/token"
+    volumes = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["volumes"]
+    secret_name = next(v for v in volumes if v["name"] == "agent-token")["secret"]["secretName"]
+    secret = one(docs, "Secret", "-agent-token")
+    assert secret["metadata"]["name"] == secret_name
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32
+    assert agent.tenants["_agent"].token_sha256 == hashlib.sha256(token.encode()).hexdigest()
+    assert agent.tenants["_agent"].token_sha256 != agent.tenants["_cluster"].token_sha256
+    router = one(docs, "Deployment", "-router")["spec"]["template"]
+    assert "agent-token" not in json.dumps(router)
 
 
 def test_routers_authenticate_the_agents_tenants(helm, tmp_path, monkeypatch):

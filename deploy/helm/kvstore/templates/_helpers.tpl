@@ -82,6 +82,16 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- default (printf "%s-cluster-token" (include "kvstore.fullname" .)) .Values.auth.existingClusterTokenSecret -}}
 {{- end -}}
 
+{{/* The agent credential (identity "_agent", docs/security.md): a Secret the chart renders
+     unless auth.existingSecret is yours, then only auth.existingAgentTokenSecret. */}}
+{{- define "kvstore.agentTokenSecretName" -}}
+{{- default (printf "%s-agent-token" (include "kvstore.fullname" .)) .Values.auth.existingAgentTokenSecret -}}
+{{- end -}}
+
+{{- define "kvstore.hasAgentToken" -}}
+{{- if or (not .Values.auth.existingSecret) .Values.auth.existingAgentTokenSecret -}}true{{- end -}}
+{{- end -}}
+
 {{- define "kvstore.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "kvstore.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}

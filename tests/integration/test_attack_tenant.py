@@ -1,0 +1,211 @@
+"""Attacks of a caller holding one tenant's valid token (globex, "B"), or the router's
+cluster token, on a real cluster that authenticates everyone: etcd, two agents and a
+router, each in its own process (issue 18, items 2 and 4; the shared-memory and lane
+attacks are in test_attack_lane.py). Every refusal is checked against what it must leave
+unchanged: etcd (read directly), the agents' namespaces, blocks and counters, the router's
+index. The timing side of probes is measured by loadtest/probe_timing.py, not here."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from support.attack import (
+    TOKENS,
+    As,
+    agent_view,
+    etcd_items,
+    ns_msg,
+    ref,
+    refusal,
+    tenants,
+)
+from support.cluster import agent_config
+from support.common import TEST_SECRET, block_payload, make_namespace, prompt_tokens, wait_for
+
+import torch
+
+from kvstore.auth import NOT_YOURS
+from kvstore.client import KVClient
+from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.hashing import hash_chain, pack_ids
+from kvstore.v1 import agent_pb2, router_pb2, router_pb2_grpc
+
+A_SPEC = make_namespace(tenant="acme", name="secret-chat")
+UNOPENED = make_namespace(tenant="acme", name="never-opened")  # nowhere, not even in etcd
+BS = A_SPEC.block_size
+P = grpc.StatusCode.PERMISSION_DENIED
+N_BLOCKS = 6
+
+
+class World:
+    """Agent 0 holds A's prompt (N_BLOCKS blocks); agent 1 is where pulls are asked for."""
+
+    def __init__(self, etcd, spawn_agent, start_router) -> None:
+        cfg = agent_config(etcd, tenants=tenants(), allow_unauthenticated=False)
+        self.agents = [spawn_agent(**cfg), spawn_agent(**cfg)]
+        self.router = start_router(
+            token=TOKENS["_cluster"],
+            config={"tenants": tenants(), "allow_unauthenticated": False},
+        )
+        self.etcd = etcd
+        tokens = prompt_tokens(3, N_BLOCKS * BS)
+        self.root = A_SPEC.root(0, TEST_SECRET)
+        self.ids = hash_chain(self.root, tokens, BS)
+        self.uncached = hash_chain(self.root, prompt_tokens(4, N_BLOCKS * BS), BS)
+        self.blocks = [block_payload(i, A_SPEC.block_bytes) for i in self.ids]
+        with KVClient(
+            self.agents[0].address, token=TOKENS["acme"], tenant_secret=TEST_SECRET, use_shm=False
+        ) as a:
+            ns = a.open_namespace(A_SPEC)
+            tensors = [
+                torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                .view(torch_dtype(A_SPEC.kv_dtype))
+                .view(block_shape(A_SPEC))
+                for b in self.blocks
+            ]
+            assert a.put(ns, self.ids, tensors).stored == N_BLOCKS
+        self.router_stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(self.router.address))
+        wait_for(lambda: self.indexed() == N_BLOCKS, 30, what="the router to index A's blocks")
+        # Agents publish what they hold in their etcd records on a heartbeat: let that
+        # catch up with A's blocks, so a later change there is one a probe made.
+        wait_for(
+            lambda: sum(r["blocks"] for r in self.node_records()) == N_BLOCKS,
+            30,
+            what="the agents' etcd records to show A's blocks",
+        )
+
+    def indexed(self) -> int:
+        resp = self.router_stub.ListNodes(
+            router_pb2.ListNodesRequest(), metadata=As(self.router.address, "_cluster").md
+        )
+        return sum(n.indexed_blocks for n in resp.nodes)
+
+    def node_records(self) -> list[dict]:
+        items = etcd_items(self.etcd.endpoint)
+        return [json.loads(v) for k, v in items.items() if k.startswith("nodes/")]
+
+    def snapshot(self) -> tuple:
+        return (
+            etcd_items(self.etcd.endpoint),
+            [agent_view(a.address) for a in self.agents],
+            self.indexed(),
+        )
+
+
+def test_refused_prefetch_and_fetch_register_nothing_in_etcd(etcd, spawn_agent, start_router):
+    """Item 2: B's Prefetch (and FetchBlocks) for a spec of A's that no node has opened is
+    refused before the namespace is opened, so no record appears under namespaces/acme/."""
+    w = World(etcd, spawn_agent, start_router)
+    before = w.snapshot()
+    assert not any(k.endswith(UNOPENED.namespace_id.hex()) for k in before[0])
+    b = As(w.agents[1].address, "globex")
+    ids = hash_chain(UNOPENED.root(0, TEST_SECRET), prompt_tokens(3, 2 * BS), BS)
+    got = {
+        refusal(b.prefetch, UNOPENED, ids, UNOPENED.root(0, TEST_SECRET), w.agents[0].address),
+        refusal(b.fetch, UNOPENED, ids, UNOPENED.root(0, TEST_SECRET)),
+    }
+    after = w.snapshot()
+    assert after[0] == before[0]  # etcd first: no namespaces/acme/<id> record appeared
+    assert after == before  # both agents and the router's index untouched too
+    assert got == {(P, NOT_YOURS)}
+
+
+def test_cluster_identity_follows_events_but_reads_no_payloads(etcd, spawn_agent, start_router):
+    """Item 4: the router's token streams events and reads stats, but FetchBlocks, Prefetch,
+    Get and Lookup of a tenant's namespace are refused; the agent identity (peers) may pull."""
+    w = World(etcd, spawn_agent, start_router)
+    cluster = As(w.agents[0].address, "_cluster")
+    first = next(
+        iter(cluster.agent.Subscribe(agent_pb2.SubscribeRequest(), metadata=cluster.md, timeout=10))
+    )
+    assert first.snapshot
+    assert cluster.call(cluster.agent.Stats, agent_pb2.StatsRequest(tenant="acme")).tenants
+    before = w.snapshot()
+    denied = {
+        refusal(cluster.fetch, A_SPEC, w.ids, w.root)[0],
+        refusal(cluster.fetch, A_SPEC, w.ids, w.root, with_spec=False)[0],
+        refusal(As(w.agents[1].address, "_cluster").prefetch, A_SPEC, w.ids, w.root, "x:1")[0],
+        refusal(
+            cluster.call,
+            cluster.agent.Get,
+            agent_pb2.GetRequest(ns=ref(A_SPEC), block_ids=pack_ids(w.ids), parent_id=w.root),
+        )[0],
+        refusal(
+            cluster.call,
+            cluster.agent.Lookup,
+            agent_pb2.LookupRequest(ns=ref(A_SPEC), block_ids=pack_ids(w.ids)),
+        )[0],
+    }
+    assert denied == {P}
+    assert w.snapshot() == before
+    # A peer agent proves it is one with the agent credential, and may move the blocks.
+    chunks = As(w.agents[0].address, "_agent").fetch(A_SPEC, w.ids, w.root)
+    assert [bytes(d) for c in chunks for d in c.data] == w.blocks
+
+
+def test_probes_of_another_tenant_get_one_answer(etcd, spawn_agent, start_router):
+    """Item 2 and the probe half of the timing item: B asks every RPC about A's namespace
+    with A's cached ids, with ids nothing caches, at a generation A's namespace is not at,
+    and about a namespace of A's that exists nowhere: one answer, PERMISSION_DENIED with one
+    message, for each RPC; and none of it changed anything anywhere."""
+    w = World(etcd, spawn_agent, start_router)
+    before = w.snapshot()
+    b0, b1 = As(w.agents[0].address, "globex"), As(w.agents[1].address, "globex")
+    probes = [
+        (A_SPEC, w.ids, 0),  # A's namespace, prefix cached on agent 0
+        (A_SPEC, w.uncached, 0),  # A's namespace, prefix cached nowhere
+        (A_SPEC, w.ids, 7),  # a generation A's namespace is not at
+        (UNOPENED, w.ids, 0),  # a namespace of A's that exists nowhere
+    ]
+    for name, rpc in _rpcs(b0, b1, w).items():
+        answers = {refusal(rpc, spec, ids, gen) for spec, ids, gen in probes}
+        assert answers == {(P, NOT_YOURS)}, name
+    # Nor do B's OpenNamespace, Stats or Subscribe for A, nor B's Route of A's prefix.
+    assert (
+        refusal(
+            b0.call, b0.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(UNOPENED))
+        )[0]
+        == P
+    )
+    assert refusal(b0.call, b0.agent.Stats, agent_pb2.StatsRequest(tenant="acme"))[0] == P
+    assert refusal(b0.call, b0.agent.Subscribe, agent_pb2.SubscribeRequest())[0] == P
+    route = router_pb2_grpc.RouterStub(grpc.insecure_channel(w.router.address))
+    for spec, ids, gen in probes:
+        req = router_pb2.RouteRequest(
+            namespace_id=spec.namespace_id, block_ids=pack_ids(ids), generation=gen
+        )
+        assert refusal(route.Route, req, metadata=b0.md, timeout=10) == (P, NOT_YOURS)
+    assert w.snapshot() == before
+
+
+def _rpcs(b0: As, b1: As, w: World) -> dict:
+    """Every agent and peer RPC that names a namespace, as B's probe (spec, ids, gen)."""
+
+    def unary(method, build):
+        return lambda spec, ids, gen: b0.call(method, build(ref(spec, gen), ids))
+
+    def put(spec, ids, gen):
+        first = agent_pb2.PutRequest(ns=ref(spec, gen), root=w.root)
+        first.blocks.add(block_id=ids[0], parent_id=w.root, data=b"\0" * spec.block_bytes)
+        return b0.call(b0.agent.Put, iter([first]))
+
+    def lookup(r, ids):
+        return agent_pb2.LookupRequest(ns=r, block_ids=pack_ids(ids))
+
+    def get(r, ids):
+        return agent_pb2.GetRequest(ns=r, block_ids=pack_ids(ids), parent_id=w.root)
+
+    def pin(r, ids):
+        return agent_pb2.PinRequest(ns=r, block_ids=pack_ids(ids))
+
+    return {
+        "Lookup": unary(b0.agent.Lookup, lookup),
+        "Get": unary(b0.agent.Get, get),
+        "Pin": unary(b0.agent.Pin, pin),
+        "Unpin": unary(b0.agent.Unpin, pin),
+        "Put": put,
+        "FetchBlocks": lambda spec, ids, gen: b0.fetch(spec, ids, w.root, gen, with_spec=False),
+        "FetchBlocks+spec": lambda spec, ids, gen: b0.fetch(spec, ids, w.root, gen),
+        "Prefetch": lambda spec, ids, gen: b1.prefetch(spec, ids, w.root, w.agents[0].address, gen),
+    }
