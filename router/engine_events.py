@@ -122,7 +122,7 @@ def _event(d: Any) -> KVEvent | None:
     if kind == "BlockStored":
         tokens = d.get("token_ids")
         bs = d.get("block_size")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        if not isinstance(tokens, list):  # its items are checked when hashed
             raise ValueError("BlockStored: token_ids must be a list of ints")
         if not isinstance(bs, int) or bs < 1:
             raise ValueError("BlockStored: block_size must be an int >= 1")
@@ -179,16 +179,18 @@ class ChainRoots:
         self._secret = tenant_secret
         self._generation_of = generation_of
         self._cache: dict[tuple[str, int], bytes] = {}
-        self._ns: dict[str, Namespace] = {}
+        self._ns: dict[str, tuple[Namespace, bytes]] = {}
 
     def root(self, salt: str | None) -> bytes | None:
         if not self.spec.public and not self._secret:
             return None
         key = salt or ""
-        ns = self._ns.get(key)
-        if ns is None:
-            ns = self._ns[key] = salted(self.spec, salt)
-        gen = self._generation_of(ns.namespace_id)
+        entry = self._ns.get(key)
+        if entry is None:
+            salted_ns = salted(self.spec, salt)
+            entry = self._ns[key] = (salted_ns, salted_ns.namespace_id)
+        ns, ns_id = entry
+        gen = self._generation_of(ns_id)
         root = self._cache.get((key, gen))
         if root is None:
             secret = salt_secret(self._secret, salt) if self._secret else None
@@ -262,8 +264,8 @@ class EngineCache:
         if parent is None or not usable_n:
             self.skipped += n
             return
-        tokens = ev.token_ids[: usable_n * self.block_size]
-        chain = split_ids(hash_chain_packed(BlockId(parent), list(tokens), self.block_size))
+        tokens = list(ev.token_ids[: usable_n * self.block_size])
+        chain = split_ids(hash_chain_packed(BlockId(parent), tokens, self.block_size))
         new = []
         for h, cid in zip(ev.block_hashes, chain):
             if self.ids.get(h) != cid:
@@ -384,11 +386,13 @@ class EngineStream:
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(seq, payload)
-        except ValueError as exc:  # what it changed is unknown: start over past it
-            log.warning("engine %s: undecodable batch: %s; resyncing", self.cache.engine_id, exc)
+            self.cache.apply(batch)
+        except (ValueError, TypeError) as exc:  # what it changed is unknown: start over
+            log.warning(
+                "engine %s: unusable batch %d: %s; resyncing", self.cache.engine_id, seq, exc
+            )
             self._resync()
             self.seq.applied(seq)
             return
-        self.cache.apply(batch)
         self.applied_events += len(batch.events)
         self.seq.applied(seq)

@@ -50,6 +50,9 @@ class EngineSubscriber:
         self.ctx = ctx
         self.rec = rec
         self.stream = stream
+        # Set once a publisher is connected (a ZMQ socket monitor event): what a driver
+        # waits for before the engine's first events, which a PUB drops until then.
+        self.connected = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"kv-events-{rec.engine_id}")
 
     def cancel(self) -> None:
@@ -68,13 +71,26 @@ class EngineSubscriber:
                 else:
                     sock.connect(connectable(ep, self.rec.url))
                 log.info("engine %s: following KV events at %s", self.rec.engine_id, ep)
-                await self._follow(sock)
+                monitor = asyncio.create_task(self._monitor(sock))
+                try:
+                    await self._follow(sock)
+                finally:
+                    monitor.cancel()
             except zmq.ZMQError as exc:
                 log.warning("engine %s: KV event socket %s: %s", self.rec.engine_id, ep, exc)
             finally:
                 sock.close(0)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RETRY_S[1])
+
+    async def _monitor(self, sock: zmq.asyncio.Socket) -> None:
+        mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
+        try:
+            await mon.recv_multipart()
+            self.connected.set()
+        finally:
+            sock.disable_monitor()
+            mon.close(0)
 
     async def _follow(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -140,7 +156,7 @@ class EngineFeed:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.subscribers.clear()
-        self.ctx.term()
+        self.ctx.destroy(0)  # closes what cancelled tasks have not closed yet
 
     def upsert(self, rec: EngineRecord) -> None:
         if not self.board.upsert(rec) and rec.engine_id in self.subscribers:
