@@ -64,33 +64,29 @@ class EngineSubscriber:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # Watched before binding, so an accept right at bind is not missed.
+            mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
+            monitor = asyncio.create_task(self._monitor(mon))
+            ep = self.rec.kv_events_endpoint or ""
             try:
-                ep = self.rec.kv_events_endpoint or ""
                 if subscriber_binds(ep):
                     sock.bind(ep)
                 else:
                     sock.connect(connectable(ep, self.rec.url))
                 log.info("engine %s: following KV events at %s", self.rec.engine_id, ep)
-                monitor = asyncio.create_task(self._monitor(sock))
-                try:
-                    await self._follow(sock)
-                finally:
-                    monitor.cancel()
+                await self._follow(sock)
             except zmq.ZMQError as exc:
                 log.warning("engine %s: KV event socket %s: %s", self.rec.engine_id, ep, exc)
             finally:
+                monitor.cancel()
+                mon.close(0)
                 sock.close(0)
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RETRY_S[1])
 
-    async def _monitor(self, sock: zmq.asyncio.Socket) -> None:
-        mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
-        try:
-            await mon.recv_multipart()
-            self.connected.set()
-        finally:
-            sock.disable_monitor()
-            mon.close(0)
+    async def _monitor(self, mon: zmq.asyncio.Socket) -> None:
+        await mon.recv_multipart()
+        self.connected.set()
 
     async def _follow(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -220,3 +220,86 @@ def _run_plan(tmp_path: Path, plan: dict, spec: dict, on_wait) -> None:
     log = "".join(out) + log_path.read_text()
     log_path.write_text(log)
     assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + log[-6000:]
+
+
+def test_a_lost_batch_is_replayed_over_the_replay_socket():
+    """vLLM's publisher protocol over real ZMQ sockets, with a fault injected: the PUB
+    side (standing in for vLLM's, which cannot be made to lose one message) never sends
+    seq 1 live; the subscriber sees the gap and asks the ROUTER replay socket for it, as
+    vLLM's ZmqEventPublisher._service_replay answers. Ordering only, no timing: seq 0 is
+    sent once the subscription is there, and the replay is awaited on its request."""
+    import msgpack
+    import zmq
+
+    from tests.support.common import make_namespace
+
+    spec = make_namespace(tenant="acme", block_size=4)
+    tokens = list(range(40, 60))  # 5 blocks of 4
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    frames = [
+        msgpack.packb([1.0, [stored], 0]),
+        msgpack.packb([2.0, [{"type": "BlockRemoved", "block_hashes": hashes[3:]}], 0]),
+        msgpack.packb([3.0, [{"type": "BlockRemoved", "block_hashes": hashes[2:3]}], 0]),
+    ]
+    pub_port, replay_port = free_port(), free_port()
+    router = RouterLoop.__new__(RouterLoop)  # no etcd here: the record is handed in
+    router.loop = asyncio.new_event_loop()
+    router.thread = threading.Thread(target=router.loop.run_forever, daemon=True)
+    router.thread.start()
+    router.core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+    router.feed = router.call(lambda: EngineFeed(router.core.engines))
+    rec = EngineRecord(
+        "e0",
+        "http://127.0.0.1:1",
+        ("tiny",),
+        "n0",
+        spec.to_dict(),
+        4,
+        f"tcp://127.0.0.1:{pub_port}",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+    ctx = zmq.Context()
+    pub, rep = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+    try:
+        rep.bind(rec.kv_events_replay_endpoint or "")
+        router.call(lambda: router.feed.upsert(rec))
+        sub = router.feed.subscribers["e0"]
+        pub.connect(rec.kv_events_endpoint or "")
+        wait_for(lambda: router.call(sub.connected.is_set), what="publisher connected")
+        stream = sub.stream
+        # XPUB (a PUB that also hears subscriptions): nothing is sent before the
+        # subscriber's subscription has arrived, so only the injected loss is lost.
+        assert pub.poll(20_000), "no subscription arrived"
+        assert pub.recv() == b"\x01"
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), frames[0]))
+        pub.send_multipart((b"", (2).to_bytes(8, "big"), frames[2]))  # seq 1 lost
+        assert rep.poll(20_000), "the subscriber asked for no replay"
+        client, empty, start = rep.recv_multipart()
+        assert (empty, int.from_bytes(start, "big")) == (b"", 1)
+        for seq in (1, 2):
+            rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
+        rep.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+        root = spec.root(0, SECRET)
+        wait_for(lambda: router.call(lambda: stream.seq.expected) == 3, what="replay applied")
+        held = router.call(
+            lambda: router.core.engines.index.prefix_lengths(hash_chain_packed(root, tokens, 4))
+        )
+        assert held == {"e0": 2}  # both removals applied, in order, none resynced
+        assert stream.resyncs == 0
+    finally:
+        pub.close(0)
+        rep.close(0)
+        ctx.term()
+        router.wait(router.feed.stop())
+        router.loop.call_soon_threadsafe(router.loop.stop)
+        router.thread.join(10)
