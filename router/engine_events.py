@@ -257,14 +257,16 @@ class EngineCache:
             parent = self.ids.get(ev.parent_block_hash)
             first = 0
         # Blocks up to the first one whose extra keys kvstore ids cannot name.
-        usable_n = next(
-            (i for i in range(first, n) if not _plain(ev.extra_keys, i)),
-            n,
+        extra = ev.extra_keys
+        usable_n = (
+            n
+            if not extra or not any(extra[first:])
+            else next((i for i in range(first, n) if not _plain(extra, i)), n)
         )
         if parent is None or not usable_n:
             self.skipped += n
             return
-        tokens = list(ev.token_ids[: usable_n * self.block_size])
+        tokens = ev.token_ids if usable_n == n else ev.token_ids[: usable_n * self.block_size]
         chain = split_ids(hash_chain_packed(BlockId(parent), tokens, self.block_size))
         new = []
         for h, cid in zip(ev.block_hashes, chain):
