@@ -65,7 +65,7 @@ def payloads(batches: int, per_batch: int, seed: int = 0) -> list[bytes]:
     live: list[bytes] = []  # tails of chains stored so far
     out = []
     for _ in range(batches):
-        events = []
+        events: list[dict[str, object]] = []
         for _ in range(per_batch):
             if live and rng.random() < 0.25:
                 events.append(

@@ -23,7 +23,7 @@ import pytest
 
 from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.etcd import EtcdClient
-from kvstore.hashing import hash_chain_packed
+from kvstore.hashing import BlockId, hash_chain_packed
 from kvstore.namespace import Namespace
 from router.engine_feed import EngineFeed
 from router.routing import RouterCore
@@ -123,7 +123,7 @@ def test_engine_cache_events_index_evictions_and_restart(tmp_path, etcd):
 
     def ids(name: str) -> bytes:
         ns = Namespace.from_dict(spec)
-        return hash_chain_packed(ns.root(0, SECRET), p[name], BLOCK)
+        return hash_chain_packed(BlockId(ns.root(0, SECRET)), p[name], BLOCK)
 
     def held(name: str) -> int:
         return router.call(
@@ -289,7 +289,7 @@ def test_a_lost_batch_is_replayed_over_the_replay_socket():
         for seq in (1, 2):
             rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
         rep.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
-        root = spec.root(0, SECRET)
+        root = BlockId(spec.root(0, SECRET))
         wait_for(lambda: router.call(lambda: stream.seq.expected) == 3, what="replay applied")
         held = router.call(
             lambda: router.core.engines.index.prefix_lengths(hash_chain_packed(root, tokens, 4))

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore import errors
 from kvstore.coord.engines import EngineRecord
-from kvstore.hashing import hash_chain, hash_chain_packed
+from kvstore.hashing import BlockId, hash_chain, hash_chain_packed
 from kvstore.integrations.vllm_config import salt_secret as connector_salt_secret
 from kvstore.integrations.vllm_config import salted as connector_salted
 from router.engine_events import (
@@ -59,7 +59,7 @@ def stored_events(tokens: list[int], salt: str | None = None, parent_blocks: int
         parent = vh(tokens[i * BS : (i + 1) * BS], parent, salt if i == 0 else None)
         hashes.append(parent)
     new = hashes[parent_blocks:]
-    ev = {
+    ev: dict[str, object] = {
         "type": "BlockStored",
         "block_hashes": new,
         "parent_block_hash": hashes[parent_blocks - 1] if parent_blocks else None,
@@ -88,7 +88,7 @@ def connector_ids(tokens: list[int], salt: str | None = None, generation: int = 
     root at the generation, keyed by the salted secret."""
     spec = connector_salted(NS, salt)
     root = spec.root(generation, connector_salt_secret(SECRET, salt))
-    return hash_chain_packed(root, tokens, BS)
+    return hash_chain_packed(BlockId(root), tokens, BS)
 
 
 def make_stream(index: EngineIndex, engine: str = "e1", gen: int = 0) -> EngineStream:
@@ -329,4 +329,4 @@ def test_chain_ids_match_hash_chain_of_the_connector_client():
     """The connector's KVClient names blocks with hash_chain(handle.root, ...): the same
     ids as hash_chain_packed, split."""
     root = NS.root(0, SECRET)
-    assert b"".join(hash_chain(root, TOKENS, BS)) == connector_ids(TOKENS)
+    assert b"".join(hash_chain(BlockId(root), TOKENS, BS)) == connector_ids(TOKENS)
