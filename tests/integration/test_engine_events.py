@@ -35,12 +35,10 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 32
 SECRET = "events-test-secret"
 
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PY.exists(), reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = [pytest.mark.timeout(900)]
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PY.exists(), reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"
+)
 
 
 class RouterLoop:
@@ -81,6 +79,7 @@ def _prompts() -> dict[str, list[int]]:
     return out
 
 
+@needs_vllm
 def test_engine_cache_events_index_evictions_and_restart(tmp_path, etcd):
     p = _prompts()
     pub, replay = free_port(), free_port()
