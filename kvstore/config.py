@@ -196,8 +196,16 @@ class RouterConfig:
     allow_unauthenticated: bool = False  # dev only: callers without a token act as the cluster
     # Routed requests in flight per tenant (TenantConfig.max_inflight overrides); 0: no cap
     max_inflight_per_tenant: int = 1024
+    # Serving engines' own caches (router/engines.py, from their vLLM KV events): a file
+    # per tenant holding its chain-root secret (the connector's tenant_secret_file), so
+    # the router can name an engine's blocks by kvstore chain ids; an engine whose tenant
+    # is not listed is routed by load and agents only.
+    tenant_secret_files: dict[str, str] = field(default_factory=dict)
+    engine_local_price: float = 0.05  # a block loaded from the node's agent vs recomputed
 
     def __post_init__(self) -> None:
+        if not 0 <= self.engine_local_price < 1:
+            raise ValueError("engine_local_price must be in [0, 1)")
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0")
         for name, t in self.tenants.items():

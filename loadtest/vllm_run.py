@@ -9,8 +9,11 @@ count and binds OpenMP threads. Engines run one after another in this one proces
 plan.json: {"model": DIR, "tiny": {write_tiny_llama arguments} (optional),
 "block_size": 32, "engines": [{"kvstore": {extra config} | null, "prefix_caching": false,
 "connector": {KVTransferConfig fields} (instead of "kvstore"), "may_fail": false (a start
-failure prints {"event": "engine_failed", ...} and the run goes on), "batches": [STEP, ...]},
-...]}. A STEP is one of:
+failure prints {"event": "engine_failed", ...} and the run goes on), "kv_events":
+{KVEventsConfig fields} (publish KV events), "num_blocks": n (KV cache blocks, to force
+evictions), "namespace": {connector extra config} (prints {"event": "namespace", "spec":
+...}, the namespace the connector derives for this engine), "batches": [STEP, ...]}, ...]}.
+A STEP is one of:
 - a batch, [{"prompt": [ids], "salt": s | null, "max_tokens": n}, ...], generated greedily
   in one `generate` call; prints {"event": "batch", "engine": i, "outputs": [{"tokens":
   [...], "cached": n}, ...], "wall_ms": t};
@@ -48,7 +51,7 @@ def emit(event: dict) -> None:
 
 def make_engine(plan: dict, spec: dict):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv = None
     if spec.get("kvstore") is not None:
@@ -69,8 +72,21 @@ def make_engine(plan: dict, spec: dict):
         max_model_len=plan.get("max_len", 2048),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         kv_transfer_config=kv,
+        kv_events_config=KVEventsConfig(**spec["kv_events"]) if spec.get("kv_events") else None,
+        num_gpu_blocks_override=spec.get("num_blocks"),
         seed=0,
     )
+
+
+def emit_namespace(llm, extra: dict) -> None:
+    """The namespace the kvstore connector derives from this engine's configuration."""
+    import vllm
+
+    from kvstore.integrations.vllm_config import ConnectorSettings, engine_namespace
+
+    settings = ConnectorSettings.from_extra(extra)
+    spec = engine_namespace(llm.llm_engine.vllm_config, settings, 0, vllm.__version__)
+    emit({"event": "namespace", "engine": -1, "spec": spec.to_dict()})
 
 
 def run_batch(llm, batch: list[dict]) -> list[dict]:
@@ -158,6 +174,8 @@ def main() -> None:
             release_process_state()
             continue
         emit({"event": "engine", "engine": i, "start_s": round(time.monotonic() - t0, 2)})
+        if spec.get("namespace") is not None:
+            emit_namespace(llm, spec["namespace"])
         for batch in spec["batches"]:
             if isinstance(batch, dict) and batch.get("drain"):
                 drain_saves()

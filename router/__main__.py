@@ -60,6 +60,9 @@ def main(argv=None) -> int:
         from kvstore.coord.etcd import parse_endpoints
 
         parse_endpoints(cfg.etcd_endpoints)
+        from router.routing import read_secret_files
+
+        read_secret_files(cfg.tenant_secret_files)  # unreadable or empty: refused here
     except (ValueError, OSError) as exc:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -246,11 +246,15 @@ class ClusterFollower:
 
     def _namespace(self, key: str, value: bytes) -> None:
         try:
-            spec = Namespace.from_dict(json.loads(value)["spec"])
+            record = json.loads(value)
+            spec = Namespace.from_dict(record["spec"])
+            generation = int(record.get("generation", 0))
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring etcd namespace record %s: %s", key, exc)
             return
         self.core.set_namespace_layout(spec.namespace_id, spec.block_bytes, spec.block_size)
+        # Engines' cached blocks are named under the generation in force (router/engines.py).
+        self.core.set_generation(spec.namespace_id, generation)
         # The key names the tenant and the id too; a record that disagrees with its own
         # spec grants no tenant access (the id is the spec's hash, tenant included).
         if key[len(NAMESPACES) :] != f"{spec.tenant}/{spec.namespace_id.hex()}":

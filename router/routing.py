@@ -18,6 +18,7 @@ from typing import NamedTuple
 from kvstore.coord.etcd import NodeRecord
 from kvstore import errors
 from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
+from router.engines import EngineBoard, EngineDecision
 from router.index import BlockIndex
 from router.scoring import NodeLoad, Pricing, Score, Weights, load_cost, score_nodes, score_ranked
 
@@ -190,7 +191,10 @@ class RouterCore:
         peer_gbps: float = 1.0,
         inflight_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        tenant_secrets: dict[str, str] | None = None,
+        engine_local_price: float = 0.05,
     ) -> None:
+        """`tenant_secrets`: tenant -> chain-root secret, to name engines' cached blocks."""
         self.weights = weights
         self.index = BlockIndex()
         self.nodes: dict[str, NodeState] = {}
@@ -199,6 +203,9 @@ class RouterCore:
         self.killswitch = False
         self._default_pricing = Pricing(prefill_tokens_per_s, peer_gbps)
         self._pricing: dict[bytes, Pricing] = {}
+        self._generations: dict[bytes, int] = {}
+        # Serving engines and their own caches (router/engine_feed.py feeds them).
+        self.engines = EngineBoard(tenant_secrets, self.generation, engine_local_price)
 
     @classmethod
     def from_config(cls, cfg) -> "RouterCore":
@@ -207,6 +214,8 @@ class RouterCore:
             cfg.prefill_tokens_per_s,
             cfg.peer_gbps,
             cfg.inflight_timeout_s,
+            tenant_secrets=read_secret_files(cfg.tenant_secret_files),
+            engine_local_price=cfg.engine_local_price,
         )
 
     def _load(self, node_id: str) -> NodeLoad:
@@ -280,6 +289,14 @@ class RouterCore:
 
     def forget_namespace(self, ns_id: bytes) -> None:
         self._pricing.pop(ns_id, None)
+        self._generations.pop(ns_id, None)
+
+    def set_generation(self, ns_id: bytes, generation: int) -> None:
+        self._generations[ns_id] = generation
+
+    def generation(self, ns_id: bytes) -> int:
+        """The namespace's generation in etcd; 0 (where agents start) before it is there."""
+        return self._generations.get(ns_id, 0)
 
     def pricing(self, ns_id: bytes) -> Pricing:
         return self._pricing.get(ns_id, self._default_pricing)
@@ -360,6 +377,35 @@ class RouterCore:
         packed = hash_chain_packed(root, tokens, block_size)
         return self.route(namespace_id, packed, weights, request_id, dry_run)
 
+    def route_engines(
+        self,
+        namespace_id: bytes,
+        packed_ids: bytes,
+        model: str = "",
+        weights: Weights | None = None,
+        request_id: str = "",
+        dry_run: bool = False,
+    ) -> EngineDecision:
+        """Which serving engine should take this prompt (chain ids): its own cache first,
+        then its node's agent, a peer, recompute, plus load (router/engine_scoring.py)."""
+        if len(namespace_id) != 16:
+            raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got {len(namespace_id)}")
+        if len(packed_ids) % BLOCK_ID_BYTES:
+            raise errors.InvalidArgument(
+                f"block_ids is {len(packed_ids)} bytes, not a multiple of {BLOCK_ID_BYTES}"
+            )
+        node_prefix = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
+        return self.engines.route(
+            packed_ids,
+            node_prefix,
+            weights or self.weights,
+            self.pricing(namespace_id),
+            model,
+            request_id,
+            dry_run,
+            use_cache=not self.killswitch,
+        )
+
     def release(self, request_id: str, prefill_done: bool = False, tenant: str = "") -> bool:
         """The request completed (or, with prefill_done, only its prefill did). False when
         `tenant` has no such request in flight."""
@@ -394,3 +440,15 @@ def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]
         c.utilization_cost,
         f"{scores[1].node_id}:{scores[1].cost:.3f}" if len(scores) > 1 else "-",
     )
+
+
+def read_secret_files(files: dict[str, str]) -> dict[str, str]:
+    """tenant -> secret, each read from its file (stripped); OSError names the file."""
+    out = {}
+    for tenant, path in files.items():
+        with open(path) as f:
+            secret = f.read().strip()
+        if not secret:
+            raise ValueError(f"tenant_secret_files.{tenant}: {path} is empty")
+        out[tenant] = secret
+    return out

@@ -16,6 +16,7 @@ from kvstore.process import bind_port, run_until_signalled
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.access import AuthEdge, NamespaceOwners, RouterAccess, current_caller
+from router.engine_feed import EngineFeed
 from router.follower import ClusterFollower
 from router.metrics import RouterTelemetry
 from router.routing import RouterCore
@@ -144,6 +145,7 @@ class RouterServer:
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.follower: ClusterFollower | None = None
+        self.engine_feed: EngineFeed | None = None
         self._etcd: EtcdClient | None = None
         self.telemetry: RouterTelemetry | None = None  # Prometheus, tracing (router/metrics.py)
 
@@ -173,6 +175,8 @@ class RouterServer:
             self.core, self._etcd, self.cfg.router_id, self.token, self.owners
         )
         self.follower.start()
+        self.engine_feed = EngineFeed(self.core.engines, self._etcd)  # vLLM KV events
+        self.engine_feed.start()
         if self.with_control:  # generations and kill switch loaded before serving
             from router.control import RouterControl
 
@@ -199,6 +203,8 @@ class RouterServer:
             await self.control.stop()
         if self.follower is not None:
             await self.follower.stop()
+        if self.engine_feed is not None:
+            await self.engine_feed.stop()
         if self._etcd is not None:
             await self._etcd.close()
         if self.telemetry is not None:

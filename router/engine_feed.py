@@ -1,0 +1,204 @@
+"""Feeds the router's EngineBoard: engines from etcd engines/ (list then watch), and one
+ZMQ subscriber per engine that publishes KV events (router/engine_events.py applies them).
+
+Which side binds: vLLM's publisher binds an endpoint with a wildcard (`tcp://*:5557`),
+ipc or inproc, and CONNECTS to any other (`tcp://10.0.0.7:5557`). So for a
+`tcp://HOST:PORT` endpoint the subscriber here binds HOST:PORT (it must be this router's
+address: one router replica per such engine), and for `tcp://*:PORT` it connects to the
+engine's host (from its URL), which lets every router replica subscribe. The replay socket
+is always bound by vLLM (a ROUTER): we connect a DEALER, send the first missing sequence
+number (8 bytes, big-endian) and read (topic, seq, payload) frames until seq -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.etcd import EtcdClient, KeyValue, WatchEvent
+from router.engines import EngineBoard
+from router.engine_events import EngineStream
+
+log = logging.getLogger("kvstore.router")
+
+END_SEQ = -1
+REPLAY_TIMEOUT_S = 2.0
+_RETRY_S = (0.2, 3.0)
+
+
+def subscriber_binds(endpoint: str) -> bool:
+    """True where vLLM's publisher connects (vllm ZmqEventPublisher._is_bind_endpoint)."""
+    return not ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc:", "inproc:")))
+
+
+def connectable(endpoint: str, engine_url: str) -> str:
+    """A wildcard endpoint the engine bound, as an address to connect to."""
+    if "*" in endpoint:
+        return endpoint.replace("*", urlsplit(engine_url).hostname or "127.0.0.1", 1)
+    return endpoint
+
+
+class EngineSubscriber:
+    """One engine's event socket into its EngineStream, until cancelled."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, rec: EngineRecord, stream: EngineStream) -> None:
+        self.ctx = ctx
+        self.rec = rec
+        self.stream = stream
+        # Set once a publisher is connected (a ZMQ socket monitor event): what a driver
+        # waits for before the engine's first events, which a PUB drops until then.
+        self.connected = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name=f"kv-events-{rec.engine_id}")
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+    async def _run(self) -> None:
+        delay = _RETRY_S[0]
+        while True:
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # Watched before binding, so an accept right at bind is not missed.
+            mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
+            monitor = asyncio.create_task(self._monitor(mon))
+            ep = self.rec.kv_events_endpoint or ""
+            try:
+                if subscriber_binds(ep):
+                    sock.bind(ep)
+                else:
+                    sock.connect(connectable(ep, self.rec.url))
+                log.info("engine %s: following KV events at %s", self.rec.engine_id, ep)
+                await self._follow(sock)
+            except zmq.ZMQError as exc:
+                log.warning("engine %s: KV event socket %s: %s", self.rec.engine_id, ep, exc)
+            finally:
+                monitor.cancel()
+                mon.close(0)
+                sock.close(0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RETRY_S[1])
+
+    async def _monitor(self, mon: zmq.asyncio.Socket) -> None:
+        await mon.recv_multipart()
+        self.connected.set()
+
+    async def _follow(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning(
+                    "engine %s: ignoring a %d-frame message", self.rec.engine_id, len(frames)
+                )
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            start = self.stream.live(seq, frames[2])
+            if start is not None:
+                self.stream.replayed(start, await self._replay(start))
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        ep = self.rec.kv_events_replay_endpoint
+        if not ep:
+            return None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(connectable(ep, self.rec.url))
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    return None
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    return out
+                out.append((seq, frames[3]))
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning(
+                "engine %s: replay from %d at %s failed: %r", self.rec.engine_id, start, ep, exc
+            )
+            return None
+        finally:
+            sock.close(0)
+
+
+class EngineFeed:
+    """etcd engines/ into the board, a subscriber per engine with an events endpoint."""
+
+    def __init__(self, board: EngineBoard, etcd: EtcdClient | None = None) -> None:
+        self.board = board
+        self.etcd = etcd
+        self.ctx = zmq.asyncio.Context()
+        self.subscribers: dict[str, EngineSubscriber] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.etcd is not None:
+            self._task = asyncio.create_task(
+                self.etcd.follow(ENGINES, self._reset, self._apply), name="etcd-engines"
+            )
+
+    async def stop(self) -> None:
+        tasks = [s.task for s in self.subscribers.values()]
+        if self._task is not None:
+            tasks.append(self._task)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.subscribers.clear()
+        self.ctx.destroy(0)  # closes what cancelled tasks have not closed yet
+
+    def upsert(self, rec: EngineRecord) -> None:
+        if not self.board.upsert(rec) and rec.engine_id in self.subscribers:
+            return
+        old = self.subscribers.pop(rec.engine_id, None)
+        if old is not None:
+            old.cancel()
+        st = self.board.engines[rec.engine_id]
+        log.info("engine %s registered at %s (node %s)", rec.engine_id, rec.url, rec.node_id)
+        if st.stream is not None:
+            self.subscribers[rec.engine_id] = EngineSubscriber(self.ctx, rec, st.stream)
+
+    def remove(self, engine_id: str) -> None:
+        sub = self.subscribers.pop(engine_id, None)
+        if sub is not None:
+            sub.cancel()
+        self.board.remove(engine_id)
+
+    def _reset(self, items: list[KeyValue]) -> None:
+        seen = set()
+        for kv in items:
+            rec = _record(kv.key, kv.value)
+            if rec is not None:
+                seen.add(rec.engine_id)
+                self.upsert(rec)
+        for engine_id in list(self.board.engines):
+            if engine_id not in seen:
+                self.remove(engine_id)
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.deleted:
+                self.remove(ev.key[len(ENGINES) :])
+            else:
+                rec = _record(ev.key, ev.value)
+                if rec is not None:
+                    self.upsert(rec)
+
+
+def _record(key: str, value: bytes) -> EngineRecord | None:
+    try:
+        rec = EngineRecord.from_json(value)
+    except (ValueError, TypeError) as exc:
+        log.warning("ignoring malformed etcd record %s: %s", key, exc)
+        return None
+    if key[len(ENGINES) :] != rec.engine_id:
+        log.warning("ignoring etcd record %s: it names engine %r", key, rec.engine_id)
+        return None
+    return rec

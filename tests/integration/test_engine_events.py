@@ -1,0 +1,304 @@
+"""vLLM's KV events into the router's engine index, end to end: a real vLLM CPU engine
+(loadtest/vllm_run.py, in .venv-vllm, a subprocess) publishes KV events over ZMQ to the
+router's EngineFeed (bound on 127.0.0.1: vLLM connects its publisher there), which learns
+the engine from a real etcd (engines/). The engine's cache is small, so distinct prompts
+evict the first one; a second engine on the same endpoint is a restart.
+
+The router side runs in this process on its own event loop thread; every read and route
+is run on that loop (the board is not thread-safe)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.etcd import EtcdClient
+from kvstore.hashing import BlockId, hash_chain_packed
+from kvstore.namespace import Namespace
+from router.engine_feed import EngineFeed
+from router.routing import RouterCore
+from router.scoring import Weights
+from tests.support.common import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+BLOCK = 32
+SECRET = "events-test-secret"
+
+pytestmark = [pytest.mark.timeout(900)]
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PY.exists(), reason="no .venv-vllm: run `make vllm-env` (make test depends on it)"
+)
+
+
+class RouterLoop:
+    """A RouterCore and its EngineFeed on an event loop in a thread."""
+
+    def __init__(self, etcd_endpoint: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+        self.etcd: EtcdClient = self.call(lambda: EtcdClient(etcd_endpoint))
+        self.feed: EngineFeed = self.call(lambda: EngineFeed(self.core.engines, self.etcd))
+        self.call(self.feed.start)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def wait(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        self.wait(self.feed.stop())
+        self.wait(self.etcd.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(16)
+    out = {"A": [rng.randrange(1, 1000) for _ in range(200)]}  # 6 full blocks
+    for i in range(8):
+        out[f"X{i}"] = [rng.randrange(1, 1000) for _ in range(200)]
+    out["C"] = [rng.randrange(1, 1000) for _ in range(100)]
+    out["W"] = [rng.randrange(1, 1000) for _ in range(40)]
+    return out
+
+
+@needs_vllm
+def test_engine_cache_events_index_evictions_and_restart(tmp_path, etcd):
+    p = _prompts()
+    pub, replay = free_port(), free_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub}",  # vLLM connects: the router binds it
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",  # vLLM binds its ROUTER there
+    }
+    extra = {"agent": "127.0.0.1:1", "tenant": "acme", "tenant_secret": SECRET}
+
+    def req(name: str) -> dict:
+        return {"prompt": p[name], "max_tokens": 2}
+
+    engine = {"kv_events": events, "prefix_caching": True, "num_blocks": 24}
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "max_len": 256,  # with 24 blocks of 32 tokens: vLLM wants room for one full request
+        "engines": [
+            {
+                **engine,
+                "namespace": extra,
+                "batches": [
+                    {"wait": "registered"},
+                    [req("W")],
+                    [req("A")],
+                    {"wait": "held"},
+                    *[[req(f"X{i}")] for i in range(8)],
+                    {"wait": "evicted"},
+                ],
+            },
+            {**engine, "batches": [[req("C")], {"wait": "restarted"}]},
+        ],
+    }
+    router = RouterLoop(etcd.endpoint)
+    spec: dict = {}
+    seen: list[str] = []
+
+    def ids(name: str) -> bytes:
+        ns = Namespace.from_dict(spec)
+        return hash_chain_packed(BlockId(ns.root(0, SECRET)), p[name], BLOCK)
+
+    def held(name: str) -> int:
+        return router.call(
+            lambda: router.core.engines.index.prefix_lengths(ids(name)).get("vllm-0", 0)
+        )
+
+    def route(name: str, dry_run: bool = True):
+        return router.call(
+            lambda: router.core.route_engines(
+                Namespace.from_dict(spec).namespace_id, ids(name), "tiny", dry_run=dry_run
+            )
+        )
+
+    def on_wait(name: str, ev: dict) -> None:
+        seen.append(name)
+        if name == "registered":
+            for engine_id, events_ep in (("vllm-0", events["endpoint"]), ("vllm-1", None)):
+                rec = EngineRecord(
+                    engine_id,
+                    "http://127.0.0.1:1",
+                    ("tiny",),
+                    "agent-0",
+                    spec,
+                    BLOCK,
+                    events_ep,
+                    events["replay_endpoint"] if events_ep else None,
+                )
+                router.wait(router.etcd.put(ENGINES + engine_id, rec.to_json()))
+            sub = wait_for(lambda: router.call(lambda: router.feed.subscribers.get("vllm-0")))
+            # vLLM's PUB drops what it sends before it is connected; the warm-up prompt
+            # after this point makes any later loss a gap, which the replay socket fills.
+            wait_for(lambda: router.call(sub.connected.is_set), timeout=30, what="publisher")
+        elif name == "held":
+            # Every full block but the last prompt token's is cached by vLLM and named by
+            # the connector's chain ids; its cache wins though it is the busier engine.
+            wait_for(lambda: held("A") == 6, timeout=60, what="A in the engine index")
+            first = route("A", dry_run=False)
+            assert first.chosen.engine_id == "vllm-0"
+            d = route("A")
+            assert (d.chosen.engine_id, d.chosen.engine_blocks) == ("vllm-0", 6)
+            assert d.chosen.in_flight == 1
+        elif name == "evicted":
+            wait_for(lambda: held("A") == 0, timeout=60, what="A evicted (BlockRemoved)")
+            assert held("X7") == 6
+            d = route("A")
+            assert d.chosen.engine_id == "vllm-1"  # the eviction changed the choice
+        elif name == "restarted":
+            wait_for(lambda: held("C") == 3, timeout=60, what="C from the restarted engine")
+            assert held("X7") == 0  # the old engine's entries went with the restart
+            stream = router.call(lambda: router.core.engines.engines["vllm-0"].stream)
+            assert stream.resyncs >= 1
+
+    try:
+        _run_plan(tmp_path, plan, spec, on_wait)
+    finally:
+        router.close()
+    assert seen == ["registered", "held", "evicted", "restarted"]
+
+
+def _run_plan(tmp_path: Path, plan: dict, spec: dict, on_wait) -> None:
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    log_path = tmp_path / "vllm.log"
+    proc = subprocess.Popen(
+        [str(VLLM_PY), "-m", "loadtest.vllm_run", str(plan_file)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(log_path, "w"),
+        text=True,
+    )
+    done, out = False, []
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        for line in proc.stdout:
+            if not line.startswith('{"event"'):
+                out.append(line)
+                continue
+            ev = json.loads(line)
+            if ev["event"] == "namespace":
+                spec.update(ev["spec"])
+            elif ev["event"] == "wait":
+                on_wait(ev["name"], ev)
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            elif ev["event"] == "done":
+                done = True
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(out) + log_path.read_text()
+    log_path.write_text(log)
+    assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + log[-6000:]
+
+
+def test_a_lost_batch_is_replayed_over_the_replay_socket():
+    """vLLM's publisher protocol over real ZMQ sockets, with a fault injected: the PUB
+    side (standing in for vLLM's, which cannot be made to lose one message) never sends
+    seq 1 live; the subscriber sees the gap and asks the ROUTER replay socket for it, as
+    vLLM's ZmqEventPublisher._service_replay answers. Ordering only, no timing: seq 0 is
+    sent once the subscription is there, and the replay is awaited on its request."""
+    import msgpack
+    import zmq
+
+    from tests.support.common import make_namespace
+
+    spec = make_namespace(tenant="acme", block_size=4)
+    tokens = list(range(40, 60))  # 5 blocks of 4
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    frames = [
+        msgpack.packb([1.0, [stored], 0]),
+        msgpack.packb([2.0, [{"type": "BlockRemoved", "block_hashes": hashes[3:]}], 0]),
+        msgpack.packb([3.0, [{"type": "BlockRemoved", "block_hashes": hashes[2:3]}], 0]),
+    ]
+    pub_port, replay_port = free_port(), free_port()
+    router = RouterLoop.__new__(RouterLoop)  # no etcd here: the record is handed in
+    router.loop = asyncio.new_event_loop()
+    router.thread = threading.Thread(target=router.loop.run_forever, daemon=True)
+    router.thread.start()
+    router.core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+    router.feed = router.call(lambda: EngineFeed(router.core.engines))
+    rec = EngineRecord(
+        "e0",
+        "http://127.0.0.1:1",
+        ("tiny",),
+        "n0",
+        spec.to_dict(),
+        4,
+        f"tcp://127.0.0.1:{pub_port}",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+    ctx = zmq.Context()
+    pub, rep = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+    try:
+        rep.bind(rec.kv_events_replay_endpoint or "")
+        router.call(lambda: router.feed.upsert(rec))
+        sub = router.feed.subscribers["e0"]
+        pub.connect(rec.kv_events_endpoint or "")
+        wait_for(lambda: router.call(sub.connected.is_set), what="publisher connected")
+        stream = sub.stream
+        # XPUB (a PUB that also hears subscriptions): nothing is sent before the
+        # subscriber's subscription has arrived, so only the injected loss is lost.
+        assert pub.poll(20_000), "no subscription arrived"
+        assert pub.recv() == b"\x01"
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), frames[0]))
+        pub.send_multipart((b"", (2).to_bytes(8, "big"), frames[2]))  # seq 1 lost
+        assert rep.poll(20_000), "the subscriber asked for no replay"
+        client, empty, start = rep.recv_multipart()
+        assert (empty, int.from_bytes(start, "big")) == (b"", 1)
+        for seq in (1, 2):
+            rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
+        rep.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+        root = BlockId(spec.root(0, SECRET))
+        wait_for(lambda: router.call(lambda: stream.seq.expected) == 3, what="replay applied")
+        held = router.call(
+            lambda: router.core.engines.index.prefix_lengths(hash_chain_packed(root, tokens, 4))
+        )
+        assert held == {"e0": 2}  # both removals applied, in order, none resynced
+        assert stream.resyncs == 0
+    finally:
+        pub.close(0)
+        rep.close(0)
+        ctx.term()
+        router.wait(router.feed.stop())
+        router.loop.call_soon_threadsafe(router.loop.stop)
+        router.thread.join(10)

@@ -1,0 +1,332 @@
+"""vLLM KV events into the router's engine index, and the engine cost function. Pure: the
+frames are built by hand in vLLM 0.32's wire format (vllm/distributed/kv_events.py), and
+one golden payload was encoded by vLLM's own msgspec classes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from kvstore import errors
+from kvstore.coord.engines import EngineRecord
+from kvstore.hashing import BlockId, hash_chain, hash_chain_packed
+from kvstore.integrations.vllm_config import salt_secret as connector_salt_secret
+from kvstore.integrations.vllm_config import salted as connector_salted
+from router.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ChainRoots,
+    EngineCache,
+    EngineStream,
+    decode_batch,
+)
+from router.engine_index import EngineIndex
+from router.routing import RouterCore
+from router.scoring import Pricing, Weights
+from tests.support.common import make_namespace
+
+BS = 4
+SECRET = "acme-secret"
+NS = make_namespace(tenant="acme", block_size=BS)
+
+# KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[b"a"*32], parent_block_hash=None,
+# token_ids=[1, 2], block_size=2, lora_id=None, medium="GPU", lora_name=None,
+# extra_keys=[("salt1",)], group_idx=0), BlockRemoved([b"a"*32], "GPU", group_idx=0),
+# AllBlocksCleared()], data_parallel_rank=0), encoded by msgspec in .venv-vllm (vLLM 0.32).
+GOLDEN = (
+    b"\x93\xcb?\xf8\x00\x00\x00\x00\x00\x00\x93\x8a\xa4type\xabBlockStored\xacblock_hashes"
+    b"\x91\xc4 " + b"a" * 32 + b"\xb1parent_block_hash\xc0\xa9token_ids\x92\x01\x02"
+    b"\xaablock_size\x02\xa7lora_id\xc0\xa6medium\xa3GPU\xa9lora_name\xc0\xaaextra_keys"
+    b"\x91\x91\xa5salt1\xa9group_idx\x00\x84\xa4type\xacBlockRemoved\xacblock_hashes\x91\xc4 "
+    + b"a" * 32
+    + b"\xa6medium\xa3GPU\xa9group_idx\x00\x81\xa4type\xb0AllBlocksCleared\x00"
+)
+
+
+def vh(tokens: list[int], parent: bytes | None, salt: str | None = None) -> bytes:
+    """A stand-in for vLLM's block hash: any injective function of the same inputs."""
+    return hashlib.sha256(repr((parent, tokens, salt)).encode()).digest()
+
+
+def stored_events(tokens: list[int], salt: str | None = None, parent_blocks: int = 0):
+    """BlockStored for the full blocks of `tokens` after the first `parent_blocks`, as
+    vLLM emits it (salt in the first block's extra keys only), and the vLLM hashes."""
+    hashes, parent = [], None
+    for i in range(len(tokens) // BS):
+        parent = vh(tokens[i * BS : (i + 1) * BS], parent, salt if i == 0 else None)
+        hashes.append(parent)
+    new = hashes[parent_blocks:]
+    ev: dict[str, object] = {
+        "type": "BlockStored",
+        "block_hashes": new,
+        "parent_block_hash": hashes[parent_blocks - 1] if parent_blocks else None,
+        "token_ids": tokens[parent_blocks * BS : len(hashes) * BS],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+    }
+    if salt and not parent_blocks:
+        ev["extra_keys"] = [[salt]] + [None] * (len(new) - 1)
+    return ev, hashes
+
+
+def payload(*events: dict, ts: float = 1.0) -> bytes:
+    return msgpack.packb([ts, list(events), 0], use_bin_type=True)
+
+
+def removed(hashes: list[bytes]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+def connector_ids(tokens: list[int], salt: str | None = None, generation: int = 0) -> bytes:
+    """What the connector stores (kvstore/integrations/vllm_agent.py): the salted spec's
+    root at the generation, keyed by the salted secret."""
+    spec = connector_salted(NS, salt)
+    root = spec.root(generation, connector_salt_secret(SECRET, salt))
+    return hash_chain_packed(BlockId(root), tokens, BS)
+
+
+def make_stream(index: EngineIndex, engine: str = "e1", gen: int = 0) -> EngineStream:
+    roots = ChainRoots(NS, SECRET, lambda ns_id: gen)
+    return EngineStream(EngineCache(engine, BS, roots, index))
+
+
+TOKENS = list(range(100, 120))  # 5 blocks
+
+
+# --------------------------------------------------------------------------- decoding
+def test_decodes_the_payload_vllm_itself_encoded():
+    b = decode_batch(7, GOLDEN)
+    assert (b.seq, b.ts, b.data_parallel_rank) == (7, 1.5, 0)
+    stored, rem, cleared = b.events
+    assert stored == BlockStored((b"a" * 32,), None, [1, 2], 2, "GPU", None, (["salt1"],), 0)
+    assert rem == BlockRemoved((b"a" * 32,), "GPU", 0)
+    assert cleared == AllBlocksCleared()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [{"type": "BlockStored"}], 0])],
+)
+def test_malformed_payloads_are_value_errors(bad):
+    with pytest.raises(ValueError):
+        decode_batch(0, bad)
+
+
+def test_an_undecodable_batch_resyncs_and_the_stream_goes_on():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, _ = stored_events(TOKENS)
+    assert s.live(0, payload(ev)) is None
+    assert s.live(1, b"\xc1") is None
+    assert index.engine_blocks("e1") == 0 and s.resyncs == 1
+    assert s.live(2, payload(ev)) is None
+    assert index.engine_blocks("e1") == 5
+
+
+# ------------------------------------------------------------------------ chain ids
+@pytest.mark.parametrize("salt", [None, "tenant-x-salt"])
+def test_chain_ids_equal_what_the_connector_stores(salt):
+    index = EngineIndex()
+    s = make_stream(index, gen=3)
+    ev, hashes = stored_events(TOKENS[:8], salt)  # a first step stores 2 blocks
+    s.live(0, payload(ev))
+    ev2, _ = stored_events(TOKENS, salt, parent_blocks=2)  # the next 3, parent known
+    s.live(1, payload(ev2))
+    want = connector_ids(TOKENS, salt, generation=3)
+    assert index.prefix_lengths(want) == {"e1": 5}
+    # Another salt's (or the unsalted) ids of the same tokens are not held.
+    other = connector_ids(TOKENS, None if salt else "other", generation=3)
+    assert index.prefix_lengths(other) == {}
+    assert index.prefix_lengths(connector_ids(TOKENS, salt, generation=2)) == {}
+
+
+def test_blocks_with_extra_keys_kvstore_does_not_name_are_not_indexed():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    ev["extra_keys"] = [None, None, [["mm-hash", 0]], None, None]  # an image in block 2
+    s.live(0, payload(ev))
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {"e1": 2}
+    lora, _ = stored_events(list(range(500, 508)))
+    lora["lora_name"] = "adapter"
+    s.live(1, payload(lora))
+    assert index.prefix_lengths(connector_ids(list(range(500, 508)))) == {}
+    # A child of a block not indexed has no known parent: not indexed either.
+    child, _ = stored_events(TOKENS + list(range(4)), parent_blocks=5)
+    s.live(2, payload(child))
+    assert index.engine_blocks("e1") == 2
+
+
+def test_removed_blocks_leave_and_all_blocks_cleared_empties():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    s.live(0, payload(ev))
+    s.live(1, payload(removed(hashes[3:])))  # vLLM evicted the tail
+    ids = connector_ids(TOKENS)
+    assert index.prefix_lengths(ids) == {"e1": 3}
+    s.live(2, payload(removed(hashes[1:2])))  # a hole: the prefix ends before it
+    assert index.prefix_lengths(ids) == {"e1": 1}
+    s.live(3, payload({"type": "AllBlocksCleared"}))
+    assert index.prefix_lengths(ids) == {} and len(index) == 0
+
+
+# ------------------------------------------------------------------- gaps, restarts
+def test_gap_replays_from_the_first_missing_seq():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    frames = [payload(ev), payload(removed(hashes[2:])), payload(removed(hashes[1:2]))]
+    assert s.live(0, frames[0]) is None
+    assert s.live(2, frames[2]) == 1  # seq 1 was lost: replay from 1
+    s.replayed(1, [(1, frames[1]), (2, frames[2])])
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {"e1": 1}
+    assert s.resyncs == 0 and s.seq.expected == 3
+    assert s.live(2, frames[2]) is None  # the live copy of a replayed batch: dropped
+    assert s.resyncs == 0
+
+
+def test_a_gap_the_replay_cannot_cover_resyncs():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    s.live(0, payload(ev))
+    other, _ = stored_events(list(range(300, 308)))
+    assert s.live(5, payload(other)) == 1
+    s.replayed(1, None)  # no replay socket (or it failed): seq 1..4 may have removed some
+    assert s.resyncs == 1
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
+    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
+    s.live(6, payload(removed([])))
+    assert s.seq.expected == 7
+
+
+def test_a_stream_joined_late_replays_its_history_without_resync():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    later = payload(removed(hashes[4:]))
+    assert s.live(3, later) == 0
+    s.replayed(0, [(2, payload(ev)), (3, later)])  # buffer rolled past 0, 1: not a resync
+    assert s.resyncs == 0
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}  # only seq 3 applied
+    assert s.seq.expected == 4
+
+
+def test_engine_restart_seq_reset_resyncs():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, _ = stored_events(TOKENS)
+    for seq in range(3):
+        s.live(seq, payload(removed([])) if seq else payload(ev))
+    assert index.engine_blocks("e1") == 5
+    fresh, _ = stored_events(list(range(300, 308)))
+    assert s.live(0, payload(fresh)) is None  # a new publisher starts at 0
+    assert s.resyncs == 1
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
+    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
+
+
+# ----------------------------------------------------------------- engine routing
+def record(engine_id: str, node_id: str, spec=NS, events: str | None = "tcp://127.0.0.1:1"):
+    return EngineRecord(
+        engine_id,
+        f"http://127.0.0.1:{8000 + int(engine_id[-1])}",
+        ("tiny",),
+        node_id,
+        spec.to_dict(),
+        BS,
+        events,
+    )
+
+
+def core_with(*records: EngineRecord) -> RouterCore:
+    core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+    for r in records:
+        core.engines.upsert(r)
+    return core
+
+
+def test_engine_cache_evictions_seen_through_events_change_the_choice():
+    core = core_with(record("e1", "n1"), record("e2", "n2"))
+    s1 = core.engines.engines["e1"].stream
+    ev, hashes = stored_events(TOKENS)
+    s1.live(0, payload(ev))
+    ids = connector_ids(TOKENS)
+    ns_id = NS.namespace_id
+    d = core.route_engines(ns_id, ids, "tiny")
+    assert (d.chosen.engine_id, d.chosen.engine_blocks, d.chosen.recompute_blocks) == ("e1", 5, 0)
+    # e1 now has that request in flight; its cache still wins the next one.
+    assert core.route_engines(ns_id, ids, "tiny", dry_run=True).chosen.engine_id == "e1"
+    s1.live(1, payload(removed(hashes)))  # vLLM evicted the prompt from e1
+    d = core.route_engines(ns_id, ids, "tiny", dry_run=True)
+    assert d.chosen.engine_id == "e2"  # no cache left on e1, and it is busier
+    assert {s.engine_id: s.engine_blocks for s in d.scores} == {"e1": 0, "e2": 0}
+
+
+def test_pricing_order_engine_cache_then_agent_then_peer_then_recompute():
+    core = core_with(record("e1", "n1"), record("e2", "n2"), record("e3", "n3"))
+    ev, _ = stored_events(TOKENS)
+    core.engines.engines["e1"].stream.live(0, payload(ev))
+    ids = connector_ids(TOKENS)
+    core.index.store("n2", [ids[i * 16 : i * 16 + 16] for i in range(5)])
+    pricing = Pricing(block_bytes=8192, block_tokens=BS)  # peer_price well below 1
+    core.set_namespace_layout(NS.namespace_id, pricing.block_bytes, pricing.block_tokens)
+    d = core.route_engines(NS.namespace_id, ids, "tiny", dry_run=True)
+    by = {s.engine_id: s for s in d.scores}
+    assert [s.engine_id for s in d.scores] == ["e1", "e2", "e3"]
+    assert (by["e1"].engine_blocks, by["e1"].cost) == (5, 0.0)
+    assert (by["e2"].agent_blocks, by["e2"].peer_blocks) == (5, 0)
+    assert (by["e3"].peer_blocks, by["e3"].peer_node_id) == (5, "n2")
+    assert 0 < by["e2"].cost < by["e3"].cost < 5.0  # 5.0: recomputing all five
+    assert by["e3"].terms()["peer_cost"] == by["e3"].cost
+    # The kill switch: every engine is priced by load alone.
+    core.killswitch = True
+    d = core.route_engines(NS.namespace_id, ids, "tiny", dry_run=True)
+    assert all(s.recompute_blocks == 5 for s in d.scores)
+
+
+def test_engine_routing_refuses_bad_input_and_unknown_models():
+    core = core_with(record("e1", "n1"))
+    with pytest.raises(errors.InvalidArgument):
+        core.route_engines(NS.namespace_id, b"x" * 17)
+    with pytest.raises(errors.InvalidArgument):
+        core.route_engines(b"short", b"")
+    with pytest.raises(errors.Unavailable):
+        core.route_engines(NS.namespace_id, b"", "other-model")
+
+
+def test_engines_without_events_or_secret_are_routed_but_not_indexed():
+    core = RouterCore(Weights(), tenant_secrets={})
+    core.engines.upsert(record("e1", "n1"))  # tenant acme: no secret known here
+    core.engines.upsert(record("e2", "n2", events=None))
+    assert core.engines.engines["e1"].stream is None
+    assert core.engines.engines["e2"].stream is None
+    d = core.route_engines(NS.namespace_id, connector_ids(TOKENS), "tiny")
+    assert {s.engine_id for s in d.scores} == {"e1", "e2"}
+    assert core.engines.release(d.request_id)
+
+
+def test_re_registration_with_a_new_endpoint_resyncs_and_removal_drops():
+    core = core_with(record("e1", "n1"))
+    ev, _ = stored_events(TOKENS)
+    core.engines.engines["e1"].stream.live(0, payload(ev))
+    assert not core.engines.upsert(record("e1", "n1"))  # same stream: kept
+    assert core.engines.index.engine_blocks("e1") == 5
+    assert core.engines.upsert(record("e1", "n1", events="tcp://127.0.0.1:2"))
+    assert core.engines.index.engine_blocks("e1") == 0
+    core.engines.remove("e1")
+    assert core.engines.index.engines == []
+
+
+def test_chain_ids_match_hash_chain_of_the_connector_client():
+    """The connector's KVClient names blocks with hash_chain(handle.root, ...): the same
+    ids as hash_chain_packed, split."""
+    root = NS.root(0, SECRET)
+    assert b"".join(hash_chain(BlockId(root), TOKENS, BS)) == connector_ids(TOKENS)
