@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         res.update(lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300))
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
     log("NVMe tier, plaintext and encrypted ...")
-    res.update(nvme_rates(args.nvme_blocks, 3))
+    res.update(nvme_rates(args.nvme_blocks))
     m = res["memcpy_gbps"]
     res["shm_get_ratio"] = res["shm_get_gbps"] / m
     res["shm_put_ratio"] = res["shm_put_gbps"] / m
