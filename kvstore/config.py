@@ -2,9 +2,10 @@
 file, then environment variables (KVSTORE_AGENT_<FIELD>, KVSTORE_ROUTER_<FIELD>), then
 command-line overrides, in that order. Validation raises ValueError with the field name.
 
-A nested section (AgentConfig.peer) also has variables of its own, one per field
-(KVSTORE_PEER_<FIELD>, the field's `env_prefix` metadata), and its layers merge field by
-field: a file's `peer: {batch_bytes: 64MiB}` and KVSTORE_PEER_IN_PLACE=0 both apply.
+A nested section (AgentConfig.peer, AgentConfig.encryption) also has variables of its
+own, one per field (KVSTORE_PEER_<FIELD>, the field's `env_prefix` metadata), and its
+layers merge field by field: a file's `peer: {batch_bytes: 64MiB}` and
+KVSTORE_PEER_IN_PLACE=0 both apply.
 """
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ class PeerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EncryptionConfig:
+    """Encryption at rest of the NVMe tier (kvstore/tiers/sealing.py,
+    docs/security-at-rest.md): AES-256-GCM under per-tenant keys read at startup from
+    `keys_dir`, files `<tenant>.<key id>.key` (32 raw bytes or their base64, mode 0400 or
+    0440: a file others may read refuses the start). With it on, no plaintext record is
+    written; a tenant without a key keeps its blocks off NVMe; records that do not open
+    (tampered, a removed key, written before encryption was on) are misses, dropped."""
+
+    enabled: bool = False
+    keys_dir: str = ""  # e.g. the mounted Secret, /etc/kvstore/at-rest
+    # tenant -> key id that seals; a tenant not named here seals with its highest key id
+    active: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.keys_dir:
+            raise ValueError("encryption.keys_dir must be set when encryption.enabled is true")
+        for tenant, kid in self.active.items():
+            if not 0 < kid < 1 << 32:
+                raise ValueError(f"encryption.active.{tenant} must be 1..4294967295, got {kid}")
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Node agent. Sizes accept "2MiB"-style strings in files and env."""
 
@@ -125,6 +148,10 @@ class AgentConfig:
     # Peer transfer tuning: `peer:` in the file, KVSTORE_AGENT_PEER (JSON), and one
     # KVSTORE_PEER_<FIELD> variable per field (what operators and benchmarks set).
     peer: PeerConfig = field(default_factory=PeerConfig, metadata={"env_prefix": "KVSTORE_PEER_"})
+    # `encryption:` in the file, KVSTORE_ENCRYPTION_<FIELD> variables.
+    encryption: EncryptionConfig = field(
+        default_factory=EncryptionConfig, metadata={"env_prefix": "KVSTORE_ENCRYPTION_"}
+    )
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:

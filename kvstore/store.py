@@ -323,7 +323,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         return out
 
     def _read_nvme(self, m: BlockMeta, dst) -> bool:
-        raw = self.rocks.get(m.ns.ns_id + m.block_id) if self.rocks else None
+        raw = self.rocks.get(m.ns.ns_id + m.block_id, m.ns.tenant) if self.rocks else None
         if raw is None:
             return False
         try:

@@ -150,7 +150,8 @@ class EvictionMixin:
     def _write_nvme(self, m: BlockMeta) -> bool:
         """Spill `m` to NVMe; False when it could not (full, failing, or found corrupt)."""
         st = m.ns
-        if not self.rocks.health.may_try():  # backing off: neither evict nor read for it
+        # Backing off, or no encryption key for the tenant: neither evict nor read for it.
+        if not self.rocks.may_write(st.tenant):
             self.counters["nvme_spill_failed"] += 1
             return False
         while self.nvme_used + m.nbytes > self.rocks.capacity_bytes or self.accounts.overflow(
@@ -179,7 +180,7 @@ class EvictionMixin:
             m.checksum,
         )
         try:
-            self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))])
+            self.rocks.put_batch([(st.ns_id + m.block_id, encode_block(hdr, payload))], st.tenant)
         except TierUnavailable:  # disk full or failing: counted and logged by the tier
             self.counters["nvme_spill_failed"] += 1
             return False

@@ -28,7 +28,12 @@ class MaintenanceMixin:
         with self.lock:
             ns = self._recovered_namespaces()
             found, bad = [], []
-            for key, raw in self.rocks.scan():
+
+            def tenant_of(key: bytes) -> str | None:  # opens sealed records (encryption)
+                st = ns.get(key[:ID_BYTES])
+                return None if st is None else st.tenant
+
+            for key, raw in self.rocks.scan(tenant_of):
                 hdr = self._check_record(ns, key, raw, verify)
                 if hdr is None:
                     bad.append(key)

@@ -13,6 +13,9 @@ Measures in one run, on this machine, against real agent processes:
   lookup_2000_grpc_us: the same call from a client that stays on gRPC (use_shm=False);
   grpc_floor_us: p50 round trip of a gRPC health check on the same agent and channel (the
   floor any unary RPC pays here); lookup_2000_inproc_us: the store's own Lookup, in process
+- nvme_demote_gbps / nvme_promote_gbps and the same with encryption at rest
+  (nvme_*_enc_gbps, *_enc_ratio against the plaintext figure of this run): the store's
+  moves to and from the RocksDB tier, see loadtest/bench_nvme.py
 Ends with one JSON line on stdout; progress goes to stderr.
 
 Each timed call starts with nothing of the previous round still held: `got = c.get(...)`
@@ -48,6 +51,7 @@ from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
 from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, PackedIds, PutItem
 from kvstore.tiers.pool import DevicePool
+from loadtest.bench_nvme import nvme_rates
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -290,6 +294,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64, help="2 MiB blocks per transfer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lookup-blocks", type=int, default=100_000)
+    p.add_argument("--nvme-blocks", type=int, default=64, help="2 MiB blocks per NVMe round")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # see the module docstring
     res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch, "native": NATIVE}
@@ -310,6 +315,8 @@ def main(argv=None) -> int:
         log(f"lookup with {args.lookup_blocks} blocks held ...")
         res.update(lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300))
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
+    log("NVMe tier, plaintext and encrypted ...")
+    res.update(nvme_rates(args.nvme_blocks))
     m = res["memcpy_gbps"]
     res["shm_get_ratio"] = res["shm_get_gbps"] / m
     res["shm_put_ratio"] = res["shm_put_gbps"] / m

@@ -30,6 +30,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 from kvstore.events import Tier
+from kvstore.tiers.sealing import Failure
 
 log = logging.getLogger("kvstore.agent")
 
@@ -110,6 +111,9 @@ _NVME_EVENTS = (
     ("write_refused", "nvme_writes_refused"),
     ("flush", "nvme_flushes"),
     ("quarantined", "nvme_quarantined"),
+    # encryption at rest: spills refused for want of a key, records that did not open
+    ("seal_refused", "nvme_seal_refused"),
+    *((f"open_failed_{f.value}", f"nvme_open_failed_{f.value}") for f in Failure),
 )
 _REMOVED = (
     ("flush", "blocks_dropped_flush"),

@@ -19,6 +19,7 @@ from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
 from kvstore.tiers.rocks import Quarantine, RocksTier, TierCorrupt, TierUnavailable, quarantine
+from kvstore.tiers.sealing import KeyFileError, Sealer, load_keyrings
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -33,12 +34,33 @@ log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
 
 
+def load_sealer(cfg: AgentConfig) -> Sealer | None:
+    """The NVMe tier's encryption (cfg.encryption), or None when it is off. A key file
+    that cannot be used stops the start: running on without it would write plaintext or
+    turn a tenant's whole NVMe tier into misses."""
+    enc = cfg.encryption
+    if not enc.enabled:
+        return None
+    try:
+        keyrings = load_keyrings(enc.keys_dir, enc.active)
+    except KeyFileError as exc:
+        raise StartupError(f"encryption at rest: {exc}") from None
+    log.info(
+        "NVMe tier encrypted (AES-256-GCM): keys for %d tenants (%s), active ids %s",
+        len(keyrings),
+        ", ".join(sorted(keyrings)),
+        {t: r.active for t, r in sorted(keyrings.items())},
+    )
+    return Sealer(keyrings)
+
+
 def open_nvme(cfg: AgentConfig) -> RocksTier | None:
     """The NVMe tier, or None when it is off. Unreadable RocksDB files are quarantined
     and the tier starts empty; a disk too full to even open RocksDB runs the agent
     without the tier (a restart once there is space brings it back)."""
     if not cfg.nvme_bytes:
         return None
+    sealer = load_sealer(cfg)
     try:
         os.makedirs(cfg.data_dir, exist_ok=True)
     except OSError as exc:  # e.g. a read-only root filesystem with no volume mounted
@@ -48,15 +70,15 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
             "nvme_bytes: 0 to run without the NVMe tier"
         ) from exc
     try:
-        return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
+        return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes, sealer=sealer)
     except TierCorrupt as exc:
-        return quarantine_nvme(cfg, str(exc))
+        return quarantine_nvme(cfg, str(exc), sealer)
     except TierUnavailable as exc:
         log.error("NVMe tier off for this run: %s", exc)
         return None
 
 
-def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
+def quarantine_nvme(cfg: AgentConfig, reason: str, sealer: Sealer | None) -> RocksTier:
     """Move the unreadable files aside (kvstore.tiers.rocks.quarantine) and open an empty
     tier in their place: an agent that starts beats a crash loop over a damaged disk."""
     moved_to = quarantine(cfg.data_dir)
@@ -65,7 +87,7 @@ def quarantine_nvme(cfg: AgentConfig, reason: str) -> RocksTier:
         reason,
         moved_to,
     )
-    rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes)
+    rocks = RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes, sealer=sealer)
     rocks.quarantined = Quarantine(moved_to, reason)
     return rocks
 
@@ -202,9 +224,11 @@ class AgentServer:
         try:
             return self.store.recover()
         except TierCorrupt as exc:  # raised by a scan: the tier exists
+            sealer = None
             if self.store.rocks is not None:
+                sealer = self.store.rocks.sealer
                 self.store.rocks.close()
-            self.store.rocks = quarantine_nvme(self.cfg, str(exc))
+            self.store.rocks = quarantine_nvme(self.cfg, str(exc), sealer)
             return self.store.recover()
 
     async def _flush_nvme(self) -> None:

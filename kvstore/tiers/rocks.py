@@ -14,6 +14,11 @@ Failures are translated at this edge: a write RocksDB refuses (disk full, I/O er
 read-only after a background error) raises TierUnavailable and starts a back-off during
 which writes are refused without touching RocksDB (see WriteHealth); files RocksDB cannot
 read raise TierCorrupt, at open or when a scan meets a damaged record.
+
+With a Sealer (encryption at rest, kvstore.tiers.sealing) every block record is sealed
+under its tenant's active key on the way in and opened on the way out; a record that does
+not open is a miss (get: None; scan: an empty record, which the store drops), counted per
+cause and logged once per cause. Such a tier never writes a plaintext record.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import os
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvstore.errors import DataLoss, Unavailable
+from kvstore.tiers.sealing import Failure, OpenFailed, Sealer
 
 log = logging.getLogger("kvstore.nvme")
 
@@ -44,6 +51,11 @@ QUARANTINES_KEPT = 2  # the newest quarantined copies kept on disk (older ones d
 
 class TierUnavailable(Unavailable):
     """The NVMe tier cannot write now (disk full, I/O error, backing off after one)."""
+
+
+class TierRefused(TierUnavailable):
+    """This record may not be written here (encryption on, and its tenant has no key):
+    the tier itself is fine, so no outage starts."""
 
 
 class TierCorrupt(DataLoss):
@@ -148,8 +160,13 @@ class RocksTier:
         capacity_bytes: int,
         flush_bytes: int = DEFAULT_FLUSH_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        sealer: Sealer | None = None,
     ) -> None:
         self.path = path
+        self.sealer = sealer  # None: records are stored as they come (no encryption)
+        self.open_failures: Counter[Failure] = Counter()
+        self.seal_refused = 0  # spills refused: encryption on and the tenant has no key
+        self._told: set[object] = set()  # causes (and keyless tenants) logged once
         self.capacity_bytes = capacity_bytes
         self.health = WriteHealth(clock)
         self.flushes = 0
@@ -185,8 +202,33 @@ class RocksTier:
     def _write(self, wb: WriteBatch) -> None:
         self._db.write(wb)
 
-    def put_batch(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Write block records; TierUnavailable when the tier cannot write now."""
+    def may_write(self, tenant: str) -> bool:
+        """Whether a record of `tenant` would be tried now: not backing off, and (with
+        encryption on) the tenant has a key. Asked before room is made for a spill."""
+        if self.sealer is not None and not self.sealer.can_seal(tenant):
+            self._refuse(tenant)
+            return False
+        return self.health.may_try()
+
+    def _refuse(self, tenant: str) -> None:
+        self.seal_refused += 1
+        if ("tenant", tenant) not in self._told:
+            self._told.add(("tenant", tenant))
+            log.warning(
+                "NVMe tier %s: tenant %s has no encryption key, its blocks are not "
+                "spilled to NVMe (add a key file <tenant>.<id>.key and restart)",
+                self.path,
+                tenant,
+            )
+
+    def put_batch(self, items: list[tuple[bytes, bytes]], tenant: str | None = None) -> None:
+        """Write block records of `tenant`; TierUnavailable when the tier cannot write
+        now, TierRefused when encryption is on and the tenant has no key."""
+        if self.sealer is not None:
+            if tenant is None or not self.sealer.can_seal(tenant):
+                self._refuse(str(tenant))
+                raise TierRefused(f"NVMe tier {self.path}: no encryption key for this tenant")
+            items = [(k, self.sealer.seal(k, tenant, v)) for k, v in items]
         if not self.health.may_try():
             raise TierUnavailable(f"NVMe tier {self.path} is backing off: {self.health.last_error}")
         wb = WriteBatch(raw_mode=True)
@@ -256,12 +298,33 @@ class RocksTier:
         return self._best_effort("meta write", put)
 
     # -------------------------------------------------------------------- reads
-    def get(self, key: bytes) -> bytes | None:
-        """The record, or None when absent or unreadable (a miss; the caller drops it)."""
+    def get(self, key: bytes, tenant: str | None = None) -> bytes | None:
+        """The record, or None when absent or unreadable (a miss; the caller drops it).
+        With encryption on it is opened as `tenant`'s (None: the stored bytes as they are,
+        which never decode as a block)."""
         try:
-            return self._blocks.get(key)
+            raw = self._blocks.get(key)
         except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
             log.debug("NVMe tier %s: read failed: %s", self.path, exc)
+            return None
+        if raw is None or self.sealer is None or tenant is None:
+            return raw
+        return self._open(key, tenant, raw)
+
+    def _open(self, key: bytes, tenant: str, raw: bytes) -> bytes | None:
+        assert self.sealer is not None
+        try:
+            return self.sealer.open(key, tenant, raw)
+        except OpenFailed as exc:
+            self.open_failures[exc.cause] += 1
+            if exc.cause not in self._told:  # once per cause: the counters tell the rest
+                self._told.add(exc.cause)
+                log.warning(
+                    "NVMe tier %s: a record failed to open (%s): a miss, dropped; "
+                    "kvstore_nvme_events_total counts them",
+                    self.path,
+                    exc.cause.value,
+                )
             return None
 
     def _iterate(self, cf, what: str) -> Iterator[tuple[bytes, bytes]]:
@@ -281,9 +344,25 @@ class RocksTier:
         if err:
             raise TierCorrupt(f"RocksDB at {self.path}: {what} unreadable: {err}")
 
-    def scan(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every block record; TierCorrupt (at the end) when one could not be read."""
-        return self._iterate(self._blocks, "block records")
+    def scan(
+        self, tenant_of: Callable[[bytes], str | None] | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Every block record; TierCorrupt (at the end) when one could not be read. With
+        encryption on and `tenant_of` (key -> tenant, None when unknown) each is opened,
+        and one that does not open comes as b"" (the store drops it); without `tenant_of`
+        the records come as stored."""
+        records = self._iterate(self._blocks, "block records")
+        if self.sealer is None or tenant_of is None:
+            return records
+        return self._opened(records, tenant_of)
+
+    def _opened(
+        self, records: Iterator[tuple[bytes, bytes]], tenant_of: Callable[[bytes], str | None]
+    ) -> Iterator[tuple[bytes, bytes]]:
+        for key, raw in records:
+            tenant = tenant_of(key)
+            opened = None if tenant is None else self._open(key, tenant, raw)
+            yield key, b"" if opened is None else opened
 
     def meta_get(self, key: bytes) -> bytes | None:
         return self._meta.get(key)
@@ -302,6 +381,9 @@ class RocksTier:
             "nvme_write_stalls": self.stalls,
             "nvme_write_errors": self.write_errors,
             "nvme_quarantined": int(self.quarantined is not None),
+            "nvme_encrypted": int(self.sealer is not None),
+            "nvme_seal_refused": self.seal_refused,
+            **{f"nvme_open_failed_{f.value}": self.open_failures[f] for f in Failure},
         }
 
     def condition(self) -> str:

@@ -244,6 +244,7 @@ def test_references_resolve(helm, values):
             ("auth", "existingSecret"),
             ("auth", "existingClusterTokenSecret"),
             ("tls", "existingSecret"),
+            ("encryption", "existingSecret"),
         )
     }
     for wl, _ in pods:
@@ -566,6 +567,9 @@ BAD_VALUES = [
     ("agent.peer.ioTimeoutSeconds=0", "agent.peer.ioTimeoutSeconds"),
     ("agent.peer.inPlace=sometimes", "agent.peer.inPlace"),
     ("agent.peer.bachMiB=64", "bachMiB"),
+    ("encryption.keys.acme\\.1\\.key=c2hvcnQ=", "encryption.keys"),  # not 32 bytes
+    ("encryption.keys.acme\\.one\\.key=" + "A" * 43 + "=", "encryption.keys"),
+    ("encryption.active.acme=0", "encryption.active.acme"),
 ]
 
 
@@ -583,11 +587,56 @@ def test_schema_rejects_bad_values(helm, setting, where):
         (("etcd.mode=external",), "etcd.external.endpoints is empty"),
         (("tls.enabled=true",), "tls.enabled needs tls.existingSecret"),
         (("auth.existingSecret=mine",), "go together"),
+        (("encryption.enabled=true",), "encryption.enabled needs encryption.existingSecret"),
     ],
 )
 def test_template_refuses_unusable_settings(helm, sets, message):
     values = None if not sets else "minimal-values.yaml"
     assert message in render_error(helm, values, *sets)
+
+
+def test_at_rest_keys_reach_every_agent(helm, tmp_path, monkeypatch):
+    """Encryption at rest: the key Secret is mounted where agent.yaml's keys_dir points, in
+    every agent container, readable by the agent's group only; keys given inline render
+    into a Secret whose files the agent's own loader accepts."""
+    from kvstore.tiers.sealing import generate_key, load_keyrings
+
+    docs = render(helm, "production-values.yaml")
+    (vol,) = [
+        v
+        for v in one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "at-rest-keys"
+    ]
+    assert vol["secret"] == {"secretName": "kvstore-at-rest-keys", "defaultMode": 0o440}
+    for c in agent_containers(docs):
+        cfg = load_as_container(
+            docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+        )
+        assert cfg.encryption.enabled and cfg.encryption.active == {"acme": 2}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts[cfg.encryption.keys_dir]["name"] == "at-rest-keys"
+        assert mounts[cfg.encryption.keys_dir]["readOnly"] is True
+
+    key = base64.b64encode(generate_key()).decode()
+    docs = render(
+        helm,
+        "minimal-values.yaml",
+        "encryption.enabled=true",
+        f"encryption.keys.acme\\.1\\.key={key}",
+    )
+    secret = one(docs, "Secret", "-at-rest")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name, data in secret["data"].items():
+        (keys / name).write_bytes(base64.b64decode(data))
+        (keys / name).chmod(0o440)
+    assert dict(load_keyrings(str(keys))["acme"].keys) == {1: base64.b64decode(key)}
+    c = agent_containers(docs)[0]
+    cfg = load_as_container(
+        docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+    )
+    assert cfg.encryption.keys_dir in {m["mountPath"] for m in c["volumeMounts"]}
+    assert not load_config(AgentConfig, None).encryption.enabled  # off by default
 
 
 def test_notes_tell_how_to_reach_kvctl(helm, tmp_path):

@@ -281,10 +281,16 @@ def store_maker(tmp_path, device: str):
     made = []
 
     def make(
-        n_slots: int = 8, nvme_bytes: int = 1 << 20, path=None, slot_bytes: int = 0, **kwargs
+        n_slots: int = 8,
+        nvme_bytes: int = 1 << 20,
+        path=None,
+        slot_bytes: int = 0,
+        sealer=None,
+        **kwargs,
     ) -> BlockStore:
         pool = DevicePool(n_slots, slot_bytes or make_namespace().block_bytes, device)
-        rocks = RocksTier(str(path or tmp_path / "rocks"), nvme_bytes) if nvme_bytes else None
+        where = str(path or tmp_path / "rocks")
+        rocks = RocksTier(where, nvme_bytes, sealer=sealer) if nvme_bytes else None
         store = BlockStore(pool, rocks, **kwargs)
         made.append(store)
         return store

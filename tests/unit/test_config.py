@@ -37,7 +37,7 @@ tenants:
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for k in list(os.environ):
-        if k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_")):
+        if k.startswith(("KVSTORE_AGENT_", "KVSTORE_PEER_", "KVSTORE_ENCRYPTION_")):
             monkeypatch.delenv(k)
 
 
@@ -198,3 +198,25 @@ def test_bad_peer_file_values_name_the_field(tmp_path):
         load_config(AgentConfig, write(tmp_path, "peer: 5\n"))
     with pytest.raises(ValueError, match=r"peer\.max_transfers must be >= 1"):
         load_config(AgentConfig, overrides={"peer": {"max_transfers": 0}})
+
+
+def test_encryption_section_from_file_and_env(tmp_path, monkeypatch):
+    path = write(tmp_path, "encryption:\n  enabled: true\n  keys_dir: /keys\n")
+    monkeypatch.setenv("KVSTORE_ENCRYPTION_ACTIVE", '{"acme": 2}')
+    enc = load_config(AgentConfig, path, "KVSTORE_AGENT_").encryption
+    assert (enc.enabled, enc.keys_dir, enc.active) == (True, "/keys", {"acme": 2})
+    assert not load_config(AgentConfig).encryption.enabled  # off unless asked for
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"enabled": True}, r"encryption\.keys_dir must be set"),
+        ({"active": {"acme": 0}}, r"encryption\.active\.acme must be 1\.\.4294967295"),
+        ({"active": {"acme": "two"}}, r"encryption\.active\.acme"),
+        ({"colour": "blue"}, r"unknown encryption fields: colour"),
+    ],
+)
+def test_bad_encryption_settings_name_the_field(section, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(AgentConfig, overrides={"encryption": section})

@@ -92,6 +92,10 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- if or (not .Values.auth.existingSecret) .Values.auth.existingAgentTokenSecret -}}true{{- end -}}
 {{- end -}}
 
+{{- define "kvstore.atRestSecretName" -}}
+{{- default (printf "%s-at-rest" (include "kvstore.fullname" .)) .Values.encryption.existingSecret -}}
+{{- end -}}
+
 {{- define "kvstore.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "kvstore.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
