@@ -110,9 +110,14 @@ class FrameReader:
                 self.fds.extend(fds)
 
     async def _readable(self) -> None:
-        fut = self._loop.create_future()
+        fut: asyncio.Future[None] = self._loop.create_future()
         fd = self._sock.fileno()
-        self._loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_reader(fd, ready)
         try:
             await fut
         finally:

@@ -3,9 +3,13 @@ kvstore.client could send (bad frames, descriptors, stalls)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import socket
 
 from kvstore import lane
+from kvstore.v1 import agent_pb2
 
 
 def read_frame(s: socket.socket) -> tuple[int, bytes]:
@@ -49,3 +53,26 @@ def closed(s: socket.socket) -> bool:
         return s.recv(1) == b""
     except ConnectionResetError:
         return True
+
+
+@contextlib.contextmanager
+def lane_region(stub, size: int = 1 << 20, metadata=()):
+    """A shared-memory region created and registered the way a client does it (a sealed
+    memfd handed over the agent's local lane); yields (lane path, region id). The region
+    lives while the block runs (it dies with its lane connection)."""
+    where = stub.LocalLane(agent_pb2.LocalLaneRequest(), metadata=metadata)
+    fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        s, (status, body) = connect(where.socket)
+        with s:
+            assert status == lane.OK and body == where.lane_id, body
+            req = agent_pb2.RegisterShmRequest(size=size).SerializeToString()
+            frame = lane.request_frame(lane.REGISTER, lane.encode_meta(metadata), req)
+            socket.send_fds(s, [frame], [fd])
+            status, body = read_frame(s)
+            assert status == lane.OK, body
+            yield where.socket, agent_pb2.RegisterShmResponse.FromString(body).region_id
+    finally:
+        os.close(fd)
