@@ -274,7 +274,8 @@ def test_connections_beyond_the_cap_are_refused(spawn_agent):
         ns = c.open_namespace(SPEC_A)
         ids, blocks = c.block_ids(ns, prompt_tokens(3, 2 * BS)), blocks_for(3, 2)
         assert c.put(ns, ids, blocks).stored == 2
-    assert lane_counters(agent)["local_lane_refused_full"] == 2
+    # Ours, and any other agent's stale-socket probe (remove_stale_sockets) meanwhile.
+    assert lane_counters(agent)["local_lane_refused_full"] >= 2
     held[0][0].close()
     wait_for(lambda: connect(path)[1][0] == lane.OK, what="a slot freed")
     for h, _ in held[1:]:
