@@ -141,6 +141,14 @@ class AgentConfig:
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
     local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
+    # (and register shared memory over it: without the lane, payloads go over gRPC).
+    # Who may connect: the agent's user and root (socket mode 0600), plus this group's
+    # members when set (mode 0660; name or gid).
+    local_lane_group: str = ""
+    local_lane_max_connections: int = 64  # more are refused (RESOURCE_EXHAUSTED)
+    # A connection without a shared-memory region is closed after this long without a
+    # frame; a frame once begun must arrive whole within it.
+    local_lane_idle_timeout_s: float = 30.0
     # File holding this agent's bearer token as the "_agent" identity (docs/security.md):
     # presented on pulls from registered agents (etcd nodes/); "": pulls forward the token
     # of the Prefetch's caller.
@@ -172,6 +180,8 @@ class AgentConfig:
             "max_message_bytes",
             "expire_interval_s",
             "lease_ttl_s",
+            "local_lane_max_connections",
+            "local_lane_idle_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

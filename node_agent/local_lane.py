@@ -3,27 +3,44 @@
 Each call goes through the gRPC server's own interceptor chain (RpcTelemetry: timing,
 spans, observers; EdgeInterceptor: tenant from the bearer token, KvError -> status) and
 the same AgentServicer method, so a Lookup over the lane is authorised, counted, traced
-and answered exactly as over gRPC. The socket lives next to the clients' shared-memory
-regions (/dev/shm): a client reaches it exactly when the agent could map its region.
+and answered exactly as over gRPC. The socket lives next to where same-host clients share
+memory (/dev/shm, which containers on one host share to talk to their agent).
+
+The lane is a door into the agent's memory, so it is kept narrow: the socket is 0600 (0660
+with `local_lane_group`) from the moment it exists; a connecting peer's credentials
+(SO_PEERCRED) must be the agent's user, root or a member of that group; at most
+`local_lane_max_connections` connections; a connection holding no shared-memory region
+is closed after `local_lane_idle_timeout_s` without a frame, and a frame that has begun
+must arrive whole within that time; a frame's header and metadata are read and its
+caller authenticated before any of its message is read. Every refusal is answered with
+a status, logged and counted (Stats counters local_lane_*).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import grp
 import logging
 import os
 import secrets
 import socket
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import grpc
 
+from kvstore import errors, lane
+from kvstore.auth import TokenTable
 from kvstore.grpc_edge import Undecodable, log_unexpected
-from kvstore import lane
+from kvstore.process import StartupError
 from kvstore.v1 import agent_pb2
-from node_agent.shm import SHM_DIR
+from node_agent.lane_socket import FrameReader, PeerCred, bind_listener, peer_allowed, peer_cred
+from node_agent.shm import SHM_DIR, FdOffer, shm_offer
 
 log = logging.getLogger("kvstore.agent")
+MAX_REGIONS_PER_CONNECTION = 4  # a client registers one staging area
+_ANY = object()  # a connection's tenant before its first frame
 
 
 class _Details(NamedTuple):  # what grpc.HandlerCallDetails carries
@@ -59,84 +76,229 @@ async def _once(item):
     yield item
 
 
-class LocalLane:
-    """Serves Lookup, shared-memory Get and Put on a Unix socket."""
+@dataclass(frozen=True, slots=True)
+class LaneLimits:
+    group: str = ""  # "": socket 0600, the agent's user (and root) only
+    max_connections: int = 64
+    idle_timeout_s: float = 30.0
 
-    def __init__(self, servicer, interceptors: list, directory: str = SHM_DIR) -> None:
+
+@dataclass(slots=True)
+class LaneCounters:
+    calls: int = 0  # framed calls answered
+    connections: int = 0  # connections accepted
+    refused_full: int = 0  # turned away at max_connections
+    refused_peer: int = 0  # peer credentials not allowed
+    refused_frames: int = 0  # oversized or unauthenticated frames (connection closed)
+    idle_closed: int = 0  # closed for idling or a frame that stalled
+
+    def as_stats(self) -> dict[str, int]:
+        return {
+            "local_lane_calls": self.calls,
+            "local_lane_connections": self.connections,
+            "local_lane_refused_full": self.refused_full,
+            "local_lane_refused_peer": self.refused_peer,
+            "local_lane_refused_frames": self.refused_frames,
+            "local_lane_idle_closed": self.idle_closed,
+        }
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    sock: socket.socket
+    reader: FrameReader
+    cred: PeerCred
+    tenant: Any = _ANY
+    regions: set[int] = field(default_factory=set)
+
+
+def _gid(group: str) -> int | None:
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StartupError(f"local_lane_group {group!r}: no such group on this host") from None
+
+
+class LocalLane:
+    """Serves Lookup, shared-memory Get and Put, and RegisterShm on a Unix socket."""
+
+    def __init__(
+        self,
+        servicer,
+        interceptors: list,
+        tokens: TokenTable,
+        limits: LaneLimits = LaneLimits(),
+        directory: str = SHM_DIR,
+    ) -> None:
         self.path = os.path.join(
             directory, f"kvstore-agent-{os.getpid()}-{secrets.token_hex(4)}.sock"
         )
+        self.lane_id = secrets.token_bytes(lane.LANE_ID_BYTES)  # LocalLaneResponse.lane_id
         self._interceptors = list(interceptors)
+        self._tokens = tokens
+        self._limits = limits
+        self._gid = _gid(limits.group)
+        self._shm = servicer.shm
         self._handlers = {
-            "Lookup": grpc.unary_unary_rpc_method_handler(
-                servicer.Lookup, agent_pb2.LookupRequest.FromString, _serialize
-            ),
-            "Get": grpc.unary_stream_rpc_method_handler(
-                servicer.Get, agent_pb2.GetRequest.FromString, _serialize
-            ),
-            "Put": grpc.stream_unary_rpc_method_handler(
-                servicer.Put, agent_pb2.PutRequest.FromString, _serialize
-            ),
+            name: fn(getattr(servicer, name), req.FromString, _serialize)
+            for name, fn, req in (
+                ("Lookup", grpc.unary_unary_rpc_method_handler, agent_pb2.LookupRequest),
+                ("Get", grpc.unary_stream_rpc_method_handler, agent_pb2.GetRequest),
+                ("Put", grpc.stream_unary_rpc_method_handler, agent_pb2.PutRequest),
+                ("RegisterShm", grpc.unary_unary_rpc_method_handler, agent_pb2.RegisterShmRequest),
+            )
         }
-        self._server: asyncio.AbstractServer | None = None
-        self.calls = 0  # framed calls answered (Stats counters: local_lane_calls)
-        self.connections = 0  # connections accepted
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._conns: set[_Conn] = set()
+        self.counters = LaneCounters()
 
     async def start(self) -> None:
         stale = remove_stale_sockets(os.path.dirname(self.path))
         if stale:
             log.info("removed %d local-lane sockets of agents that are gone", stale)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
-        # Anyone who can reach /dev/shm may connect, as anyone may reach the gRPC port:
-        # every call still authenticates with the tenant's bearer token.
-        os.chmod(self.path, 0o666)
-        log.info("local lane on %s", self.path)
+        mode = 0o600 if self._gid is None else 0o660
+        self._listener = bind_listener(self.path, mode, self._gid)
+        self._accepting = asyncio.create_task(self._accept())
+        log.info("local lane on %s (mode %o)", self.path, mode)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        try:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        for conn in list(self._conns):
+            conn.sock.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     # ------------------------------------------------------------------ serving
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.connections += 1
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task] = set()
+        while self._listener is not None:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            task = asyncio.create_task(self._serve(sock))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn = None
         try:
-            while True:
-                head = await reader.readexactly(lane.REQUEST_HEADER.size)
-                n, method, meta_len = lane.REQUEST_HEADER.unpack(head)
-                if n > lane.MAX_FRAME_BYTES or meta_len > n:
-                    writer.write(
-                        lane.response_frame(
-                            grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                            f"local-lane frame of {n} bytes (meta {meta_len}) refused; the "
-                            f"limit is {lane.MAX_FRAME_BYTES}".encode(),
-                        )
-                    )
-                    await writer.drain()
-                    return  # the stream cannot be resynchronised: drop the connection
-                body = await reader.readexactly(n)
-                status, out = await self.call(method, body[:meta_len], body[meta_len:])
-                writer.write(lane.response_frame(status, out))
-                await writer.drain()
+            conn = await self._admit(sock, loop)
+            if conn is not None:
+                await self._frames(conn, loop)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
         finally:
-            writer.close()
+            if conn is not None:
+                self._conns.discard(conn)
+                for rid in conn.regions:  # a region lives as long as its connection
+                    self._shm.drop(rid)
+                conn.reader.close_fds()
+            sock.close()
 
-    async def call(self, method: int, raw_meta: bytes, message: bytes) -> tuple[int, bytes]:
+    async def _admit(self, sock: socket.socket, loop) -> _Conn | None:
+        """Greet an allowed peer with the lane id; refuse anyone else, with a status."""
+        cred = peer_cred(sock)
+        refusal = None
+        if len(self._conns) >= self._limits.max_connections:
+            self.counters.refused_full += 1
+            refusal = _error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the local lane holds its limit of {self._limits.max_connections} "
+                "connections (local_lane_max_connections); use gRPC",
+            )
+        elif not peer_allowed(cred, self._gid):
+            self.counters.refused_peer += 1
+            refusal = _error(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"uid {cred.uid} may not use this agent's local lane (only uid "
+                f"{os.getuid()}, root or local_lane_group members)",
+            )
+        if refusal is not None:
+            why = refusal[1].decode()
+            log.warning("local lane refused pid %d uid %d: %s", cred.pid, cred.uid, why)
+            await loop.sock_sendall(sock, lane.response_frame(*refusal))
+            return None
+        self.counters.connections += 1
+        await loop.sock_sendall(sock, lane.response_frame(lane.OK, self.lane_id))
+        conn = _Conn(sock, FrameReader(sock), cred)
+        self._conns.add(conn)
+        return conn
+
+    async def _frames(self, conn: _Conn, loop) -> None:
+        idle = self._limits.idle_timeout_s
+        while True:
+            try:
+                # A connection holding a region is a client's lifeline; others may idle
+                # for `idle` seconds, and a frame once begun must arrive within it.
+                async with asyncio.timeout(None if conn.regions else idle):
+                    head = await conn.reader.read(lane.REQUEST_HEADER.size)
+                async with asyncio.timeout(idle):
+                    reply, keep = await self._frame(conn, *lane.REQUEST_HEADER.unpack(head))
+            except TimeoutError:
+                self.counters.idle_closed += 1
+                log.info("local lane closed an idle connection (pid %d)", conn.cred.pid)
+                return
+            await loop.sock_sendall(conn.sock, reply)
+            if not keep:
+                return  # the stream cannot be resynchronised: drop the connection
+
+    async def _frame(self, conn: _Conn, n: int, method: int, meta_len: int) -> tuple[bytes, bool]:
+        """Read and answer one request -> (response frame, whether to read on)."""
+        problem = lane.header_problem(n, meta_len)
+        if problem is not None:
+            return self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            meta = lane.decode_meta(bytes(await conn.reader.read(meta_len)))
+        except (ValueError, UnicodeDecodeError) as exc:
+            why = f"local-lane metadata: {exc}"
+            return self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, why)
+        try:  # before a byte of the message is read
+            tenant = self._tokens.tenant(dict(meta).get("authorization", ""))
+        except errors.Unauthenticated as exc:
+            return self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if conn.tenant is _ANY:
+            conn.tenant = tenant
+        elif conn.tenant != tenant:
+            return self._refuse(
+                conn, grpc.StatusCode.PERMISSION_DENIED, "a local-lane connection serves one tenant"
+            )
+        message = bytes(await conn.reader.read(n - meta_len))
+        truncated = conn.reader.truncated
+        fds = conn.reader.take_fds()
+        try:
+            status, out = await self.call(method, meta, message, conn, fds, truncated)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return lane.response_frame(status, out), True
+
+    def _refuse(self, conn: _Conn, code: grpc.StatusCode, details: str) -> tuple[bytes, bool]:
+        self.counters.refused_frames += 1
+        log.warning("local lane refused a frame from pid %d: %s", conn.cred.pid, details)
+        return lane.response_frame(*_error(code, details)), False
+
+    async def call(
+        self, method: int, meta: tuple, message: bytes, conn: _Conn, fds: list[int], truncated: bool
+    ) -> tuple[int, bytes]:
         """One framed call -> (status number, response bytes or UTF-8 details)."""
-        self.calls += 1
+        self.counters.calls += 1
         name = lane.METHODS.get(method)
         if name is None:
             return _error(grpc.StatusCode.UNIMPLEMENTED, f"local-lane method {method} unknown")
-        try:
-            meta = lane.decode_meta(raw_meta)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"local-lane metadata: {exc}")
+        offer = self._offer(name, conn, fds, truncated)
+        if isinstance(offer, tuple):
+            return offer
         handler = await self._intercepted(0, _Details(lane.SERVICE + name, meta))
         # The edge's deserializer (kvstore/grpc_edge.py) never raises: bad bytes come back
         # as Undecodable, refused here before any check below reads the request.
@@ -148,20 +310,51 @@ class LocalLane:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the local lane serves shared-memory Gets only (set shm)",
             )
-        ctx = LaneContext(meta)
+        token = shm_offer.set(offer)
         try:
-            if handler.unary_unary:
-                response = await handler.unary_unary(request, ctx)
-            elif handler.unary_stream:
-                responses = [r async for r in handler.unary_stream(request, ctx)]
-                response = responses[-1]  # a shared-memory Get answers once
-            else:
-                response = await handler.stream_unary(_once(request), ctx)
+            response = await self._invoke(handler, request, LaneContext(meta))
         except _Abort as exc:
             return _error(exc.code, exc.details)
         except Exception as exc:  # a bug: the edge answers the servicer's own errors
             return _error(grpc.StatusCode.INTERNAL, log_unexpected(log, f"local-lane {name}", exc))
+        finally:
+            shm_offer.reset(token)
+        if offer is not None:
+            conn.regions.add(response.region_id)
         return lane.OK, handler.response_serializer(response)
+
+    def _offer(
+        self, name: str, conn: _Conn, fds: list[int], truncated: bool
+    ) -> FdOffer | None | tuple[int, bytes]:
+        """The descriptor a RegisterShm frame carries, or the error for what came with it."""
+        if name != "RegisterShm":
+            if fds or truncated:
+                return _error(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "only RegisterShm frames may carry file descriptors",
+                )
+            return None
+        if len(fds) != 1 or truncated:
+            return _error(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "RegisterShm over the local lane carries exactly one file descriptor (the "
+                f"staging memory, SCM_RIGHTS); got {'more than ' if truncated else ''}{len(fds)}",
+            )
+        if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
+            return _error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a local-lane connection holds at most {MAX_REGIONS_PER_CONNECTION} regions",
+            )
+        return FdOffer(fds[0], conn.cred.pid, conn.cred.uid)
+
+    @staticmethod
+    async def _invoke(handler, request, ctx: LaneContext):
+        if handler.unary_unary:
+            return await handler.unary_unary(request, ctx)
+        if handler.unary_stream:
+            responses = [r async for r in handler.unary_stream(request, ctx)]
+            return responses[-1]  # a shared-memory Get answers once
+        return await handler.stream_unary(_once(request), ctx)
 
     async def _intercepted(self, i: int, details: _Details):
         """The handler after interceptors i.. (the order grpc.aio.server applies them)."""

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.auth import RESERVED_TENANTS
 from kvstore.process import StartupError, bind_port, run_until_signalled
 from kvstore.accounting import TenantAccounts
+from kvstore.auth import TokenTable
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
 from kvstore.events import Tier
@@ -24,7 +25,7 @@ from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
-from node_agent.local_lane import LocalLane
+from node_agent.local_lane import LaneLimits, LocalLane
 from node_agent.metrics import AgentTelemetry
 from node_agent.peer.service import PeerTransfer
 from node_agent.servicer import AgentServicer
@@ -187,7 +188,17 @@ class AgentServer:
         self.port = bind_port(self.server, self.cfg.listen)
         await self.server.start()
         if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path
-            self.lane = LocalLane(self.servicer, interceptors)
+            limits = LaneLimits(
+                self.cfg.local_lane_group,
+                self.cfg.local_lane_max_connections,
+                self.cfg.local_lane_idle_timeout_s,
+            )
+            self.lane = LocalLane(
+                self.servicer,
+                interceptors,
+                TokenTable(tokens, self.cfg.allow_unauthenticated),
+                limits,
+            )
             await self.lane.start()
             self.servicer.lane = self.lane
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -16,7 +16,7 @@ from node_agent.events import EventHub
 from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
-from node_agent.shm import ShmRegistry
+from node_agent.shm import ShmRegistry, shm_offer
 from node_agent.stats import build_stats
 
 log = logging.getLogger("kvstore.agent")
@@ -247,8 +247,21 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         )
         return agent_pb2.PinResponse(blocks=n, pinned_bytes=total)
 
+    async def LocalLane(self, request, context):
+        if self.lane is None:
+            return agent_pb2.LocalLaneResponse()
+        return agent_pb2.LocalLaneResponse(socket=self.lane.path, lane_id=self.lane.lane_id)
+
     async def RegisterShm(self, request, context):
-        region = self.shm.register(request.name, request.size, current_tenant.get())
+        # Only over the local lane, with the memory's descriptor: a name (of a file under
+        # /dev/shm, which anyone on the host may name) proves nothing about who holds it.
+        offer = shm_offer.get()
+        if offer is None:
+            raise errors.PermissionDenied(
+                "shared memory is registered over the agent's local lane by handing over "
+                "its file descriptor (LocalLane names the socket); registering by name is refused"
+            )
+        region = self.shm.register_fd(offer, request.size, current_tenant.get())
         return agent_pb2.RegisterShmResponse(
             region_id=region.region_id, local_socket=self.lane.path if self.lane else ""
         )
@@ -268,8 +281,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         resp = build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
         resp.native_accel = native.active()  # "python (...)": the slow fallback is in use
         if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
-            resp.counters["local_lane_calls"] = self.lane.calls
-            resp.counters["local_lane_connections"] = self.lane.connections
+            resp.counters.update(self.lane.counters.as_stats())
         return resp
 
     async def Subscribe(self, request, context):

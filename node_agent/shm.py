@@ -1,16 +1,20 @@
-"""Same-host fast path: client-created POSIX shared-memory staging regions.
+"""Same-host fast path: shared-memory staging regions the client created and holds.
 
-A client on the same host creates /dev/shm/<name>, registers it, and then Get/Put move
-block payloads through it: the agent copies straight between its pool slots and the
-region (one copy, checksummed on the way), and gRPC carries only control. Each region is
-mapped only for the tenant that registered it, so tenants never see each other's bytes.
+A client on the same host creates its staging memory as a memfd sealed against shrinking,
+hands the file descriptor to the agent over the local lane (SCM_RIGHTS, node_agent/
+local_lane.py), and then Get/Put move block payloads through it: the agent copies straight
+between its pool slots and the region (one copy, checksummed on the way), and gRPC or the
+lane carries only control. The agent maps the descriptor it received, never a file named
+by the caller, so nobody can point it at memory they do not hold; a region is bound to the
+tenant that registered it and lives as long as the lane connection it came over.
 """
 
 from __future__ import annotations
 
+import contextvars
+import fcntl
 import mmap
 import os
-import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -19,7 +23,6 @@ import numpy as np
 
 from kvstore.errors import (
     UNKNOWN_REGION,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -27,14 +30,28 @@ from kvstore.errors import (
 )
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_REGION_BYTES = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class FdOffer:
+    """A descriptor that arrived with a RegisterShm frame, and who sent it (SO_PEERCRED)."""
+
+    fd: int
+    pid: int
+    uid: int
+
+
+# Set by the local lane around a RegisterShm call that carried a descriptor; None on gRPC.
+shm_offer: contextvars.ContextVar[FdOffer | None] = contextvars.ContextVar(
+    "shm_offer", default=None
+)
 
 
 @dataclass(slots=True, eq=False)
 class Region:
     region_id: int
-    name: str
+    owner: str  # "pid P uid U" of the process that handed the memory over
     tenant: str | None
     mm: mmap.mmap
     array: np.ndarray
@@ -48,47 +65,41 @@ class Region:
         return self.array[offset : offset + nbytes]
 
 
+def check_memory_fd(fd: int, size: int) -> None:
+    """Refuse a descriptor that is not anonymous memory sealed against shrinking: a file
+    with a name is memory someone else may hold too, and memory that can shrink under the
+    agent's mapping would fault it (SIGBUS) mid-copy."""
+    if not 0 < size <= MAX_REGION_BYTES:
+        raise InvalidArgument(f"shared-memory size must be in (0, {MAX_REGION_BYTES}]")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument("shared memory must be a memory file (memfd), not a directory")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not shared memory at all (a disk file): no seals to have
+    if st.st_nlink or not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidArgument(
+            "shared memory must be a memfd sealed with F_SEAL_SHRINK (memfd_create with "
+            "MFD_ALLOW_SEALING, then F_ADD_SEALS); a named file is refused"
+        )
+    if st.st_size < size:
+        raise InvalidArgument(f"shared memory of {st.st_size} bytes is smaller than {size}")
+
+
 class ShmRegistry:
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
 
-    def register(self, name: str, size: int, tenant: str | None) -> Region:
-        if not _NAME.match(name or ""):
-            raise InvalidArgument("shared-memory name must be 1-200 chars of [A-Za-z0-9_.-]")
-        if not 0 < size <= MAX_REGION_BYTES:
-            raise InvalidArgument(f"shared-memory size must be in (0, {MAX_REGION_BYTES}]")
-        # Names under /dev/shm are visible to every process on the host: a tenant must not
-        # map another tenant's staging region through the agent and read or write it.
-        if any(r.name == name and r.tenant != tenant for r in self._regions.values()):
-            raise PermissionDenied(f"shared memory {name!r} is registered by another tenant")
-        if name in (".", ".."):
-            raise InvalidArgument("shared-memory name must name a file, not '.' or '..'")
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise FailedPrecondition(
-                f"shared memory {name!r} not found: client is not on this host (use the gRPC path)"
-            ) from None
-        except OSError as exc:  # a directory, a socket, a link, not ours to open
-            raise FailedPrecondition(
-                f"shared memory {name!r} cannot be opened: {exc.strerror}"
-            ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise FailedPrecondition(f"shared memory {name!r} is not a regular file")
-            if st.st_size < size:
-                raise InvalidArgument(f"shared memory {name!r} is smaller than {size} bytes")
-            # Populate the mapping now: page faults at registration, not mid-transfer.
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    def register_fd(self, offer: FdOffer, size: int, tenant: str | None) -> Region:
+        """Map the memory behind `offer.fd` (the caller keeps and closes the descriptor)."""
+        check_memory_fd(offer.fd, size)
+        try:  # populate now: page faults at registration, not mid-transfer
+            mm = mmap.mmap(offer.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as exc:
-            raise ResourceExhausted(
-                f"shared memory {name!r} cannot be mapped: {exc.strerror}"
-            ) from None
-        finally:
-            os.close(fd)
-        region = Region(self._new_id(), name, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
+            raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
+        owner = f"pid {offer.pid} uid {offer.uid}"
+        region = Region(self._new_id(), owner, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
         self._regions[region.region_id] = region
         return region
 
@@ -111,14 +122,23 @@ class ShmRegistry:
         return region
 
     def unregister(self, region_id: int, tenant: str | None) -> None:
-        region = self.get(region_id, tenant)
-        del self._regions[region_id]
+        self.get(region_id, tenant)
+        self.drop(region_id)
+
+    def drop(self, region_id: int) -> None:
+        """Forget a region whatever its tenant (its lane connection closed)."""
+        region = self._regions.pop(region_id, None)
+        if region is None:
+            return
         region.array = np.empty(0, dtype=np.uint8)
         try:
             region.mm.close()
         except BufferError:
             pass  # a copy still holds a view; the mapping goes when it is collected
 
+    def __len__(self) -> int:
+        return len(self._regions)
+
     def close(self) -> None:
         for rid in list(self._regions):
-            self.unregister(rid, self._regions[rid].tenant)
+            self.drop(rid)

@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
 import grpc
 import numpy as np
@@ -49,7 +48,7 @@ from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
 from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
-from kvstore.client.staging import create_staging
+from kvstore.client.staging import Staging, create_staging
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -163,9 +162,11 @@ class KVClient:
         )
         self.stub = agent_pb2_grpc.NodeAgentStub(self.channel)
         self.peer_stub = peer_pb2_grpc.PeerStub(self.channel)
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: Staging | None = None
         self._staging: np.ndarray | None = None
         self._region_id = 0
+        # The lane connection our region was registered over (it lives as long as this
+        # connection); data calls use it too unless local_lane=False.
         self._lane: LaneChannel | None = None
         self._lane_ok = local_lane
         self._stale = False  # the lane broke or timed out: register again before a call
@@ -186,8 +187,7 @@ class KVClient:
                     f"shared memory cannot hold a staging area of {size} bytes",
                 )
             return
-        size = shm.size
-        arr = np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)
+        arr = np.frombuffer(shm.mm, dtype=np.uint8)
         arr.fill(0)  # fault the pages in now, not during the first transfer
         self._shm, self._staging = shm, arr
         try:
@@ -196,54 +196,64 @@ class KVClient:
             self._shm, self._staging = None, None
             del arr
             shm.close()
-            shm.unlink()
             if required or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
+            log.info("no shared memory with agent %s: %s", self.address, exc.details())
             return
 
     def _register(self, deadline: float) -> None:
-        """Register our region with the agent (again, after a restart) and open its
-        local lane when it offers one."""
-        shm, staging = self._shm, self._staging
-        if shm is None or staging is None:
+        """Register our region with the agent (again, after a restart): connect to its
+        local lane and hand over the staging memory's descriptor. FAILED_PRECONDITION
+        when there is no lane to reach (another host, no lane, refused)."""
+        shm = self._shm
+        if shm is None:
             raise RuntimeError("register needs the shared-memory staging area")
-        resp = self._grpc(
-            self.stub.RegisterShm,
-            agent_pb2.RegisterShmRequest(name=shm.name, size=staging.size),
-            deadline,
-        )
-        self._region_id, self.local_socket = resp.region_id, resp.local_socket
+        try:
+            where = self._grpc(self.stub.LocalLane, agent_pb2.LocalLaneRequest(), deadline)
+        except KVClientError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an agent from before lanes
+                raise
+            where = agent_pb2.LocalLaneResponse()
+        if not where.socket:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "the agent runs no local lane")
+        try:
+            ch = LaneChannel(
+                where.socket, self._md, max(0.01, deadline - time.monotonic()), where.lane_id
+            )
+        except (OSError, KVClientError) as exc:  # another host, or the lane refused us
+            raise KVClientError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"local lane {where.socket}: {exc}"
+            ) from None
+        try:
+            resp = ch.call(
+                lane.REGISTER,
+                agent_pb2.RegisterShmRequest(size=shm.size),
+                agent_pb2.RegisterShmResponse,
+                deadline - time.monotonic(),
+                fds=(shm.fd,),
+            )
+        except KVClientError:
+            ch.close()
+            raise
+        except LaneBroken as exc:  # the agent went away mid-registration
+            ch.close()
+            raise KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        self._region_id, self.local_socket, self._lane = resp.region_id, where.socket, ch
         self._stale = False
-        if self._lane_ok and resp.local_socket:
-            try:  # the agent mapped our region, so it is on this host: its socket is too
-                self._lane = LaneChannel(
-                    resp.local_socket, self._md, max(0.01, deadline - time.monotonic())
-                )
-            except OSError:
-                pass  # e.g. /dev/shm shared but the socket not: stay on gRPC
 
     def _reregister(self, deadline: float) -> None:
-        """The agent lost our registration (it restarted) or the lane broke: drop the
-        old registration if the agent still has it, then register again."""
+        """The agent lost our registration (it restarted) or the lane broke: close the
+        old connection (the agent drops the region with it), then register again."""
         with self._session_lock:
             self._drop_lane()
             self._stale = True  # until registered: a failure here is tried again next call
-            try:
-                self._grpc(
-                    self.stub.UnregisterShm,
-                    agent_pb2.UnregisterShmRequest(region_id=self._region_id),
-                    deadline,
-                )
-            except KVClientError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
             self._register(deadline)
             self.reregistrations += 1
         log.info(
             "registered again with agent %s (region %d, lane %s)",
             self.address,
             self._region_id,
-            "on" if self._lane else "off",
+            "on" if self.uses_local_lane else "off",
         )
 
     def _drop_lane(self) -> None:
@@ -270,7 +280,7 @@ class KVClient:
 
     @property
     def uses_local_lane(self) -> bool:
-        return self._lane is not None
+        return self._lane is not None and self._lane_ok
 
     def _call(self, method: int, build, response_type, grpc_call, timeout: float | None = None):
         """`build()`'s request over the local lane when there is one, else over gRPC;
@@ -289,7 +299,7 @@ class KVClient:
             raise exc.error from None
 
     def _attempt(self, method: int, request, response_type, grpc_call, deadline: float):
-        lane_ch = self._lane
+        lane_ch = self._lane if self._lane_ok else None
         if lane_ch is not None:
             try:
                 return lane_ch.call(method, request, response_type, deadline - time.monotonic())
@@ -312,20 +322,11 @@ class KVClient:
             raise
 
     def close(self) -> None:
-        self._drop_lane()
+        self._drop_lane()  # the agent drops our region with the connection
         if self._shm is not None:
-            try:
-                self.stub.UnregisterShm(
-                    agent_pb2.UnregisterShmRequest(region_id=self._region_id),
-                    metadata=self._md,
-                    timeout=min(self.timeout, 2.0),
-                )
-            except grpc.RpcError:
-                pass
             self._staging = None
             self._staging_cache.clear()
             self._shm.close()
-            self._shm.unlink()
             self._shm = None
         self.channel.close()
 

@@ -32,8 +32,16 @@ class LaneBroken(ConnectionError):
 class LaneChannel:
     """One connection to an agent's local lane; calls are serialised by a lock."""
 
-    def __init__(self, path: str, metadata: tuple = (), timeout_s: float = 10.0) -> None:
-        """`timeout_s`: the connect's bound and the default deadline of a call."""
+    def __init__(
+        self,
+        path: str,
+        metadata: tuple = (),
+        timeout_s: float = 10.0,
+        lane_id: bytes | None = None,
+    ) -> None:
+        """`timeout_s`: the connect's bound and the default deadline of a call.
+        `lane_id`: what the agent said its lane greets with (LocalLaneResponse); a socket
+        that greets otherwise is not that agent's, and nothing is sent to it."""
         self.path = path
         self._md = tuple(metadata)
         self._timeout = timeout_s
@@ -42,16 +50,27 @@ class LaneChannel:
         self._sock.settimeout(timeout_s)
         try:
             self._sock.connect(path)
+            n, status = lane.RESPONSE_HEADER.unpack(self._recv(lane.RESPONSE_HEADER.size))
+            greeting = bytes(self._recv(min(n, 1 << 16)))
         except OSError:
             self._sock.close()
             raise
+        if status != lane.OK:  # refused: too many connections, or not allowed
+            self._sock.close()
+            raise LaneError(
+                _STATUS.get(status, grpc.StatusCode.UNKNOWN), greeting.decode(errors="replace")
+            )
+        if lane_id is not None and greeting != lane_id:
+            self._sock.close()
+            raise LaneBroken(f"local lane {path}: the socket there is not this agent's")
 
     def close(self) -> None:
         self._sock.close()
 
-    def call(self, method: int, request, response_type, timeout: float | None = None):
+    def call(self, method: int, request, response_type, timeout: float | None = None, fds=()):
         """Send `request` (a protobuf message), return a `response_type` message; wait at
-        most `timeout` seconds (the channel's default when None) for the answer."""
+        most `timeout` seconds (the channel's default when None) for the answer. `fds`:
+        file descriptors to hand over with the frame (RegisterShm's staging memory)."""
         meta = lane.encode_meta(trace_metadata(self._md))
         frame = lane.request_frame(method, meta, request.SerializeToString())
         wait = self._timeout if timeout is None else timeout
@@ -60,7 +79,7 @@ class LaneChannel:
         with self._lock:
             try:
                 self._sock.settimeout(wait)
-                self._sock.sendall(frame)
+                self._send(frame, fds)
                 n, status = lane.RESPONSE_HEADER.unpack(self._recv(lane.RESPONSE_HEADER.size))
                 body = self._recv(n)
             except TimeoutError:  # the stream is out of step now: never reuse it
@@ -76,6 +95,13 @@ class LaneChannel:
                 _STATUS.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace")
             )
         return response_type.FromString(body)
+
+    def _send(self, frame: bytes, fds) -> None:
+        if not fds:
+            self._sock.sendall(frame)
+            return
+        sent = socket.send_fds(self._sock, [frame], list(fds))  # fds ride on the first byte
+        self._sock.sendall(frame[sent:])
 
     def _recv(self, n: int) -> bytearray:
         buf = bytearray(n)

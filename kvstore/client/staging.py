@@ -1,68 +1,80 @@
-"""The client's shared-memory staging area, sized to what the shared-memory filesystem can
-really hold.
+"""The client's shared-memory staging area: anonymous memory (a memfd) that the client
+hands to its agent by file descriptor over the local lane, never by a name.
 
-A POSIX shared-memory file is sparse: creating a 256 MiB one on a 64 MiB /dev/shm (the
-default in a container) succeeds, and the process dies of SIGBUS when it first touches a
-page past what the filesystem can back. So the pages are reserved up front with
-posix_fallocate, which fails cleanly (ENOSPC) instead; a smaller area is tried next, and
-below `floor` the client goes without one (payloads over gRPC), saying so once.
+Why a memfd: a file under /dev/shm is visible to, and nameable by, every process on the
+host, so an agent mapping "the region named X" cannot know who holds it. A memfd has no
+name; only a process given its descriptor can map it. It is sealed against shrinking
+(F_SEAL_SHRINK), which the agent requires: memory that could shrink under its mapping
+would fault it (SIGBUS) mid-copy.
+
+Its pages are reserved up front with posix_fallocate, which fails cleanly (ENOSPC,
+ENOMEM) where memory is short instead of killing the process with SIGBUS when it first
+touches a page that cannot be backed; a smaller area is tried next, and below `floor` the
+client goes without one (payloads over gRPC), saying so once.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import mmap
 import os
-import secrets
-from multiprocessing import shared_memory
+from dataclasses import dataclass
 
 log = logging.getLogger("kvstore.client")
-SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
+_NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 
 
-def _reserve(shm: shared_memory.SharedMemory) -> bool:
-    """Back every page of `shm` now; False when the filesystem cannot hold it."""
-    path = os.path.join(SHM_DIR, shm.name.lstrip("/"))
-    if not hasattr(os, "posix_fallocate") or not os.path.exists(path):
-        return True  # no way to reserve here (not Linux): nothing smaller would be safer
-    fd = os.open(path, os.O_RDWR)
+@dataclass(slots=True, eq=False)
+class Staging:
+    fd: int  # the memfd, kept open: it is handed over again after an agent restart
+    mm: mmap.mmap
+    size: int
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a tensor still views it; the mapping goes when that is collected
+        os.close(self.fd)
+
+
+def _memfd(size: int) -> Staging | None:
+    """A sealed memfd of `size` bytes with every page backed; None when it cannot be."""
+    fd = os.memfd_create("kvstore-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.posix_fallocate(fd, 0, shm.size)
-        return True
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        return Staging(fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED), size)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            return False
-        raise
-    finally:
         os.close(fd)
+        if exc.errno in _NO_ROOM:
+            return None
+        raise
 
 
-def create_staging(size: int, floor: int) -> shared_memory.SharedMemory | None:
-    """A shared-memory area of `size` bytes, or the largest power-of-two fraction of it
-    down to `floor` that the filesystem can back; None when not even `floor` fits."""
+def create_staging(size: int, floor: int) -> Staging | None:
+    """A staging area of `size` bytes, or the largest power-of-two fraction of it down to
+    `floor` that memory can back; None when not even `floor` fits (or no memfd here)."""
+    if not hasattr(os, "memfd_create"):
+        log.warning("no memfd_create on this platform: payloads go over gRPC")
+        return None
     want = size
     while size >= floor:
-        shm = shared_memory.SharedMemory(
-            name=f"kvstore-{os.getpid()}-{secrets.token_hex(6)}", create=True, size=size
-        )
-        if _reserve(shm):
+        staging = _memfd(size)
+        if staging is not None:
             if size < want:
                 log.warning(
-                    "shared memory holds less than the %d MiB staging area asked for: "
-                    "using %d MiB (raise the size of %s, e.g. docker/podman "
-                    "--shm-size)",
+                    "memory holds less than the %d MiB staging area asked for: using %d MiB",
                     want >> 20,
                     size >> 20,
-                    SHM_DIR,
                 )
-            return shm
-        shm.close()
-        shm.unlink()
+            return staging
         size //= 2
     log.warning(
-        "shared memory cannot hold even a %d MiB staging area (%s is too small or "
-        "full): payloads go over gRPC, slower (raise its size, e.g. --shm-size)",
+        "memory cannot back even a %d MiB staging area: payloads go over gRPC, slower",
         floor >> 20,
-        SHM_DIR,
     )
     return None

@@ -217,6 +217,18 @@ class StatsResponse(_message.Message):
     native_accel: str
     def __init__(self, node_id: _Optional[str] = ..., device: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ..., native_accel: _Optional[str] = ...) -> None: ...
 
+class LocalLaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LocalLaneResponse(_message.Message):
+    __slots__ = ("socket", "lane_id")
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LANE_ID_FIELD_NUMBER: _ClassVar[int]
+    socket: str
+    lane_id: bytes
+    def __init__(self, socket: _Optional[str] = ..., lane_id: _Optional[bytes] = ...) -> None: ...
+
 class RegisterShmRequest(_message.Message):
     __slots__ = ("name", "size")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class NodeAgentStub:
                 request_serializer=kvstore_dot_v1_dot_agent__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_agent__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LocalLane = channel.unary_unary(
+                '/kvstore.v1.NodeAgent/LocalLane',
+                request_serializer=kvstore_dot_v1_dot_agent__pb2.LocalLaneRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_agent__pb2.LocalLaneResponse.FromString,
+                _registered_method=True)
         self.RegisterShm = channel.unary_unary(
                 '/kvstore.v1.NodeAgent/RegisterShm',
                 request_serializer=kvstore_dot_v1_dot_agent__pb2.RegisterShmRequest.SerializeToString,
@@ -135,8 +140,18 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocalLane(self, request, context):
+        """Same-host fast path: where the agent's local lane is (kvstore/lane.py), the only way
+        to register shared memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterShm(self, request, context):
-        """Same-host fast path: map a client-created shared-memory staging region.
+        """Map a client-created shared-memory staging region: only over the local lane, the
+        frame carrying the memory's file descriptor (a memfd sealed against shrinking). Over
+        gRPC it is PERMISSION_DENIED: a name cannot prove who holds the memory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +207,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_agent__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_agent__pb2.StatsResponse.SerializeToString,
+            ),
+            'LocalLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocalLane,
+                    request_deserializer=kvstore_dot_v1_dot_agent__pb2.LocalLaneRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_agent__pb2.LocalLaneResponse.SerializeToString,
             ),
             'RegisterShm': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterShm,
@@ -398,6 +418,33 @@ class NodeAgent:
             '/kvstore.v1.NodeAgent/Stats',
             kvstore_dot_v1_dot_agent__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_agent__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocalLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.NodeAgent/LocalLane',
+            kvstore_dot_v1_dot_agent__pb2.LocalLaneRequest.SerializeToString,
+            kvstore_dot_v1_dot_agent__pb2.LocalLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

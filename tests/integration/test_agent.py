@@ -4,11 +4,9 @@ tenant auth, health checking and the event stream."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from multiprocessing import shared_memory
 
 import grpc
 import pytest
@@ -22,6 +20,7 @@ from support.common import (
     prompt_tokens,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.lane_raw import lane_region
 
 from kvstore import checksum as cks
 from kvstore.client import KVClient
@@ -57,21 +56,6 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def stats_counters(client) -> dict:
     return dict(client.stats().counters)
-
-
-@contextlib.contextmanager
-def own_region(stub, size: int = 1 << 20, metadata=()):
-    """A shared-memory region created and registered the way a client does it."""
-    shm = shared_memory.SharedMemory(create=True, size=size)
-    try:
-        rid = stub.RegisterShm(
-            agent_pb2.RegisterShmRequest(name=shm.name, size=size), metadata=metadata
-        ).region_id
-        yield shm.name, rid
-        stub.UnregisterShm(agent_pb2.UnregisterShmRequest(region_id=rid), metadata=metadata)
-    finally:
-        shm.close()
-        shm.unlink()
 
 
 def expect_status(code: grpc.StatusCode, fn, *args, match: str | None = None, **kw):
@@ -236,7 +220,7 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
     agent = spawn_agent(max_message_bytes="1MiB", max_blocks_per_request=64)
     with (
         KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c,
-        own_region(c.stub) as (_, region),
+        lane_region(c.stub) as (_, region),
     ):
         assert c.uses_shm
         probe = Probe(c)
@@ -382,17 +366,12 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
                 ),
                 "region 12345",
             ),
+            # memory by name (over gRPC): never; only a descriptor over the local lane
             (
-                IA,
+                grpc.StatusCode.PERMISSION_DENIED,
                 stub.RegisterShm,
                 agent_pb2.RegisterShmRequest(name="../etc/passwd", size=4096),
-                "name",
-            ),
-            (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                stub.RegisterShm,
-                agent_pb2.RegisterShmRequest(name="kvstore-test-missing", size=4096),
-                "not found",
+                "file descriptor",
             ),
             # blocks bigger than this node's slots
             (
@@ -471,7 +450,7 @@ def test_tenant_auth_and_isolation(spawn_agent):
             agent.address, token=TOKENS["beta"], tenant_secret="beta-secret", use_shm=False
         ) as b,
         KVClient(agent.address, use_shm=False) as anon,
-        own_region(a.stub, metadata=A_MD) as (a_region, a_region_id),
+        lane_region(a.stub, metadata=A_MD) as (a_lane, a_region_id),
     ):
         ns_priv = a.open_namespace(private)
         ns_pub = a.open_namespace(public)
@@ -500,13 +479,13 @@ def test_tenant_auth_and_isolation(spawn_agent):
             ),
             metadata=B_MD,
         )
-        # Nor can B map A's region by its name (anyone on the host can list /dev/shm).
+        # Nor can B map memory by a name (anyone on the host can list /dev/shm).
         expect_status(
             P,
             b.stub.RegisterShm,
-            agent_pb2.RegisterShmRequest(name=a_region, size=1 << 20),
+            agent_pb2.RegisterShmRequest(name=os.path.basename(a_lane), size=1 << 20),
             metadata=B_MD,
-            match="another tenant",
+            match="file descriptor",
         )
         # A public namespace is readable by B, not writable.
         ns_pub_b = b.open_namespace(public)

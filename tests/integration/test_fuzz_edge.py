@@ -134,6 +134,7 @@ def seeds(ns, ids: list[bytes]) -> dict[str, list[bytes]]:
         "/kvstore.v1.NodeAgent/Pin": agent_pb2.PinRequest(ns=ref, block_ids=packed),
         "/kvstore.v1.NodeAgent/Unpin": agent_pb2.PinRequest(ns=ref, block_ids=packed),
         "/kvstore.v1.NodeAgent/Stats": agent_pb2.StatsRequest(tenant="acme"),
+        "/kvstore.v1.NodeAgent/LocalLane": agent_pb2.LocalLaneRequest(),
         "/kvstore.v1.NodeAgent/RegisterShm": agent_pb2.RegisterShmRequest(
             name="kvstore-fuzz-missing", size=4096
         ),
@@ -292,6 +293,8 @@ def lane_call(path: str, frame: bytes) -> int | None:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
         s.connect(path)
+        greeting = s.recv(lane.RESPONSE_HEADER.size, socket.MSG_WAITALL)
+        s.recv(lane.RESPONSE_HEADER.unpack(greeting)[0], socket.MSG_WAITALL)  # the lane id
         s.sendall(frame)
         s.shutdown(socket.SHUT_WR)
         head = s.recv(lane.RESPONSE_HEADER.size, socket.MSG_WAITALL)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 from support.common import TEST_SECRET, make_namespace, prompt_tokens
+from support.lane_raw import raw_call
 
 from kvstore import lane
 from kvstore.client import KVClient
@@ -133,20 +134,6 @@ def test_lane_needs_a_token_like_grpc(spawn_agent):
         assert code == grpc.StatusCode.UNAUTHENTICATED, details
 
 
-def raw_call(path: str, frame: bytes) -> tuple[int, bytes]:
-    """Send one raw frame and hang up; the agent's one response."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(10)
-        s.connect(path)
-        s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)
-        head = s.recv(lane.RESPONSE_HEADER.size, socket.MSG_WAITALL)
-        n, status = lane.RESPONSE_HEADER.unpack(head)
-        body = s.recv(n, socket.MSG_WAITALL) if n else b""
-        assert s.recv(1) == b""  # nothing else, then the agent closes its end
-        return status, body
-
-
 def test_bad_frames_get_precise_errors_and_lose_nothing(spawn_agent):
     agent = spawn_agent()
     with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
@@ -223,6 +210,7 @@ def test_lane_channel_reports_a_connection_cut_mid_answer(tmp_path):
     def cut() -> None:
         conn, _ = srv.accept()
         with conn:
+            conn.sendall(lane.response_frame(lane.OK, b"lane-id"))  # the greeting
             conn.recv(1 << 16)
             conn.sendall(lane.RESPONSE_HEADER.pack(100, lane.OK) + b"half")
 
