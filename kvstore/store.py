@@ -95,8 +95,8 @@ class BlockStore:
         clock: Callable[[], float] = time.time,
         copy_threads: int = 1,
     ) -> None:
-        self.pool = pool
-        self.rocks = rocks
+        self._pool = pool
+        self._rocks = rocks
         self.accounts = accounts or TenantAccounts()
         self.policy_for = policy_for or (lambda ns: NamespacePolicy())
         self.clock = clock
@@ -130,6 +130,29 @@ class BlockStore:
             self._copier,
             self.counters,
         )
+
+    @property
+    def pool(self) -> DevicePool:
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: DevicePool) -> None:
+        """Swap the pool object for one over the same slots (tests wrap it to inject
+        faults): every collaborator uses the new one."""
+        self._pool = self._residency.pool = self._writes.pool = self._in_place.pool = pool
+
+    @property
+    def rocks(self) -> RocksTier | None:
+        return self._rocks
+
+    @rocks.setter
+    def rocks(self, tier: RocksTier | None) -> None:
+        """Swap the NVMe tier (node_agent/server.py does, after quarantining one it could
+        not read, and then recovers the new one): every collaborator uses the new tier."""
+        self._rocks = tier
+        self._residency.rocks = tier
+        self._persistence.rocks = tier
+        self._queue.spills = self._quotas.spills = tier is not None
 
     @property
     def killed(self) -> bool:

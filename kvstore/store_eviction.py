@@ -33,8 +33,8 @@ class EvictionQueue:
     def __init__(self, policy: EvictionPolicy, spills: bool) -> None:
         self.policy = policy
         # Whether the node has an NVMe tier: a block with children may leave the pool only
-        # by demotion, which needs one.
-        self._spills = spills
+        # by demotion, which needs one. Follows BlockStore.rocks.
+        self.spills = spills
         self._heaps: dict[HeapKey, list[HeapEntry]] = {}
         self._tick = 0
 
@@ -44,7 +44,7 @@ class EvictionQueue:
             and not m.pinned
             and m.readers == 0
             and m.hbm_children == 0
-            and (m.children == 0 or (m.ns.policy.persist and self._spills))
+            and (m.children == 0 or (m.ns.policy.persist and self.spills))
         )
 
     @staticmethod

@@ -18,7 +18,7 @@ class TenantQuotas:
         self.accounts = accounts
         self.queue = queue
         self.residency = residency
-        self._spills = spills  # whether the node has an NVMe tier to enforce a quota on
+        self.spills = spills  # an NVMe tier to enforce a quota on (follows BlockStore.rocks)
 
     def set_limits(self, tenant: str, hbm: int | None, nvme: int | None) -> int:
         """Apply a tenant's quota (None or 0: no limit) and evict the tenant's own blocks
@@ -35,7 +35,7 @@ class TenantQuotas:
                 self.queue.refile(victim)  # popped from the heap: put it back
                 break
             done += 1
-        while self._spills and self.accounts.overflow(tenant, Tier.NVME, 0):
+        while self.spills and self.accounts.overflow(tenant, Tier.NVME, 0):
             victim = self.queue.victim(Tier.NVME, tenant)
             if victim is None:
                 break
