@@ -288,7 +288,7 @@ def _coerce_value(tp, value, name: str):
         return float(value)
     if tp is str:
         return str(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if isinstance(value, str):

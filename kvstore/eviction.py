@@ -23,7 +23,8 @@ class EvictionMeta(Protocol):
 
 
 class EvictionPolicy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the strategies are frozen dataclasses
 
     def priority(self, meta: EvictionMeta) -> float: ...
 
@@ -61,9 +62,12 @@ class ValueAwarePolicy:
         return math.log2(value) + meta.last_access / self.half_life_s
 
 
-def make_policy(name: str, **kwargs: float) -> EvictionPolicy:
+def make_policy(
+    name: str, half_life_s: float = 300.0, attention_weight: float = 0.05
+) -> EvictionPolicy:
+    """The strategy named `name`; the tuning arguments are ValueAwarePolicy's."""
     if name == "lru":
         return LRUPolicy()
     if name == "value":
-        return ValueAwarePolicy(**kwargs)
+        return ValueAwarePolicy(half_life_s=half_life_s, attention_weight=attention_weight)
     raise ValueError(f"unknown eviction policy {name!r}: choose 'value' or 'lru'")

@@ -190,9 +190,8 @@ def _check_block_size(block_size: Any) -> int:
 
 def hash_block(parent: BlockId, tokens: TokensLike, extra: bytes = b"") -> BlockId:
     """Reference definition: BLAKE2b-128(parent || canon(tokens) || extra)."""
-    parent = _check_id(parent, "parent")
     data = tokens_to_bytes(tokens)
-    h = hashlib.blake2b(parent, digest_size=BLOCK_ID_BYTES)
+    h = hashlib.blake2b(_check_id(parent, "parent"), digest_size=BLOCK_ID_BYTES)
     h.update(data)
     h.update(_check_extra(extra))
     return BlockId(h.digest())
@@ -227,14 +226,14 @@ def _prepare(root: Any, tokens: TokensLike, block_size: Any, extra: Any):
 
 
 def py_hash_chain_packed(
-    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+    root: bytes, tokens: TokensLike, block_size: int, extra: bytes = b""
 ) -> bytes:
     """Pure-Python ``hash_chain_packed`` (the fallback; always available)."""
     return _py_chain_packed(*_prepare(root, tokens, block_size, extra))
 
 
 def hash_chain_packed(
-    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+    root: bytes, tokens: TokensLike, block_size: int, extra: bytes = b""
 ) -> bytes:
     """Ids of all full blocks of ``tokens``, concatenated (16 bytes each).
 
@@ -247,16 +246,14 @@ def hash_chain_packed(
     return _py_chain_packed(*args)
 
 
-def hash_chain(
-    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
-) -> "BlockIds":
+def hash_chain(root: bytes, tokens: TokensLike, block_size: int, extra: bytes = b"") -> "BlockIds":
     """Ids of all full blocks of ``tokens`` (see ``hash_chain_packed``), as a list that
     keeps its packed form for the requests that carry it."""
     return BlockIds(hash_chain_packed(root, tokens, block_size, extra))
 
 
 def py_hash_chain(
-    root: BlockId, tokens: TokensLike, block_size: int, extra: bytes = b""
+    root: bytes, tokens: TokensLike, block_size: int, extra: bytes = b""
 ) -> List[BlockId]:
     """Pure-Python ``hash_chain`` (the fallback; always available)."""
     return split_ids(py_hash_chain_packed(root, tokens, block_size, extra))

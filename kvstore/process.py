@@ -15,6 +15,7 @@ class StartupError(Exception):
 def bind_port(server, address: str) -> int:
     """`server.add_insecure_port(address)`, with grpc's RuntimeError (port taken, address
     not on this host) turned into a StartupError that names the address."""
+    why: RuntimeError | None
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:

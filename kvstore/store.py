@@ -9,6 +9,13 @@ Invariants the store keeps:
   block and its descendants and turns it into a miss.
 - Bulk copies run outside the lock: a block being read has `readers > 0` and a slot being
   written is RESERVED, and neither can be evicted or reused meanwhile.
+
+The store is a facade over collaborators that each declare their own state, all under
+the one lock here: the eviction queue (store_eviction.py), the residency of blocks in the
+tiers and their moves (store_residency.py), the two-phase writes (store_writes.py), the
+bookkeeping of reads (store_reads.py), in-place transfers (store_inplace.py), tenant
+quotas (store_quotas.py), the kill switch (store_killswitch.py) and what survives a
+restart (store_recovery.py). The namespace table is the store's own.
 """
 
 from __future__ import annotations
@@ -16,9 +23,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstore.accounting import TenantAccounts
 from kvstore.errors import (
@@ -32,25 +38,38 @@ from kvstore.errors import (
 from kvstore.eviction import EvictionPolicy, ValueAwarePolicy
 from kvstore.events import EventKind, EventQueue, Tier
 from kvstore.namespace import Namespace
-from kvstore.payload import decode_block
 from kvstore.policy import NamespacePolicy
-from kvstore.tiers.pool import DevicePool
-from kvstore.store_eviction import EvictionMixin
-from kvstore.store_inplace import InPlaceMixin
-from kvstore.store_maintenance import MaintenanceMixin
+from kvstore.store_copy import BatchCopier
+from kvstore.store_eviction import EvictionQueue
+from kvstore.store_inplace import InPlaceTransfers
+from kvstore.store_killswitch import KillSwitch
+from kvstore.store_quotas import TenantQuotas
+from kvstore.store_reads import Reads
+from kvstore.store_recovery import Persistence
+from kvstore.store_residency import Residency
+from kvstore.store_writes import Writes
 from kvstore.store_types import (
     ID_BYTES,
     NS_META_PREFIX,
     BlockMeta,
+    Borrowed,
+    HeldBlock,
     LookupResult,
+    NsSnapshot,
     NsState,
     PackedIds,
-    PlannedSlot,
+    Payload,
+    PinResult,
+    Promotion,
     PutItem,
+    PutResult,
+    Reservation,
     ServedBlock,
+    StoreSnapshot,
     Written,
     _first_false,
 )
+from kvstore.tiers.pool import DevicePool
 from kvstore.tiers.rocks import RocksTier
 
 __all__ = [
@@ -65,7 +84,7 @@ __all__ = [
 ]
 
 
-class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
+class BlockStore:
     def __init__(
         self,
         pool: DevicePool,
@@ -76,17 +95,8 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         clock: Callable[[], float] = time.time,
         copy_threads: int = 1,
     ) -> None:
-        self.pool = pool
-        # Bulk copies of a batch are split across threads (the native copy releases the
-        # GIL): one core's copy-and-checksum is below what the memory bus can do.
-        self._copier = (
-            ThreadPoolExecutor(copy_threads, thread_name_prefix="kv-copy")
-            if copy_threads > 1
-            else None
-        )
-        self._copy_threads = copy_threads
-        self.rocks = rocks
-        self.eviction = eviction or ValueAwarePolicy()
+        self._pool = pool
+        self._rocks = rocks
         self.accounts = accounts or TenantAccounts()
         self.policy_for = policy_for or (lambda ns: NamespacePolicy())
         self.clock = clock
@@ -95,19 +105,67 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         self.tenant_counters: dict[str, Counter[str]] = {}
         self.lock = threading.RLock()
         self._ns: dict[bytes, NsState] = {}
-        self._heaps: dict[tuple[str, Tier], list] = {}
-        self._tick = 0
-        self.nvme_used = 0
-        # Slots of blocks removed while a get still copies out of them: freed by the last
-        # reader, so a slot is never reused under a copy in flight.
-        self._parked: dict[BlockMeta, int] = {}
-        # Bytes of pool slots reserved for writes in flight (planned, not yet committed or
-        # freed), per tenant: not in the accounts before commit, so each new reservation
-        # counts them, or writes open at once would together overshoot the tenant's quota.
-        self._inflight: Counter[str] = Counter()
-        # Global kill switch (etcd `killswitch`, applied by node_agent/control.py): every
-        # lookup and get misses and every put is refused while it is on; nothing is dropped.
-        self.killed = False
+        spills = rocks is not None
+        self._copier = BatchCopier(copy_threads)
+        policy: EvictionPolicy = eviction or ValueAwarePolicy()
+        self._queue = EvictionQueue(policy, spills)
+        self._residency = Residency(
+            pool, rocks, self.accounts, self._queue, self.counters, self.events
+        )
+        self._writes = Writes(pool, self._residency, self.counters, self.events, clock)
+        self._reads = Reads(self._residency, self.counters, self.events, clock)
+        self._killswitch = KillSwitch(self.counters, self.tenant_counters)
+        self._quotas = TenantQuotas(self.accounts, self._queue, self._residency, spills)
+        self._persistence = Persistence(
+            rocks, self._residency, self._queue, self.lock, self.counters, self.policy_for, clock
+        )
+        self._in_place = InPlaceTransfers(
+            pool,
+            self.lock,
+            self.namespace,
+            self._killswitch,
+            self._writes,
+            self._reads,
+            self._residency,
+            self._copier,
+            self.counters,
+        )
+
+    @property
+    def pool(self) -> DevicePool:
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: DevicePool) -> None:
+        """Swap the pool object for one over the same slots (tests wrap it to inject
+        faults): every collaborator uses the new one."""
+        self._pool = self._residency.pool = self._writes.pool = self._in_place.pool = pool
+
+    @property
+    def rocks(self) -> RocksTier | None:
+        return self._rocks
+
+    @rocks.setter
+    def rocks(self, tier: RocksTier | None) -> None:
+        """Swap the NVMe tier (node_agent/server.py does, after quarantining one it could
+        not read, and then recovers the new one): every collaborator uses the new tier."""
+        self._rocks = tier
+        self._residency.rocks = tier
+        self._persistence.rocks = tier
+        self._queue.spills = self._quotas.spills = tier is not None
+
+    @property
+    def killed(self) -> bool:
+        """The global kill switch (store_killswitch.py), set by node_agent/control.py."""
+        return self._killswitch.on
+
+    @killed.setter
+    def killed(self, on: bool) -> None:
+        self._killswitch.on = on
+
+    @property
+    def nvme_used(self) -> int:
+        return self._residency.nvme_used
 
     # ----------------------------------------------------------------- namespaces
     def open_namespace(self, spec: Namespace, generation: int = 0) -> NsState:
@@ -173,7 +231,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 return 0
             dropped = len(st.blocks)
             for meta in list(st.blocks.values()):
-                self._free_resources(meta)
+                self._residency.free_resources(meta)
             st.blocks.clear()
             st.pinned_bytes = 0
             st.generation = generation
@@ -195,7 +253,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         self.rocks.meta_put(NS_META_PREFIX + st.ns_id, json.dumps(rec).encode())
 
     # --------------------------------------------------------------------- lookup
-    def lookup(self, ns_id: bytes, generation: int, ids) -> LookupResult:
+    def lookup(self, ns_id: bytes, generation: int, ids: Sequence[bytes]) -> LookupResult:
         """`ids` is any sequence of block ids (a list, or PackedIds over the wire bytes).
 
         Cost is O(log n) dict probes, not O(n): presence on the node is prefix-closed
@@ -204,8 +262,8 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         (a parent never expires before its child), so both lengths are binary searches."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killed:
-                return self._killed_lookup(st, len(ids))
+            if self._killswitch.on:
+                return self._killswitch.lookup_miss(st, len(ids))
             now = self.clock()
             get = st.blocks.get
 
@@ -235,7 +293,7 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         generation: int,
         ids: list[bytes],
         parent_id: bytes,
-        dst_for: Callable[[int, int], object],
+        dst_for: Callable[[int, int], Payload | None],
     ) -> list[ServedBlock]:
         """Copy the leading present blocks into `dst_for(i, nbytes)` buffers, verified.
         When `dst_for` returns None the payload comes back as bytes in ServedBlock.data
@@ -243,15 +301,15 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         corrupt block."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killed:
-                self.counters["killswitch_gets"] += 1
+            if self._killswitch.on:
+                self._killswitch.get_miss()
                 return []
-            metas = self._leading(st, ids, parent_id)
+            metas = self._reads.leading(st, ids, parent_id)
             slots = [m.slot for m in metas]  # read once, under the lock (see _parked)
             for m in metas:
                 m.readers += 1
         served: list[ServedBlock] = []
-        promote: list[tuple[BlockMeta, object]] = []
+        promote: list[Promotion] = []
         corrupt: BlockMeta | None = None
         try:
             dsts = [dst_for(i, m.nbytes) for i, m in enumerate(metas)]
@@ -259,14 +317,14 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
             n_pool = next(
                 (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
             )
-            digests = self._copy_all(
+            digests = self._copier.map(
                 lambda i: self.pool.read_into(slots[i], metas[i].nbytes, dsts[i]),
                 range(n_pool),
                 sum(m.nbytes for m in metas[:n_pool]),
             )
             for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dsts[i]
-                data = None
+                data: bytes | None = None
                 if i < n_pool:
                     ok = digests[i] == m.checksum
                     tier = Tier.HBM
@@ -279,10 +337,10 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                     tier = Tier.HBM
                 else:
                     buf = bytearray(m.nbytes) if dst is None else dst
-                    ok = self._read_nvme(m, buf)
+                    ok = self._residency.read_nvme(m, buf)
                     tier = Tier.NVME
                     if ok:
-                        promote.append((m, buf))
+                        promote.append(Promotion(m, buf))
                         data = bytes(buf) if dst is None else None
                 if not ok:
                     corrupt = m
@@ -290,147 +348,13 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 served.append(ServedBlock(m.block_id, tier, m.checksum, data))
         finally:
             with self.lock:
-                self._finish_get(st, metas, served, promote, corrupt)
+                self._reads.finish(st, metas, served, promote, corrupt)
         return served
-
-    def _copy_all(self, fn, args, nbytes: int) -> list:
-        """fn over args, on the copy threads when the batch is big enough to pay."""
-        args = list(args)
-        if self._copier is None or len(args) < 2 or nbytes < (8 << 20):
-            return [fn(a) for a in args]
-        # One task per thread over a contiguous share: a task per block costs more in
-        # hand-offs (~20 us each, far more on a busy host) than it gains in balance.
-        step = -(-len(args) // self._copy_threads)
-        shares = self._copier.map(
-            lambda part: [fn(a) for a in part],
-            [args[i : i + step] for i in range(0, len(args), step)],
-        )
-        return [r for part in shares for r in part]
-
-    def _leading(self, st: NsState, ids: list[bytes], parent_id: bytes) -> list[BlockMeta]:
-        now = self.clock()
-        out = []
-        prev = parent_id
-        for bid in ids:
-            m = st.blocks.get(bid)
-            if m is None or (m.expires_at and m.expires_at <= now):
-                break
-            if prev and m.parent_id != prev:
-                self.counters["chain_mismatch"] += 1
-                break
-            out.append(m)
-            prev = bid
-        return out
-
-    def _read_nvme(self, m: BlockMeta, dst) -> bool:
-        raw = self.rocks.get(m.ns.ns_id + m.block_id, m.ns.tenant) if self.rocks else None
-        if raw is None:
-            return False
-        try:
-            hdr, payload = decode_block(raw)
-        except DataLoss:
-            return False
-        if hdr.block_id != m.block_id or hdr.checksum != m.checksum:
-            return False
-        memoryview(dst).cast("B")[: m.nbytes] = payload
-        return True
-
-    def _finish_get(self, st, metas, served, promote, corrupt) -> None:
-        # A block removed while it was copied (flush, expiry, corruption found by another
-        # reader) is no hit, and neither is anything after it.
-        live = next(
-            (i for i, sb in enumerate(served) if st.blocks.get(sb.block_id) is not metas[i]),
-            len(served),
-        )
-        del served[live:]
-        now = self.clock()
-        ttl = st.policy.ttl_seconds
-        for sb in served:
-            m = st.blocks.get(sb.block_id)
-            if m is None:
-                continue
-            m.hits += 1
-            m.last_access = now
-            if ttl:
-                m.expires_at = now + ttl
-        if ttl and served and metas[0].depth:
-            self._raise_expiry(st.blocks.get(metas[0].parent_id), now + ttl)
-        promoted = []
-        for m, dst in promote:  # prefix order: a child only after its parent made it
-            if not self._promote(m, dst):
-                break
-            promoted.append(m.block_id)
-        for m in metas:  # readers kept until now so promotion cannot evict the chain
-            self._done_reading(m)
-        if promoted:
-            self.events.append(EventKind.TIER_CHANGED, st.ns_id, tuple(promoted), tier=Tier.HBM)
-        # By identity: the block may have been dropped meanwhile (another reader found it
-        # corrupt too) and put again, good, in another slot.
-        if corrupt is not None and st.blocks.get(corrupt.block_id) is corrupt:
-            self.counters["corrupt_dropped"] += 1
-            self._remove_subtrees(st, {corrupt.block_id}, "corrupt")
-        self.counters["get_blocks"] += len(served)
-        self.counters["get_bytes"] += sum(m.nbytes for m in metas[: len(served)])
-
-    def _raise_expiry(self, m: BlockMeta | None, until: float) -> None:
-        """Keep expiry monotone along the chain: no ancestor expires before `until`."""
-        while m is not None and m.expires_at and m.expires_at < until:
-            m.expires_at = until
-            m = m.ns.blocks.get(m.parent_id) if m.depth else None
-
-    def _promote(self, m: BlockMeta, src) -> bool:
-        """Copy an NVMe-only block into the pool, only if its parent is in the pool (or it
-        starts a chain): the pool stays prefix-closed."""
-        if m.slot >= 0 or m.ns.blocks.get(m.block_id) is not m:
-            return False
-        parent = m.ns.blocks.get(m.parent_id) if m.depth else None
-        if parent is not None and parent.slot < 0:
-            return False
-        if parent is not None:  # making room must not demote the parent from under m
-            parent.readers += 1
-        try:
-            slot = self._reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
-        finally:
-            if parent is not None:
-                self._done_reading(parent)
-        if slot is None:
-            return False
-        if m.ns.blocks.get(m.block_id) is not m or (parent is not None and parent.slot < 0):
-            self.pool.abort(slot)  # making room dropped m or its parent (found corrupt)
-            return False
-        # `src` may be a client's shared memory: what lands in the pool must still match.
-        if self.pool.write(slot, memoryview(src).cast("B")[: m.nbytes]) != m.checksum:
-            self.pool.abort(slot)
-            self.counters["promote_mismatch"] += 1
-            return False
-        self.pool.commit(slot)
-        self._attach_slot(m, slot)
-        self.counters["promotions"] += 1
-        return True
-
-    def _promote_chain(self, m: BlockMeta) -> bool:
-        """Bring `m` and its NVMe-only ancestors into the pool (rare: a child is put while
-        its parent sits on NVMe). Returns whether `m` is in the pool afterwards."""
-        chain = []
-        while m is not None and m.slot < 0:
-            chain.append(m)
-            m = m.ns.blocks.get(m.parent_id) if m.depth else None
-        for b in chain:
-            b.readers += 1
-        try:
-            for b in reversed(chain):
-                buf = bytearray(b.nbytes)
-                if not self._read_nvme(b, buf) or not self._promote(b, buf):
-                    return False
-            return True
-        finally:
-            for b in chain:
-                self._done_reading(b)
 
     # ------------------------------------------------------------------------ put
     def put(
         self, ns_id: bytes, generation: int, items: list[PutItem], root: bytes | None = None
-    ) -> tuple[int, int]:
+    ) -> PutResult:
         """Store blocks (parent before child). Returns (stored, already_present).
 
         With `root` given (what clients send), a block whose parent is neither held, nor
@@ -440,16 +364,16 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         is for trusted in-process callers (peer transfer copies whole chains)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killed:
-                self.counters["killswitch_puts"] += 1
-                raise FailedPrecondition(
+            if self._killswitch.on:
+                raise self._killswitch.refuse_write(
                     "kill switch is on: writes are refused "
                     "(`kvctl killswitch off` to resume caching)"
                 )
-            plan, already = self._plan_put(st, items, root)
+            planned = self._writes.plan_put(st, items, root)
+        plan = planned.slots
         written: list[Written] = []
         try:
-            digests = self._copy_all(
+            digests = self._copier.map(
                 lambda p: self.pool.write(p.slot, p.item.data),
                 plan,
                 len(plan) * st.spec.block_bytes,
@@ -462,172 +386,15 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 written.append(Written(p, digest))
         finally:
             with self.lock:
-                stored, raced = self._commit_put(st, generation, plan, written)
+                done = self._writes.commit(st, generation, plan, written)
         # A block another writer committed while this one copied is present, not stored.
-        return stored, already + raced
-
-    def _plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None):
-        size = st.spec.block_bytes
-        for i, it in enumerate(items):
-            if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
-                raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
-            n = memoryview(it.data).nbytes
-            if n != size:
-                raise InvalidArgument(
-                    f"block {i} is {n} bytes; namespace {st.spec.key} blocks are {size} bytes"
-                )
-        depths: dict[bytes, int] = {}
-        for it in items:
-            parent = st.blocks.get(it.parent_id)
-            depths[it.block_id] = parent.depth + 1 if parent else depths.get(it.parent_id, -1) + 1
-        if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
-            self.counters["below_min_prefix"] += 1
-            return [], 0
-        plan, already, skipped, planned = [], 0, set(), set()
-        try:
-            for it in items:
-                known = st.blocks.get(it.block_id)
-                if known is not None or it.block_id in planned:
-                    already += 1
-                    if known is not None and st.policy.ttl_seconds:  # a re-put is a touch
-                        self._raise_expiry(known, self.clock() + st.policy.ttl_seconds)
-                    continue
-                parent = st.blocks.get(it.parent_id)
-                if (
-                    root is not None
-                    and parent is None
-                    and it.parent_id != root
-                    and it.parent_id not in planned
-                ):
-                    skipped.add(it.block_id)
-                    self.counters["put_orphan"] += 1
-                    continue
-                if it.parent_id in skipped or (
-                    parent is not None and parent.slot < 0 and not self._promote_chain(parent)
-                ):
-                    skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
-                    self.counters["put_parent_cold"] += 1
-                    continue
-                planned_slot = self._plan_slot(st, it, depths[it.block_id], parent)
-                if planned_slot is None:
-                    if plan:  # keep the leading blocks that fit; the rest would be orphans
-                        self.counters["put_truncated"] += 1
-                        break
-                    raise ResourceExhausted(
-                        f"device pool cannot take more blocks for tenant {st.tenant}: "
-                        "every slot is pinned, in use or over the tenant's quota"
-                    )
-                plan.append(planned_slot)
-                planned.add(it.block_id)
-        except BaseException:
-            self._abort_plan(plan)
-            raise
-        return plan, already
-
-    def _plan_slot(
-        self, st: NsState, item: PutItem, depth: int, parent: BlockMeta | None
-    ) -> PlannedSlot | None:
-        """Reserve a pool slot for one block of a write, within the tenant's quota counting
-        every slot already in flight for it (this write's and concurrent ones'), and hold
-        the parent so making room later cannot evict it. None when no slot can be had."""
-        size = st.spec.block_bytes
-        if parent is not None:
-            parent.readers += 1
-        slot = self._reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
-        if slot is None:
-            if parent is not None:
-                self._done_reading(parent)
-            return None
-        self._inflight[st.tenant] += size
-        return PlannedSlot(item, slot, depth, parent, st.tenant, size)
-
-    def _end_planned(self, p: PlannedSlot) -> None:
-        """A planned slot was committed or freed: no longer in flight, nor its parent held."""
-        self._inflight[p.tenant] -= p.nbytes
-        if p.parent is not None:
-            self._done_reading(p.parent)
-
-    def _abort_plan(self, plan: list[PlannedSlot]) -> None:
-        for p in plan:
-            self.pool.abort(p.slot)
-            self._end_planned(p)
-
-    def _commit_put(
-        self, st: NsState, generation: int, plan: list[PlannedSlot], written: list[Written]
-    ) -> tuple[int, int]:
-        """Make the written blocks visible (under the lock); free every other planned slot.
-        Planning and copying ran apart from here, so each block is checked again: its
-        namespace not flushed, its parent still held and still in the pool, and the block
-        itself not committed meanwhile by a concurrent writer of the same chain (that copy
-        wins; this slot is freed, or it would leak with nothing pointing at it). A parent
-        committed by another writer (or by the previous batch of a pipelined transfer)
-        is not held by this plan and may have been demoted since: a child in the pool
-        under it would break the pool's prefix closure, so it is not stored.
-        Returns (stored, raced)."""
-        done = {id(w.planned) for w in written}
-        self._abort_plan([p for p in plan if id(p) not in done])
-        now = self.clock()
-        stored: list[BlockMeta] = []
-        raced = 0
-        for w in written:
-            item, slot = w.planned.item, w.planned.slot
-            self._end_planned(w.planned)
-            parent_meta = st.blocks.get(item.parent_id)
-            depth = parent_meta.depth + 1 if parent_meta else w.planned.depth
-            if st.generation != generation or (depth and not parent_meta):
-                self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
-                continue
-            if item.block_id in st.blocks:
-                self.pool.abort(slot)
-                self.counters["put_raced"] += 1
-                raced += 1
-                continue
-            if parent_meta is not None and parent_meta.slot < 0:
-                self.pool.abort(slot)
-                self.counters["put_parent_cold"] += 1
-                continue
-            self.pool.commit(slot)
-            ttl = st.policy.ttl_seconds
-            m = BlockMeta(
-                st,
-                item.block_id,
-                item.parent_id,
-                depth,
-                st.spec.block_bytes,
-                w.digest,
-                last_access=now,  # checked by _plan_*
-                expires_at=now + ttl if ttl else 0,
-            )
-            st.blocks[m.block_id] = m
-            if parent_meta is not None:
-                parent_meta.children += 1
-                if ttl:
-                    self._raise_expiry(parent_meta, m.expires_at)
-            self._attach_slot(m, slot)
-            stored.append(m)
-        self._stored_events(st, stored)
-        return len(stored), raced
-
-    def _stored_events(self, st: NsState, stored: list[BlockMeta]) -> None:
-        """One STORED event per parent-to-child run: each names the parent of its first
-        block, even when blocks before it were skipped or already present."""
-        runs: list[tuple[bytes, list[bytes]]] = []
-        for m in stored:
-            if runs and runs[-1][1][-1] == m.parent_id:
-                runs[-1][1].append(m.block_id)
-            else:
-                runs.append((m.parent_id, [m.block_id]))
-        for parent_id, ids in runs:
-            self.events.append(
-                EventKind.STORED, st.ns_id, tuple(ids), parent_id=parent_id, tier=Tier.HBM
-            )
-        self.counters["put_blocks"] += len(stored)
+        return PutResult(done.stored, planned.already + done.raced)
 
     # --------------------------------------------------------------------- pinning
-    def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> tuple[int, int]:
+    def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:
         with self.lock:
             st = self.namespace(ns_id, generation)
-            metas = [m for m in self._leading(st, ids, b"") if m.pinned != pin]
+            metas = [m for m in self._reads.leading(st, ids, b"") if m.pinned != pin]
             delta = sum(m.nbytes for m in metas)
             if pin and st.pinned_bytes + delta > st.policy.pin_budget_bytes:
                 raise ResourceExhausted(
@@ -637,6 +404,100 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 )
             for m in metas:
                 m.pinned = pin
-                self._refile(m)
+                self._queue.refile(m)
             st.pinned_bytes += delta if pin else -delta
-            return len(metas), st.pinned_bytes
+            return PinResult(len(metas), st.pinned_bytes)
+
+    # ------------------------------------------------------- in-place transfers
+    @property
+    def supports_in_place(self) -> bool:
+        return self._in_place.supported
+
+    def reserve(
+        self,
+        ns_id: bytes,
+        generation: int,
+        ids: list[bytes],
+        parent_id: bytes,
+        root: bytes,
+        after: Reservation | None = None,
+    ) -> Reservation:
+        """Slots for an in-place write of `ids` (see InPlaceTransfers.reserve)."""
+        return self._in_place.reserve(ns_id, generation, ids, parent_id, root, after)
+
+    def trim(self, res: Reservation, n: int) -> None:
+        self._in_place.trim(res, n)
+
+    def commit(
+        self,
+        res: Reservation,
+        checksums: list[int],
+        n: int | None = None,
+        sources: list[Payload] | None = None,
+        digests: list[int] | None = None,
+    ) -> int:
+        """Verify and make visible an in-place write (see InPlaceTransfers.commit)."""
+        return self._in_place.commit(res, checksums, n, sources, digests)
+
+    def abort(self, res: Reservation) -> None:
+        self._in_place.abort(res)
+
+    def borrow(
+        self, ns_id: bytes, generation: int, ids: list[bytes], parent_id: bytes, verify: bool = True
+    ) -> Borrowed:
+        """Verified read-only slot views (see InPlaceTransfers.borrow)."""
+        return self._in_place.borrow(ns_id, generation, ids, parent_id, verify)
+
+    def release(self, b: Borrowed) -> None:
+        self._in_place.release(b)
+
+    # ------------------------------------------------------------ maintenance
+    def recover(self, verify: bool = True) -> dict[str, int]:
+        """Rebuild the index from RocksDB after a restart (see Persistence.recover)."""
+        return self._persistence.recover(self._ns, verify)
+
+    def persist_pool(self, deadline_s: float | None = None) -> int:
+        """Copy the pool's blocks of persistent namespaces to NVMe before a clean shutdown
+        (see Persistence.persist_pool). Returns the number of blocks written."""
+        return self._persistence.persist_pool(self._ns, deadline_s)
+
+    def expire(self) -> int:
+        """Drop blocks whose TTL ran out (with their descendants)."""
+        now = self.clock()
+        total = 0
+        with self.lock:
+            for st in self._ns.values():
+                if not st.policy.ttl_seconds:
+                    continue
+                dead = {
+                    b
+                    for b, m in st.blocks.items()
+                    if m.expires_at and m.expires_at <= now and not m.readers
+                }
+                if dead:
+                    total += self._residency.remove_subtrees(st, dead, "expired")
+        return total
+
+    def set_tenant_limits(self, tenant: str, hbm: int | None, nvme: int | None) -> int:
+        """Apply a tenant's quota and evict its own blocks until it fits (see
+        TenantQuotas.set_limits). Returns the number of evictions."""
+        with self.lock:
+            return self._quotas.set_limits(tenant, hbm, nvme)
+
+    def snapshot(self) -> StoreSnapshot:
+        """Every block held, per namespace, and the last event sequence it includes."""
+        with self.lock:
+            out = [
+                NsSnapshot(
+                    st.ns_id,
+                    [
+                        HeldBlock(m.block_id, m.tier)
+                        for m in sorted(st.blocks.values(), key=lambda b: b.depth)
+                    ],
+                )
+                for st in self._ns.values()
+            ]
+            return StoreSnapshot(self.events.last_seq, out)
+
+    def block_count(self) -> int:
+        return sum(len(st.blocks) for st in self._ns.values())

@@ -13,27 +13,70 @@ callers keep the copying put/get for other device pools.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 from kvstore import checksum as cks
-from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.errors import DataLoss, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
-from kvstore.store_types import ID_BYTES, Borrowed, PutItem, Reservation, ServedBlock, Written
+from kvstore.store_copy import BatchCopier
+from kvstore.store_killswitch import KillSwitch
+from kvstore.store_reads import Reads
+from kvstore.store_residency import Residency
+from kvstore.store_types import (
+    ID_BYTES,
+    BlockMeta,
+    Borrowed,
+    NsState,
+    Payload,
+    PutItem,
+    Reservation,
+    ServedBlock,
+    Written,
+)
+from kvstore.store_writes import Writes
+from kvstore.tiers.pool import DevicePool
 
 
-class InPlaceMixin:
-    """Mixed into BlockStore (kvstore/store.py)."""
+class InPlaceTransfers:
+    """BlockStore's reserve / trim / commit / abort and borrow / release. Holds no state
+    of its own beyond what it is given: every reservation and borrow is a record the
+    caller keeps (Reservation, Borrowed)."""
+
+    def __init__(
+        self,
+        pool: DevicePool,
+        lock: threading.RLock,
+        namespace: Callable[[bytes, int], NsState],
+        killswitch: KillSwitch,
+        writes: Writes,
+        reads: Reads,
+        residency: Residency,
+        copier: BatchCopier,
+        counters: Counter[str],
+    ) -> None:
+        self.pool = pool
+        self.lock = lock
+        self.namespace = namespace  # BlockStore.namespace: known, and at this generation
+        self.killswitch = killswitch
+        self.writes = writes
+        self.reads = reads
+        self.residency = residency
+        self.copier = copier
+        self.counters = counters
 
     @property
-    def supports_in_place(self) -> bool:
+    def supported(self) -> bool:
         return self.pool.in_place
 
-    def _digests(self, views: list) -> list[int]:
+    def _digests(self, views: list[Payload]) -> list[int]:
         """XXH64 of slot views: the device kernel over tensor views, else on the copy
         threads when the batch is big enough to pay."""
         if self.pool.tensor_views:
             return self.pool.digests(views)
-        return self._copy_all(cks.checksum, views, sum(v.nbytes for v in views))
+        return self.copier.map(cks.checksum, views, sum(v.nbytes for v in views))
 
     # ----------------------------------------------------------------- writes
     def reserve(
@@ -53,13 +96,12 @@ class InPlaceMixin:
         Keeps the leading blocks that fit; a shorter result says why in `reason` (pool or
         quota full, orphan, cold parent, block already present, chain below the namespace's
         minimum). Raises ResourceExhausted when not one slot can be had, like put."""
-        if not self.supports_in_place:
+        if not self.supported:
             raise InvalidArgument("in-place writes need a pool that verifies in place")
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killed:
-                self.counters["killswitch_puts"] += 1
-                raise FailedPrecondition("kill switch is on: writes are refused")
+            if self.killswitch.on:
+                raise self.killswitch.refuse_write("kill switch is on: writes are refused")
             res = Reservation(st, generation, [])
             parent = st.blocks.get(parent_id)
             if parent is not None:
@@ -76,14 +118,22 @@ class InPlaceMixin:
                 self.counters["below_min_prefix"] += 1
                 res.reason = "chain shorter than the namespace's min_prefix_blocks"
                 return res
-            if parent is not None and parent.slot < 0 and not self._promote_chain(parent):
+            if parent is not None and parent.slot < 0 and not self.residency.promote_chain(parent):
                 self.counters["put_parent_cold"] += 1
                 res.reason = "the parent block could not be brought into the pool"
                 return res
             self._plan_in_place(st, res, ids, parent_id, parent, depth)
             return res
 
-    def _plan_in_place(self, st, res: Reservation, ids, parent_id, parent, depth) -> None:
+    def _plan_in_place(
+        self,
+        st: NsState,
+        res: Reservation,
+        ids: list[bytes],
+        parent_id: bytes,
+        parent: BlockMeta | None,
+        depth: int,
+    ) -> None:
         size = st.spec.block_bytes
         try:
             for bid in ids:
@@ -93,7 +143,7 @@ class InPlaceMixin:
                     res.reason = f"block {bid.hex()[:12]} is already held (stored meanwhile)"
                     break
                 # Counts `after`'s slots and every other write in flight against the quota.
-                planned = self._plan_slot(st, PutItem(bid, parent_id, b""), depth, parent)
+                planned = self.writes.plan_slot(st, PutItem(bid, parent_id, b""), depth, parent)
                 if planned is None:
                     if not res.plan:
                         raise ResourceExhausted(
@@ -108,7 +158,7 @@ class InPlaceMixin:
                 res.plan[-1] = replace(planned, item=replace(planned.item, data=view))
                 parent_id, parent, depth = bid, None, depth + 1
         except BaseException:
-            self._abort_plan(res.plan)
+            self.writes.abort_plan(res.plan)
             res.plan = []
             raise
 
@@ -118,14 +168,14 @@ class InPlaceMixin:
         if n < len(res.plan):
             rest, res.plan = res.plan[n:], res.plan[:n]
             with self.lock:
-                self._abort_plan(rest)
+                self.writes.abort_plan(rest)
 
     def commit(
         self,
         res: Reservation,
         checksums: list[int],
         n: int | None = None,
-        sources: list | None = None,
+        sources: list[Payload] | None = None,
         digests: list[int] | None = None,
     ) -> int:
         """Verify the first `n` (default all) reserved payloads in place against
@@ -146,7 +196,7 @@ class InPlaceMixin:
                 digests = list(digests[:n])
             elif sources is not None:
                 n = min(n, len(sources))
-                digests = self._copy_all(
+                digests = self.copier.map(
                     lambda a: self.pool.write(a[0].slot, a[1]),
                     list(zip(plan[:n], sources)),
                     n * res.ns.spec.block_bytes,
@@ -155,16 +205,17 @@ class InPlaceMixin:
                 digests = self._digests([p.item.data for p in plan[:n]])
         except BaseException:
             with self.lock:
-                self._abort_plan(plan)
+                self.writes.abort_plan(plan)
             raise
-        written, bad = [], None
+        written: list[Written] = []
+        bad: PutItem | None = None
         for p, digest, want in zip(plan, digests, checksums):
             if digest != want:
                 bad = p.item
                 break
             written.append(Written(p, digest))
         with self.lock:
-            stored = self._commit_put(res.ns, res.generation, plan, written)[0]
+            stored = self.writes.commit(res.ns, res.generation, plan, written).stored
         if bad is not None:
             raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its checksum")
         return stored
@@ -175,7 +226,7 @@ class InPlaceMixin:
         plan, res.plan = res.plan, []
         if plan:
             with self.lock:
-                self._abort_plan(plan)
+                self.writes.abort_plan(plan)
 
     # ------------------------------------------------------------------ reads
     def borrow(
@@ -190,11 +241,11 @@ class InPlaceMixin:
         fails there and is never stored, and this node finds it on its own next read."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killed or not self.supports_in_place:
-                self.counters["killswitch_gets"] += self.killed
+            if self.killswitch.on or not self.supported:
+                self.counters["killswitch_gets"] += self.killswitch.on
                 return Borrowed(st, [], [], [])
             metas = []
-            for m in self._leading(st, ids, parent_id):
+            for m in self.reads.leading(st, ids, parent_id):
                 if m.slot < 0:
                     break
                 metas.append(m)
@@ -202,7 +253,7 @@ class InPlaceMixin:
             for m in metas:
                 m.readers += 1
         served: list[ServedBlock] = []
-        corrupt = None
+        corrupt: BlockMeta | None = None
         try:
             views = [self.pool.slot_view(s, m.nbytes, writable=False) for s, m in zip(slots, metas)]
             digests = self._digests(views) if verify else [m.checksum for m in metas]
@@ -216,9 +267,9 @@ class InPlaceMixin:
                 for m in metas[: len(served)]:
                     m.readers += 1  # the borrow's own hold, past _finish_get's release
                 held = len(served)
-                self._finish_get(st, metas, served, [], corrupt)
+                self.reads.finish(st, metas, served, [], corrupt)
                 for m in metas[len(served) : held]:  # removed while verified: not served
-                    self._done_reading(m)
+                    self.residency.done_reading(m)
         return Borrowed(st, metas[: len(served)], views[: len(served)], served)
 
     def release(self, b: Borrowed) -> None:
@@ -227,4 +278,4 @@ class InPlaceMixin:
         if metas:
             with self.lock:
                 for m in metas:
-                    self._done_reading(m)
+                    self.residency.done_reading(m)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from kvstore.errors import InvalidArgument
 from kvstore.events import Tier
@@ -14,6 +15,11 @@ from kvstore.policy import NamespacePolicy
 
 ID_BYTES = BLOCK_ID_BYTES  # one definition: kvstore.hashing
 NS_META_PREFIX = b"ns:"
+
+# A block payload in flight: bytes, a bytearray, a memoryview over a client's shared
+# memory, or a slot view (a memoryview of a host pool, a torch tensor of a device pool).
+# No one static type covers them all; the pool and kvstore.checksum check them at run time.
+Payload = Any
 
 
 @dataclass(slots=True, eq=False)
@@ -58,7 +64,7 @@ class NsState:
 class PutItem:
     block_id: bytes
     parent_id: bytes
-    data: object  # any buffer of exactly the namespace's block bytes
+    data: Payload  # any buffer of exactly the namespace's block bytes
     checksum: int | None = None
 
 
@@ -82,6 +88,48 @@ class Written:
 
     planned: PlannedSlot
     digest: int
+
+
+class CommitResult(NamedTuple):
+    """What committing a write made of its planned slots."""
+
+    stored: int
+    raced: int  # committed meanwhile by a concurrent writer of the same chain
+
+
+# The public results below are NamedTuples, not dataclasses: callers unpack them
+# (`stored, already = store.put(...)`) and compare them with plain tuples.
+class PutResult(NamedTuple):
+    stored: int
+    already: int  # present before, or committed meanwhile by another writer
+
+
+class PinResult(NamedTuple):
+    changed: int  # blocks whose pin state changed
+    pinned_bytes: int  # the namespace's pinned bytes afterwards
+
+
+class HeldBlock(NamedTuple):
+    block_id: bytes
+    tier: Tier
+
+
+class NsSnapshot(NamedTuple):
+    ns_id: bytes
+    blocks: list[HeldBlock]  # parents before children
+
+
+class StoreSnapshot(NamedTuple):
+    last_seq: int  # the last event sequence the snapshot includes
+    namespaces: list[NsSnapshot]
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """A block a get read from NVMe into `src`, to be copied into the pool afterwards."""
+
+    meta: BlockMeta
+    src: Payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +161,7 @@ class Reservation:
     reason: str = ""
 
     @property
-    def views(self) -> list:
+    def views(self) -> list[Payload]:
         return [p.item.data for p in self.plan]
 
     @property
@@ -131,7 +179,7 @@ class Borrowed:
 
     ns: NsState
     metas: list[BlockMeta]
-    views: list
+    views: list[Payload]
     served: list[ServedBlock]
 
     def __len__(self) -> int:
@@ -170,3 +218,10 @@ def _first_false(pred: Callable[[int], bool], lo: int, hi: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def raise_expiry(m: BlockMeta | None, until: float) -> None:
+    """Keep expiry monotone along the chain: no ancestor of (nor) `m` expires before `until`."""
+    while m is not None and m.expires_at and m.expires_at < until:
+        m.expires_at = until
+        m = m.ns.blocks.get(m.parent_id) if m.depth else None

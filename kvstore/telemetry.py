@@ -310,6 +310,8 @@ class _Rpc:
             self.owner._hist.record(time.perf_counter() - t0, self.labels)
 
     def _observe(self, request, response, t0: float) -> None:
+        if self.observer is None:
+            return
         try:
             self.observer(request, response, time.perf_counter() - t0)
         except Exception:  # a metrics bug must never fail the RPC it describes

@@ -5,11 +5,14 @@ to be mapped and every edge refuses a malformed id list with the same INVALID_AR
 
 from __future__ import annotations
 
+from typing import cast
+
 from kvstore.errors import InvalidArgument
-from kvstore.hashing import BLOCK_ID_BYTES, BlockId, split_ids
+from kvstore.events import EventKind, Tier
+from kvstore.hashing import BLOCK_ID_BYTES, split_ids
 from kvstore.namespace import Namespace
 from kvstore.policy import NamespacePolicy
-from kvstore.v1 import common_pb2
+from kvstore.v1 import agent_pb2, common_pb2
 
 _NS_FIELDS = tuple(f.name for f in common_pb2.Namespace.DESCRIPTOR.fields)
 
@@ -38,11 +41,23 @@ def check_id(value: bytes, what: str = "block id") -> bytes:
     return value
 
 
-def unpack_ids(packed: bytes, max_blocks: int, what: str = "block_ids") -> list[BlockId]:
+def unpack_ids(packed: bytes, max_blocks: int, what: str = "block_ids") -> list[bytes]:
     """Packed ids off the wire (16 bytes each, prefix order), at most `max_blocks`."""
     if len(packed) % BLOCK_ID_BYTES:
         raise InvalidArgument(f"{what} is {len(packed)} bytes, not a multiple of {BLOCK_ID_BYTES}")
     n = len(packed) // BLOCK_ID_BYTES
     if n > max_blocks:
         raise InvalidArgument(f"request names {n} blocks; the limit is {max_blocks} per request")
-    return split_ids(packed)
+    # The store and servicers take plain bytes ids; a BlockId is one (a NewType), but a
+    # list of them is not a list[bytes] to mypy (lists are invariant).
+    return cast("list[bytes]", split_ids(packed))
+
+
+# kvstore.events' enums carry the proto's numbers (their docstrings say so), so the number
+# is the wire value; the generated stubs type enum fields as the proto's own int class.
+def tier_to_proto(tier: Tier) -> common_pb2.Tier:
+    return cast("common_pb2.Tier", int(tier))
+
+
+def kind_to_proto(kind: EventKind) -> agent_pb2.Event.Kind:
+    return cast("agent_pb2.Event.Kind", int(kind))

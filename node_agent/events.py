@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from kvstore.events import BlockEvent
 from kvstore.hashing import pack_ids
 from kvstore.store import BlockStore
-from kvstore.v1 import agent_pb2
+from kvstore.v1 import agent_pb2, common_pb2
+from kvstore.wire import kind_to_proto, tier_to_proto
 
 log = logging.getLogger("kvstore.agent")
 SNAPSHOT_IDS_PER_EVENT = 4096
@@ -26,11 +27,11 @@ MAX_BACKLOG = 10_000
 def event_to_proto(ev: BlockEvent) -> agent_pb2.Event:
     return agent_pb2.Event(
         seq=ev.seq,
-        kind=int(ev.kind),
+        kind=kind_to_proto(ev.kind),
         namespace_id=ev.namespace_id,
         block_ids=pack_ids(ev.block_ids),
         parent_id=ev.parent_id,
-        tier=int(ev.tier) if ev.tier is not None else 0,
+        tier=tier_to_proto(ev.tier) if ev.tier is not None else common_pb2.TIER_UNSPECIFIED,
         generation=ev.generation,
     )
 

@@ -364,7 +364,7 @@ class AgentTelemetry(ServiceTelemetry):
                     "kvstore.stopped": response.stopped,
                 }
             )
-        if self._peer is not None and response.transport:  # something was pulled
+        if self._peer is not None and self._peer_blocks is not None and response.transport:
             labels = {"transport": response.transport}
             self._peer.record(seconds, labels)
             self._peer_blocks.add(response.fetched, labels)
@@ -383,7 +383,7 @@ class AgentTelemetry(ServiceTelemetry):
             dropped = await apply(ns_id, tenant, generation)
             # Only a namespace held here at an older generation is a flush to apply; the
             # start-up catch-up of unchanged generations is not.
-            if before < generation and st.generation == generation:
+            if st is not None and before < generation and st.generation == generation:
                 hist.record(time.perf_counter() - t0)
             return dropped
 

@@ -56,6 +56,13 @@ class Registration:
         )
         self._task = asyncio.create_task(self._run(), name="etcd-registration")
 
+    @property
+    def _client(self) -> EtcdClient:
+        """The etcd client of a started registration (the loop runs only after start)."""
+        if self._etcd is None:
+            raise RuntimeError("Registration used before start() or after stop()")
+        return self._etcd
+
     async def stop(self) -> None:
         """Stop heartbeats and revoke the lease so routers drop this node at once."""
         if self._task is not None:
@@ -100,8 +107,8 @@ class Registration:
     async def _register(self) -> bool:
         rec = self._record()
         if not self.lease:
-            self.lease = await self._etcd.grant(self.ttl_s)
-        if not await self._etcd.register_node(rec, self.lease):
+            self.lease = await self._client.grant(self.ttl_s)
+        if not await self._client.register_node(rec, self.lease):
             log.warning(
                 "node id %s is held by another live agent in etcd; waiting for its lease to expire",
                 rec.node_id,
@@ -128,14 +135,14 @@ class Registration:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                left = await self._etcd.keepalive(self.lease)
+                left = await self._client.keepalive(self.lease)
                 if left <= 0:
                     log.warning("etcd lease %x expired; registering again", self.lease)
                     self.lease = 0
                     return
                 rec = self._record()
                 if rec != self._last:
-                    if not await self._etcd.update_node(rec, self.lease):
+                    if not await self._client.update_node(rec, self.lease):
                         log.warning("our etcd record disappeared; registering again")
                         return
                     self._last = rec

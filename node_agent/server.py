@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +31,10 @@ from node_agent.metrics import AgentTelemetry
 from node_agent.peer.service import PeerTransfer
 from node_agent.servicer import AgentServicer
 from node_agent.shm import ShmRegistry
+
+if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd client)
+    from node_agent.control import AgentControl
+    from node_agent.registration import Registration
 
 log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
@@ -130,8 +135,9 @@ class AgentServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
-        self.registration = None  # etcd membership, when etcd_endpoints is set
-        self.control = None  # etcd generations, quotas, kill switch (node_agent/control.py)
+        self.registration: Registration | None = None  # etcd membership, with etcd_endpoints
+        # etcd generations, quotas, kill switch (node_agent/control.py)
+        self.control: AgentControl | None = None
         self.peer = PeerTransfer(self.store, cfg, self.hub.publish_pending)  # node_agent/peer/
         self.telemetry: AgentTelemetry | None = None  # Prometheus, tracing (node_agent/metrics.py)
         self.lane: LocalLane | None = None  # same-host Unix-socket lane (cfg.local_lane)
@@ -208,7 +214,7 @@ class AgentServer:
         self._tasks.append(asyncio.create_task(self._maintenance()))
         if self.store.rocks is not None:
             self._tasks.append(asyncio.create_task(self._flush_nvme()))
-        if self.cfg.etcd_endpoints:
+        if self.cfg.etcd_endpoints and self.control is not None:  # control: started above
             from node_agent.registration import Registration
 
             # After each (re-)registration, list generations again: a flush that read

@@ -5,19 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from kvstore import errors, native
 from kvstore.auth import CLUSTER_TENANT, check_namespace
 from kvstore.events import Tier
 from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
-from kvstore.wire import check_id, namespace_from_proto, policy_to_proto, unpack_ids
+from kvstore.wire import (
+    check_id,
+    namespace_from_proto,
+    policy_to_proto,
+    tier_to_proto,
+    unpack_ids,
+)
 from node_agent.events import EventHub
 from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
 from node_agent.shm import ShmRegistry, shm_offer
 from node_agent.stats import build_stats
+
+if TYPE_CHECKING:  # imported by node_agent/server.py only when configured
+    from node_agent.control import AgentControl
+    from node_agent.local_lane import LocalLane
 
 log = logging.getLogger("kvstore.agent")
 
@@ -44,8 +55,8 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self.max_blocks = max_blocks
         self.max_namespaces = max_namespaces_per_tenant  # enforced here only without etcd
         self.in_flight = 0
-        self.control = None  # node_agent/control.AgentControl when etcd is configured
-        self.lane = None  # node_agent/local_lane.LocalLane when the agent runs one
+        self.control: AgentControl | None = None  # when etcd is configured
+        self.lane: LocalLane | None = None  # when the agent runs one
         self.metrics = AgentMetrics()  # per-tenant tallies for Prometheus, span attributes
 
     # ------------------------------------------------------------------ helpers
@@ -142,7 +153,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                     first_index=start,
                     data=[s.data for s in served],
                     checksums=[s.checksum for s in served],
-                    tiers=[int(s.tier) for s in served],
+                    tiers=[tier_to_proto(s.tier) for s in served],
                 )
             if len(served) < len(chunk):
                 return
@@ -172,7 +183,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             count=len(served),
             first_index=0,
             checksums=[s.checksum for s in served],
-            tiers=[int(s.tier) for s in served],
+            tiers=[tier_to_proto(s.tier) for s in served],
         )
 
     async def Put(self, request_iterator, context):

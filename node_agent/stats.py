@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.v1 import agent_pb2
+from kvstore.wire import tier_to_proto
 
 
 def build_stats(
@@ -22,7 +25,7 @@ def build_stats(
                 nvme_blocks += m.on_nvme
         tiers = [
             agent_pb2.TierStats(
-                tier=Tier.HBM,
+                tier=tier_to_proto(Tier.HBM),
                 capacity_bytes=pool.capacity_bytes,
                 used_bytes=hbm_used,
                 blocks=hbm_blocks,
@@ -34,7 +37,7 @@ def build_stats(
         if rocks is not None:
             tiers.append(
                 agent_pb2.TierStats(
-                    tier=Tier.NVME,
+                    tier=tier_to_proto(Tier.NVME),
                     capacity_bytes=rocks.capacity_bytes,
                     used_bytes=store.nvme_used,
                     blocks=nvme_blocks,
@@ -46,7 +49,7 @@ def build_stats(
             if tenant is not None and name != tenant:
                 continue
             acc = store.accounts
-            tc = store.tenant_counters.get(name, {})
+            tc: Mapping[str, int] = store.tenant_counters.get(name, {})
             tenants.append(
                 agent_pb2.TenantStats(
                     tenant=name,

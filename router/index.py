@@ -172,8 +172,9 @@ class BlockIndex:
             low = v & -v
             bit = low.bit_length() - 1
             if not bit & 1:
-                slot = bit // 2
-                out[self._node_of[slot]] = Tier.NVME if v & (low << 1) else Tier.HBM
+                node = self._node_of[bit // 2]
+                if node is not None:  # a set bit is a live slot: never None
+                    out[node] = Tier.NVME if v & (low << 1) else Tier.HBM
             v ^= low
         return out
 
@@ -201,7 +202,9 @@ class BlockIndex:
             lost = cur & ~nxt
             while lost:
                 low = lost & -lost
-                out[self._node_of[(low.bit_length() - 1) >> 1]] = hi
+                node = self._node_of[(low.bit_length() - 1) >> 1]
+                if node is not None:  # a set bit is a live slot: never None
+                    out[node] = hi
                 lost ^= low
             cur, lo = nxt, hi
         return out

@@ -188,8 +188,8 @@ def score_ranked(
     if total_blocks < 0:
         raise ValueError("total_blocks must be >= 0")
     limit = len(ranked) if limit is None else limit
-    if local and by_id is None:
-        by_id = {n.node_id: n for n in ranked}
+    if by_id is None:  # only holders are looked up: none without a local prefix
+        by_id = {n.node_id: n for n in ranked} if local else {}
     # Holders, longest prefix first, ties by node id; each one's best peer is the longest
     # other holder: the first one, or the second for the first itself.
     held = (

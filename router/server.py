@@ -5,11 +5,12 @@ router/access.py said the caller may make them."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.coord.etcd import EtcdClient
+from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
 from kvstore.grpc_edge import status_for
 from kvstore import errors
 from kvstore.process import bind_port, run_until_signalled
@@ -21,6 +22,9 @@ from router.follower import ClusterFollower
 from router.metrics import RouterTelemetry
 from router.routing import RouterCore
 from router.scoring import Weights
+
+if TYPE_CHECKING:  # imported only when with_control (it follows etcd)
+    from router.control import RouterControl
 
 log = logging.getLogger("kvstore.router")
 
@@ -137,7 +141,7 @@ class RouterServer:
         switch acknowledgements, presence under routers/); the router process does."""
         self.cfg = cfg
         self.with_control = with_control
-        self.control = None
+        self.control: RouterControl | None = None
         self.core = RouterCore.from_config(cfg)
         self.owners = NamespaceOwners()
         self.token = token
@@ -169,8 +173,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = bind_port(self.server, self.cfg.listen)
-        kwargs = {"prefix": self.etcd_prefix} if self.etcd_prefix else {}
-        self._etcd = EtcdClient(self.cfg.etcd_endpoints, **kwargs)
+        self._etcd = EtcdClient(self.cfg.etcd_endpoints, self.etcd_prefix or DEFAULT_PREFIX)
         self.follower = ClusterFollower(
             self.core, self._etcd, self.cfg.router_id, self.token, self.owners
         )

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstore.coord.admin import AckProgress, ControlPlane, Quota
@@ -97,7 +98,7 @@ def _json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-def table(headers: list[str], rows: list[list]) -> str:
+def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)

@@ -26,6 +26,7 @@ the caller relists.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 import math
@@ -350,7 +351,9 @@ class EtcdClient:
             pass  # already expired
 
     # ----------------------------------------------------------------------- watch
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
+    async def watch(
+        self, prefix: str, start_revision: int
+    ) -> AsyncIterator[builtins.list[WatchEvent]]:
         """Events under `prefix` from `start_revision` on, batch by batch. One stream:
         ends with Unavailable when etcd goes away, Compacted when history is gone."""
         key = self._key(prefix)
@@ -396,8 +399,8 @@ class EtcdClient:
     async def follow(
         self,
         prefix: str,
-        reset: Callable[[list[KeyValue]], None],
-        apply: Callable[[list[WatchEvent]], None],
+        reset: Callable[[builtins.list[KeyValue]], None],
+        apply: Callable[[builtins.list[WatchEvent]], None],
         retry_s: float = 0.5,
         max_retry_s: float = 3.0,
     ) -> None:
@@ -453,7 +456,7 @@ class EtcdClient:
         """Rewrite our record; False when the key is gone or owned by another lease."""
         return await self.put_if_lease(NODES + record.node_id, record.to_json(), lease)
 
-    async def list_nodes(self) -> list[NodeRecord]:
+    async def list_nodes(self) -> builtins.list[NodeRecord]:
         _, items = await self.list(NODES)
         out = []
         for kv in items:

@@ -188,7 +188,9 @@ def namespace_for_model(
             f"the caller supplies {list(_CALLER_FIELDS)}, the rest comes "
             "from the model"
         )
-    fields = {f: "" for f in _CALLER_FIELDS if f not in ("tp_rank", "tp_size", "public")}
+    fields: dict[str, Any] = {
+        f: "" for f in _CALLER_FIELDS if f not in ("tp_rank", "tp_size", "public")
+    }
     fields.update(tp_rank=0, tp_size=0, public=False)  # 0: refused unless derived/given
     fields.update(_derived_defaults(model))
     fields.update(revisions)

@@ -225,7 +225,7 @@ class DevicePool:
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
         self._check_len(nbytes)
-        if self.tensor_views:
+        if self.tensor_views or self._host is None:  # device memory: no host array
             return self.tensor[slot, :nbytes]
         view = self._host[slot, :nbytes]
         if not writable:

@@ -187,7 +187,9 @@ class RocksTier:
         except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
             raise _open_error(path, exc) from None
         wo = WriteOptions()
-        wo.disable_wal = True
+        # rocksdict's stub declares disable_wal a method; it is a property (a getset
+        # descriptor) at run time, like no_slowdown.
+        wo.disable_wal = True  # type: ignore[method-assign,assignment]
         # A write that would wait for a flush fails instead: on a full disk the flush
         # never comes and RocksDB would block the caller (holding the GIL) for good.
         wo.no_slowdown = True

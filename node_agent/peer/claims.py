@@ -37,7 +37,7 @@ class Claims:
             key = (st.ns_id, gen, ids[i])
             fut = self._inflight.get(key)
             mine = fut is None
-            if mine:
+            if fut is None:
                 fut = self._inflight[key] = loop.create_future()
             if runs and runs[-1].mine == mine:
                 runs[-1].end = i + 1

@@ -4,7 +4,6 @@ from its spec when this node never saw it; generation fencing; access), the bloc
 from __future__ import annotations
 
 from kvstore import errors
-from kvstore.hashing import BlockId
 from kvstore.store import BlockStore, NsState
 from kvstore.wire import namespace_from_proto, unpack_ids
 from kvstore.auth import check_namespace
@@ -44,7 +43,7 @@ class PeerRequests:
                 self._store.open_namespace(spec)
         return self._store.namespace(ref.namespace_id, ref.generation)
 
-    def ids(self, packed: bytes) -> list[BlockId]:
+    def ids(self, packed: bytes) -> list[bytes]:
         return unpack_ids(packed, self._max_blocks)
 
     @staticmethod

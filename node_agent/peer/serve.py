@@ -98,6 +98,8 @@ class BlockSource:
                 st, generation, ids, 0, req.parent_id, lease[0], batch, pack, borrow
             )
             for k, start in enumerate(range(0, len(ids), batch)):
+                if pending is None:  # read ahead after every batch but the last: not here
+                    return
                 rb = await pending
                 pending = None
                 n = min(batch, len(ids) - start)

@@ -84,7 +84,7 @@ class BatchSink:
         self.base = 0  # index of the current request's first id within `ids`
         self.remote_done = False
         self.stop_reason = ""
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Future | None = None  # a Task, or a Future already done
         self._staging: list | None = None  # the staging set the store step reads
 
     def begin(self) -> FetchRequestIds:
@@ -143,7 +143,9 @@ class BatchSink:
         offload = (
             digests is None or bool(staging)
         ) and ld.count * self.st.spec.block_bytes >= OFFLOAD_BYTES
-        return await self._queue(ld.count, offload, staging, self._commit, ld, staging, digests)
+        return await self._queue(
+            ld.count, offload, staging, self._commit, ld, ld.res, staging, digests
+        )
 
     async def _queue(self, n: int, offload: bool, staging: list | None, fn, *args) -> bool:
         """Store a batch (fn(*args)): in a worker thread when `offload` (it copies or
@@ -174,14 +176,17 @@ class BatchSink:
             after=after,
         )
 
-    def _commit(self, ld: Landing, staging: list | None, digests: list[int] | None):
+    def _commit(
+        self, ld: Landing, res: Reservation, staging: list | None, digests: list[int] | None
+    ):
         """Worker-thread part of land(): verify (packed: copy from `staging` and verify;
-        in place with `digests`: check those) and commit the reserved blocks."""
+        in place with `digests`: check those) and commit the reserved blocks (`res`,
+        ld.res)."""
         reason = ""
-        n_res = len(ld.res)
+        n_res = len(res)
         try:
             self._store.commit(
-                ld.res,
+                res,
                 ld.checksums[:n_res],
                 sources=staging[:n_res] if staging else None,
                 digests=digests,
@@ -192,7 +197,7 @@ class BatchSink:
         except errors.KvError as exc:
             reason = f"not stored here: {exc}"
         if n_res < ld.count and not reason:
-            reason = f"not stored here: {ld.res.reason}"
+            reason = f"not stored here: {res.reason}"
         n = present_prefix(
             self._store, self.st.ns_id, self.generation, self.ids, self.parent_id, ld.first
         )

@@ -60,7 +60,10 @@ class StagingLease:
 def contiguous(bufs: list[np.ndarray], n: int) -> np.ndarray:
     """The first n buffers of a staging set as one array: StagingPool.take carves a set
     in order from one arena, so they lie back to back."""
-    return bufs[0].base[: n * bufs[0].nbytes]
+    base = bufs[0].base
+    if base is None:
+        raise ValueError("staging buffers are views of one arena (StagingPool.take)")
+    return base[: n * bufs[0].nbytes]
 
 
 def _where(buf) -> tuple[int, bool]:

@@ -515,3 +515,31 @@ def test_concurrent_gets_puts_expiry_and_flushes(make_store):
         raise errors[0]
     assert served_total[0] > 0
     check_invariants(store)
+
+
+# ------------------------------------------------------------ fault injection
+class _FullPool:
+    """Fault injection: the pool has no free slot left (every reserve fails)."""
+
+    def __init__(self, pool: DevicePool) -> None:
+        self._pool = pool
+
+    def reserve(self) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+def test_a_pool_swapped_in_is_the_one_writes_reserve_from(make_store):
+    """Tests inject pool faults by setting store.pool: the collaborators behind the facade
+    (writes, residency, in-place transfers) must all use the pool set last."""
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    base = store.pool
+    store.pool = _FullPool(base)
+    with pytest.raises(ResourceExhausted):
+        put(store, prompt(1, 2)[1])
+    store.pool = base
+    assert put(store, prompt(1, 2)[1]) == (2, 0)
+    check_invariants(store)

@@ -8,6 +8,7 @@ from support.common import flip_rocks_byte
 from support.store import SPEC, check_invariants, demote_all, events_of, get, lookup, prompt, put
 
 from kvstore.events import EventKind
+from kvstore.tiers.rocks import RocksTier
 
 
 # ------------------------------------------------------------- restart recovery
@@ -29,6 +30,25 @@ def test_restart_recovery(make_store, tmp_path):
     served, data = get(again, ids)
     assert data == [it.data for it in items]
     check_invariants(again)
+
+
+def test_a_swapped_nvme_tier_is_the_one_recovered_and_spilled_to(make_store, tmp_path):
+    """What the agent does with an NVMe tier it cannot read (node_agent/server.py): close
+    it, quarantine it, give the store a fresh one and recover that. From then on the store
+    reads and writes the fresh tier only, never the closed one."""
+    store = make_store(n_slots=4, path=tmp_path / "unreadable")
+    store.rocks.close()
+    store.rocks = fresh = RocksTier(str(tmp_path / "fresh"), 1 << 20)
+    assert store.recover() == {"recovered": 0, "dropped": 0}
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 4)
+    put(store, items)
+    put(store, prompt(2, 2)[1])  # spills the tail ids[2:]
+    assert lookup(store, ids) == (4, 2, 2)
+    assert sum(1 for _ in fresh.scan()) == 4  # the tail ids[2:], its heads ids[:2] (copies)
+    served, data = get(store, ids)
+    assert data == [it.data for it in items]
+    check_invariants(store)
 
 
 def test_persist_pool_before_restart_keeps_whole_chains(make_store, tmp_path):

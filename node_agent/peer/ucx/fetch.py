@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +57,8 @@ class UcxFetcher:
         self._counters = counters
         self._in_place = in_place
         # Connections to peers' listeners kept for the next fetch: address -> [(t, ep)].
-        self._idle: dict[str, list[tuple[float, object]]] = {}
+        # (ucxx has no type stubs: an endpoint is Any)
+        self._idle: dict[str, list[tuple[float, Any]]] = {}
         self._background: set[asyncio.Task] = set()  # acknowledgements finishing
         self._closed = False
 
@@ -248,6 +251,8 @@ class UcxFetcher:
     ) -> bool:
         """Wait for the oldest posted batch to land, then hand it to the sink."""
         ld = posted[0]
+        if ld.recvs is None:  # _post sets it before posting the batch
+            raise PeerTransportError("a batch was posted without its receives")
         results = await within(asyncio.shield(ld.recvs), deadline, io, f"{ld.count} payloads")
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
@@ -276,9 +281,14 @@ class UcxFetcher:
                     len(ld.res) if ld.res is not None else 0,
                 )
                 if ld.res is not None:
-                    res = ld.res
-                    ld.recvs.add_done_callback(lambda _f, res=res: self._store.abort(res))
+                    ld.recvs.add_done_callback(self._abort_when_done(ld.res))
         posted.clear()
+
+    def _abort_when_done(self, res: Reservation) -> Callable[[asyncio.Future], None]:
+        def abort(_done: asyncio.Future) -> None:
+            self._store.abort(res)
+
+        return abort
 
     def _give_back(self, ld: Landing) -> None:
         if ld.scratch:
@@ -291,7 +301,7 @@ class UcxFetcher:
         try:
             if not is_ip(host):
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port)
-                host = infos[0][4][0]
+                host = str(infos[0][4][0])
             return await within(
                 connect_endpoint(self._ucx, host, port, timeout),
                 deadline,
@@ -350,6 +360,8 @@ class UcxFetcher:
             return Landing(
                 first, count, checksums, res, scratch, [contiguous(scratch, count)], pack=True
             )
+        if runs is None:  # only packed batches travel without runs
+            raise PeerTransportError("a chunk of large blocks came without its runs")
         left = count - (len(res) if res is not None else 0)
         scratch = self._staging.take(left, size) if left else []
         msgs = spans((res.views if res is not None else []) + scratch, runs, size)
@@ -359,9 +371,11 @@ class UcxFetcher:
             self._staging.give(scratch)
         scratch = self._staging.take(batch, size)  # a set is contiguous
         self._counters.add("peer_blocks_staged", count)
-        return Landing(
-            first, count, checksums, res, scratch, spans(scratch[:count], runs, size), pack=True
-        )
+        staged = spans(scratch[:count], runs, size)
+        if staged is None:  # StagingPool.take carves a set from one arena: never
+            self._staging.give(scratch)
+            raise PeerTransportError("a staging set does not lie back to back")
+        return Landing(first, count, checksums, res, scratch, staged, pack=True)
 
 
 class _StaleConnection(Exception):
@@ -384,8 +398,9 @@ async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: flo
             io,
             "first chunk header",
         )
-        if sending.done() and sending.exception() is not None:
-            raise sending.exception()
+        failed = sending.exception() if sending.done() else None
+        if failed is not None:
+            raise failed
         return answer.result()
     finally:
         for fut in (sending, answer):

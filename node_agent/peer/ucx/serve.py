@@ -150,7 +150,10 @@ class UcxServer:
         elif rb.served:
             views = rb.bufs[: len(rb.served)]
             hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
-            payloads = spans(views, hdr.runs, size)
+            spanned = spans(views, list(hdr.runs), size)
+            if spanned is None:  # runs_of just cut the runs where the views lie back to back
+                raise PeerTransportError("served views do not lie back to back")
+            payloads = spanned
         self._counters.add("peer_payload_messages", len(payloads))
         return [post_control(ep, hdr.SerializeToString())] + [
             asyncio.ensure_future(ep.send(p)) for p in payloads

@@ -1,0 +1,237 @@
+"""Writes into the block store in two phases: plan (reserve a pool slot per new block,
+under the lock) -> copy (outside it) -> commit (under the lock again: check, make visible,
+free the rest). Shared by BlockStore.put and the in-place transfers.
+
+Owns the bytes of slots reserved for writes in flight, per tenant.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.events import EventKind, EventQueue, Tier
+from kvstore.store_residency import Residency
+from kvstore.store_types import (
+    ID_BYTES,
+    BlockMeta,
+    CommitResult,
+    NsState,
+    PlannedSlot,
+    PutItem,
+    Written,
+    raise_expiry,
+)
+from kvstore.tiers.pool import DevicePool
+
+
+@dataclass(slots=True)
+class PutPlan:
+    slots: list[PlannedSlot] = field(default_factory=list)
+    already: int = 0  # blocks held before (or earlier in the same put)
+
+
+@dataclass(slots=True)
+class StoredRun:
+    """A parent-to-child run of stored blocks: one STORED event."""
+
+    parent_id: bytes
+    ids: list[bytes]
+
+
+class Writes:
+    def __init__(
+        self,
+        pool: DevicePool,
+        residency: Residency,
+        counters: Counter[str],
+        events: EventQueue,
+        clock: Callable[[], float],
+    ) -> None:
+        self.pool = pool
+        self.residency = residency
+        self.counters = counters
+        self.events = events
+        self.clock = clock
+        # Bytes of pool slots reserved for writes in flight (planned, not yet committed or
+        # freed), per tenant: not in the accounts before commit, so each new reservation
+        # counts them, or writes open at once would together overshoot the tenant's quota.
+        self._inflight: Counter[str] = Counter()
+
+    def plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None) -> PutPlan:
+        """Validate `items` and reserve a slot for each new block (see BlockStore.put)."""
+        size = st.spec.block_bytes
+        for i, it in enumerate(items):
+            if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
+                raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
+            n = memoryview(it.data).nbytes
+            if n != size:
+                raise InvalidArgument(
+                    f"block {i} is {n} bytes; namespace {st.spec.key} blocks are {size} bytes"
+                )
+        depths: dict[bytes, int] = {}
+        for it in items:
+            parent = st.blocks.get(it.parent_id)
+            depths[it.block_id] = parent.depth + 1 if parent else depths.get(it.parent_id, -1) + 1
+        if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
+            self.counters["below_min_prefix"] += 1
+            return PutPlan()
+        out = PutPlan()
+        try:
+            self._plan_items(st, items, root, depths, out)
+        except BaseException:
+            self.abort_plan(out.slots)
+            raise
+        return out
+
+    def _plan_items(
+        self,
+        st: NsState,
+        items: list[PutItem],
+        root: bytes | None,
+        depths: dict[bytes, int],
+        out: PutPlan,
+    ) -> None:
+        skipped: set[bytes] = set()
+        planned: set[bytes] = set()
+        for it in items:
+            known = st.blocks.get(it.block_id)
+            if known is not None or it.block_id in planned:
+                out.already += 1
+                if known is not None and st.policy.ttl_seconds:  # a re-put is a touch
+                    raise_expiry(known, self.clock() + st.policy.ttl_seconds)
+                continue
+            parent = st.blocks.get(it.parent_id)
+            if (
+                root is not None
+                and parent is None
+                and it.parent_id != root
+                and it.parent_id not in planned
+            ):
+                skipped.add(it.block_id)
+                self.counters["put_orphan"] += 1
+                continue
+            if it.parent_id in skipped or (
+                parent is not None and parent.slot < 0 and not self.residency.promote_chain(parent)
+            ):
+                skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
+                self.counters["put_parent_cold"] += 1
+                continue
+            planned_slot = self.plan_slot(st, it, depths[it.block_id], parent)
+            if planned_slot is None:
+                if out.slots:  # keep the leading blocks that fit; the rest would be orphans
+                    self.counters["put_truncated"] += 1
+                    break
+                raise ResourceExhausted(
+                    f"device pool cannot take more blocks for tenant {st.tenant}: "
+                    "every slot is pinned, in use or over the tenant's quota"
+                )
+            out.slots.append(planned_slot)
+            planned.add(it.block_id)
+
+    def plan_slot(
+        self, st: NsState, item: PutItem, depth: int, parent: BlockMeta | None
+    ) -> PlannedSlot | None:
+        """Reserve a pool slot for one block of a write, within the tenant's quota counting
+        every slot already in flight for it (this write's and concurrent ones'), and hold
+        the parent so making room later cannot evict it. None when no slot can be had."""
+        size = st.spec.block_bytes
+        if parent is not None:
+            parent.readers += 1
+        slot = self.residency.reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
+        if slot is None:
+            if parent is not None:
+                self.residency.done_reading(parent)
+            return None
+        self._inflight[st.tenant] += size
+        return PlannedSlot(item, slot, depth, parent, st.tenant, size)
+
+    def _end_planned(self, p: PlannedSlot) -> None:
+        """A planned slot was committed or freed: no longer in flight, nor its parent held."""
+        self._inflight[p.tenant] -= p.nbytes
+        if p.parent is not None:
+            self.residency.done_reading(p.parent)
+
+    def abort_plan(self, plan: list[PlannedSlot]) -> None:
+        for p in plan:
+            self.pool.abort(p.slot)
+            self._end_planned(p)
+
+    def commit(
+        self, st: NsState, generation: int, plan: list[PlannedSlot], written: list[Written]
+    ) -> CommitResult:
+        """Make the written blocks visible (under the lock); free every other planned slot.
+        Planning and copying ran apart from here, so each block is checked again: its
+        namespace not flushed, its parent still held and still in the pool, and the block
+        itself not committed meanwhile by a concurrent writer of the same chain (that copy
+        wins; this slot is freed, or it would leak with nothing pointing at it). A parent
+        committed by another writer (or by the previous batch of a pipelined transfer)
+        is not held by this plan and may have been demoted since: a child in the pool
+        under it would break the pool's prefix closure, so it is not stored."""
+        done = {id(w.planned) for w in written}
+        self.abort_plan([p for p in plan if id(p) not in done])
+        now = self.clock()
+        stored: list[BlockMeta] = []
+        raced = 0
+        for w in written:
+            item, slot = w.planned.item, w.planned.slot
+            self._end_planned(w.planned)
+            parent_meta = st.blocks.get(item.parent_id)
+            depth = parent_meta.depth + 1 if parent_meta else w.planned.depth
+            if st.generation != generation or (depth and not parent_meta):
+                self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
+                continue
+            if item.block_id in st.blocks:
+                self.pool.abort(slot)
+                self.counters["put_raced"] += 1
+                raced += 1
+                continue
+            if parent_meta is not None and parent_meta.slot < 0:
+                self.pool.abort(slot)
+                self.counters["put_parent_cold"] += 1
+                continue
+            self.pool.commit(slot)
+            stored.append(self._visible(st, w, depth, parent_meta, now))
+        self._stored_events(st, stored)
+        return CommitResult(len(stored), raced)
+
+    def _visible(
+        self, st: NsState, w: Written, depth: int, parent_meta: BlockMeta | None, now: float
+    ) -> BlockMeta:
+        """Index a committed block and attach its slot."""
+        item = w.planned.item
+        ttl = st.policy.ttl_seconds
+        m = BlockMeta(
+            st,
+            item.block_id,
+            item.parent_id,
+            depth,
+            st.spec.block_bytes,
+            w.digest,
+            last_access=now,  # checked by _plan_*
+            expires_at=now + ttl if ttl else 0,
+        )
+        st.blocks[m.block_id] = m
+        if parent_meta is not None:
+            parent_meta.children += 1
+            if ttl:
+                raise_expiry(parent_meta, m.expires_at)
+        self.residency.attach_slot(m, w.planned.slot)
+        return m
+
+    def _stored_events(self, st: NsState, stored: list[BlockMeta]) -> None:
+        """One STORED event per parent-to-child run: each names the parent of its first
+        block, even when blocks before it were skipped or already present."""
+        runs: list[StoredRun] = []
+        for m in stored:
+            if runs and runs[-1].ids[-1] == m.parent_id:
+                runs[-1].ids.append(m.block_id)
+            else:
+                runs.append(StoredRun(m.parent_id, [m.block_id]))
+        for run in runs:
+            self.events.append(
+                EventKind.STORED, st.ns_id, tuple(run.ids), parent_id=run.parent_id, tier=Tier.HBM
+            )
+        self.counters["put_blocks"] += len(stored)
