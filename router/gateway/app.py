@@ -232,7 +232,9 @@ class Gateway:
                 "POST",
                 st.record.url + path,
                 content=self._request_body(body, plan, st),
-                headers={"content-type": "application/json", "x-request-id": plan.request_id},
+                # No x-request-id of ours: vLLM would name its answer after it, and the
+                # answer must be what the engine says to this request as sent.
+                headers={"content-type": "application/json"},
             )
             failure = ""
             try:

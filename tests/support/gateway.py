@@ -70,6 +70,7 @@ class GatewayProc:
         self.workdir, self.etcd_endpoint, self.tokenizers = workdir, etcd_endpoint, tokenizers
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.router_address = ""
 
     def start(self, config: dict | None = None, keys: dict | None = None) -> "GatewayProc":
         w = self.workdir
@@ -112,7 +113,7 @@ class GatewayProc:
             ],
             w / "router.log",
         )
-        _ready(self.proc, w / "ready", w / "router.log", "router")
+        self.router_address = _ready(self.proc, w / "ready", w / "router.log", "router")
         self.url = "http://" + _ready(self.proc, w / "gw-ready", w / "router.log", "gateway")
         return self
 
@@ -196,3 +197,23 @@ class StandIn:
     def stop(self) -> None:
         _stop(self.registrar)
         _stop(self.worker)
+
+
+def indexed_blocks(router_address: str) -> dict[str, int]:
+    """Blocks the router has indexed per node (ListNodes)."""
+    import grpc
+
+    from kvstore.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_address) as ch:
+        resp = router_pb2_grpc.RouterStub(ch).ListNodes(router_pb2.ListNodesRequest(), timeout=5)
+    return {n.node_id: n.indexed_blocks for n in resp.nodes}
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """The JSON events of an SSE answer, without the final [DONE]."""
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: ") :]))
+    return out
