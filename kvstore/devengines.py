@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "start_engine"]
+__all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "gateway_files", "start_engine", "stop_engine"]
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -105,3 +105,64 @@ def start_engine(launch: EngineLaunch, new_session: bool = False) -> subprocess.
         stderr=subprocess.STDOUT,
         start_new_session=new_session,
     )
+
+
+# API keys of the dev cluster's gateway (dev only: they are in its state directory).
+DEMO_KEYS = {"demo-key-acme": "acme", "demo-key-globex": "globex", "demo-key-initech": "initech"}
+KV_TENANT = "engines"  # the engines' own kvstore tenant; the gateway salts per API tenant
+MODEL_NAME = "tiny"
+
+
+def write_model(model_dir: Path, timeout_s: float = 600.0) -> Path:
+    """The tiny local Llama with its tokenizer and chat template (loadtest/vllm_model.py),
+    written by the vLLM venv, which has transformers."""
+    subprocess.run(
+        [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model_dir), "--layers", "4",
+         "--hidden", "256"],
+        cwd=ROOT, check=True, capture_output=True, timeout=timeout_s,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    return model_dir
+
+
+def gateway_files(d: Path, tokenizers: dict[str, str], extra: dict | None = None) -> Path:
+    """API keys, the engines' kv secret and the GatewayConfig file, in `d`; returns the
+    config's path. The secret is fresh on every call."""
+    import secrets as _secrets
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "keys.json").write_text(json.dumps(DEMO_KEYS, indent=2) + "\n")
+    secret = d / "kv.secret"
+    if not secret.exists():
+        secret.write_text(_secrets.token_hex(16))
+    cfg = {
+        "tokenizers": tokenizers,
+        "api_keys_file": str(d / "keys.json"),
+        "kv_secret_files": {KV_TENANT: str(secret)},
+        **(extra or {}),
+    }
+    (d / "gateway.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d / "gateway.json"
+
+
+def stop_engine(pid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM the engine's session (registrar, vLLM and its engine core), then SIGKILL."""
+    import signal
+    import time
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)

@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--name", default="standin")
     ap.add_argument("--fail-status", type=int, default=0)
     a = ap.parse_args()
-    sock = socket.socket()
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only for TCP sockets.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
     cfg = uvicorn.Config(make_app(a.name, a.fail_status), log_level="warning", access_log=False)

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "write_tiny_llama"]
+__all__ = ["CHAT_TEMPLATE", "write_tiny_llama", "write_word_tokenizer"]
 
 # Roles as words of the vocabulary (w1 user, w2 assistant, w3 system), so a rendered chat
 # is plain "w..." words: the gateway (tokenizers + Jinja2) and vLLM (transformers)
@@ -40,6 +40,21 @@ def _tokenizer(vocab: int):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def write_word_tokenizer(directory: str | Path, vocab: int = 1000) -> Path:
+    """The tiny model's tokenizer and chat template alone, with `tokenizers` only (no
+    transformers): what the gateway needs in front of stand-in workers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return d
 
 
 def write_tiny_llama(

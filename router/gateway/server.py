@@ -89,7 +89,10 @@ class GatewayServer:
         host, _, port = self.cfg.listen.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only
+        # for sockets that say they are TCP; without it every keep-alive answer waits
+        # ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, int(port)))

@@ -14,24 +14,11 @@ from pathlib import Path
 import httpx
 from support.common import ROOT, wait_for
 
-from loadtest.vllm_model import CHAT_TEMPLATE
+from loadtest.vllm_model import write_word_tokenizer  # noqa: F401 - for the tests
 
 KV_TENANT = "gw"
 KV_SECRET = "gateway-test-secret"
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
-
-
-def write_word_tokenizer(directory: Path, vocab: int = 1000) -> Path:
-    """The tiny model's tokenizer ("w0 w1 ..." are ids 0, 1, ...) without transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return directory
 
 
 def _proc(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
