@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvstore import errors
 from kvstore.coord.engines import EngineRecord
-from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
+from kvstore.hashing import BLOCK_ID_BYTES, BlockId, hash_chain_packed
 from kvstore.namespace import Namespace
 from kvstore.salt import salt_secret, salted
 from router.routing import RouterCore
@@ -118,10 +118,10 @@ class Planner:
         rid = secrets.token_hex(16)
         spec = self._spec(rec) if rec is not None else None
         named = self._root(spec, salt) if spec is not None else None
-        if named is None:
+        if spec is None or named is None:
             return Plan(rid, tenant, salt, b"")
         ns_id, root = named
-        packed = hash_chain_packed(root, tokens, spec.block_size)
+        packed = hash_chain_packed(BlockId(root), tokens, spec.block_size)
         first = packed[:BLOCK_ID_BYTES]
         try:
             d = self.core.route(ns_id, packed, request_id=rid, dry_run=True, tenant=tenant)
