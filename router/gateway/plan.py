@@ -113,15 +113,25 @@ class Planner:
             hit = self._roots[key] = (ns_id, ns.root(gen, salt_secret(secret, salt)))
         return hit
 
+    def chain(
+        self, rec: EngineRecord | None, tokens: list[int], tenant: str
+    ) -> tuple[bytes, bytes] | None:
+        """(namespace id, packed chain ids) of the prompt as `rec`'s connector names them
+        for this tenant's salt; None when they cannot be computed (routing by load)."""
+        spec = self._spec(rec) if rec is not None else None
+        named = self._root(spec, self.salt(tenant)) if spec is not None else None
+        if spec is None or named is None:
+            return None
+        ns_id, root = named
+        return ns_id, hash_chain_packed(BlockId(root), tokens, spec.block_size)
+
     def plan(self, rec: EngineRecord | None, tokens: list[int], tenant: str) -> Plan:
         salt = self.salt(tenant)
         rid = secrets.token_hex(16)
-        spec = self._spec(rec) if rec is not None else None
-        named = self._root(spec, salt) if spec is not None else None
-        if spec is None or named is None:
+        chained = self.chain(rec, tokens, tenant)
+        if chained is None:
             return Plan(rid, tenant, salt, b"")
-        ns_id, root = named
-        packed = hash_chain_packed(BlockId(root), tokens, spec.block_size)
+        ns_id, packed = chained
         first = packed[:BLOCK_ID_BYTES]
         try:
             d = self.core.route(ns_id, packed, request_id=rid, dry_run=True, tenant=tenant)

@@ -23,6 +23,7 @@ from support.gateway import KV_SECRET, KV_TENANT, indexed_blocks, sse_events
 from kvstore.devcluster import free_port
 from kvstore.devengines import VLLM_PY, EngineLaunch, start_engine
 from router.gateway.plan import Planner
+from router.gateway.prompt import PromptCodec
 
 MODEL = "tiny"
 BLOCK = 32
@@ -83,10 +84,11 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
                     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _turns(gw, headers, system: str, n: int) -> list[tuple[str, int, int]]:
-    """A conversation of `n` turns; (engine, cached tokens, prompt tokens) per turn. Waits
-    before each next turn until the router indexed what the last one stored."""
-    msgs = [{"role": "system", "content": system}]
+def _turns(gw, headers, system: str, n: int, msgs: list) -> list[tuple[str, int, int]]:
+    """A conversation of `n` turns (appended to `msgs`); (engine, cached tokens, prompt
+    tokens) per turn. Waits before each next turn until the router indexed what the last
+    one stored."""
+    msgs.append({"role": "system", "content": system})
     out = []
     for t in range(n):
         msgs.append({"role": "user", "content": _words(100 + t, 40)})
@@ -110,11 +112,20 @@ def test_gateway_over_vllm_engines(world):
     gw, engines = world
     url = gw.url + "/v1/chat/completions"
     # 1. A shared-prefix conversation stays on the engine that holds it, and hits.
-    conv = _turns(gw, ACME, _words(1, 200), 3)
+    msgs: list[dict] = []
+    conv = _turns(gw, ACME, _words(1, 200), 3, msgs)
     assert len({e for e, _, _ in conv}) == 1, conv
     for (_, cached, _), (_, _, prev_prompt) in zip(conv[1:], conv):
         assert cached >= (prev_prompt // BLOCK) * BLOCK - BLOCK, conv
     home = conv[0][0]
+    # ... because the router's index holds it there under the chain ids the gateway
+    # computes: the engine's connector named its blocks exactly so.
+    rec = next(r for r in _engine_records(gw.etcd_endpoint) if r.engine_id == home)
+    tokens = PromptCodec.load(engines[home][0].model_dir).chat_ids(msgs[:-1])
+    planner = Planner(None, {KV_TENANT: KV_SECRET}, KV_SECRET.encode())  # type: ignore[arg-type]
+    ns_id, packed = planner.chain(rec, tokens, "acme")
+    d = _route(gw.router_address, ns_id, packed)
+    assert d.node_id == rec.node_id and d.matched_blocks >= conv[-2][2] // BLOCK, d
     # 2. Another tenant sending acme's very prompt gets no cached tokens, wherever it lands.
     first = [{"role": "system", "content": _words(1, 200)},
              {"role": "user", "content": _words(100, 40)}]  # fmt: skip
@@ -144,3 +155,25 @@ def test_gateway_over_vllm_engines(world):
         assert r.headers["x-kvstore-engine"] != home
     assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
     wait_for(lambda: gw.engines() == 1, 30, 0.2, what="the dead engine's lease expired")
+
+
+def _engine_records(endpoint: str):
+    import asyncio
+
+    from kvstore.coord.etcd import EtcdClient
+
+    async def get():
+        async with EtcdClient(endpoint) as c:
+            return await c.list_engines()
+
+    return asyncio.run(get())
+
+
+def _route(router_address: str, ns_id: bytes, packed: bytes):
+    import grpc
+
+    from kvstore.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_address) as ch:
+        req = router_pb2.RouteRequest(namespace_id=ns_id, block_ids=packed, dry_run=True)
+        return router_pb2_grpc.RouterStub(ch).Route(req, timeout=10)
