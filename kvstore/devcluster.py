@@ -140,9 +140,9 @@ def _reap(pid: int) -> None:
 
 def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
     """SIGTERM every live one, wait up to `grace_s`, SIGKILL the rest. Returns names."""
-    for p in procs:  # an engine is a session: registrar, vLLM, its engine core
-        if p.kind == "engine" and alive(p.pid, p.kind):
-            stop_engine(p.pid, grace_s)
+    engines = [p for p in procs if p.kind == "engine" and alive(p.pid, p.kind)]
+    for p in engines:  # an engine is a session: registrar, vLLM, its engine core
+        stop_engine(p.pid, grace_s)
     live = [p for p in procs if p.kind != "engine" and alive(p.pid, p.kind)]
     for p in live:
         try:
@@ -164,7 +164,7 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
                 pass
             time.sleep(0.1)
         _reap(p.pid)
-    return [p.name for p in live]
+    return [p.name for p in engines + live]
 
 
 def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
