@@ -59,8 +59,8 @@ vllm-env: $(VLLM_STAMP)
 proto: install
 	tools/genproto.sh
 
-run: install
-	$(KVCTL) cluster up --agents 2 --state-dir $(STATE)
+run: install vllm-env
+	$(KVCTL) cluster up --agents 2 --engines 2 --state-dir $(STATE)
 	$(VPY) -m loadtest.demo --state-dir $(STATE)
 	$(VPY) -m loadtest.replay --state-dir $(STATE) --requests 200 --prefill-tokens-per-s 8000
 	@echo

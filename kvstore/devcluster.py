@@ -34,9 +34,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.devengines import (
+    KV_TENANT,
+    MODEL_NAME,
+    EngineLaunch,
+    gateway_files,
+    start_engine,
+    stop_engine,
+    write_model,
+)
+
 STATE_FILE = "cluster.json"
 ROOT = Path(__file__).resolve().parent.parent
-_MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router"}
+_MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router", "engine": "vllm_serve"}
 
 
 class ClusterError(Exception):
@@ -69,6 +79,8 @@ class ClusterState:
     router_address: str
     procs: tuple[Proc, ...]
     started_at: float
+    gateway_url: str = ""  # the router's OpenAI gateway, with --engines
+    gateway_keys: str = ""  # its API keys file (dev keys)
 
     @property
     def agents(self) -> list[Proc]:
@@ -128,7 +140,10 @@ def _reap(pid: int) -> None:
 
 def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
     """SIGTERM every live one, wait up to `grace_s`, SIGKILL the rest. Returns names."""
-    live = [p for p in procs if alive(p.pid, p.kind)]
+    engines = [p for p in procs if p.kind == "engine" and alive(p.pid, p.kind)]
+    for p in engines:  # an engine is a session: registrar, vLLM, its engine core
+        stop_engine(p.pid, grace_s)
+    live = [p for p in procs if p.kind != "engine" and alive(p.pid, p.kind)]
     for p in live:
         try:
             os.kill(p.pid, signal.SIGTERM)
@@ -149,7 +164,7 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
                 pass
             time.sleep(0.1)
         _reap(p.pid)
-    return [p.name for p in live]
+    return [p.name for p in engines + live]
 
 
 def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
@@ -181,6 +196,14 @@ def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as r:
             return b"true" in r.read()
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
     except OSError:
         return False
 
@@ -233,8 +256,15 @@ class UpOptions:
     lease_ttl_s: int = 5
     timeout_s: float = 180.0
     router_log_level: str = "INFO"
+    engines: int = 0  # vLLM CPU engines behind the gateway, one per agent in turn
+    # model name -> tokenizer dir: serve the gateway without engines (the benchmark's
+    # stand-in workers); with engines it serves the tiny model they run.
+    gateway_tokenizers: tuple[tuple[str, str], ...] = ()
+    engine_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.engines <= 8:
+            raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
         if self.lease_ttl_s < 2:
@@ -329,6 +359,15 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
 def _start_router(state: Path, etcd: str, opts: UpOptions):
     d = state / "router"
     d.mkdir(parents=True, exist_ok=True)
+    gateway: list[str] = []
+    tokenizers = dict(opts.gateway_tokenizers)
+    if opts.engines:
+        tokenizers[MODEL_NAME] = str(state / "model")
+    if tokenizers:
+        (d / "gw-ready").unlink(missing_ok=True)
+        gcfg = gateway_files(d, tokenizers)
+        gateway = ["--gateway-listen", "127.0.0.1:0", "--gateway-config", str(gcfg),
+                   "--gateway-ready-file", str(d / "gw-ready")]  # fmt: skip
     ready = d / "ready"
     ready.unlink(missing_ok=True)
     log = d / "router.log"
@@ -351,10 +390,43 @@ def _start_router(state: Path, etcd: str, opts: UpOptions):
             str(d / "router.json"),
             "--log-level",
             opts.router_log_level,
+            *gateway,
         ],
         log,
     )
     return proc, ready, log
+
+
+def _gateway_engines(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return int(json.loads(r.read())["engines"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _start_engines(state, opts, etcd, agents, gw_url, say, started) -> list[Proc]:
+    """vLLM engines on the agents in turn, registered in etcd; waits until the gateway
+    has every one."""
+    procs, watch = [], []
+    for i in range(opts.engines):
+        d = state / f"engine-{i}"
+        launch = EngineLaunch(
+            f"engine-{i}", free_port(), str(state / "model"), MODEL_NAME, agents[i % len(agents)],
+            f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
+            str(d), ttl_s=opts.lease_ttl_s,
+        )  # fmt: skip
+        proc = start_engine(launch, new_session=True)
+        p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))
+        started.append(p)
+        procs.append(p)
+        watch.append((proc, d / "engine.log"))
+    if procs:
+        say(f"starting {len(procs)} vLLM CPU engines (about 30 s each here)")
+        _wait(lambda: _gateway_engines(gw_url) == len(procs), opts.engine_timeout_s,
+              "every engine to register with the gateway", watch)  # fmt: skip
+        say(f"gateway   {gw_url} (API keys in {state / 'router' / 'keys.json'})")
+    return procs
 
 
 def _read(path: Path) -> str:
@@ -391,6 +463,9 @@ def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
 
 def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     t0 = time.monotonic()
+    if opts.engines:  # before anything runs: a failure here leaves nothing behind
+        say("writing the tiny model (vLLM venv)")
+        write_model(state / "model")
     etcd, endpoint, elog = _start_etcd(state)
     started.append(Proc("etcd", "etcd", etcd.pid, endpoint, str(elog)))
     _wait(lambda: etcd_healthy(endpoint), 30, "etcd to become healthy", [(etcd, elog)])
@@ -430,7 +505,14 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         for i, ((p, _, log), a) in enumerate(zip(agents, addrs))
     ]
     procs.append(Proc("router", "router", router.pid, raddr, str(rlog)))
-    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time())
+    gw_url = (
+        f"http://{_read(state / 'router' / 'gw-ready')}"
+        if opts.gateway_tokenizers or opts.engines
+        else ""
+    )
+    procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started)
+    keys = str(state / "router" / "keys.json") if gw_url else ""
+    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys)
     st.save()
     for p in procs[1:]:
         say(f"{p.name:<9} {p.address}")
@@ -440,11 +522,14 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
 
 # ------------------------------------------------------------------ down, status
 def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
-    """Stop router and agents (they revoke their leases), then etcd."""
+    """Stop the engines, router and agents (they revoke their leases), then etcd."""
     st = ClusterState.load(state_dir)
-    first = [p for p in st.procs if p.kind != "etcd"]
-    stopped = stop_procs(first, grace_s) + stop_procs(
-        [p for p in st.procs if p.kind == "etcd"], grace_s
+    engines = [p for p in st.procs if p.kind == "engine"]
+    first = [p for p in st.procs if p.kind not in ("etcd", "engine")]
+    stopped = (
+        stop_procs(engines, grace_s)
+        + stop_procs(first, grace_s)
+        + stop_procs([p for p in st.procs if p.kind == "etcd"], grace_s)
     )
     (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return stopped
@@ -481,6 +566,8 @@ def status(state_dir: str | os.PathLike) -> dict:
             healthy = up_ and etcd_ok
         elif p.kind == "router":
             healthy = up_ and router_ok
+        elif p.kind == "engine":
+            healthy = up_ and _http_ok(p.address + "/health")
         else:
             healthy = up_ and grpc_healthy(p.address)
         row = {
@@ -500,6 +587,7 @@ def status(state_dir: str | os.PathLike) -> dict:
         "state_dir": st.state_dir,
         "etcd_endpoint": st.etcd_endpoint,
         "router_address": st.router_address,
+        "gateway_url": st.gateway_url,
         "uptime_s": round(time.time() - st.started_at),
         "components": comps,
     }

@@ -10,6 +10,12 @@ The same workload then runs again with round-robin routing, in a fresh namespace
 neither run sees the other's blocks, and both are printed side by side with the ceiling
 (an unbounded single cache over the same prompts).
 
+Then, when the cluster runs vLLM engines behind the router's OpenAI gateway (`kvctl
+cluster up --engines N`, what `make run` starts), OpenAI chat sessions of the same tenants
+go through the gateway and, beside them, straight to the engines by round robin; each
+request prints the engine that served it, `cached_tokens` from the engine's usage and
+the TTFT (loadtest/chat_workload.py).
+
     python -m loadtest.demo --state-dir .state/cluster
 """
 
@@ -221,7 +227,41 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    if state.gateway_url:
+        gateway_demo(state, args.tenants, args.sessions, min(args.turns, 3))
     return 0
+
+
+def gateway_demo(state: ClusterState, tenants: int, sessions: int, turns: int) -> None:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from loadtest.chat_workload import Workload, run as chat
+
+    keys = {t: k for k, t in json.loads(Path(state.gateway_keys).read_text()).items()}
+    engines = {p.name: p.address for p in state.procs if p.kind == "engine"}
+    w = Workload(tuple(TENANTS[:tenants]), sessions, turns, system_words=300, user_words=40)
+
+    def show(mode: str, t) -> None:
+        print(
+            f"  {mode:<8} {t.tenant:<8} session {t.session} turn {t.turn}  "
+            f"{t.prompt_tokens:5d} tokens -> {t.engine:<9} cached {t.cached_tokens:5d} "
+            f"({t.cached_tokens / max(1, t.prompt_tokens):4.0%})  TTFT {t.ttft_ms:7.1f} ms"
+        )
+
+    results = {}
+    for mode, title in (("gateway", f"through the gateway {state.gateway_url}"),
+                        ("rr", "round robin straight to the engines")):  # fmt: skip
+        print(f"\nOpenAI chat, {title}:")
+        results[mode] = asyncio.run(chat(w, mode, state.gateway_url, keys, engines, on_turn=show))
+    print()
+    for mode, rows in results.items():
+        ttft = sorted(t.ttft_ms for t in rows)
+        share = sum(t.cached_tokens for t in rows) / max(1, sum(t.prompt_tokens for t in rows))
+        print(
+            f"  {mode:<8} cached-token share {share:6.1%}  TTFT p50 {ttft[len(ttft) // 2]:7.1f} ms"
+        )
 
 
 def _fmt(per_node: dict[str, int]) -> str:

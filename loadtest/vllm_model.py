@@ -14,7 +14,19 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["write_tiny_llama"]
+__all__ = ["CHAT_TEMPLATE", "write_tiny_llama", "write_word_tokenizer"]
+
+# Roles as words of the vocabulary (w1 user, w2 assistant, w3 system), so a rendered chat
+# is plain "w..." words: the gateway (tokenizers + Jinja2) and vLLM (transformers)
+# tokenize it alike, and an answer sent back as the next turn's content re-tokenizes to
+# the same ids.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ {'user': 'w1', 'assistant': 'w2', 'system': 'w3'}.get(m['role'], 'w4') }} "
+    "{{ m['content'] }} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}w2{% endif %}"
+)
 
 
 def _tokenizer(vocab: int):
@@ -25,7 +37,24 @@ def _tokenizer(vocab: int):
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_word_tokenizer(directory: str | Path, vocab: int = 1000) -> Path:
+    """The tiny model's tokenizer and chat template alone, with `tokenizers` only (no
+    transformers): what the gateway needs in front of stand-in workers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return d
 
 
 def write_tiny_llama(
@@ -57,6 +86,7 @@ def write_tiny_llama(
         "vocab": vocab,
         "max_positions": max_positions,
         "dtype": dtype,
+        "chat_template": CHAT_TEMPLATE,
     }
     if marker.exists() and json.loads(marker.read_text()) == args:
         return path

@@ -34,6 +34,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--ready-file", help="write the bound address here once serving")
     p.add_argument(
+        "--gateway-listen",
+        help="also serve the OpenAI-compatible gateway on host:port (port 0: a free one)",
+    )
+    p.add_argument(
+        "--gateway-config",
+        help="YAML or JSON file with GatewayConfig fields (router/gateway/config.py); "
+        "KVSTORE_GATEWAY_<FIELD> variables override it",
+    )
+    p.add_argument("--gateway-ready-file", help="write the gateway's host:port here")
+    p.add_argument(
         "--log-level",
         default="INFO",
         help="DEBUG logs every routing decision's terms (block counts only)",
@@ -63,6 +73,18 @@ def main(argv=None) -> int:
         from router.routing import read_secret_files
 
         read_secret_files(cfg.tenant_secret_files)  # unreadable or empty: refused here
+        gateway = None
+        if args.gateway_listen or args.gateway_config:
+            from router.gateway.config import GatewayConfig
+
+            gateway = load_config(
+                GatewayConfig,
+                args.gateway_config,
+                "KVSTORE_GATEWAY_",
+                {"listen": args.gateway_listen},
+            )
+            if not gateway.listen:
+                raise ValueError("the gateway needs --gateway-listen (or listen in its config)")
     except (ValueError, OSError) as exc:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +92,9 @@ def main(argv=None) -> int:
     from kvstore.process import StartupError
 
     try:
-        asyncio.run(serve(cfg, args.ready_file, token, args.etcd_prefix))
+        asyncio.run(
+            serve(cfg, args.ready_file, token, args.etcd_prefix, gateway, args.gateway_ready_file)
+        )
     except StartupError as exc:
         print(f"kvstore-router: cannot start: {exc}", file=sys.stderr)
         return 1

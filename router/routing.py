@@ -406,6 +406,12 @@ class RouterCore:
             use_cache=not self.killswitch,
         )
 
+    def hold(self, request_id: str, node_id: str, work: float, tenant: str = "") -> None:
+        """Count a request routed elsewhere than `route` chose (the gateway's choice among
+        engines, from a dry-run decision) in flight on `node_id`, with `work` blocks of
+        prefill, until `release`."""
+        self.inflight.add(request_id, node_id, work, tenant)
+
     def release(self, request_id: str, prefill_done: bool = False, tenant: str = "") -> bool:
         """The request completed (or, with prefill_done, only its prefill did). False when
         `tenant` has no such request in flight."""

@@ -13,12 +13,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
 from kvstore.grpc_edge import status_for
 from kvstore import errors
-from kvstore.process import bind_port, run_until_signalled
+from kvstore.process import StartupError, bind_port, run_until_signalled, write_ready_file
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from router.access import AuthEdge, NamespaceOwners, RouterAccess, current_caller
 from router.engine_feed import EngineFeed
 from router.follower import ClusterFollower
+from router.gateway.config import GatewayConfig
 from router.metrics import RouterTelemetry
 from router.routing import RouterCore
 from router.scoring import Weights
@@ -136,6 +137,7 @@ class RouterServer:
         token: str | None = None,
         etcd_prefix: str | None = None,
         with_control: bool = False,
+        gateway: GatewayConfig | None = None,
     ) -> None:
         """with_control: also run router/control.RouterControl (generation fencing, kill
         switch acknowledgements, presence under routers/); the router process does."""
@@ -152,6 +154,9 @@ class RouterServer:
         self.engine_feed: EngineFeed | None = None
         self._etcd: EtcdClient | None = None
         self.telemetry: RouterTelemetry | None = None  # Prometheus, tracing (router/metrics.py)
+        self.gateway_cfg = gateway if gateway is not None and gateway.listen else None
+        self.gateway = None  # router/gateway/server.GatewayServer, with --gateway-listen
+        self.gateway_ready_file: str | None = None  # gets the gateway's host:port
 
     @property
     def address(self) -> str:
@@ -188,6 +193,8 @@ class RouterServer:
             )
             await self.control.start()
             self.servicer.fence = self.control.check
+        if self.gateway_cfg is not None:
+            await self._start_gateway(self.gateway_cfg)
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.Router", health_pb2.HealthCheckResponse.SERVING)
@@ -198,7 +205,22 @@ class RouterServer:
             self.cfg.etcd_endpoints,
         )
 
+    async def _start_gateway(self, gcfg: GatewayConfig) -> None:
+        from router.gateway.server import GatewayServer, build_gateway
+
+        generation = self.control.generation if self.control is not None else None
+        try:
+            gw = build_gateway(gcfg, self.core, generation or (lambda ns_id: None))
+        except ValueError as exc:
+            raise StartupError(f"gateway: {exc}") from None
+        self.gateway = GatewayServer(gcfg, gw, self._etcd)
+        await self.gateway.start()
+        if self.gateway_ready_file:
+            write_ready_file(self.gateway_ready_file, self.gateway.address)
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace)
@@ -220,5 +242,9 @@ async def serve(
     ready_file: str | None = None,
     token: str | None = None,
     etcd_prefix: str | None = None,
+    gateway: GatewayConfig | None = None,
+    gateway_ready_file: str | None = None,
 ) -> None:
-    await run_until_signalled(RouterServer(cfg, token, etcd_prefix, with_control=True), ready_file)
+    server = RouterServer(cfg, token, etcd_prefix, with_control=True, gateway=gateway)
+    server.gateway_ready_file = gateway_ready_file
+    await run_until_signalled(server, ready_file)

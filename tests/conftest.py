@@ -16,6 +16,10 @@ Fixtures:
 - `make_ns(**overrides)`: a complete, valid Namespace.
 - `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
   BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
+- `start_gateway(tokenizers, config=None, keys=None)`: a router process serving the
+  OpenAI gateway on that etcd (tests/support/gateway.py); `.url`.
+- `start_standin(name, model, fail_status=0, namespace=None)`: a stand-in OpenAI worker
+  registered as an engine by the real registrar (kvstore.integrations.vllm_serve).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import pytest
 from support.cluster import RouterProc
 from support.common import AgentProc, EtcdProc, make_namespace, store_maker
+from support.gateway import GatewayProc, StandIn
 
 KINDS = ("unit", "integration", "gpu", "deploy")
 HERE = Path(__file__).resolve().parent
@@ -105,3 +110,31 @@ def start_router(tmp_path, etcd):
     yield start
     for r in routers:
         r.stop()
+
+
+@pytest.fixture
+def start_gateway(tmp_path, etcd):
+    gateways: list[GatewayProc] = []
+
+    def start(tokenizers: dict, config: dict | None = None, keys: dict | None = None):
+        g = GatewayProc(tmp_path / f"gateway-{len(gateways)}", etcd.endpoint, tokenizers)
+        gateways.append(g)
+        return g.start(config, keys)
+
+    yield start
+    for g in gateways:
+        g.stop()
+
+
+@pytest.fixture
+def start_standin(tmp_path, etcd):
+    workers: list[StandIn] = []
+
+    def start(name: str, model: str, fail_status: int = 0, namespace: dict | None = None):
+        w = StandIn(tmp_path / f"standin-{name}", etcd.endpoint, name)
+        workers.append(w)
+        return w.start(model, fail_status, namespace)
+
+    yield start
+    for w in workers:
+        w.stop()

@@ -32,6 +32,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "then print their addresses.",
     )
     p.add_argument("--agents", type=int, default=2, help="number of node agents (default 2)")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="vLLM CPU engines (tiny local model, our connector, .venv-vllm) behind the "
+        "router's OpenAI gateway, on the agents in turn (default 0: none, no gateway)",
+    )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument("--pool-bytes", default="256MiB", help="device pool per agent (256MiB)")
     p.add_argument(
@@ -92,6 +99,7 @@ def _up(args) -> int:
             args.lease_ttl,
             args.timeout,
             args.router_log_level,
+            engines=args.engines,
         )
     except ValueError as exc:
         print(f"kvctl cluster up: {exc}", file=sys.stderr)
@@ -107,6 +115,7 @@ def _up(args) -> int:
                     "etcd_endpoint": st.etcd_endpoint,
                     "router_address": st.router_address,
                     "agents": {p.name: p.address for p in st.agents},
+                    "gateway_url": st.gateway_url,
                 },
                 indent=2,
             )

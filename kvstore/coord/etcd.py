@@ -3,6 +3,8 @@
 Key layout under a prefix (default ``/kvstore/``)::
 
     nodes/<node_id>                 NodeRecord JSON, written under the agent's lease
+    engines/<engine_id>             EngineRecord JSON (coord/engines.py), under the
+                                    registrar's lease (integrations/vllm_serve.py)
     namespaces/<tenant>/<ns_id hex> {"spec": {...}, "generation": N, "policy": {...}}
     tenants/<tenant>                {"hbm_limit_bytes": ..., "nvme_limit_bytes": ...}
     killswitch                      {"enabled": true, "reason": "..."}
@@ -55,6 +57,7 @@ from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
 from kvstore import errors
+from kvstore.coord.engines import ENGINES, EngineRecord
 
 log = logging.getLogger("kvstore.etcd")
 
@@ -464,6 +467,23 @@ class EtcdClient:
                 out.append(NodeRecord.from_json(kv.value))
             except (ValueError, TypeError) as exc:
                 log.warning("ignoring malformed node record %s: %s", kv.key, exc)
+        return out
+
+    async def register_engine(self, record: EngineRecord, lease: int) -> None:
+        """Write engines/<id> under `lease` (the registrar owns its engine id)."""
+        await self.put(ENGINES + record.engine_id, record.to_json(), lease)
+
+    async def deregister_engine(self, engine_id: str) -> bool:
+        return await self.delete(ENGINES + engine_id)
+
+    async def list_engines(self) -> list[EngineRecord]:
+        _, items = await self.list(ENGINES)
+        out = []
+        for kv in items:
+            try:
+                out.append(EngineRecord.from_json(kv.value))
+            except ValueError as exc:
+                log.warning("ignoring malformed engine record %s: %s", kv.key, exc)
         return out
 
     async def put_namespace(

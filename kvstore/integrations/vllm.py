@@ -123,6 +123,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.spec.key,
                 self._block_size,
             )
+            if role == KVConnectorRole.SCHEDULER and self._settings.namespace_file:
+                _publish_namespace(self._settings.namespace_file, self.spec.to_dict())
 
     @staticmethod
     def _tp_rank(role) -> int:
@@ -320,3 +322,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         for link in (self._link, self._save_link):
             if link is not None:
                 link.close()
+
+
+def _publish_namespace(path: str, spec: dict) -> None:
+    """Write the namespace spec where the engine's registrar (vllm_serve) reads it: the
+    gateway needs it to compute this engine's chain ids. Written whole (rename), so a
+    reader never sees half of it; a failure is logged, the engine still serves."""
+    import json
+    import os
+
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(spec, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("kvstore connector: cannot write namespace_file %s: %s", path, exc)

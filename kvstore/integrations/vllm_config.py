@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvstore.integrations.hf import _check_full_attention, _rope_fields
 from kvstore.namespace import KV_DTYPE_BYTES, Namespace
+from kvstore.salt import salt_secret, salted  # re-exported: the connector's names
 
 __all__ = ["ConnectorSettings", "NamespaceRefused", "engine_namespace", "salted", "salt_secret"]
 
@@ -29,7 +30,6 @@ _TOKENIZER_FILES = (
     "merges.txt",
     "special_tokens_map.json",
 )
-_SALT_PERSON = b"kvstore-vllmsalt"
 
 
 class NamespaceRefused(ValueError):
@@ -44,7 +44,8 @@ class ConnectorSettings:
     `save_queue` (pending saves before new ones are dropped, default 64), `local_lane`
     (default true: the hot calls skip gRPC over the agent's Unix socket on the same host),
     `timeout_s` (deadline of each agent call, default 2: a frozen agent stalls a scheduler
-    step at most that long, then the engine recomputes)."""
+    step at most that long, then the engine recomputes), `namespace_file` (the scheduler
+    writes the namespace spec there as JSON: the engine's registrar publishes it)."""
 
     agent: str
     tenant: str
@@ -55,6 +56,7 @@ class ConnectorSettings:
     save_queue: int = 64
     local_lane: bool = True
     timeout_s: float = 2.0
+    namespace_file: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -76,6 +78,7 @@ class ConnectorSettings:
             save_queue=int(extra.get("save_queue", 64)),
             local_lane=bool(extra.get("local_lane", True)),
             timeout_s=float(extra.get("timeout_s", 2.0)),
+            namespace_file=str(extra.get("namespace_file", "")),
         )
 
 
@@ -185,22 +188,3 @@ def engine_namespace(
         tp_size=pc.tensor_parallel_size,
         block_size=cc.block_size,
     )
-
-
-def salted(spec: Namespace, salt: str | None) -> Namespace:
-    """A request's `cache_salt` gets its own namespace: salts never share block ids."""
-    if not salt:
-        return spec
-    from dataclasses import replace
-
-    tag = hashlib.blake2b(salt.encode(), digest_size=8, person=_SALT_PERSON).hexdigest()
-    return replace(spec, name=f"{spec.name}.salt-{tag}")
-
-
-def salt_secret(secret: str, salt: str | None) -> str:
-    """The chain-root secret of a salted namespace: the tenant secret keyed by the salt, so
-    one salt's block ids cannot be computed from another's."""
-    if not salt:
-        return secret
-    key = hashlib.blake2b(secret.encode(), digest_size=32).digest()
-    return hashlib.blake2b(salt.encode(), digest_size=32, key=key, person=_SALT_PERSON).hexdigest()

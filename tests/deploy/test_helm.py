@@ -30,7 +30,12 @@ from kvstore.units import parse_size
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvstore"
 HELM = ROOT / ".tools" / "helm"
-VALUES = ["minimal-values.yaml", "production-values.yaml", "external-etcd-values.yaml"]
+VALUES = [
+    "minimal-values.yaml",
+    "production-values.yaml",
+    "external-etcd-values.yaml",
+    "gateway-values.yaml",
+]
 KUBE_VERSIONS = ["1.29.0", "1.33.0"]
 RELEASE, NAMESPACE = "kv", "kvstore-test"
 # Stand-ins for what the kubelet fills in (fieldRef) and for Secrets the values only name.
@@ -245,6 +250,8 @@ def test_references_resolve(helm, values):
             ("auth", "existingClusterTokenSecret"),
             ("tls", "existingSecret"),
             ("encryption", "existingSecret"),
+            ("engines", "kvTokenSecret"),
+            ("gateway", "existingApiKeySecret"),
         )
     }
     for wl, _ in pods:
@@ -339,6 +346,42 @@ def test_rendered_configs_load(helm, values, tmp_path, monkeypatch):
         ), "RocksDB lives on the NVMe volume"
         assert cfg.etcd_endpoints == rcfg.etcd_endpoints != ""
         assert cfg.tenants or cfg.allow_unauthenticated
+
+
+def test_gateway_config_loads_and_engines_reach_their_agents(helm, tmp_path, monkeypatch):
+    from router.gateway.config import ApiKeys, GatewayConfig
+
+    docs = render(helm, "gateway-values.yaml")
+    gw = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    path = tmp_path / "gateway.yaml"
+    path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
+    cfg = load_config(GatewayConfig, str(path))
+    c = gw["containers"][0]
+    assert c["command"][-1] in {m["mountPath"] for m in c["volumeMounts"]}
+    assert cfg.listen.endswith(f":{c['ports'][0]['containerPort']}")
+    secret = one(docs, "Secret", "-gateway")["data"]
+    keys = ApiKeys(json.loads(base64.b64decode(secret["keys.json"])))
+    assert keys.tenant("sk-acme-example") == "acme" and keys.tenant("nope") is None
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    for f in [cfg.api_keys_file, cfg.salt_key_file, *cfg.kv_secret_files.values()]:
+        assert str(Path(f).parent) in mounts, f
+    # Each engine's connector dials agent i on its node's host port, as that node's agent.
+    agents = agent_containers(docs)
+    engines = one(docs, "DaemonSet", "-engine")["spec"]["template"]["spec"]["containers"]
+    assert len(engines) == len(agents)
+    for e, a in zip(engines, agents):
+        port = a["ports"][0]["containerPort"]
+        assert a["ports"][0]["hostPort"] == port
+        kvt = json.loads(next(x for x in e["command"] if x.startswith("--kv-transfer-config="))
+                         .split("=", 1)[1])  # fmt: skip
+        extra = kvt["kv_connector_extra_config"]
+        assert extra["agent"] == f"$(HOST_IP):{port}"
+        assert extra["tenant"] in cfg.kv_secret_files
+        node = next(x for x in e["command"] if x.startswith("--node-id=")).split("=", 1)[1]
+        assert node == container_env(docs, a)["KVSTORE_AGENT_NODE_ID"].replace(
+            FIELD_REFS["spec.nodeName"], "$(NODE_NAME)"
+        )
+        assert extra["namespace_file"] in " ".join(e["command"])
 
 
 def test_production_agents_one_gpu_each(helm, tmp_path, monkeypatch):

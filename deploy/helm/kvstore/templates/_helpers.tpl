@@ -149,3 +149,9 @@ runAsNonRoot: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* The gateway's Secret: API keys (keys.json), the engines' chain-root secret
+     (kv.secret) and the cache_salt key (salt.key). */}}
+{{- define "kvstore.gatewaySecretName" -}}
+{{- printf "%s-gateway" (include "kvstore.fullname" .) -}}
+{{- end }}

@@ -1,0 +1,168 @@
+"""vLLM CPU engines on 127.0.0.1 behind the gateway, for the dev cluster (`kvctl cluster
+up --engines N`), the gateway's tests and its benchmark: each engine is vLLM's OpenAI
+server (in the vLLM venv, `make vllm-env`) with our connector on one agent, started by its
+registrar (kvstore.integrations.vllm_serve, in this venv), which registers it in etcd
+once it answers /health and its connector wrote its namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "gateway_files", "start_engine", "stop_engine"]
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+# What vLLM CPU needs here (facts in loadtest/vllm_run.py); offline, no telemetry.
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLaunch:
+    engine_id: str
+    port: int
+    model_dir: str
+    served_name: str
+    agent: str  # host:port of the agent its connector uses
+    node_id: str  # that agent's node id
+    kv_tenant: str
+    kv_secret_file: str
+    etcd_endpoint: str
+    workdir: str
+    block_size: int = 32
+    max_model_len: int = 2048
+    prefix_caching: bool = True
+    ttl_s: int = 3
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kv_transfer_config(self) -> dict:
+        extra = {
+            "agent": self.agent,
+            "tenant": self.kv_tenant,
+            "tenant_secret_file": self.kv_secret_file,
+            "shm_mib": 8,
+            "namespace_file": str(Path(self.workdir) / "namespace.json"),
+        }
+        return {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+
+    def vllm_command(self) -> list[str]:
+        cmd = [
+            str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir, "--served-model-name", self.served_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--block-size", str(self.block_size), "--enforce-eager",
+            "--max-model-len", str(self.max_model_len), "--seed", "0",
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
+        ]  # fmt: skip
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
+        return cmd
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "kvstore.integrations.vllm_serve",
+            "--engine-id", self.engine_id, "--url", self.url, "--node-id", self.node_id,
+            "--model", self.served_name, "--etcd-endpoints", self.etcd_endpoint,
+            "--namespace-file", str(Path(self.workdir) / "namespace.json"),
+            "--ttl", str(self.ttl_s), "--check-interval", "0.5", "--", *self.vllm_command(),
+        ]  # fmt: skip
+
+
+def start_engine(launch: EngineLaunch, new_session: bool = False) -> subprocess.Popen:
+    """Start the registrar (which starts vLLM); its log is <workdir>/engine.log."""
+    d = Path(launch.workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "namespace.json").unlink(missing_ok=True)  # the connector writes it afresh
+    env = dict(os.environ, **VLLM_ENV, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        launch.command(),
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=open(d / "engine.log", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=new_session,
+    )
+
+
+# API keys of the dev cluster's gateway (dev only: they are in its state directory).
+DEMO_KEYS = {"demo-key-acme": "acme", "demo-key-globex": "globex", "demo-key-initech": "initech"}
+KV_TENANT = "engines"  # the engines' own kvstore tenant; the gateway salts per API tenant
+MODEL_NAME = "tiny"
+
+
+def write_model(model_dir: Path, timeout_s: float = 600.0) -> Path:
+    """The tiny local Llama with its tokenizer and chat template (loadtest/vllm_model.py),
+    written by the vLLM venv, which has transformers."""
+    subprocess.run(
+        [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model_dir), "--layers", "4",
+         "--hidden", "256"],
+        cwd=ROOT, check=True, capture_output=True, timeout=timeout_s,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    return model_dir
+
+
+def gateway_files(d: Path, tokenizers: dict[str, str], extra: dict | None = None) -> Path:
+    """API keys, the engines' kv secret and the GatewayConfig file, in `d`; returns the
+    config's path. The secret is fresh on every call."""
+    import secrets as _secrets
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "keys.json").write_text(json.dumps(DEMO_KEYS, indent=2) + "\n")
+    secret = d / "kv.secret"
+    if not secret.exists():
+        secret.write_text(_secrets.token_hex(16))
+    cfg = {
+        "tokenizers": tokenizers,
+        "api_keys_file": str(d / "keys.json"),
+        "kv_secret_files": {KV_TENANT: str(secret)},
+        **(extra or {}),
+    }
+    (d / "gateway.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d / "gateway.json"
+
+
+def stop_engine(pid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM the engine's session (registrar, vLLM and its engine core), then SIGKILL."""
+    import signal
+    import time
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)

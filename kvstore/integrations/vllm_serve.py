@@ -1,0 +1,147 @@
+"""`python -m kvstore.integrations.vllm_serve`: register a vLLM OpenAI server (with our
+connector) in etcd for the gateway, for as long as it answers /health.
+
+    python -m kvstore.integrations.vllm_serve --engine-id e0 --url http://10.0.0.5:8000 \\
+        --node-id agent-0 --model tiny --namespace-file /tmp/e0.ns.json \\
+        --etcd-endpoints 127.0.0.1:2379 -- \\
+        .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --port 8000 ...
+
+With a command after `--` it starts the engine and exits with the engine's status (and
+stops the engine on SIGTERM); without one it is a sidecar of an engine started apart.
+The record (kvstore/coord/engines.py) is written under a lease of `--ttl` seconds once
+/health answers and the connector has written its namespace (`namespace_file` in
+`kv_connector_extra_config`), and dropped (lease revoked) after `--unhealthy-after`
+failed checks in a row, so a hung engine leaves as fast as a dead one. Runs in the
+server venv (etcd), not in vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.etcd import EtcdClient, parse_endpoints
+from kvstore.coord.follow import LeasedKey
+
+log = logging.getLogger("kvstore.vllm_serve")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, cmd = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="vllm_serve", description=__doc__.splitlines()[0])
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--url", required=True, help="the engine's HTTP base, as the gateway sees it")
+    p.add_argument("--node-id", required=True, help="the agent the engine's connector uses")
+    p.add_argument("--model", action="append", required=True, help="served model name (repeat)")
+    p.add_argument("--namespace-file", help="where the connector writes its namespace spec")
+    p.add_argument("--etcd-endpoints", default="127.0.0.1:2379")
+    p.add_argument("--etcd-prefix", default=None)
+    p.add_argument("--kv-events-endpoint", default=None)
+    p.add_argument("--kv-events-replay-endpoint", default=None)
+    p.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds")
+    p.add_argument("--check-interval", type=float, default=1.0)
+    p.add_argument("--unhealthy-after", type=int, default=2)
+    return p.parse_args(argv), cmd
+
+
+def engine_record(args: argparse.Namespace) -> EngineRecord | None:
+    """The record, or None while the connector has not written its namespace yet."""
+    namespace: dict = {}
+    if args.namespace_file:
+        path = Path(args.namespace_file)
+        if not path.exists():
+            return None
+        namespace = json.loads(path.read_text())
+    return EngineRecord(
+        engine_id=args.engine_id,
+        url=args.url,
+        models=tuple(args.model),
+        node_id=args.node_id,
+        namespace=namespace,
+        block_size=int(namespace.get("block_size", 0)),
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+    )
+
+
+async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await http.get(url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def run(args: argparse.Namespace, child: subprocess.Popen | None) -> int:
+    kwargs = {"prefix": args.etcd_prefix} if args.etcd_prefix else {}
+    etcd = EtcdClient(args.etcd_endpoints, **kwargs)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    key: LeasedKey | None = None
+    failures = 0
+    async with httpx.AsyncClient(timeout=max(args.check_interval, 1.0)) as http:
+        try:
+            while not stop.is_set() and (child is None or child.poll() is None):
+                ok = await _healthy(http, args.url.rstrip("/"))
+                failures = 0 if ok else failures + 1
+                rec = engine_record(args) if ok else None
+                if rec is not None and key is None:
+                    key = LeasedKey(etcd, ENGINES + rec.engine_id, rec.to_json(), args.ttl)
+                    key.start()
+                    log.info(
+                        "engine %s registered (%s, node %s)", rec.engine_id, rec.url, rec.node_id
+                    )
+                elif key is not None and failures >= args.unhealthy_after:
+                    await key.stop()  # revokes the lease: the gateway drops it now
+                    key = None
+                    log.warning("engine %s stopped answering /health; deregistered", args.engine_id)
+                try:
+                    await asyncio.wait_for(stop.wait(), args.check_interval)
+                except TimeoutError:
+                    pass
+        finally:
+            if key is not None:
+                await key.stop()
+            await etcd.close()
+    if child is None:
+        return 0
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return int(child.wait())
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    args, cmd = parse_args(argv)
+    try:
+        parse_endpoints(args.etcd_endpoints)
+        EngineRecord(args.engine_id, args.url, tuple(args.model), args.node_id)
+        if args.ttl < 1:
+            raise ValueError("--ttl must be >= 1")
+    except ValueError as exc:
+        print(f"vllm_serve: bad arguments: {exc}", file=sys.stderr)
+        return 2
+    child = subprocess.Popen(cmd) if cmd else None
+    return asyncio.run(run(args, child))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

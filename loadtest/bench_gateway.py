@@ -1,0 +1,199 @@
+"""Gateway benchmark; prints ONE JSON line.
+
+Overhead: the router's gateway in front of two stand-in OpenAI workers
+(loadtest/standin_openai.py: canned answers at once, so the gateway is the bottleneck),
+against calling the workers directly, in the same run: `gateway_added_p50_ms` /
+`gateway_added_p99_ms` (sequential requests, interleaved, p(via) - p(direct)),
+`gateway_rps` / `direct_rps` (concurrent clients).
+
+vLLM (`--vllm`): two vLLM CPU engines (tiny model, our connector, one agent each) behind
+the gateway, a multi-tenant multi-turn chat workload (tenants share a system prompt among
+their sessions), streaming: TTFT p50/p99 and the cached-token share through the gateway
+(the router's cost function), against round robin (`rr_`) and consistent hashing of the
+session (`chash_`) to the same engines directly, each mode under its own cache_salt so no
+mode reuses another's KV; `ceiling` is the share an unbounded single cache would get.
+
+    python -m loadtest.bench_gateway [--vllm] [--requests 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvstore import devcluster
+from kvstore.devcluster import UpOptions
+from loadtest.vllm_model import write_word_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"bench_gateway: timed out waiting for {what}")
+
+
+def _engines(url: str) -> int:
+    try:
+        return int(httpx.get(url + "/health", timeout=2).json()["engines"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
+
+
+def _standins(state: Path, etcd: str, n: int) -> tuple[list[str], list[subprocess.Popen]]:
+    urls, procs = [], []
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for i in range(n):
+        ready = state / f"standin-{i}.ready"
+        ready.unlink(missing_ok=True)
+        log = open(state / f"standin-{i}.log", "ab")
+        cmd = [sys.executable, "-m", "loadtest.standin_openai", "--ready-file", str(ready),
+               "--name", f"w{i}"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        _wait(ready.exists, 60, "a stand-in worker")
+        url = "http://" + ready.read_text().strip()
+        urls.append(url)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvstore.integrations.vllm_serve", "--engine-id", f"w{i}",
+             "--url", url, "--node-id", "agent-0", "--model", MODEL, "--etcd-endpoints", etcd],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+    return urls, procs
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _body(i: int) -> dict:
+    prompt = " ".join(f"w{(i * 31 + k) % 990 + 5}" for k in range(128))
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+
+
+def _latency(gw: str, direct: list[str], key: str, n: int) -> dict:
+    auth = {"authorization": f"Bearer {key}"}
+    via_ms, direct_ms = [], []
+    with httpx.Client(timeout=30) as c:
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            assert c.post(direct[i % len(direct)] + "/v1/completions", json=_body(i)).is_success
+            t1 = time.perf_counter()
+            assert c.post(gw + "/v1/completions", json=_body(i), headers=auth).is_success
+            t2 = time.perf_counter()
+            if i >= 20:  # warm-up: connections, caches
+                direct_ms.append((t1 - t0) * 1000)
+                via_ms.append((t2 - t1) * 1000)
+    return {
+        "gateway_added_p50_ms": statistics.median(via_ms) - statistics.median(direct_ms),
+        "gateway_added_p99_ms": _pct(via_ms, 0.99) - _pct(direct_ms, 0.99),
+        "direct_p50_ms": statistics.median(direct_ms),
+        "via_p50_ms": statistics.median(via_ms),
+    }
+
+
+async def _rps(urls: list[str], headers: dict, n: int, concurrency: int = 32) -> float:
+    todo = iter(range(n))
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as c:
+
+        async def worker() -> None:
+            for i in todo:
+                r = await c.post(urls[i % len(urls)] + "/v1/completions", json=_body(i),
+                                 headers=headers)  # fmt: skip
+                assert r.is_success, r.text
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return n / (time.perf_counter() - t0)
+
+
+def overhead(requests: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        state = Path(tmp)
+        tok = write_word_tokenizer(state / "tokenizer")
+        opts = UpOptions(
+            agents=1,
+            pool_bytes="16MiB",
+            nvme_bytes="64MiB",
+            gateway_tokenizers=((MODEL, str(tok)),),
+            router_log_level="WARNING",
+        )
+        st = devcluster.up(state / "cluster", opts, say=lambda _m: None)
+        procs: list[subprocess.Popen] = []
+        try:
+            urls, procs = _standins(state, st.etcd_endpoint, 2)
+            _wait(lambda: _engines(st.gateway_url) == 2, 60, "the stand-ins in the gateway")
+            key = next(iter(json.loads(Path(st.gateway_keys).read_text())))
+            lat = _latency(st.gateway_url, urls, key, requests)
+            auth = {"authorization": f"Bearer {key}"}
+            direct_rps = asyncio.run(_rps(urls, {}, requests * 2))
+            router = next(p.pid for p in st.procs if p.kind == "router")
+            workers = [p.pid for p in procs[::2]]
+            cpu0, wcpu0 = _cpu_s(router), sum(_cpu_s(w) for w in workers)
+            gateway_rps = asyncio.run(_rps([st.gateway_url], auth, requests * 2))
+            # CPU per request does not depend on what else the machine runs; wall-clock
+            # latency on a shared, loaded machine does.
+            lat["gateway_cpu_ms_per_request"] = (_cpu_s(router) - cpu0) * 1000 / (requests * 2)
+            lat["worker_cpu_ms_per_request"] = (
+                (sum(_cpu_s(w) for w in workers) - wcpu0) * 1000 / (requests * 2)
+            )
+            lat["load_average_1m"] = os.getloadavg()[0]
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+            devcluster.down(state / "cluster", grace_s=5)
+    return {
+        **{k: round(v, 3) for k, v in lat.items()},
+        "gateway_rps": round(gateway_rps, 1),
+        "direct_rps": round(direct_rps, 1),
+        "overhead_requests": requests,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--vllm", action="store_true", help="also the run on vLLM CPU engines")
+    a = ap.parse_args()
+    out = overhead(a.requests)
+    out["goals"] = {
+        "gateway_added_p50_ms<=2": out["gateway_added_p50_ms"] <= 2,
+        "gateway_rps>=0.5*direct_rps": out["gateway_rps"] >= 0.5 * out["direct_rps"],
+    }
+    if a.vllm:
+        from loadtest.bench_gateway_vllm import vllm_run
+
+        res = vllm_run()
+        out.update(res)
+        out["goals"] |= {
+            "ttft_p50_ms<rr_and_chash": res["ttft_p50_ms"]
+            < min(res["rr_ttft_p50_ms"], res["chash_ttft_p50_ms"]),
+            "cached_token_share>=0.9*ceiling": res["cached_token_share"] >= 0.9 * res["ceiling"],
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

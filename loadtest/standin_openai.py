@@ -1,0 +1,111 @@
+"""A stand-in OpenAI worker (Starlette + uvicorn): canned answers at once, so that what a
+benchmark measures in front of it is the gateway (loadtest/bench_gateway.py), and so the
+gateway's tests can see what it forwarded (GET /seen) and make a worker fail.
+
+    python -m loadtest.standin_openai --port 0 --ready-file F [--name w0] [--fail-status 500]
+
+A request may carry `"standin_delay_s": x` (the worker waits that long before answering,
+to hold requests in flight) and `"standin_chunks": n` (SSE chunks, default 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def make_app(name: str, fail_status: int = 0) -> Starlette:
+    seen: list[dict] = []
+
+    async def complete(request: Request) -> Response:
+        body = await request.json()
+        seen.append(
+            {
+                "path": request.url.path,
+                "model": body.get("model"),
+                "cache_salt": body.get("cache_salt"),
+                "kv_transfer_params": body.get("kv_transfer_params"),
+            }
+        )
+        if fail_status:
+            return JSONResponse({"error": {"message": "stand-in failure"}}, fail_status)
+        await asyncio.sleep(float(body.get("standin_delay_s", 0)))
+        n = int(body.get("standin_chunks", 4))
+        if body.get("stream"):
+            return StreamingResponse(_sse(name, n), media_type="text/event-stream")
+        text = " ".join(f"{name}-{i}" for i in range(n))
+        usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+        return JSONResponse(
+            {
+                "id": "cmpl-standin",
+                "object": "text_completion",
+                "model": body.get("model"),
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage,
+            }
+        )
+
+    async def seen_page(request: Request) -> Response:
+        return JSONResponse(seen)
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", complete, methods=["POST"]),
+            Route("/v1/chat/completions", complete, methods=["POST"]),
+            Route("/seen", seen_page),
+            Route("/health", health),
+        ]
+    )
+
+
+async def _sse(name: str, n: int) -> AsyncIterator[bytes]:
+    for i in range(n):
+        chunk = {"id": "cmpl-standin", "choices": [{"index": 0, "text": f"{name}-{i} "}]}
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ready-file", required=True, help="gets host:port once listening")
+    ap.add_argument("--name", default="standin")
+    ap.add_argument("--fail-status", type=int, default=0)
+    a = ap.parse_args()
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only for TCP sockets.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((a.host, a.port))
+    cfg = uvicorn.Config(make_app(a.name, a.fail_status), log_level="warning", access_log=False)
+    server = uvicorn.Server(cfg)
+    host, port = sock.getsockname()[:2]
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        tmp = a.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{host}:{port}\n")
+        os.replace(tmp, a.ready_file)
+        await task
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""The gateway's HTTP API (Starlette): POST /v1/completions and /v1/chat/completions
+(streaming SSE or not), GET /v1/models, /health and /metrics.
+
+Per request: authenticate the API key (401), validate the body (400/404/413) before any
+work, tokenize, plan (router/gateway/plan.py), pick an engine (engines.py: 429 with
+Retry-After when every engine is full), set `cache_salt` from the tenant (whatever the
+caller sent) and forward with httpx. The answer goes back byte for byte with the engine's
+status and content type; a forward that fails before the engine answered (connect error,
+5xx) is retried once on the next choice. The first response byte marks prefill done; the
+end of the answer, or the client going away, releases the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from router.gateway.config import ApiKeys, GatewayConfig
+from router.gateway.engines import EngineSet, EngineState
+from router.gateway.metrics import GatewayMetrics
+from router.gateway.plan import Plan, Planner
+from router.gateway.prompt import BadPrompt, PromptCodec
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("kvstore.gateway")
+
+ENGINE_HEADER = "x-kvstore-engine"  # which engine answered: the demo and tests print it
+
+
+class HTTPFailure(Exception):
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def _error(exc: HTTPFailure) -> JSONResponse:
+    body = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+    return JSONResponse(body, exc.status, headers=exc.headers)
+
+
+class Forwarded(StreamingResponse):
+    """The engine's streamed answer; `closer` runs however the stream ends (done, the
+    client gone, an error), so the request is always released."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        closer: Callable[[], Awaitable[None]],
+        status_code: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(chunks, status_code, headers=headers)
+        self._closer = closer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._closer()
+
+
+class Gateway:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        planner: Planner,
+        engines: EngineSet,
+        codecs: dict[str, PromptCodec],
+        keys: ApiKeys,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.cfg, self.planner, self.engines = cfg, planner, engines
+        self.codecs, self.keys = codecs, keys
+        self.metrics = metrics or GatewayMetrics()
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_page, methods=["GET"]),
+            ]
+        )
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    # ------------------------------------------------------------ plain routes
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "engines": len(self.engines.engines)})
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+        except HTTPFailure as exc:
+            return _error(exc)
+        served = sorted({m for s in self.engines.engines.values() for m in s.record.models})
+        data = [{"id": m, "object": "model", "owned_by": "kvstore"} for m in served]
+        return JSONResponse({"object": "list", "data": data})
+
+    # ------------------------------------------------------------ validation
+    def _tenant(self, request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        tenant = self.keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise HTTPFailure(401, "missing or unknown API key", "authentication_error")
+        return tenant
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
+            raise HTTPFailure(
+                413, f"body over {self.cfg.max_body_bytes} bytes", "invalid_request_error"
+            )
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.cfg.max_body_bytes:
+                raise HTTPFailure(
+                    413, f"body over {self.cfg.max_body_bytes} bytes", "invalid_request_error"
+                )
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise HTTPFailure(400, "body is not JSON", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise HTTPFailure(400, "body must be a JSON object", "invalid_request_error")
+        return body
+
+    def _tokens(self, body: dict[str, Any], chat: bool) -> tuple[str, list[int]]:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise HTTPFailure(400, "model is required", "invalid_request_error")
+        codec = self.codecs.get(model)
+        if codec is None:
+            raise HTTPFailure(404, f"model {model!r} is not served here", "not_found_error")
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise HTTPFailure(400, "stream must be true or false", "invalid_request_error")
+        try:
+            if chat:
+                gen = body.get("add_generation_prompt", True)
+                ids = codec.chat_ids(body.get("messages"), bool(gen))
+            else:
+                ids = codec.completion_ids(body.get("prompt"))
+        except BadPrompt as exc:
+            raise HTTPFailure(400, str(exc), "invalid_request_error") from None
+        if not ids:
+            raise HTTPFailure(400, "the prompt has no tokens", "invalid_request_error")
+        if len(ids) > self.cfg.max_prompt_tokens:
+            raise HTTPFailure(
+                400, f"prompt over {self.cfg.max_prompt_tokens} tokens", "invalid_request_error"
+            )
+        return model, ids
+
+    # ------------------------------------------------------------ the proxy
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/completions", chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/chat/completions", chat=True)
+
+    async def _serve(self, request: Request, path: str, chat: bool) -> Response:
+        t0 = time.perf_counter()
+        try:
+            tenant = self._tenant(request)
+            body = await self._body(request)
+            model, ids = self._tokens(body, chat)
+            plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant)
+            # Server-side, always: a caller must not pick (or probe) another's salt, nor
+            # talk to the connector directly.
+            body["cache_salt"] = plan.salt
+            body.pop("kv_transfer_params", None)
+            resp = await self._forward(path, model, body, plan, t0)
+        except HTTPFailure as exc:
+            self.metrics.requests.labels(path, str(exc.status)).inc()
+            if exc.status == 429:
+                self.metrics.saturated.inc()
+            return _error(exc)
+        self.metrics.requests.labels(path, str(resp.status_code)).inc()
+        return resp
+
+    def _choose(self, model: str, plan: Plan, tried: set[str]) -> EngineState:
+        pick = self.engines.pick(model, self.cfg.policy, plan.nodes, plan.first_block, tried)
+        if pick.engine is not None:
+            return pick.engine
+        if pick.saturated:
+            raise HTTPFailure(
+                429,
+                "every engine serving this model is at its in-flight limit; retry later",
+                "rate_limit_error",
+                {"Retry-After": str(self.cfg.retry_after_s)},
+            )
+        if tried:
+            raise HTTPFailure(502, "the engines chosen failed before answering", "api_error")
+        raise HTTPFailure(503, f"no engine serves {model!r} now", "api_error")
+
+    def _request_body(self, body: dict[str, Any], plan: Plan, st: EngineState) -> bytes:
+        s = plan.score_on(st.record.node_id)
+        if s is not None and s.peer_blocks and s.peer_node_id:
+            # The connector starts pulling before prefill (kv_transfer_params reach it).
+            hint = {"kvstore": {"peer_node": s.peer_node_id, "blocks": s.peer_blocks}}
+            body = dict(body, kv_transfer_params=hint)
+        return json.dumps(body).encode()
+
+    async def _forward(self, path: str, model: str, body: dict, plan: Plan, t0: float) -> Response:
+        tried: set[str] = set()
+        while True:
+            st = self._choose(model, plan, tried)
+            self.engines.acquire(st)
+            self.planner.hold(plan, st.record.node_id)
+            self.metrics.inflight.inc()
+            req = self.http.build_request(
+                "POST",
+                st.record.url + path,
+                content=self._request_body(body, plan, st),
+                # No x-request-id of ours: vLLM would name its answer after it, and the
+                # answer must be what the engine says to this request as sent.
+                headers={"content-type": "application/json"},
+            )
+            failure = ""
+            try:
+                upstream = await self.http.send(req, stream=True)
+                if upstream.status_code >= 500:
+                    await upstream.aclose()
+                    failure = f"HTTP {upstream.status_code}"
+            except httpx.HTTPError as exc:
+                failure = type(exc).__name__
+            if not failure:
+                self.metrics.forwards.labels(st.record.engine_id).inc()
+                return await self._respond(upstream, st, plan, t0)
+            self._done(st, plan)
+            self.engines.suspend(st)
+            log.warning(
+                "engine %s failed request %s before answering (%s)",
+                st.record.engine_id,
+                plan.request_id,
+                failure,
+            )
+            if tried:  # once: a second failure is the client's answer
+                raise HTTPFailure(502, "the engines chosen failed before answering", "api_error")
+            tried.add(st.record.engine_id)
+            self.metrics.retries.inc()
+
+    def _done(self, st: EngineState, plan: Plan) -> None:
+        self.engines.release(st)
+        self.planner.release(plan)
+        self.metrics.inflight.dec()
+
+    async def _respond(
+        self, upstream: httpx.Response, st: EngineState, plan: Plan, t0: float
+    ) -> Response:
+        headers = {ENGINE_HEADER: st.record.engine_id}
+        media = upstream.headers.get("content-type", "application/json")
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                await upstream.aclose()  # a client gone aborts the engine's request too
+                self._done(st, plan)
+
+        if not media.startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+                self._first_byte(plan, t0)
+            except httpx.HTTPError:
+                await close()
+                raise HTTPFailure(502, "the engine broke off its answer", "api_error") from None
+            finally:
+                await close()
+            return Response(content, upstream.status_code, headers=headers, media_type=media)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            first = True
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if first:
+                        first = False
+                        self._first_byte(plan, t0)
+                    yield chunk
+            except httpx.HTTPError as exc:  # mid-stream: the bytes sent cannot be retried
+                log.warning(
+                    "engine %s broke off request %s: %s",
+                    st.record.engine_id,
+                    plan.request_id,
+                    type(exc).__name__,
+                )
+
+        headers["content-type"] = media
+        return Forwarded(chunks(), close, upstream.status_code, headers)
+
+    def _first_byte(self, plan: Plan, t0: float) -> None:
+        self.planner.prefill_done(plan)
+        self.metrics.first_byte.observe(time.perf_counter() - t0)

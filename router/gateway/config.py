@@ -1,0 +1,102 @@
+"""GatewayConfig: the gateway's settings (`kvstore-router --gateway-config FILE`, then
+KVSTORE_GATEWAY_<FIELD> variables, then flags), and the API-key file it reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+__all__ = ["GatewayConfig", "ApiKeys", "POLICIES", "read_secret"]
+
+POLICIES = ("cache", "round_robin", "hash")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    listen: str = ""  # host:port of the OpenAI API; "": no gateway
+    # Served model name -> local directory with its tokenizer.json and chat template
+    # (tokenizer_config.json "chat_template" or chat_template.jinja), read offline.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    # YAML/JSON mapping API key -> tenant (a Kubernetes Secret in the chart). Keys are kept
+    # only as SHA-256 in memory and never logged.
+    api_keys_file: str = ""
+    # The engines' kvstore tenant -> file with its tenant secret (the connector's
+    # tenant_secret_file): the chain roots the gateway hashes prompts with.
+    kv_secret_files: dict[str, str] = field(default_factory=dict)
+    # Keys the per-tenant cache_salt (HMAC of the tenant); "": the first kv secret.
+    salt_key_file: str = ""
+    policy: str = "cache"  # cache (the router's cost function), round_robin, hash
+    max_inflight_per_engine: int = 16  # beyond it the engine is saturated: 429 when all are
+    retry_after_s: int = 1
+    engine_suspend_s: float = 5.0  # an engine that failed a forward is skipped this long
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int = 1 << 20
+    # HTTPS (uvicorn): the same PEM files as the gRPC TLS section; "" serves plain HTTP.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""  # with it, clients must present a certificate signed by it
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("engine_suspend_s", "connect_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.listen:
+            if not self.tokenizers:
+                raise ValueError("tokenizers must name at least one model's tokenizer directory")
+            if not self.api_keys_file:
+                raise ValueError("api_keys_file is required (API key -> tenant)")
+
+
+def read_secret(path: str, what: str) -> str:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    if not value:
+        raise ValueError(f"{what}: {path} is empty")
+    return value
+
+
+class ApiKeys:
+    """API key -> tenant. Looked up by SHA-256 digest: the keys themselves are not kept,
+    and a lookup's timing depends on the digest, which tells an attacker nothing."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self._by_digest: dict[bytes, str] = {}
+        for key, tenant in keys.items():
+            if not key or not isinstance(tenant, str) or not tenant:
+                raise ValueError("api keys: every key needs a non-empty tenant")
+            self._by_digest[hashlib.sha256(key.encode()).digest()] = tenant
+
+    @classmethod
+    def load(cls, path: str) -> "ApiKeys":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"api_keys_file: cannot read {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ValueError(f"api_keys_file {path}: not YAML/JSON: {type(exc).__name__}") from None
+        if not isinstance(data, dict) or not data:
+            raise ValueError(f"api_keys_file {path}: expected a mapping of key -> tenant")
+        return cls({str(k): v for k, v in data.items()})
+
+    def tenant(self, key: str) -> str | None:
+        return self._by_digest.get(hashlib.sha256(key.encode()).digest())
+
+    def __len__(self) -> int:
+        return len(self._by_digest)

@@ -1,0 +1,161 @@
+"""The engines the gateway forwards to: followed from etcd (engines/<id>, under their
+registrar's lease), with what the gateway itself knows of each: requests in flight
+through it and a short suspension after a failed forward (the lease outlives a dead
+engine by up to its TTL; the gateway should not keep choosing it meanwhile).
+
+Choosing is pure over this state: `pick` takes the router's ranked candidate nodes (from
+RouterCore.route, the one cost function) and returns the least-loaded unsaturated engine
+on the cheapest node that has one; round robin and rendezvous hashing are the baselines
+the benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.etcd import KeyValue, WatchEvent
+
+__all__ = ["EngineSet", "EngineState", "Pick"]
+
+log = logging.getLogger("kvstore.gateway")
+
+
+@dataclass(slots=True)
+class EngineState:
+    record: EngineRecord
+    inflight: int = 0
+    suspended_until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The outcome of choosing: an engine, or why there is none."""
+
+    engine: EngineState | None
+    saturated: bool = False  # engines serve the model, every one at its cap
+    known: bool = True  # some engine serves the model at all
+
+
+@dataclass(slots=True)
+class EngineSet:
+    max_inflight: int
+    suspend_s: float
+    clock: Callable[[], float] = time.monotonic
+    engines: dict[str, EngineState] = field(default_factory=dict)
+    _rr: itertools.count = field(default_factory=itertools.count)
+
+    # ------------------------------------------------------------ from etcd
+    def reset(self, items: list[KeyValue]) -> None:
+        seen = set()
+        for kv in items:
+            rec = self._record(kv.key, kv.value)
+            if rec is not None:
+                seen.add(rec.engine_id)
+                self.upsert(rec)
+        for engine_id in set(self.engines) - seen:
+            self.remove(engine_id)
+
+    def apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            engine_id = ev.key[len(ENGINES) :]
+            if ev.deleted:
+                self.remove(engine_id)
+                continue
+            rec = self._record(ev.key, ev.value)
+            if rec is not None:
+                self.upsert(rec)
+
+    @staticmethod
+    def _record(key: str, value: bytes) -> EngineRecord | None:
+        try:
+            rec = EngineRecord.from_json(value)
+        except ValueError as exc:
+            log.warning("ignoring engine record %s: %s", key, exc)
+            return None
+        if key != ENGINES + rec.engine_id:
+            log.warning("ignoring engine record %s: it names engine %s", key, rec.engine_id)
+            return None
+        return rec
+
+    def upsert(self, rec: EngineRecord) -> None:
+        st = self.engines.get(rec.engine_id)
+        if st is None:
+            self.engines[rec.engine_id] = EngineState(rec)
+            log.info("engine %s joined: %s on node %s", rec.engine_id, rec.url, rec.node_id)
+        else:
+            if st.record.url != rec.url:
+                st.suspended_until = 0.0  # restarted elsewhere: give it a chance at once
+            st.record = rec
+
+    def remove(self, engine_id: str) -> None:
+        if self.engines.pop(engine_id, None) is not None:
+            log.info("engine %s left", engine_id)
+
+    # ------------------------------------------------------------ load
+    def acquire(self, st: EngineState) -> None:
+        st.inflight += 1
+
+    def release(self, st: EngineState) -> None:
+        st.inflight = max(0, st.inflight - 1)
+
+    def suspend(self, st: EngineState) -> None:
+        st.suspended_until = self.clock() + self.suspend_s
+
+    # ------------------------------------------------------------ choosing
+    def serving(self, model: str) -> list[EngineState]:
+        return sorted(
+            (s for s in self.engines.values() if model in s.record.models),
+            key=lambda s: s.record.engine_id,
+        )
+
+    def _eligible(self, model: str, exclude: set[str]) -> tuple[list[EngineState], Pick | None]:
+        all_ = self.serving(model)
+        if not all_:
+            return [], Pick(None, known=False)
+        now = self.clock()
+        live = [s for s in all_ if s.record.engine_id not in exclude and s.suspended_until <= now]
+        free = [s for s in live if s.inflight < self.max_inflight]
+        if not free:
+            return [], Pick(None, saturated=bool(live))
+        return free, None
+
+    def pick(
+        self,
+        model: str,
+        policy: str,
+        ranked_nodes: Sequence[str] = (),
+        key: bytes = b"",
+        exclude: set[str] | None = None,
+    ) -> Pick:
+        """`ranked_nodes`: the router's candidates, cheapest first (policy "cache");
+        `key`: what "hash" hashes (the prompt's first block id)."""
+        free, none = self._eligible(model, exclude or set())
+        if none is not None:
+            return none
+        if policy == "round_robin":
+            return Pick(free[next(self._rr) % len(free)])
+        if policy == "hash":  # rendezvous hashing: stable while the engine set is
+            return Pick(max(free, key=lambda s: _rank(key, s.record.engine_id)))
+        for node_id in ranked_nodes:
+            on_node = [s for s in free if s.record.node_id == node_id]
+            if on_node:
+                return Pick(min(on_node, key=lambda s: s.inflight))
+        return Pick(min(free, key=lambda s: s.inflight))  # stable: free is sorted by id
+
+    def namespace_of(self, model: str) -> EngineRecord | None:
+        """The record whose namespace names the model's chain ids (engines of one model
+        share it unless their configurations differ; then the others route by load)."""
+        for s in self.serving(model):
+            if s.record.namespace and s.record.block_size:
+                return s.record
+        return None
+
+
+def _rank(key: bytes, engine_id: str) -> bytes:
+    return hashlib.blake2b(key + engine_id.encode(), digest_size=8).digest()

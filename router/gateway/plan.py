@@ -1,0 +1,154 @@
+"""From a request's prompt token ids to the router's ranked candidate nodes: the chain ids
+the engine's connector will compute (its namespace, salted per tenant, at the generation
+in force), priced by RouterCore.route, the router's one cost function.
+
+The gateway holds the routed request in RouterCore's in-flight table on the node of the
+engine it actually chose (`hold`), marks its prefill done at the first token and
+releases it at the end, so the router's load terms see gateway traffic as they see
+ClusterClient's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore import errors
+from kvstore.coord.engines import EngineRecord
+from kvstore.hashing import BLOCK_ID_BYTES, BlockId, hash_chain_packed
+from kvstore.namespace import Namespace
+from kvstore.salt import salt_secret, salted
+from router.routing import RouterCore
+from router.scoring import Score
+
+__all__ = ["Plan", "Planner"]
+
+log = logging.getLogger("kvstore.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    request_id: str
+    tenant: str
+    salt: str
+    first_block: bytes  # the prompt's first chain id ("hash" policy); b"": shorter than one
+    scores: tuple[Score, ...] = ()  # the router's candidates, cheapest first
+    peer_price: float = 1.0  # prefill-block cost of one peer block (RouterCore pricing)
+
+    @property
+    def nodes(self) -> list[str]:
+        return [s.node_id for s in self.scores]
+
+    def score_on(self, node_id: str) -> Score | None:
+        return next((s for s in self.scores if s.node_id == node_id), None)
+
+
+@dataclass(slots=True)
+class _Spec:
+    record: EngineRecord
+    spec: Namespace
+
+
+class Planner:
+    def __init__(
+        self,
+        core: RouterCore,
+        kv_secrets: dict[str, str],
+        salt_key: bytes,
+        generation: Callable[[bytes], int | None] = lambda ns_id: None,
+    ) -> None:
+        self.core = core
+        self.kv_secrets = kv_secrets
+        self.salt_key = salt_key
+        self.generation = generation
+        self._specs: dict[str, _Spec] = {}
+        self._roots: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}
+        self._salts: dict[str, str] = {}
+        self._warned: set[str] = set()
+
+    def salt(self, tenant: str) -> str:
+        """The tenant's cache_salt: keyed, so no caller can name another tenant's."""
+        s = self._salts.get(tenant)
+        if s is None:
+            s = hmac.new(self.salt_key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+            self._salts[tenant] = s
+        return s
+
+    def _spec(self, rec: EngineRecord) -> Namespace | None:
+        cached = self._specs.get(rec.engine_id)
+        if cached is not None and cached.record is rec:
+            return cached.spec
+        try:
+            spec = Namespace.from_dict(rec.namespace)
+        except (ValueError, TypeError, KeyError) as exc:
+            self._warn(rec.engine_id, f"engine {rec.engine_id}: bad namespace ({exc})")
+            return None
+        self._specs[rec.engine_id] = _Spec(rec, spec)
+        return spec
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s; its requests route by load only", message)
+
+    def _root(self, spec: Namespace, salt: str) -> tuple[bytes, bytes] | None:
+        """(namespace id, chain root) of the tenant's salted namespace, as the connector
+        derives them (kvstore.salt)."""
+        secret = self.kv_secrets.get(spec.tenant)
+        if secret is None:
+            self._warn(spec.tenant, f"no kv secret for the engines' tenant {spec.tenant!r}")
+            return None
+        ns = salted(spec, salt)
+        ns_id = ns.namespace_id
+        gen = self.generation(ns_id) or 0
+        key = (spec.key, salt, gen)
+        hit = self._roots.get(key)
+        if hit is None:
+            if len(self._roots) > 4096:  # flushed generations leave old keys behind
+                self._roots.clear()
+            hit = self._roots[key] = (ns_id, ns.root(gen, salt_secret(secret, salt)))
+        return hit
+
+    def chain(
+        self, rec: EngineRecord | None, tokens: list[int], tenant: str
+    ) -> tuple[bytes, bytes] | None:
+        """(namespace id, packed chain ids) of the prompt as `rec`'s connector names them
+        for this tenant's salt; None when they cannot be computed (routing by load)."""
+        spec = self._spec(rec) if rec is not None else None
+        named = self._root(spec, self.salt(tenant)) if spec is not None else None
+        if spec is None or named is None:
+            return None
+        ns_id, root = named
+        return ns_id, hash_chain_packed(BlockId(root), tokens, spec.block_size)
+
+    def plan(self, rec: EngineRecord | None, tokens: list[int], tenant: str) -> Plan:
+        salt = self.salt(tenant)
+        rid = secrets.token_hex(16)
+        chained = self.chain(rec, tokens, tenant)
+        if chained is None:
+            return Plan(rid, tenant, salt, b"")
+        ns_id, packed = chained
+        first = packed[:BLOCK_ID_BYTES]
+        try:
+            d = self.core.route(ns_id, packed, request_id=rid, dry_run=True, tenant=tenant)
+        except errors.KvError as exc:  # no agents registered yet: route by load
+            log.debug("route %s: %s", rid, exc)
+            return Plan(rid, tenant, salt, first)
+        return Plan(rid, tenant, salt, first, tuple(d.scores), self.core.pricing(ns_id).peer_price)
+
+    # ---------------------------------------------------- the request's lifetime
+    def hold(self, plan: Plan, node_id: str) -> None:
+        s = plan.score_on(node_id)
+        work = s.recompute_blocks + s.peer_blocks * plan.peer_price if s else 0.0
+        if node_id in self.core.nodes:
+            self.core.hold(plan.request_id, node_id, work, plan.tenant)
+
+    def prefill_done(self, plan: Plan) -> None:
+        self.core.release(plan.request_id, True, plan.tenant)
+
+    def release(self, plan: Plan) -> None:
+        self.core.release(plan.request_id, False, plan.tenant)

@@ -1,0 +1,127 @@
+"""The gateway inside the router process: uvicorn on the router's event loop, over the
+router's RouterCore (one routing decision, one in-flight table), following engines/ in
+etcd. Why in-process rather than a sibling: the cost function reads the index and the
+load the router already holds, with no RPC per request and no second copy of the
+index to keep in sync."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+from kvstore.coord.engines import ENGINES
+from kvstore.coord.etcd import EtcdClient
+from kvstore.process import StartupError
+from router.gateway.app import Gateway
+from router.gateway.config import ApiKeys, GatewayConfig, read_secret
+from router.gateway.engines import EngineSet
+from router.gateway.plan import Planner
+from router.gateway.prompt import PromptCodec
+from router.routing import RouterCore
+
+__all__ = ["GatewayServer", "build_gateway"]
+
+log = logging.getLogger("kvstore.gateway")
+
+
+class _Embedded(uvicorn.Server):
+    """uvicorn without its signal handlers: the router process owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def build_gateway(
+    cfg: GatewayConfig,
+    core: RouterCore,
+    generation: Callable[[bytes], int | None] = lambda ns_id: None,
+) -> Gateway:
+    """Everything read and checked before serving: a bad file is a ValueError here."""
+    codecs = {model: PromptCodec.load(path) for model, path in cfg.tokenizers.items()}
+    keys = ApiKeys.load(cfg.api_keys_file)
+    kv_secrets = {t: read_secret(p, f"kv_secret_files.{t}") for t, p in cfg.kv_secret_files.items()}
+    if cfg.salt_key_file:
+        salt_key = read_secret(cfg.salt_key_file, "salt_key_file").encode()
+    elif kv_secrets:
+        salt_key = next(iter(sorted(kv_secrets.items())))[1].encode()
+    else:
+        raise ValueError("salt_key_file or kv_secret_files is required (it keys cache_salt)")
+    engines = EngineSet(cfg.max_inflight_per_engine, cfg.engine_suspend_s)
+    planner = Planner(core, kv_secrets, salt_key, generation)
+    return Gateway(cfg, planner, engines, codecs, keys)
+
+
+class GatewayServer:
+    def __init__(self, cfg: GatewayConfig, gateway: Gateway, etcd: EtcdClient | None) -> None:
+        self.cfg, self.gateway, self.etcd = cfg, gateway, etcd
+        self.port = 0
+        self._server: _Embedded | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.listen.rsplit(':', 1)[0]}:{self.port}"
+
+    def _uvicorn_config(self) -> uvicorn.Config:
+        tls: dict = {}
+        if self.cfg.tls_cert_file:
+            tls = {"ssl_certfile": self.cfg.tls_cert_file, "ssl_keyfile": self.cfg.tls_key_file}
+            if self.cfg.tls_ca_file:
+                tls |= {"ssl_ca_certs": self.cfg.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        # No access log: a URL is harmless, but nothing per request is logged by default.
+        return uvicorn.Config(
+            self.gateway.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            **tls,
+        )
+
+    def _bind(self) -> socket.socket:
+        host, _, port = self.cfg.listen.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only
+        # for sockets that say they are TCP; without it every keep-alive answer waits
+        # ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise StartupError(f"gateway cannot listen on {self.cfg.listen}: {exc}") from None
+        sock.set_inheritable(True)
+        return sock
+
+    async def start(self) -> None:
+        sock = self._bind()  # ours, so a taken port is a StartupError, not uvicorn's exit
+        self.port = sock.getsockname()[1]
+        if self.etcd is not None:
+            e = self.gateway.engines
+            self._tasks.append(asyncio.create_task(self.etcd.follow(ENGINES, e.reset, e.apply)))
+        self._server = _Embedded(self._uvicorn_config())
+        task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._tasks.append(task)
+        while not self._server.started:
+            if task.done():
+                raise StartupError(f"gateway on {self.cfg.listen} did not start")
+            await asyncio.sleep(0.02)
+        scheme = "https" if self.cfg.tls_cert_file else "http"
+        log.info("gateway serving OpenAI API on %s://%s", scheme, self.address)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        for t in self._tasks[:1] if self.etcd is not None else []:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.gateway.close()

@@ -1,0 +1,167 @@
+"""The gateway's HTTP edge against stand-in OpenAI workers (loadtest/standin_openai.py):
+a real router process serving the gateway, real etcd, the real registrar. What vLLM
+itself does behind the gateway is tests/integration/test_gateway_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from support.common import wait_for
+from support.gateway import write_word_tokenizer
+
+MODEL = "tiny"
+ACME = {"authorization": "Bearer key-acme"}
+GLOBEX = {"authorization": "Bearer key-globex"}
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    return str(write_word_tokenizer(tmp_path / "tok"))
+
+
+def _wait_engines(gw, n: int) -> None:
+    wait_for(lambda: gw.engines() == n, 30, 0.1, what=f"{n} engines in the gateway")
+
+
+def _chat(text: str = "w5 w6 w7", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_unknown_or_missing_key_is_401_and_nothing_is_forwarded(
+    start_gateway, start_standin, tokenizer_dir
+):
+    gw = start_gateway({MODEL: tokenizer_dir})
+    w = start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "key-acme"}):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(), headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(gw.url + "/v1/models").status_code == 401
+    assert w.seen() == []
+    assert "key-acme" not in gw.log and "nope" not in gw.log
+
+
+def test_bad_requests_get_precise_statuses_before_any_forward(
+    start_gateway, start_standin, tokenizer_dir
+):
+    gw = start_gateway({MODEL: tokenizer_dir}, {"max_body_bytes": 4096})
+    w = start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    url = gw.url + "/v1/chat/completions"
+    cases = [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (json.dumps({"messages": [{"role": "user", "content": "w1"}]}).encode(), 400),
+        (json.dumps(_chat() | {"messages": []}).encode(), 400),
+        (json.dumps(_chat() | {"messages": ["w1"]}).encode(), 400),
+        (json.dumps(_chat(stream="yes")).encode(), 400),
+        (json.dumps(_chat() | {"model": "other"}).encode(), 404),
+        (json.dumps(_chat("w1 " * 3000)).encode(), 413),
+    ]
+    for body, status in cases:
+        r = httpx.post(url, content=body, headers=ACME | {"content-type": "application/json"})
+        assert r.status_code == status, (body[:40], r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(
+        gw.url + "/v1/completions", json={"model": MODEL, "prompt": {"a": 1}}, headers=ACME
+    )
+    assert r.status_code == 400
+    assert w.seen() == []
+
+
+def test_cache_salt_is_the_tenants_whatever_the_caller_sends(
+    start_gateway, start_standin, tokenizer_dir
+):
+    gw = start_gateway({MODEL: tokenizer_dir})
+    w = start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    url = gw.url + "/v1/chat/completions"
+    evil = {"cache_salt": "globex-salt", "kv_transfer_params": {"kvstore": {"peer_node": "x"}}}
+    for headers, extra in ((ACME, {}), (ACME, evil), (GLOBEX, {}), (GLOBEX, evil)):
+        r = httpx.post(url, json=_chat(**extra), headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvstore-engine"] == "w0"
+    seen = w.seen()
+    salts = [s["cache_salt"] for s in seen]
+    assert salts[0] == salts[1] and salts[2] == salts[3]  # per tenant, not per caller
+    assert salts[0] != salts[2] and "globex-salt" not in salts and all(salts)
+    assert all(s["kv_transfer_params"] is None for s in seen)
+
+
+def test_every_engine_saturated_is_429_with_retry_after(
+    start_gateway, start_standin, tokenizer_dir
+):
+    gw = start_gateway({MODEL: tokenizer_dir}, {"max_inflight_per_engine": 1, "retry_after_s": 3})
+    start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    url = gw.url + "/v1/chat/completions"
+    held: list[httpx.Response] = []
+    t = threading.Thread(
+        target=lambda: held.append(
+            httpx.post(url, json=_chat(standin_delay_s=4), headers=ACME, timeout=30)
+        )
+    )
+    t.start()
+    # The held request is in flight once the gateway's gauge says so.
+    wait_for(
+        lambda: "kvstore_gateway_inflight 1.0" in httpx.get(gw.url + "/metrics").text,
+        20,
+        0.05,
+        what="one request in flight",
+    )
+    r = httpx.post(url, json=_chat(), headers=GLOBEX)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "3"
+    t.join()
+    assert held[0].status_code == 200
+    assert httpx.post(url, json=_chat(), headers=GLOBEX).status_code == 200  # released
+
+
+def test_streaming_answer_is_the_engines_bytes(start_gateway, start_standin, tokenizer_dir):
+    gw = start_gateway({MODEL: tokenizer_dir})
+    w = start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    for path, body in (
+        ("/v1/chat/completions", _chat(stream=True, standin_chunks=7)),
+        ("/v1/completions", {"model": MODEL, "prompt": "w3 w4", "stream": True}),
+        ("/v1/completions", {"model": MODEL, "prompt": [3, 4, 5]}),
+    ):
+        via = httpx.post(gw.url + path, json=body, headers=ACME)
+        direct = httpx.post(w.url + path, json=body)
+        assert via.status_code == direct.status_code == 200
+        assert via.content == direct.content
+        assert via.headers["content-type"] == direct.headers["content-type"]
+
+
+def test_a_killed_engine_costs_one_retry_and_drops_out(start_gateway, start_standin, tokenizer_dir):
+    gw = start_gateway({MODEL: tokenizer_dir}, {"policy": "round_robin"})
+    a = start_standin("w0", MODEL)
+    start_standin("w1", MODEL)
+    _wait_engines(gw, 2)
+    url = gw.url + "/v1/chat/completions"
+    a.kill()
+    answered = []
+    for i in range(6):  # round robin: the dead one is chosen at once
+        r = httpx.post(url, json=_chat(f"w{i + 10}", stream=bool(i % 2)), headers=ACME)
+        assert r.status_code == 200, r.text
+        answered.append(r.headers["x-kvstore-engine"])
+    assert set(answered) == {"w1"}
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "kvstore_gateway_retries_total 1.0" in metrics
+    _wait_engines(gw, 1)  # the registrar saw /health fail and revoked the lease
+
+
+def test_no_engine_left_is_503_and_models_lists_the_registered(
+    start_gateway, start_standin, tokenizer_dir
+):
+    gw = start_gateway({MODEL: tokenizer_dir})
+    r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(), headers=ACME)
+    assert r.status_code == 503
+    start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    models = httpx.get(gw.url + "/v1/models", headers=ACME).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]

@@ -1,0 +1,179 @@
+"""The gateway in front of real vLLM CPU engines (our connector, one agent each), real
+etcd, real agents: conversations land on the engine holding their prefix, tenants never
+see each other's cached tokens, streaming answers are the engine's own, and a killed
+engine costs no client error (one retry) and drops out within its lease TTL.
+
+One engine start per engine for the whole file (engines take ~30 s each on CPU): the
+checks run in order on one world. Run it under `flock /tmp/kvstore-vllm.lock`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+
+import httpx
+import pytest
+from support.common import wait_for
+from support.control import agent_cfg
+from support.gateway import KV_SECRET, KV_TENANT, indexed_blocks, sse_events
+
+from kvstore.devcluster import free_port
+from kvstore.devengines import VLLM_PY, EngineLaunch, start_engine
+from router.gateway.plan import Planner
+from router.gateway.prompt import PromptCodec
+
+MODEL = "tiny"
+BLOCK = 32
+ACME = {"authorization": "Bearer key-acme"}
+GLOBEX = {"authorization": "Bearer key-globex"}
+
+pytestmark = [
+    pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm: run `make vllm-env`"),
+    pytest.mark.timeout(900),
+]
+
+
+def _words(seed: int, n: int) -> str:
+    return " ".join(f"w{5 + (seed * 7919 + i * 104729) % 990}" for i in range(n))
+
+
+def _chat(messages: list[dict], stream: bool = False, **extra) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True, **extra}  # fmt: skip
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def _cached(resp: httpx.Response) -> int:
+    usage = resp.json()["usage"]
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+@pytest.fixture
+def world(tmp_path, etcd, spawn_agent, start_gateway):
+    model = tmp_path / "tiny-llama"
+    subprocess.run(
+        [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model), "--seed", "3"],
+        check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )  # fmt: skip
+    (tmp_path / "kv.secret").write_text(KV_SECRET)
+    agents = [spawn_agent(**agent_cfg(etcd, pool_bytes="16MiB")) for _ in range(2)]
+    gw = start_gateway({MODEL: str(model)})
+    engines = {}
+    for i, agent in enumerate(agents):
+        launch = EngineLaunch(
+            f"e{i}", free_port(), str(model), MODEL, agent.address, f"agent-{i}", KV_TENANT,
+            str(tmp_path / "kv.secret"), etcd.endpoint, str(tmp_path / f"engine-{i}"),
+            block_size=BLOCK,
+        )  # fmt: skip
+        engines[launch.engine_id] = (launch, start_engine(launch, new_session=True))
+    try:
+        wait_for(lambda: gw.engines() == 2, 400, 0.5, what="both engines registered")
+        yield gw, engines
+    finally:
+        for _, proc in engines.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _turns(gw, headers, system: str, n: int, msgs: list) -> list[tuple[str, int, int]]:
+    """A conversation of `n` turns (appended to `msgs`); (engine, cached tokens, prompt
+    tokens) per turn. Waits before each next turn until the router indexed what the last
+    one stored."""
+    msgs.append({"role": "system", "content": system})
+    out = []
+    for t in range(n):
+        msgs.append({"role": "user", "content": _words(100 + t, 40)})
+        before = sum(indexed_blocks(gw.router_address).values())
+        r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(msgs), headers=headers,
+                       timeout=120)  # fmt: skip
+        assert r.status_code == 200, r.text
+        body = r.json()
+        out.append((r.headers["x-kvstore-engine"], _cached(r), body["usage"]["prompt_tokens"]))
+        msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        wait_for(
+            lambda before=before: sum(indexed_blocks(gw.router_address).values()) > before,
+            60,
+            0.2,
+            what="the turn's blocks in the router's index",
+        )
+    return out
+
+
+def test_gateway_over_vllm_engines(world):
+    gw, engines = world
+    url = gw.url + "/v1/chat/completions"
+    # 1. A shared-prefix conversation stays on the engine that holds it, and hits.
+    msgs: list[dict] = []
+    conv = _turns(gw, ACME, _words(1, 200), 3, msgs)
+    assert len({e for e, _, _ in conv}) == 1, conv
+    for (_, cached, _), (_, _, prev_prompt) in zip(conv[1:], conv):
+        assert cached >= (prev_prompt // BLOCK) * BLOCK - BLOCK, conv
+    home = conv[0][0]
+    # ... because the router's index holds it there under the chain ids the gateway
+    # computes: the engine's connector named its blocks exactly so.
+    rec = next(r for r in _engine_records(gw.etcd_endpoint) if r.engine_id == home)
+    tokens = PromptCodec.load(engines[home][0].model_dir).chat_ids(msgs[:-1])
+    planner = Planner(None, {KV_TENANT: KV_SECRET}, KV_SECRET.encode())  # type: ignore[arg-type]
+    ns_id, packed = planner.chain(rec, tokens, "acme")
+    d = _route(gw.router_address, ns_id, packed)
+    assert d.node_id == rec.node_id and d.matched_blocks >= conv[-2][2] // BLOCK, d
+    # 2. Another tenant sending acme's very prompt gets no cached tokens, wherever it lands.
+    first = [{"role": "system", "content": _words(1, 200)},
+             {"role": "user", "content": _words(100, 40)}]  # fmt: skip
+    r = httpx.post(url, json=_chat(first), headers=GLOBEX, timeout=120)
+    assert r.status_code == 200 and _cached(r) == 0, r.text
+    r = httpx.post(url, json=_chat(first), headers=ACME, timeout=120)
+    assert _cached(r) > 0  # while acme's own still hits
+    # 3. Streaming through the gateway is the engine's answer to the same request.
+    body = _chat(first, stream=True, request_id="same-request")
+    via = httpx.post(url, json=body, headers=ACME, timeout=120)
+    chosen = engines[via.headers["x-kvstore-engine"]][0]
+    # The salt the gateway sets for acme (no salt_key_file: keyed by the kv secret).
+    salt = Planner(None, {}, KV_SECRET.encode()).salt("acme")  # type: ignore[arg-type]
+    direct_body = body | {"cache_salt": salt}
+    direct = httpx.post(chosen.url + "/v1/chat/completions", json=direct_body, timeout=120)
+    assert via.status_code == direct.status_code == 200
+    assert sse_events(via.content), via.text
+    created = re.compile(rb'"created":\s*\d+')
+    assert created.sub(b"", via.content) == created.sub(b"", direct.content)
+    # 4. Kill the engine holding the conversation: every request still answers 200.
+    launch, proc = engines[home]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    for i in range(4):
+        r = httpx.post(url, json=_chat(first, stream=bool(i % 2)), headers=ACME, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvstore-engine"] != home
+    assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
+    wait_for(lambda: gw.engines() == 1, 30, 0.2, what="the dead engine's lease expired")
+
+
+def _engine_records(endpoint: str):
+    import asyncio
+
+    from kvstore.coord.etcd import EtcdClient
+
+    async def get():
+        async with EtcdClient(endpoint) as c:
+            return await c.list_engines()
+
+    return asyncio.run(get())
+
+
+def _route(router_address: str, ns_id: bytes, packed: bytes):
+    import grpc
+
+    from kvstore.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_address) as ch:
+        req = router_pb2.RouteRequest(namespace_id=ns_id, block_ids=packed, dry_run=True)
+        return router_pb2_grpc.RouterStub(ch).Route(req, timeout=10)

@@ -1,0 +1,206 @@
+"""Helpers for the gateway tests: a router process serving the gateway, stand-in OpenAI
+workers (loadtest/standin_openai.py) and their registrar (kvstore.integrations.vllm_serve),
+a word-level tokenizer with the tiny model's chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from support.common import ROOT, wait_for
+
+from loadtest.vllm_model import write_word_tokenizer  # noqa: F401 - for the tests
+
+KV_TENANT = "gw"
+KV_SECRET = "gateway-test-secret"
+KEYS = {"key-acme": "acme", "key-globex": "globex"}
+
+
+def _proc(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {})),
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _ready(proc: subprocess.Popen, path: Path, log: Path, what: str, timeout: float = 60) -> str:
+    def check():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        return path.exists() and path.read_text().strip()
+
+    return wait_for(check, timeout, what=f"{what} ready file")
+
+
+def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class GatewayProc:
+    """`python -m router --gateway-listen ...` with GatewayConfig fields from `config`."""
+
+    def __init__(self, workdir: Path, etcd_endpoint: str, tokenizers: dict[str, str]) -> None:
+        self.workdir, self.etcd_endpoint, self.tokenizers = workdir, etcd_endpoint, tokenizers
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.router_address = ""
+
+    def start(self, config: dict | None = None, keys: dict | None = None) -> "GatewayProc":
+        w = self.workdir
+        w.mkdir(parents=True, exist_ok=True)
+        (w / "keys.json").write_text(json.dumps(keys or KEYS))
+        (w / "kv.secret").write_text(KV_SECRET)
+        gcfg = {
+            "tokenizers": self.tokenizers,
+            "api_keys_file": str(w / "keys.json"),
+            "kv_secret_files": {KV_TENANT: str(w / "kv.secret")},
+            **(config or {}),
+        }
+        (w / "gateway.json").write_text(json.dumps(gcfg))
+        (w / "router.json").write_text(json.dumps({"allow_unauthenticated": True}))
+        for f in ("ready", "gw-ready"):
+            (w / f).unlink(missing_ok=True)
+        self.proc = _proc(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "--router-id",
+                w.name,
+                "--listen",
+                "127.0.0.1:0",
+                "--etcd-endpoints",
+                self.etcd_endpoint,
+                "--config",
+                str(w / "router.json"),
+                "--ready-file",
+                str(w / "ready"),
+                "--gateway-listen",
+                "127.0.0.1:0",
+                "--gateway-config",
+                str(w / "gateway.json"),
+                "--gateway-ready-file",
+                str(w / "gw-ready"),
+                "--log-level",
+                "DEBUG",
+            ],
+            w / "router.log",
+        )
+        self.router_address = _ready(self.proc, w / "ready", w / "router.log", "router")
+        self.url = "http://" + _ready(self.proc, w / "gw-ready", w / "router.log", "gateway")
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+    @property
+    def log(self) -> str:
+        return (self.workdir / "router.log").read_text(errors="replace")
+
+    def engines(self) -> int:
+        return int(httpx.get(self.url + "/health", timeout=5).json()["engines"])
+
+
+class StandIn:
+    """A stand-in worker and its registrar, registered as engine `name` on node `node`."""
+
+    def __init__(self, workdir: Path, etcd_endpoint: str, name: str, node: str = "") -> None:
+        self.workdir, self.etcd_endpoint, self.name = workdir, etcd_endpoint, name
+        self.node = node or f"node-{name}"
+        self.worker: subprocess.Popen | None = None
+        self.registrar: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, model: str, fail_status: int = 0, namespace: dict | None = None) -> "StandIn":
+        w = self.workdir
+        w.mkdir(parents=True, exist_ok=True)
+        (w / "ready").unlink(missing_ok=True)
+        self.worker = _proc(
+            [
+                sys.executable,
+                "-m",
+                "loadtest.standin_openai",
+                "--ready-file",
+                str(w / "ready"),
+                "--name",
+                self.name,
+                "--fail-status",
+                str(fail_status),
+            ],
+            w / "worker.log",
+        )
+        self.url = "http://" + _ready(self.worker, w / "ready", w / "worker.log", "stand-in")
+        ns_args: list[str] = []
+        if namespace is not None:
+            (w / "ns.json").write_text(json.dumps(namespace))
+            ns_args = ["--namespace-file", str(w / "ns.json")]
+        self.registrar = _proc(
+            [
+                sys.executable,
+                "-m",
+                "kvstore.integrations.vllm_serve",
+                "--engine-id",
+                self.name,
+                "--url",
+                self.url,
+                "--node-id",
+                self.node,
+                "--model",
+                model,
+                "--ttl",
+                "2",
+                "--check-interval",
+                "0.3",
+                "--etcd-endpoints",
+                self.etcd_endpoint,
+                *ns_args,
+            ],
+            w / "registrar.log",
+        )
+        return self
+
+    def seen(self) -> list[dict]:
+        return httpx.get(self.url + "/seen", timeout=5).json()
+
+    def kill(self) -> None:
+        """SIGKILL the worker; its registrar notices and deregisters it."""
+        _stop(self.worker, signal.SIGKILL)
+
+    def stop(self) -> None:
+        _stop(self.registrar)
+        _stop(self.worker)
+
+
+def indexed_blocks(router_address: str) -> dict[str, int]:
+    """Blocks the router has indexed per node (ListNodes)."""
+    import grpc
+
+    from kvstore.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_address) as ch:
+        resp = router_pb2_grpc.RouterStub(ch).ListNodes(router_pb2.ListNodesRequest(), timeout=5)
+    return {n.node_id: n.indexed_blocks for n in resp.nodes}
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """The JSON events of an SSE answer, without the final [DONE]."""
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: ") :]))
+    return out
