@@ -92,7 +92,6 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
         self.clock = clock
         self.events = EventQueue()
         self.counters: Counter[str] = Counter()
-        self.tenant_counters: dict[str, Counter[str]] = {}
         self.lock = threading.RLock()
         self._ns: dict[bytes, NsState] = {}
         self._heaps: dict[tuple[str, Tier], list] = {}
@@ -220,12 +219,13 @@ class BlockStore(EvictionMixin, MaintenanceMixin, InPlaceMixin):
                 return m is not None and m.slot >= 0
 
             hbm = _first_false(in_pool, 0, matched)
-            tc = self.tenant_counters.setdefault(st.tenant, Counter())
-            for c in (self.counters, tc):
-                c["lookups"] += 1
-                c["lookup_hits"] += matched > 0
-                c["lookup_blocks"] += len(ids)
-                c["lookup_hit_blocks"] += matched
+            # Node-wide; per tenant, requests are counted at the agent's edge, each once
+            # (node_agent/request_tally.py).
+            c = self.counters
+            c["lookups"] += 1
+            c["lookup_hits"] += matched > 0
+            c["lookup_blocks"] += len(ids)
+            c["lookup_hit_blocks"] += matched
             return LookupResult(matched, hbm, matched - hbm, st.generation)
 
     # ------------------------------------------------------------------------ get

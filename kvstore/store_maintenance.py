@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 
 from kvstore.errors import DataLoss
 from kvstore.events import Tier
@@ -180,10 +179,8 @@ class MaintenanceMixin:
     # ------------------------------------------------ control plane (node_agent/control.py)
     def _killed_lookup(self, st: NsState, n: int) -> LookupResult:
         """Kill switch on: a miss, counted as one so hit rates show what callers saw."""
-        tc = self.tenant_counters.setdefault(st.tenant, Counter())
-        for c in (self.counters, tc):
-            c["lookups"] += 1
-            c["lookup_blocks"] += n
+        self.counters["lookups"] += 1
+        self.counters["lookup_blocks"] += n
         self.counters["killswitch_lookups"] += 1
         return LookupResult(0, 0, 0, st.generation)
 
