@@ -426,6 +426,25 @@ class KVClient:
         resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
         return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
+    def get_staged_tensor(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+        request_id: str = "",
+    ) -> torch.Tensor:
+        """get_views as one (n, *block shape) tensor over the staging area: zero-copy,
+        valid until the next call on this client; n leading blocks were served. One
+        tensor, so a caller copies all of them out in one operation."""
+        if self._staging is None:
+            raise RuntimeError("get_staged_tensor needs the same-host shared-memory path")
+        cap = self.staging_capacity(ns)
+        if len(ids) > cap:
+            raise ValueError(f"get_staged_tensor takes at most {cap} blocks at once")
+        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
+        return self._staging_blocks(ns)[: resp.count]
+
     def _get_staged(
         self,
         ns: NamespaceHandle,
