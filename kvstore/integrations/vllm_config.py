@@ -44,7 +44,10 @@ class ConnectorSettings:
     `save_queue` (pending saves before new ones are dropped, default 64), `local_lane`
     (default true: the hot calls skip gRPC over the agent's Unix socket on the same host),
     `timeout_s` (deadline of each agent call, default 2: a frozen agent stalls a scheduler
-    step at most that long, then the engine recomputes)."""
+    step at most that long, then the engine recomputes), `router` (host:port of a kvstore
+    router: on a local miss it names the peer to pull from when that pays; optional),
+    `pull_timeout_s` (bound of one peer pull, default 10: the request waits that long at
+    most, then recomputes what did not arrive)."""
 
     agent: str
     tenant: str
@@ -55,6 +58,8 @@ class ConnectorSettings:
     save_queue: int = 64
     local_lane: bool = True
     timeout_s: float = 2.0
+    router: str | None = None
+    pull_timeout_s: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -76,6 +81,8 @@ class ConnectorSettings:
             save_queue=int(extra.get("save_queue", 64)),
             local_lane=bool(extra.get("local_lane", True)),
             timeout_s=float(extra.get("timeout_s", 2.0)),
+            router=str(extra["router"]) if extra.get("router") else None,
+            pull_timeout_s=float(extra.get("pull_timeout_s", 10.0)),
         )
 
 
