@@ -135,6 +135,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._puller = PeerPuller(
                     AgentLink(s, self.spec, "puller"), router, s.pull_timeout_s
                 )
+                if self._link is not None:
+                    self._link.warm()
         if self.disabled is None:
             log.info(
                 "kvstore connector (%s) on agent %s, namespace %s, block %d",
@@ -284,6 +286,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             return
         self._save_link = AgentLink(self._settings, self.spec, "saver")
+        for link in (self._link, self._save_link):
+            if link is not None:
+                link.warm()
         self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
         self._saver.start()
 

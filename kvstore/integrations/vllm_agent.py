@@ -165,6 +165,12 @@ class AgentLink:
         got = self._call("get", run, None)
         return progress[0] if got is None else got
 
+    def warm(self) -> None:
+        """Connect and open the unsalted namespace now (engine start-up): a client's first
+        connect (shared memory mapped and registered, the lane) costs ~150 ms here, which
+        would otherwise land on the first request's time to first token."""
+        self.namespace(None)
+
     def namespace(self, salt: str | None) -> NamespaceHandle | None:
         """The open namespace of `salt` (None when the agent is out)."""
         return self._call("open", lambda client: self._handle(client, salt), None)

@@ -181,3 +181,21 @@ def test_consecutive_and_scattered_block_ids_copy_alike(kind):
 def test_unknown_layout_is_refused():
     with pytest.raises(UnsupportedLayout, match="not a layout kvstore knows"):
         PagedLayout.detect([torch.zeros(4, 32, 2, 64)], 32, 2, 32)
+
+
+def test_kv_transfer_params_peer_hint():
+    from kvstore.integrations.vllm_peer import PeerHint, hint_from_params
+
+    assert hint_from_params(None) is None and hint_from_params({"other": 1}) is None
+    assert hint_from_params({"kvstore": {"peer": "10.0.0.7:50051"}}) == PeerHint("10.0.0.7:50051")
+    both = {"kvstore": {"peer": "h:1", "peer_transfer": "h:2"}}
+    assert hint_from_params(both) == PeerHint("h:1", "h:2")
+    for bad in ({"kvstore": "h:1"}, {"kvstore": {"peer": 7}}, {"kvstore": {"peer": "nohost"}}):
+        assert hint_from_params(bad) is None  # ignored (logged): the request recomputes
+
+
+def test_extra_config_router_and_pull_timeout():
+    s = ConnectorSettings.from_extra({**EXTRA, "router": "127.0.0.1:7", "pull_timeout_s": 3})
+    assert (s.router, s.pull_timeout_s) == ("127.0.0.1:7", 3.0)
+    d = ConnectorSettings.from_extra(EXTRA)
+    assert (d.router, d.pull_timeout_s) == (None, 10.0)
