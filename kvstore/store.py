@@ -102,7 +102,6 @@ class BlockStore:
         self.clock = clock
         self.events = EventQueue()
         self.counters: Counter[str] = Counter()
-        self.tenant_counters: dict[str, Counter[str]] = {}
         self.lock = threading.RLock()
         self._ns: dict[bytes, NsState] = {}
         spills = rocks is not None
@@ -114,7 +113,7 @@ class BlockStore:
         )
         self._writes = Writes(pool, self._residency, self.counters, self.events, clock)
         self._reads = Reads(self._residency, self.counters, self.events, clock)
-        self._killswitch = KillSwitch(self.counters, self.tenant_counters)
+        self._killswitch = KillSwitch(self.counters)
         self._quotas = TenantQuotas(self.accounts, self._queue, self._residency, spills)
         self._persistence = Persistence(
             rocks, self._residency, self._queue, self.lock, self.counters, self.policy_for, clock
@@ -278,12 +277,13 @@ class BlockStore:
                 return m is not None and m.slot >= 0
 
             hbm = _first_false(in_pool, 0, matched)
-            tc = self.tenant_counters.setdefault(st.tenant, Counter())
-            for c in (self.counters, tc):
-                c["lookups"] += 1
-                c["lookup_hits"] += matched > 0
-                c["lookup_blocks"] += len(ids)
-                c["lookup_hit_blocks"] += matched
+            # Node-wide; per tenant, requests are counted at the agent's edge, each once
+            # (node_agent/request_tally.py).
+            c = self.counters
+            c["lookups"] += 1
+            c["lookup_hits"] += matched > 0
+            c["lookup_blocks"] += len(ids)
+            c["lookup_hit_blocks"] += matched
             return LookupResult(matched, hbm, matched - hbm, st.generation)
 
     # ------------------------------------------------------------------------ get

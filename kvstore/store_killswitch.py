@@ -11,17 +11,15 @@ from kvstore.store_types import LookupResult, NsState
 
 
 class KillSwitch:
-    def __init__(self, counters: Counter[str], tenant_counters: dict[str, Counter[str]]) -> None:
+    def __init__(self, counters: Counter[str]) -> None:
         self.counters = counters
-        self.tenant_counters = tenant_counters
         self.on = False
 
     def lookup_miss(self, st: NsState, n: int) -> LookupResult:
-        """A miss, counted as one so hit rates show what callers saw."""
-        tc = self.tenant_counters.setdefault(st.tenant, Counter())
-        for c in (self.counters, tc):
-            c["lookups"] += 1
-            c["lookup_blocks"] += n
+        """A miss, counted as one so hit rates show what callers saw (node-wide; per
+        tenant, requests are counted once at the agent's edge: node_agent/request_tally.py)."""
+        self.counters["lookups"] += 1
+        self.counters["lookup_blocks"] += n
         self.counters["killswitch_lookups"] += 1
         return LookupResult(0, 0, 0, st.generation)
 

@@ -277,7 +277,10 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
         t2 = time.perf_counter()
     h = cc.handle(ns, address)
     # Get alone (no Lookup first): it serves the verified leading run, with its tiers.
-    got = _guard(errors, "get", cc.agent(address).get_tiered, h, ids) if ids else None
+    # Named, so the agent counts it as one request in its per-tenant hit rates.
+    rid_get = rid or f"{sess.nonce}-{sess.policy}-{req.index}"
+    agent = cc.agent(address)
+    got = _guard(errors, "get", agent.get_tiered, h, ids, request_id=rid_get) if ids else None
     blocks, tiers = (got.blocks, got.tiers) if got else ([], [])
     t3 = time.perf_counter()
     n = len(blocks)

@@ -14,7 +14,8 @@ failure prints {"event": "engine_failed", ...} and the run goes on), "kv_events"
 evictions), "namespace": {connector extra config} (prints {"event": "namespace", "spec":
 ...}, the namespace the connector derives for this engine), "batches": [STEP, ...]}, ...]}.
 A STEP is one of:
-- a batch, [{"prompt": [ids], "salt": s | null, "max_tokens": n}, ...], generated greedily
+- a batch, [{"prompt": [ids], "salt": s | null, "max_tokens": n, "params": {...}
+  (optional: the request's kv_transfer_params)}, ...], generated greedily
   in one `generate` call; prints {"event": "batch", "engine": i, "outputs": [{"tokens":
   [...], "cached": n}, ...], "wall_ms": t};
 - {"drain": true}: wait until the connector's queued saves reached the agent;
@@ -98,8 +99,14 @@ def run_batch(llm, batch: list[dict]) -> list[dict]:
         if r.get("salt"):
             p["cache_salt"] = r["salt"]
         prompts.append(p)
+        extra = {"kv_transfer_params": r["params"]} if r.get("params") else None
         params.append(
-            SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8), ignore_eos=True)
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=r.get("max_tokens", 8),
+                ignore_eos=True,
+                extra_args=extra,
+            )
         )
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [

@@ -8,7 +8,7 @@ occupancy per tier and tenant from `store.accounts`, evictions from `store.count
 Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_requests_total{tenant}, kvstore_requests_hit_total{tenant}   request-weighted
   kvstore_lookup_tokens_total{tenant}, kvstore_lookup_hit_tokens_total{tenant}  token-weighted
-  kvstore_hit_length_tokens{tenant} (histogram: tokens matched per lookup)
+  kvstore_hit_length_tokens{tenant} (histogram: tokens matched per request)
   kvstore_saved_prefill_tokens_total{tenant} (tokens served by Get)
   kvstore_tier_bytes{tier,tenant}, kvstore_tier_blocks{tier,tenant},
   kvstore_tier_capacity_bytes{tier}, kvstore_evictions_total{tier,reason},
@@ -19,6 +19,8 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
   kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
 Tokens are counted in whole blocks (block_size tokens each): the agent sees block ids only.
+A request is counted once however many Lookups and Gets it made (node_agent/request_tally):
+the same tallies feed the Stats RPC, so `kvctl stats` and Prometheus agree.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 from kvstore.events import Tier
 from kvstore.tiers.sealing import Failure
+from node_agent.request_tally import RequestDelta, RequestLedger
 
 log = logging.getLogger("kvstore.agent")
 
@@ -87,11 +90,13 @@ PEER_BUCKETS = (
     60.0,
 )
 TIERS = ((Tier.HBM, "hbm"), (Tier.NVME, "nvme"))
-# Per-tenant tally slots, in the order of the counters that expose them.
-REQUESTS, REQUESTS_HIT, LOOKUP_TOKENS, HIT_TOKENS, SAVED_TOKENS = range(5)
+# Per-tenant tally slots, in the order of the counters that expose them; the last two (in
+# blocks, for the Stats RPC) have no counter of their own.
+REQUESTS, REQUESTS_HIT, LOOKUP_TOKENS, HIT_TOKENS, SAVED_TOKENS, ASKED_BLOCKS, HIT_BLOCKS = range(7)
+_ROW = 7
 _TALLY_COUNTERS = (
-    ("kvstore_requests", "Lookups"),
-    ("kvstore_requests_hit", "Lookups that matched at least one block"),
+    ("kvstore_requests", "Engine requests (each once, whichever calls it made)"),
+    ("kvstore_requests_hit", "Requests that matched at least one block"),
     ("kvstore_lookup_tokens", "Tokens in the full blocks looked up"),
     ("kvstore_lookup_hit_tokens", "Tokens in the leading blocks found cached"),
     ("kvstore_saved_prefill_tokens", "Tokens whose KV was served by Get"),
@@ -125,28 +130,36 @@ _REMOVED = (
 class AgentMetrics:
     """Per-tenant lookup and Get tallies kept by the servicer, exported on scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: RequestLedger | None = None) -> None:
         self._tally: dict[str, list[int]] = {}
         self._hit_length = None  # histogram, once exported
         self._labels: dict[str, dict[str, str]] = {}
+        self.ledger = ledger or RequestLedger()
 
     def _row(self, tenant: str) -> list[int]:
         row = self._tally.get(tenant)
         if row is None:
             self._labels[tenant] = {"tenant": tenant}  # first: a scrape may run between
-            row = self._tally[tenant] = [0] * len(_TALLY_COUNTERS)
+            row = self._tally[tenant] = [0] * _ROW
         return row
 
-    def lookup(self, st, n_blocks: int, res) -> None:
-        """One Lookup of `n_blocks` ids in namespace `st` answered with `res`."""
+    def _count(self, st, d: RequestDelta) -> None:
+        if d.requests == 0 and d.hit_blocks == 0:
+            return
         bs = st.spec.block_size
         row = self._row(st.tenant)
-        row[REQUESTS] += 1
-        row[REQUESTS_HIT] += res.matched > 0
-        row[LOOKUP_TOKENS] += n_blocks * bs
-        row[HIT_TOKENS] += res.matched * bs
-        if self._hit_length is not None:
-            self._hit_length.record(res.matched * bs, self._labels[st.tenant])
+        row[REQUESTS] += d.requests
+        row[REQUESTS_HIT] += d.hits
+        row[LOOKUP_TOKENS] += d.asked_blocks * bs
+        row[HIT_TOKENS] += d.hit_blocks * bs
+        row[ASKED_BLOCKS] += d.asked_blocks
+        row[HIT_BLOCKS] += d.hit_blocks
+        if d.first and self._hit_length is not None:
+            self._hit_length.record(d.hit_blocks * bs, self._labels[st.tenant])
+
+    def lookup(self, st, n_blocks: int, res, request_id: str = "") -> None:
+        """One Lookup of `n_blocks` ids in namespace `st` answered with `res`."""
+        self._count(st, self.ledger.lookup(st.tenant, request_id, n_blocks, res.matched))
         attrs = pending_attributes()
         if attrs is not None:
             attrs.update(
@@ -159,6 +172,11 @@ class AgentMetrics:
                     "kvstore.nvme_blocks": res.nvme,
                 }
             )
+
+    def get_done(self, st, request_id: str, n_blocks: int, n_served: int) -> None:
+        """A Get of `n_blocks` ids ended having served `n_served` (counts the request when
+        no earlier call of it did)."""
+        self._count(st, self.ledger.get(st.tenant, request_id, n_blocks, n_served))
 
     def served(self, st, served) -> None:
         """Blocks a Get served (called per chunk of a streamed Get)."""
@@ -179,8 +197,12 @@ class AgentMetrics:
                 attrs[key] = attrs.get(key, 0) + n
 
     def tally(self, tenant: str) -> tuple[int, ...]:
-        """(requests, requests hit, lookup tokens, hit tokens, saved tokens) so far."""
-        return tuple(self._tally.get(tenant, [0] * len(_TALLY_COUNTERS)))
+        """(requests, requests hit, lookup tokens, hit tokens, saved tokens, asked blocks,
+        hit blocks) so far."""
+        return tuple(self._tally.get(tenant, [0] * _ROW))
+
+    def tenants(self) -> list[str]:
+        return list(self._tally)
 
     # ------------------------------------------------------------------ export
     def export(self, meter, store, servicer) -> None:

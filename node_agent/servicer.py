@@ -36,6 +36,16 @@ log = logging.getLogger("kvstore.agent")
 # Copies above this many bytes run in a worker thread so the event loop keeps serving.
 _OFFLOAD_BYTES = 4 << 20
 _GRPC_CHUNK_BLOCKS = 2
+_MAX_REQUEST_ID = 256  # characters of a Lookup's / Get's request_id
+
+
+def _request_id(request) -> str:
+    rid = request.request_id
+    if len(rid) > _MAX_REQUEST_ID:
+        raise errors.InvalidArgument(
+            f"request_id has {len(rid)} characters; the limit is {_MAX_REQUEST_ID}"
+        )
+    return rid
 
 
 class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
@@ -115,26 +125,38 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     async def Lookup(self, request, context):
         st = self._ns(request.ns, write=False)
+        rid = _request_id(request)
         ids = PackedIds(request.block_ids)
         if len(ids) > self.max_blocks:
             raise errors.InvalidArgument(
                 f"request names {len(ids)} blocks; the limit is {self.max_blocks} per request"
             )
         res = self.store.lookup(st.ns_id, request.ns.generation, ids)
-        self.metrics.lookup(st, len(ids), res)
+        self.metrics.lookup(st, len(ids), res, rid)
         return agent_pb2.LookupResponse(
             matched=res.matched, hbm=res.hbm, nvme=res.nvme, generation=res.generation
         )
 
     async def Get(self, request, context):
         st = self._ns(request.ns, write=False)
+        rid = _request_id(request)
         ids = self._ids(request.block_ids)
         if request.parent_id and len(request.parent_id) != 16:
             raise errors.InvalidArgument("parent_id must be empty or 16 bytes")
         if request.HasField("shm"):
-            yield await self._get_shm(st, request, ids)
+            resp = await self._get_shm(st, request, ids)
+            self.metrics.get_done(st, rid, len(ids), resp.count)
+            yield resp
             return
-        parent = request.parent_id
+        parent, total = request.parent_id, 0
+        try:
+            async for resp in self._get_stream(st, request, ids, parent):
+                total += resp.count
+                yield resp
+        finally:
+            self.metrics.get_done(st, rid, len(ids), total)
+
+    async def _get_stream(self, st: NsState, request, ids: list[bytes], parent: bytes):
         for start in range(0, len(ids), _GRPC_CHUNK_BLOCKS):
             chunk = ids[start : start + _GRPC_CHUNK_BLOCKS]
             served = await self._run(
@@ -289,7 +311,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.PermissionDenied(
                 f"tenant {tenant!r} may not read stats of {request.tenant!r}"
             )
-        resp = build_stats(self.store, self.node_id, request.tenant or tenant, self.in_flight)
+        resp = build_stats(
+            self.store, self.metrics, self.node_id, request.tenant or tenant, self.in_flight
+        )
         resp.native_accel = native.active()  # "python (...)": the slow fallback is in use
         if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
             resp.counters.update(self.lane.counters.as_stats())

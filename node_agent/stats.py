@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.v1 import agent_pb2
 from kvstore.wire import tier_to_proto
+from node_agent.metrics import ASKED_BLOCKS, HIT_BLOCKS, REQUESTS, REQUESTS_HIT, AgentMetrics
 
 
 def build_stats(
-    store: BlockStore, node_id: str, tenant: str | None, in_flight: int
+    store: BlockStore, metrics: AgentMetrics, node_id: str, tenant: str | None, in_flight: int
 ) -> agent_pb2.StatsResponse:
+    """`metrics` holds the per-tenant request tallies (each engine request once)."""
     with store.lock:
         pool = store.pool
         hbm_used = (pool.n_slots - pool.free_slots) * pool.slot_bytes
@@ -45,11 +46,11 @@ def build_stats(
                 )
             )
         tenants = []
-        for name in sorted(per_tenant | set(store.accounts.tenants())):
+        for name in sorted(per_tenant | set(store.accounts.tenants()) | set(metrics.tenants())):
             if tenant is not None and name != tenant:
                 continue
             acc = store.accounts
-            tc: Mapping[str, int] = store.tenant_counters.get(name, {})
+            tc = metrics.tally(name)
             tenants.append(
                 agent_pb2.TenantStats(
                     tenant=name,
@@ -57,10 +58,10 @@ def build_stats(
                     nvme_bytes=acc.used(name, Tier.NVME),
                     hbm_limit_bytes=acc.limit(name, Tier.HBM) or 0,
                     nvme_limit_bytes=acc.limit(name, Tier.NVME) or 0,
-                    lookups=tc.get("lookups", 0),
-                    lookup_hits=tc.get("lookup_hits", 0),
-                    lookup_blocks=tc.get("lookup_blocks", 0),
-                    lookup_hit_blocks=tc.get("lookup_hit_blocks", 0),
+                    lookups=tc[REQUESTS],
+                    lookup_hits=tc[REQUESTS_HIT],
+                    lookup_blocks=tc[ASKED_BLOCKS],
+                    lookup_hit_blocks=tc[HIT_BLOCKS],
                 )
             )
         counters = {} if tenant is not None else {k: int(v) for k, v in store.counters.items()}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -357,9 +358,16 @@ class KVClient:
 
     # ------------------------------------------------------------------ blocks
     def lookup(
-        self, ns: NamespaceHandle, ids: list[bytes], timeout: float | None = None
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        timeout: float | None = None,
+        request_id: str = "",
     ) -> LookupResult:
-        req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids))
+        """How many leading blocks of `ids` the agent holds. `request_id` names the engine
+        request this serves: the agent counts each request once in its hit rates, however
+        many Lookups and Gets name it (without one, each Lookup is a request)."""
+        req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids), request_id=request_id)
         return LookupResult.from_proto(
             self._call(
                 lane.LOOKUP, lambda: req, agent_pb2.LookupResponse, self.stub.Lookup, timeout
@@ -395,10 +403,12 @@ class KVClient:
         ids: list[bytes],
         parent: bytes | None = None,
         timeout: float | None = None,
+        request_id: str = "",
     ) -> list[torch.Tensor]:
         """Leading present blocks as views over the staging area (zero-copy; valid until
-        the next call on this client). Needs the shared-memory path."""
-        return self.get_views_tiered(ns, ids, parent, timeout).blocks
+        the next call on this client). Needs the shared-memory path. `request_id`: as in
+        `lookup` (a Get naming a request no Lookup counted counts it)."""
+        return self.get_views_tiered(ns, ids, parent, timeout, request_id).blocks
 
     def get_views_tiered(
         self,
@@ -406,6 +416,7 @@ class KVClient:
         ids: list[bytes],
         parent: bytes | None = None,
         timeout: float | None = None,
+        request_id: str = "",
     ) -> "Blocks":
         """get_views, with the tier each block was served from."""
         if self._staging is None:
@@ -413,11 +424,35 @@ class KVClient:
         cap = self.staging_capacity(ns)
         if len(ids) > cap:
             raise ValueError(f"get_views takes at most {cap} blocks at once")
-        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout)
+        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
         return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
+    def get_staged_tensor(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+        request_id: str = "",
+    ) -> torch.Tensor:
+        """get_views as one (n, *block shape) tensor over the staging area: zero-copy,
+        valid until the next call on this client; n leading blocks were served. One
+        tensor, so a caller copies all of them out in one operation."""
+        if self._staging is None:
+            raise RuntimeError("get_staged_tensor needs the same-host shared-memory path")
+        cap = self.staging_capacity(ns)
+        if len(ids) > cap:
+            raise ValueError(f"get_staged_tensor takes at most {cap} blocks at once")
+        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
+        return self._staging_blocks(ns)[: resp.count]
+
     def _get_staged(
-        self, ns: NamespaceHandle, ids: list[bytes], parent: bytes, timeout: float | None = None
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes,
+        timeout: float | None = None,
+        request_id: str = "",
     ) -> agent_pb2.GetResponse:
         """Get into staging slots 0..len(ids) (the caller checked the capacity)."""
         offsets = range(0, len(ids) * ns.block_bytes, ns.block_bytes)
@@ -429,6 +464,7 @@ class KVClient:
                 block_ids=packed,
                 parent_id=parent,
                 shm=agent_pb2.ShmTarget(region_id=self._region_id, offsets=offsets),
+                request_id=request_id,
             ),
             agent_pb2.GetResponse,
             self._get_one,
@@ -452,9 +488,11 @@ class KVClient:
         parent: bytes | None = None,
         device: str | torch.device = "cpu",
         timeout: float | None = None,
+        request_id: str = "",
     ) -> list[torch.Tensor]:
-        """Leading present blocks as tensors owned by the caller (on `device`)."""
-        return self.get_tiered(ns, ids, parent, device, timeout).blocks
+        """Leading present blocks as tensors owned by the caller (on `device`).
+        `request_id`: as in `lookup`."""
+        return self.get_tiered(ns, ids, parent, device, timeout, request_id).blocks
 
     def get_tiered(
         self,
@@ -463,6 +501,7 @@ class KVClient:
         parent: bytes | None = None,
         device: str | torch.device = "cpu",
         timeout: float | None = None,
+        request_id: str = "",
     ) -> "Blocks":
         """`get`, with the tier each block was served from (kvstore.events.Tier: HBM for
         the device pool, NVME for a block read from RocksDB and promoted)."""
@@ -473,7 +512,7 @@ class KVClient:
             for start in range(0, len(ids), cap):
                 chunk = ids[start : start + cap]
                 resp = self._get_staged(
-                    ns, chunk, parent if start == 0 else ids[start - 1], timeout
+                    ns, chunk, parent if start == 0 else ids[start - 1], timeout, request_id
                 )
                 # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
                 # per block costs ~20 us each on small blocks, and one huge buffer is
@@ -487,7 +526,9 @@ class KVClient:
                 if resp.count < len(chunk):
                     break
             return out
-        req = agent_pb2.GetRequest(ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent)
+        req = agent_pb2.GetRequest(
+            ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent, request_id=request_id
+        )
         try:
             for resp in self.stub.Get(
                 req, metadata=self._md, timeout=self.timeout if timeout is None else timeout
@@ -645,8 +686,13 @@ class KVClient:
         """The longest cached prefix of `tokens` on this node, as block tensors
         (`timeout` bounds each of its calls)."""
         ids = self.block_ids(ns, tokens)
-        matched = self.lookup(ns, ids, timeout).matched if ids else 0
-        blocks = self.get(ns, ids[:matched], device=device, timeout=timeout) if matched else []
+        rid = uuid.uuid4().hex  # its Lookup and Get count as one request
+        matched = self.lookup(ns, ids, timeout, rid).matched if ids else 0
+        blocks = (
+            self.get(ns, ids[:matched], device=device, timeout=timeout, request_id=rid)
+            if matched
+            else []
+        )
         annotate(
             {
                 "kvstore.tenant": ns.spec.tenant,

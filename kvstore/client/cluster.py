@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -262,8 +263,9 @@ class ClusterClient:
         client = self.agent(address)
         h = self.handle(ns, address)
         pulled = self._pull_peer_blocks(client, h, ids, resp) if prefetch and resp else None
-        matched = client.lookup(h, ids).matched if ids else 0
-        blocks = client.get(h, ids[:matched], device=device) if matched else []
+        once = rid or request_id or uuid.uuid4().hex  # Lookup and Get: one request
+        matched = client.lookup(h, ids, request_id=once).matched if ids else 0
+        blocks = client.get(h, ids[:matched], device=device, request_id=once) if matched else []
         annotate(
             {
                 "kvstore.tenant": ns.spec.tenant,

@@ -7,7 +7,9 @@
 
 Scheduler side: for a new request, asks the node's agent (same host: shared memory and the
 local lane) how many leading full blocks of the prompt it holds, and reports them as
-external tokens, always leaving one prompt token to compute. Worker side: before the
+external tokens, always leaving one prompt token to compute; when it lacks them and a peer
+is named (the request's kv_transfer_params, or the router; vllm_peer), the agent first
+pulls them from that peer while the request waits. Worker side: before the
 forward, Gets those blocks and writes them into the paged KV cache (vllm_layout); after
 the forward, copies the prompt's newly computed full blocks out of the cache and hands
 them to a background thread that Puts them, so the engine's step never waits on the agent
@@ -18,6 +20,11 @@ The namespace comes from the engine's config (vllm_config.engine_namespace). A r
 missing the connector logs why and only recomputes. Any failure (agent down, slow,
 flushed, kill switch, a block failing verification) loads fewer blocks; the blocks not
 loaded are reported by `get_block_ids_with_load_errors` and vLLM recomputes them.
+
+Per request, kv_transfer_params may carry `{"kvstore": {"peer": "<agent host:port>",
+"peer_transfer": "<its UCX address>"}}`: on a local miss, pull the prefix from that agent.
+Lookups and Gets name the engine request (an id unique to this engine), so the agent's
+hit rates and `kvctl stats` count it once however often the scheduler asked.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +47,7 @@ from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.integrations.vllm_agent import AgentLink
 from kvstore.integrations.vllm_config import ConnectorSettings, NamespaceRefused, engine_namespace
 from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
+from kvstore.integrations.vllm_peer import PeerPuller, RouterLink, hint_from_params
 
 log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: its handlers print it
 
@@ -52,6 +61,7 @@ class LoadSpec:
     kv_ids: list[bytes]  # kvstore ids of the blocks to load, in order
     parent: bytes | None  # id of the block before kv_ids[0]; None: the chain root
     block_ids: list[int]  # the vLLM blocks they go into
+    count_id: str = ""  # the request as the agent counts it (unique to this engine)
 
 
 @dataclass(slots=True)
@@ -87,6 +97,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.disabled: str | None = None
         self._link: AgentLink | None = None
+        self._puller: PeerPuller | None = None
+        # vLLM's request ids repeat across engines ("0", "1", ...): the agent counts
+        # requests by this engine's nonce plus the id.
+        self._nonce = uuid.uuid4().hex[:12]
         self._block_size = vllm_config.cache_config.block_size
         try:
             import vllm
@@ -115,6 +129,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             # The scheduler reads the policy after making its connector. A failed load must
             # mean recompute, never a failed request.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            if self.disabled is None:
+                s = self._settings
+                router = RouterLink(s.router, s.token, s.agent, s.timeout_s) if s.router else None
+                self._puller = PeerPuller(
+                    AgentLink(s, self.spec, "puller"), router, s.pull_timeout_s
+                )
+                if self._link is not None:
+                    self._link.warm()
         if self.disabled is None:
             log.info(
                 "kvstore connector (%s) on agent %s, namespace %s, block %d",
@@ -145,11 +167,28 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.disabled or self._link is None:
             return 0, False
         bs = self._block_size
+        rid = request.request_id
+        puller = self._puller
+        if puller is not None and puller.waiting(rid):
+            return None, False  # a peer pull for it runs: ask again next step
         tokens = list(request.prompt_token_ids or [])
         salt = getattr(request, "cache_salt", None)
         # At least one token is computed: the engine needs its logits.
-        ids, matched = self._link.prefix(tokens, (len(tokens) - 1) // bs, salt)
-        self._reqs[request.request_id] = _ReqState(salt, ids, len(tokens), matched)
+        usable = (len(tokens) - 1) // bs
+        ids, matched = self._link.prefix(tokens, usable, salt, self._count_id(rid))
+        if (
+            puller is not None
+            and ids
+            and matched < usable
+            and puller.start(
+                rid,
+                ids[:usable],
+                salt,
+                hint_from_params(getattr(request, "kv_transfer_params", None)),
+            )
+        ):
+            return None, False
+        self._reqs[rid] = _ReqState(salt, ids, len(tokens), matched)
         external = matched * bs - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -171,7 +210,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             st.ids[first : st.stored],
             st.ids[first - 1] if first else None,
             block_ids[first : st.stored],
+            self._count_id(request.request_id),
         )
+
+    def _count_id(self, req_id: str) -> str:
+        return f"{self._nonce}-{req_id}"
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVStoreMetadata()
@@ -220,6 +263,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Saves copy their blocks out of the cache within the step that computed them, so
         # the blocks can be freed at once.
         self._reqs.pop(request.request_id, None)
+        if self._puller is not None:
+            self._puller.forget(request.request_id)
         return False, None
 
     # ================================================================= worker side
@@ -243,6 +288,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             return
         self._save_link = AgentLink(self._settings, self.spec, "saver")
+        for link in (self._link, self._save_link):
+            if link is not None:
+                link.warm()
         self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
         self._saver.start()
 
@@ -258,7 +306,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 def sink(first: int, blocks: torch.Tensor, spec=spec, layout=layout) -> None:
                     layout.scatter(spec.block_ids[first : first + len(blocks)], blocks)
 
-                loaded = self._link.load(spec.kv_ids, spec.parent, spec.salt, sink)
+                loaded = self._link.load(spec.kv_ids, spec.parent, spec.salt, sink, spec.count_id)
             if loaded < len(spec.block_ids):
                 # vLLM recomputes from the first block not loaded.
                 self._load_errors.update(spec.block_ids[loaded:])
@@ -319,6 +367,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._saver is not None:
             self._saves.put(None)
             self._saver.join(timeout=10)
+        if self._puller is not None:
+            self._puller.close()
+            self._puller.link.close()
         for link in (self._link, self._save_link):
             if link is not None:
                 link.close()

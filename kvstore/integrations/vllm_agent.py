@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -113,20 +114,32 @@ class AgentLink:
                     return default
             return default
 
-    def prefix(self, tokens: list[int], usable: int, salt: str | None) -> tuple[list[bytes], int]:
+    def prefix(
+        self, tokens: list[int], usable: int, salt: str | None, request_id: str = ""
+    ) -> tuple[list[bytes], int]:
         """The chain ids of the full blocks of `tokens` and how many of the first `usable`
         the agent holds; ([], 0) when the agent is out. One call, so ids and answer come
-        from the same generation (a flush in between reopens and recomputes both)."""
+        from the same generation (a flush in between reopens and recomputes both).
+        `request_id`: the agent counts the engine request once, however often asked."""
 
         def run(client: KVClient) -> tuple[list[bytes], int]:
             ns = self._handle(client, salt)
             ids = client.block_ids(ns, tokens)
             head = ids[:usable]
-            return ids, int(client.lookup(ns, head).matched) if head else 0
+            if not head:
+                return ids, 0
+            return ids, int(client.lookup(ns, head, request_id=request_id).matched)
 
         return self._call("lookup", run, ([], 0))
 
-    def load(self, ids: list[bytes], parent: bytes | None, salt: str | None, sink) -> int:
+    def load(
+        self,
+        ids: list[bytes],
+        parent: bytes | None,
+        salt: str | None,
+        sink: Callable[[int, torch.Tensor], None],
+        request_id: str = "",
+    ) -> int:
         """Get blocks `ids` (children of `parent`, the root when None) and hand each run to
         `sink(first, blocks)`, blocks a (n, *block shape) tensor valid during the call.
         Returns how many leading blocks were loaded: fewer than asked means the rest must be
@@ -140,16 +153,48 @@ class AgentLink:
             while done < len(ids):
                 chunk = ids[done : done + cap]
                 par = parent if done == 0 else ids[done - 1]
-                views = client.get_views(ns, chunk, ns.root if par is None else par)
-                if views:
-                    sink(done, torch.stack(views))
-                done = progress[0] = done + len(views)
-                if len(views) < len(chunk):
+                # One tensor over the staging area: the sink copies it out in one go.
+                got = client.get_staged_tensor(ns, chunk, par, request_id=request_id)
+                if len(got):
+                    sink(done, got)
+                done = progress[0] = done + len(got)
+                if len(got) < len(chunk):
                     break
             return done
 
         got = self._call("get", run, None)
         return progress[0] if got is None else got
+
+    def warm(self) -> None:
+        """Connect and open the unsalted namespace now (engine start-up): a client's first
+        connect (shared memory mapped and registered, the lane) costs ~150 ms here, which
+        would otherwise land on the first request's time to first token."""
+        self.namespace(None)
+
+    def namespace(self, salt: str | None) -> NamespaceHandle | None:
+        """The open namespace of `salt` (None when the agent is out)."""
+        return self._call("open", lambda client: self._handle(client, salt), None)
+
+    def pull(
+        self,
+        ids: list[bytes],
+        salt: str | None,
+        peer: str,
+        peer_transfer: str = "",
+        timeout_s: float = 10.0,
+    ) -> int:
+        """Have the agent pull the leading blocks of `ids` it lacks from agent `peer`
+        (gRPC host:port; `peer_transfer` its UCX listener, tried first when given).
+        Returns how many leading blocks of `ids` the agent then holds (0 when out)."""
+
+        def run(client: KVClient) -> int:
+            ns = self._handle(client, salt)
+            r = client.prefetch(ns, ids, peer, peer_transfer, timeout_ms=int(timeout_s * 1000))
+            if r.stopped:
+                log.info("kvstore %s: pull from %s stopped: %s", self.role, peer, r.stopped)
+            return int(r.present)
+
+        return self._call("pull", run, 0)
 
     def save(
         self, ids: list[bytes], parent: bytes | None, salt: str | None, blocks: torch.Tensor

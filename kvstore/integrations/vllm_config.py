@@ -45,7 +45,10 @@ class ConnectorSettings:
     (default true: the hot calls skip gRPC over the agent's Unix socket on the same host),
     `timeout_s` (deadline of each agent call, default 2: a frozen agent stalls a scheduler
     step at most that long, then the engine recomputes), `namespace_file` (the scheduler
-    writes the namespace spec there as JSON: the engine's registrar publishes it)."""
+    writes the namespace spec there as JSON: the engine's registrar publishes it), `router`
+    (host:port of a kvstore router: on a local miss it names the peer to pull from when
+    that pays; optional), `pull_timeout_s` (bound of one peer pull, default 10: the request
+    waits that long at most, then recomputes what did not arrive)."""
 
     agent: str
     tenant: str
@@ -57,6 +60,8 @@ class ConnectorSettings:
     local_lane: bool = True
     timeout_s: float = 2.0
     namespace_file: str = ""
+    router: str | None = None
+    pull_timeout_s: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -79,6 +84,8 @@ class ConnectorSettings:
             local_lane=bool(extra.get("local_lane", True)),
             timeout_s=float(extra.get("timeout_s", 2.0)),
             namespace_file=str(extra.get("namespace_file", "")),
+            router=str(extra["router"]) if extra.get("router") else None,
+            pull_timeout_s=float(extra.get("pull_timeout_s", 10.0)),
         )
 
 

@@ -49,30 +49,54 @@ class PagedLayout:
             )
         return cls(caches, kind, block_size, kv_heads, head_dim)
 
-    def _as_blocks(self, layer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Blocks `idx` of one layer as (n, 2, block_size, kv_heads, head_dim) (a copy)."""
-        if self.kind == "cpu":
-            g = layer[idx].view(len(idx), self.kv_heads, 2, self.block_size, self.head_dim)
-            return g.permute(0, 2, 3, 1, 4)
-        return layer[:, idx].transpose(0, 1)
+    def _cpu_view(self, layer: torch.Tensor) -> torch.Tensor:
+        """One CPU layer as (num_blocks, kv_heads, 2, block_size, head_dim), no copy."""
+        return layer.view(layer.shape[0], self.kv_heads, 2, self.block_size, self.head_dim)
 
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` into `out`, (n, layers, 2, bs, heads, head_dim)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
+        run = _run(block_ids)
+        idx = None if run else _index(block_ids, self.layers[0].device)
         for i, layer in enumerate(self.layers):
-            out[:, i].copy_(self._as_blocks(layer, idx))
+            if self.kind == "cpu":
+                src = self._cpu_view(layer)
+                picked = src[run[0] : run[1]] if run else src.index_select(0, idx)
+                out[:, i].copy_(picked.permute(0, 2, 3, 1, 4))
+            else:
+                picked = layer[:, run[0] : run[1]] if run else layer.index_select(1, idx)
+                out[:, i].copy_(picked.transpose(0, 1))
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write `blocks`, (n, layers, 2, bs, heads, head_dim), into vLLM blocks
-        `block_ids`."""
+        `block_ids`: one strided copy per layer, straight from `blocks` (e.g. the shared
+        staging area) into the cache, no intermediate tensor when the blocks are a run of
+        consecutive ids (what a fresh engine allocates) and on the same device."""
         dev = self.layers[0].device
-        idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
-        n = len(block_ids)
+        src = blocks.to(dev)
+        run = _run(block_ids)
+        idx = None if run else _index(block_ids, dev)
         for i, layer in enumerate(self.layers):
-            src = blocks[:, i].to(dev, non_blocking=False)
             if self.kind == "cpu":
-                layer[idx] = src.permute(0, 3, 1, 2, 4).reshape(
-                    n, self.kv_heads, self.block_size, 2 * self.head_dim
-                )
+                dst = self._cpu_view(layer)
+                part = src[:, i].permute(0, 3, 1, 2, 4)  # (n, heads, 2, bs, head_dim)
+                axis = 0
             else:
-                layer[:, idx] = src.transpose(0, 1)
+                dst = layer
+                part = src[:, i].transpose(0, 1)  # (2, n, bs, heads, head_dim)
+                axis = 1
+            if run:
+                dst.narrow(axis, run[0], run[1] - run[0]).copy_(part)
+            else:
+                dst.index_copy_(axis, idx, part)
+
+
+def _run(block_ids: list[int]) -> tuple[int, int] | None:
+    """(first, stop) when `block_ids` are consecutive and ascending, else None."""
+    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1:
+        if all(b == block_ids[0] + k for k, b in enumerate(block_ids)):
+            return block_ids[0], block_ids[-1] + 1
+    return None
+
+
+def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.long, device=device)

@@ -39,12 +39,14 @@ class NamespaceRef(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ns", "block_ids")
+    __slots__ = ("ns", "block_ids", "request_id")
     NS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     block_ids: bytes
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched", "hbm", "nvme", "generation")
@@ -67,16 +69,18 @@ class ShmTarget(_message.Message):
     def __init__(self, region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("ns", "block_ids", "parent_id", "shm")
+    __slots__ = ("ns", "block_ids", "parent_id", "shm", "request_id")
     NS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     block_ids: bytes
     parent_id: bytes
     shm: ShmTarget
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("count", "first_index", "data", "checksums", "tiers")

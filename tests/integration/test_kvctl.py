@@ -185,3 +185,40 @@ def test_real_process_exit_codes_and_wiring(etcd):
     for cmd in ("plan", "analyze"):  # existing commands stay wired next to the new ones
         r = kvctl(cmd, "--help", process=True)
         assert r.returncode == 0 and f"usage: kvctl {cmd}" in r.stdout
+
+
+def test_stats_count_each_request_once_whichever_calls_it_made(etcd, spawn_agent, capsys):
+    """Engine requests reach the agent as several calls: a Get alone (the replay), Lookups
+    repeated while the request waits then a Get of a tail (vLLM's scheduler and worker),
+    a plain fetch. `kvctl stats` counts each once, its hit = what the request got."""
+    import torch
+
+    from kvstore.client import KVClient
+    from kvstore.client.convert import block_shape, torch_dtype
+    from support.common import TEST_SECRET, prompt_tokens
+
+    e = ("--etcd", etcd.endpoint)
+    agent = spawn_agent(**agent_cfg(etcd))
+    bs = SPEC.block_size
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
+        ns = c.open_namespace(SPEC)
+        tokens = prompt_tokens(5, 6 * bs)
+        kv = [torch.zeros(block_shape(SPEC), dtype=torch_dtype(SPEC.kv_dtype))] * 4
+        c.store(ns, tokens[: 4 * bs], kv)  # 4 of the 6 blocks cached
+        ids = c.block_ids(ns, tokens)
+        # 1: Get alone, all 6 blocks asked, 4 served (gRPC and shared memory alike).
+        assert len(c.get(ns, ids, request_id="replay-1")) == 4
+        # 2: Get alone of a prompt not cached: a miss.
+        miss = c.block_ids(ns, prompt_tokens(6, 3 * bs))
+        assert c.get_views(ns, miss, request_id="replay-2") == []
+        # 3: three Lookups while waiting, then a Get of blocks 2..3 (the engine held 0..1).
+        for _ in range(3):
+            assert c.lookup(ns, ids[:5], request_id="vllm-7").matched == 4
+        assert len(c.get_views(ns, ids[2:4], ids[1], request_id="vllm-7")) == 2
+        # 4: a fetch (its Lookup and Get, one request).
+        assert c.fetch(ns, tokens).cached_blocks == 4
+    stats = run_json(capsys, "stats", "--tenant", SPEC.tenant, *e)
+    (acme,) = stats["tenants"]
+    assert (acme["lookups"], acme["lookup_hits"]) == (4, 3)
+    assert (acme["lookup_blocks"], acme["lookup_hit_blocks"]) == (6 + 3 + 5 + 6, 4 + 0 + 4 + 4)
+    assert acme["request_hit_rate"] == 0.75

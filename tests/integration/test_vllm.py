@@ -6,7 +6,9 @@ engines share one process start: an engine without any connector gives the refer
 greedy token ids, a first kvstore engine stores prompts, a fresh one loads them. Prefix
 caching is off in the kvstore engines, so every hit they report came through kvstore.
 Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch,
-a frozen agent (SIGSTOP) and a SIGKILL of the agent.
+a frozen agent (SIGSTOP) and a SIGKILL of the agent, a running agent's pool bytes damaged
+(tests/support/pool_fault.py). Two agents: a fresh engine on the second pulls the prefix an
+engine on the first stored (the request's kv_transfer_params name the peer).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.control import agent_cfg, kvctl
+from support.control import AgentClient, agent_cfg, kvctl, kvctl_json
 from support.grpc_proxy import AgentProxy
+from support.pool_fault import corrupt_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -208,3 +211,72 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     assert a_dead == {"tokens": ref["A"], "cached": 0}
     assert d_dead == {"tokens": ref["D"], "cached": 0}
     assert "kvstore connector (scheduler) on agent" in log
+
+
+def test_vllm_peer_pull_corrupt_block_and_request_counts(tmp_path, etcd, spawn_agent):
+    """Engine 1 on agent 1 stores A; a fresh engine on agent 2 gets A pulled from agent 1
+    (kv_transfer_params name it), then B's shared head from agent 2 itself; `kvctl stats`
+    counts each engine request once; agent 2's pool bytes damaged: A's blocks fail their
+    checksum at Get, are reported as load errors and recomputed, same tokens."""
+    p = _prompts()
+    pool, slot = 16 << 20, 64 << 10
+    cfg = agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB")
+    a1, a2 = spawn_agent(**cfg), spawn_agent(**cfg)
+    base = {"tenant": "peers", "tenant_secret": SECRET, "shm_mib": 8}
+    on1, on2 = {**base, "agent": a1.address}, {**base, "agent": a2.address}
+    peer = {"kvstore": {"peer": a1.address}}
+
+    def req(name: str, params: dict | None = None) -> dict:
+        return {"prompt": p[name], "max_tokens": 8, "params": params}
+
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "engines": [
+            {"kvstore": None, "batches": [[req("A"), req("B")]]},
+            {"kvstore": on1, "batches": [[req("A")]]},
+            {
+                "kvstore": on2,
+                "batches": [
+                    [req("A", peer)],
+                    [req("B")],
+                    {"wait": "stats"},
+                    {"wait": "corrupt"},
+                    [req("A")],
+                ],
+            },
+        ],
+    }
+    seen: dict = {}
+
+    def on_wait(name: str) -> None:
+        if name == "stats":
+            seen["stats"] = kvctl_json("stats", "--tenant", "peers", etcd=etcd)
+            seen["nodes"] = {a.address: AgentClient(a.address).tenant("peers") for a in (a1, a2)}
+        else:
+            assert corrupt_pool(a2.proc.pid, pool, slot) == pool // slot
+
+    batches = _run_plan(tmp_path, plan, on_wait)
+    ref = dict(zip("AB", (o["tokens"] for o in batches[0]["outputs"])))
+    (stored,) = batches[1]["outputs"]
+    assert stored == {"tokens": ref["A"], "cached": 0}
+    (pulled,), (b,), (a_corrupt,) = (x["outputs"] for x in batches[2:])
+    # Agent 2 held nothing: A came from agent 1 by a peer pull, all but the last block.
+    assert pulled == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}
+    # B shares A's first 3 blocks, now held by agent 2 itself (no peer named: no pull).
+    assert b == {"tokens": ref["B"], "cached": 3 * BLOCK}
+    # Three engine requests, each counted once: A on agent 1 (a miss), A on agent 2 (a
+    # miss, then a hit of 6 blocks once pulled), B on agent 2 (3 of 6 blocks).
+    (t,) = seen["stats"]["tenants"]
+    assert (t["lookups"], t["lookup_hits"]) == (3, 2)
+    assert (t["lookup_blocks"], t["lookup_hit_blocks"]) == (18, 9)
+    n1, n2 = seen["nodes"][a1.address], seen["nodes"][a2.address]
+    assert (n1.lookups, n1.lookup_hits, n2.lookups, n2.lookup_hits) == (1, 0, 2, 2)
+    # The damaged blocks are never served: recomputed, same tokens, reported as errors.
+    assert a_corrupt["tokens"] == ref["A"]
+    log = (tmp_path / "vllm.log").read_text()
+    assert "loaded 0 of 6 blocks; recomputing the rest" in log
+    assert "6 of 6 blocks held after a pull from " + a1.address in log
+    counters = dict(AgentClient(a2.address).stats().counters)
+    assert counters["removed_corrupt"] >= 1

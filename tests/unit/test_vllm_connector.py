@@ -150,6 +150,52 @@ def test_cpu_layout_round_trip_and_kernel_view():
     assert not fresh[0][0].any()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "flash"])
+def test_consecutive_and_scattered_block_ids_copy_alike(kind):
+    """A run of consecutive ids (one narrow copy per layer) and scattered ids (index_copy)
+    write and read the same bytes as the kernel's own view of a block."""
+
+    def cache():
+        if kind == "cpu":
+            return _cpu_cache(blocks=8)
+        return torch.randn(2, 8, 32, 2, 32)
+
+    layers = [cache() for _ in range(3)]
+    layout = PagedLayout.detect(layers, 32, 2, 32)
+    assert layout.kind == kind
+    for ids in ([2, 3, 4], [6, 1, 3]):
+        out = torch.empty(3, 3, 2, 32, 2, 32)
+        layout.gather(ids, out)
+        fresh = [torch.zeros_like(x) for x in layers]
+        PagedLayout.detect(fresh, 32, 2, 32).scatter(ids, out)
+        for src, dst in zip(layers, fresh):
+            for b in ids:
+                got, want = (dst[b], src[b]) if kind == "cpu" else (dst[:, b], src[:, b])
+                assert torch.equal(got, want)
+            untouched = [b for b in range(8) if b not in ids]
+            assert not (dst[untouched] if kind == "cpu" else dst[:, untouched]).any()
+        if kind == "cpu":  # K of token 0, head 1, is the kernel's row 0 of head 1
+            assert torch.equal(out[0, 0, 0, 0, 1], layers[0][ids[0]].view(2, 64, 32)[1, 0])
+
+
 def test_unknown_layout_is_refused():
     with pytest.raises(UnsupportedLayout, match="not a layout kvstore knows"):
         PagedLayout.detect([torch.zeros(4, 32, 2, 64)], 32, 2, 32)
+
+
+def test_kv_transfer_params_peer_hint():
+    from kvstore.integrations.vllm_peer import PeerHint, hint_from_params
+
+    assert hint_from_params(None) is None and hint_from_params({"other": 1}) is None
+    assert hint_from_params({"kvstore": {"peer": "10.0.0.7:50051"}}) == PeerHint("10.0.0.7:50051")
+    both = {"kvstore": {"peer": "h:1", "peer_transfer": "h:2"}}
+    assert hint_from_params(both) == PeerHint("h:1", "h:2")
+    for bad in ({"kvstore": "h:1"}, {"kvstore": {"peer": 7}}, {"kvstore": {"peer": "nohost"}}):
+        assert hint_from_params(bad) is None  # ignored (logged): the request recomputes
+
+
+def test_extra_config_router_and_pull_timeout():
+    s = ConnectorSettings.from_extra({**EXTRA, "router": "127.0.0.1:7", "pull_timeout_s": 3})
+    assert (s.router, s.pull_timeout_s) == ("127.0.0.1:7", 3.0)
+    d = ConnectorSettings.from_extra(EXTRA)
+    assert (d.router, d.pull_timeout_s) == (None, 10.0)

@@ -1,0 +1,60 @@
+"""node_agent/request_tally: each engine request counted once, whichever calls it made."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_agent.request_tally import RequestDelta, RequestLedger
+
+
+def test_a_lookup_without_an_id_is_one_request():
+    led = RequestLedger()
+    assert led.lookup("t", "", 5, 3) == RequestDelta(1, 1, 5, 3)
+    assert led.lookup("t", "", 5, 0) == RequestDelta(1, 0, 5, 0)
+
+
+def test_a_get_without_an_id_counts_nothing():
+    assert RequestLedger().get("t", "", 4, 4) == RequestDelta()
+
+
+def test_a_get_alone_counts_its_request_once():
+    led = RequestLedger()
+    assert led.get("t", "r", 6, 4) == RequestDelta(1, 1, 6, 4)
+    assert led.get("t", "r", 2, 2) == RequestDelta()
+    assert led.lookup("t", "r", 6, 4) == RequestDelta()
+
+
+def test_repeated_lookups_count_once_and_a_later_get_adds_nothing():
+    led = RequestLedger()
+    assert led.lookup("t", "r", 5, 4) == RequestDelta(1, 1, 5, 4)
+    assert led.lookup("t", "r", 5, 4) == RequestDelta()
+    assert led.get("t", "r", 2, 2) == RequestDelta()
+
+
+def test_a_lookup_matching_more_later_raises_the_hit():
+    """A miss at first, then the same request after a peer pull landed: one request, a hit
+    of the blocks it got in the end."""
+    led = RequestLedger()
+    assert led.lookup("t", "r", 5, 0) == RequestDelta(1, 0, 5, 0)
+    assert led.lookup("t", "r", 5, 3) == RequestDelta(0, 1, 0, 3)
+    assert led.lookup("t", "r", 5, 4) == RequestDelta(0, 0, 0, 1)
+    assert led.lookup("t", "r", 5, 2) == RequestDelta()
+
+
+def test_tenants_do_not_share_request_ids():
+    led = RequestLedger()
+    led.lookup("a", "r", 2, 2)
+    assert led.lookup("b", "r", 2, 1) == RequestDelta(1, 1, 2, 1)
+
+
+def test_the_oldest_ids_are_forgotten_past_capacity():
+    led = RequestLedger(capacity=2)
+    for rid in ("r1", "r2", "r3"):
+        led.lookup("t", rid, 1, 1)
+    assert led.lookup("t", "r3", 1, 1) == RequestDelta()  # still known
+    assert led.lookup("t", "r1", 1, 1) == RequestDelta(1, 1, 1, 1)  # forgotten: again
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity"):
+        RequestLedger(capacity=0)
