@@ -11,7 +11,10 @@ stderr and ONE JSON line on stdout:
     nodes, blocks, entries, bytes_per_entry (+ how it was measured), route_p50_us,
     route_p99_us, route_tokens_p50_us (same prompts as tokens, hashing included),
     routes_per_s, replicas_identical (a second index fed the same events in another
-    node order decides identically on every probe, stateful routing included)
+    node order decides identically on every probe, stateful routing included),
+    apply_blocks_per_s (block ids that second index applied per second, STORED events
+    split from their packed form as the follower does; no tracemalloc running, unlike
+    build_s)
 
     python -m loadtest.bench_router [--blocks 1000000] [--nodes 64] [--probes 1000]
 """
@@ -215,7 +218,11 @@ def main(argv=None) -> int:
         f"{rps:.0f}/s; {hits}/{len(probes)} probes routed to a node holding a prefix"
     )
     replica = make_core(wl.nodes, utils)
+    t_apply = time.perf_counter()
     feed(replica, wl.events, list(reversed(wl.nodes)))
+    apply_s = time.perf_counter() - t_apply
+    applied = sum(len(pk) // 16 for evs in wl.events.values() for pk in evs)
+    say(f"replica: {applied} block ids applied in {apply_s:.1f}s")
     identical = decisions_match(core, replica, probes)
     print(
         json.dumps(
@@ -234,6 +241,7 @@ def main(argv=None) -> int:
                 "probes": len(probes),
                 "probes_with_cached_prefix": hits,
                 "build_s": round(build_s, 1),
+                "apply_blocks_per_s": round(applied / apply_s),
                 "replicas_identical": identical,
             }
         )

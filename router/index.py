@@ -111,9 +111,16 @@ class BlockIndex:
         keep = ~(held | nv)
         m, intern = self._map, self._intern
         to_nvme = int(bool(want & nv))
-        new = nvme_delta = 0
-        for bid in ids:
-            v = m.get(bid, 0)
+        # Set algebra runs in C: ids no node holds yet (most of a snapshot) go in with one
+        # dict update; only those already indexed take the per-block mask merge below.
+        batch = set(ids)
+        known = batch & m.keys()
+        fresh = batch - known if known else batch
+        if fresh:
+            m.update(dict.fromkeys(fresh, intern.setdefault(want, want)))
+        new, nvme_delta = len(fresh), to_nvme * len(fresh)
+        for bid in known:
+            v = m[bid]
             new += not v & held
             nvme_delta += to_nvme - bool(v & nv)  # the NVMe bit is only ever set with held
             v = (v & keep) | want

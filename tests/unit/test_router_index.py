@@ -38,6 +38,25 @@ def test_store_remove_and_counts():
     assert len(idx) == 5  # blocks nobody holds leave the dict
 
 
+def test_store_batch_mixing_new_repeated_and_indexed_ids():
+    """One STORED batch with ids no node holds, ids repeated within the batch, ids this
+    node holds and ids only another node holds: counts and masks as if applied one by one."""
+    idx = BlockIndex()
+    ids = chain(12)
+    idx.store("a", ids[:4])
+    idx.store("b", ids[2:6], Tier.NVME)
+    batch = ids[8:] + ids[:3] + ids[8:10] + ids[4:8]  # b holds 2..5; 8 and 9 twice
+    assert idx.store("b", batch, Tier.NVME) == 8  # 0, 1, 6, 7 (a's or nobody's), 8..11
+    assert idx.node_blocks("b") == (12, 12)
+    assert idx.node_blocks("a") == (4, 0)
+    assert idx.holders(ids[0]) == {"a": Tier.HBM, "b": Tier.NVME}
+    assert idx.holders(ids[11]) == {"b": Tier.NVME}
+    assert idx.store("a", ids[3:9], Tier.HBM) == 5
+    assert idx.node_blocks("a") == (9, 0)
+    assert len(idx) == 12 and idx.entries == 21
+    assert idx.store("a", []) == 0
+
+
 def test_tier_changes_track_nvme_counts():
     idx = BlockIndex()
     ids = chain(6)
