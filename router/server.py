@@ -25,6 +25,7 @@ from router.routing import RouterCore
 from router.scoring import Weights
 
 if TYPE_CHECKING:  # imported only when with_control (it follows etcd)
+    from router.gateway.server import GatewayServer
     from router.control import RouterControl
 
 log = logging.getLogger("kvstore.router")
@@ -155,7 +156,7 @@ class RouterServer:
         self._etcd: EtcdClient | None = None
         self.telemetry: RouterTelemetry | None = None  # Prometheus, tracing (router/metrics.py)
         self.gateway_cfg = gateway if gateway is not None and gateway.listen else None
-        self.gateway = None  # router/gateway/server.GatewayServer, with --gateway-listen
+        self.gateway: GatewayServer | None = None  # with --gateway-listen
         self.gateway_ready_file: str | None = None  # gets the gateway's host:port
 
     @property

@@ -476,7 +476,7 @@ class EtcdClient:
     async def deregister_engine(self, engine_id: str) -> bool:
         return await self.delete(ENGINES + engine_id)
 
-    async def list_engines(self) -> list[EngineRecord]:
+    async def list_engines(self) -> builtins.list[EngineRecord]:
         _, items = await self.list(ENGINES)
         out = []
         for kv in items:

@@ -56,7 +56,7 @@ class PagedLayout:
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` into `out`, (n, layers, 2, bs, heads, head_dim)."""
         run = _run(block_ids)
-        idx = None if run else _index(block_ids, self.layers[0].device)
+        idx = _NO_INDEX if run else _index(block_ids, self.layers[0].device)
         for i, layer in enumerate(self.layers):
             if self.kind == "cpu":
                 src = self._cpu_view(layer)
@@ -74,7 +74,7 @@ class PagedLayout:
         dev = self.layers[0].device
         src = blocks.to(dev)
         run = _run(block_ids)
-        idx = None if run else _index(block_ids, dev)
+        idx = _NO_INDEX if run else _index(block_ids, dev)
         for i, layer in enumerate(self.layers):
             if self.kind == "cpu":
                 dst = self._cpu_view(layer)
@@ -88,6 +88,11 @@ class PagedLayout:
                 dst.narrow(axis, run[0], run[1] - run[0]).copy_(part)
             else:
                 dst.index_copy_(axis, idx, part)
+
+
+# The index a consecutive run does not need (it is sliced instead): a tensor, not None, so
+# the index path needs no Optional check.
+_NO_INDEX = torch.empty(0, dtype=torch.long)
 
 
 def _run(block_ids: list[int]) -> tuple[int, int] | None:
