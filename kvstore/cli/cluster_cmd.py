@@ -52,6 +52,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default="INFO",
         help="DEBUG logs every routing decision (default INFO)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mTLS on every port (etcd, agents, router, peers) from a throwaway CA "
+        "written to <state>/tls (ca.crt, and client.crt/client.key for kvctl and "
+        "clients); kvctl finds them there by itself",
+    )
     p.add_argument("--output", choices=("table", "json"), default="table")
     p = sub.add_parser(
         "down",
@@ -92,6 +99,7 @@ def _up(args) -> int:
             args.lease_ttl,
             args.timeout,
             args.router_log_level,
+            args.tls,
         )
     except ValueError as exc:
         print(f"kvctl cluster up: {exc}", file=sys.stderr)
@@ -107,6 +115,7 @@ def _up(args) -> int:
                     "etcd_endpoint": st.etcd_endpoint,
                     "router_address": st.router_address,
                     "agents": {p.name: p.address for p in st.agents},
+                    "tls_dir": st.tls_dir,
                 },
                 indent=2,
             )
