@@ -116,6 +116,14 @@ class TLSConfig:
     key_file: str = ""
     # Servers refuse a connection without a client certificate from ca_file's CA.
     require_client_cert: bool = True
+    # The name channels check the server's certificate against, instead of the host they
+    # dial: agents are dialled by pod or host IP, which one certificate shared by the
+    # release cannot name (the Helm chart sets the name its certificate carries). "": the
+    # dialled host (a development cluster's certificates name 127.0.0.1 and localhost).
+    server_name: str = ""
+    # False: etcd is reached in plaintext although the gRPC hops use TLS (an etcd
+    # without TLS); True: etcd's own TLS with the files below (or the ones above).
+    etcd: bool = True
     # etcd's own TLS, when its CA or client pair differ (a bundled etcd with its own
     # Secret); "": the files above. Only used with etcd_endpoints and the files above set.
     etcd_ca_file: str = ""
@@ -136,7 +144,9 @@ class TLSConfig:
         return bool(self.ca_file)
 
     def for_etcd(self) -> "TLSConfig":
-        """The files the etcd client presents and trusts."""
+        """The files the etcd client presents and trusts (off when `etcd` is False)."""
+        if not self.etcd:
+            return TLSConfig()
         return TLSConfig(
             self.etcd_ca_file or self.ca_file,
             self.etcd_cert_file or self.cert_file,

@@ -123,22 +123,28 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(files.ca, files.key, files.cert)
 
 
+def _options(tls: TLSConfig, options: ChannelOptions) -> list[tuple[str, object]]:
+    opts = list(options)
+    if tls.server_name:  # see TLSConfig.server_name
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return opts
+
+
 def channel(address: str, tls: TLSConfig | None, options: ChannelOptions = ()) -> grpc.Channel:
     """A blocking channel to `address`, over mTLS when `tls` is on."""
-    opts = list(options)
     if tls is None or not tls.enabled:
-        return grpc.insecure_channel(address, options=opts)
-    return grpc.secure_channel(address, channel_credentials(tls), options=opts)
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, channel_credentials(tls), options=_options(tls, options))
 
 
 def aio_channel(
     address: str, tls: TLSConfig | None, options: ChannelOptions = ()
 ) -> grpc.aio.Channel:
     """An asyncio channel to `address`, over mTLS when `tls` is on."""
-    opts = list(options)
     if tls is None or not tls.enabled:
-        return grpc.aio.insecure_channel(address, options=opts)
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=opts)
+        return grpc.aio.insecure_channel(address, options=list(options))
+    creds = channel_credentials(tls)
+    return grpc.aio.secure_channel(address, creds, options=_options(tls, options))
 
 
 def client_tls(tls: TLSConfig | str | None) -> TLSConfig | None:

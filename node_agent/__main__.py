@@ -69,7 +69,8 @@ def main(argv=None) -> int:
             from kvstore.tls import read_files
 
             read_files(cfg.tls)
-            read_files(cfg.tls.for_etcd())
+            if cfg.tls.for_etcd().enabled:
+                read_files(cfg.tls.for_etcd())
     except (ValueError, OSError) as exc:
         print(f"kvstore-agent: bad configuration: {exc}", file=sys.stderr)
         return 2

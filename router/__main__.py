@@ -61,7 +61,8 @@ def main(argv=None) -> int:
             from kvstore.tls import read_files
 
             read_files(cfg.tls)
-            read_files(cfg.tls.for_etcd())
+            if cfg.tls.for_etcd().enabled:
+                read_files(cfg.tls.for_etcd())
         token = os.environ.get(TOKEN_ENV) or None
         if args.cluster_token_file:
             with open(args.cluster_token_file) as f:

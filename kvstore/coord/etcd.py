@@ -237,10 +237,11 @@ class EtcdClient:
         self.prefix = prefix
         self.timeout = timeout
         target = "ipv4:" + ",".join(self.endpoints)
-        if tls is not None and tls.enabled:
+        etcd_tls = tls.for_etcd() if tls is not None else None
+        if etcd_tls is not None and etcd_tls.enabled:
             host = self.endpoints[0].rsplit(":", 1)[0]
             opts = [*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
-            creds = channel_credentials(tls.for_etcd())
+            creds = channel_credentials(etcd_tls)
             self._channel = grpc.aio.secure_channel(target, creds, options=opts)
         else:
             self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)

@@ -18,7 +18,7 @@ What this does not do: the payload and the control messages after the handshake 
 encrypted and not integrity-protected by the handshake (every block is still verified
 against its checksum before it is stored). The bearer token in a FetchRequest travels in
 clear over UCX; run UCX on a trusted network (a cluster's own fabric), or turn it off
-(ucx_enabled: false) to keep everything on gRPC over mTLS. See docs/security.md.
+(ucx_enabled: false) to keep everything on gRPC over mTLS. See docs/tls.md.
 """
 
 from __future__ import annotations
