@@ -24,7 +24,7 @@ from dataclasses import asdict
 from kvstore.coord.admin import AckProgress, ControlPlane, Quota
 from kvstore.config import TLSConfig, tls_fields
 from kvstore.coord.etcd import EtcdClient
-from kvstore.tls import read_files
+from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
@@ -66,9 +66,12 @@ def _tls(args, target: discover.Found) -> TLSConfig | None:
         return target.tls
     try:
         tls = TLSConfig(**flags)
+    except ValueError as exc:
+        raise Usage(f"--tls-ca, --tls-cert and --tls-key go together ({exc})") from None
+    try:
         read_files(tls)
-    except ValueError as exc:  # TLSFilesError too: a file that cannot be read
-        raise Usage(str(exc).replace("tls: ", "--tls-")) from None
+    except TLSFilesError as exc:  # names the file that cannot be read
+        raise Usage(str(exc)) from None
     return tls
 
 

@@ -217,3 +217,29 @@ def test_kvctl_cluster_up_tls_then_a_bare_status(tmp_path):
         assert stats_code(agent, st.client_tls) == grpc.StatusCode.OK
     finally:
         _kvctl(work, "cluster", "down", "--state-dir", str(state), "--grace", "5")
+
+
+def test_unreadable_tls_files_are_a_configuration_error_not_a_traceback(tmp_path, pki):
+    cfg = tmp_path / "agent.json"
+    missing = str(tmp_path / "missing.crt")
+    cfg.write_text(
+        json.dumps(
+            {
+                "data_dir": str(tmp_path / "d"),
+                "device": "cpu",
+                "tls": {"ca_file": missing, "cert_file": pki.server.cert_file, "key_file": "k"},
+            }
+        )
+    )
+    r = subprocess.run(
+        [PY, "-m", "node_agent", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot read the CA file (tls.ca_file) {missing}" in r.stderr
+    r = _kvctl(tmp_path, "status", "--etcd", "127.0.0.1:1", "--tls-ca", pki.client.ca_file)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cert_file, key_file must be set with ca_file" in r.stderr
