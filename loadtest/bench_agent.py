@@ -16,9 +16,12 @@ Measures in one run, on this machine, against real agent processes:
 - nvme_demote_gbps / nvme_promote_gbps and the same with encryption at rest
   (nvme_*_enc_gbps, *_enc_ratio against the plaintext figure of this run): the store's
   moves to and from the RocksDB tier, see loadtest/bench_nvme.py
-`--tls`: the agents run with mTLS (a throwaway CA, kvstore/tls_ca.py) and every client
-presents the client pair; the shared-memory and local-lane figures should not move (those
-paths are local: a Unix socket and /dev/shm), the gRPC ones pay TLS.
+`--tls`: the agent figures are measured twice in the run, against a plaintext agent
+first (plain_<figure>), then with the agents on mTLS (a throwaway CA, kvstore/tls_ca.py)
+and every client presenting the client pair (the figures under their usual names);
+tls_ratio_<figure> is TLS over plaintext, and tls_same_host_over_limit lists the
+same-host figures (shared memory, the local lane: local paths with no TLS on them) that
+TLS cost more than 5%. The gRPC figures pay TLS.
 Ends with one JSON line on stdout; progress goes to stderr.
 
 Each timed call starts with nothing of the previous round still held: `got = c.get(...)`
@@ -317,13 +320,66 @@ def lookup_inproc(n_blocks: int, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def agent_figures(workdir: Path, args, tls: BenchTls) -> dict[str, object]:
+    """The figures measured against a running agent: transfers, then lookups."""
+    out: dict[str, object] = {}
+    pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
+    agent = Agent(
+        workdir / "xfer", pool_bytes=pool, slot_bytes=2 * MiB, nvme_bytes=0, **tls.agent_cfg()
+    )
+    try:
+        log("shared-memory path ...")
+        out.update(transfer(agent.address, True, args.batch, args.rounds, tls))
+        log("gRPC path ...")
+        out.update(transfer(agent.address, False, args.batch, args.rounds, tls))
+    finally:
+        agent.stop()
+    log(f"lookup with {args.lookup_blocks} blocks held ...")
+    out.update(lookup_latency(workdir / "lookup", args.lookup_blocks, 300, tls))
+    return out
+
+
+# Same-host figures (shared memory and the local lane: no TLS on them), and whether a
+# higher value is better; TLS may cost them at most TLS_SAME_HOST_LIMIT.
+SAME_HOST = {
+    "shm_put_gbps": True,
+    "shm_get_gbps": True,
+    "shm_put_copy_gbps": True,
+    "shm_get_copy_gbps": True,
+    "lookup_2000_us": False,
+}
+TLS_SAME_HOST_LIMIT = 0.05
+
+
+def tls_against(plain: dict[str, object], tls: dict[str, object]) -> dict[str, object]:
+    """The plaintext baseline (plain_<figure>), each figure's TLS/plaintext ratio
+    (tls_ratio_<figure>), and the same-host figures TLS cost more than the limit."""
+    out: dict[str, object] = {f"plain_{k}": v for k, v in plain.items() if k != "local_lane"}
+    over = []
+    for k, v in plain.items():
+        if isinstance(v, float) and v > 0 and isinstance(tls.get(k), float):
+            ratio = float(tls[k]) / v  # type: ignore[arg-type]
+            out[f"tls_ratio_{k}"] = ratio
+            if k in SAME_HOST:
+                worse = (1 - ratio) if SAME_HOST[k] else (ratio - 1)
+                if worse > TLS_SAME_HOST_LIMIT:
+                    over.append(k)
+    out["tls_same_host_over_limit"] = over
+    out["tls_same_host_limit"] = TLS_SAME_HOST_LIMIT
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="2 MiB blocks per transfer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lookup-blocks", type=int, default=100_000)
     p.add_argument("--nvme-blocks", type=int, default=64, help="2 MiB blocks per NVMe round")
-    p.add_argument("--tls", action="store_true", help="agents and clients with mTLS")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="agents and clients with mTLS, against a plaintext baseline in the same run",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # see the module docstring
     res: dict[str, object] = {
@@ -335,31 +391,19 @@ def main(argv=None) -> int:
     log("memcpy ...")
     res["memcpy_gbps"] = memcpy_gbps()
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        tls = BenchTls()
-        if args.tls:
+        if args.tls:  # the plaintext baseline first, in the same run
             from kvstore.tls_ca import make_dev_pki
 
+            log("plaintext baseline ...")
+            plain = agent_figures(Path(tmp) / "plain", args, BenchTls())
             pki = make_dev_pki(str(Path(tmp) / "tls"))
-            tls = BenchTls(pki.server, pki.client)
-        pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
-        agent = Agent(
-            Path(tmp) / "xfer",
-            pool_bytes=pool,
-            slot_bytes=2 * MiB,
-            nvme_bytes=0,
-            **tls.agent_cfg(),
-        )
-        try:
-            log("shared-memory path ...")
-            res.update(transfer(agent.address, True, args.batch, args.rounds, tls))
-            log("gRPC path ...")
-            res.update(transfer(agent.address, False, args.batch, args.rounds, tls))
-        finally:
-            agent.stop()
+            log("with mTLS ...")
+            res.update(agent_figures(Path(tmp) / "tls", args, BenchTls(pki.server, pki.client)))
+            res.update(tls_against(plain, res))
+        else:
+            res.update(agent_figures(Path(tmp), args, BenchTls()))
         log("hashing ...")
         res["hash_mtok_s"] = hash_rate()
-        log(f"lookup with {args.lookup_blocks} blocks held ...")
-        res.update(lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300, tls))
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
     log("NVMe tier, plaintext and encrypted ...")
     res.update(nvme_rates(args.nvme_blocks))
