@@ -104,6 +104,65 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """mTLS for every hop of a process (kvstore/tls.py builds the credentials): its gRPC
+    server (agent: data plane and peer; router), its gRPC channels (router -> agents, peer
+    -> peer, client -> agent/router) and its etcd client (etcd's own TLS). PEM files, read
+    again whenever they change on disk (a rotated Secret), so no restart is needed. All
+    three of ca_file, cert_file and key_file, or none (plaintext)."""
+
+    ca_file: str = ""  # the CA every peer's certificate must chain to (clients and servers)
+    cert_file: str = ""  # this process's certificate chain (server and client use)
+    key_file: str = ""
+    # Servers refuse a connection without a client certificate from ca_file's CA.
+    require_client_cert: bool = True
+    # The name channels check the server's certificate against, instead of the host they
+    # dial: agents are dialled by pod or host IP, which one certificate shared by the
+    # release cannot name (the Helm chart sets the name its certificate carries). "": the
+    # dialled host (a development cluster's certificates name 127.0.0.1 and localhost).
+    server_name: str = ""
+    # False: etcd is reached in plaintext although the gRPC hops use TLS (an etcd
+    # without TLS); True: etcd's own TLS with the files below (or the ones above).
+    etcd: bool = True
+    # etcd's own TLS, when its CA or client pair differ (a bundled etcd with its own
+    # Secret); "": the files above. Only used with etcd_endpoints and the files above set.
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("ca_file", "cert_file", "key_file") if getattr(self, n)]
+        if given and len(given) != 3:
+            missing = sorted({"ca_file", "cert_file", "key_file"} - set(given))
+            raise ValueError(f"tls: {', '.join(missing)} must be set with {', '.join(given)}")
+        extra = [n for n in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file") if getattr(self, n)]
+        if extra and not given:
+            raise ValueError(f"tls: {', '.join(extra)} need ca_file, cert_file and key_file")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca_file)
+
+    def for_etcd(self) -> "TLSConfig":
+        """The files the etcd client presents and trusts (off when `etcd` is False)."""
+        if not self.etcd:
+            return TLSConfig()
+        return TLSConfig(
+            self.etcd_ca_file or self.ca_file,
+            self.etcd_cert_file or self.cert_file,
+            self.etcd_key_file or self.key_file,
+        )
+
+
+def tls_fields(ca: str | None, cert: str | None, key: str | None) -> dict | None:
+    """The `tls` section of a --tls-ca/--tls-cert/--tls-key override (None: none given),
+    merged field by field over the file's and the environment's."""
+    given = {"ca_file": ca, "cert_file": cert, "key_file": key}
+    given = {k: v for k, v in given.items() if v}
+    return given or None
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Node agent. Sizes accept "2MiB"-style strings in files and env."""
 
@@ -160,6 +219,9 @@ class AgentConfig:
     encryption: EncryptionConfig = field(
         default_factory=EncryptionConfig, metadata={"env_prefix": "KVSTORE_ENCRYPTION_"}
     )
+    # mTLS on the gRPC port, to peers, and to etcd; with it the UCX handshake is
+    # authenticated with the same certificate (node_agent/peer/ucx/auth.py).
+    tls: TLSConfig = field(default_factory=TLSConfig, metadata={"env_prefix": "KVSTORE_TLS_"})
 
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0:
@@ -239,6 +301,8 @@ class RouterConfig:
     # is not listed is routed by load and agents only.
     tenant_secret_files: dict[str, str] = field(default_factory=dict)
     engine_local_price: float = 0.05  # a block loaded from the node's agent vs recomputed
+    # mTLS on the router's port, to the agents' event streams and to etcd.
+    tls: TLSConfig = field(default_factory=TLSConfig, metadata={"env_prefix": "KVSTORE_TLS_"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_local_price < 1:

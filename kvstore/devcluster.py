@@ -7,6 +7,9 @@ Everything lives under a state directory::
     etcd/  etcd.log       etcd data (fresh on every `up`) and log
     agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
     router/               router.log
+    tls/                  with --tls: a throwaway CA (ca.crt), the processes' pair
+                          (server.crt/.key) and a client pair for kvctl and tests
+                          (client.crt/.key); kvstore/tls_ca.py
 
 `up` starts the processes in their own sessions (a Ctrl-C in the shell does not reach
 them), waits until each answers gRPC health and the router has every agent in sync, and
@@ -24,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -43,6 +47,8 @@ from kvstore.devengines import (
     stop_engine,
     write_model,
 )
+from kvstore.config import TLSConfig
+from kvstore.tls import channel, files_in
 
 STATE_FILE = "cluster.json"
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +87,12 @@ class ClusterState:
     started_at: float
     gateway_url: str = ""  # the router's OpenAI gateway, with --engines
     gateway_keys: str = ""  # its API keys file (dev keys)
+    tls_dir: str = ""  # with --tls: ca.crt, client.crt, client.key (kvstore.tls.files_in)
+
+    @property
+    def client_tls(self) -> TLSConfig | None:
+        """What a client of this cluster presents; None for a plaintext one."""
+        return files_in(self.tls_dir) if self.tls_dir else None
 
     @property
     def agents(self) -> list[Proc]:
@@ -192,9 +204,16 @@ def _tail(path: str | Path, n: int = 1500) -> str:
 
 
 # ------------------------------------------------------------------ health checks
-def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: TLSConfig | None = None) -> bool:
+    ctx = None
+    if tls is not None:  # etcd checks the client certificate on /health too
+        ctx = ssl.create_default_context(cafile=tls.ca_file)
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    scheme = "https" if ctx else "http"
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as r:
+        with urllib.request.urlopen(
+            f"{scheme}://{endpoint}/health", timeout=timeout, context=ctx
+        ) as r:
             return b"true" in r.read()
     except OSError:
         return False
@@ -208,9 +227,9 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
+def grpc_healthy(address: str, timeout: float = 1.0, tls: TLSConfig | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, tls) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )
@@ -219,10 +238,10 @@ def grpc_healthy(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def router_nodes(address: str, timeout: float = 2.0) -> list:
+def router_nodes(address: str, timeout: float = 2.0, tls: TLSConfig | None = None) -> list:
     from kvstore.v1 import router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         return list(
             router_pb2_grpc.RouterStub(ch)
             .ListNodes(router_pb2.ListNodesRequest(), timeout=timeout)
@@ -261,24 +280,44 @@ class UpOptions:
     # stand-in workers); with engines it serves the tiny model they run.
     gateway_tokenizers: tuple[tuple[str, str], ...] = ()
     engine_timeout_s: float = 600.0
+    tls: bool = False  # mTLS on every port, from a throwaway CA in <state>/tls
 
     def __post_init__(self) -> None:
         if not 0 <= self.engines <= 8:
             raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
+        if self.tls and (self.engines or self.gateway_tokenizers):
+            # The vLLM connector and the gateway take no TLS files yet (docs/tls.md).
+            raise ValueError("--tls cannot be combined with --engines yet; use --engines 0")
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
         if self.lease_ttl_s < 2:
             raise ValueError("lease TTL must be >= 2 s (etcd's minimum)")
 
 
-def _start_etcd(state: Path) -> tuple[subprocess.Popen, str, Path]:
+def _etcd_tls_flags(tls: TLSConfig | None) -> list[str]:
+    """etcd's own TLS: clients must present a certificate of the CA."""
+    if tls is None:
+        return []
+    return [
+        "--cert-file",
+        tls.cert_file,
+        "--key-file",
+        tls.key_file,
+        "--trusted-ca-file",
+        tls.ca_file,
+        "--client-cert-auth",
+    ]
+
+
+def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, str, Path]:
     binary = shutil.which("etcd") or "/usr/bin/etcd"
     if not os.access(binary, os.X_OK):
         raise ClusterError("etcd is not installed (apt-get install etcd-server)")
     data = state / "etcd"
     shutil.rmtree(data, ignore_errors=True)  # coordination state is fresh on every up
     cport, pport = free_port(), free_port()
-    cu, pu = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    scheme = "https" if tls is not None else "http"
+    cu, pu = f"{scheme}://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     log = state / "etcd.log"
     proc = _spawn(
         [
@@ -299,6 +338,7 @@ def _start_etcd(state: Path) -> tuple[subprocess.Popen, str, Path]:
             f"local={pu}",
             "--log-level",
             "warn",
+            *_etcd_tls_flags(tls),
         ],
         log,
     )
@@ -317,7 +357,13 @@ def _agent_token(state: Path) -> tuple[Path, str]:
     return path, hashlib.sha256(path.read_text().strip().encode()).hexdigest()
 
 
-def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
+def _tls_section(tls: TLSConfig | None) -> dict:
+    if tls is None:
+        return {}
+    return {"tls": {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}}
+
+
+def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig | None):
     d = state / f"agent-{i}"
     d.mkdir(parents=True, exist_ok=True)
     token_file, token_sha256 = _agent_token(state)
@@ -336,6 +382,7 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
         # agents authenticate as the agent identity.
         "agent_token_file": str(token_file),
         "tenants": {"_agent": {"token_sha256": token_sha256}},
+        **_tls_section(tls),
     }
     (d / "agent.json").write_text(json.dumps(cfg, indent=2) + "\n")
     ready = d / "ready"
@@ -356,7 +403,7 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions):
     return proc, ready, log
 
 
-def _start_router(state: Path, etcd: str, opts: UpOptions):
+def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None):
     d = state / "router"
     d.mkdir(parents=True, exist_ok=True)
     gateway: list[str] = []
@@ -372,7 +419,8 @@ def _start_router(state: Path, etcd: str, opts: UpOptions):
     ready.unlink(missing_ok=True)
     log = d / "router.log"
     # Like the agents: no tenants, callers without a token act as the cluster (dev only).
-    (d / "router.json").write_text(json.dumps({"allow_unauthenticated": True}, indent=2) + "\n")
+    rcfg = {"allow_unauthenticated": True, **_tls_section(tls)}
+    (d / "router.json").write_text(json.dumps(rcfg, indent=2) + "\n")
     proc = _spawn(
         [
             sys.executable,
@@ -463,15 +511,21 @@ def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
 
 def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     t0 = time.monotonic()
+    server_tls = client = None
+    if opts.tls:  # a fresh CA on every up: nothing from an older cluster is trusted
+        from kvstore.tls_ca import make_dev_pki
+
+        pki = make_dev_pki(str(state / "tls"))
+        server_tls, client = pki.server, pki.client
     if opts.engines:  # before anything runs: a failure here leaves nothing behind
         say("writing the tiny model (vLLM venv)")
         write_model(state / "model")
-    etcd, endpoint, elog = _start_etcd(state)
+    etcd, endpoint, elog = _start_etcd(state, server_tls)
     started.append(Proc("etcd", "etcd", etcd.pid, endpoint, str(elog)))
-    _wait(lambda: etcd_healthy(endpoint), 30, "etcd to become healthy", [(etcd, elog)])
+    _wait(lambda: etcd_healthy(endpoint, tls=client), 30, "etcd to become healthy", [(etcd, elog)])
     say(f"etcd      {endpoint}")
-    agents = [_start_agent(state, i, endpoint, opts) for i in range(opts.agents)]
-    router, rready, rlog = _start_router(state, endpoint, opts)
+    agents = [_start_agent(state, i, endpoint, opts, server_tls) for i in range(opts.agents)]
+    router, rready, rlog = _start_router(state, endpoint, opts, server_tls)
     for i, (proc, _, log) in enumerate(agents):
         started.append(Proc(f"agent-{i}", "agent", proc.pid, "", str(log)))
     started.append(Proc("router", "router", router.pid, "", str(rlog)))
@@ -486,7 +540,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     addrs = [_read(r) for _, r, _ in agents]
     raddr = _read(rready)
     _wait(
-        lambda: all(grpc_healthy(a) for a in addrs + [raddr]),
+        lambda: all(grpc_healthy(a, tls=client) for a in addrs + [raddr]),
         30,
         "gRPC health of every agent and the router",
         watch,
@@ -494,7 +548,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
 
     def router_in_sync():
         try:
-            nodes = router_nodes(raddr)
+            nodes = router_nodes(raddr, tls=client)
         except grpc.RpcError:
             return False
         return len(nodes) == opts.agents and all(n.synced for n in nodes)
@@ -512,10 +566,13 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     )
     procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started)
     keys = str(state / "router" / "keys.json") if gw_url else ""
-    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys)
+    tls_dir = str(state / "tls") if opts.tls else ""
+    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys, tls_dir)
     st.save()
     for p in procs[1:]:
         say(f"{p.name:<9} {p.address}")
+    if tls_dir:
+        say(f"mTLS on every port; CA and client pair in {tls_dir}")
     say(f"cluster up in {time.monotonic() - t0:.1f}s; state in {state / STATE_FILE}")
     return st
 
@@ -535,10 +592,10 @@ def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
     return stopped
 
 
-async def _registered(endpoint: str) -> set[str]:
+async def _registered(endpoint: str, tls: TLSConfig | None) -> set[str]:
     from kvstore.coord.etcd import EtcdClient
 
-    async with EtcdClient(endpoint, timeout=2.0) as c:
+    async with EtcdClient(endpoint, timeout=2.0, tls=tls) as c:
         return {r.node_id for r in await c.list_nodes()}
 
 
@@ -546,16 +603,20 @@ def status(state_dir: str | os.PathLike) -> dict:
     """What runs, what answers, what the router knows. Raises nothing for dead parts:
     the caller decides the exit status from the report."""
     st = ClusterState.load(state_dir)
-    etcd_ok = etcd_healthy(st.etcd_endpoint)
+    tls = st.client_tls
+    etcd_ok = etcd_healthy(st.etcd_endpoint, tls=tls)
     registered: set[str] = set()
     if etcd_ok:
         try:
-            registered = asyncio.run(_registered(st.etcd_endpoint))
+            registered = asyncio.run(_registered(st.etcd_endpoint, tls))
         except Exception:  # noqa: BLE001 - status reports, it does not fail
             etcd_ok = False
     indexed: dict[str, tuple[int, bool]] = {}
     try:
-        indexed = {n.node_id: (n.indexed_blocks, n.synced) for n in router_nodes(st.router_address)}
+        indexed = {
+            n.node_id: (n.indexed_blocks, n.synced)
+            for n in router_nodes(st.router_address, tls=tls)
+        }
         router_ok = True
     except grpc.RpcError:
         router_ok = False
@@ -569,7 +630,7 @@ def status(state_dir: str | os.PathLike) -> dict:
         elif p.kind == "engine":
             healthy = up_ and _http_ok(p.address + "/health")
         else:
-            healthy = up_ and grpc_healthy(p.address)
+            healthy = up_ and grpc_healthy(p.address, tls=tls)
         row = {
             "name": p.name,
             "kind": p.kind,

@@ -6,18 +6,24 @@ import asyncio
 import os
 import signal
 
+from kvstore.config import TLSConfig
+from kvstore.tls import TLSFilesError, add_port
+
 
 class StartupError(Exception):
     """A server cannot start for a reason the operator must fix (the message says which);
     the process entry points print it as one line and exit 1, without a traceback."""
 
 
-def bind_port(server, address: str) -> int:
-    """`server.add_insecure_port(address)`, with grpc's RuntimeError (port taken, address
-    not on this host) turned into a StartupError that names the address."""
+def bind_port(server, address: str, tls: TLSConfig | None = None) -> int:
+    """`server.add_insecure_port(address)` (mTLS with `tls` on: kvstore/tls.py), with
+    grpc's RuntimeError (port taken, address not on this host) and unreadable TLS files
+    turned into a StartupError that names the address or the file."""
     why: RuntimeError | None
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, tls or TLSConfig())
+    except TLSFilesError as exc:
+        raise StartupError(str(exc)) from exc
     except RuntimeError as exc:
         port, why = 0, exc
     else:

@@ -16,6 +16,12 @@ Measures in one run, on this machine, against real agent processes:
 - nvme_demote_gbps / nvme_promote_gbps and the same with encryption at rest
   (nvme_*_enc_gbps, *_enc_ratio against the plaintext figure of this run): the store's
   moves to and from the RocksDB tier, see loadtest/bench_nvme.py
+`--tls`: the agent figures are measured twice in the run, against a plaintext agent
+first (plain_<figure>), then with the agents on mTLS (a throwaway CA, kvstore/tls_ca.py)
+and every client presenting the client pair (the figures under their usual names);
+tls_ratio_<figure> is TLS over plaintext, and tls_same_host_over_limit lists the
+same-host figures (shared memory, the local lane: local paths with no TLS on them) that
+TLS cost more than 5%. The gRPC figures pay TLS.
 Ends with one JSON line on stdout; progress goes to stderr.
 
 Each timed call starts with nothing of the previous round still held: `got = c.get(...)`
@@ -39,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +54,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import KVClient
+from kvstore.config import TLSConfig
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
 from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, PackedIds, PutItem
@@ -156,9 +164,27 @@ def _rate(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def transfer(address: str, shm: bool, batch: int, rounds: int) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class BenchTls:
+    """--tls: what the agents present (`server`) and what the clients present (`client`)."""
+
+    server: TLSConfig | None = None
+    client: TLSConfig | None = None
+
+    def agent_cfg(self) -> dict:
+        s = self.server
+        if s is None:
+            return {}
+        return {"tls": {"ca_file": s.ca_file, "cert_file": s.cert_file, "key_file": s.key_file}}
+
+
+def transfer(
+    address: str, shm: bool, batch: int, rounds: int, tls: BenchTls = BenchTls()
+) -> dict[str, object]:
     out: dict[str, object] = {}
-    with KVClient(address, tenant_secret="bench", use_shm=shm, shm_bytes=batch * 2 * MiB) as c:
+    with KVClient(
+        address, tenant_secret="bench", use_shm=shm, shm_bytes=batch * 2 * MiB, tls=tls.client
+    ) as c:
         ns = c.open_namespace(llama3_8b("shm" if shm else "grpc"))
         nbytes = batch * ns.block_bytes
         gen = torch.Generator().manual_seed(1)
@@ -221,7 +247,9 @@ def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
     return tokens / statistics.median(times) / 1e6
 
 
-def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> dict[str, float]:
+def lookup_latency(
+    workdir: Path, n_blocks: int, reps: int, tls: BenchTls = BenchTls()
+) -> dict[str, float]:
     ns_spec = llama3_8b("lookup", num_layers=1, num_kv_heads=1, head_dim=8)  # 512 B blocks
     agent = Agent(
         workdir,
@@ -229,12 +257,15 @@ def lookup_latency(workdir: Path, n_blocks: int, reps: int) -> dict[str, float]:
         slot_bytes=512,
         nvme_bytes=0,
         max_blocks_per_request=4096,
+        **tls.agent_cfg(),
     )
     out: dict[str, float] = {}
     try:
         with (
-            KVClient(agent.address, tenant_secret="bench", shm_bytes=2000 * 512) as local,
-            KVClient(agent.address, tenant_secret="bench", use_shm=False) as remote,
+            KVClient(
+                agent.address, tenant_secret="bench", shm_bytes=2000 * 512, tls=tls.client
+            ) as local,
+            KVClient(agent.address, tenant_secret="bench", use_shm=False, tls=tls.client) as remote,
         ):
             if not local.uses_local_lane:
                 raise RuntimeError("the same-host client did not get the agent's local lane")
@@ -289,31 +320,90 @@ def lookup_inproc(n_blocks: int, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def agent_figures(workdir: Path, args, tls: BenchTls) -> dict[str, object]:
+    """The figures measured against a running agent: transfers, then lookups."""
+    out: dict[str, object] = {}
+    pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
+    agent = Agent(
+        workdir / "xfer", pool_bytes=pool, slot_bytes=2 * MiB, nvme_bytes=0, **tls.agent_cfg()
+    )
+    try:
+        log("shared-memory path ...")
+        out.update(transfer(agent.address, True, args.batch, args.rounds, tls))
+        log("gRPC path ...")
+        out.update(transfer(agent.address, False, args.batch, args.rounds, tls))
+    finally:
+        agent.stop()
+    log(f"lookup with {args.lookup_blocks} blocks held ...")
+    out.update(lookup_latency(workdir / "lookup", args.lookup_blocks, 300, tls))
+    return out
+
+
+# Same-host figures (shared memory and the local lane: no TLS on them), and whether a
+# higher value is better; TLS may cost them at most TLS_SAME_HOST_LIMIT.
+SAME_HOST = {
+    "shm_put_gbps": True,
+    "shm_get_gbps": True,
+    "shm_put_copy_gbps": True,
+    "shm_get_copy_gbps": True,
+    "lookup_2000_us": False,
+}
+TLS_SAME_HOST_LIMIT = 0.05
+
+
+def tls_against(plain: dict[str, object], tls: dict[str, object]) -> dict[str, object]:
+    """The plaintext baseline (plain_<figure>), each figure's TLS/plaintext ratio
+    (tls_ratio_<figure>), and the same-host figures TLS cost more than the limit."""
+    out: dict[str, object] = {f"plain_{k}": v for k, v in plain.items() if k != "local_lane"}
+    over = []
+    for k, v in plain.items():
+        if isinstance(v, float) and v > 0 and isinstance(tls.get(k), float):
+            ratio = float(tls[k]) / v  # type: ignore[arg-type]
+            out[f"tls_ratio_{k}"] = ratio
+            if k in SAME_HOST:
+                worse = (1 - ratio) if SAME_HOST[k] else (ratio - 1)
+                if worse > TLS_SAME_HOST_LIMIT:
+                    over.append(k)
+    out["tls_same_host_over_limit"] = over
+    out["tls_same_host_limit"] = TLS_SAME_HOST_LIMIT
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="2 MiB blocks per transfer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lookup-blocks", type=int, default=100_000)
     p.add_argument("--nvme-blocks", type=int, default=64, help="2 MiB blocks per NVMe round")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="agents and clients with mTLS, against a plaintext baseline in the same run",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # see the module docstring
-    res: dict[str, object] = {"block_bytes": 2 * MiB, "batch_blocks": args.batch, "native": NATIVE}
+    res: dict[str, object] = {
+        "block_bytes": 2 * MiB,
+        "batch_blocks": args.batch,
+        "native": NATIVE,
+        "tls": args.tls,
+    }
     log("memcpy ...")
     res["memcpy_gbps"] = memcpy_gbps()
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
-        agent = Agent(Path(tmp) / "xfer", pool_bytes=pool, slot_bytes=2 * MiB, nvme_bytes=0)
-        try:
-            log("shared-memory path ...")
-            res.update(transfer(agent.address, True, args.batch, args.rounds))
-            log("gRPC path ...")
-            res.update(transfer(agent.address, False, args.batch, args.rounds))
-        finally:
-            agent.stop()
+        if args.tls:  # the plaintext baseline first, in the same run
+            from kvstore.tls_ca import make_dev_pki
+
+            log("plaintext baseline ...")
+            plain = agent_figures(Path(tmp) / "plain", args, BenchTls())
+            pki = make_dev_pki(str(Path(tmp) / "tls"))
+            log("with mTLS ...")
+            res.update(agent_figures(Path(tmp) / "tls", args, BenchTls(pki.server, pki.client)))
+            res.update(tls_against(plain, res))
+        else:
+            res.update(agent_figures(Path(tmp), args, BenchTls()))
         log("hashing ...")
         res["hash_mtok_s"] = hash_rate()
-        log(f"lookup with {args.lookup_blocks} blocks held ...")
-        res.update(lookup_latency(Path(tmp) / "lookup", args.lookup_blocks, 300))
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)
     log("NVMe tier, plaintext and encrypted ...")
     res.update(nvme_rates(args.nvme_blocks))

@@ -186,6 +186,7 @@ class Session:
                 self.cluster.state.router_address,
                 tenant_secret=f"replay-secret-{tenant}",
                 shm_bytes=SHM_BYTES,
+                tls=self.cluster.state.client_tls,
             )
             clients[tenant] = cc
             with self._lock:
@@ -333,7 +334,9 @@ class Replayer:
         self.pending: dict[int, Future] = {}
         self.next_commit = 0
         self.out: list[report.Outcome] = []
-        self._router = ClusterClient(sess.cluster.state.router_address, use_shm=False)
+        self._router = ClusterClient(
+            sess.cluster.state.router_address, use_shm=False, tls=sess.cluster.state.client_tls
+        )
 
     def choose(self, req: TraceRequest) -> tuple[str | None, str]:
         """(agent address, node id) for round robin and consistent hashing; (None, "")
@@ -460,7 +463,8 @@ def run_policy(
         sess.close()
     after = agent_counters(cluster)
     # Empty the pools for the next policy: a flush drops the blocks on every agent.
-    asyncio.run(flush_namespaces(cluster.state.etcd_endpoint, sorted(sess.names)))
+    st = cluster.state
+    asyncio.run(flush_namespaces(st.etcd_endpoint, sorted(sess.names), st.client_tls))
     return out, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
@@ -578,6 +582,12 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: UCX where the peer listens on it, gRPC otherwise (default)",
     )
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="start the cluster with mTLS on every port (kvctl cluster up --tls); with "
+        "--state-dir the cluster's own tls/ is used whether or not this is given",
+    )
+    p.add_argument(
         "--out", default=None, help="report folder (default loadtest/out/replay-<timestamp>)"
     )
     return p
@@ -687,7 +697,13 @@ def _on_cluster(args, work, ws_bytes: int, block_bytes: int, say):
         if owned:
             say(f"starting a local cluster of {args.agents} agents ...")
             state = start_cluster(
-                args.agents, ws_bytes, block_bytes, args.pool_fraction, args.nvme_fraction, say
+                args.agents,
+                ws_bytes,
+                block_bytes,
+                args.pool_fraction,
+                args.nvme_fraction,
+                say,
+                args.tls,
             )
         else:
             state = ClusterState.load(args.state_dir)

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from kvstore.config import TLSConfig
 from kvstore.devcluster import ClusterError, ClusterState, UpOptions, up
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
@@ -27,8 +28,17 @@ class Cluster:
 
 
 def start_cluster(
-    agents: int, ws_bytes: int, block_bytes: int, pool_fraction: float, nvme_fraction: float, say
+    agents: int,
+    ws_bytes: int,
+    block_bytes: int,
+    pool_fraction: float,
+    nvme_fraction: float,
+    say,
+    tls: bool = False,
 ) -> ClusterState:
+    """`tls`: mTLS on every port (kvctl cluster up --tls); every client of the replay
+    then presents the state's client pair (ClusterState.client_tls)."""
+
     def per_agent(fraction: float, floor: int) -> int:
         want = fraction * ws_bytes / agents
         return max(floor, math.ceil(want / block_bytes) * block_bytes) if fraction else 0
@@ -40,6 +50,7 @@ def start_cluster(
         slot_bytes=str(block_bytes),
         nvme_bytes=str(per_agent(nvme_fraction, 0)),
         router_log_level="WARNING",
+        tls=tls,
     )
     try:
         return up(state_dir, opts, say=lambda m: say("  " + m))
@@ -49,7 +60,7 @@ def start_cluster(
 
 
 def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
-    with ClusterClient(state.router_address, use_shm=False) as cc:
+    with ClusterClient(state.router_address, use_shm=False, tls=state.client_tls) as cc:
         infos = cc.nodes()
     if not infos:
         raise ClusterError(f"the router at {state.router_address} knows no agents")
@@ -57,7 +68,7 @@ def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
     ucx = {n.node_id: n.peer_address for n in infos}
     pool = blocks = nvme = 0
     for address in nodes.values():
-        with KVClient(address, use_shm=False) as c:
+        with KVClient(address, use_shm=False, tls=state.client_tls) as c:
             for tier in c.stats().tiers:
                 if tier.tier == common_pb2.HBM:
                     pool += tier.capacity_bytes
@@ -70,17 +81,19 @@ def describe_cluster(state: ClusterState, owned: bool) -> Cluster:
 def agent_counters(cluster: Cluster) -> dict[str, int]:
     total: dict[str, int] = {}
     for address in cluster.nodes.values():
-        with KVClient(address, use_shm=False) as c:
+        with KVClient(address, use_shm=False, tls=cluster.state.client_tls) as c:
             for k, v in c.stats().counters.items():
                 total[k] = total.get(k, 0) + v
     return total
 
 
-async def flush_namespaces(endpoint: str, targets: list[tuple[str, str]]) -> None:
+async def flush_namespaces(
+    endpoint: str, targets: list[tuple[str, str]], tls: TLSConfig | None = None
+) -> None:
     from kvstore.coord.admin import ControlPlane
     from kvstore.coord.etcd import EtcdClient
 
-    async with EtcdClient(endpoint, timeout=5.0) as etcd:
+    async with EtcdClient(endpoint, timeout=5.0, tls=tls) as etcd:
         cp = ControlPlane(etcd, who="loadtest.replay")
         for tenant, name in targets:
             rep = await cp.flush(tenant, name, timeout_s=60.0)

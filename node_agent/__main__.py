@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from kvstore.config import AgentConfig, load_config
+from kvstore.config import AgentConfig, load_config, tls_fields
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="accept requests without a tenant token (development only)",
     )
+    p.add_argument("--tls-ca", help="mTLS: CA file (tls.ca_file)")
+    p.add_argument("--tls-cert", help="mTLS: this process's certificate (tls.cert_file)")
+    p.add_argument("--tls-key", help="mTLS: its private key (tls.key_file)")
     p.add_argument("--ready-file", help="write the bound address here once serving")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -59,8 +62,15 @@ def main(argv=None) -> int:
             "allow_unauthenticated",
         )
     }
+    overrides["tls"] = tls_fields(args.tls_ca, args.tls_cert, args.tls_key)
     try:
         cfg = load_config(AgentConfig, args.config, "KVSTORE_AGENT_", overrides)
+        if cfg.tls.enabled:  # unreadable files: a message now, not a traceback later
+            from kvstore.tls import read_files
+
+            read_files(cfg.tls)
+            if cfg.tls.for_etcd().enabled:
+                read_files(cfg.tls.for_etcd())
     except (ValueError, OSError) as exc:
         print(f"kvstore-agent: bad configuration: {exc}", file=sys.stderr)
         return 2

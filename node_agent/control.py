@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from kvstore.coord.admin import Quota
 from kvstore.coord.follow import ControlFollower
+from kvstore.config import TLSConfig
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
 from kvstore import errors
 from kvstore.events import Tier
@@ -50,8 +51,9 @@ class AgentControl(ControlFollower):
         publish: Callable[[], None] | None = None,
         prefix: str = DEFAULT_PREFIX,
         max_namespaces_per_tenant: int = 0,
+        tls: TLSConfig | None = None,
     ) -> None:
-        super().__init__(EtcdClient(endpoints, prefix), node_id, follow_quotas=True)
+        super().__init__(EtcdClient(endpoints, prefix, tls=tls), node_id, follow_quotas=True)
         self.store = store
         self.namespaces = NamespaceRegistry(
             store,

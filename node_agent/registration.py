@@ -21,6 +21,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from kvstore.config import TLSConfig
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
 from kvstore import errors
 
@@ -35,10 +36,12 @@ class Registration:
         ttl_s: int,
         prefix: str = DEFAULT_PREFIX,
         on_registered: Callable[[], Awaitable[object]] | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {ttl_s}")
         self._endpoints = endpoints
+        self._tls = tls
         self._prefix = prefix
         self._record = record
         self._on_registered = on_registered
@@ -52,7 +55,10 @@ class Registration:
 
     async def start(self) -> None:
         self._etcd = EtcdClient(
-            self._endpoints, self._prefix, timeout=max(1.0, min(3.0, self.ttl_s / 2))
+            self._endpoints,
+            self._prefix,
+            timeout=max(1.0, min(3.0, self.ttl_s / 2)),
+            tls=self._tls,
         )
         self._task = asyncio.create_task(self._run(), name="etcd-registration")
 

@@ -172,6 +172,7 @@ class AgentServer:
                 self.cfg.node_id,
                 self.hub.publish_pending,
                 max_namespaces_per_tenant=self.cfg.max_namespaces_per_tenant,
+                tls=self.cfg.tls,
             )
             self.telemetry.watch_generations(self.control)
             await self.control.start()
@@ -191,7 +192,7 @@ class AgentServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_pb2_grpc.add_PeerServicer_to_server(self.peer.servicer, self.server)
-        self.port = bind_port(self.server, self.cfg.listen)
+        self.port = bind_port(self.server, self.cfg.listen, self.cfg.tls)
         await self.server.start()
         if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path
             limits = LaneLimits(
@@ -224,6 +225,7 @@ class AgentServer:
                 self.node_record,
                 self.cfg.lease_ttl_s,
                 on_registered=self.control.catch_up,
+                tls=self.cfg.tls,
             )
             await self.registration.start()
         log.info(

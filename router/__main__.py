@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from kvstore.config import RouterConfig, load_config
+from kvstore.config import RouterConfig, load_config, tls_fields
 
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
 
@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--cluster-token-file", help="file holding the bearer token routers present to agents"
     )
+    p.add_argument("--tls-ca", help="mTLS: CA file (tls.ca_file)")
+    p.add_argument("--tls-cert", help="mTLS: this process's certificate (tls.cert_file)")
+    p.add_argument("--tls-key", help="mTLS: its private key (tls.key_file)")
     p.add_argument("--ready-file", help="write the bound address here once serving")
     p.add_argument(
         "--gateway-listen",
@@ -60,9 +63,16 @@ def main(argv=None) -> int:
         "router_id": args.router_id,
         "listen": args.listen,
         "etcd_endpoints": args.etcd_endpoints,
+        "tls": tls_fields(args.tls_ca, args.tls_cert, args.tls_key),
     }
     try:
         cfg = load_config(RouterConfig, args.config, "KVSTORE_ROUTER_", overrides)
+        if cfg.tls.enabled:  # unreadable files: a message now, not a traceback later
+            from kvstore.tls import read_files
+
+            read_files(cfg.tls)
+            if cfg.tls.for_etcd().enabled:
+                read_files(cfg.tls.for_etcd())
         token = os.environ.get(TOKEN_ENV) or None
         if args.cluster_token_file:
             with open(args.cluster_token_file) as f:

@@ -28,7 +28,9 @@ from kvstore.coord.etcd import (
     WatchEvent,
     killswitch_enabled,
 )
+from kvstore.config import TLSConfig
 from kvstore.hashing import split_ids
+from kvstore.tls import aio_channel
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from router.access import NamespaceOwners
@@ -48,9 +50,16 @@ class NodeStream:
     """Follows one agent's event stream into the index until cancelled."""
 
     def __init__(
-        self, core: RouterCore, node_id: str, address: str, subscriber: str, token: str | None
+        self,
+        core: RouterCore,
+        node_id: str,
+        address: str,
+        subscriber: str,
+        token: str | None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.core = core
+        self.tls = tls
         self.node_id = node_id
         self.address = address
         self.subscriber = subscriber
@@ -64,8 +73,8 @@ class NodeStream:
         delay = _RETRY_S[0]
         while True:
             try:
-                async with grpc.aio.insecure_channel(
-                    self.address, options=[("grpc.max_receive_message_length", _MAX_MESSAGE)]
+                async with aio_channel(
+                    self.address, self.tls, [("grpc.max_receive_message_length", _MAX_MESSAGE)]
                 ) as channel:
                     await self._follow(agent_pb2_grpc.NodeAgentStub(channel))
             except Resync as exc:
@@ -149,8 +158,11 @@ class ClusterFollower:
         router_id: str,
         token: str | None = None,
         owners: NamespaceOwners | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
-        """`owners`: fed each namespace's tenant (router/access.py checks Routes with it)."""
+        """`owners`: fed each namespace's tenant (router/access.py checks Routes with it);
+        `tls`: the event streams run over mTLS with these files."""
+        self.tls = tls
         self.core = core
         self.owners = owners or NamespaceOwners()
         self.etcd = etcd
@@ -218,7 +230,7 @@ class ClusterFollower:
                 old.cancel()
             log.info("node %s joined at %s (%s)", rec.node_id, rec.address, rec.device)
             self.streams[rec.node_id] = NodeStream(
-                self.core, rec.node_id, rec.address, self.router_id, self.token
+                self.core, rec.node_id, rec.address, self.router_id, self.token, self.tls
             )
 
     def _remove(self, node_id: str) -> None:

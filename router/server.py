@@ -178,10 +178,12 @@ class RouterServer:
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = bind_port(self.server, self.cfg.listen)
-        self._etcd = EtcdClient(self.cfg.etcd_endpoints, self.etcd_prefix or DEFAULT_PREFIX)
+        self.port = bind_port(self.server, self.cfg.listen, self.cfg.tls)
+        self._etcd = EtcdClient(
+            self.cfg.etcd_endpoints, self.etcd_prefix or DEFAULT_PREFIX, tls=self.cfg.tls
+        )
         self.follower = ClusterFollower(
-            self.core, self._etcd, self.cfg.router_id, self.token, self.owners
+            self.core, self._etcd, self.cfg.router_id, self.token, self.owners, self.cfg.tls
         )
         self.follower.start()
         self.engine_feed = EngineFeed(self.core.engines, self._etcd)  # vLLM KV events

@@ -13,6 +13,13 @@ Fixtures:
   file; returns an AgentProc with `.address`, `.kill()` (SIGKILL), `.stop()` (SIGTERM),
   `.restart()`.
 - `start_router(name=None, token=None, config=None)`: a real router process on that etcd.
+- `pki`: trustme certificates in tmp_path (tests/support/tls.py): `.server` (what every
+  process presents, valid for 127.0.0.1 and localhost), `.client`, `.stranger` (another
+  CA's client pair), `.ca` (to issue more), `.section()` (a config's `tls` section).
+- `tls_etcd`: like `etcd`, serving TLS with `pki.server` and requiring a client
+  certificate of its CA.
+- `start_tls_router(config=None)`: a router with mTLS (`pki.server`) on `tls_etcd`; its
+  helper calls present `pki.client`.
 - `make_ns(**overrides)`: a complete, valid Namespace.
 - `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
   BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
@@ -30,6 +37,7 @@ import pytest
 from support.cluster import RouterProc
 from support.common import AgentProc, EtcdProc, make_namespace, store_maker
 from support.gateway import GatewayProc, StandIn
+from support.tls import make_pki
 
 KINDS = ("unit", "integration", "gpu", "deploy")
 HERE = Path(__file__).resolve().parent
@@ -51,6 +59,33 @@ def etcd(tmp_path):
     e.start()
     yield e
     e.stop()
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return make_pki(tmp_path / "pki")
+
+
+@pytest.fixture
+def tls_etcd(tmp_path, pki):
+    e = EtcdProc(tmp_path / "etcd-tls-data", tls=pki.server)
+    e.start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def start_tls_router(tmp_path, tls_etcd, pki):
+    routers: list[RouterProc] = []
+
+    def start(config: dict | None = None) -> RouterProc:
+        r = RouterProc(tmp_path / f"tls-router-{len(routers)}", tls_etcd.endpoint, "router-tls")
+        routers.append(r)
+        return r.start(config={**pki.section(), **(config or {})}, tls=pki.client)
+
+    yield start
+    for r in routers:
+        r.stop()
 
 
 @pytest.fixture

@@ -27,11 +27,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--service", default="", help='health service name ("" is the whole server)')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    # mTLS (the Helm chart's tls.*): the kubelet's native gRPC probe cannot present these.
+    p.add_argument("--tls-ca", help="CA file: the server must present a certificate of it")
+    p.add_argument("--tls-cert", help="client certificate to present")
+    p.add_argument("--tls-key", help="its private key")
+    p.add_argument("--tls-server-name", help="name to check the server's certificate against")
     return p.parse_args(argv)
 
 
-def check(address: str, service: str, timeout: float) -> int:
-    with grpc.insecure_channel(address) as channel:
+def _channel(args) -> grpc.Channel:
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.address)
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(
+        read(args.tls_ca),
+        read(args.tls_key) if args.tls_key else None,
+        read(args.tls_cert) if args.tls_cert else None,
+    )
+    opts = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.address, creds, options=opts)
+
+
+def check(args) -> int:
+    address, service, timeout = args.address, args.service, args.timeout
+    try:
+        channel = _channel(args)
+    except OSError as exc:
+        print(f"kvstore-health: cannot read a TLS file: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -45,7 +73,7 @@ def check(address: str, service: str, timeout: float) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return check(args.address, args.service, args.timeout)
+    return check(args)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default="INFO",
         help="DEBUG logs every routing decision (default INFO)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mTLS on every port (etcd, agents, router, peers) from a throwaway CA "
+        "written to <state>/tls (ca.crt, and client.crt/client.key for kvctl and "
+        "clients); kvctl finds them there by itself",
+    )
     p.add_argument("--output", choices=("table", "json"), default="table")
     p = sub.add_parser(
         "down",
@@ -99,6 +106,7 @@ def _up(args) -> int:
             args.lease_ttl,
             args.timeout,
             args.router_log_level,
+            tls=args.tls,
             engines=args.engines,
         )
     except ValueError as exc:
@@ -116,6 +124,7 @@ def _up(args) -> int:
                     "router_address": st.router_address,
                     "agents": {p.name: p.address for p in st.agents},
                     "gateway_url": st.gateway_url,
+                    "tls_dir": st.tls_dir,
                 },
                 indent=2,
             )

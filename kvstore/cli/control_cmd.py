@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstore.coord.admin import AckProgress, ControlPlane, Quota
+from kvstore.config import TLSConfig, tls_fields
 from kvstore.coord.etcd import EtcdClient
+from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
@@ -57,15 +59,33 @@ def _token(args) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def _tls(args, target: discover.Found) -> TLSConfig | None:
+    """The flags' files (all three), else the discovered cluster's client pair."""
+    flags = tls_fields(args.tls_ca, args.tls_cert, args.tls_key)
+    if flags is None:
+        return target.tls
+    try:
+        tls = TLSConfig(**flags)
+    except ValueError as exc:
+        raise Usage(f"--tls-ca, --tls-cert and --tls-key go together ({exc})") from None
+    try:
+        read_files(tls)
+    except TLSFilesError as exc:  # names the file that cannot be read
+        raise Usage(str(exc)) from None
+    return tls
+
+
 def _run(args, body) -> int:
     """Open etcd, run `body(etcd)` (a coroutine function returning an exit code), and
-    turn every failure into a message on stderr and its exit code."""
+    turn every failure into a message on stderr and its exit code. `args.tls` is set to
+    the mTLS files every connection presents (None: plaintext)."""
     target = discover.Found("", "")
 
     async def main() -> int:
         nonlocal target
         target = _endpoints(args)
-        async with EtcdClient(target.value, timeout=args.etcd_timeout) as etcd:
+        args.tls = _tls(args, target)
+        async with EtcdClient(target.value, timeout=args.etcd_timeout, tls=args.tls) as etcd:
             return await body(etcd)
 
     try:
@@ -408,7 +428,7 @@ def _unreachable_exit(view: ClusterView, command: str) -> int:
 
 def cmd_status(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout)
+        view = await cluster_view(etcd, _token(args), args.node_timeout, tls=args.tls)
         if args.output == "json":
             d = view.to_dict()
             d.pop("tenants")
@@ -436,7 +456,7 @@ def cmd_status(args) -> int:
 
 def cmd_nodes(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout)
+        view = await cluster_view(etcd, _token(args), args.node_timeout, tls=args.tls)
         if args.output == "json":
             _json({"nodes": [n.to_dict() for n in view.nodes], "routers": list(view.routers)})
         elif view.nodes or view.routers:
@@ -450,7 +470,7 @@ def cmd_nodes(args) -> int:
 
 def cmd_stats(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout, args.tenant)
+        view = await cluster_view(etcd, _token(args), args.node_timeout, args.tenant, tls=args.tls)
         tenants = view.tenants(args.tenant)
         ev = view.evictions()
         if args.output == "json":
@@ -562,6 +582,10 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
         metavar="S",
         help="seconds per etcd call (default 3)",
     )
+    found = "default: the local cluster's tls/ when it runs with mTLS"
+    p.add_argument("--tls-ca", metavar="FILE", help=f"mTLS: the cluster's CA ({found})")
+    p.add_argument("--tls-cert", metavar="FILE", help="mTLS: client certificate")
+    p.add_argument("--tls-key", metavar="FILE", help="mTLS: client key")
     if nodes:
         p.add_argument(
             "--token-file", help=f"cluster token for the agents' Stats (default ${TOKEN_ENV})"

@@ -10,6 +10,9 @@ STATE_DIR/cluster.json, STATE_DIR being .state/cluster by default. So that a bar
   state directory (kvctl cluster ...):  --state-dir > $KVSTORE_STATE_DIR > the same
       search > ./.state/cluster
 
+mTLS: --tls-ca/--tls-cert/--tls-key, else the client pair of the state directory the
+etcd endpoints came from (its tls/ when it was started with `cluster up --tls`).
+
 When nothing is found there is no guess: NoCluster says what was looked at and how to
 point kvctl at a cluster.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from kvstore.config import TLSConfig
 from kvstore.devcluster import STATE_FILE, ClusterError, ClusterState
 
 DEFAULT_STATE = ".state/cluster"
@@ -41,6 +45,7 @@ class NoCluster(Exception):
 class Found:
     value: str  # etcd endpoints, or a state directory
     source: str  # where it came from, as the user would name it
+    tls: TLSConfig | None = None  # a local cluster's client pair (cluster up --tls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +89,9 @@ def state_dir(
 
 def _etcd_of(state: str | os.PathLike, source: str) -> Found:
     """Raises ClusterError (with the state directory named) when it holds no cluster."""
+    st = ClusterState.load(state)
     return Found(
-        ClusterState.load(state).etcd_endpoint, f"{Path(state).resolve() / STATE_FILE} ({source})"
+        st.etcd_endpoint, f"{Path(state).resolve() / STATE_FILE} ({source})", st.client_tls
     )
 
 

@@ -26,7 +26,9 @@ from kvstore.coord.etcd import (
     NodeRecord,
     killswitch_enabled,
 )
+from kvstore.config import TLSConfig
 from kvstore.events import Tier
+from kvstore.tls import aio_channel
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 
 # Counters of the store that say why blocks left (kvstore/store.py).
@@ -193,11 +195,15 @@ def _tenant(t: agent_pb2.TenantStats) -> TenantView:
 
 
 async def node_view(
-    rec: NodeRecord, token: str | None, timeout_s: float, tenant: str | None = None
+    rec: NodeRecord,
+    token: str | None,
+    timeout_s: float,
+    tenant: str | None = None,
+    tls: TLSConfig | None = None,
 ) -> NodeView:
     md = (("authorization", f"Bearer {token}"),) if token else ()
     try:
-        async with grpc.aio.insecure_channel(rec.address) as channel:
+        async with aio_channel(rec.address, tls) as channel:
             resp = await agent_pb2_grpc.NodeAgentStub(channel).Stats(
                 agent_pb2.StatsRequest(tenant=tenant or ""), metadata=md, timeout=timeout_s
             )
@@ -256,6 +262,7 @@ async def cluster_view(
     timeout_s: float = 3.0,
     tenant: str | None = None,
     with_stats: bool = True,
+    tls: TLSConfig | None = None,
 ) -> ClusterView:
     """Everything from etcd (raises kvstore.errors.Unavailable when it cannot be reached),
     then every registered agent's Stats in parallel (unreachable agents are marked)."""
@@ -278,7 +285,7 @@ async def cluster_view(
         except ValueError:
             router_list.append({"router_id": kv.key[len(ROUTERS) :]})
     if with_stats:
-        views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant) for r in nodes))
+        views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant, tls) for r in nodes))
     else:
         views = [NodeView(r.node_id, r.address, r.device, True) for r in nodes]
     switch_info: dict = {}

@@ -35,7 +35,9 @@ import grpc
 import numpy as np
 import torch
 
+from kvstore.config import TLSConfig
 from kvstore.telemetry import TRACER, annotate, traced_channel
+from kvstore.tls import channel, client_tls
 from kvstore.client.convert import (
     block_shape,
     block_tensor,
@@ -143,19 +145,24 @@ class KVClient:
         max_message_bytes: int = 64 * MiB,
         local_lane: bool = True,
         timeout: float = DEFAULT_TIMEOUT_S,
+        tls: TLSConfig | str | None = None,
     ) -> None:
         """`timeout`: the deadline of each RPC, in seconds (methods that take a
-        `timeout` override it per call)."""
+        `timeout` override it per call). `tls`: mTLS to the agent, a TLSConfig (CA,
+        client certificate, key) or a directory holding ca.crt, client.crt and
+        client.key (what `kvctl cluster up --tls` writes under <state>/tls)."""
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.address = address
         self.tenant_secret = tenant_secret
         self.timeout = timeout
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tls = client_tls(tls)
         self.channel = traced_channel(
-            grpc.insecure_channel(
+            channel(
                 address,
-                options=[
+                self.tls,
+                [
                     ("grpc.max_send_message_length", max_message_bytes),
                     ("grpc.max_receive_message_length", max_message_bytes),
                 ],

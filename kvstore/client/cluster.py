@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from kvstore.config import TLSConfig
 from kvstore.telemetry import TRACER, annotate, traced_channel
+from kvstore.tls import channel, client_tls
 from kvstore.client import KVClient, NamespaceHandle, PrefixHit, Usage
 from kvstore.client.errors import from_rpc
 from kvstore.client.results import PrefetchResult
@@ -124,7 +126,10 @@ class ClusterClient:
         use_shm: bool | None = None,
         shm_bytes: int = 64 * MiB,
         timeout: float = 10.0,
+        tls: TLSConfig | str | None = None,
     ) -> None:
+        """`tls`: mTLS to the router and every agent (KVClient's `tls`)."""
+        self.tls = client_tls(tls)
         self.router_address = router_address
         self.token = token
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
@@ -132,7 +137,7 @@ class ClusterClient:
         self.timeout = timeout
         self._use_shm = use_shm
         self._shm_bytes = shm_bytes
-        self._channel = traced_channel(grpc.insecure_channel(router_address))
+        self._channel = traced_channel(channel(router_address, self.tls))
         self.router = router_pb2_grpc.RouterStub(self._channel)
         self._clients: dict[str, KVClient] = {}
         self._nodes: dict[str, router_pb2.NodeInfo] = {}  # node id -> addresses (cache)
@@ -164,6 +169,7 @@ class ClusterClient:
                     use_shm=self._use_shm,
                     shm_bytes=self._shm_bytes,
                     timeout=self.timeout,
+                    tls=self.tls,
                 )
                 self._clients[address] = client
             return client

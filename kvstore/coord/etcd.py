@@ -58,6 +58,8 @@ from etcd3aio.lease import LeaseService
 
 from kvstore import errors
 from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.config import TLSConfig
+from kvstore.tls import channel_credentials
 
 log = logging.getLogger("kvstore.etcd")
 
@@ -223,15 +225,29 @@ class EtcdClient:
     that uses it; `close()` when done (or use `async with`)."""
 
     def __init__(
-        self, endpoints: str | Sequence[str], prefix: str = DEFAULT_PREFIX, timeout: float = 3.0
+        self,
+        endpoints: str | Sequence[str],
+        prefix: str = DEFAULT_PREFIX,
+        timeout: float = 3.0,
+        tls: TLSConfig | None = None,
     ) -> None:
+        """`tls` on: etcd's own TLS with a client certificate (TLSConfig.for_etcd); each
+        etcd server's certificate must name the first endpoint's host (one channel
+        balances over all of them, and gRPC checks one name)."""
         self.endpoints = parse_endpoints(endpoints)
         if not prefix.endswith("/"):
             raise ValueError(f"etcd prefix must end with '/', got {prefix!r}")
         self.prefix = prefix
         self.timeout = timeout
         target = "ipv4:" + ",".join(self.endpoints)
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        etcd_tls = tls.for_etcd() if tls is not None else None
+        if etcd_tls is not None and etcd_tls.enabled:
+            host = self.endpoints[0].rsplit(":", 1)[0]
+            opts = [*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
+            creds = channel_credentials(etcd_tls)
+            self._channel = grpc.aio.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._kv = KVService(self._channel, max_attempts=2)
         self._lease = LeaseService(self._channel, max_attempts=2)
         self._lease_stub = LeaseStub(self._channel)

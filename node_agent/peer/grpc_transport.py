@@ -11,7 +11,9 @@ from dataclasses import replace
 
 import grpc
 
+from kvstore.config import TLSConfig
 from kvstore.telemetry import trace_metadata
+from kvstore.tls import aio_channel
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
@@ -91,7 +93,10 @@ class GrpcTransport:
 
     name = "grpc"
 
-    def __init__(self, max_message_bytes: int, io_timeout_s: float) -> None:
+    def __init__(
+        self, max_message_bytes: int, io_timeout_s: float, tls: TLSConfig | None = None
+    ) -> None:
+        self._tls = tls  # mTLS to the peer's gRPC port (kvstore/tls.py)
         self._max_message_bytes = max_message_bytes
         self._io_timeout = io_timeout_s
         self._opts = [
@@ -117,7 +122,7 @@ class GrpcTransport:
     def _stub(self, address: str) -> peer_pb2_grpc.PeerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=self._opts)
+            ch = self._channels[address] = aio_channel(address, self._tls, self._opts)
         return peer_pb2_grpc.PeerStub(ch)
 
     async def close(self) -> None:

@@ -34,12 +34,19 @@ class PeerTransfer:
         source = BlockSource(store, self._requests, staging, pcfg, counters)
         self._ucx = (
             UcxTransport(
-                store, source, staging, TokenTable.from_config(cfg), pcfg, counters, cfg.peer_port
+                store,
+                source,
+                staging,
+                TokenTable.from_config(cfg),
+                pcfg,
+                counters,
+                cfg.peer_port,
+                cfg.tls,
             )
             if cfg.ucx_enabled
             else None
         )
-        grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s)
+        grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s, cfg.tls)
         # Order of preference: UCX, then gRPC for whatever UCX could not move.
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
         self._credential = PeerCredential(read_token(cfg.agent_token_file))

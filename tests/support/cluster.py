@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from support.common import ROOT, wait_for
 
+from kvstore.tls import channel
 from kvstore.v1 import router_pb2, router_pb2_grpc
 
 
@@ -34,8 +35,10 @@ class RouterProc:
         timeout: float = 30.0,
         token: str | None = None,
         config: dict | None = None,
+        tls=None,
     ) -> "RouterProc":
-        """`config`: RouterConfig fields, written to a file the router loads."""
+        """`config`: RouterConfig fields, written to a file the router loads; `tls`: the
+        client pair (a TLSConfig) this helper's own calls present to a router with mTLS."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         ready = self.workdir / "ready"
         ready.unlink(missing_ok=True)
@@ -76,7 +79,7 @@ class RouterProc:
             return ready.exists() and ready.read_text().strip()
 
         self.address = wait_for(is_ready, timeout, what="router ready file")
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = channel(self.address, tls)
         self.stub = router_pb2_grpc.RouterStub(self._channel)
         return self
 

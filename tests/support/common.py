@@ -49,7 +49,10 @@ def _stop_proc(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 10.0
 
 
 class EtcdProc:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, tls=None) -> None:
+        """`tls`: a kvstore.config.TLSConfig: etcd serves TLS with that pair and requires
+        a client certificate of its CA (--client-cert-auth), as kvctl cluster up --tls."""
+        self.tls = tls
         self.data_dir = data_dir
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -62,7 +65,12 @@ class EtcdProc:
 
     def start(self) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
-        cu = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        cu = f"{scheme}://127.0.0.1:{self.client_port}"
+        tls_flags = []
+        if self.tls is not None:
+            tls_flags = ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
+            tls_flags += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         pu = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
             [
@@ -83,6 +91,7 @@ class EtcdProc:
                 f"test={pu}",
                 "--log-level",
                 "warn",
+                *tls_flags,
             ],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
@@ -90,13 +99,9 @@ class EtcdProc:
         wait_for(self._healthy, 30, what="etcd health")
 
     def _healthy(self) -> bool:
-        import urllib.request
+        from kvstore.devcluster import etcd_healthy
 
-        try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
-                return b"true" in r.read()
-        except OSError:
-            return False
+        return etcd_healthy(self.endpoint, tls=self.tls)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -21,6 +21,7 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
+from node_agent.peer.ucx.auth import UcxAuth, connect_handshake
 from node_agent.peer.ucx.wire import (
     ACK,
     check_runs,
@@ -49,7 +50,9 @@ class UcxFetcher:
         pcfg: PeerConfig,
         counters: Counters,
         in_place: bool,
+        auth: UcxAuth | None = None,
     ) -> None:
+        self._auth = auth  # the certificate handshake on each new connection (auth.py)
         self._ucx = ucx  # the initialised ucxx module
         self._store = store
         self._staging = staging
@@ -110,6 +113,17 @@ class UcxFetcher:
                 log.debug("kept UCX connection to %s was gone (%s); reconnecting", address, exc)
                 self._counters.add("peer_ucx_reconnects")
         ep = await self._connect(address, deadline)
+        if self._auth is not None:
+            try:
+                await connect_handshake(ep, self._auth, address, deadline, self._pcfg.io_timeout_s)
+            except BaseException as exc:
+                ep.abort()
+                if isinstance(exc, PeerTransportError) or not isinstance(exc, Exception):
+                    raise
+                # The listener aborts a connection whose proof it refused: UCX errors.
+                raise PeerTransportError(
+                    f"UCX handshake with {address}: {type(exc).__name__}: {exc}"
+                ) from exc
         await self._transfer(ep, address, req, sink, batch, deadline, False)
 
     async def _transfer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 import numpy as np
@@ -18,6 +19,7 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerTransportError, within
 from node_agent.peer.serve import BlockSource, ReadBatch, ServeRequest
 from node_agent.peer.staging import runs_of, spans
+from node_agent.peer.ucx.auth import UcxAuth, accept_handshake
 from node_agent.peer.ucx.wire import (
     ACK,
     MESSAGE_BYTES,
@@ -43,7 +45,13 @@ class UcxServer:
         pcfg: PeerConfig,
         counters: Counters,
         borrow: bool,
+        auth: UcxAuth | None = None,
+        address: Callable[[], str] = lambda: "",
     ) -> None:
+        """`auth`: every connection must pass the certificate handshake first
+        (node_agent/peer/ucx/auth.py), made for the listener's `address()`."""
+        self._auth = auth
+        self._address = address
         self._source = source
         self._tokens = tokens
         self._pcfg = pcfg
@@ -67,6 +75,12 @@ class UcxServer:
         far = time.monotonic() + 1e9
         io = self._pcfg.io_timeout_s
         try:
+            if self._auth is not None:
+                try:
+                    await accept_handshake(ep, self._auth, self._address(), control, io)
+                except PeerTransportError:
+                    self._counters.add("peer_ucx_auth_refused")
+                    raise
             while True:
                 try:
                     raw = await within(

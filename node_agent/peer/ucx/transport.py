@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.config import PeerConfig
+from kvstore.config import PeerConfig, TLSConfig
 from kvstore.store import BlockStore
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
@@ -15,6 +15,7 @@ from node_agent.peer.serve import BlockSource
 from node_agent.peer.sink import BatchSink
 from node_agent.peer.staging import StagingPool
 from node_agent.peer.transport import PeerRef
+from node_agent.peer.ucx.auth import UcxAuth
 from node_agent.peer.ucx.fetch import UcxFetcher
 from node_agent.peer.ucx.serve import UcxServer
 from node_agent.peer.ucx.wire import init_ucx, ucx_cuda_support
@@ -38,7 +39,10 @@ class UcxTransport:
         pcfg: PeerConfig,
         counters: Counters,
         port: int,
+        tls: TLSConfig | None = None,
     ) -> None:
+        # With mTLS configured, UCX connections are authenticated with the same files.
+        self._auth = UcxAuth(tls) if tls is not None and tls.enabled else None
         self._store = store
         self._source = source
         self._staging = staging
@@ -62,7 +66,13 @@ class UcxTransport:
             ucx = init_ucx(self._pcfg.shared_memory)
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
             server = UcxServer(
-                self._source, self._tokens, self._pcfg, self._counters, borrow=self.in_place
+                self._source,
+                self._tokens,
+                self._pcfg,
+                self._counters,
+                borrow=self.in_place,
+                auth=self._auth,
+                address=lambda: self.address,
             )
             listener = ucx.create_listener(
                 server.handle, port=self._port, endpoint_error_handling=True
@@ -74,7 +84,7 @@ class UcxTransport:
             return
         self._ucx, self._server, self._listener = ucx, server, listener
         self._fetcher = UcxFetcher(
-            ucx, self._store, self._staging, self._pcfg, self._counters, self.in_place
+            ucx, self._store, self._staging, self._pcfg, self._counters, self.in_place, self._auth
         )
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"

@@ -155,3 +155,47 @@ capabilities:
 {{- define "kvstore.gatewaySecretName" -}}
 {{- printf "%s-gateway" (include "kvstore.fullname" .) -}}
 {{- end }}
+
+{{/* The `tls:` section of agent.yaml and router.yaml (kvstore.config.TLSConfig): the
+     mounted Secret's files; server_name is the name every process's certificate
+     carries (agents are dialled by pod IP, which one shared certificate cannot name). */}}
+{{- define "kvstore.tlsConfig" -}}
+{{- if .Values.tls.enabled -}}
+tls:
+  ca_file: {{ printf "%s/ca.crt" .Values.tls.mountPath | quote }}
+  cert_file: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
+  key_file: {{ printf "%s/tls.key" .Values.tls.mountPath | quote }}
+  server_name: {{ include "kvstore.tlsServerName" . | quote }}
+  etcd: {{ .Values.tls.etcd }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "kvstore.fullname" .) .Release.Namespace) .Values.tls.serverName -}}
+{{- end -}}
+
+{{/* A gRPC health probe: the kubelet's native one, or, with mTLS (the kubelet cannot
+     present a client certificate), the image's kvstore-health with the mounted pair.
+     dict: root, port, service (optional). */}}
+{{- define "kvstore.grpcProbe" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled -}}
+exec:
+  command:
+    - /opt/kvstore/bin/kvstore-health
+    - {{ printf "127.0.0.1:%v" .port | quote }}
+    {{- with .service }}
+    - --service={{ . }}
+    {{- end }}
+    - --tls-ca={{ $t.mountPath }}/ca.crt
+    - --tls-cert={{ $t.mountPath }}/tls.crt
+    - --tls-key={{ $t.mountPath }}/tls.key
+    - --tls-server-name={{ include "kvstore.tlsServerName" .root }}
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end -}}
+{{- end -}}

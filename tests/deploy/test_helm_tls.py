@@ -1,0 +1,101 @@
+"""The chart's tls.* values configure every process (kvstore.config.TLSConfig in agent.yaml
+and router.yaml, pointing at the mounted Secret), the bundled etcd serves TLS with client
+certificates, probes present the pair (the kubelet's gRPC probe cannot), and the optional
+cert-manager Certificate writes the Secret everything mounts, naming what clients check."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.config import AgentConfig, RouterConfig
+
+from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
+    agent_containers,
+    helm,
+    load_as_container,
+    one,
+    render,
+    render_error,
+)
+
+TLS = (
+    "tls.enabled=true",
+    "tls.certManager.enabled=true",
+    "tls.certManager.issuerRef.name=cluster-ca",
+    "tls.certManager.issuerRef.kind=ClusterIssuer",
+)
+
+
+def _mount_of(container: dict, volume: str) -> str:
+    return next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume)
+
+
+def _volume_secret(pod_spec: dict, volume: str) -> str:
+    return next(v["secret"]["secretName"] for v in pod_spec["volumes"] if v["name"] == volume)
+
+
+@pytest.mark.parametrize("values", ["minimal-values.yaml", "production-values.yaml"])
+def test_tls_values_configure_every_process(helm, values, tmp_path, monkeypatch):  # noqa: F811
+    docs = render(helm, values, *TLS)
+    cert = one(docs, "Certificate", "-tls")
+    secret = cert["spec"]["secretName"]
+    assert cert["spec"]["issuerRef"] == {
+        "name": "cluster-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    ds = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    router_pod = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+    router = router_pod["containers"][0]
+    rcfg = load_as_container(
+        docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+    )
+    agents = [
+        (
+            c,
+            load_as_container(
+                docs, c, AgentConfig, "agent.yaml", "KVSTORE_AGENT_", tmp_path, monkeypatch
+            ),
+        )
+        for c in agent_containers(docs)
+    ]
+    for container, cfg, pod in [(router, rcfg, router_pod)] + [(c, a, ds) for c, a in agents]:
+        tls = cfg.tls
+        assert tls.enabled and tls.require_client_cert and tls.etcd
+        mount = _mount_of(container, "tls")
+        assert {tls.ca_file, tls.cert_file, tls.key_file} == {
+            f"{mount}/ca.crt",
+            f"{mount}/tls.crt",
+            f"{mount}/tls.key",
+        }
+        assert _volume_secret(pod, "tls") == secret
+        assert tls.server_name in cert["spec"]["dnsNames"]  # what channels check
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            cmd = container[probe]["exec"]["command"]
+            assert cmd[0] == "/opt/kvstore/bin/kvstore-health" and "grpc" not in container[probe]
+            assert f"--tls-cert={tls.cert_file}" in cmd
+            assert f"--tls-server-name={tls.server_name}" in cmd
+    etcd = one(docs, "StatefulSet", "-etcd")["spec"]["template"]["spec"]
+    args = etcd["containers"][0]["args"]
+    assert "--client-cert-auth" in args
+    assert any(a.startswith("--listen-client-urls=https://") for a in args)
+    assert _volume_secret(etcd, "tls") == secret
+    first = rcfg.etcd_endpoints.split(",")[0].rsplit(":", 1)[0]
+    wildcard = "*." + first.split(".", 1)[1]
+    assert wildcard in cert["spec"]["dnsNames"]  # EtcdClient checks the first endpoint
+
+
+def test_without_tls_nothing_changes_and_bad_tls_values_are_refused(helm, tmp_path):  # noqa: F811
+    docs = render(helm, "minimal-values.yaml")
+    assert not [d for d in docs if d["kind"] == "Certificate"]
+    cm = one(docs, "ConfigMap", "-config")
+    assert "tls:" not in cm["data"]["agent.yaml"] and "tls:" not in cm["data"]["router.yaml"]
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "grpc" in router["readinessProbe"]
+    err = render_error(helm, "minimal-values.yaml", "tls.enabled=true")
+    assert "tls.certManager.enabled" in err
+    err = render_error(
+        helm, "minimal-values.yaml", "tls.enabled=true", "tls.certManager.enabled=true"
+    )
+    assert "issuerRef.name" in err
