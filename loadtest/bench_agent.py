@@ -56,10 +56,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.client import KVClient
 from kvstore.config import TLSConfig
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
-from kvstore.namespace import Namespace
 from kvstore.store import BlockStore, PackedIds, PutItem
 from kvstore.tiers.pool import DevicePool
-from loadtest.bench_nvme import nvme_rates
+from loadtest.bench_nvme import llama3_8b, nvme_rates
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -67,33 +66,6 @@ MiB = 1 << 20
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def llama3_8b(name: str, **kw) -> Namespace:
-    base = dict(
-        tenant="bench",
-        name=name,
-        model_name="llama-3-8b",
-        model_revision="r1",
-        adapter_id="none",
-        adapter_revision="none",
-        tokenizer_id="llama3",
-        tokenizer_revision="r1",
-        rope_type="llama3",
-        rope_theta=500000.0,
-        rope_scaling="none",
-        attention_impl="sdpa",
-        kv_dtype="float16",
-        prompt_template_version="v1",
-        num_layers=32,
-        num_kv_heads=8,
-        head_dim=128,
-        tp_rank=0,
-        tp_size=1,
-        block_size=16,
-    )
-    base.update(kw)
-    return Namespace(**base)
 
 
 def memcpy_gbps(size: int = GiB, reps: int = 3) -> float:

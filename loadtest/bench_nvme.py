@@ -48,10 +48,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def spec() -> Namespace:
-    return Namespace(
+def llama3_8b(name: str, **kw) -> Namespace:
+    """Llama-3-8B's KV layout (2 MiB blocks of 16 tokens, fp16): the benchmarks' default."""
+    base = dict(
         tenant="bench",
-        name="nvme",
+        name=name,
         model_name="llama-3-8b",
         model_revision="r1",
         adapter_id="none",
@@ -70,8 +71,13 @@ def spec() -> Namespace:
         tp_rank=0,
         tp_size=1,
         block_size=16,
-        public=True,
     )
+    base.update(kw)
+    return Namespace(**base)
+
+
+def spec() -> Namespace:
+    return llama3_8b("nvme", public=True)
 
 
 def open_store(path: Path, n: int, sealer: Sealer | None) -> BlockStore:
