@@ -56,7 +56,9 @@ def interleaved_chat_trace(path: Path, seed: int = 3) -> None:
             lines.append(
                 {"t": t, "tenant": tenant, "namespace": "docs", "public": True, "tokens": doc}
             )
-            t += 0.05
+            # Tenant-1 asks a second after tenant-0: its store must have landed first, or
+            # on a loaded host both run at once and tenant-1 misses (seen once in make test).
+            t += 1.0
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
