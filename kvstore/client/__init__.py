@@ -426,12 +426,7 @@ class KVClient:
         request_id: str = "",
     ) -> "Blocks":
         """get_views, with the tier each block was served from."""
-        if self._staging is None:
-            raise RuntimeError("get_views needs the same-host shared-memory path")
-        cap = self.staging_capacity(ns)
-        if len(ids) > cap:
-            raise ValueError(f"get_views takes at most {cap} blocks at once")
-        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
+        resp = self._get_staged("get_views", ns, ids, parent, timeout, request_id)
         return Blocks(self.staging_views(ns, resp.count), list(resp.tiers))
 
     def get_staged_tensor(
@@ -445,23 +440,26 @@ class KVClient:
         """get_views as one (n, *block shape) tensor over the staging area: zero-copy,
         valid until the next call on this client; n leading blocks were served. One
         tensor, so a caller copies all of them out in one operation."""
-        if self._staging is None:
-            raise RuntimeError("get_staged_tensor needs the same-host shared-memory path")
-        cap = self.staging_capacity(ns)
-        if len(ids) > cap:
-            raise ValueError(f"get_staged_tensor takes at most {cap} blocks at once")
-        resp = self._get_staged(ns, ids, ns.root if parent is None else parent, timeout, request_id)
+        resp = self._get_staged("get_staged_tensor", ns, ids, parent, timeout, request_id)
         return self._staging_blocks(ns)[: resp.count]
 
     def _get_staged(
         self,
+        what: str,
         ns: NamespaceHandle,
         ids: list[bytes],
-        parent: bytes,
+        parent: bytes | None,
         timeout: float | None = None,
         request_id: str = "",
     ) -> agent_pb2.GetResponse:
-        """Get into staging slots 0..len(ids) (the caller checked the capacity)."""
+        """Get into staging slots 0..len(ids), for the zero-copy call `what`: it needs the
+        shared-memory path and at most the staging area's capacity."""
+        if self._staging is None:
+            raise RuntimeError(f"{what} needs the same-host shared-memory path")
+        cap = self.staging_capacity(ns)
+        if len(ids) > cap:
+            raise ValueError(f"{what} takes at most {cap} blocks at once")
+        parent = ns.root if parent is None else parent
         offsets = range(0, len(ids) * ns.block_bytes, ns.block_bytes)
         packed = pack_ids(ids)
         return self._call(
@@ -519,7 +517,12 @@ class KVClient:
             for start in range(0, len(ids), cap):
                 chunk = ids[start : start + cap]
                 resp = self._get_staged(
-                    ns, chunk, parent if start == 0 else ids[start - 1], timeout, request_id
+                    "get",
+                    ns,
+                    chunk,
+                    parent if start == 0 else ids[start - 1],
+                    timeout,
+                    request_id,
                 )
                 # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
                 # per block costs ~20 us each on small blocks, and one huge buffer is

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvstore.coord.records import record_from_json
+
 __all__ = ["ENGINES", "EngineRecord"]
 
 ENGINES = "engines/"
@@ -55,14 +57,5 @@ class EngineRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "EngineRecord":
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"engine record is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("engine record must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        try:  # newer registrars may add fields; ignore what we do not know
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as exc:  # a required field missing
-            raise ValueError(f"engine record: {exc}") from None
+        # Newer registrars may add fields: ignored.
+        return record_from_json(cls, raw, "engine record")

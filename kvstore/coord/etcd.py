@@ -34,7 +34,7 @@ import logging
 import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import grpc
 from etcd3aio import (
@@ -58,6 +58,7 @@ from etcd3aio.lease import LeaseService
 
 from kvstore import errors
 from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.records import record_from_json
 from kvstore.config import TLSConfig
 from kvstore.tls import channel_credentials
 
@@ -135,15 +136,8 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "NodeRecord":
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"node record is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("node record must be a JSON object")
-        known = {f.name for f in fields(cls)}
         # Newer agents may add fields; an older router ignores what it does not know.
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return record_from_json(cls, raw, "node record")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,27 @@
+"""JSON records kept in etcd (nodes/, engines/): decoded one way, with newer writers'
+extra fields ignored so an older reader keeps working during a rolling upgrade."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def record_from_json(cls: type[T], raw: bytes, what: str) -> T:
+    """`cls` built from the JSON object `raw`; ValueError naming `what` when it is not
+    one, or misses a required field."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # cls is a dataclass
+    kept: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+    try:
+        return cls(**kept)
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"{what}: {exc}") from None
