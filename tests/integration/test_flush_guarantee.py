@@ -135,6 +135,12 @@ def test_flush_reaches_namespaces_whose_registration_is_pending(etcd, make_store
                             break
                         await asyncio.sleep(0.05)
                     assert rec is not None and rec["generation"] == 1, (spec.name, rec)
+                # the record lands in etcd just before the agent's claim returns and
+                # drops the spec from its pending list: wait for that step too
+                for _ in range(400):
+                    if not control.namespaces.pending:
+                        break
+                    await asyncio.sleep(0.05)
                 assert control.namespaces.pending == []
                 report = await plane.flush("acme", "chat", 15.0)
                 assert report.ok and report.progress.unregistered == 0
