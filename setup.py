@@ -16,8 +16,12 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 SRC = "kvstore/native"
-SOURCES = [f"{SRC}/{name}.c" for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy")]
-HEADERS = [f"{SRC}/{name}.h" for name in ("common", "blake2b", "blake2b_impl", "xxh64", "copy")]
+SOURCES = [
+    f"{SRC}/{name}.c" for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable")
+]
+HEADERS = [
+    f"{SRC}/{name}.h" for name in ("common", "blake2b", "blake2b_impl", "xxh64", "copy", "idtable")
+]
 
 
 def _required_rule():

@@ -29,7 +29,6 @@ from kvstore.coord.etcd import (
     killswitch_enabled,
 )
 from kvstore.config import TLSConfig
-from kvstore.hashing import split_ids
 from kvstore.tls import aio_channel
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
@@ -135,13 +134,15 @@ class NodeStream:
             call.cancel()
 
     def _apply(self, ev: agent_pb2.Event) -> None:
+        # Packed ids go to the index as they came (it validates them: a length that is
+        # not a multiple of 16 is a ValueError, and the stream resyncs).
         index = self.core.index
         if ev.kind == agent_pb2.Event.STORED:
-            index.store(self.node_id, split_ids(ev.block_ids), ev.tier or 1)
+            index.store(self.node_id, ev.block_ids, ev.tier or 1)
         elif ev.kind == agent_pb2.Event.REMOVED:
-            index.remove(self.node_id, split_ids(ev.block_ids))
+            index.remove(self.node_id, ev.block_ids)
         elif ev.kind == agent_pb2.Event.TIER_CHANGED:
-            index.set_tier(self.node_id, split_ids(ev.block_ids), ev.tier)
+            index.set_tier(self.node_id, ev.block_ids, ev.tier)
         elif ev.kind == agent_pb2.Event.NAMESPACE_CLEARED:
             raise Resync(
                 f"namespace {ev.namespace_id.hex()[:12]} cleared to generation {ev.generation}"

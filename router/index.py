@@ -1,34 +1,81 @@
 """Global block index: block id -> which nodes hold it, and in which tier. Pure, no I/O;
 fed only by the agents' event streams (router/follower.py).
 
-Memory layout. One dict maps the 16-byte block id to a small int: bit 2s is set when the
-node in slot s holds the block, bit 2s+1 when that copy is on NVMe only. Equal masks are
-interned, so a million blocks replicated on the same few nodes share a handful of int
-objects; what remains per block is the bytes key and its dict slot (~100 bytes per block,
-~50 per (block, node) entry at two replicas; loadtest/bench_router.py measures it).
+Memory layout. An id table (router/idtable.py; in C, 20 bytes a slot at 35-70% load)
+maps the 16-byte block id to a small mask id. A mask is an int: bit 2s is set when the
+node in slot s holds the block, bit 2s+1 when that copy is on NVMe only; masks are
+interned (a million blocks replicated on the same few nodes share one mask id), so what a
+block costs is its table slot: ~20 bytes per (block, node) entry at 1.6 replicas, against
+~59 for the dict of bytes keys this replaced (loadtest/bench_router.py measures it).
 Block ids are chained hashes rooted in the namespace, so they are globally unique and the
 namespace is not part of the key.
 
+Events apply as set operations: a batch's distinct old masks are few, so each gets its
+new mask once in Python and the table moves every id of the batch in C.
+
 Route cost. Agents keep their stores prefix-consistent (a block never stays on a node
 without its parent), so "node n holds block i of a prompt" is monotone in i: the holder
-mask only loses bits along a prompt. `prefix_lengths` therefore binary-searches for the few
-points where the mask shrinks instead of scanning the prompt: O(holders x log(prompt
-blocks)) dict probes, independent of how many blocks are indexed.
+set only loses nodes along a prompt. Each mask has a class, its holder set without tiers;
+`prefix_lengths` bisects (in C) for the few points where the class changes instead of
+scanning the prompt: O(drop points x log(prompt blocks)) probes, independent of how many
+blocks are indexed and of how many nodes there are.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 
 from kvstore.events import Tier
+from router.idtable import IdTable, new_table
 
 ID = 16
 
 
-class BlockIndex:
+def _packed(ids: Iterable[bytes] | bytes) -> bytes:
+    """Packed ids from packed bytes (what events carry) or an iterable of 16-byte ids."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        return bytes(ids)
+    lst = ids if isinstance(ids, list) else list(ids)
+    packed = b"".join(lst)
+    if len(packed) != ID * len(lst):
+        raise ValueError("block ids must be 16 bytes each")
+    return packed
+
+
+class Masks:
+    """Interned holder masks (id 0: the empty mask) and their classes (the held bits
+    alone; class 0: held nowhere). `cls` is what the C walk reads."""
+
     def __init__(self) -> None:
-        self._map: dict[bytes, int] = {}
-        self._intern: dict[int, int] = {}
+        self.mask: list[int] = [0]
+        self.ids: dict[int, int] = {0: 0}
+        self.cls = array("I", [0])
+        self.cls_bits: list[int] = [0]
+        self._cls_ids: dict[int, int] = {0: 0}
+
+    def intern(self, mask: int, even: int) -> int:
+        i = self.ids.get(mask)
+        if i is None:
+            i = self.ids[mask] = len(self.mask)
+            self.mask.append(mask)
+            held = mask & even
+            c = self._cls_ids.get(held)
+            if c is None:
+                c = self._cls_ids[held] = len(self.cls_bits)
+                self.cls_bits.append(held)
+            self.cls.append(c)
+        return i
+
+    def __len__(self) -> int:
+        return len(self.mask)
+
+
+class BlockIndex:
+    def __init__(self, native: bool = True) -> None:
+        """`native`: the C id table when the extension is built (False: the dict one)."""
+        self._tbl: IdTable = new_table(native)
+        self._m = Masks()
         self._slot_of: dict[str, int] = {}
         self._node_of: list[str | None] = []
         self._free: list[int] = []
@@ -72,23 +119,15 @@ class BlockIndex:
     def _clear_slot(self, slot: int) -> int:
         if not self._held[slot]:
             return 0
-        both = 3 << (2 * slot)
-        keep = ~both
-        emptied = []
-        intern: dict[int, int] = {}
-        m = self._map
-        for k, v in m.items():
-            if v & both:
-                v &= keep
-                if not v:
-                    emptied.append(k)
-                    continue
-                m[k] = intern.setdefault(v, v)
-            else:
-                intern.setdefault(v, v)
-        for k in emptied:
-            del m[k]
-        self._intern = intern  # rebuilt from live masks: drops masks nobody uses now
+        keep = ~(3 << (2 * slot))
+        old, fresh = self._m, Masks()
+        # Masks are renumbered from the live ones: masks nobody uses now are dropped.
+        trans = array("I", bytes(4 * len(old)))
+        for u, live in enumerate(self._tbl.used(len(old))):
+            if live:
+                trans[u] = fresh.intern(old.mask[u] & keep, self._even)
+        self._tbl.remap(trans)
+        self._m = fresh
         n = self._held[slot]
         self._held[slot] = self._nvme[slot] = 0
         return n
@@ -103,77 +142,75 @@ class BlockIndex:
         return (0, 0) if slot is None else (self._held[slot], self._nvme[slot])
 
     # ------------------------------------------------------------------ events
-    def store(self, node_id: str, ids: Iterable[bytes], tier: Tier | int = Tier.HBM) -> int:
-        """Blocks now on the node in `tier`. Returns how many were new to the node."""
+    def store(self, node_id: str, ids: Iterable[bytes] | bytes, tier: Tier | int = Tier.HBM) -> int:
+        """Blocks now on the node in `tier` (`ids`: 16-byte ids, or packed). Returns how
+        many were new to the node."""
+        packed = _packed(ids)
         slot = self.add_node(node_id)
         held, nv = 1 << (2 * slot), 2 << (2 * slot)
-        want = held | (nv if int(tier) == Tier.NVME else 0)
-        keep = ~(held | nv)
-        m, intern = self._map, self._intern
-        to_nvme = int(bool(want & nv))
-        # Set algebra runs in C: ids no node holds yet (most of a snapshot) go in with one
-        # dict update; only those already indexed take the per-block mask merge below.
-        batch = set(ids)
-        known = batch & m.keys()
-        fresh = batch - known if known else batch
-        if fresh:
-            m.update(dict.fromkeys(fresh, intern.setdefault(want, want)))
-        new, nvme_delta = len(fresh), to_nvme * len(fresh)
-        for bid in known:
-            v = m[bid]
-            new += not v & held
-            nvme_delta += to_nvme - bool(v & nv)  # the NVMe bit is only ever set with held
-            v = (v & keep) | want
-            m[bid] = intern.setdefault(v, v)
+        to_nvme = int(int(tier) == Tier.NVME)
+        want, keep = held | (nv if to_nvme else 0), ~(held | nv)
+        m, even = self._m, self._even
+        olds = self._tbl.distinct(packed)
+        news = [m.intern((m.mask[u] & keep) | want, even) for u in olds]
+        new = nvme_delta = 0
+        for u, c in zip(olds, self._tbl.transition(packed, olds, news)):
+            v = m.mask[u]
+            if not v & held:
+                new += c
+                nvme_delta += c * to_nvme
+            else:  # the NVMe bit is only ever set with held
+                nvme_delta += c * (to_nvme - bool(v & nv))
         self._held[slot] += new
         self._nvme[slot] += nvme_delta
         return new
 
-    def remove(self, node_id: str, ids: Iterable[bytes]) -> int:
+    def remove(self, node_id: str, ids: Iterable[bytes] | bytes) -> int:
         """Blocks that left the node (every tier). Returns how many it held."""
         slot = self._slot_of.get(node_id)
         if slot is None:
             return 0
+        packed = _packed(ids)
         held, nv = 1 << (2 * slot), 2 << (2 * slot)
         keep = ~(held | nv)
-        m, intern = self._map, self._intern
+        m, even = self._m, self._even
+        olds = [u for u in self._tbl.distinct(packed) if m.mask[u] & held]
+        if not olds:
+            return 0
+        news = [m.intern(m.mask[u] & keep, even) for u in olds]
         gone = gone_nvme = 0
-        for bid in ids:
-            v = m.get(bid, 0)
-            if not v & held:
-                continue
-            gone += 1
-            gone_nvme += bool(v & nv)
-            v &= keep
-            if v:
-                m[bid] = intern.setdefault(v, v)
-            else:
-                del m[bid]
+        for u, c in zip(olds, self._tbl.transition(packed, olds, news)):
+            gone += c
+            gone_nvme += c * bool(m.mask[u] & nv)
         self._held[slot] -= gone
         self._nvme[slot] -= gone_nvme
         return gone
 
-    def set_tier(self, node_id: str, ids: Iterable[bytes], tier: Tier | int) -> None:
+    def set_tier(self, node_id: str, ids: Iterable[bytes] | bytes, tier: Tier | int) -> None:
         """Blocks the node moved between tiers; ids it does not hold are ignored."""
         slot = self._slot_of.get(node_id)
         if slot is None:
             return
+        packed = _packed(ids)
         held, nv = 1 << (2 * slot), 2 << (2 * slot)
         to_nvme = int(tier) == Tier.NVME
-        m, intern = self._map, self._intern
-        delta = 0
-        for bid in ids:
-            v = m.get(bid, 0)
-            if not v & held or bool(v & nv) == to_nvme:
-                continue
-            v = (v | nv) if to_nvme else (v & ~nv)
-            delta += 1 if to_nvme else -1
-            m[bid] = intern.setdefault(v, v)
-        self._nvme[slot] += delta
+        m, even = self._m, self._even
+        olds = [
+            u
+            for u in self._tbl.distinct(packed)
+            if m.mask[u] & held and bool(m.mask[u] & nv) != to_nvme
+        ]
+        if not olds:
+            return
+        news = [m.intern((m.mask[u] | nv) if to_nvme else (m.mask[u] & ~nv), even) for u in olds]
+        moved = sum(self._tbl.transition(packed, olds, news))
+        self._nvme[slot] += moved if to_nvme else -moved
 
     # ------------------------------------------------------------------- reads
     def holders(self, block_id: bytes) -> dict[str, Tier]:
-        v = self._map.get(bytes(block_id), 0)
+        if len(block_id) != ID:
+            return {}
+        v = self._m.mask[self._tbl.get(bytes(block_id), 0)]
         out = {}
         while v:
             low = v & -v
@@ -188,24 +225,18 @@ class BlockIndex:
     def prefix_lengths(self, packed: bytes) -> dict[str, int]:
         """Per node holding block 0 of the prompt `packed` (16-byte ids, prefix order):
         how many leading blocks it holds. Nodes holding nothing are absent."""
-        n = len(packed) // ID
-        if not n:
-            return {}
-        get, even = self._map.get, self._even
-        cur = get(packed[:ID], 0) & even
+        if len(packed) % ID:
+            packed = bytes(packed[: len(packed) - len(packed) % ID])
+        m = self._m
+        seq = self._tbl.walk(packed, m.cls)
+        bits = m.cls_bits
+        cur = bits[seq[0]]
         out: dict[str, int] = {}
-        lo = 0  # every node in `cur` holds blocks 0..lo
-        while cur:
-            # Binary search for the first block some node of `cur` lacks. (Plain bisection
-            # beats galloping here: segments are long, and each probe is a cache miss.)
-            hi = n
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if get(packed[mid * ID : mid * ID + ID], 0) & cur == cur:
-                    lo = mid
-                else:
-                    hi = mid
-            nxt = get(packed[hi * ID : hi * ID + ID], 0) & cur if hi < n else 0
+        for k in range(1, len(seq), 2):
+            if not cur:
+                break
+            hi = seq[k]
+            nxt = bits[seq[k + 1]] & cur  # a node holds block hi only with its prefix
             lost = cur & ~nxt
             while lost:
                 low = lost & -lost
@@ -213,12 +244,12 @@ class BlockIndex:
                 if node is not None:  # a set bit is a live slot: never None
                     out[node] = hi
                 lost ^= low
-            cur, lo = nxt, hi
+            cur = nxt
         return out
 
     def __len__(self) -> int:
         """Distinct blocks indexed."""
-        return len(self._map)
+        return len(self._tbl)
 
     @property
     def entries(self) -> int:
@@ -227,4 +258,10 @@ class BlockIndex:
 
     @property
     def distinct_masks(self) -> int:
-        return len(self._intern)
+        """Masks interned since the last node was cleared (live ones and a few that were)."""
+        return len(self._m) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the id table (the per-block part of the index)."""
+        return self._tbl.nbytes

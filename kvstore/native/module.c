@@ -7,6 +7,7 @@
  *   copy_checksum(dst, src, seed=0) -> int
  *   copy_nt(dst, src) -> None
  *   verify_checksum(data, expected, seed=0) -> bool
+ *   IdTable(seed)                 (idtable.c: the router index's id table)
  *   set_simd(enabled) -> bool    (AVX2 or scalar BLAKE2b; HAVE_AVX2 says
  *                                 whether this CPU and build have AVX2)
  *
@@ -27,6 +28,7 @@
 
 #include "blake2b.h"
 #include "copy.h"
+#include "idtable.h"
 #include "xxh64.h"
 
 #if PY_BIG_ENDIAN == KV_LITTLE_ENDIAN
@@ -75,6 +77,10 @@ static int get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writ
         return -1;
     }
     return 0;
+}
+
+int kv_get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable) {
+    return get_buffer(obj, view, name, writable);
 }
 
 /* Parse an int in [0, 2**64) (seed / expected hash). */
@@ -353,6 +359,7 @@ static int kv_exec(PyObject *m) {
     if (PyModule_AddIntConstant(m, "BLOCK_ID_BYTES", B2_OUT) < 0) return -1;
     if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) return -1;
     if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) return -1;
+    if (kv_add_idtable(m) < 0) return -1;
     return 0;
 }
 

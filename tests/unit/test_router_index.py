@@ -8,7 +8,7 @@ from kvstore.coord.etcd import NodeRecord
 from kvstore import errors
 from kvstore.config import RouterConfig
 from kvstore.events import Tier
-from kvstore.hashing import hash_chain, hash_chain_packed, pack_ids
+from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed, pack_ids
 from router.index import BlockIndex
 from router.routing import InFlight, RouterCore
 from router.scoring import NodeLoad, Pricing, Weights, score_nodes, score_ranked
@@ -131,8 +131,9 @@ def test_masks_are_interned():
         idx.store("a", ids)
         idx.store("b", ids)
     assert idx.distinct_masks <= 3
-    values = {id(v) for v in idx._map.values()}  # noqa: SLF001 - the memory claim itself
-    assert len(values) == 1
+    # The memory claim itself: the C table holds 20 bytes a slot at 35-70% load.
+    if NATIVE:
+        assert idx.nbytes <= 60 * len(idx)
 
 
 # ------------------------------------------------------------------------- scoring
