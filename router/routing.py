@@ -49,8 +49,10 @@ class InFlight:
         self._work: dict[str, float] = {}
 
     def add(self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "") -> None:
-        self.release(request_id, tenant)  # a retried request id moves, not double counts
-        self._by_request[(tenant, request_id)] = (node_id, self._clock() + self.timeout_s, work)
+        key = (tenant, request_id)
+        if key in self._by_request:
+            self.release(request_id, tenant)  # a retried request id moves, not double counts
+        self._by_request[key] = (node_id, self._clock() + self.timeout_s, work)
         self._per_node[node_id] += 1
         self._per_tenant[tenant] += 1
         self._work[node_id] = self._work.get(node_id, 0.0) + work
@@ -130,24 +132,35 @@ class LoadBoard:
         self._by_id: dict[str, NodeLoad] = {}
 
     def set(self, load: NodeLoad) -> None:
-        old = self._by_id.get(load.node_id)
+        node_id = load.node_id
+        old = self._by_id.get(node_id)
         if old == load:
             return
+        keys, ranked = self._keys, self._ranked
+        key = (load_cost(load, self.weights), node_id)
         if old is not None:
-            self.remove(load.node_id)
-        key = (load_cost(load, self.weights), load.node_id)
-        i = bisect.bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._ranked.insert(i, load)
-        self._by_id[load.node_id] = load
+            i = self._index(old)
+            # Every route moves one node one place or a few: shift in place when it stays
+            # between its neighbours (the common case), else delete and reinsert.
+            if (i == 0 or keys[i - 1] < key) and (i + 1 == len(keys) or key < keys[i + 1]):
+                keys[i], ranked[i] = key, load
+                self._by_id[node_id] = load
+                return
+            del keys[i], ranked[i]
+        i = bisect.bisect_right(keys, key)
+        keys.insert(i, key)
+        ranked.insert(i, load)
+        self._by_id[node_id] = load
+
+    def _index(self, old: NodeLoad) -> int:
+        # Keys are unique (node id is part of them), so this finds exactly `old`.
+        return bisect.bisect_left(self._keys, (load_cost(old, self.weights), old.node_id))
 
     def remove(self, node_id: str) -> None:
         old = self._by_id.pop(node_id, None)
         if old is not None:
-            # Keys are unique (node id is part of them), so this finds exactly `old`.
-            i = bisect.bisect_left(self._keys, (load_cost(old, self.weights), node_id))
-            del self._keys[i]
-            del self._ranked[i]
+            i = self._index(old)
+            del self._keys[i], self._ranked[i]
 
     @property
     def ranked(self) -> list[NodeLoad]:

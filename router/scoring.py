@@ -32,7 +32,7 @@ with prompt length (scheduling, decode).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -102,19 +102,18 @@ class Pricing:
     peer_gbps: float = 1.0
     block_bytes: int = DEFAULT_BLOCK_BYTES
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    # Time to fetch one block from a peer / time to recompute it. Computed once: every
+    # route reads it twice.
+    peer_price: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
         if self.block_bytes <= 0 or self.block_tokens <= 0:
             raise ValueError("block_bytes and block_tokens must be > 0")
-
-    @property
-    def peer_price(self) -> float:
-        """Time to fetch one block from a peer / time to recompute it."""
         transfer_s = self.block_bytes * 8 / (self.peer_gbps * 1e9)
         recompute_s = self.block_tokens / self.prefill_tokens_per_s
-        return transfer_s / recompute_s
+        object.__setattr__(self, "peer_price", transfer_s / recompute_s)
 
 
 class NodeLoad(NamedTuple):
@@ -217,17 +216,63 @@ def score_ranked(
         dup = plen - own if plen > own else 0
         pb = dup if peer_ok else 0
         out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, *args))
-    pb0 = best[0] if peer_ok else 0
-    pnode0 = best[1] if pb0 else ""
-    others = 0
-    for n in ranked:
-        if others >= limit:
-            break
-        if not local or not local.get(n.node_id):
-            out.append(_row(n, 0, pb0, pnode0, best[0], *args))
-            others += 1
+    out.extend(_others(ranked, local, limit, best, peer_ok, *args))
     out.sort(key=_ORDER)
     return out[:limit]
+
+
+def _others(
+    ranked: Sequence[NodeLoad],
+    local: Mapping[str, int],
+    limit: int,
+    best: tuple[int, str],
+    peer_ok: bool,
+    total: int,
+    w_recompute: float,
+    w_peer_priced: float,
+    w_space: float,
+    w_load: float,
+    w_queue: float,
+    w_util: float,
+) -> list[Score]:
+    """The first `limit` nodes of `ranked` holding none of the prompt, scored: `_row`
+    unrolled, since their prompt terms are the same (this runs on every route)."""
+    pb0 = best[0] if peer_ok else 0
+    pnode0 = best[1] if pb0 else ""
+    rc = w_recompute * (total - pb0)
+    pc = w_peer_priced * pb0
+    sc = w_space * best[0]
+    base = rc + pc + sc  # summed in _row's order: the same float
+    rows: list[Score] = []
+    for n in ranked:
+        if len(rows) >= limit:
+            break
+        if local and local.get(n.node_id):
+            continue
+        lc = w_load * n.in_flight + w_queue * n.queued
+        uc = w_util * n.utilization
+        rows.append(
+            _new(
+                Score,
+                (
+                    n.node_id,
+                    0,
+                    pb0,
+                    pnode0,
+                    total - pb0,
+                    n.in_flight,
+                    n.utilization,
+                    base + lc + uc,
+                    rc,
+                    pc,
+                    lc,
+                    uc,
+                    n.queued,
+                    sc,
+                ),
+            )
+        )
+    return rows
 
 
 def _row(
