@@ -12,11 +12,16 @@ stderr and ONE JSON line on stdout:
     route_p99_us, route_tokens_p50_us (same prompts as tokens, hashing included),
     routes_per_s, replicas_identical (a second index fed the same events in another
     node order decides identically on every probe, stateful routing included),
-    apply_blocks_per_s (block ids that second index applied per second, STORED events
-    split from their packed form as the follower does; no tracemalloc running, unlike
-    build_s)
+    apply_blocks_per_s and rebuild_s (block ids that second index applied per second,
+    STORED events in their packed form as the follower passes them, and the time it
+    took to index every node's blocks: what a restarted router spends on its index while
+    snapshots arrive; no tracemalloc running, unlike build_s), index_bytes (the id
+    table's own size), the same route figures at --baseline-nodes over as many blocks
+    (route_growth: route_cpu_p50_us here / there), and each goal of issue #19 against
+    its limit (limits, within_limits)
 
     python -m loadtest.bench_router [--blocks 1000000] [--nodes 64] [--probes 1000]
+        [--baseline-nodes 64]
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import tracemalloc
 import numpy as np
 
 from kvstore.coord.etcd import NodeRecord
-from kvstore.hashing import hash_chain_packed, split_ids
+from kvstore.hashing import hash_chain_packed
 from router.routing import RouterCore
 from router.scoring import Weights
 
@@ -55,7 +60,7 @@ class Workload:
     def __init__(self, target_blocks: int, n_nodes: int, seed: int) -> None:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
-        self.nodes = [f"node-{i:02d}" for i in range(n_nodes)]
+        self.nodes = [f"node-{i:04d}" for i in range(n_nodes)]
         self.events: dict[str, list[bytes]] = {n: [] for n in self.nodes}  # packed ids
         self.families: list[tuple[np.ndarray, list[str], list[np.ndarray]]] = []
         self.blocks = 0
@@ -108,7 +113,7 @@ def make_core(nodes: list[str], utils: list[float]) -> RouterCore:
 def feed(core: RouterCore, events: dict[str, list[bytes]], order: list[str]) -> None:
     for node in order:
         for packed in events[node]:
-            core.index.store(node, split_ids(packed))
+            core.index.store(node, packed)
 
 
 def measure_build(wl: Workload, utils: list[float], use_tracemalloc: bool):
@@ -167,32 +172,21 @@ def decisions_match(a: RouterCore, b: RouterCore, probes: list[bytes]) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_router", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks to index")
-    p.add_argument("--nodes", type=int, default=64)
-    p.add_argument("--probes", type=int, default=1000, help="prompts routed")
-    p.add_argument(
-        "--token-probes",
-        type=int,
-        default=200,
-        help="prompts routed from tokens (hashing included)",
-    )
-    p.add_argument("--memory", choices=("tracemalloc", "rss"), default="tracemalloc")
-    p.add_argument("--seed", type=int, default=7)
-    args = p.parse_args(argv)
-    if args.blocks < 1 or args.nodes < 1 or args.probes < 1:
-        p.error("--blocks, --nodes and --probes must be >= 1")
+# Issue #19 item 3's goals, each figure against its limit in the JSON line.
+LIMITS = {"route_p50_us": ("<=", 40.0), "bytes_per_entry": ("<=", 50.0)}
+LIMITS["apply_blocks_per_s"] = (">=", 1_000_000)
 
-    def say(msg):
-        print(msg, file=sys.stderr, flush=True)
 
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace, n_nodes: int, full: bool) -> dict:
+    """Build, route and (when `full`) rebuild a replica at `n_nodes`; the figures."""
     t0 = time.perf_counter()
-    wl = Workload(args.blocks, args.nodes, args.seed)
+    wl = Workload(args.blocks, n_nodes, args.seed)
     say(
-        f"workload: {wl.blocks} blocks in {len(wl.families)} families "
+        f"[{n_nodes} nodes] workload: {wl.blocks} blocks in {len(wl.families)} families "
         f"({time.perf_counter() - t0:.1f}s)"
     )
     rng = random.Random(args.seed + 1)
@@ -206,47 +200,92 @@ def main(argv=None) -> int:
     probe_tokens = [wl.probe_tokens(i) for i in range(args.probes)]
     probes = [hash_chain_packed(ROOT, t, BLOCK) for t in probe_tokens]
     lat, cpu, rps = time_routes(core, probes)
+    out = {
+        "nodes": n_nodes,
+        "blocks": len(core.index),
+        "entries": entries,
+        "bytes_per_entry": round(used / entries, 1),
+        "bytes_per_entry_method": how,
+        "index_bytes": core.index.nbytes,
+        "route_p50_us": round(statistics.median(lat), 1),
+        "route_p99_us": round(percentile(lat, 0.99), 1),
+        "route_cpu_p50_us": round(statistics.median(cpu), 1),
+        "routes_per_s": round(rps),
+        "build_s": round(build_s, 1),
+    }
+    say(
+        f"routes: p50 {out['route_p50_us']}us p99 {out['route_p99_us']}us "
+        f"(cpu p50 {out['route_cpu_p50_us']}us), {rps:.0f}/s"
+    )
+    if full:
+        out.update(_full(args, wl, utils, core, probe_tokens, probes))
+    return out
+
+
+def _full(args, wl: Workload, utils: list[float], core: RouterCore, probe_tokens, probes) -> dict:
     tok_lat = []
-    for _i, toks in enumerate(probe_tokens[: args.token_probes]):
+    for toks in probe_tokens[: args.token_probes]:
         t1 = time.perf_counter_ns()
         core.route_tokens(NS_ID, ROOT, toks, BLOCK, dry_run=True)
         tok_lat.append((time.perf_counter_ns() - t1) / 1000)
     hits = sum(1 for pk in probes if core.route(NS_ID, pk, dry_run=True).chosen.local_blocks)
-    say(
-        f"routes: p50 {statistics.median(lat):.1f}us p99 {percentile(lat, 0.99):.1f}us "
-        f"(cpu p50 {statistics.median(cpu):.1f}us), "
-        f"{rps:.0f}/s; {hits}/{len(probes)} probes routed to a node holding a prefix"
-    )
+    say(f"{hits}/{len(probes)} probes routed to a node holding a prefix")
     replica = make_core(wl.nodes, utils)
+    gc.collect()
     t_apply = time.perf_counter()
     feed(replica, wl.events, list(reversed(wl.nodes)))
     apply_s = time.perf_counter() - t_apply
     applied = sum(len(pk) // 16 for evs in wl.events.values() for pk in evs)
     say(f"replica: {applied} block ids applied in {apply_s:.1f}s")
-    identical = decisions_match(core, replica, probes)
-    print(
-        json.dumps(
-            {
-                "nodes": args.nodes,
-                "blocks": len(core.index),
-                "entries": entries,
-                "bytes_per_entry": round(used / entries, 1),
-                "bytes_per_entry_method": how,
-                "route_p50_us": round(statistics.median(lat), 1),
-                "route_p99_us": round(percentile(lat, 0.99), 1),
-                "route_cpu_p50_us": round(statistics.median(cpu), 1),
-                "route_tokens_p50_us": round(statistics.median(tok_lat), 1),
-                "routes_per_s": round(rps),
-                "prompt_blocks": PROMPT_BLOCKS,
-                "probes": len(probes),
-                "probes_with_cached_prefix": hits,
-                "build_s": round(build_s, 1),
-                "apply_blocks_per_s": round(applied / apply_s),
-                "replicas_identical": identical,
-            }
-        )
+    return {
+        "route_tokens_p50_us": round(statistics.median(tok_lat), 1),
+        "prompt_blocks": PROMPT_BLOCKS,
+        "probes": len(probes),
+        "probes_with_cached_prefix": hits,
+        "apply_blocks_per_s": round(applied / apply_s),
+        "rebuild_s": round(apply_s, 2),
+        "replicas_identical": decisions_match(core, replica, probes),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_router", description=__doc__.split("\n\n")[0]
     )
-    return 0 if identical else 1
+    p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks to index")
+    p.add_argument("--nodes", type=int, default=64)
+    p.add_argument("--probes", type=int, default=1000, help="prompts routed")
+    p.add_argument(
+        "--token-probes",
+        type=int,
+        default=200,
+        help="prompts routed from tokens (hashing included)",
+    )
+    p.add_argument(
+        "--baseline-nodes",
+        type=int,
+        default=64,
+        help="also route over as many blocks at this many nodes (0: skip)",
+    )
+    p.add_argument("--memory", choices=("tracemalloc", "rss"), default="tracemalloc")
+    p.add_argument("--seed", type=int, default=7)
+    args = p.parse_args(argv)
+    if args.blocks < 1 or args.nodes < 1 or args.probes < 1 or args.baseline_nodes < 0:
+        p.error("--blocks, --nodes and --probes must be >= 1, --baseline-nodes >= 0")
+    out = run(args, args.nodes, full=True)
+    if args.baseline_nodes and args.baseline_nodes != args.nodes:
+        gc.collect()
+        base = run(args, args.baseline_nodes, full=False)
+        out["baseline_nodes"] = args.baseline_nodes
+        out["baseline_route_p50_us"] = base["route_p50_us"]
+        out["baseline_route_cpu_p50_us"] = base["route_cpu_p50_us"]
+        out["route_growth"] = round(out["route_cpu_p50_us"] / base["route_cpu_p50_us"], 2)
+    out["limits"] = {k: f"{op} {v}" for k, (op, v) in LIMITS.items()}
+    out["within_limits"] = {
+        k: (out[k] <= v if op == "<=" else out[k] >= v) for k, (op, v) in LIMITS.items()
+    }
+    print(json.dumps(out))
+    return 0 if out["replicas_identical"] else 1
 
 
 if __name__ == "__main__":
