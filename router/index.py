@@ -43,6 +43,16 @@ def _packed(ids: Iterable[bytes] | bytes) -> bytes:
     return packed
 
 
+def _slots(held: int) -> list[int]:
+    """The slots whose held bit (2s) is set, lowest first."""
+    out = []
+    while held:
+        low = held & -held
+        out.append((low.bit_length() - 1) >> 1)
+        held ^= low
+    return out
+
+
 class Masks:
     """Interned holder masks (id 0: the empty mask) and their classes (the held bits
     alone; class 0: held nowhere). `cls` is what the C walk reads."""
@@ -52,6 +62,9 @@ class Masks:
         self.ids: dict[int, int] = {0: 0}
         self.cls = array("I", [0])
         self.cls_bits: list[int] = [0]
+        # The slots of each class's holders: a route works on these small sets, whose
+        # cost does not grow with the node count as the bits' does.
+        self.cls_slots: list[frozenset[int]] = [frozenset()]
         self._cls_ids: dict[int, int] = {0: 0}
 
     def intern(self, mask: int, even: int) -> int:
@@ -64,6 +77,7 @@ class Masks:
             if c is None:
                 c = self._cls_ids[held] = len(self.cls_bits)
                 self.cls_bits.append(held)
+                self.cls_slots.append(frozenset(_slots(held)))
             self.cls.append(c)
         return i
 
@@ -229,21 +243,18 @@ class BlockIndex:
             packed = bytes(packed[: len(packed) - len(packed) % ID])
         m = self._m
         seq = self._tbl.walk(packed, m.cls)
-        bits = m.cls_bits
-        cur = bits[seq[0]]
+        slots, node_of = m.cls_slots, self._node_of
+        cur = slots[seq[0]]
         out: dict[str, int] = {}
         for k in range(1, len(seq), 2):
             if not cur:
                 break
+            nxt = slots[seq[k + 1]] & cur  # a node holds block hi only with its prefix
             hi = seq[k]
-            nxt = bits[seq[k + 1]] & cur  # a node holds block hi only with its prefix
-            lost = cur & ~nxt
-            while lost:
-                low = lost & -lost
-                node = self._node_of[(low.bit_length() - 1) >> 1]
-                if node is not None:  # a set bit is a live slot: never None
+            for s in sorted(cur - nxt) if len(cur) - len(nxt) > 1 else cur - nxt:
+                node = node_of[s]
+                if node is not None:  # a held slot is a live one: never None
                     out[node] = hi
-                lost ^= low
             cur = nxt
         return out
 

@@ -25,6 +25,7 @@ from router.scoring import NodeLoad, Pricing, Score, Weights, load_cost, score_n
 MAX_CANDIDATES = 4  # candidates returned per decision: the chosen node and 3 fallbacks
 
 log = logging.getLogger("kvstore.router")
+_new = tuple.__new__
 
 
 class InFlight:
@@ -178,7 +179,8 @@ class LoadBoard:
 
 
 class Decision(NamedTuple):
-    """A NamedTuple rather than a frozen dataclass: built on every route (hot path)."""
+    """A NamedTuple rather than a frozen dataclass: built on every route (hot path), with
+    tuple.__new__ (`_new`), skipping the NamedTuple's Python-level __new__."""
 
     request_id: str
     total_blocks: int
@@ -374,7 +376,7 @@ class RouterCore:
             )
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores)
-        return Decision(rid, total, scores)
+        return _new(Decision, (rid, total, scores))
 
     def route_tokens(
         self,

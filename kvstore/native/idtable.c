@@ -321,6 +321,11 @@ done:
     return out;
 }
 
+static inline void prefetch_id(const IdTable *t, const uint8_t *p, Py_ssize_t i) {
+    const uint8_t *id = p + 16 * i;
+    KV_PREFETCH(&t->slots[mix(t, load64_le(id), load64_le(id + 8)) & (t->cap - 1)]);
+}
+
 /* The class (cls[value]) of the i-th id, or -1 with an exception. */
 static inline long class_of(const IdTable *t, const uint8_t *p, Py_ssize_t i, const uint32_t *cls,
                             size_t ncls) {
@@ -360,6 +365,10 @@ static PyObject *idt_walk(IdTable *t, PyObject *args) {
         Py_ssize_t hi = n;
         while (hi - lo > 1) {
             Py_ssize_t mid = (lo + hi) >> 1;
+            /* Each probe is a cache miss in a big table: fetch both possible next
+             * probes' slots while this one waits, so the misses overlap. */
+            prefetch_id(t, p, (lo + mid) >> 1);
+            prefetch_id(t, p, (mid + hi) >> 1);
             long c = class_of(t, p, mid, cls, ncls);
             if (c < 0) goto fail;
             if (c == cur) lo = mid;
