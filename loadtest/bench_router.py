@@ -22,6 +22,7 @@ stderr and ONE JSON line on stdout:
 
     python -m loadtest.bench_router [--blocks 1000000] [--nodes 64] [--probes 1000]
         [--baseline-nodes 64]
+    python -m loadtest.bench_router --entries 100000000 --nodes 1024   (memory alone)
 """
 
 from __future__ import annotations
@@ -248,6 +249,40 @@ def _full(args, wl: Workload, utils: list[float], core: RouterCore, probe_tokens
     }
 
 
+def scale(args: argparse.Namespace) -> dict:
+    """The index alone at `args.entries` (block, node) entries: random ids in batches of
+    4,096 stored on 1-3 of `args.nodes` nodes (as the workload's blocks are), no prompts.
+    What the router holds at a size the token workload cannot reach on one host."""
+    rng = random.Random(args.seed)
+    nodes = [f"node-{i:04d}" for i in range(args.nodes)]
+    core = make_core(nodes, [0.0] * len(nodes))
+    gc.collect()
+    rss0 = _rss_bytes()
+    tracemalloc.start()
+    t0, applied = time.perf_counter(), 0
+    while core.index.entries < args.entries:
+        packed = rng.randbytes(16 * 4096)
+        for node in rng.sample(nodes, rng.choice((1, 1, 2, 2, 3))):
+            core.index.store(node, packed)
+            applied += 4096
+    apply_s = time.perf_counter() - t0
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    entries = core.index.entries
+    return {
+        "mode": "scale",
+        "nodes": args.nodes,
+        "blocks": len(core.index),
+        "entries": entries,
+        "index_bytes": core.index.nbytes,
+        "bytes_per_entry": round(used / entries, 1),
+        "bytes_per_entry_method": "tracemalloc (Python allocations held by the index)",
+        "rss_delta_bytes": _rss_bytes() - rss0,
+        "apply_blocks_per_s": round(applied / apply_s),
+        "build_s": round(apply_s, 1),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.bench_router", description=__doc__.split("\n\n")[0]
@@ -267,11 +302,21 @@ def main(argv=None) -> int:
         default=64,
         help="also route over as many blocks at this many nodes (0: skip)",
     )
+    p.add_argument(
+        "--entries",
+        type=int,
+        default=0,
+        help="only build an index of this many (block, node) entries from random ids and "
+        "report its memory (no prompts, no routes)",
+    )
     p.add_argument("--memory", choices=("tracemalloc", "rss"), default="tracemalloc")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
     if args.blocks < 1 or args.nodes < 1 or args.probes < 1 or args.baseline_nodes < 0:
         p.error("--blocks, --nodes and --probes must be >= 1, --baseline-nodes >= 0")
+    if args.entries:
+        print(json.dumps(scale(args)))
+        return 0
     out = run(args, args.nodes, full=True)
     if args.baseline_nodes and args.baseline_nodes != args.nodes:
         gc.collect()

@@ -196,15 +196,24 @@ static int cmp_u32(const void *x, const void *y) {
 static PyObject *idt_distinct(IdTable *t, PyObject *arg) {
     Py_buffer view;
     if (get_packed(arg, &view) < 0) return NULL;
-    size_t n = (size_t)view.len / 16;
+    size_t n = (size_t)view.len / 16, k = 0;
     uint32_t *vals = PyMem_Malloc((n ? n : 1) * sizeof(uint32_t));
     if (!vals) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
+    /* A batch holds few distinct values: a small direct-mapped cache of those seen
+     * keeps most repeats out of the sort. */
+    uint32_t seen[256] = {0}; /* value + 1; 0: empty */
     const uint8_t *p = view.buf;
-    for (size_t i = 0; i < n; i++) vals[i] = lookup(t, p + 16 * i);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = lookup(t, p + 16 * i);
+        if (seen[v & 255] == v + 1) continue;
+        seen[v & 255] = v + 1;
+        vals[k++] = v;
+    }
     PyBuffer_Release(&view);
+    n = k;
     qsort(vals, n, sizeof(uint32_t), cmp_u32);
     PyObject *out = PyList_New(0);
     for (size_t i = 0; out && i < n; i++) {
