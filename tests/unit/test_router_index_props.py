@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvstore.events import Tier
 from kvstore.hashing import NATIVE, hash_chain
 from router.index import BlockIndex
+from router.routing import LoadBoard
 from router.scoring import DUPLICATE_PRICE, NodeLoad, Pricing, Weights, load_cost, score_ranked
 
 NODES = ["a", "b", "c", "d", "e"]
@@ -256,3 +257,28 @@ def test_ranked_scoring_equals_scoring_every_node(loads, lengths, total, gbps, l
     assert [
         (s.node_id, s.cost, s.local_blocks, s.peer_blocks, s.peer_node_id) for s in got
     ] == _reference(total, local, nodes, w, pricing, limit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=hs.lists(
+        hs.tuples(hs.sampled_from(NODES), hs.integers(0, 5), hs.integers(0, 4), hs.booleans()),
+        max_size=40,
+    )
+)
+def test_load_board_stays_sorted_by_load_cost(ops):
+    """LoadBoard moves a node in place when it keeps its rank, else reinserts it: after
+    any updates and removals, its order is the sorted one."""
+    w = Weights()
+    board = LoadBoard(w)
+    ref: dict[str, NodeLoad] = {}
+    for node, inflight, util, drop in ops:
+        if drop:
+            board.remove(node)
+            ref.pop(node, None)
+        else:
+            load = NodeLoad(node, inflight, util / 4, float(inflight))
+            board.set(load)
+            ref[node] = load
+    assert board.ranked == sorted(ref.values(), key=lambda n: (load_cost(n, w), n.node_id))
+    assert board.by_id == ref
