@@ -3,8 +3,14 @@
 Overhead: the router's gateway in front of two stand-in OpenAI workers
 (loadtest/standin_openai.py: canned answers at once, so the gateway is the bottleneck),
 against calling the workers directly, in the same run: `gateway_added_p50_ms` /
-`gateway_added_p99_ms` (sequential requests, interleaved, p(via) - p(direct)),
-`gateway_rps` / `direct_rps` (concurrent clients).
+`gateway_added_p99_ms` (sequential requests, interleaved, p(via) - p(direct), one client
+and the same stand-ins for both), `gateway_rps` / `direct_rps` (concurrent clients), and
+the CPU the router process spends per request (`gateway_cpu_ms_per_request`: what a
+shared, loaded host does not change, unlike wall-clock latency). The stand-ins register
+the engines' namespace, so every request takes the whole path: tokenizing, chain ids,
+the router's cost function, the forward. Every socket on the way sets TCP_NODELAY
+(httpcore's sync client by itself, asyncio's connections, the gateway's and the
+stand-ins' listeners): without it a keep-alive answer can wait ~40 ms for a delayed ACK.
 
 vLLM (`--vllm`): two vLLM CPU engines (tiny model, our connector, one agent each) behind
 the gateway, a multi-tenant multi-turn chat workload (tenants share a system prompt among
@@ -33,6 +39,8 @@ import httpx
 
 from kvstore import devcluster
 from kvstore.devcluster import UpOptions
+from kvstore.devengines import KV_TENANT
+from kvstore.namespace import Namespace
 from loadtest.vllm_model import write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +68,24 @@ def _engines(url: str) -> int:
         return -1
 
 
+def _namespace_file(state: Path) -> Path:
+    """An engine's namespace as its connector publishes it: the gateway hashes prompts
+    into chain ids with it and prices them, as it does for vLLM engines."""
+    spec = Namespace(tenant=KV_TENANT, name="bench", model_name=MODEL, model_revision="r1",
+                     adapter_id="none", adapter_revision="none", tokenizer_id="word",
+                     tokenizer_revision="r1", rope_type="default", rope_theta=10000.0,
+                     rope_scaling="none", attention_impl="sdpa", kv_dtype="float16",
+                     prompt_template_version="v1", num_layers=2, num_kv_heads=2, head_dim=16,
+                     tp_rank=0, tp_size=1, block_size=16)  # fmt: skip
+    path = state / "namespace.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    return path
+
+
 def _standins(state: Path, etcd: str, n: int) -> tuple[list[str], list[subprocess.Popen]]:
     urls, procs = [], []
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    ns_file = _namespace_file(state)
     for i in range(n):
         ready = state / f"standin-{i}.ready"
         ready.unlink(missing_ok=True)
@@ -75,7 +98,8 @@ def _standins(state: Path, etcd: str, n: int) -> tuple[list[str], list[subproces
         urls.append(url)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvstore.integrations.vllm_serve", "--engine-id", f"w{i}",
-             "--url", url, "--node-id", "agent-0", "--model", MODEL, "--etcd-endpoints", etcd],
+             "--url", url, "--node-id", "agent-0", "--model", MODEL, "--etcd-endpoints", etcd,
+             "--namespace-file", str(ns_file)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
     return urls, procs
 

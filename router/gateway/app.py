@@ -4,9 +4,10 @@
 Per request: authenticate the API key (401), validate the body (400/404/413) before any
 work, tokenize, plan (router/gateway/plan.py), pick an engine (engines.py: 429 with
 Retry-After when every engine is full), set `cache_salt` from the tenant (whatever the
-caller sent) and forward with httpx. The answer goes back byte for byte with the engine's
+caller sent) and forward with httpcore. The answer goes back byte for byte with the engine's
 status and content type; a forward that fails before the engine answered (connect error,
-5xx) is retried once on the next choice. The first response byte marks prefill done; the
+5xx) is retried once on the next choice. Engines are reached through one shared
+keep-alive connection pool (upstream.py). The first response byte marks prefill done; the
 end of the answer, or the client going away, releases the request.
 """
 
@@ -18,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +30,7 @@ from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.plan import Plan, Planner
 from router.gateway.prompt import BadPrompt, PromptCodec
+from router.gateway.upstream import EngineAnswer, Upstream, UpstreamError
 
 __all__ = ["Gateway"]
 
@@ -79,14 +80,12 @@ class Gateway:
         codecs: dict[str, PromptCodec],
         keys: ApiKeys,
         metrics: GatewayMetrics | None = None,
+        upstream: Upstream | None = None,
     ) -> None:
         self.cfg, self.planner, self.engines = cfg, planner, engines
         self.codecs, self.keys = codecs, keys
         self.metrics = metrics or GatewayMetrics()
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self.http = upstream or Upstream(cfg.connect_timeout_s, cfg.request_timeout_s)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -228,22 +227,17 @@ class Gateway:
             self.engines.acquire(st)
             self.planner.hold(plan, st.record.node_id)
             self.metrics.inflight.inc()
-            req = self.http.build_request(
-                "POST",
-                st.record.url + path,
-                content=self._request_body(body, plan, st),
-                # No x-request-id of ours: vLLM would name its answer after it, and the
-                # answer must be what the engine says to this request as sent.
-                headers={"content-type": "application/json"},
-            )
+            # No x-request-id of ours: vLLM would name its answer after it, and the
+            # answer must be what the engine says to this request as sent.
+            content = self._request_body(body, plan, st)
             failure = ""
             try:
-                upstream = await self.http.send(req, stream=True)
+                upstream = await self.http.post(st.record.url + path, content)
                 if upstream.status_code >= 500:
                     await upstream.aclose()
                     failure = f"HTTP {upstream.status_code}"
-            except httpx.HTTPError as exc:
-                failure = type(exc).__name__
+            except UpstreamError as exc:
+                failure = str(exc)
             if not failure:
                 self.metrics.forwards.labels(st.record.engine_id).inc()
                 return await self._respond(upstream, st, plan, t0)
@@ -266,10 +260,10 @@ class Gateway:
         self.metrics.inflight.dec()
 
     async def _respond(
-        self, upstream: httpx.Response, st: EngineState, plan: Plan, t0: float
+        self, upstream: EngineAnswer, st: EngineState, plan: Plan, t0: float
     ) -> Response:
         headers = {ENGINE_HEADER: st.record.engine_id}
-        media = upstream.headers.get("content-type", "application/json")
+        media = upstream.content_type
         closed = False
 
         async def close() -> None:
@@ -283,7 +277,7 @@ class Gateway:
             try:
                 content = await upstream.aread()
                 self._first_byte(plan, t0)
-            except httpx.HTTPError:
+            except UpstreamError:
                 await close()
                 raise HTTPFailure(502, "the engine broke off its answer", "api_error") from None
             finally:
@@ -298,12 +292,9 @@ class Gateway:
                         first = False
                         self._first_byte(plan, t0)
                     yield chunk
-            except httpx.HTTPError as exc:  # mid-stream: the bytes sent cannot be retried
+            except UpstreamError as exc:  # mid-stream: the bytes sent cannot be retried
                 log.warning(
-                    "engine %s broke off request %s: %s",
-                    st.record.engine_id,
-                    plan.request_id,
-                    type(exc).__name__,
+                    "engine %s broke off request %s: %s", st.record.engine_id, plan.request_id, exc
                 )
 
         headers["content-type"] = media
