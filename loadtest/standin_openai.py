@@ -3,6 +3,10 @@ benchmark measures in front of it is the gateway (loadtest/bench_gateway.py), an
 gateway's tests can see what it forwarded (GET /seen) and make a worker fail.
 
     python -m loadtest.standin_openai --port 0 --ready-file F [--name w0] [--fail-status 500]
+        [--ssl-certfile C --ssl-keyfile K [--ssl-ca-certs CA]]   # HTTPS, vLLM's flags
+
+With --ssl-ca-certs, clients must present a certificate from that CA (vLLM's
+`--ssl-ca-certs` with `--ssl-cert-reqs 2`).
 
 A request may carry `"standin_delay_s": x` (the worker waits that long before answering,
 to hold requests in flight) and `"standin_chunks": n` (SSE chunks, default 4).
@@ -15,6 +19,7 @@ import asyncio
 import json
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -85,12 +90,21 @@ def main() -> None:
     ap.add_argument("--ready-file", required=True, help="gets host:port once listening")
     ap.add_argument("--name", default="standin")
     ap.add_argument("--fail-status", type=int, default=0)
+    ap.add_argument("--ssl-certfile", default=None)
+    ap.add_argument("--ssl-keyfile", default=None)
+    ap.add_argument("--ssl-ca-certs", default=None)
     a = ap.parse_args()
+    tls: dict = {}
+    if a.ssl_certfile:
+        tls = {"ssl_certfile": a.ssl_certfile, "ssl_keyfile": a.ssl_keyfile}
+    if a.ssl_ca_certs:
+        tls |= {"ssl_ca_certs": a.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
     # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only for TCP sockets.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
-    cfg = uvicorn.Config(make_app(a.name, a.fail_status), log_level="warning", access_log=False)
+    app = make_app(a.name, a.fail_status)
+    cfg = uvicorn.Config(app, log_level="warning", access_log=False, **tls)
     server = uvicorn.Server(cfg)
     host, port = sock.getsockname()[:2]
 

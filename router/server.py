@@ -213,10 +213,10 @@ class RouterServer:
 
         generation = self.control.generation if self.control is not None else None
         try:
-            gw = build_gateway(gcfg, self.core, generation or (lambda ns_id: None))
+            gw = build_gateway(gcfg, self.core, generation or (lambda ns_id: None), self.cfg.tls)
         except ValueError as exc:
             raise StartupError(f"gateway: {exc}") from None
-        self.gateway = GatewayServer(gcfg, gw, self._etcd)
+        self.gateway = GatewayServer(gcfg, gw, self._etcd, self.cfg.tls)
         await self.gateway.start()
         if self.gateway_ready_file:
             write_ready_file(self.gateway_ready_file, self.gateway.address)

@@ -23,8 +23,9 @@ Fixtures:
 - `make_ns(**overrides)`: a complete, valid Namespace.
 - `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
   BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
-- `start_gateway(tokenizers, config=None, keys=None)`: a router process serving the
-  OpenAI gateway on that etcd (tests/support/gateway.py); `.url`.
+- `start_gateway(tokenizers, config=None, keys=None, router=None)`: a router process
+  serving the OpenAI gateway on that etcd (tests/support/gateway.py); `.url`; `router`:
+  RouterConfig fields (a `tls` section: HTTPS).
 - `start_standin(name, model, fail_status=0, namespace=None)`: a stand-in OpenAI worker
   registered as an engine by the real registrar (kvstore.integrations.vllm_serve).
 """
@@ -151,10 +152,10 @@ def start_router(tmp_path, etcd):
 def start_gateway(tmp_path, etcd):
     gateways: list[GatewayProc] = []
 
-    def start(tokenizers: dict, config: dict | None = None, keys: dict | None = None):
+    def start(tokenizers: dict, config: dict | None = None, keys: dict | None = None, router=None):
         g = GatewayProc(tmp_path / f"gateway-{len(gateways)}", etcd.endpoint, tokenizers)
         gateways.append(g)
-        return g.start(config, keys)
+        return g.start(config, keys, router)
 
     yield start
     for g in gateways:

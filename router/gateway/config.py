@@ -37,10 +37,15 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int = 1 << 20
-    # HTTPS (uvicorn): the same PEM files as the gRPC TLS section; "" serves plain HTTP.
+    # HTTPS: the router's tls: section (ca_file, cert_file, key_file) by default, or these
+    # files (a certificate of its own for the public name, say); rewritten files apply to
+    # new connections without a restart (router/gateway/tls.py). No files: plain HTTP.
     tls_cert_file: str = ""
     tls_key_file: str = ""
-    tls_ca_file: str = ""  # with it, clients must present a certificate signed by it
+    tls_ca_file: str = ""  # trusted for client certificates and https:// engines
+    https: bool = True  # False: plain HTTP although TLS files are there (a TLS proxy ahead)
+    # Clients must present a certificate from the CA (mTLS); API keys still name tenants.
+    require_client_cert: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -53,6 +58,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_ca_file needs tls_cert_file and tls_key_file")
         if self.listen:
             if not self.tokenizers:
                 raise ValueError("tokenizers must name at least one model's tokenizer directory")

@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import logging
 import socket
-import ssl
 from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from kvstore.config import TLSConfig
 from kvstore.coord.engines import ENGINES
 from kvstore.coord.etcd import EtcdClient
 from kvstore.process import StartupError
@@ -23,6 +23,8 @@ from router.gateway.config import ApiKeys, GatewayConfig, read_secret
 from router.gateway.engines import EngineSet
 from router.gateway.plan import Planner
 from router.gateway.prompt import PromptCodec
+from router.gateway.tls import GatewayTLS, ReloadingServerContext, engine_client_context
+from router.gateway.upstream import Upstream
 from router.routing import RouterCore
 
 __all__ = ["GatewayServer", "build_gateway"]
@@ -42,8 +44,14 @@ def build_gateway(
     cfg: GatewayConfig,
     core: RouterCore,
     generation: Callable[[bytes], int | None] = lambda ns_id: None,
+    router_tls: TLSConfig | None = None,
 ) -> Gateway:
-    """Everything read and checked before serving: a bad file is a ValueError here."""
+    """Everything read and checked before serving: a bad file is a ValueError here.
+    `router_tls`: the router's tls: section, what the gateway serves HTTPS with unless its
+    own tls_* files are set."""
+    tls = GatewayTLS.resolve(cfg, router_tls or TLSConfig())
+    if tls is not None:
+        ReloadingServerContext(tls)  # unreadable or unusable files: refused here
     codecs = {model: PromptCodec.load(path) for model, path in cfg.tokenizers.items()}
     keys = ApiKeys.load(cfg.api_keys_file)
     kv_secrets = {t: read_secret(p, f"kv_secret_files.{t}") for t, p in cfg.kv_secret_files.items()}
@@ -55,12 +63,26 @@ def build_gateway(
         raise ValueError("salt_key_file or kv_secret_files is required (it keys cache_salt)")
     engines = EngineSet(cfg.max_inflight_per_engine, cfg.engine_suspend_s)
     planner = Planner(core, kv_secrets, salt_key, generation)
-    return Gateway(cfg, planner, engines, codecs, keys)
+    upstream = Upstream(
+        cfg.connect_timeout_s,
+        cfg.request_timeout_s,
+        engine_client_context(tls),
+        tls.server_name if tls is not None else "",
+    )
+    return Gateway(cfg, planner, engines, codecs, keys, upstream=upstream)
 
 
 class GatewayServer:
-    def __init__(self, cfg: GatewayConfig, gateway: Gateway, etcd: EtcdClient | None) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        gateway: Gateway,
+        etcd: EtcdClient | None,
+        router_tls: TLSConfig | None = None,
+    ) -> None:
         self.cfg, self.gateway, self.etcd = cfg, gateway, etcd
+        tls = GatewayTLS.resolve(cfg, router_tls or TLSConfig())
+        self.tls = ReloadingServerContext(tls) if tls is not None else None
         self.port = 0
         self._server: _Embedded | None = None
         self._tasks: list[asyncio.Task] = []
@@ -71,10 +93,9 @@ class GatewayServer:
 
     def _uvicorn_config(self) -> uvicorn.Config:
         tls: dict = {}
-        if self.cfg.tls_cert_file:
-            tls = {"ssl_certfile": self.cfg.tls_cert_file, "ssl_keyfile": self.cfg.tls_key_file}
-            if self.cfg.tls_ca_file:
-                tls |= {"ssl_ca_certs": self.cfg.tls_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        if self.tls is not None:  # our context, so rotated files reach new handshakes
+            ctx = self.tls.context
+            tls = {"ssl_context_factory": lambda config, default: ctx}
         # No access log: a URL is harmless, but nothing per request is logged by default.
         return uvicorn.Config(
             self.gateway.app,
@@ -115,7 +136,7 @@ class GatewayServer:
             if task.done():
                 raise StartupError(f"gateway on {self.cfg.listen} did not start")
             await asyncio.sleep(0.02)
-        scheme = "https" if self.cfg.tls_cert_file else "http"
+        scheme = "https" if self.tls is not None else "http"
         log.info("gateway serving OpenAI API on %s://%s", scheme, self.address)
 
     async def stop(self) -> None:

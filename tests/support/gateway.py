@@ -57,9 +57,15 @@ class GatewayProc:
         self.workdir, self.etcd_endpoint, self.tokenizers = workdir, etcd_endpoint, tokenizers
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.address = ""  # host:port of the gateway
         self.router_address = ""
+        self.http: dict = {}  # httpx arguments its own calls use (verify, cert) over HTTPS
 
-    def start(self, config: dict | None = None, keys: dict | None = None) -> "GatewayProc":
+    def start(
+        self, config: dict | None = None, keys: dict | None = None, router: dict | None = None
+    ) -> "GatewayProc":
+        """`router`: RouterConfig fields over the defaults (a `tls` section: the gateway
+        serves HTTPS with it, and its own calls present `http`)."""
         w = self.workdir
         w.mkdir(parents=True, exist_ok=True)
         (w / "keys.json").write_text(json.dumps(keys or KEYS))
@@ -71,7 +77,9 @@ class GatewayProc:
             **(config or {}),
         }
         (w / "gateway.json").write_text(json.dumps(gcfg))
-        (w / "router.json").write_text(json.dumps({"allow_unauthenticated": True}))
+        (w / "router.json").write_text(
+            json.dumps({"allow_unauthenticated": True, **(router or {})})
+        )
         for f in ("ready", "gw-ready"):
             (w / f).unlink(missing_ok=True)
         self.proc = _proc(
@@ -101,7 +109,9 @@ class GatewayProc:
             w / "router.log",
         )
         self.router_address = _ready(self.proc, w / "ready", w / "router.log", "router")
-        self.url = "http://" + _ready(self.proc, w / "gw-ready", w / "router.log", "gateway")
+        self.address = _ready(self.proc, w / "gw-ready", w / "router.log", "gateway")
+        https = bool((router or {}).get("tls") or gcfg.get("tls_cert_file"))
+        self.url = ("https://" if https and gcfg.get("https", True) else "http://") + self.address
         return self
 
     def stop(self) -> None:
@@ -113,7 +123,7 @@ class GatewayProc:
         return (self.workdir / "router.log").read_text(errors="replace")
 
     def engines(self) -> int:
-        return int(httpx.get(self.url + "/health", timeout=5).json()["engines"])
+        return int(httpx.get(self.url + "/health", timeout=5, **self.http).json()["engines"])
 
 
 class StandIn:
@@ -204,3 +214,34 @@ def sse_events(raw: bytes) -> list[dict]:
         if line.startswith("data: ") and line != "data: [DONE]":
             out.append(json.loads(line[len("data: ") :]))
     return out
+
+
+def register_engine(etcd_endpoint: str, record) -> None:
+    """Write an EngineRecord to etcd as a registrar would (no lease: the test's etcd
+    goes away with it), for engines the registrar does not health-check (HTTPS)."""
+    import asyncio
+
+    from kvstore.coord.etcd import EtcdClient
+
+    async def main() -> None:
+        async with EtcdClient(etcd_endpoint) as client:
+            await client.register_engine(record, 0)
+
+    asyncio.run(main())
+
+
+def https_standin(workdir: Path, name: str, cert: str, key: str, ca: str) -> tuple:
+    """A stand-in worker serving HTTPS with `cert`/`key` and requiring client
+    certificates of `ca` (vLLM's --ssl-certfile/--ssl-keyfile/--ssl-ca-certs); returns
+    (process, https URL). Stop it with stop_proc."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "ready").unlink(missing_ok=True)
+    tls = ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", ca]
+    cmd = [sys.executable, "-m", "loadtest.standin_openai", "--ready-file", str(workdir / "ready")]
+    proc = _proc([*cmd, "--name", name, *tls], workdir / "worker.log")
+    address = _ready(proc, workdir / "ready", workdir / "worker.log", "https stand-in")
+    return proc, "https://" + address
+
+
+def stop_proc(proc: subprocess.Popen | None) -> None:
+    _stop(proc)
