@@ -26,8 +26,9 @@ Fixtures:
 - `start_gateway(tokenizers, config=None, keys=None, router=None)`: a router process
   serving the OpenAI gateway on that etcd (tests/support/gateway.py); `.url`; `router`:
   RouterConfig fields (a `tls` section: HTTPS).
-- `start_standin(name, model, fail_status=0, namespace=None)`: a stand-in OpenAI worker
-  registered as an engine by the real registrar (kvstore.integrations.vllm_serve).
+- `start_standin(name, model, fail_status=0, namespace=None, node="")`: a stand-in OpenAI
+  worker registered as an engine (on `node`, default node-<name>) by the real registrar
+  (kvstore.integrations.vllm_serve).
 """
 
 from __future__ import annotations
@@ -166,8 +167,10 @@ def start_gateway(tmp_path, etcd):
 def start_standin(tmp_path, etcd):
     workers: list[StandIn] = []
 
-    def start(name: str, model: str, fail_status: int = 0, namespace: dict | None = None):
-        w = StandIn(tmp_path / f"standin-{name}", etcd.endpoint, name)
+    def start(
+        name: str, model: str, fail_status: int = 0, namespace: dict | None = None, node: str = ""
+    ):
+        w = StandIn(tmp_path / f"standin-{name}", etcd.endpoint, name, node)
         workers.append(w)
         return w.start(model, fail_status, namespace)
 

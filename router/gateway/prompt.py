@@ -74,6 +74,11 @@ class PromptCodec:
         if isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
+            # Checked here, before any work: an id the tokenizer cannot have made would
+            # otherwise reach hashing (int32) or the engine as garbage.
+            vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            if prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+                raise BadPrompt(f"token ids must be between 0 and {vocab - 1}")
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) == 1:
             return self.completion_ids(prompt[0])

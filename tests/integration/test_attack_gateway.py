@@ -1,0 +1,202 @@
+"""Attacks on the gateway (issue 18, "access before side effects ... gateway" and "mTLS on
+every hop"): a caller without a valid API key, a tenant trying to pick another's
+cache_salt or talk to the connector, a malformed prompt, a plaintext or foreign client
+when TLS is on. Each refusal is checked against what it must leave unchanged: the
+engine (what the stand-in received), etcd (read directly), the router's in-flight table
+(its Prometheus gauge, on the node the engine serves) and the gateway's metrics. Real
+processes: etcd, an agent, the router serving the gateway, stand-in workers."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import httpx
+import pytest
+from support.attack import etcd_items
+from support.common import free_port, make_namespace, wait_for
+from support.gateway import KV_TENANT, write_word_tokenizer
+
+MODEL = "tiny"
+ACME = {"authorization": "Bearer key-acme"}
+GLOBEX = {"authorization": "Bearer key-globex"}
+SPEC = make_namespace(tenant=KV_TENANT)  # the engines' namespace: chain ids get priced
+
+
+class World:
+    """An agent (node agent-0), the gateway's router with a Prometheus port, and a
+    stand-in engine on agent-0 publishing the namespace, so a forwarded request is held
+    in the router's in-flight table on agent-0."""
+
+    def __init__(self, tmp_path, etcd, spawn_agent, start_gateway, start_standin, **gw) -> None:
+        self.etcd = etcd
+        self.agent = spawn_agent(etcd_endpoints=etcd.endpoint, lease_ttl_s=2)
+        self.metrics_port = free_port()
+        tok = str(write_word_tokenizer(tmp_path / "tok"))
+        router = {"metrics_port": self.metrics_port, **gw.pop("router", {})}
+        self.gw = start_gateway({MODEL: tok}, gw.pop("config", None), router=router)
+        self.gw.http = gw.pop("http", {})
+        self.w = start_standin("w0", MODEL, namespace=SPEC.to_dict(), node="agent-0")
+        wait_for(lambda: self.gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+        wait_for(lambda: "agent-0" in self.router_inflight(), 30, 0.1, what="agent-0 routed")
+
+    def router_inflight(self) -> dict[str, float]:
+        page = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^kvstore_router_inflight\{node="([^"]+)"\} (\S+)$', page, re.M)
+        }
+
+    def gateway_metrics(self) -> str:
+        return httpx.get(self.gw.url + "/metrics", timeout=5, **self.gw.http).text
+
+    def state(self) -> tuple:
+        """What a refused request must not change (agents refresh their own records in
+        etcd: nodes/ is compared by key only)."""
+        items = etcd_items(self.etcd.endpoint)
+        etcd = {k: (v if not k.startswith("nodes/") else b"") for k, v in items.items()}
+        return etcd, self.router_inflight(), len(self.w.seen())
+
+
+@pytest.fixture
+def world(tmp_path, etcd, spawn_agent, start_gateway, start_standin):
+    return World(tmp_path, etcd, spawn_agent, start_gateway, start_standin)
+
+
+def _chat(text: str = "w5 w6 w7 " * 8, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_the_in_flight_check_sees_a_held_request(world):
+    """The positive control for the checks below: a valid request in flight shows in the
+    router's table on agent-0, and is released at the end."""
+    done: list[int] = []
+    url = world.gw.url + "/v1/chat/completions"
+    body = _chat(standin_delay_s=3)
+    t = threading.Thread(
+        target=lambda: done.append(httpx.post(url, json=body, headers=ACME, timeout=30).status_code)
+    )
+    t.start()
+    wait_for(lambda: world.router_inflight().get("agent-0") == 1, 20, 0.05, what="held")
+    t.join()
+    assert done == [200]
+    wait_for(lambda: world.router_inflight().get("agent-0") == 0, 20, 0.05, what="released")
+
+
+def test_requests_without_a_valid_key_change_nothing(world):
+    before = world.state()
+    big = json.dumps(_chat("w9 " * 200_000)).encode()  # over max_body_bytes as well
+    attempts = [
+        ("/v1/chat/completions", {}, json.dumps(_chat()).encode()),
+        (
+            "/v1/chat/completions",
+            {"authorization": "Bearer key-nope"},
+            json.dumps(_chat()).encode(),
+        ),
+        ("/v1/chat/completions", {"authorization": "key-acme"}, json.dumps(_chat()).encode()),
+        ("/v1/chat/completions", {"authorization": "Basic key-acme"}, json.dumps(_chat()).encode()),
+        ("/v1/completions", {"authorization": "Bearer key-nope"}, big),
+        ("/v1/completions", {"authorization": "Bearer  x"}, b"{not json"),
+    ]
+    for path, headers, body in attempts:
+        r = httpx.post(world.gw.url + path, content=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (path, headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert (
+        httpx.get(world.gw.url + "/v1/models", headers={"authorization": "Bearer x"}).status_code
+        == 401
+    )
+    assert world.state() == before  # no forward, no etcd write, nothing in flight
+    page = world.gateway_metrics()
+    assert "key-nope" not in page and "key-acme" not in page
+    assert "kvstore_gateway_inflight 0.0" in page
+    assert "key-nope" not in world.gw.log
+
+
+def test_token_ids_the_tokenizer_cannot_make_are_400_before_any_work(world):
+    """Before the fix an id outside int32 reached the chain hashing and came back as a
+    500 with a traceback in the router's log."""
+    before = world.state()
+    for ids in ([2**40] * 20, [2**31] * 20, [-1] * 20, [1000] * 20):
+        r = httpx.post(
+            world.gw.url + "/v1/completions",
+            json={"model": MODEL, "prompt": ids},
+            headers=ACME,
+            timeout=30,
+        )
+        assert r.status_code == 400, (ids[0], r.text)
+        assert "token ids must be between 0 and 999" in r.json()["error"]["message"]
+    assert world.state() == before
+    assert "Exception in ASGI application" not in world.gw.log  # uvicorn's line for a 500
+
+
+def test_a_tenant_cannot_choose_the_salt_nor_talk_to_the_connector(world):
+    evil = {"cache_salt": "guessed", "kv_transfer_params": {"kvstore": {"peer_node": "x"}}}
+    for headers in (ACME, GLOBEX):
+        for stream in (False, True):
+            for prompt in ("w3 w4 " * 20, list(range(3, 60))):
+                body = {"model": MODEL, "prompt": prompt, "stream": stream, **evil}
+                r = httpx.post(world.gw.url + "/v1/completions", json=body, headers=headers)
+                assert r.status_code == 200, r.text
+    seen = world.w.seen()
+    assert len(seen) == 8
+    acme, globex = {s["cache_salt"] for s in seen[:4]}, {s["cache_salt"] for s in seen[4:]}
+    assert len(acme) == len(globex) == 1 and acme != globex and "guessed" not in acme | globex
+    assert all(s["kv_transfer_params"] is None for s in seen)
+
+
+def test_declared_oversize_bodies_are_refused_before_reading(world):
+    """A body declared over max_body_bytes is 413 for a tenant (401 without a key) before
+    the gateway reads it: the client sends the headers only."""
+    import socket
+
+    host, port = world.gw.address.rsplit(":", 1)
+    for auth, status in ((b"Bearer key-acme", b"413"), (b"Bearer key-nope", b"401")):
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"authorization: " + auth + b"\r\ncontent-length: 1000000000\r\n\r\n"
+            )
+            head = s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 " + status), head[:80]
+    assert world.w.seen() == []
+
+
+@pytest.fixture
+def tls_world(tmp_path, etcd, spawn_agent, start_gateway, start_standin, pki):
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=pki.server.ca_file)
+    ctx.load_cert_chain(pki.client.cert_file, pki.client.key_file)
+    router = {"tls": {**pki.section()["tls"], "etcd": False}}
+    return World(
+        tmp_path,
+        etcd,
+        spawn_agent,
+        start_gateway,
+        start_standin,
+        router=router,
+        config={"require_client_cert": True},
+        http={"verify": ctx},
+    )
+
+
+def test_plaintext_and_foreign_clients_are_refused_when_tls_is_on(tls_world, pki):
+    import ssl
+
+    w = tls_world
+    before = w.state()
+    body = _chat()
+    with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the HTTPS port
+        httpx.post("http://" + w.gw.address + "/v1/chat/completions", json=body, headers=ACME)
+    no_cert = ssl.create_default_context(cafile=pki.server.ca_file)
+    stranger = ssl.create_default_context(cafile=pki.server.ca_file)
+    stranger.load_cert_chain(pki.stranger.cert_file, pki.stranger.key_file)
+    for ctx in (no_cert, stranger):
+        with pytest.raises(httpx.HTTPError):
+            with httpx.Client(verify=ctx) as c:
+                c.post(w.gw.url + "/v1/chat/completions", json=body, headers=ACME)
+    assert w.state() == before
+    with httpx.Client(**w.gw.http) as c:  # the cluster's client pair gets through
+        assert c.post(w.gw.url + "/v1/chat/completions", json=body, headers=ACME).status_code == 200
