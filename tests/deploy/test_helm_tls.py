@@ -99,3 +99,43 @@ def test_without_tls_nothing_changes_and_bad_tls_values_are_refused(helm, tmp_pa
         helm, "minimal-values.yaml", "tls.enabled=true", "tls.certManager.enabled=true"
     )
     assert "issuerRef.name" in err
+
+
+def test_gateway_serves_https_from_the_tls_secret(helm, tmp_path, monkeypatch):  # noqa: F811
+    from kvstore.config import load_config
+    from router.gateway.config import GatewayConfig
+    from router.gateway.tls import GatewayTLS
+
+    def gateway(*sets: str) -> tuple[dict, GatewayConfig, RouterConfig]:
+        docs = render(helm, "gateway-values.yaml", *TLS, *sets)
+        pod = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+        path = tmp_path / "gateway.yaml"
+        path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
+        c = pod["containers"][0]
+        rcfg = load_as_container(
+            docs, c, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+        )
+        assert _volume_secret(pod, "tls") == one(docs, "Certificate", "-tls")["spec"]["secretName"]
+        return c, load_config(GatewayConfig, str(path)), rcfg
+
+    c, cfg, rcfg = gateway("gateway.https=true", "gateway.requireClientCert=true")
+    tls = GatewayTLS.resolve(cfg, rcfg.tls)
+    assert tls is not None and tls.require_client_cert
+    mount = _mount_of(c, "tls")
+    assert (tls.ca_file, tls.cert_file, tls.key_file) == (
+        f"{mount}/ca.crt",
+        f"{mount}/tls.crt",
+        f"{mount}/tls.key",
+    )
+    # The kubelet presents no certificate: exec probe on gRPC, a TCP check on HTTPS.
+    assert "--tls-cert=" + tls.cert_file in c["livenessProbe"]["exec"]["command"]
+    assert c["readinessProbe"]["tcpSocket"]["port"] == "http"
+    c, cfg, rcfg = gateway("gateway.https=true")
+    tls = GatewayTLS.resolve(cfg, rcfg.tls)
+    assert tls is not None and not tls.require_client_cert
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    c, cfg, rcfg = gateway()  # https off: plain HTTP although the router has TLS
+    assert GatewayTLS.resolve(cfg, rcfg.tls) is None
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    err = render_error(helm, "gateway-values.yaml", *TLS, "gateway.requireClientCert=true")
+    assert "gateway.requireClientCert needs gateway.https" in err

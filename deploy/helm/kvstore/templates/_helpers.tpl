@@ -199,3 +199,18 @@ grpc:
   {{- end }}
 {{- end -}}
 {{- end -}}
+
+{{/* The gateway's HTTP probe: GET /health (HTTPS with gateway.https), or, when clients
+must present a certificate (which the kubelet cannot), a TCP check of the port. */}}
+{{- define "kvstore.gatewayProbe" -}}
+{{- $g := .Values.gateway -}}
+{{- if $g.requireClientCert }}
+tcpSocket:
+  port: http
+{{- else }}
+httpGet:
+  path: /health
+  port: http
+  scheme: {{ ternary "HTTPS" "HTTP" $g.https }}
+{{- end }}
+{{- end }}
