@@ -285,8 +285,9 @@ class UpOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.engines <= 8:
             raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
-        if self.tls and (self.engines or self.gateway_tokenizers):
-            # The vLLM connector and the gateway take no TLS files yet (docs/tls.md).
+        if self.tls and self.engines:
+            # The vLLM connector takes no TLS files on main yet (docs/tls.md); the gateway
+            # does (HTTPS from the router's files: gateway_tokenizers with tls is fine).
             raise ValueError("--tls cannot be combined with --engines yet; use --engines 0")
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
@@ -560,7 +561,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     ]
     procs.append(Proc("router", "router", router.pid, raddr, str(rlog)))
     gw_url = (
-        f"http://{_read(state / 'router' / 'gw-ready')}"
+        f"{'https' if opts.tls else 'http'}://{_read(state / 'router' / 'gw-ready')}"
         if opts.gateway_tokenizers or opts.engines
         else ""
     )
