@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -86,6 +87,7 @@ class Gateway:
         self.codecs, self.keys = codecs, keys
         self.metrics = metrics or GatewayMetrics()
         self.http = upstream or Upstream(cfg.connect_timeout_s, cfg.request_timeout_s)
+        self.tenant_inflight: Counter[str] = Counter()  # requests forwarded, not yet released
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -183,6 +185,7 @@ class Gateway:
             tenant = self._tenant(request)
             body = await self._body(request)
             model, ids = self._tokens(body, chat)
+            self._admit(tenant)
             plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
             # talk to the connector directly.
@@ -196,6 +199,16 @@ class Gateway:
             return _error(exc)
         self.metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
+
+    def _admit(self, tenant: str) -> None:
+        cap = self.cfg.max_inflight_per_tenant
+        if cap and self.tenant_inflight[tenant] >= cap:
+            raise HTTPFailure(
+                429,
+                f"this API key's tenant has {cap} requests in flight; retry later",
+                "rate_limit_error",
+                {"Retry-After": str(self.cfg.retry_after_s)},
+            )
 
     def _choose(self, model: str, plan: Plan, tried: set[str]) -> EngineState:
         pick = self.engines.pick(model, self.cfg.policy, plan.nodes, plan.first_block, tried)
@@ -227,6 +240,7 @@ class Gateway:
             self.engines.acquire(st)
             self.planner.hold(plan, st.record.node_id)
             self.metrics.inflight.inc()
+            self.tenant_inflight[plan.tenant] += 1
             # No x-request-id of ours: vLLM would name its answer after it, and the
             # answer must be what the engine says to this request as sent.
             content = self._request_body(body, plan, st)
@@ -258,6 +272,9 @@ class Gateway:
         self.engines.release(st)
         self.planner.release(plan)
         self.metrics.inflight.dec()
+        self.tenant_inflight[plan.tenant] -= 1
+        if self.tenant_inflight[plan.tenant] <= 0:
+            del self.tenant_inflight[plan.tenant]
 
     async def _respond(
         self, upstream: EngineAnswer, st: EngineState, plan: Plan, t0: float

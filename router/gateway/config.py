@@ -31,6 +31,9 @@ class GatewayConfig:
     salt_key_file: str = ""
     policy: str = "cache"  # cache (the router's cost function), round_robin, hash
     max_inflight_per_engine: int = 16  # beyond it the engine is saturated: 429 when all are
+    # A tenant with this many requests in flight gets 429 (0: no cap), so one tenant
+    # cannot fill every engine and starve the others.
+    max_inflight_per_tenant: int = 0
     retry_after_s: int = 1
     engine_suspend_s: float = 5.0  # an engine that failed a forward is skipped this long
     connect_timeout_s: float = 5.0
@@ -53,6 +56,8 @@ class GatewayConfig:
         for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_inflight_per_tenant < 0:
+            raise ValueError("max_inflight_per_tenant must be >= 0 (0: no cap)")
         for name in ("engine_suspend_s", "connect_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -200,3 +200,33 @@ def test_plaintext_and_foreign_clients_are_refused_when_tls_is_on(tls_world, pki
     assert w.state() == before
     with httpx.Client(**w.gw.http) as c:  # the cluster's client pair gets through
         assert c.post(w.gw.url + "/v1/chat/completions", json=body, headers=ACME).status_code == 200
+
+
+def test_a_tenant_at_its_in_flight_cap_gets_429_and_others_are_served(
+    tmp_path, etcd, spawn_agent, start_gateway, start_standin
+):
+    w = World(
+        tmp_path,
+        etcd,
+        spawn_agent,
+        start_gateway,
+        start_standin,
+        config={"max_inflight_per_tenant": 1, "retry_after_s": 2},
+    )
+    url = w.gw.url + "/v1/chat/completions"
+    held: list[int] = []
+    t = threading.Thread(
+        target=lambda: held.append(
+            httpx.post(url, json=_chat(standin_delay_s=4), headers=ACME, timeout=30).status_code
+        )
+    )
+    t.start()
+    wait_for(lambda: w.router_inflight().get("agent-0") == 1, 20, 0.05, what="acme's request held")
+    r = httpx.post(url, json=_chat(), headers=ACME)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "2" and r.json()["error"]["type"] == "rate_limit_error"
+    assert httpx.post(url, json=_chat(), headers=GLOBEX).status_code == 200  # not starved
+    t.join()
+    assert held == [200]
+    assert httpx.post(url, json=_chat(), headers=ACME).status_code == 200  # released
+    assert len(w.w.seen()) == 3  # the refused one reached no engine
