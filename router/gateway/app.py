@@ -113,7 +113,10 @@ class Gateway:
             self._tenant(request)
         except HTTPFailure as exc:
             return _error(exc)
-        served = sorted({m for s in self.engines.engines.values() for m in s.record.models})
+        grant = request.state.grant
+        served = sorted(
+            {m for s in self.engines.engines.values() for m in s.record.models if grant.allows(m)}
+        )
         data = [{"id": m, "object": "model", "owned_by": "kvstore"} for m in served]
         return JSONResponse({"object": "list", "data": data})
 
@@ -121,10 +124,11 @@ class Gateway:
     def _tenant(self, request: Request) -> str:
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        tenant = self.keys.tenant(key.strip()) if scheme.lower() == "bearer" else None
-        if tenant is None:
+        grant = self.keys.grant(key.strip()) if scheme.lower() == "bearer" else None
+        if grant is None:
             raise HTTPFailure(401, "missing or unknown API key", "authentication_error")
-        return tenant
+        request.state.grant = grant  # the models it may use: checked once the body names one
+        return grant.tenant
 
     async def _body(self, request: Request) -> dict[str, Any]:
         declared = request.headers.get("content-length")
@@ -184,6 +188,7 @@ class Gateway:
         try:
             tenant = self._tenant(request)
             body = await self._body(request)
+            self._permit(request, body.get("model"))
             model, ids = self._tokens(body, chat)
             self._admit(tenant)
             plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant)
@@ -199,6 +204,11 @@ class Gateway:
             return _error(exc)
         self.metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
+
+    def _permit(self, request: Request, model: Any) -> None:
+        """Before tokenizing: a key limited to some models asks for another (403)."""
+        if isinstance(model, str) and model and not request.state.grant.allows(model):
+            raise HTTPFailure(403, f"this API key may not use model {model!r}", "permission_error")
 
     def _admit(self, tenant: str) -> None:
         cap = self.cfg.max_inflight_per_tenant

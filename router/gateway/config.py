@@ -7,10 +7,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-__all__ = ["GatewayConfig", "ApiKeys", "POLICIES", "read_secret"]
+__all__ = ["GatewayConfig", "ApiKeys", "Grant", "POLICIES", "read_secret"]
 
 POLICIES = ("cache", "round_robin", "hash")
 
@@ -82,16 +83,26 @@ def read_secret(path: str, what: str) -> str:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What an API key may do: act as `tenant`, on `models` only (None: every model)."""
+
+    tenant: str
+    models: frozenset[str] | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
 class ApiKeys:
-    """API key -> tenant. Looked up by SHA-256 digest: the keys themselves are not kept,
+    """API key -> tenant, or -> {"tenant": T, "models": [...]} for a key limited to some
+    models (others: 403). Looked up by SHA-256 digest: the keys themselves are not kept,
     and a lookup's timing depends on the digest, which tells an attacker nothing."""
 
-    def __init__(self, keys: dict[str, str]) -> None:
-        self._by_digest: dict[bytes, str] = {}
-        for key, tenant in keys.items():
-            if not key or not isinstance(tenant, str) or not tenant:
-                raise ValueError("api keys: every key needs a non-empty tenant")
-            self._by_digest[hashlib.sha256(key.encode()).digest()] = tenant
+    def __init__(self, keys: dict[str, Any]) -> None:
+        self._by_digest: dict[bytes, Grant] = {}
+        for key, value in keys.items():
+            self._by_digest[hashlib.sha256(key.encode()).digest()] = _grant(key, value)
 
     @classmethod
     def load(cls, path: str) -> "ApiKeys":
@@ -107,8 +118,30 @@ class ApiKeys:
             raise ValueError(f"api_keys_file {path}: expected a mapping of key -> tenant")
         return cls({str(k): v for k, v in data.items()})
 
-    def tenant(self, key: str) -> str | None:
+    def grant(self, key: str) -> Grant | None:
         return self._by_digest.get(hashlib.sha256(key.encode()).digest())
+
+    def tenant(self, key: str) -> str | None:
+        g = self.grant(key)
+        return g.tenant if g is not None else None
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+
+def _grant(key: str, value: Any) -> Grant:
+    # The message never names the key: the file is a Secret.
+    bad = "api keys: every key needs a non-empty tenant, or {tenant, models: [names]}"
+    if isinstance(value, dict):
+        tenant, models = value.get("tenant"), value.get("models")
+        if set(value) - {"tenant", "models"} or (
+            models is not None
+            and not (isinstance(models, list) and all(isinstance(m, str) and m for m in models))
+        ):
+            raise ValueError(bad)
+        value, allowed = tenant, (frozenset(models) if models is not None else None)
+    else:
+        allowed = None
+    if not key or not isinstance(value, str) or not value:
+        raise ValueError(bad)
+    return Grant(value, allowed)

@@ -230,3 +230,31 @@ def test_a_tenant_at_its_in_flight_cap_gets_429_and_others_are_served(
     assert held == [200]
     assert httpx.post(url, json=_chat(), headers=ACME).status_code == 200  # released
     assert len(w.w.seen()) == 3  # the refused one reached no engine
+
+
+def test_a_key_limited_to_other_models_is_403_before_any_work(
+    tmp_path, etcd, start_gateway, start_standin
+):
+    from support.gateway import KEYS
+
+    tok = str(write_word_tokenizer(tmp_path / "tok"))
+    keys = KEYS | {"key-limited": {"tenant": "acme", "models": ["other"]}}
+    gw = start_gateway({MODEL: tok}, keys=keys)
+    w = start_standin("w0", MODEL)
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+    limited = {"authorization": "Bearer key-limited"}
+    for path, body in (
+        ("/v1/chat/completions", _chat()),
+        ("/v1/completions", {"model": MODEL, "prompt": "w5"}),
+    ):
+        r = httpx.post(gw.url + path, json=body, headers=limited)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["type"] == "permission_error"
+    assert httpx.get(gw.url + "/v1/models", headers=limited).json()["data"] == []
+    assert [m["id"] for m in httpx.get(gw.url + "/v1/models", headers=ACME).json()["data"]] == [
+        MODEL
+    ]
+    assert w.seen() == []
+    assert (
+        httpx.post(gw.url + "/v1/chat/completions", json=_chat(), headers=ACME).status_code == 200
+    )

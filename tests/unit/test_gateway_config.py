@@ -1,0 +1,56 @@
+"""GatewayConfig and the API-key file: what is refused before serving, and the grants a
+key carries (tenant, optionally the models it may use)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.config import TLSConfig
+from router.gateway.config import ApiKeys, GatewayConfig
+from router.gateway.tls import GatewayTLS
+
+
+def test_keys_map_to_tenants_and_optionally_to_models():
+    keys = ApiKeys({"k1": "acme", "k2": {"tenant": "globex", "models": ["tiny"]}})
+    assert keys.tenant("k1") == "acme" and keys.grant("k1").allows("anything")
+    g = keys.grant("k2")
+    assert g is not None and g.tenant == "globex"
+    assert g.allows("tiny") and not g.allows("other")
+    assert keys.grant("k3") is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        None,
+        3,
+        {"models": ["tiny"]},
+        {"tenant": "a", "models": "tiny"},
+        {"tenant": "a", "models": [""]},
+        {"tenant": "a", "role": "admin"},
+    ],  # fmt: skip
+)
+def test_bad_key_entries_are_refused_without_naming_the_key(value):
+    with pytest.raises(ValueError) as ei:
+        ApiKeys({"sk-secret-key": value})
+    assert "sk-secret-key" not in str(ei.value)
+
+
+def test_https_follows_the_routers_files_unless_told_otherwise():
+    router = TLSConfig("/tls/ca.crt", "/tls/tls.crt", "/tls/tls.key", server_name="kv.svc")
+    tls = GatewayTLS.resolve(GatewayConfig(), router)
+    assert tls == GatewayTLS("/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt", False, "kv.svc")
+    assert GatewayTLS.resolve(GatewayConfig(https=False), router) is None
+    assert GatewayTLS.resolve(GatewayConfig(), TLSConfig()) is None
+    own = GatewayConfig(tls_cert_file="/own.crt", tls_key_file="/own.key")
+    assert GatewayTLS.resolve(own, router) == GatewayTLS("/own.crt", "/own.key", "")
+    with pytest.raises(ValueError, match="require_client_cert needs a CA"):
+        GatewayTLS.resolve(
+            GatewayConfig(tls_cert_file="/c", tls_key_file="/k", require_client_cert=True),
+            TLSConfig(),
+        )
+    with pytest.raises(ValueError, match="tls_ca_file needs"):
+        GatewayConfig(tls_ca_file="/ca.crt")
+    with pytest.raises(ValueError, match="max_inflight_per_tenant"):
+        GatewayConfig(max_inflight_per_tenant=-1)
