@@ -108,6 +108,15 @@ class EngineBoard:
             log.info("engine %s left; dropped %d cache entries", engine_id, n)
 
     # ------------------------------------------------------------- in flight
+    def hold(self, request_id: str, engine_id: str, work: float) -> None:
+        """Count `request_id` in flight on `engine_id` with `work` blocks of prefill, until
+        `release`: what a non-dry-run `route` does for its choice, and what the gateway
+        does for the engine it forwarded to (the first free one of a dry-run ranking)."""
+        self.release(request_id)  # a retried id moves
+        self._inflight[request_id] = (engine_id, work)
+        self._count[engine_id] = self._count.get(engine_id, 0) + 1
+        self._work[engine_id] = self._work.get(engine_id, 0.0) + work
+
     def release(self, request_id: str) -> bool:
         entry = self._inflight.pop(request_id, None)
         if entry is None:
@@ -163,11 +172,7 @@ class EngineBoard:
         rid = request_id or secrets.token_hex(16)
         if not dry_run:
             c = scores[0]
-            self.release(rid)  # a retried id moves
-            work = c.recompute_blocks + c.peer_blocks * pricing.peer_price
-            self._inflight[rid] = (c.engine_id, work)
-            self._count[c.engine_id] = self._count.get(c.engine_id, 0) + 1
-            self._work[c.engine_id] = self._work.get(c.engine_id, 0.0) + work
+            self.hold(rid, c.engine_id, c.recompute_blocks + c.peer_blocks * pricing.peer_price)
         if log.isEnabledFor(logging.DEBUG):
             c = scores[0]
             log.debug("route-engine %s blocks=%d -> %s %s", rid, total, c.engine_id, c.terms())

@@ -38,6 +38,7 @@ __all__ = ["Gateway"]
 log = logging.getLogger("kvstore.gateway")
 
 ENGINE_HEADER = "x-kvstore-engine"  # which engine answered: the demo and tests print it
+ROUTE_HEADER = "x-kvstore-route"  # where the router priced its blocks (Planner.priced)
 
 
 class HTTPFailure(Exception):
@@ -106,7 +107,8 @@ class Gateway:
         return JSONResponse({"status": "ok", "engines": len(self.engines.engines)})
 
     async def metrics_page(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        page = self.metrics.render(self.planner.engine_blocks())
+        return Response(page, media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
         try:
@@ -191,7 +193,7 @@ class Gateway:
             self._permit(request, body.get("model"))
             model, ids = self._tokens(body, chat)
             self._admit(tenant)
-            plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant)
+            plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
             # talk to the connector directly.
             body["cache_salt"] = plan.salt
@@ -221,7 +223,7 @@ class Gateway:
             )
 
     def _choose(self, model: str, plan: Plan, tried: set[str]) -> EngineState:
-        pick = self.engines.pick(model, self.cfg.policy, plan.nodes, plan.first_block, tried)
+        pick = self.engines.pick(model, self.cfg.policy, plan.engines, plan.first_block, tried)
         if pick.engine is not None:
             return pick.engine
         if pick.saturated:
@@ -236,10 +238,9 @@ class Gateway:
         raise HTTPFailure(503, f"no engine serves {model!r} now", "api_error")
 
     def _request_body(self, body: dict[str, Any], plan: Plan, st: EngineState) -> bytes:
-        s = plan.score_on(st.record.node_id)
-        if s is not None and s.peer_blocks and s.peer_node_id:
+        hint = self.planner.peer_hint(plan, st.record.engine_id)
+        if hint is not None:
             # The connector starts pulling before prefill (kv_transfer_params reach it).
-            hint = {"kvstore": {"peer_node": s.peer_node_id, "blocks": s.peer_blocks}}
             body = dict(body, kv_transfer_params=hint)
         return json.dumps(body).encode()
 
@@ -248,7 +249,7 @@ class Gateway:
         while True:
             st = self._choose(model, plan, tried)
             self.engines.acquire(st)
-            self.planner.hold(plan, st.record.node_id)
+            self.planner.hold(plan, st.record)
             self.metrics.inflight.inc()
             self.tenant_inflight[plan.tenant] += 1
             # No x-request-id of ours: vLLM would name its answer after it, and the
@@ -289,7 +290,10 @@ class Gateway:
     async def _respond(
         self, upstream: EngineAnswer, st: EngineState, plan: Plan, t0: float
     ) -> Response:
-        headers = {ENGINE_HEADER: st.record.engine_id}
+        headers = {
+            ENGINE_HEADER: st.record.engine_id,
+            ROUTE_HEADER: self.planner.priced(plan, st.record.engine_id),
+        }
         media = upstream.content_type
         closed = False
 

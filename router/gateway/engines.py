@@ -3,10 +3,11 @@ registrar's lease), with what the gateway itself knows of each: requests in flig
 through it and a short suspension after a failed forward (the lease outlives a dead
 engine by up to its TTL; the gateway should not keep choosing it meanwhile).
 
-Choosing is pure over this state: `pick` takes the router's ranked candidate nodes (from
-RouterCore.route, the one cost function) and returns the least-loaded unsaturated engine
-on the cheapest node that has one; round robin and rendezvous hashing are the baselines
-the benchmark compares against.
+Choosing is pure over this state: `pick` takes the router's ranked candidate engines
+(from RouterCore.route_engines, the one cost function: each engine's own cache, its node's
+agent, a peer, recompute, load) and returns the cheapest one that is live and below its
+in-flight cap; round robin and rendezvous hashing are the baselines the benchmark
+compares against.
 """
 
 from __future__ import annotations
@@ -129,12 +130,12 @@ class EngineSet:
         self,
         model: str,
         policy: str,
-        ranked_nodes: Sequence[str] = (),
+        ranked_engines: Sequence[str] = (),
         key: bytes = b"",
         exclude: set[str] | None = None,
     ) -> Pick:
-        """`ranked_nodes`: the router's candidates, cheapest first (policy "cache");
-        `key`: what "hash" hashes (the prompt's first block id)."""
+        """`ranked_engines`: the router's candidate engine ids, cheapest first (policy
+        "cache"); `key`: what "hash" hashes (the prompt's first block id)."""
         free, none = self._eligible(model, exclude or set())
         if none is not None:
             return none
@@ -142,10 +143,11 @@ class EngineSet:
             return Pick(free[next(self._rr) % len(free)])
         if policy == "hash":  # rendezvous hashing: stable while the engine set is
             return Pick(max(free, key=lambda s: _rank(key, s.record.engine_id)))
-        for node_id in ranked_nodes:
-            on_node = [s for s in free if s.record.node_id == node_id]
-            if on_node:
-                return Pick(min(on_node, key=lambda s: s.inflight))
+        by_id = {s.record.engine_id: s for s in free}
+        for engine_id in ranked_engines:
+            if engine_id in by_id:
+                return Pick(by_id[engine_id])
+        # Unpriced (no chain ids, or the router does not follow these engines yet): by load.
         return Pick(min(free, key=lambda s: s.inflight))  # stable: free is sorted by id
 
     def namespace_of(self, model: str) -> EngineRecord | None:

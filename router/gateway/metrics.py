@@ -39,5 +39,17 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def render(self) -> bytes:
+        self.engine_blocks = Gauge(
+            "kvstore_gateway_engine_cached_blocks",
+            "Blocks the router has indexed in each engine's own cache (its KV events)",
+            ["engine"],
+            registry=r,
+        )
+
+    def render(self, engine_blocks: dict[str, int] | None = None) -> bytes:
+        """`engine_blocks`: engine id -> blocks indexed, read at scrape time."""
+        if engine_blocks is not None:
+            self.engine_blocks.clear()  # engines that left drop out
+            for engine, n in engine_blocks.items():
+                self.engine_blocks.labels(engine).set(n)
         return generate_latest(self.registry)

@@ -1,11 +1,16 @@
-"""From a request's prompt token ids to the router's ranked candidate nodes: the chain ids
-the engine's connector will compute (its namespace, salted per tenant, at the generation
-in force), priced by RouterCore.route, the router's one cost function.
+"""From a request's prompt token ids to the router's ranked candidate engines: the chain
+ids the engine's connector will compute (its namespace, salted per tenant, at the
+generation in force), priced by RouterCore.route_engines, the router's one cost function
+for engines (router/engine_scoring.py: the engine's own cache, learned from its KV events,
+< its node's agent < a peer < recompute, plus load).
 
-The gateway holds the routed request in RouterCore's in-flight table on the node of the
-engine it actually chose (`hold`), marks its prefill done at the first token and
-releases it at the end, so the router's load terms see gateway traffic as they see
-ClusterClient's.
+The gateway holds the routed request in flight on the engine it actually chose (the first
+free one of the ranking) and on that engine's node (`hold`), marks its prefill done at the
+first token and releases it at the end, so the router's load terms see gateway traffic as
+they see ClusterClient's. When the chosen engine's node must pull part of the prefix from
+a peer agent, `peer_hint` is what goes into the forwarded request's `kv_transfer_params`,
+in the form the connector reads (kvstore/integrations/vllm_peer.py), so the pull starts
+before prefill.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from kvstore.coord.engines import EngineRecord
 from kvstore.hashing import BLOCK_ID_BYTES, BlockId, hash_chain_packed
 from kvstore.namespace import Namespace
 from kvstore.salt import salt_secret, salted
+from router.engine_scoring import EngineScore
 from router.routing import RouterCore
-from router.scoring import Score
 
 __all__ = ["Plan", "Planner"]
 
@@ -36,15 +41,15 @@ class Plan:
     tenant: str
     salt: str
     first_block: bytes  # the prompt's first chain id ("hash" policy); b"": shorter than one
-    scores: tuple[Score, ...] = ()  # the router's candidates, cheapest first
+    scores: tuple[EngineScore, ...] = ()  # the router's candidate engines, cheapest first
     peer_price: float = 1.0  # prefill-block cost of one peer block (RouterCore pricing)
 
     @property
-    def nodes(self) -> list[str]:
-        return [s.node_id for s in self.scores]
+    def engines(self) -> list[str]:
+        return [s.engine_id for s in self.scores]
 
-    def score_on(self, node_id: str) -> Score | None:
-        return next((s for s in self.scores if s.node_id == node_id), None)
+    def score_of(self, engine_id: str) -> EngineScore | None:
+        return next((s for s in self.scores if s.engine_id == engine_id), None)
 
 
 @dataclass(slots=True)
@@ -125,7 +130,9 @@ class Planner:
         ns_id, root = named
         return ns_id, hash_chain_packed(BlockId(root), tokens, spec.block_size)
 
-    def plan(self, rec: EngineRecord | None, tokens: list[int], tenant: str) -> Plan:
+    def plan(
+        self, rec: EngineRecord | None, tokens: list[int], tenant: str, model: str = ""
+    ) -> Plan:
         salt = self.salt(tenant)
         rid = secrets.token_hex(16)
         chained = self.chain(rec, tokens, tenant)
@@ -134,21 +141,57 @@ class Planner:
         ns_id, packed = chained
         first = packed[:BLOCK_ID_BYTES]
         try:
-            d = self.core.route(ns_id, packed, request_id=rid, dry_run=True, tenant=tenant)
-        except errors.KvError as exc:  # no agents registered yet: route by load
+            d = self.core.route_engines(ns_id, packed, model, request_id=rid, dry_run=True)
+        except errors.KvError as exc:  # the router follows no engine of it yet: by load
             log.debug("route %s: %s", rid, exc)
             return Plan(rid, tenant, salt, first)
         return Plan(rid, tenant, salt, first, tuple(d.scores), self.core.pricing(ns_id).peer_price)
 
+    def peer_hint(self, plan: Plan, engine_id: str) -> dict[str, dict[str, str]] | None:
+        """The forwarded request's kv_transfer_params when the router priced a peer pull
+        into `engine_id`'s node as paying (its score has peer blocks): the peer agent's
+        gRPC address and UCX listener, as the connector reads them; None otherwise."""
+        s = plan.score_of(engine_id)
+        if s is None or not s.peer_blocks:
+            return None
+        peer = self.core.nodes.get(s.peer_node_id)
+        if peer is None:  # left since the plan was made: recompute rather than guess
+            return None
+        return {"kvstore": {"peer": peer.record.address, "peer_transfer": peer.record.peer_address}}
+
+    def engine_blocks(self) -> dict[str, int]:
+        """Blocks the router indexed in each engine's own cache (the /metrics gauge)."""
+        board = self.core.engines
+        return {e: board.index.engine_blocks(e) for e in board.engines}
+
+    @staticmethod
+    def priced(plan: Plan, engine_id: str) -> str:
+        """Where the router expected `engine_id` to find the prompt's blocks, in block
+        counts (the gateway's x-kvstore-route header): block counts of the caller's own
+        salted namespace, never tokens."""
+        s = plan.score_of(engine_id)
+        if s is None:
+            return "unpriced"
+        return (
+            f"engine={s.engine_blocks} agent={s.agent_blocks} peer={s.peer_blocks} "
+            f"recompute={s.recompute_blocks} in_flight={s.in_flight}"
+        )
+
     # ---------------------------------------------------- the request's lifetime
-    def hold(self, plan: Plan, node_id: str) -> None:
-        s = plan.score_on(node_id)
+    def hold(self, plan: Plan, rec: EngineRecord) -> None:
+        """Count the request in flight on the engine it was forwarded to, and on its node,
+        with the prefill work the router priced for that engine (0 where unpriced)."""
+        s = plan.score_of(rec.engine_id)
         work = s.recompute_blocks + s.peer_blocks * plan.peer_price if s else 0.0
-        if node_id in self.core.nodes:
-            self.core.hold(plan.request_id, node_id, work, plan.tenant)
+        if rec.engine_id in self.core.engines.engines:
+            self.core.engines.hold(plan.request_id, rec.engine_id, work)
+        if rec.node_id in self.core.nodes:
+            self.core.hold(plan.request_id, rec.node_id, work, plan.tenant)
 
     def prefill_done(self, plan: Plan) -> None:
+        self.core.engines.prefill_done(plan.request_id)
         self.core.release(plan.request_id, True, plan.tenant)
 
     def release(self, plan: Plan) -> None:
+        self.core.engines.release(plan.request_id)
         self.core.release(plan.request_id, False, plan.tenant)
