@@ -420,7 +420,9 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
     ready.unlink(missing_ok=True)
     log = d / "router.log"
     # Like the agents: no tenants, callers without a token act as the cluster (dev only).
-    rcfg = {"allow_unauthenticated": True, **_tls_section(tls)}
+    rcfg: dict = {"allow_unauthenticated": True, **_tls_section(tls)}
+    if opts.engines:  # to name the engines' cached blocks from their KV events
+        rcfg["tenant_secret_files"] = {KV_TENANT: str(d / "kv.secret")}
     (d / "router.json").write_text(json.dumps(rcfg, indent=2) + "\n")
     proc = _spawn(
         [
@@ -463,7 +465,7 @@ def _start_engines(state, opts, etcd, agents, gw_url, say, started) -> list[Proc
         launch = EngineLaunch(
             f"engine-{i}", free_port(), str(state / "model"), MODEL_NAME, agents[i % len(agents)],
             f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
-            str(d), ttl_s=opts.lease_ttl_s,
+            str(d), ttl_s=opts.lease_ttl_s, kv_events_ports=(free_port(), free_port()),
         )  # fmt: skip
         proc = start_engine(launch, new_session=True)
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))

@@ -46,6 +46,10 @@ class EngineLaunch:
     max_model_len: int = 2048
     prefix_caching: bool = True
     ttl_s: int = 3
+    # (publisher, replay) ports of the engine's KV events (vLLM binds both on every
+    # interface: `tcp://*:PORT`, the router connects), so the router learns what the
+    # engine's own prefix cache holds; None publishes none.
+    kv_events_ports: tuple[int, int] | None = None
 
     @property
     def url(self) -> str:
@@ -78,7 +82,23 @@ class EngineLaunch:
         ]  # fmt: skip
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if self.kv_events_ports is not None:
+            pub, replay = self.kv_events_ports
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{pub}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            }
+            cmd += ["--kv-events-config", json.dumps(events)]
         return cmd
+
+    def _events_args(self) -> list[str]:
+        if self.kv_events_ports is None:
+            return []
+        pub, replay = self.kv_events_ports
+        return ["--kv-events-endpoint", f"tcp://*:{pub}",
+                "--kv-events-replay-endpoint", f"tcp://*:{replay}"]  # fmt: skip
 
     def command(self) -> list[str]:
         return [
@@ -86,7 +106,8 @@ class EngineLaunch:
             "--engine-id", self.engine_id, "--url", self.url, "--node-id", self.node_id,
             "--model", self.served_name, "--etcd-endpoints", self.etcd_endpoint,
             "--namespace-file", str(Path(self.workdir) / "namespace.json"),
-            "--ttl", str(self.ttl_s), "--check-interval", "0.5", "--", *self.vllm_command(),
+            "--ttl", str(self.ttl_s), "--check-interval", "0.5", *self._events_args(),
+            "--", *self.vllm_command(),
         ]  # fmt: skip
 
 

@@ -1,7 +1,10 @@
-"""The gateway in front of real vLLM CPU engines (our connector, one agent each), real
-etcd, real agents: conversations land on the engine holding their prefix, tenants never
-see each other's cached tokens, streaming answers are the engine's own, and a killed
-engine costs no client error (one retry) and drops out within its lease TTL.
+"""The gateway in front of real vLLM CPU engines (our connector, one agent each, KV events
+to the router), real etcd, real agents: conversations land on the engine whose own cache
+holds their prefix (the router learned it from the engine's KV events), tenants never see
+each other's cached tokens, streaming answers are the engine's own, a killed engine costs
+no client error (one retry) and drops out within its lease TTL, and then the engine left,
+whose node lacks the conversation, gets a peer hint from the gateway and serves it from
+the dead engine's agent (a router-priced peer pull) with the output of a recompute.
 
 One engine start per engine for the whole file (engines take ~30 s each on CPU): the
 checks run in order on one world. Run it under `flock /tmp/kvstore-vllm.lock`.
@@ -13,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,7 +72,7 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
         launch = EngineLaunch(
             f"e{i}", free_port(), str(model), MODEL, agent.address, f"agent-{i}", KV_TENANT,
             str(tmp_path / "kv.secret"), etcd.endpoint, str(tmp_path / f"engine-{i}"),
-            block_size=BLOCK,
+            block_size=BLOCK, kv_events_ports=(free_port(), free_port()),
         )  # fmt: skip
         engines[launch.engine_id] = (launch, start_engine(launch, new_session=True))
     try:
@@ -84,26 +88,44 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
                     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _turns(gw, headers, system: str, n: int, msgs: list) -> list[tuple[str, int, int]]:
+def _priced(resp: httpx.Response) -> dict[str, int]:
+    """The gateway's x-kvstore-route header: where the router priced the blocks."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in resp.headers["x-kvstore-route"].split())}
+
+
+def _engine_blocks(gw) -> int:
+    """Blocks the router indexed in the engines' own caches (the gateway's /metrics)."""
+    page = httpx.get(gw.url + "/metrics", timeout=10).text
+    return sum(
+        int(float(m))
+        for m in re.findall(r"^kvstore_gateway_engine_cached_blocks\{.*\} (\S+)$", page, re.M)
+    )
+
+
+def _turns(gw, headers, system: str, n: int, msgs: list) -> list[tuple[str, int, int, dict]]:
     """A conversation of `n` turns (appended to `msgs`); (engine, cached tokens, prompt
-    tokens) per turn. Waits before each next turn until the router indexed what the last
-    one stored."""
+    tokens, the router's pricing) per turn. Waits before each next turn until the router
+    indexed what the last one stored, on the agent and in the engine's own cache."""
     msgs.append({"role": "system", "content": system})
     out = []
     for t in range(n):
         msgs.append({"role": "user", "content": _words(100 + t, 40)})
-        before = sum(indexed_blocks(gw.router_address).values())
+        before = sum(indexed_blocks(gw.router_address).values()), _engine_blocks(gw)
         r = httpx.post(gw.url + "/v1/chat/completions", json=_chat(msgs), headers=headers,
                        timeout=120)  # fmt: skip
         assert r.status_code == 200, r.text
         body = r.json()
-        out.append((r.headers["x-kvstore-engine"], _cached(r), body["usage"]["prompt_tokens"]))
+        out.append((r.headers["x-kvstore-engine"], _cached(r), body["usage"]["prompt_tokens"],
+                    _priced(r)))  # fmt: skip
         msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
         wait_for(
-            lambda before=before: sum(indexed_blocks(gw.router_address).values()) > before,
+            lambda before=before: (
+                sum(indexed_blocks(gw.router_address).values()) > before[0]
+                and _engine_blocks(gw) > before[1]
+            ),
             60,
             0.2,
-            what="the turn's blocks in the router's index",
+            what="the turn's blocks in the router's index and engine index",
         )
     return out
 
@@ -114,9 +136,11 @@ def test_gateway_over_vllm_engines(world):
     # 1. A shared-prefix conversation stays on the engine that holds it, and hits.
     msgs: list[dict] = []
     conv = _turns(gw, ACME, _words(1, 200), 3, msgs)
-    assert len({e for e, _, _ in conv}) == 1, conv
-    for (_, cached, _), (_, _, prev_prompt) in zip(conv[1:], conv):
+    assert len({e for e, _, _, _ in conv}) == 1, conv
+    for (_, cached, _, priced), (_, _, prev_prompt, _) in zip(conv[1:], conv):
         assert cached >= (prev_prompt // BLOCK) * BLOCK - BLOCK, conv
+        # Priced from the engine's own cache, which its KV events told the router about.
+        assert priced["engine"] >= prev_prompt // BLOCK - 1, conv
     home = conv[0][0]
     # ... because the router's index holds it there under the chain ids the gateway
     # computes: the engine's connector named its blocks exactly so.
@@ -155,6 +179,25 @@ def test_gateway_over_vllm_engines(world):
         assert r.headers["x-kvstore-engine"] != home
     assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
     wait_for(lambda: gw.engines() == 1, 30, 0.2, what="the dead engine's lease expired")
+    # 5. The conversation's next turn: only the engine left can serve it. Its node's agent
+    # holds just the shared start (step 4); the dead engine's agent holds the whole
+    # conversation, so the router prices a pull from that peer and the gateway hints it.
+    other = next(e for e in engines if e != home)
+    own = len(PromptCodec.load(launch.model_dir).chat_ids(first)) // BLOCK * BLOCK  # at most
+    msgs.append({"role": "user", "content": _words(200, 40)})
+    r = httpx.post(url, json=_chat(msgs), headers=ACME, timeout=120)
+    assert r.status_code == 200 and r.headers["x-kvstore-engine"] == other, r.text
+    priced = _priced(r)
+    assert priced["peer"] > 0, priced
+    assert _cached(r) >= (priced["engine"] + priced["agent"] + priced["peer"]) * BLOCK - BLOCK
+    assert _cached(r) > own, (own, _cached(r))  # beyond what it had: the pull served it
+    log = (Path(engines[other][0].workdir) / "engine.log").read_text(errors="replace")
+    assert f"after a pull from {launch.agent}" in log  # the dead engine's agent
+    # The same prompt under a salt nothing was cached for: a plain recompute, same tokens.
+    fresh = httpx.post(engines[other][0].url + "/v1/chat/completions",
+                       json=_chat(msgs, cache_salt="never-cached"), timeout=120)  # fmt: skip
+    assert fresh.status_code == 200 and _cached(fresh) == 0, fresh.text
+    assert fresh.json()["choices"][0]["message"] == r.json()["choices"][0]["message"]
 
 
 def _engine_records(endpoint: str):

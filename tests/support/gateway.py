@@ -77,9 +77,13 @@ class GatewayProc:
             **(config or {}),
         }
         (w / "gateway.json").write_text(json.dumps(gcfg))
-        (w / "router.json").write_text(
-            json.dumps({"allow_unauthenticated": True, **(router or {})})
-        )
+        # The engines' tenant secret names what their own caches hold (KV events).
+        rcfg = {
+            "allow_unauthenticated": True,
+            "tenant_secret_files": {KV_TENANT: str(w / "kv.secret")},
+            **(router or {}),
+        }
+        (w / "router.json").write_text(json.dumps(rcfg))
         for f in ("ready", "gw-ready"):
             (w / f).unlink(missing_ok=True)
         self.proc = _proc(
