@@ -32,6 +32,7 @@ class Turn:
     prompt_tokens: int
     cached_tokens: int
     ttft_ms: float
+    priced: str = ""  # the gateway's x-kvstore-route: where the router priced the blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,9 @@ def _pick(mode: str, engines: list[str], rr: itertools.count, tenant: str, sessi
 
 async def _ask(
     c: httpx.AsyncClient, url: str, headers: dict, body: dict
-) -> tuple[dict, float, str, str]:
-    """Stream one chat answer: (usage, TTFT ms, text, the gateway's engine header)."""
+) -> tuple[dict, float, str, str, str]:
+    """Stream one chat answer: (usage, TTFT ms, text, the gateway's engine and route
+    headers)."""
     t0 = time.perf_counter()
     ttft, text = 0.0, []
     usage: dict = {}
@@ -81,7 +83,8 @@ async def _ask(
                     text.append(piece)
             usage = ev.get("usage") or usage
         engine = r.headers.get("x-kvstore-engine", "")
-    return usage, ttft, "".join(text).strip(), engine
+        priced = r.headers.get("x-kvstore-route", "")
+    return usage, ttft, "".join(text).strip(), engine, priced
 
 
 async def run(
@@ -113,11 +116,11 @@ async def run(
                 engine = _pick(mode, ids, rr, tenant, session)
                 url, headers = engines[engine] + "/v1/chat/completions", {}
                 body["cache_salt"] = f"{mode}-{tenant}"
-            usage, ttft, text, via = await _ask(c, url, headers, body)
+            usage, ttft, text, via, priced = await _ask(c, url, headers, body)
             msgs.append({"role": "assistant", "content": text})
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             t = Turn(tenant, session, turn, via or engine, int(usage.get("prompt_tokens", 0)),
-                     cached, ttft)  # fmt: skip
+                     cached, ttft, priced)  # fmt: skip
             if on_turn is not None:
                 on_turn(mode, t)
             return t
