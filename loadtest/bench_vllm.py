@@ -170,6 +170,11 @@ def run(args) -> dict:
     out.update(_summary("warm", by["kvstore"][n_order:]))
     out.update(_summary("cross_kvstore", by["cross_kvstore"]))
     out.update(_summary("cross_prefix", by["cross_prefix"]))
+    # Each request of the cross-engine comparison, in order: where the cross engine's extra
+    # time goes (a fresh engine's first requests, or every load).
+    for name, rows in (("warm", by["kvstore"][n_order:]), ("cross_kvstore", by["cross_kvstore"]),
+                       ("cross_prefix", by["cross_prefix"])):  # fmt: skip
+        out[f"{name}_ttft_ms_each"] = [round(b["wall_ms"], 1) for b in rows]
     prompt_tokens = sum(len(p) for conv in workload for p in conv)
     out["kvstore_cached_token_share"] = round(out["kvstore_cached_tokens"] / prompt_tokens, 3)
     first = {

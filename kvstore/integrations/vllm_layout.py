@@ -55,40 +55,60 @@ class PagedLayout:
 
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` into `out`, (n, layers, 2, bs, heads, head_dim)."""
-        run = _run(block_ids)
-        idx = _NO_INDEX if run else _index(block_ids, self.layers[0].device)
-        for i, layer in enumerate(self.layers):
-            if self.kind == "cpu":
-                src = self._cpu_view(layer)
-                picked = src[run[0] : run[1]] if run else src.index_select(0, idx)
-                out[:, i].copy_(picked.permute(0, 2, 3, 1, 4))
-            else:
-                picked = layer[:, run[0] : run[1]] if run else layer.index_select(1, idx)
-                out[:, i].copy_(picked.transpose(0, 1))
+        for first, ids in self._chunks(block_ids):
+            run = _run(ids)
+            idx = _NO_INDEX if run else _index(ids, self.layers[0].device)
+            part = out[first : first + len(ids)]
+            for i, layer in enumerate(self.layers):
+                if self.kind == "cpu":
+                    src = self._cpu_view(layer)
+                    picked = src[run[0] : run[1]] if run else src.index_select(0, idx)
+                    part[:, i].copy_(picked.permute(0, 2, 3, 1, 4))
+                else:
+                    picked = layer[:, run[0] : run[1]] if run else layer.index_select(1, idx)
+                    part[:, i].copy_(picked.transpose(0, 1))
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write `blocks`, (n, layers, 2, bs, heads, head_dim), into vLLM blocks
-        `block_ids`: one strided copy per layer, straight from `blocks` (e.g. the shared
-        staging area) into the cache, no intermediate tensor when the blocks are a run of
-        consecutive ids (what a fresh engine allocates) and on the same device."""
+        `block_ids`: strided copies straight from `blocks` (e.g. the shared staging area)
+        into the cache, no intermediate tensor when the blocks are a run of consecutive ids
+        (what a fresh engine allocates) and on the same device."""
         dev = self.layers[0].device
-        src = blocks.to(dev)
-        run = _run(block_ids)
-        idx = _NO_INDEX if run else _index(block_ids, dev)
-        for i, layer in enumerate(self.layers):
-            if self.kind == "cpu":
-                dst = self._cpu_view(layer)
-                part = src[:, i].permute(0, 3, 1, 2, 4)  # (n, heads, 2, bs, head_dim)
-                axis = 0
-            else:
-                dst = layer
-                part = src[:, i].transpose(0, 1)  # (2, n, bs, heads, head_dim)
-                axis = 1
-            if run:
-                dst.narrow(axis, run[0], run[1] - run[0]).copy_(part)
-            else:
-                dst.index_copy_(axis, idx, part)
+        src_all = blocks.to(dev)
+        for first, ids in self._chunks(block_ids):
+            run = _run(ids)
+            idx = _NO_INDEX if run else _index(ids, dev)
+            src = src_all[first : first + len(ids)]
+            for i, layer in enumerate(self.layers):
+                if self.kind == "cpu":
+                    dst = self._cpu_view(layer)
+                    part = src[:, i].permute(0, 3, 1, 2, 4)  # (n, heads, 2, bs, head_dim)
+                    axis = 0
+                else:
+                    dst = layer
+                    part = src[:, i].transpose(0, 1)  # (2, n, bs, heads, head_dim)
+                    axis = 1
+                if run:
+                    dst.narrow(axis, run[0], run[1] - run[0]).copy_(part)
+                else:
+                    dst.index_copy_(axis, idx, part)
 
+    def _chunks(self, block_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """(offset, ids) pieces to copy one at a time. On CPU, pieces under ATen's grain
+        size, so each copy runs on the calling thread: vLLM CPU gives torch one OpenMP
+        thread per core, and a strided copy split across them is several times slower
+        than one thread whenever another process holds a core (a shared host), since each
+        copy waits for its slowest thread (bench_vllm's 46-block load: 30-95 ms split,
+        8-12 ms on one thread, on a busy 2-core host). On a device: one piece."""
+        if self.kind != "cpu" or not block_ids:
+            return [(0, block_ids)]
+        per_block = self.kv_heads * 2 * self.block_size * self.head_dim
+        n = max(1, (_SERIAL_ELEMENTS - 1) // per_block)
+        return [(i, block_ids[i : i + n]) for i in range(0, len(block_ids), n)]
+
+
+# at::internal::GRAIN_SIZE: a TensorIterator copy of fewer elements runs serially.
+_SERIAL_ELEMENTS = 32768
 
 # The index a consecutive run does not need (it is sliced instead): a tensor, not None, so
 # the index path needs no Optional check.

@@ -199,3 +199,19 @@ def test_extra_config_router_and_pull_timeout():
     assert (s.router, s.pull_timeout_s) == ("127.0.0.1:7", 3.0)
     d = ConnectorSettings.from_extra(EXTRA)
     assert (d.router, d.pull_timeout_s) == (None, 10.0)
+
+
+def test_cpu_copies_of_many_blocks_land_every_block_once():
+    """Loads and saves of many blocks (4096 elements per block and layer here: copied in
+    pieces of 7, vllm_layout._chunks) land right: pieces that start mid-run, runs broken
+    across pieces, scattered ids."""
+    layers = [_cpu_cache(blocks=40) for _ in range(2)]
+    layout = PagedLayout.detect(layers, 32, 2, 32)
+    ids = list(range(3, 20)) + [39, 25, 21] + list(range(30, 37))
+    out = torch.empty(len(ids), 2, 2, 32, 2, 32)
+    layout.gather(ids, out)
+    fresh = [torch.zeros_like(x) for x in layers]
+    PagedLayout.detect(fresh, 32, 2, 32).scatter(ids, out)
+    for src, dst in zip(layers, fresh):
+        assert torch.equal(dst[ids], src[ids])
+        assert not dst[[b for b in range(40) if b not in ids]].any()
