@@ -19,6 +19,7 @@ from pathlib import Path
 from kvstore import devcluster
 from kvstore.devcluster import UpOptions
 from loadtest.chat_workload import Turn, Workload, ceiling, run
+from router.gateway.prompt import PromptCodec
 
 BLOCK = 32  # kvstore.devengines.EngineLaunch's default block size
 
@@ -61,11 +62,16 @@ def vllm_run(tenants: int = 3, sessions: int = 3, turns: int = 4) -> dict:
             engines = {p.name: p.address for p in st.procs if p.kind == "engine"}
             _warm_up(engines)
             out: dict = {}
+            codec = PromptCodec.load(str(state / "model"))
             for mode, prefix in (("gateway", ""), ("rr", "rr_"), ("chash", "chash_")):
-                res = asyncio.run(run(w, mode, st.gateway_url, keys, engines))
+                res = asyncio.run(run(w, mode, st.gateway_url, keys, engines, codec=codec))
                 out |= _figures(prefix, res)
                 if mode == "gateway":
                     out["ceiling"] = round(ceiling(res, BLOCK), 4)
+                    # The ceiling's token ids are the engine's own (gateway tokenizer = vLLM's).
+                    out["ceiling_ids_match"] = all(
+                        len(t.prompt_ids) == t.prompt_tokens for t in res
+                    )
                     per: dict[str, int] = {}
                     for t in res:
                         per[t.engine] = per.get(t.engine, 0) + 1

@@ -33,6 +33,7 @@ class Turn:
     cached_tokens: int
     ttft_ms: float
     priced: str = ""  # the gateway's x-kvstore-route: where the router priced the blocks
+    prompt_ids: tuple[int, ...] = ()  # with a codec: the prompt's token ids (the ceiling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +90,10 @@ async def _ask(
 
 async def run(
     w: Workload, mode: str, gateway: str, keys: dict[str, str], engines: dict[str, str],
-    model: str = "tiny", on_turn=None,
+    model: str = "tiny", on_turn=None, codec=None,
 ) -> list[Turn]:  # fmt: skip
-    """`keys`: tenant -> API key (gateway mode); `engines`: engine id -> URL (direct)."""
+    """`keys`: tenant -> API key (gateway mode); `engines`: engine id -> URL (direct);
+    `codec`: the model's PromptCodec, to keep each prompt's token ids (`ceiling`)."""
     history = {
         (t, s): [{"role": "system", "content": w.system(t)}]
         for t in w.tenants
@@ -117,10 +119,11 @@ async def run(
                 url, headers = engines[engine] + "/v1/chat/completions", {}
                 body["cache_salt"] = f"{mode}-{tenant}"
             usage, ttft, text, via, priced = await _ask(c, url, headers, body)
+            prompt_ids = tuple(codec.chat_ids(msgs)) if codec is not None else ()
             msgs.append({"role": "assistant", "content": text})
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             t = Turn(tenant, session, turn, via or engine, int(usage.get("prompt_tokens", 0)),
-                     cached, ttft, priced)  # fmt: skip
+                     cached, ttft, priced, prompt_ids)  # fmt: skip
             if on_turn is not None:
                 on_turn(mode, t)
             return t
@@ -134,14 +137,33 @@ async def run(
 
 
 def ceiling(turns: list[Turn], block: int) -> float:
-    """The cached-token share of one unbounded cache over the same prompts: a turn can
-    reuse its session's previous prompt (block-aligned) and, from turn 0 of another
-    session of the tenant run in an earlier round, the system prompt it shares."""
+    """The cached-token share of one unbounded cache over the same prompts, in the order
+    they were sent (turn by turn; a round's requests in their sending order): a prompt's
+    leading full blocks already seen, by chain (token prefix), per tenant (salts keep
+    tenants apart), leaving one token to compute. Needs `prompt_ids` (run with a codec);
+    without them, the previous turn of the session only (a lower figure: the tenant's
+    shared system prompt is not counted)."""
     prompt = sum(t.prompt_tokens for t in turns)
+    if not prompt:
+        return 0.0
+    if all(t.prompt_ids for t in turns):
+        seen: dict[str, set[bytes]] = {}
+        cached = 0
+        for t in turns:
+            have = seen.setdefault(t.tenant, set())
+            ids, h = [], hashlib.blake2b(digest_size=16)
+            for i in range(len(t.prompt_ids) // block):
+                h.update(json.dumps(t.prompt_ids[i * block : (i + 1) * block]).encode())
+                ids.append(h.copy().digest())
+            usable = (len(t.prompt_ids) - 1) // block
+            n = next((i for i, b in enumerate(ids[:usable]) if b not in have), usable)
+            cached += n * block
+            have.update(ids)
+        return cached / prompt
     by_session = {(t.tenant, t.session, t.turn): t for t in turns}
     cached = 0
     for t in turns:
         prev = by_session.get((t.tenant, t.session, t.turn - 1))
         reuse = (prev.prompt_tokens // block) * block if prev else 0
         cached += min(reuse, ((t.prompt_tokens - 1) // block) * block)
-    return cached / prompt if prompt else 0.0
+    return cached / prompt
