@@ -43,11 +43,13 @@ from kvstore.devengines import (
     MODEL_NAME,
     EngineLaunch,
     gateway_files,
+    model_block_bytes,
     start_engine,
     stop_engine,
     write_model,
 )
 from kvstore.config import TLSConfig
+from kvstore.units import parse_size
 from kvstore.tls import channel, files_in
 
 STATE_FILE = "cluster.json"
@@ -364,6 +366,13 @@ def _tls_section(tls: TLSConfig | None) -> dict:
     return {"tls": {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}}
 
 
+def agent_slot_bytes(opts: UpOptions) -> int:
+    """The pool's slot size: with engines, at least one KV block of their model (the
+    default 64 KiB slots refused every block of the tiny model's 128 KiB)."""
+    slot = parse_size(opts.slot_bytes)
+    return max(slot, model_block_bytes()) if opts.engines else slot
+
+
 def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig | None):
     d = state / f"agent-{i}"
     d.mkdir(parents=True, exist_ok=True)
@@ -374,7 +383,7 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig
         "device": "cpu",
         "data_dir": str(d / "data"),
         "pool_bytes": opts.pool_bytes,
-        "slot_bytes": opts.slot_bytes,
+        "slot_bytes": agent_slot_bytes(opts),
         "nvme_bytes": opts.nvme_bytes,
         "allow_unauthenticated": True,
         "etcd_endpoints": etcd,

@@ -134,12 +134,23 @@ KV_TENANT = "engines"  # the engines' own kvstore tenant; the gateway salts per 
 MODEL_NAME = "tiny"
 
 
+# The tiny model's shape (loadtest/vllm_model.py: 4 attention heads, 2 KV heads, float32).
+MODEL_LAYERS, MODEL_HIDDEN, MODEL_HEADS, MODEL_KV_HEADS = 4, 256, 4, 2
+
+
+def model_block_bytes(block_size: int = 32) -> int:
+    """One KV block of the tiny model: what the agents' pool slots must hold, or every
+    Lookup and Put of its engines is refused (INVALID_ARGUMENT) and they only recompute."""
+    head_dim = MODEL_HIDDEN // MODEL_HEADS
+    return MODEL_LAYERS * 2 * block_size * MODEL_KV_HEADS * head_dim * 4
+
+
 def write_model(model_dir: Path, timeout_s: float = 600.0) -> Path:
     """The tiny local Llama with its tokenizer and chat template (loadtest/vllm_model.py),
     written by the vLLM venv, which has transformers."""
     subprocess.run(
-        [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model_dir), "--layers", "4",
-         "--hidden", "256"],
+        [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model_dir), "--layers",
+         str(MODEL_LAYERS), "--hidden", str(MODEL_HIDDEN)],
         cwd=ROOT, check=True, capture_output=True, timeout=timeout_s,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )  # fmt: skip
