@@ -233,16 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     if state.gateway_url:
-        gateway_demo(state, args.tenants, args.sessions, min(args.turns, 3))
+        gateway_demo(state, args.state_dir, args.tenants, args.sessions, min(args.turns, 3))
     return 0
 
 
-def gateway_demo(state: ClusterState, tenants: int, sessions: int, turns: int) -> None:
+def gateway_demo(
+    state: ClusterState, state_dir: str, tenants: int, sessions: int, turns: int
+) -> None:
     import asyncio
     import json
     from pathlib import Path
 
     from loadtest.chat_workload import Workload, ceiling as chat_ceiling, run as chat
+    from router.gateway.prompt import PromptCodec
+
+    codec = PromptCodec.load(str(Path(state_dir) / "model"))  # the ceiling's token ids
 
     keys = {t: k for k, t in json.loads(Path(state.gateway_keys).read_text()).items()}
     engines = {p.name: p.address for p in state.procs if p.kind == "engine"}
@@ -261,7 +266,9 @@ def gateway_demo(state: ClusterState, tenants: int, sessions: int, turns: int) -
                                     "[blocks where the router priced them])"),
                         ("rr", "round robin straight to the engines")):  # fmt: skip
         print(f"\nOpenAI chat, {title}:")
-        results[mode] = asyncio.run(chat(w, mode, state.gateway_url, keys, engines, on_turn=show))
+        results[mode] = asyncio.run(
+            chat(w, mode, state.gateway_url, keys, engines, on_turn=show, codec=codec)
+        )
     top = chat_ceiling(results["gateway"], ENGINE_BLOCK)
     print(f"\n  ceiling (one unbounded cache over the same prompts): {top:6.1%}")
     for mode, rows in results.items():
