@@ -85,7 +85,8 @@ class PeerConfig:
 class EncryptionConfig:
     """Encryption at rest of the NVMe tier (kvstore/tiers/sealing.py,
     docs/security-at-rest.md): AES-256-GCM under per-tenant keys read at startup from
-    `keys_dir`, files `<tenant>.<key id>.key` (32 raw bytes or their base64, mode 0400 or
+    `keys_dir` (and again whenever its files change: rotation needs no restart), files
+    `<tenant>.<key id>.key` (32 raw bytes or their base64, mode 0400 or
     0440: a file others may read refuses the start). With it on, no plaintext record is
     written; a tenant without a key keeps its blocks off NVMe; records that do not open
     (tampered, a removed key, written before encryption was on) are misses, dropped."""

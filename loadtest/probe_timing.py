@@ -1,8 +1,11 @@
 """Timing of refused probes: `python -m loadtest.probe_timing [--samples N]`.
 
 Tenant B (globex) probes tenant A's (acme) namespace on a real agent process that
-authenticates both, with three kinds of probe per RPC (Lookup, Get, Pin, Peer.FetchBlocks):
-- cached: A's namespace, ids of a prefix A stored (N blocks, on the agent's pool)
+authenticates both, and on a real router following it through a real etcd, with three
+kinds of probe per RPC (the agent's Lookup, Get, Pin, Peer.FetchBlocks; the router's
+Route):
+- cached: A's namespace, ids of a prefix A stored (N blocks, on the agent's pool, and in
+  the router's index: probing starts once A's own dry-run Route finds all of them)
 - uncached: A's namespace, ids of a prefix nobody stored
 - nonexistent: a namespace of A's that was never opened anywhere
 Each is refused (PERMISSION_DENIED, one message: tests/integration/test_attack_tenant.py
@@ -27,10 +30,15 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,10 +47,15 @@ import numpy as np
 from kvstore.hashing import BlockId, hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
+from kvstore.v1 import router_pb2, router_pb2_grpc
 from loadtest.bench_agent import Agent, log
 
 ALPHA = 0.01
-TOKENS = {"acme": "acme-probe-token", "globex": "globex-probe-token"}
+TOKENS = {
+    "acme": "acme-probe-token",
+    "globex": "globex-probe-token",
+    "_cluster": "cluster-probe-token",  # the router's identity (event streams)
+}
 SECRET = "probe-timing-secret"
 BLOCKS = 64
 KINDS = ("cached", "uncached", "nonexistent")
@@ -106,10 +119,11 @@ def ref(ns: Namespace) -> agent_pb2.NamespaceRef:
     return agent_pb2.NamespaceRef(namespace_id=ns.namespace_id, generation=0)
 
 
-def probes(channel: grpc.Channel, ns: Namespace) -> dict:
+def probes(channel: grpc.Channel, router: grpc.Channel, ns: Namespace) -> dict:
     """RPC name -> fn(namespace, ids) making B's call (its refusal is the expected end)."""
     agent = agent_pb2_grpc.NodeAgentStub(channel)
     peer = peer_pb2_grpc.PeerStub(channel)
+    route_stub = router_pb2_grpc.RouterStub(router)
     root = ns.root(0, SECRET)
 
     def lookup(n, ids):
@@ -128,7 +142,11 @@ def probes(channel: grpc.Channel, ns: Namespace) -> dict:
         req = peer_pb2.FetchRequest(ns=ref(n), block_ids=ids, parent_id=root)
         return list(peer.FetchBlocks(req, metadata=md("globex")))
 
-    return {"Lookup": lookup, "Get": get, "Pin": pin, "FetchBlocks": fetch}
+    def route(n, ids):
+        req = router_pb2.RouteRequest(namespace_id=n.namespace_id, block_ids=ids)
+        return route_stub.Route(req, metadata=md("globex"))
+
+    return {"Lookup": lookup, "Get": get, "Pin": pin, "FetchBlocks": fetch, "Route": route}
 
 
 def timed(fn, n, ids) -> tuple[float, str]:
@@ -190,19 +208,46 @@ def compare(a: list[float], b: list[float]) -> dict[str, object]:
     }
 
 
-def measure(address: str, samples: int) -> dict[str, object]:
+def wait_until(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def router_indexed(router: grpc.Channel, ns: Namespace, ids: list[bytes]) -> Callable[[], bool]:
+    """True once A's own dry-run Route finds every block of its prefix on a node."""
+    stub = router_pb2_grpc.RouterStub(router)
+    req = router_pb2.RouteRequest(
+        namespace_id=ns.namespace_id, block_ids=pack_ids(ids), dry_run=True
+    )
+
+    def ready() -> bool:
+        try:
+            resp = stub.Route(req, metadata=md("acme"), timeout=5)
+        except grpc.RpcError:
+            return False
+        return any(c.local_blocks == len(ids) for c in resp.candidates)
+
+    return ready
+
+
+def measure(address: str, router_address: str, samples: int) -> dict[str, object]:
     a_ns, ghost = spec("probe-secret"), spec("probe-never-opened")
     root = BlockId(a_ns.root(0, SECRET))
     cached = hash_chain(root, tokens(1), 16)
     uncached = hash_chain(root, tokens(2), 16)
     channel = grpc.insecure_channel(address)
+    router = grpc.insecure_channel(router_address)
     store_prefix(agent_pb2_grpc.NodeAgentStub(channel), a_ns, cached)
+    wait_until("the router to index A's prefix", router_indexed(router, a_ns, cached))
     cases = {
         "cached": (a_ns, pack_ids(cached)),
         "uncached": (a_ns, pack_ids(uncached)),
         "nonexistent": (ghost, pack_ids(cached)),
     }
-    rpcs = probes(channel, a_ns)
+    rpcs = probes(channel, router, a_ns)
     own = agent_pb2_grpc.NodeAgentStub(channel)
 
     def own_get(n, ids):  # A reads its own cached prefix: the work a refusal skips
@@ -224,6 +269,7 @@ def measure(address: str, samples: int) -> dict[str, object]:
         if r != "own":
             answers[r].add(answer)
     channel.close()
+    router.close()
     comparisons = len(rpcs) * 2
     per_rpc: dict[str, object] = {}
     worst = 1.0
@@ -250,6 +296,61 @@ def measure(address: str, samples: int) -> dict[str, object]:
     }
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def start_etcd(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A real etcd (Debian's etcd-server) on free ports; (process, client endpoint)."""
+    from kvstore.devcluster import etcd_healthy
+
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [shutil.which("etcd") or "/usr/bin/etcd", "--name", "probe",
+         "--data-dir", str(workdir / "etcd"), "--listen-client-urls", client,
+         "--advertise-client-urls", client, "--listen-peer-urls", peer,
+         "--initial-advertise-peer-urls", peer, "--initial-cluster", f"probe={peer}",
+         "--log-level", "warn"],
+        stdout=open(workdir / "etcd.log", "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    endpoint = client.removeprefix("http://")
+    wait_until("etcd", lambda: proc.poll() is None and etcd_healthy(endpoint))
+    return proc, endpoint
+
+
+def start_router(workdir: Path, etcd: str, tenants: dict) -> tuple[subprocess.Popen, str]:
+    """A real router authenticating the same tenants; (process, its address)."""
+    cfg, ready = workdir / "router.json", workdir / "router.ready"
+    cfg.write_text(json.dumps({"tenants": tenants, "allow_unauthenticated": False}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router", "--router-id", "probe", "--listen", "127.0.0.1:0",
+         "--etcd-endpoints", etcd, "--ready-file", str(ready), "--config", str(cfg),
+         "--log-level", "WARNING"],
+        env=dict(os.environ, KVSTORE_CLUSTER_TOKEN=TOKENS["_cluster"]),
+        stdout=open(workdir / "router.log", "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("router exited: " + (workdir / "router.log").read_text()[-2000:])
+        return ready.exists() and bool(ready.read_text().strip())
+
+    wait_until("the router", up)
+    return proc, ready.read_text().strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1000, help="probes per RPC and kind")
@@ -258,19 +359,31 @@ def main() -> None:
         t: {"token_sha256": hashlib.sha256(tok.encode()).hexdigest()} for t, tok in TOKENS.items()
     }
     with tempfile.TemporaryDirectory(prefix="probe-timing-") as tmp:
-        agent = Agent(
-            Path(tmp),
-            pool_bytes="16MiB",
-            slot_bytes="64KiB",
-            nvme_bytes=0,
-            allow_unauthenticated=False,
-            tenants=tenants,
-        )
+        work = Path(tmp)
+        etcd, endpoint = start_etcd(work)
+        procs = [etcd]
         try:
-            log(f"agent at {agent.address}; {args.samples} probes per RPC and kind")
-            out = measure(agent.address, args.samples)
+            agent = Agent(
+                work / "agent",
+                pool_bytes="16MiB",
+                slot_bytes="64KiB",
+                nvme_bytes=0,
+                allow_unauthenticated=False,
+                tenants=tenants,
+                etcd_endpoints=endpoint,
+                ucx_enabled=False,
+            )
+            procs.append(agent.proc)
+            router, router_address = start_router(work, endpoint, tenants)
+            procs.append(router)
+            log(
+                f"agent at {agent.address}, router at {router_address}; "
+                f"{args.samples} probes per RPC and kind"
+            )
+            out = measure(agent.address, router_address, args.samples)
         finally:
-            agent.stop()
+            for proc in reversed(procs):
+                _stop(proc)
     print(json.dumps(out))
     sys.exit(0 if out["indistinguishable"] and out["one_answer_each"] else 1)
 

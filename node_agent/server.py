@@ -21,7 +21,7 @@ from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
 from kvstore.tiers.rocks import Quarantine, RocksTier, TierCorrupt, TierUnavailable, quarantine
-from kvstore.tiers.sealing import KeyFileError, Sealer, load_keyrings
+from kvstore.tiers.sealing import KeyFileError, Sealer
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd cl
 
 log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
+KEY_CHECK_S = 1.0  # how often the at-rest key directory is checked for changes
 
 
 def load_sealer(cfg: AgentConfig) -> Sealer | None:
@@ -48,16 +49,17 @@ def load_sealer(cfg: AgentConfig) -> Sealer | None:
     if not enc.enabled:
         return None
     try:
-        keyrings = load_keyrings(enc.keys_dir, enc.active)
+        sealer = Sealer.from_directory(enc.keys_dir, enc.active)
     except KeyFileError as exc:
         raise StartupError(f"encryption at rest: {exc}") from None
+    keyrings = sealer.keyrings
     log.info(
         "NVMe tier encrypted (AES-256-GCM): keys for %d tenants (%s), active ids %s",
         len(keyrings),
         ", ".join(sorted(keyrings)),
         {t: r.active for t, r in sorted(keyrings.items())},
     )
-    return Sealer(keyrings)
+    return sealer
 
 
 def open_nvme(cfg: AgentConfig) -> RocksTier | None:
@@ -215,6 +217,8 @@ class AgentServer:
         self._tasks.append(asyncio.create_task(self._maintenance()))
         if self.store.rocks is not None:
             self._tasks.append(asyncio.create_task(self._flush_nvme()))
+            if self.store.rocks.sealer is not None:
+                self._tasks.append(asyncio.create_task(self._watch_keys(self.store.rocks.sealer)))
         if self.cfg.etcd_endpoints and self.control is not None:  # control: started above
             from node_agent.registration import Registration
 
@@ -258,6 +262,13 @@ class AgentServer:
         while True:
             await asyncio.sleep(self.cfg.nvme_flush_interval_s)
             await asyncio.to_thread(rocks.flush)
+
+    async def _watch_keys(self, sealer: Sealer) -> None:
+        """Take changed at-rest key files into use without a restart (a rotation's new
+        key, a retired one): a few stat calls a second, off the event loop."""
+        while True:
+            await asyncio.sleep(KEY_CHECK_S)
+            await asyncio.to_thread(sealer.refresh)
 
     async def _maintenance(self) -> None:
         while True:

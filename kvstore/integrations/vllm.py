@@ -131,7 +131,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             if self.disabled is None:
                 s = self._settings
-                router = RouterLink(s.router, s.token, s.agent, s.timeout_s) if s.router else None
+                router = (
+                    RouterLink(s.router, s.token, s.agent, s.timeout_s, s.tls) if s.router else None
+                )
                 self._puller = PeerPuller(
                     AgentLink(s, self.spec, "puller"), router, s.pull_timeout_s
                 )

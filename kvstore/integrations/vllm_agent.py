@@ -52,6 +52,7 @@ class AgentLink:
                 shm_bytes=self.settings.shm_bytes,
                 local_lane=self.settings.local_lane,
                 timeout=self.settings.timeout_s,
+                tls=self.settings.tls,
             )
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
             self._mark_down(f"cannot reach agent {self.settings.agent}: {_why(exc)}")

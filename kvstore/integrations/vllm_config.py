@@ -12,9 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.config import TLSConfig
 from kvstore.integrations.hf import _check_full_attention, _rope_fields
 from kvstore.namespace import KV_DTYPE_BYTES, Namespace
 from kvstore.salt import salt_secret, salted  # re-exported: the connector's names
+from kvstore.tls import TLSFilesError, files_in, read_files
 
 __all__ = ["ConnectorSettings", "NamespaceRefused", "engine_namespace", "salted", "salt_secret"]
 
@@ -48,7 +50,15 @@ class ConnectorSettings:
     writes the namespace spec there as JSON: the engine's registrar publishes it), `router`
     (host:port of a kvstore router: on a local miss it names the peer to pull from when
     that pays; optional), `pull_timeout_s` (bound of one peer pull, default 10: the request
-    waits that long at most, then recomputes what did not arrive)."""
+    waits that long at most, then recomputes what did not arrive).
+
+    mTLS to the agent and the router (an agent running with `tls`): `tls_ca_file`,
+    `tls_cert_file`, `tls_key_file` (all three), or `tls_dir` (a directory holding ca.crt,
+    client.crt and client.key, what `kvctl cluster up --tls` writes in <state>/tls), and
+    optionally `tls_server_name` (the name the agent's certificate carries, when it is
+    dialled by an address the certificate does not name). The same-host local lane stays
+    a Unix socket guarded by its permissions and peer credentials: its socket path is
+    learnt over the mTLS channel, and the lane itself carries no TLS."""
 
     agent: str
     tenant: str
@@ -62,6 +72,7 @@ class ConnectorSettings:
     namespace_file: str = ""
     router: str | None = None
     pull_timeout_s: float = 10.0
+    tls: TLSConfig | None = None
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -86,7 +97,46 @@ class ConnectorSettings:
             namespace_file=str(extra.get("namespace_file", "")),
             router=str(extra["router"]) if extra.get("router") else None,
             pull_timeout_s=float(extra.get("pull_timeout_s", 10.0)),
+            tls=_tls(extra),
         )
+
+
+_TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+def _tls(extra: dict) -> TLSConfig | None:
+    """The connector's mTLS files, checked now: a missing or unreadable file disables
+    the connector with the file named, instead of a failed handshake at every call."""
+    given = [k for k in _TLS_KEYS if extra.get(k)]
+    if extra.get("tls_dir") and given:
+        raise NamespaceRefused("kv_connector_extra_config: tls_dir or tls_*_file, not both")
+    if extra.get("tls_dir"):
+        base = files_in(str(extra["tls_dir"]))
+    elif given:
+        if len(given) != len(_TLS_KEYS):
+            missing = sorted(set(_TLS_KEYS) - set(given))
+            raise NamespaceRefused(
+                f"kv_connector_extra_config: {', '.join(missing)} must be set with "
+                + ", ".join(given)
+            )
+        base = TLSConfig(
+            str(extra["tls_ca_file"]), str(extra["tls_cert_file"]), str(extra["tls_key_file"])
+        )
+    elif extra.get("tls_server_name"):
+        raise NamespaceRefused("kv_connector_extra_config: tls_server_name needs the TLS files")
+    else:
+        return None
+    tls = TLSConfig(
+        base.ca_file,
+        base.cert_file,
+        base.key_file,
+        server_name=str(extra.get("tls_server_name", "")),
+    )
+    try:
+        read_files(tls)
+    except TLSFilesError as exc:
+        raise NamespaceRefused(str(exc)) from None
+    return tls
 
 
 def _read_file(path: str | None) -> str:

@@ -25,9 +25,11 @@ from typing import Any
 
 import grpc
 
+from kvstore.config import TLSConfig
 from kvstore.integrations.vllm_agent import AgentLink
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from kvstore.hashing import pack_ids
+from kvstore.tls import channel
 from kvstore.wire import namespace_to_proto
 
 log = logging.getLogger("vllm.kvstore")
@@ -64,11 +66,18 @@ def hint_from_params(params: dict[str, Any] | None) -> PeerHint | None:
 class RouterLink:
     """Asks the router which peer to pull a prompt's blocks from, for this node."""
 
-    def __init__(self, address: str, token: str | None, agent: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        agent: str,
+        timeout_s: float,
+        tls: TLSConfig | None = None,
+    ) -> None:
         self.agent = agent
         self.timeout_s = timeout_s
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel(address, tls)  # mTLS when the connector has TLS files
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def peer_for(self, link: AgentLink, ids: list[bytes], salt: str | None) -> PeerHint | None:

@@ -13,6 +13,10 @@ The record (kvstore/coord/engines.py) is written under a lease of `--ttl` second
 `kv_connector_extra_config`), and dropped (lease revoked) after `--unhealthy-after`
 failed checks in a row, so a hung engine leaves as fast as a dead one. Runs in the
 server venv (etcd), not in vLLM's.
+
+An etcd serving TLS with client certificates (the cluster's `tls`): `--tls-ca`,
+`--tls-cert`, `--tls-key` (the pair it presents to etcd), or `--tls-dir` (ca.crt,
+client.crt, client.key: what `kvctl cluster up --tls` writes in <state>/tls).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from pathlib import Path
 
 import httpx
 
+from kvstore.config import TLSConfig
 from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.etcd import EtcdClient, parse_endpoints
 from kvstore.coord.follow import LeasedKey
+from kvstore.tls import files_in, read_files
 
 log = logging.getLogger("kvstore.vllm_serve")
 
@@ -54,7 +60,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds")
     p.add_argument("--check-interval", type=float, default=1.0)
     p.add_argument("--unhealthy-after", type=int, default=2)
+    p.add_argument("--tls-ca", help="etcd's TLS: the CA its certificate chains to")
+    p.add_argument("--tls-cert", help="etcd's TLS: the client certificate to present")
+    p.add_argument("--tls-key", help="etcd's TLS: its private key")
+    p.add_argument("--tls-dir", help="etcd's TLS: a directory with ca.crt, client.crt, client.key")
     return p.parse_args(argv), cmd
+
+
+def etcd_tls(args: argparse.Namespace) -> TLSConfig | None:
+    """The files to reach etcd with, read once now (ValueError naming a bad one)."""
+    files = [args.tls_ca, args.tls_cert, args.tls_key]
+    if args.tls_dir and any(files):
+        raise ValueError("--tls-dir or --tls-ca/--tls-cert/--tls-key, not both")
+    if args.tls_dir:
+        tls = files_in(args.tls_dir)
+    elif any(files):
+        tls = TLSConfig(args.tls_ca or "", args.tls_cert or "", args.tls_key or "")
+    else:
+        return None
+    read_files(tls)  # TLSFilesError (a ValueError) names the file
+    return tls
 
 
 def engine_record(args: argparse.Namespace) -> EngineRecord | None:
@@ -84,9 +109,11 @@ async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
         return False
 
 
-async def run(args: argparse.Namespace, child: subprocess.Popen | None) -> int:
+async def run(
+    args: argparse.Namespace, child: subprocess.Popen | None, tls: TLSConfig | None = None
+) -> int:
     kwargs = {"prefix": args.etcd_prefix} if args.etcd_prefix else {}
-    etcd = EtcdClient(args.etcd_endpoints, **kwargs)
+    etcd = EtcdClient(args.etcd_endpoints, tls=tls, **kwargs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         EngineRecord(args.engine_id, args.url, tuple(args.model), args.node_id)
         if args.ttl < 1:
             raise ValueError("--ttl must be >= 1")
+        tls = etcd_tls(args)
     except ValueError as exc:
         print(f"vllm_serve: bad arguments: {exc}", file=sys.stderr)
         return 2
     child = subprocess.Popen(cmd) if cmd else None
-    return asyncio.run(run(args, child))
+    return asyncio.run(run(args, child, tls))
 
 
 if __name__ == "__main__":

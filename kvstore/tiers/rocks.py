@@ -385,6 +385,8 @@ class RocksTier:
             "nvme_quarantined": int(self.quarantined is not None),
             "nvme_encrypted": int(self.sealer is not None),
             "nvme_seal_refused": self.seal_refused,
+            "nvme_key_reloads": self.sealer.reloads if self.sealer is not None else 0,
+            "nvme_key_reload_errors": self.sealer.reload_errors if self.sealer is not None else 0,
             **{f"nvme_open_failed_{f.value}": self.open_failures[f] for f in Failure},
         }
 

@@ -16,7 +16,12 @@ is removed (then they are misses, dropped and counted). See docs/security-at-res
 
 Keys come from files `<tenant>.<key id>.key` in one directory (a mounted Kubernetes Secret
 works: its `..data` entries are skipped), 32 raw bytes or their base64; a file any other
-user may read is refused at startup.
+user may read is refused at startup. The directory is watched (`Sealer.refresh`, which the
+agent calls every second): when a file in it changes (added, replaced, removed: name, size,
+mtime, inode) the keyrings are read again, so a key added for rotation seals from then on
+and a removed one stops opening, with no restart. A directory that does not read cleanly
+mid-change (a file not yet chmod'ed or half written) keeps the keyrings in use, is logged
+once, and is read again at its next change, like kvstore/tls.py's certificates.
 """
 
 from __future__ import annotations
@@ -24,14 +29,18 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import logging
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+log = logging.getLogger("kvstore.tiers.sealing")
 
 MAGIC = b"KVSE"
 VERSION = 1
@@ -96,14 +105,88 @@ def _aad(head: bytes, key: bytes, tenant: str) -> bytes:
     return head + struct.pack("<H", len(key)) + key + tenant.encode()
 
 
+@dataclass(frozen=True, slots=True)
+class KeyDirectory:
+    """Where the keyrings come from: `keys_dir` and the configured active ids."""
+
+    keys_dir: str
+    active: Mapping[str, int] = field(default_factory=dict)
+
+    def stamp(self) -> tuple:
+        """What changes when a key file is added, removed or replaced."""
+        try:
+            names = sorted(os.listdir(self.keys_dir))
+        except OSError:
+            return ()
+        out: list[tuple[str, tuple[int, int, int, int] | None]] = []
+        for name in names:
+            try:
+                st = os.stat(os.path.join(self.keys_dir, name))
+            except OSError:
+                out.append((name, None))
+                continue
+            out.append((name, (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode)))
+        return tuple(out)
+
+    def load(self) -> dict[str, Keyring]:
+        return load_keyrings(self.keys_dir, self.active)
+
+
 class Sealer:
-    """Seals and opens NVMe records with per-tenant keyrings (thread-safe: AESGCM is)."""
+    """Seals and opens NVMe records with per-tenant keyrings (thread-safe: AESGCM is, and
+    `refresh` swaps the whole keyring table at once)."""
 
     def __init__(
-        self, keyrings: Mapping[str, Keyring], random: Callable[[int], bytes] = os.urandom
+        self,
+        keyrings: Mapping[str, Keyring],
+        random: Callable[[int], bytes] = os.urandom,
+        source: KeyDirectory | None = None,
     ) -> None:
+        """`source`: the directory `refresh` reads again when it changed (None: fixed)."""
         self.keyrings = dict(keyrings)
         self._random = random
+        self._source = source
+        self._stamp = source.stamp() if source is not None else ()
+        self._lock = threading.Lock()
+        self.reloads = 0  # times changed key files were taken into use
+        self.reload_errors = 0  # changes that did not read cleanly (the old keys stayed)
+
+    @classmethod
+    def from_directory(cls, keys_dir: str, active: Mapping[str, int] | None = None) -> "Sealer":
+        """Keyrings from `keys_dir`, watched by refresh (KeyFileError: unusable now)."""
+        source = KeyDirectory(keys_dir, dict(active or {}))
+        stamp = source.stamp()
+        sealer = cls(source.load(), source=source)
+        sealer._stamp = stamp  # what was read: a change since then is seen next refresh
+        return sealer
+
+    def refresh(self) -> bool:
+        """Read the key directory again if a file in it changed; True when new keyrings
+        are in use. A change that does not read cleanly keeps the current ones."""
+        if self._source is None:
+            return False
+        with self._lock:
+            stamp = self._source.stamp()
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp  # a bad state is reported once, retried when it changes
+            try:
+                keyrings = self._source.load()
+            except KeyFileError as exc:
+                self.reload_errors += 1
+                log.warning("key files changed but cannot be used (%s); keeping the old", exc)
+                return False
+            before = {t: (sorted(r.keys), r.active) for t, r in self.keyrings.items()}
+            self.keyrings = keyrings
+            self.reloads += 1
+        after = {t: (sorted(r.keys), r.active) for t, r in keyrings.items()}
+        log.info(
+            "key files changed: keys for %d tenants, active ids %s (key ids before: %s)",
+            len(keyrings),
+            {t: a for t, (_, a) in sorted(after.items())},
+            {t: ids for t, (ids, _) in sorted(before.items())},
+        )
+        return True
 
     def can_seal(self, tenant: str) -> bool:
         return tenant in self.keyrings

@@ -42,6 +42,7 @@ class PeerTransfer:
                 counters,
                 cfg.peer_port,
                 cfg.tls,
+                bind_host=cfg.listen.rsplit(":", 1)[0],
             )
             if cfg.ucx_enabled
             else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from support.common import PY, ROOT, TEST_SECRET, flip_rocks_byte, make_namespace, open_rocks_raw
-from support.common import prompt_tokens
+from support.common import prompt_tokens, wait_for
 
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
@@ -177,3 +177,36 @@ def test_a_world_readable_key_file_stops_the_start_with_one_clear_line(tmp_path)
     )
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "data").exists()  # refused before anything was written
+
+
+def test_a_key_added_while_running_seals_new_records_and_old_ones_stay_readable(
+    spawn_agent, tmp_path
+):
+    """Rotation without a restart: the agent watches its key directory."""
+    keys = tmp_path / "keys"
+    add_key(keys, "acme.1.key")
+    agent = encrypted_agent(spawn_agent, keys)
+    data_dir = agent.config["data_dir"]
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(SPEC)
+        old = put_prompts(c, ns, SEEDS)  # 8 spill to NVMe under key 1
+        assert nvme_blocks(c) == 8 and counters(c)["nvme_key_reloads"] == 0
+
+        # A file that may not be used yet (world-readable, as a copy before its chmod):
+        # refused and counted; key 1 goes on sealing.
+        (keys / "acme.2.key").write_bytes(generate_key())
+        (keys / "acme.2.key").chmod(0o644)
+        wait_for(lambda: counters(c)["nvme_key_reload_errors"] == 1, what="refused change")
+        (keys / "acme.2.key").chmod(0o400)  # now usable: key 2 is the highest, it seals
+        wait_for(lambda: counters(c)["nvme_key_reloads"] == 1, what="key files reloaded")
+
+        assert readable(c, ns, old) == set(SEEDS)  # key 1's records open, identical
+        new = put_prompts(c, ns, range(100, 112))
+        assert readable(c, ns, new) == set(range(100, 112))
+        assert agent.proc.poll() is None
+    stop(agent)
+    ids = sealing_key_ids(data_dir)
+    # Every record written after the reload is sealed under key 2, the rest under key 1.
+    assert ids.count(2) >= 8 and set(ids) == {1, 2}, ids
+    assert "key files changed: keys for 1 tenants, active ids {'acme': 2}" in agent.log
+    assert "Traceback" not in agent.log

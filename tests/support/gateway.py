@@ -140,7 +140,13 @@ class StandIn:
         self.registrar: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, model: str, fail_status: int = 0, namespace: dict | None = None) -> "StandIn":
+    def start(
+        self,
+        model: str,
+        fail_status: int = 0,
+        namespace: dict | None = None,
+        registrar_args: list[str] | None = None,
+    ) -> "StandIn":
         w = self.workdir
         w.mkdir(parents=True, exist_ok=True)
         (w / "ready").unlink(missing_ok=True)
@@ -183,6 +189,7 @@ class StandIn:
                 "--etcd-endpoints",
                 self.etcd_endpoint,
                 *ns_args,
+                *(registrar_args or []),
             ],
             w / "registrar.log",
         )

@@ -157,3 +157,38 @@ def test_missing_dir_and_active_for_unknown_tenant(tmp_path):
         load_keyrings(str(tmp_path), {"beta": 1})
     with pytest.raises(KeyFileError, match="active key id 5"):
         load_keyrings(str(tmp_path), {"acme": 5})
+
+
+def test_refresh_takes_changed_key_files_into_use(tmp_path):
+    write_key(tmp_path, "acme.1.key", K1)
+    s = Sealer.from_directory(str(tmp_path))
+    old = s.seal(KEY, "acme", b"sealed under key 1")
+    assert s.refresh() is False  # nothing changed: the table is not read again
+    assert not s.can_seal("beta")
+
+    write_key(tmp_path, "acme.2.key", K2)  # rotation: key 2 seals from now on
+    write_key(tmp_path, "beta.1.key", K2)  # a tenant that had no key may now spill
+    assert s.refresh() is True and s.reloads == 1
+    new = s.seal(KEY, "acme", b"sealed under key 2")
+    assert int.from_bytes(new[5:9], "little") == 2
+    assert s.open(KEY, "acme", old) == b"sealed under key 1"  # the old key still opens
+    assert s.can_seal("beta")
+
+    os.unlink(tmp_path / "acme.1.key")  # retired: what it sealed no longer opens
+    assert s.refresh() is True
+    assert cause(s, KEY, "acme", old) is Failure.UNKNOWN_KEY
+    assert s.open(KEY, "acme", new) == b"sealed under key 2"
+
+
+def test_refresh_keeps_the_keys_in_use_when_a_change_cannot_be_used(tmp_path):
+    write_key(tmp_path, "acme.1.key", K1)
+    s = Sealer.from_directory(str(tmp_path))
+    write_key(tmp_path, "acme.2.key", K2, 0o644)  # not yet chmod'ed
+    assert s.refresh() is False and (s.reloads, s.reload_errors) == (0, 1)
+    assert s.refresh() is False and s.reload_errors == 1  # reported once per change
+    rec = s.seal(KEY, "acme", b"x")
+    assert int.from_bytes(rec[5:9], "little") == 1  # key 1 goes on sealing
+    os.chmod(tmp_path / "acme.2.key", 0o400)
+    assert s.refresh() is True
+    assert int.from_bytes(s.seal(KEY, "acme", b"x")[5:9], "little") == 2
+    assert Sealer(s.keyrings).refresh() is False  # a fixed table has nothing to watch

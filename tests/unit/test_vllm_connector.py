@@ -215,3 +215,27 @@ def test_cpu_copies_of_many_blocks_land_every_block_once():
     for src, dst in zip(layers, fresh):
         assert torch.equal(dst[ids], src[ids])
         assert not dst[[b for b in range(40) if b not in ids]].any()
+
+
+def test_extra_config_tls_files_are_checked_when_read(tmp_path):
+    from kvstore.tls_ca import make_dev_pki
+
+    assert ConnectorSettings.from_extra(EXTRA).tls is None
+    d = tmp_path / "tls"
+    make_dev_pki(str(d))
+    s = ConnectorSettings.from_extra({**EXTRA, "tls_dir": str(d), "tls_server_name": "kv.svc"})
+    assert s.tls is not None
+    assert (s.tls.ca_file, s.tls.cert_file, s.tls.server_name) == (
+        str(d / "ca.crt"),
+        str(d / "client.crt"),
+        "kv.svc",
+    )
+    files = {"tls_ca_file": str(d / "ca.crt"), "tls_cert_file": str(d / "client.crt")}
+    with pytest.raises(NamespaceRefused, match="tls_key_file must be set with"):
+        ConnectorSettings.from_extra({**EXTRA, **files})
+    with pytest.raises(NamespaceRefused, match="cannot read the private key"):
+        ConnectorSettings.from_extra({**EXTRA, **files, "tls_key_file": str(d / "none.key")})
+    with pytest.raises(NamespaceRefused, match="not both"):
+        ConnectorSettings.from_extra({**EXTRA, **files, "tls_dir": str(d)})
+    with pytest.raises(NamespaceRefused, match="tls_server_name needs the TLS files"):
+        ConnectorSettings.from_extra({**EXTRA, "tls_server_name": "kv.svc"})

@@ -16,6 +16,7 @@ from node_agent.peer.sink import BatchSink
 from node_agent.peer.staging import StagingPool
 from node_agent.peer.transport import PeerRef
 from node_agent.peer.ucx.auth import UcxAuth
+from node_agent.peer.ucx.bind import InterfaceGuard
 from node_agent.peer.ucx.fetch import UcxFetcher
 from node_agent.peer.ucx.serve import UcxServer
 from node_agent.peer.ucx.wire import init_ucx, ucx_cuda_support
@@ -40,7 +41,11 @@ class UcxTransport:
         counters: Counters,
         port: int,
         tls: TLSConfig | None = None,
+        bind_host: str = "",
     ) -> None:
+        """`bind_host`: the agent's configured listen host; connections that arrive on
+        another interface are refused (ucxx binds every one: node_agent/peer/ucx/bind.py)."""
+        self._bind_host = bind_host
         # With mTLS configured, UCX connections are authenticated with the same files.
         self._auth = UcxAuth(tls) if tls is not None and tls.enabled else None
         self._store = store
@@ -74,8 +79,11 @@ class UcxTransport:
                 auth=self._auth,
                 address=lambda: self.address,
             )
+            guard = InterfaceGuard(
+                self._bind_host, lambda: self._counters.add("peer_ucx_wrong_interface")
+            )
             listener = ucx.create_listener(
-                server.handle, port=self._port, endpoint_error_handling=True
+                guard.wrap(server.handle), port=self._port, endpoint_error_handling=True
             )
         except Exception as exc:  # import failure, no transport, port taken
             log.error(

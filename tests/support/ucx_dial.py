@@ -1,0 +1,62 @@
+"""Dial an agent's UCX listener at HOST:PORT as a raw peer would and send one
+FetchRequest (for a namespace the agent does not know); print one JSON line: {"answer":
+error text} when the agent answered, {"closed": why} when it dropped the connection
+first. For tests/integration/test_ucx_bind.py (a subprocess: ucxx stays out of pytest).
+
+Usage: python tests/support/ucx_dial.py HOST PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import numpy as np
+
+from kvstore.v1 import agent_pb2, peer_pb2
+
+
+async def dial(host: str, port: int) -> dict:
+    # The agents' UCX settings (node_agent/peer/ucx/wire.init_ucx): two processes of one
+    # host only connect when they agree on which transports may carry peer endpoints.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
+    import ucxx as ucx
+
+    ucx.init(
+        options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+        env_takes_precedence=True,
+        progress_mode="thread",
+        enable_python_future=True,
+    )
+    try:
+        ep = await ucx.create_endpoint(host, port, endpoint_error_handling=True)
+        req = peer_pb2.FetchRequest(
+            ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 16), block_ids=b"\x02" * 16
+        )
+        raw = req.SerializeToString()
+        await asyncio.wait_for(
+            ep.send(np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)), 10
+        )
+        buf = np.zeros(1 << 16, dtype=np.uint8)
+        await asyncio.wait_for(ep.recv(buf), 10)
+        n = int.from_bytes(buf[:4].tobytes(), "little")
+        chunk = peer_pb2.FetchChunk.FromString(buf[4 : 4 + n].tobytes())
+        return {"answer": chunk.error or "ok"}
+    except Exception as exc:  # noqa: BLE001 - the refusal is what is looked for
+        return {"closed": f"{type(exc).__name__}: {exc}"}
+    finally:
+        ucx.stop_notifier_thread()
+
+
+def main() -> None:
+    host, port = sys.argv[1], int(sys.argv[2])
+    print(json.dumps(asyncio.run(dial(host, port))), flush=True)
+    os._exit(0)  # ucxx's threads may linger after a refused endpoint
+
+
+if __name__ == "__main__":
+    main()
