@@ -8,9 +8,17 @@ call as a client sees it: B's verified store reads, the wire, A's verified store
 
 Reported (one JSON line on stdout at the end; progress on stderr):
 - limit_gbps: what the transport itself moves between two processes here, measured in the
-  same run: `ucx_perftest -t tag_bw -s 2097152` over UCX_TLS=tcp (limit_method "ucx_perftest
-  tcp"), or a raw Python socket loopback when ucx_perftest is not found
-- limit_shm_gbps: the same perftest over shared memory (UCX_TLS=sm,self)
+  same run: `ucx_perftest -t tag_bw -s 2097152` over UCX_TLS=tcp with the transport
+  selection of the agents' transfers: their UCX settings (node_agent/peer/ucx/wire.ucx_env)
+  and endpoints that handle peer failure (-e) as theirs do (limit_method), or a raw Python
+  socket loopback when ucx_perftest is not found; limit_transport: what UCX selected for
+  it (beside ucx_transport, what it selected for the agents)
+- limit_shm_gbps: the same perftest over shared memory (UCX_TLS=sm,self), the limit of the
+  path between agents of one host (the default run), limit_shm_transport
+- limit_free_gbps / ucx_ratio_free: context, not the goal: perftest over TCP as it picks
+  by itself, without peer-failure handling (which lets UCX stripe each message over
+  several TCP interfaces; the agents cannot: a dead peer must fail their transfers),
+  limit_free_transport
 - limit_footprint_gbps / ucx_ratio_footprint: context, not the goal: a raw TCP socket
   between two processes streaming one Prefetch's bytes of distinct memory (blocks x 2 MiB
   each side, as the agents move them); perftest reuses the same 2 MiB buffers for every
@@ -20,8 +28,9 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   hundreds of messages in a row after a warm-up) after a first one, reported apart as
   ucx_cold_gbps (median): the first call after seconds of idling
 - ucx_ratio / ucx_ratio_shm: median of ucx / limit per round, against the TCP and the
-  shared-memory limit (each UCX round right after both limit measurements: the load on a
-  shared machine changes quickly, and pairing keeps the ratios honest)
+  shared-memory limit (each UCX round right after the limit measurements: the load on a
+  shared machine changes quickly, and pairing keeps the ratios honest); ucx_ratio is the
+  goal of `--tcp`, ucx_ratio_shm that of the default run
 - ucx_transport: what carried the payloads, from UCX's own account of the protocol the
   sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
   "cma/memory: rendezvous zero-copy read from remote"
@@ -30,7 +39,8 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
 - prefetch_60x8k_ms_ucx / prefetch_60x8k_ms_grpc: median latency of a Prefetch of 60
   blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
-  per-call and per-message costs that bandwidth figures hide (`--small-rounds`)
+  per-call and per-message costs that bandwidth figures hide (`--small-rounds`; each
+  round one call per transport back to back, the order alternating)
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -46,6 +57,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +72,7 @@ from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
 from kvstore.tiers.pool import host_memory
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from node_agent.peer.ucx.wire import ucx_env
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -112,12 +126,41 @@ def find_perftest() -> tuple[str, dict] | None:
     return str(binary), env
 
 
-def perftest_gbps(binary: str, env: dict, tls: str, iters: int) -> float:
-    """tag_bw of 2 MiB messages between two processes; perftest prints MB/s = MiB/s."""
-    env = dict(env, UCX_TLS=tls)
+@dataclass(frozen=True, slots=True)
+class Perftest:
+    """One ucx_perftest measurement: GB/s, and what carried the 2 MiB messages."""
+
+    gbps: float
+    transport: str
+
+
+def perftest_gbps(
+    binary: str,
+    env: dict,
+    tls: str,
+    iters: int,
+    as_agents: bool | None = None,
+    devices: str = "",
+) -> Perftest:
+    """tag_bw of 2 MiB messages between two processes; perftest prints MB/s = MiB/s.
+    `as_agents` (the agents' shared_memory setting): with the agents' UCX settings
+    (node_agent/peer/ucx/wire.ucx_env) and, given, on the network `devices` UCX put the
+    agents' lanes on (their endpoints handle peer failure, and UCX keeps such a
+    connection to the one interface it was made on): the transports, lanes and protocol
+    UCX selects for the agents' transfers. (perftest -e would not do: its endpoints are
+    not made through a listener, and UCX then picks another protocol.) None: perftest's
+    own choice (on TCP it may stripe a message over several interfaces)."""
+    env = dict(env, UCX_TLS=tls, UCX_PROTO_INFO="y")
+    if as_agents is not None:
+        env.update(ucx_env(as_agents))
+    if devices:
+        env["UCX_NET_DEVICES"] = devices
     port = free_port()
     server = subprocess.Popen(
-        [binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [binary, "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         for _ in range(50):  # the server needs a moment before it accepts
@@ -144,7 +187,8 @@ def perftest_gbps(binary: str, env: dict, tls: str, iters: int) -> float:
             )
             final = [ln for ln in out.stdout.splitlines() if ln.startswith("Final:")]
             if final:
-                return float(final[-1].split()[6]) * MiB / 1e9
+                gbps = float(final[-1].split()[6]) * MiB / 1e9
+                return Perftest(gbps, selected_protocol(out.stdout + out.stderr))
         raise RuntimeError(f"ucx_perftest gave no result: {out.stdout[-500:]} {out.stderr[-500:]}")
     finally:
         if server.poll() is None:
@@ -243,27 +287,53 @@ def footprint_socket_gbps(footprint: int, passes: int = 3) -> float:
     return total / elapsed / 1e9
 
 
-def transport_limit(iters: int):
-    """(method, function measuring GB/s once, shared-memory function or None)."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How the transport limits are measured (transport_limit): `tcp()` the goal's limit,
+    `shm()` the same over shared memory, `free()` TCP as perftest chooses by itself
+    (context); the last two None where they cannot be measured."""
+
+    method: str
+    tcp: Callable[[str], Perftest]  # on these devices ('' for UCX's choice)
+    shm: Callable[[], Perftest | None] | None
+    free: Callable[[], Perftest | None] | None
+
+
+def transport_limit(iters: int) -> Limits:
+    """Perftest over TCP and over shared memory with the agents' transport selection
+    (perftest_gbps as_agents), and over TCP as perftest picks; a raw socket loopback
+    when ucx_perftest is missing or does not run."""
+
+    def sock(_devices: str = "") -> Perftest:
+        return Perftest(socket_gbps(), "python socket")
+
     found = find_perftest()
     if found is None:
         log("ucx_perftest not found: raw socket loopback as the limit")
-        return "python socket", socket_gbps, None
+        return Limits("python socket", sock, None, None)
     binary, env = found
     try:
-        perftest_gbps(binary, env, "tcp", 20)  # it runs here (libraries, loopback)?
+        perftest_gbps(binary, env, "tcp", 20, False)  # it runs here (libraries, loopback)?
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
         log(f"ucx_perftest does not run ({exc}): raw socket loopback as the limit")
-        return "python socket", socket_gbps, None
+        return Limits("python socket", sock, None, None)
 
-    def shm() -> float | None:
-        try:
-            return perftest_gbps(binary, env, "sm,self", iters)
-        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            log(f"shm perftest failed: {exc}")
-            return None
+    def maybe(tls: str, as_agents: bool | None) -> Callable[[], Perftest | None]:
+        def run() -> Perftest | None:
+            try:
+                return perftest_gbps(binary, env, tls, iters, as_agents)
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+                log(f"perftest over {tls} failed: {exc}")
+                return None
 
-    return "ucx_perftest tcp", lambda: perftest_gbps(binary, env, "tcp", iters), shm
+        return run
+
+    return Limits(
+        "ucx_perftest tcp, the agents' UCX settings and lanes",
+        lambda devices: perftest_gbps(binary, env, "tcp", iters, False, devices),
+        maybe("sm,self", True),
+        maybe("tcp", None),
+    )
 
 
 def used_transports(agent_log: Path) -> str:
@@ -271,10 +341,18 @@ def used_transports(agent_log: Path) -> str:
     'tagged message by ucp_tag_send*' table UCX printed is the sending endpoint's
     configuration after wireup (the first one is the TCP configuration a listener
     connection starts with). 'transport: protocol'."""
+    if not agent_log.exists():
+        return "unknown"
+    return selected_protocol(agent_log.read_text(errors="replace"))
+
+
+def selected_protocol(text: str) -> str:
+    """The last 'tagged message by ucp_tag_send* from host memory' table in UCX_PROTO_INFO
+    output: 'transport: protocol' of its last row (the largest messages)."""
     last = "unknown"
     in_table = False
-    if agent_log.exists():
-        for line in agent_log.read_text(errors="replace").splitlines():
+    if text:
+        for line in text.splitlines():
             cells = [c.strip() for c in line.split("|")]
             if len(cells) >= 3 and "tagged message by ucp_tag_send* from host" in cells[2]:
                 in_table = True
@@ -324,8 +402,30 @@ def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool, block: int = BLOCK) -
     return len(ids) * block / dt / 1e9
 
 
+KEYS = ("limit", "limit_shm", "limit_free", "limit_footprint", "ucx", "ucx_cold", "grpc")
+
+
+def tcp_devices(transport: str) -> str:
+    """The network devices of the TCP lanes in a selected_protocol() answer ('tcp/lo'
+    -> 'lo'; '52% on tcp/lo and 48% on tcp/eth0: ...' -> 'lo,eth0'); '' when none."""
+    lanes = transport.split(":")[0]
+    return ",".join(re.findall(r"tcp/([\w.-]+)", lanes))
+
+
+def round_limits(limits: Limits, footprint: int, out: dict, protocols: dict, devices: str) -> None:
+    """One round's limits into `out` (and what carried them into `protocols`); the TCP
+    limit on `devices`, those of the agents' TCP lanes."""
+    tcp = lambda: limits.tcp(devices)  # noqa: E731
+    for key, fn in (("limit", tcp), ("limit_shm", limits.shm), ("limit_free", limits.free)):
+        got = fn() if fn is not None else None
+        if got is not None:
+            out[key].append(got.gbps)
+            protocols[key] = got.transport
+    out["limit_footprint"].append(footprint_socket_gbps(footprint))
+
+
 def measure(
-    a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limit, limit_shm
+    a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limits: Limits, protocols: dict
 ) -> dict[str, list[float]]:
     """Interleaved rounds: limits, UCX, gRPC. This machine's load moves a lot from second
     to second; pairing each UCX figure with limits taken just before keeps the ratios
@@ -333,56 +433,48 @@ def measure(
     total time) after one that is only counted as `ucx_cold`: the first call after the
     seconds the limits take finds the agents' threads asleep and their caches cold, while
     ucx_perftest, the limit, warms up and then times hundreds of messages in a row."""
-    out: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "limit",
-            "limit_shm",
-            "limit_footprint",
-            "ucx",
-            "ucx_cold",
-            "grpc",
-            "ratio",
-            "ratio_shm",
-            "ratio_footprint",
-        )
-    }
-    footprint = len(prompts[0]) * BLOCK
+    out: dict[str, list[float]] = {k: [] for k in KEYS}
+    ratios: dict[str, list[float]] = {}
     it = iter(prompts)
     with KVClient(a.address, use_shm=False) as ca:
         stub = peer_pb2_grpc.PeerStub(ca.channel)
         prefetch(stub, a, b, na, next(it), ucx=True)  # warm-up: connection, buffers
+        # UCX printed the sending endpoint's lanes at the warm-up (UCX_PROTO_INFO=y)
+        devices = tcp_devices(used_transports(b.workdir / "agent.log"))
         for r in range(rounds):
-            out["limit"].append(limit())
-            shm = limit_shm() if limit_shm else None
-            out["limit_footprint"].append(footprint_socket_gbps(footprint))
+            had = {k: len(v) for k, v in out.items()}
+            round_limits(limits, len(prompts[0]) * BLOCK, out, protocols, devices)
             out["ucx_cold"].append(prefetch(stub, a, b, na, next(it), ucx=True))
             # bytes over the burst's total time (each call moves the same bytes)
-            out["ucx"].append(
-                burst / sum(1 / prefetch(stub, a, b, na, next(it), ucx=True) for _ in range(burst))
+            ucx = burst / sum(
+                1 / prefetch(stub, a, b, na, next(it), ucx=True) for _ in range(burst)
             )
+            out["ucx"].append(ucx)
             out["grpc"].append(prefetch(stub, a, b, na, next(it), ucx=False))
-            out["ratio"].append(out["ucx"][-1] / out["limit"][-1])
-            out["ratio_footprint"].append(out["ucx"][-1] / out["limit_footprint"][-1])
-            if shm:
-                out["limit_shm"].append(shm)
-                out["ratio_shm"].append(out["ucx"][-1] / shm)
+            for key in ("limit", "limit_shm", "limit_free", "limit_footprint"):
+                if len(out[key]) > had[key]:  # measured this round
+                    name = "ratio" + key.removeprefix("limit")
+                    ratios.setdefault(name, []).append(ucx / out[key][-1])
+            now = {k: f"{v[-1]:.2f}" if len(v) > had[k] else "-" for k, v in out.items()}
             log(
-                f"  round {r}: limit tcp {out['limit'][-1]:.2f}  shm "
-                f"{shm or float('nan'):.2f}  socket over the footprint "
-                f"{out['limit_footprint'][-1]:.2f}  ucx {out['ucx'][-1]:.2f} (first call "
-                f"{out['ucx_cold'][-1]:.2f})  grpc {out['grpc'][-1]:.2f} GB/s"
+                f"  round {r}: limit tcp {now['limit']}  shm {now['limit_shm']}  tcp as "
+                f"perftest picks {now['limit_free']}  socket over the footprint "
+                f"{now['limit_footprint']}  ucx {now['ucx']} (first call {now['ucx_cold']})"
+                f"  grpc {now['grpc']} GB/s"
             )
-    return out
+    return {**out, **ratios}
 
 
 def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
     """Median ms of a Prefetch of SMALL_BLOCKS 8 KiB blocks, per transport (fresh blocks
-    every round; one warm-up round each, as in service the connection is kept)."""
+    every call; one warm-up call each, as in service the connection is kept). Each round
+    times one Prefetch per transport back to back, the order alternating from round to
+    round: the load on a shared host moves within seconds, and pairing exposes both
+    transports to the same load."""
     spec = bench_agent.llama3_8b("peer-small", num_layers=2, num_kv_heads=2, head_dim=32)
     assert spec.block_bytes == 8192
     agents: list[Agent] = []
-    out: dict[str, float] = {}
+    times: dict[str, list[float]] = {"ucx": [], "grpc": []}
     try:
         for name in ("b", "a"):
             agents.append(
@@ -395,32 +487,24 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
             )
         b, a = agents
         with KVClient(b.address, tenant_secret="bench", use_shm=False) as cb:
-            prompts = seed_prompts(cb, spec, 2 * (rounds + 1), SMALL_BLOCKS)
+            prompts = iter(seed_prompts(cb, spec, 2 * (rounds + 1), SMALL_BLOCKS))
         with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
             na = ca.open_namespace(spec)
             stub = peer_pb2_grpc.PeerStub(ca.channel)
-            for k, transport in enumerate(("ucx", "grpc")):
-                times = []
-                for r in range(rounds + 1):
+            for r in range(rounds + 1):
+                order = ("ucx", "grpc") if r % 2 else ("grpc", "ucx")
+                for transport in order:
                     gbps = prefetch(
-                        stub,
-                        a,
-                        b,
-                        na,
-                        prompts[k * (rounds + 1) + r],
-                        ucx=transport == "ucx",
-                        block=spec.block_bytes,
+                        stub, a, b, na, next(prompts), transport == "ucx", spec.block_bytes
                     )
-                    if r:
-                        times.append(SMALL_BLOCKS * spec.block_bytes / gbps / 1e6)
-                out[transport] = round(statistics.median(times), 2)
-                log(
-                    f"  {SMALL_BLOCKS} x 8 KiB over {transport}: p50 {out[transport]} ms "
-                    f"(min {min(times):.2f})"
-                )
+                    if r:  # round 0 warms both up
+                        times[transport].append(SMALL_BLOCKS * spec.block_bytes / gbps / 1e6)
     finally:
         for ag in agents:
             ag.stop()
+    out = {t: round(statistics.median(v), 2) for t, v in times.items()}
+    for t, v in times.items():
+        log(f"  {SMALL_BLOCKS} x 8 KiB over {t}: p50 {out[t]} ms (min {min(v):.2f})")
     return out
 
 
@@ -467,7 +551,8 @@ def main(argv=None) -> int:
         "batch_blocks": load_config(AgentConfig, env_prefix="KVSTORE_AGENT_").peer.batch_for(BLOCK),
     }
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        method, limit, limit_shm = transport_limit(args.perftest_iters)
+        limits = transport_limit(args.perftest_iters)
+        protocols: dict[str, str] = {}
         agents: list[Agent] = []
         try:
             agents.append(Agent(Path(tmp) / "b", "peer-b", pool_bytes=pool))
@@ -480,7 +565,7 @@ def main(argv=None) -> int:
             with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
                 na = ca.open_namespace(spec)
             log(f"{args.rounds} rounds of {args.blocks} blocks")
-            m = measure(a, b, na, prompts, args.rounds, args.burst, limit, limit_shm)
+            m = measure(a, b, na, prompts, args.rounds, args.burst, limits, protocols)
         finally:
             for ag in agents:
                 ag.stop()
@@ -489,14 +574,19 @@ def main(argv=None) -> int:
     med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
     result.update(
         limit_gbps=med["limit"],
-        limit_method=method,
+        limit_method=limits.method,
+        limit_transport=protocols.get("limit"),
         limit_shm_gbps=med["limit_shm"],
+        limit_shm_transport=protocols.get("limit_shm"),
+        limit_free_gbps=med["limit_free"],
+        limit_free_transport=protocols.get("limit_free"),
         limit_footprint_gbps=med["limit_footprint"],
         ucx_gbps=med["ucx"],
         ucx_cold_gbps=med["ucx_cold"],
         grpc_gbps=med["grpc"],
-        ucx_ratio=med["ratio"],
-        ucx_ratio_shm=med["ratio_shm"],
+        ucx_ratio=med.get("ratio"),
+        ucx_ratio_shm=med.get("ratio_shm"),
+        ucx_ratio_free=med.get("ratio_free"),
         ucx_ratio_footprint=med["ratio_footprint"],
         ucx_best_gbps=round(max(m["ucx"]), 3),
         ucx_transport=transport,

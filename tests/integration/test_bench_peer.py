@@ -53,7 +53,16 @@ def test_bench_peer_runs_and_reports_every_figure():
     ):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
     assert result["batch_blocks"] == 64 and result["blocks"] == 4 and result["burst"] == 2
-    assert result["limit_method"] in ("ucx_perftest tcp", "python socket")
+    assert result["limit_method"] in (
+        "ucx_perftest tcp, the agents' UCX settings and lanes",
+        "python socket",
+    )
     assert result["ucx_ratio"] == pytest.approx(result["ucx_gbps"] / result["limit_gbps"], rel=0.01)
-    # Same-host agents move payloads with CMA reads (UCX's own account of its choice).
+    # Same-host agents move payloads with CMA reads (UCX's own account of its choice),
+    # and the shared-memory limit is measured over the same transport and protocol.
     assert result["ucx_transport"].startswith("cma"), result["ucx_transport"]
+    if result["limit_shm_gbps"] is not None:
+        assert result["limit_shm_transport"] == result["ucx_transport"], result
+        assert result["ucx_ratio_shm"] == pytest.approx(
+            result["ucx_gbps"] / result["limit_shm_gbps"], rel=0.01
+        )

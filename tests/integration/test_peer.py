@@ -466,6 +466,28 @@ def test_a_peer_refusing_the_request_leaves_no_slot_reserved(spawn_agent, spec):
         assert Counter(dict(ca.stats().counters))["peer_ucx_failures"] == 0
 
 
+@needs_ucx
+def test_a_packed_answer_of_no_blocks_keeps_the_connection_in_step(cluster):
+    """A receives a packed chunk's payload before its header has come (the receive posted
+    right behind the header's), so B sends a payload message even for a chunk of no
+    blocks: an answer that B holds nothing of leaves the kept connection usable, and
+    the next Prefetch over it lands its own blocks intact."""
+    na, ids, blocks = cluster.seed(SMALL, 6, seed=31)
+    assert cluster.prefetch(na, ids).present == 6  # the connection A keeps to B
+    missing = cluster.clients["a"].block_ids(na, prompt_tokens(32, 6 * SMALL.block_size))
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, missing)
+    assert (r.present, r.fetched, r.transport) == (0, 0, "ucx"), r
+    assert "holds only 0" in r.stopped, r.stopped
+    na, ids, blocks = cluster.seed(SMALL, 6, seed=33)
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (6, 6, "ucx", ""), r
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    d = da.now()
+    assert d["peer_ucx_failures"] == 0 and d["peer_ucx_reconnects"] == 0, d
+    assert d["peer_ucx_connects"] == 0, d  # both answers came over the kept connection
+
+
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
 def test_small_blocks_arrive_intact_over_several_packed_batches(
     spawn_agent, monkeypatch, transport

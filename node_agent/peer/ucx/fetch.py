@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,7 @@ class UcxFetcher:
                 log.debug("kept UCX connection to %s was gone (%s); reconnecting", address, exc)
                 self._counters.add("peer_ucx_reconnects")
         ep = await self._connect(address, deadline)
+        self._counters.add("peer_ucx_connects")
         if self._auth is not None:
             try:
                 await connect_handshake(ep, self._auth, address, deadline, self._pcfg.io_timeout_s)
@@ -140,6 +142,9 @@ class UcxFetcher:
         control = control_buffer()  # chunk headers, one after another
         posted: list[Landing] = []  # batches whose payloads are on their way, oldest first
         ahead: list[Reservation] = []  # the first batch's slots, reserved during the request
+        # Packed: the next chunk's payload receive, posted right behind its header's
+        # (_expect); at most one, taken by the header that comes, settled in `finally`
+        early: list[_EarlyPayload] = []
         clean = abandoned = False
 
         def reserve_first() -> None:
@@ -147,9 +152,12 @@ class UcxFetcher:
             if res is not None:
                 ahead.append(res)
 
+        def expect() -> asyncio.Future:
+            return self._expect(ep, control, sink.block_bytes, batch, early)
+
         try:
             try:
-                raw = await _ask(ep, req, control, deadline, io, reserve_first)
+                raw = await _ask(ep, req, expect, deadline, io, reserve_first)
             except Exception as exc:
                 if reused:  # nothing happened on this request yet: safe to retry elsewhere
                     raise _StaleConnection(f"{type(exc).__name__}: {exc}") from exc
@@ -160,20 +168,28 @@ class UcxFetcher:
                     raise PeerRefused(f"peer {address} refused: {hdr.error_code} {hdr.error}")
                 first = sink.check(hdr, batch)
                 sink.remote_done = hdr.done
+                # this chunk's payload receive, if posted early: stays in `early` (settled
+                # by `finally`) until a Landing takes it or it is taken empty
+                payload = early[0] if early else None
                 if hdr.count:
                     runs = None if packed(sink.block_bytes) else check_runs(hdr.runs, hdr.count)
                     # _post owns the slots reserved ahead from here; unused, `finally` frees them
                     take = ahead.pop() if ahead else None
-                    if not await self._post(ep, sink, posted, first, hdr, batch, runs, take):
+                    if not await self._post(
+                        ep, sink, posted, first, hdr, batch, runs, take, payload
+                    ):
                         abandoned = True  # payloads of this batch come with no receive posted
                         break
+                    early.clear()
+                elif payload is not None:
+                    await self._skip(early.pop(), deadline, io)
                 if len(posted) > self._pcfg.staging_sets - 2 and not await self._store_oldest(
                     posted, sink, deadline, io
                 ):
                     break
                 if sink.remote_done:
                     break
-                raw = await within(recv_control(ep, control), deadline, io, "chunk header")
+                raw = await within(expect(), deadline, io, "chunk header")
             while posted and await self._store_oldest(posted, sink, deadline, io):
                 pass
             if sink.remote_done and not posted and not abandoned:
@@ -194,7 +210,41 @@ class UcxFetcher:
             if not clean:
                 ep.abort()  # completes (cancels) the receives still posted into `posted`
             await self._settle(posted)
+            for payload in early:  # the abort completed (cancelled) it
+                await self._settle_early(payload)
             await sink.drain_quietly()
+
+    def _expect(
+        self, ep, control, block_bytes: int, batch: int, early: list["_EarlyPayload"]
+    ) -> asyncio.Future:
+        """Post the receive of the next chunk header into `control`; its future. Packed,
+        also the receive of that chunk's payload message right behind it, into a staging
+        set of `batch` blocks, added to `early`: UCX matches messages of one tag in the
+        order their receives were posted, so the payload lands as soon as it comes instead
+        of waiting, unexpected, for the event loop to read the header and post a receive
+        (a round of thread hand-offs: UCX progress thread, ucxx notifier, event loop)."""
+        header = asyncio.ensure_future(recv_control(ep, control))
+        if packed(block_bytes):
+            scratch = self._staging.take(batch, block_bytes)
+            recv = asyncio.ensure_future(ep.recv(contiguous(scratch, batch)))
+            early.append(_EarlyPayload(recv, scratch))
+        return header
+
+    async def _skip(self, payload: "_EarlyPayload", deadline: float, io: float) -> None:
+        """A packed chunk of no blocks still brings its (empty) payload message: take it
+        (on failure the abort settles it, and its set is dropped)."""
+        await within(asyncio.shield(payload.recv), deadline, io, "empty payload")
+        self._staging.give(payload.scratch)
+
+    async def _settle_early(self, payload: "_EarlyPayload") -> None:
+        """After an abort: give the payload's staging set back once its receive completed
+        (else drop it: UCX could still write into it)."""
+        if not payload.recv.done():
+            await asyncio.wait([payload.recv], timeout=1.0)
+        if payload.recv.done():
+            if not payload.recv.cancelled():
+                payload.recv.exception()  # retrieved: no "never retrieved" warning
+            self._staging.give(payload.scratch)
 
     async def _acknowledge(self, ep, address: str) -> None:
         """Acknowledge a complete answer, then keep the connection for the next request to
@@ -223,12 +273,14 @@ class UcxFetcher:
         batch: int,
         runs: list[int] | None,
         ahead: Reservation | None,
+        payload: "_EarlyPayload | None" = None,
     ) -> bool:
         """Reserve the batch's destination (or take `ahead`, slots reserved for it before its
-        header came) and post its receives, one per message of `runs` (large blocks); False
-        (the sink knows why) when not one block of it can be stored here."""
+        header came) and post its receives, one per message of `runs` (large blocks), or
+        take `payload`, the packed batch's receive posted with its header's; False (the
+        sink knows why) when not one block of it can be stored here."""
         after = posted[-1].res if posted else None
-        args = (first, hdr.count, list(hdr.checksums), after, batch, runs, ahead)
+        args = (first, hdr.count, list(hdr.checksums), after, batch, runs, ahead, payload)
         try:
             if ahead is None and self._store.pool.free_slots < hdr.count:
                 # making room may write NVMe: off the event loop
@@ -240,11 +292,16 @@ class UcxFetcher:
             return False
         if ld.res is not None and not ld.res.plan:
             sink.stop_reason = sink.stop_reason or f"not stored here: {ld.res.reason}"
+            if payload is not None:  # still being received into: the caller settles it
+                ld.scratch = []
             self._give_back(ld)
             return False
         # return_exceptions: the future completes only once every receive has, so nothing
         # writes into the slots or buffers any more when it is done (see _settle).
-        recvs = [asyncio.ensure_future(ep.recv(m)) for m in ld.msgs]
+        if payload is not None:
+            recvs = [payload.recv]
+        else:
+            recvs = [asyncio.ensure_future(ep.recv(m)) for m in ld.msgs]
         ld.recvs = asyncio.ensure_future(asyncio.gather(*recvs, return_exceptions=True))
         if ld.res is not None and not ld.pack:  # in place: hash each message as it lands
             size = sink.block_bytes
@@ -354,6 +411,7 @@ class UcxFetcher:
         batch: int,
         runs: list[int] | None,
         ahead: Reservation | None = None,
+        payload: "_EarlyPayload | None" = None,
     ) -> Landing:
         """Reserve pool slots for blocks first..first+count (a Landing with no slots when
         the store cannot take them in place; `reason` of a short reservation stops the
@@ -370,7 +428,7 @@ class UcxFetcher:
         elif self._in_place:
             res = sink.reserve(first, count, after)
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
-            scratch = self._staging.take(batch, size)
+            scratch = payload.scratch if payload is not None else self._staging.take(batch, size)
             return Landing(
                 first, count, checksums, res, scratch, [contiguous(scratch, count)], pack=True
             )
@@ -392,16 +450,33 @@ class UcxFetcher:
         return Landing(first, count, checksums, res, scratch, staged, pack=True)
 
 
+@dataclass(slots=True, eq=False)
+class _EarlyPayload:
+    """The receive of a packed chunk's payload message, posted before its header came
+    (UcxFetcher._expect), and the staging set of `batch` blocks it lands in."""
+
+    recv: asyncio.Future
+    scratch: list
+
+
 class _StaleConnection(Exception):
     """A kept connection failed before the peer answered: retry on a fresh one."""
 
 
-async def _ask(ep, req: peer_pb2.FetchRequest, control, deadline: float, io: float, meanwhile=None):
-    """Send the request and receive the first chunk header, the receive posted without
-    waiting for the sends to complete (one completion wait less); a failed send ends
-    the wait at once. `meanwhile()` runs once both are posted, while the peer works."""
+async def _ask(
+    ep,
+    req: peer_pb2.FetchRequest,
+    expect: Callable[[], asyncio.Future],
+    deadline: float,
+    io: float,
+    meanwhile=None,
+):
+    """Send the request and receive the first chunk header (`expect()` posts that
+    receive), the receive posted without waiting for the sends to complete (one
+    completion wait less); a failed send ends the wait at once. `meanwhile()` runs once
+    both are posted, while the peer works."""
     sending = post_control(ep, req.SerializeToString())
-    answer = asyncio.ensure_future(recv_control(ep, control))
+    answer = expect()
     try:
         if meanwhile is not None:
             await asyncio.sleep(0)  # the send and the receive reach UCX first

@@ -31,6 +31,7 @@ from node_agent.peer.ucx.wire import (
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent.peer")
+_EMPTY = np.empty(0, dtype=np.uint8)  # the payload message of a packed chunk of no blocks
 
 
 class UcxServer:
@@ -159,8 +160,8 @@ class UcxServer:
             done=rb.last,
         )
         payloads = []
-        if rb.served and pack:
-            payloads = [rb.bufs[0][: len(rb.served) * size]]
+        if pack:  # the fetcher posts this receive before the header came: always one
+            payloads = [rb.bufs[0][: len(rb.served) * size] if rb.served else _EMPTY]
         elif rb.served:
             views = rb.bufs[: len(rb.served)]
             hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))

@@ -91,6 +91,23 @@ def is_ip(host: str) -> bool:
         return False
 
 
+# UCX options of every agent (init_ucx): rendezvous without the fragmented copy-in/out
+# variant (see there).
+UCX_OPTIONS = {"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"}
+
+
+def ucx_env(shared_memory: bool) -> dict[str, str]:
+    """The UCX_* settings init_ucx runs an agent with (its environment wins over them):
+    what a benchmark's ucx_perftest runs with, so that it selects transports and
+    protocols as the agents do (loadtest/bench_peer.py)."""
+    flag = "y" if shared_memory else "n"
+    return {
+        "UCX_MM_ERROR_HANDLING": flag,
+        "UCX_CMA_MEMORY_INVALIDATE": flag,
+        **{f"UCX_{k}": v for k, v in UCX_OPTIONS.items()},
+    }
+
+
 def init_ucx(shared_memory: bool = True):
     """Import and initialise ucxx once per process, inside the running event loop (its
     progress thread and request notifier bind to that loop).
@@ -110,14 +127,13 @@ def init_ucx(shared_memory: bool = True):
     after a timeout cannot write into a pool slot reused meanwhile. Environment variables
     (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    flag = "y" if shared_memory else "n"
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", flag)
-    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", flag)
+    for name in ("UCX_MM_ERROR_HANDLING", "UCX_CMA_MEMORY_INVALIDATE"):
+        os.environ.setdefault(name, ucx_env(shared_memory)[name])
     import ucxx
 
     try:
         ucxx.init(
-            options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
+            options=dict(UCX_OPTIONS),
             env_takes_precedence=True,
             progress_mode="thread",
             enable_python_future=True,
