@@ -28,6 +28,7 @@ from kvstore.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvstore.pages import ask_huge_pages
 
 SHM_DIR = "/dev/shm"
 MAX_REGION_BYTES = 1 << 40
@@ -98,6 +99,7 @@ class ShmRegistry:
             mm = mmap.mmap(offer.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as exc:
             raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
+        ask_huge_pages(mm, collapse=True)  # where the host allows it (kvstore/pages.py)
         owner = f"pid {offer.pid} uid {offer.uid}"
         region = Region(self._new_id(), owner, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
         self._regions[region.region_id] = region
