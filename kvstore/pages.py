@@ -11,14 +11,23 @@ insist, and what they got is read back from /proc/<pid>/smaps (bench_agent repor
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import re
+import sys
+import weakref
 from dataclasses import dataclass
+
+import numpy as np
 
 # Linux values, for Pythons built against headers older than the constant.
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 
+HUGE_PAGE = 2 << 20
+_MAP_FIXED = 0x10  # Linux values
+_PROT_NONE = 0
 _RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 _HUGE_FIELDS = ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped")
 
@@ -106,3 +115,69 @@ def mappings(pid: int | str = "self") -> list[PageReport]:
 def mapping_of(address: int, pid: int | str = "self") -> PageReport | None:
     """The mapping of process `pid` that holds `address`, or None."""
     return next((m for m in mappings(pid) if m.start <= address < m.end), None)
+
+
+# ---------------------------------------------------------------- aligned shared mappings
+
+
+def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+_LIBC = _libc()
+_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_aligned(fd: int, size: int) -> np.ndarray | None:
+    """`fd`'s first `size` bytes, shared and populated, at a 2 MiB-aligned address (so
+    its huge pages, where the kernel makes them, are mapped as such: the kernel aligns a
+    memfd mapping only where shmem_enabled allows huge pages, and MADV_COLLAPSE needs
+    whole aligned 2 MiB ranges). None where this cannot be tried (not Linux, no room
+    for the reservation). The mapping goes when the array and its last view do."""
+    libc = _LIBC
+    if libc is None:
+        return None
+    span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    base = libc.mmap(None, span + HUGE_PAGE, _PROT_NONE, flags, -1, 0)  # address space only
+    if base in (None, _FAILED):
+        return None
+    start = (base + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    shared = mmap.MAP_SHARED | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    got = libc.mmap(start, span, prot, shared, fd, 0)
+    if got != start:
+        err = ctypes.get_errno()
+        libc.munmap(base, span + HUGE_PAGE)
+        raise OSError(err, os.strerror(err))
+    if start > base:  # the reservation's unused head and tail
+        libc.munmap(base, start - base)
+    if base + span + HUGE_PAGE > start + span:
+        libc.munmap(start + span, base + span + HUGE_PAGE - (start + span))
+    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE):
+        libc.madvise(start, span, advice)  # best effort, as ask_huge_pages
+    raw = (ctypes.c_uint8 * size).from_address(start)
+    weakref.finalize(raw, libc.munmap, start, span)
+    # Through a memoryview: it holds `raw` (so the mapping) for as long as any view does.
+    return np.frombuffer(memoryview(raw), dtype=np.uint8)
+
+
+def map_shared(fd: int, size: int) -> np.ndarray:
+    """The first `size` bytes of memory file `fd`, mapped shared and populated (page
+    faults now, not mid-transfer), huge pages asked for; 2 MiB-aligned where that can be
+    had. Raises OSError (ENOMEM ...) when it cannot be mapped."""
+    arr = _map_aligned(fd, size)
+    if arr is not None:
+        return arr
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    ask_huge_pages(mm, collapse=True)
+    return np.frombuffer(mm, dtype=np.uint8)  # the mapping goes with its last view

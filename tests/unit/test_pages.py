@@ -3,7 +3,9 @@ kernel's /proc/self/smaps for real mappings; asking for huge pages never fails a
 
 from __future__ import annotations
 
+import gc
 import mmap
+import os
 
 import numpy as np
 
@@ -43,3 +45,27 @@ def test_asking_for_huge_pages_never_raises():
     assert np.array_equal(arr, np.arange(arr.size, dtype=np.uint64).astype(np.uint8))
     report = pages.mapping_of(arr.ctypes.data)
     assert report is not None and report.huge_kib <= report.rss_kib
+
+
+def test_map_shared_is_aligned_shared_and_lives_as_long_as_its_views():
+    """Two mappings of one memfd see each other's writes; each starts on a 2 MiB boundary
+    (where huge pages can be mapped as such); a mapping goes with its last view."""
+    fd = os.memfd_create("kvstore-staging-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 6 << 20)
+        a = pages.map_shared(fd, 6 << 20)
+        b = pages.map_shared(fd, 6 << 20)
+        assert a.ctypes.data % pages.HUGE_PAGE == 0 == b.ctypes.data % pages.HUGE_PAGE
+        a[:] = 0x3C
+        assert (b == 0x3C).all()
+        report = pages.mapping_of(b.ctypes.data)
+        assert report is not None and report.rss_kib == 6 << 10  # populated
+        view, where = b[4096:8192], b.ctypes.data
+        del b
+        gc.collect()
+        assert (view == 0x3C).all() and pages.mapping_of(where) is not None
+        del view
+        gc.collect()
+        assert pages.mapping_of(where) is None
+    finally:
+        os.close(fd)

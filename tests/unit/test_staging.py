@@ -10,7 +10,6 @@ import logging
 import os
 import resource
 
-import numpy as np
 import pytest
 
 from kvstore import pages
@@ -73,7 +72,7 @@ def test_first_write_into_the_area_takes_no_page_faults():
     st = staging_mod.create_staging(16 << 20, 1 << 20)
     assert st is not None
     try:
-        area = np.frombuffer(st.mm, dtype=np.uint8)
+        area = st.array
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         area[:] = 0x5A
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
@@ -87,7 +86,7 @@ def test_the_area_reports_its_pages():
     st = staging_mod.create_staging(8 << 20, 1 << 20)
     assert st is not None
     try:
-        area = np.frombuffer(st.mm, dtype=np.uint8)
+        area = st.array
         report = pages.mapping_of(area.ctypes.data)
         del area
     finally:
