@@ -17,10 +17,12 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 SRC = "kvstore/native"
 SOURCES = [
-    f"{SRC}/{name}.c" for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable")
+    f"{SRC}/{name}.c"
+    for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable", "batch")
 ]
 HEADERS = [
-    f"{SRC}/{name}.h" for name in ("common", "blake2b", "blake2b_impl", "xxh64", "copy", "idtable")
+    f"{SRC}/{name}.h"
+    for name in ("common", "blake2b", "blake2b_impl", "xxh64", "copy", "idtable", "batch")
 ]
 
 
@@ -59,8 +61,11 @@ class BuildNative(build_ext):
 
 
 _compile_args = ["-O3"]
+_link_args: list[str] = []
 if sys.platform != "win32":
     _compile_args.append("-fvisibility=hidden")  # export PyInit__native only
+    _compile_args.append("-pthread")  # batch.c splits a batch over threads
+    _link_args.append("-pthread")
     if platform.machine().lower() in ("x86_64", "amd64"):
         _compile_args.append("-march=x86-64-v2")
 
@@ -72,6 +77,7 @@ setup(
             depends=HEADERS,  # rebuild when a header changes; ship them in the sdist
             include_dirs=[SRC],
             extra_compile_args=_compile_args,
+            extra_link_args=_link_args,
             optional=not REQUIRED,  # BuildNative has already warned
         )
     ],

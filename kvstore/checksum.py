@@ -15,12 +15,18 @@ top of the copy.  Without the extension, the ``xxhash`` package plus a
 ``memoryview`` copy give identical results (``kvstore.native.load`` logs that
 fallback and ``ACCEL`` names it).
 
+``copy_with_checksum_many`` and ``checksum_many`` do a whole batch of blocks in one
+native call with the GIL released, split over threads (one core's fused pass is bound by
+XXH64's multiplies, below what memory can do): the same XXH64, block by block, as the
+single-buffer functions.
+
 All functions accept any C-contiguous buffer (bytes, bytearray, memoryview,
 numpy arrays, mmap ...); lengths are in bytes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore import native
@@ -29,7 +35,14 @@ ACCEL = native.load()  # the extension, or None and why (logged)
 _native = ACCEL.module
 NATIVE: bool = _native is not None
 
-__all__ = ["NATIVE", "checksum", "copy_with_checksum", "verify"]
+__all__ = [
+    "NATIVE",
+    "checksum",
+    "checksum_many",
+    "copy_with_checksum",
+    "copy_with_checksum_many",
+    "verify",
+]
 
 
 def _byte_view(buf: Any, what: str) -> memoryview:
@@ -81,6 +94,41 @@ def py_copy_with_checksum(dst: Any, src: Any) -> int:
     return digest
 
 
+def _check_threads(threads: Any) -> int:
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be an int, not {type(threads).__name__!r}")
+    if not 1 <= threads <= 64:
+        raise ValueError(f"threads must be in [1, 64], got {threads}")
+    return threads
+
+
+def py_copy_with_checksum_many(
+    dsts: Sequence[Any], srcs: Sequence[Any], threads: int = 1
+) -> list[int]:
+    """One buffer after another (the fallback has no threads to split over), every pair
+    checked before the first copy, as the native call does."""
+    _check_threads(threads)
+    if len(dsts) != len(srcs):
+        raise ValueError(f"{len(dsts)} dsts for {len(srcs)} srcs")
+    pairs = []
+    for i, (dst, src) in enumerate(zip(dsts, srcs)):
+        s = _byte_view(src, f"srcs[{i}]")
+        d = _byte_view(dst, f"dsts[{i}]")
+        if d.readonly:
+            raise TypeError(f"dsts[{i}] must be a writable buffer")
+        if d.nbytes < s.nbytes:
+            raise ValueError(
+                f"dsts[{i}] is too small: {d.nbytes} bytes < {s.nbytes} bytes of srcs[{i}]"
+            )
+        pairs.append((d, s))
+    return [py_copy_with_checksum(d, s) for d, s in pairs]
+
+
+def py_checksum_many(bufs: Sequence[Any], threads: int = 1) -> list[int]:
+    _check_threads(threads)
+    return [py_checksum(b) for b in bufs]
+
+
 def py_verify(buf: Any, expected: int) -> bool:
     return py_checksum(buf) == _check_u64(expected, "expected")
 
@@ -106,6 +154,25 @@ def copy_with_checksum(dst: Any, src: Any) -> int:
     if _native is not None:
         return _native.copy_checksum(dst, src)
     return py_copy_with_checksum(dst, src)
+
+
+def copy_with_checksum_many(
+    dsts: Sequence[Any], srcs: Sequence[Any], threads: int = 1
+) -> list[int]:
+    """``copy_with_checksum(dsts[i], srcs[i])`` for every i, on up to `threads` threads
+    (the caller's and threads - 1 started for the call, each over a contiguous run of
+    about equal bytes). ValueError when the lengths differ or a dst is too small; nothing
+    is copied then."""
+    if _native is not None:
+        return _native.copy_checksum_many(dsts, srcs, threads)
+    return py_copy_with_checksum_many(dsts, srcs, threads)
+
+
+def checksum_many(bufs: Sequence[Any], threads: int = 1) -> list[int]:
+    """``checksum(b)`` for every buffer of `bufs`, split over threads likewise."""
+    if _native is not None:
+        return _native.xxh64_many(bufs, threads)
+    return py_checksum_many(bufs, threads)
 
 
 def verify(buf: Any, expected: int) -> bool:

@@ -317,10 +317,8 @@ class BlockStore:
             n_pool = next(
                 (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
             )
-            digests = self._copier.map(
-                lambda i: self.pool.read_into(slots[i], metas[i].nbytes, dsts[i]),
-                range(n_pool),
-                sum(m.nbytes for m in metas[:n_pool]),
+            digests = self._copier.read(
+                self.pool, slots[:n_pool], [m.nbytes for m in metas[:n_pool]], dsts[:n_pool]
             )
             for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dsts[i]
@@ -373,10 +371,8 @@ class BlockStore:
         plan = planned.slots
         written: list[Written] = []
         try:
-            digests = self._copier.map(
-                lambda p: self.pool.write(p.slot, p.item.data),
-                plan,
-                len(plan) * st.spec.block_bytes,
+            digests = self._copier.write(
+                self.pool, [p.slot for p in plan], [p.item.data for p in plan]
             )
             for p, digest in zip(plan, digests):
                 if p.item.checksum is not None and digest != p.item.checksum:

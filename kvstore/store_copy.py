@@ -1,11 +1,16 @@
-"""Bulk copies of a batch, split across threads (the native copy releases the GIL): one
-core's copy-and-checksum is below what the memory bus can do."""
+"""Bulk copies of a batch, split across threads: one core's copy-and-checksum (bound by
+XXH64's multiplies) is below what the memory bus can do. A host pool's batch is one
+native call that starts its own threads (no GIL, no Python per block); a device pool's
+copies (torch, which releases the GIL) go over a Python thread pool."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from kvstore import checksum as cks
+from kvstore.tiers.pool import DevicePool
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -17,9 +22,33 @@ PARALLEL_MIN_BYTES = 8 << 20
 class BatchCopier:
     def __init__(self, threads: int = 1) -> None:
         self._threads = threads
+        # Used by device pools only; its threads start on first use.
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="kv-copy") if threads > 1 else None
         )
+
+    def threads_for(self, nbytes: int) -> int:
+        """Threads a batch of `nbytes` is split over."""
+        return self._threads if nbytes >= PARALLEL_MIN_BYTES else 1
+
+    def write(self, pool: DevicePool, slots: list[int], srcs: list[Any]) -> list[int]:
+        """pool.write of every (slot, src); the payloads' XXH64."""
+        nbytes = sum(memoryview(s).nbytes for s in srcs)
+        if pool.host:
+            return pool.write_many(slots, srcs, self.threads_for(nbytes))
+        return self.map(lambda a: pool.write(*a), list(zip(slots, srcs)), nbytes)
+
+    def read(
+        self, pool: DevicePool, slots: list[int], sizes: list[int], dsts: list[Any]
+    ) -> list[int]:
+        """pool.read_into of every (slot, size, dst); the payloads' XXH64."""
+        if pool.host:
+            return pool.read_many(slots, sizes, dsts, self.threads_for(sum(sizes)))
+        return self.map(lambda a: pool.read_into(*a), list(zip(slots, sizes, dsts)), sum(sizes))
+
+    def checksums(self, views: list[Any]) -> list[int]:
+        """XXH64 of host buffers."""
+        return cks.checksum_many(views, self.threads_for(sum(memoryview(v).nbytes for v in views)))
 
     def map(self, fn: Callable[[A], R], args: Iterable[A], nbytes: int) -> list[R]:
         """fn over args, on the copy threads when the batch is big enough to pay."""

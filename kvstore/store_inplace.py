@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
-from kvstore import checksum as cks
 from kvstore.errors import DataLoss, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
 from kvstore.store_copy import BatchCopier
@@ -76,7 +75,7 @@ class InPlaceTransfers:
         threads when the batch is big enough to pay."""
         if self.pool.tensor_views:
             return self.pool.digests(views)
-        return self.copier.map(cks.checksum, views, sum(v.nbytes for v in views))
+        return self.copier.checksums(views)
 
     # ----------------------------------------------------------------- writes
     def reserve(
@@ -196,11 +195,7 @@ class InPlaceTransfers:
                 digests = list(digests[:n])
             elif sources is not None:
                 n = min(n, len(sources))
-                digests = self.copier.map(
-                    lambda a: self.pool.write(a[0].slot, a[1]),
-                    list(zip(plan[:n], sources)),
-                    n * res.ns.spec.block_bytes,
-                )
+                digests = self.copier.write(self.pool, [p.slot for p in plan[:n]], sources[:n])
             else:
                 digests = self._digests([p.item.data for p in plan[:n]])
         except BaseException:

@@ -1,7 +1,10 @@
 """Node-agent data-plane benchmark: `python -m loadtest.bench_agent`.
 
 Measures in one run, on this machine, against real agent processes:
-- memcpy_gbps: one large host copy (>= 1 GiB), the limit the transfer figures are set against
+- memcpy_gbps: one large host copy (1 GiB, one thread, best of 3), the limit the transfer
+  figures are set against (shm_put_ratio, shm_get_ratio); memcpy_batch_gbps: a one-thread
+  copy of one batch's size (128 MiB), timed in every round between the shared-memory
+  Put and Get (median), which shows how far the host's load moved while the run went on
 - shm_put_gbps / shm_get_gbps: 2 MiB blocks (Llama-3-8B, 16 tokens, fp16) through a running
   agent over the same-host shared-memory path (put from, and get into, the staging area)
 - shm_put_copy_gbps / shm_get_copy_gbps: the same including the copy between caller-owned
@@ -16,6 +19,14 @@ Measures in one run, on this machine, against real agent processes:
 - nvme_demote_gbps / nvme_promote_gbps and the same with encryption at rest
   (nvme_*_enc_gbps, *_enc_ratio against the plaintext figure of this run): the store's
   moves to and from the RocksDB tier, see loadtest/bench_nvme.py
+- staging_page_kib / pool_page_kib: the page size that backs most of the staging area
+  and of the device pool in the agent (where the copies run; /proc/<agent>/smaps: 2048
+  when most is on transparent huge pages), beside the kernel's settings for them
+  (thp_enabled for the pool's anonymous memory, thp_shmem_enabled for the staging memfd)
+`--contended`: also the same-host figures while a load runs beside them, as an engine
+beside the agent would: a process copying 64 MiB buffers in a loop, pinned to one core
+(contended_memcpy_gbps, contended_shm_put_gbps / _get_gbps and their ratios;
+contended_load_gbps: what the load itself copied meanwhile).
 `--tls`: the agent figures are measured twice in the run, against a plaintext agent
 first (plain_<figure>), then with the agents on mTLS (a throwaway CA, kvstore/tls_ca.py)
 and every client presenting the client pair (the figures under their usual names);
@@ -53,6 +64,7 @@ import torch
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore import pages
 from kvstore.client import KVClient
 from kvstore.config import TLSConfig
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
@@ -150,9 +162,56 @@ class BenchTls:
         return {"tls": {"ca_file": s.ca_file, "cert_file": s.cert_file, "key_file": s.key_file}}
 
 
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+
+
+def thp_setting(name: str) -> str:
+    """The kernel's choice in /sys/kernel/mm/transparent_hugepage/<name> ("always [madvise]
+    never" -> "madvise"), or "" where there is none."""
+    try:
+        text = (THP / name).read_text()
+    except OSError:
+        return ""
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else text.strip()
+
+
+def agent_pages(pid: int, pool_bytes: int) -> dict[str, object]:
+    """The pages behind the agent's mapping of the staging area and its device pool."""
+    maps = pages.mappings(pid)
+    staging = [m for m in maps if m.name.startswith("/memfd:kvstore-staging")]
+    # The pool is the agent's one anonymous mapping of (at least, if the kernel merged it
+    # with a neighbour) the pool's size.
+    pool = [m for m in maps if not m.name and m.size_kib * 1024 >= pool_bytes]
+    out: dict[str, object] = {
+        "thp_enabled": thp_setting("enabled"),
+        "thp_shmem_enabled": thp_setting("shmem_enabled"),
+    }
+    for key, found in (("staging", staging), ("pool", pool)):
+        if found:
+            m = max(found, key=lambda m: m.rss_kib)
+            out[f"{key}_page_kib"] = m.page_kib
+            out[f"{key}_huge_share"] = m.huge_share
+    return out
+
+
+def _timed_memcpy(dst: np.ndarray, src: np.ndarray) -> float:
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t
+
+
 def transfer(
-    address: str, shm: bool, batch: int, rounds: int, tls: BenchTls = BenchTls()
+    address: str,
+    shm: bool,
+    batch: int,
+    rounds: int,
+    tls: BenchTls = BenchTls(),
+    agent: Agent | None = None,
+    pool_bytes: int = 0,
 ) -> dict[str, object]:
+    """Put and Get of `batch` blocks, `rounds` times; with `agent` (shm), the pages behind
+    its staging and pool mappings too."""
     out: dict[str, object] = {}
     with KVClient(
         address, tenant_secret="bench", use_shm=shm, shm_bytes=batch * 2 * MiB, tls=tls.client
@@ -161,8 +220,11 @@ def transfer(
         nbytes = batch * ns.block_bytes
         gen = torch.Generator().manual_seed(1)
         blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
-        put_t, put_copy_t, get_t, get_copy_t = [], [], [], []
+        put_t, put_copy_t, get_t, get_copy_t, memcpy_t = [], [], [], [], []
         got = None
+        if shm:  # one batch's size, touched before the first round
+            copy_src = np.ones(nbytes, dtype=np.uint8)
+            copy_dst = np.zeros(nbytes, dtype=np.uint8)
         for r in range(rounds):
             ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
             if shm:
@@ -172,6 +234,7 @@ def transfer(
                 t = time.perf_counter()
                 assert c.put_staged(ns, ids).stored == batch
                 put_t.append(time.perf_counter() - t)
+                memcpy_t.append(_timed_memcpy(copy_dst, copy_src))
                 got = None  # freed outside the timed region (see the docstring)
                 t = time.perf_counter()
                 got = c.get_views(ns, ids)
@@ -204,7 +267,74 @@ def transfer(
             out["local_lane"] = c.uses_local_lane
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
+            out["memcpy_batch_gbps"] = _rate(nbytes, memcpy_t)
+            if agent is not None:  # while the client's region is still mapped there
+                out.update(agent_pages(agent.proc.pid, pool_bytes))
     return out
+
+
+# The load of --contended: what an inference engine beside the agent does to it, one core
+# busy and the memory bus shared. Pinned to one core (the last), copying 64 MiB buffers
+# until SIGTERM, then it prints what it copied (GB/s).
+_LOAD = """
+import os, signal, sys, time
+import numpy as np
+os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+src = np.ones(64 << 20, np.uint8); dst = np.zeros_like(src)
+done, t0 = 0, time.perf_counter()
+def stop(*_):
+    print(done / (time.perf_counter() - t0) / 1e9, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    np.copyto(dst, src)
+    done += src.size
+"""
+
+
+class MemoryLoad:
+    """The --contended load, as a context manager; `gbps` once it has stopped."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.gbps = 0.0
+
+    def __enter__(self) -> "MemoryLoad":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LOAD], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the --contended load did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        self.gbps = float(out.strip() or 0)
+
+
+def contended(workdir: Path, args) -> dict[str, object]:
+    """memcpy and the shared-memory figures again, with MemoryLoad running beside them."""
+    pool = 2 * (args.rounds * 2 + 2) * args.batch * 2 * MiB
+    agent = Agent(workdir, pool_bytes=pool, slot_bytes=2 * MiB, nvme_bytes=0)
+    out: dict[str, object] = {}
+    try:
+        with MemoryLoad() as load:
+            out["memcpy_gbps"] = memcpy_gbps()
+            got = transfer(agent.address, True, args.batch, args.rounds)
+        out["load_gbps"] = load.gbps
+    finally:
+        agent.stop()
+    for k in ("shm_put_gbps", "shm_get_gbps", "shm_put_copy_gbps", "shm_get_copy_gbps"):
+        out[k] = got[k]
+    out["memcpy_batch_gbps"] = got["memcpy_batch_gbps"]
+    m = float(out["memcpy_gbps"])  # type: ignore[arg-type]
+    out["shm_put_ratio"] = float(got["shm_put_gbps"]) / m  # type: ignore[arg-type]
+    out["shm_get_ratio"] = float(got["shm_get_gbps"]) / m  # type: ignore[arg-type]
+    return {f"contended_{k}": v for k, v in out.items()}
 
 
 def hash_rate(tokens: int = 32768, reps: int = 50) -> float:
@@ -301,7 +431,7 @@ def agent_figures(workdir: Path, args, tls: BenchTls) -> dict[str, object]:
     )
     try:
         log("shared-memory path ...")
-        out.update(transfer(agent.address, True, args.batch, args.rounds, tls))
+        out.update(transfer(agent.address, True, args.batch, args.rounds, tls, agent, pool))
         log("gRPC path ...")
         out.update(transfer(agent.address, False, args.batch, args.rounds, tls))
     finally:
@@ -352,6 +482,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="agents and clients with mTLS, against a plaintext baseline in the same run",
     )
+    p.add_argument(
+        "--contended",
+        action="store_true",
+        help="also the same-host figures beside a CPU and memory load (contended_*)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # see the module docstring
     res: dict[str, object] = {
@@ -359,6 +494,7 @@ def main(argv=None) -> int:
         "batch_blocks": args.batch,
         "native": NATIVE,
         "tls": args.tls,
+        "contended": args.contended,
     }
     log("memcpy ...")
     res["memcpy_gbps"] = memcpy_gbps()
@@ -374,6 +510,9 @@ def main(argv=None) -> int:
             res.update(tls_against(plain, res))
         else:
             res.update(agent_figures(Path(tmp), args, BenchTls()))
+        if args.contended:
+            log("shared-memory path beside a memory load ...")
+            res.update(contended(Path(tmp) / "contended", args))
         log("hashing ...")
         res["hash_mtok_s"] = hash_rate()
         res["lookup_2000_inproc_us"] = lookup_inproc(args.lookup_blocks, 300)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import fcntl
-import mmap
 import os
 import secrets
 import stat
@@ -28,6 +27,7 @@ from kvstore.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvstore.pages import map_shared
 
 SHM_DIR = "/dev/shm"
 MAX_REGION_BYTES = 1 << 40
@@ -53,8 +53,7 @@ class Region:
     region_id: int
     owner: str  # "pid P uid U" of the process that handed the memory over
     tenant: str | None
-    mm: mmap.mmap
-    array: np.ndarray
+    array: np.ndarray  # over the mapping (kvstore.pages.map_shared)
 
     def span(self, offset: int, nbytes: int) -> np.ndarray:
         if offset < 0 or offset + nbytes > self.array.size:
@@ -94,12 +93,13 @@ class ShmRegistry:
     def register_fd(self, offer: FdOffer, size: int, tenant: str | None) -> Region:
         """Map the memory behind `offer.fd` (the caller keeps and closes the descriptor)."""
         check_memory_fd(offer.fd, size)
-        try:  # populate now: page faults at registration, not mid-transfer
-            mm = mmap.mmap(offer.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        try:  # populated: page faults at registration, not mid-transfer; 2 MiB-aligned,
+            # so the kernel can put it on huge pages (kvstore/pages.py)
+            array = map_shared(offer.fd, size)
         except OSError as exc:
             raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
         owner = f"pid {offer.pid} uid {offer.uid}"
-        region = Region(self._new_id(), owner, tenant, mm, np.frombuffer(mm, dtype=np.uint8))
+        region = Region(self._new_id(), owner, tenant, array)
         self._regions[region.region_id] = region
         return region
 
@@ -130,11 +130,8 @@ class ShmRegistry:
         region = self._regions.pop(region_id, None)
         if region is None:
             return
+        # The mapping goes with the array's last view: now, unless a copy still holds one.
         region.array = np.empty(0, dtype=np.uint8)
-        try:
-            region.mm.close()
-        except BufferError:
-            pass  # a copy still holds a view; the mapping goes when it is collected
 
     def __len__(self) -> int:
         return len(self._regions)

@@ -195,8 +195,7 @@ class KVClient:
                     f"shared memory cannot hold a staging area of {size} bytes",
                 )
             return
-        arr = np.frombuffer(shm.mm, dtype=np.uint8)
-        arr.fill(0)  # fault the pages in now, not during the first transfer
+        arr = shm.array  # populated: no page faults during the first transfer
         self._shm, self._staging = shm, arr
         try:
             self._register(time.monotonic() + self.timeout)

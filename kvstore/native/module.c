@@ -7,6 +7,8 @@
  *   copy_checksum(dst, src, seed=0) -> int
  *   copy_nt(dst, src) -> None
  *   verify_checksum(data, expected, seed=0) -> bool
+ *   copy_checksum_many(dsts, srcs, threads=1, seed=0) -> list[int]
+ *   xxh64_many(bufs, threads=1, seed=0) -> list[int]
  *   IdTable(seed)                 (idtable.c: the router index's id table)
  *   set_simd(enabled) -> bool    (AVX2 or scalar BLAKE2b; HAVE_AVX2 says
  *                                 whether this CPU and build have AVX2)
@@ -21,11 +23,13 @@
  * protocol and releases the GIL while it works on large inputs.
  *
  * This file is the CPython glue (argument checks, the GIL, the module); the
- * kernels live beside it: blake2b.c / blake2b_avx2.c, xxh64.c, copy.c.
+ * kernels live beside it: blake2b.c / blake2b_avx2.c, xxh64.c, copy.c, and
+ * batch.c (many buffers in one call, over threads).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "batch.h"
 #include "blake2b.h"
 #include "copy.h"
 #include "idtable.h"
@@ -324,6 +328,170 @@ static PyObject *kv_copy_nt(PyObject *self, PyObject *args, PyObject *kwargs) {
     return do_copy(args, kwargs, 0);
 }
 
+/* ---- Batches ------------------------------------------------------------ */
+
+/* The buffers of a batch call: views[0..count) of srcs (and dsts), released together. */
+typedef struct {
+    Py_buffer *src, *dst; /* dst NULL: hash only */
+    kv_job *jobs;
+    Py_ssize_t count, held; /* held: views of src (and dst) acquired so far */
+} kv_batch;
+
+static void batch_release(kv_batch *b) {
+    for (Py_ssize_t i = 0; i < b->held; i++) {
+        PyBuffer_Release(&b->src[i]);
+        if (b->dst) PyBuffer_Release(&b->dst[i]);
+    }
+    PyMem_Free(b->src);
+    PyMem_Free(b->dst);
+    PyMem_Free(b->jobs);
+}
+
+/* Acquire every view (dst_seq may be NULL) and fill b->jobs; -1 with an exception set,
+ * naming the offending item, and nothing held. */
+static int batch_acquire(kv_batch *b, PyObject *src_seq, PyObject *dst_seq, uint64_t seed) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(src_seq);
+    memset(b, 0, sizeof(*b));
+    b->count = n;
+    b->src = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    b->jobs = PyMem_Calloc(n ? n : 1, sizeof(kv_job));
+    if (dst_seq) b->dst = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!b->src || !b->jobs || (dst_seq && !b->dst)) {
+        batch_release(b);
+        PyErr_NoMemory();
+        return -1;
+    }
+    const char *sname = dst_seq ? "srcs" : "bufs";
+    char name[48];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        snprintf(name, sizeof(name), "%s[%zd]", sname, i);
+        if (get_buffer(PySequence_Fast_GET_ITEM(src_seq, i), &b->src[i], name, 0) < 0) break;
+        kv_job *j = &b->jobs[i];
+        j->src = (const uint8_t *)b->src[i].buf;
+        j->n = (size_t)b->src[i].len;
+        j->seed = seed;
+        if (dst_seq) {
+            snprintf(name, sizeof(name), "dsts[%zd]", i);
+            if (get_buffer(PySequence_Fast_GET_ITEM(dst_seq, i), &b->dst[i], name, 1) < 0) {
+                PyBuffer_Release(&b->src[i]);
+                break;
+            }
+            b->held = i + 1;
+            if (b->dst[i].len < b->src[i].len) {
+                PyErr_Format(PyExc_ValueError,
+                             "dsts[%zd] is too small: %zd bytes < %zd bytes of srcs[%zd]", i,
+                             b->dst[i].len, b->src[i].len, i);
+                break;
+            }
+            j->dst = (uint8_t *)b->dst[i].buf;
+        }
+        b->held = i + 1;
+    }
+    if (PyErr_Occurred()) {
+        batch_release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* Run the jobs of `b` on `threads` threads, the GIL released for big batches; the
+ * digests as a list. */
+static PyObject *batch_run(kv_batch *b, int threads) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < b->count; i++) total += (Py_ssize_t)b->jobs[i].n;
+    RELEASE_GIL_IF(total >= GIL_RELEASE_BYTES);
+    kv_run_jobs(b->jobs, (size_t)b->count, total >= GIL_RELEASE_BYTES ? threads : 1);
+    REACQUIRE_GIL();
+    PyObject *out = PyList_New(b->count);
+    for (Py_ssize_t i = 0; out && i < b->count; i++) {
+        PyObject *d = PyLong_FromUnsignedLongLong(b->jobs[i].digest);
+        if (!d) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, d);
+    }
+    return out;
+}
+
+static int get_threads(PyObject *obj, int *out) {
+    if (obj == NULL) {
+        *out = 1;
+        return 0;
+    }
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "threads must be an int, not '%.100s'",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    long v = PyLong_AsLong(obj);
+    if ((v == -1 && PyErr_Occurred()) || v < 1 || v > 64) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "threads must be in [1, 64], got %R", obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* copy_checksum_many (dsts given) and xxh64_many share everything but the copy. */
+static PyObject *do_many(PyObject *srcs_o, PyObject *dsts_o, PyObject *threads_o,
+                         PyObject *seed_o) {
+    int threads;
+    uint64_t seed = 0;
+    if (get_threads(threads_o, &threads) < 0) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    PyObject *srcs = PySequence_Fast(srcs_o, dsts_o ? "srcs must be a sequence of buffers"
+                                                    : "bufs must be a sequence of buffers");
+    if (!srcs) return NULL;
+    PyObject *dsts = NULL, *out = NULL;
+    if (dsts_o) {
+        dsts = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
+        if (!dsts) goto done;
+        if (PySequence_Fast_GET_SIZE(dsts) != PySequence_Fast_GET_SIZE(srcs)) {
+            PyErr_Format(PyExc_ValueError, "%zd dsts for %zd srcs",
+                         PySequence_Fast_GET_SIZE(dsts), PySequence_Fast_GET_SIZE(srcs));
+            goto done;
+        }
+    }
+    kv_batch b;
+    if (batch_acquire(&b, srcs, dsts, seed) < 0) goto done;
+    out = batch_run(&b, threads);
+    batch_release(&b);
+done:
+    Py_XDECREF(dsts);
+    Py_DECREF(srcs);
+    return out;
+}
+
+PyDoc_STRVAR(copy_checksum_many_doc,
+"copy_checksum_many(dsts, srcs, threads=1, seed=0) -> list[int]\n\n"
+"copy_checksum(dsts[i], srcs[i], seed) for every i, in one call with the GIL\n"
+"released, split over up to `threads` threads (this one and threads - 1 started\n"
+"for the call) by contiguous runs of about equal bytes.");
+
+static PyObject *kv_copy_checksum_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dsts", "srcs", "threads", "seed", NULL};
+    PyObject *dsts_o, *srcs_o, *threads_o = NULL, *seed_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OO:copy_checksum_many", kwlist,
+                                     &dsts_o, &srcs_o, &threads_o, &seed_o))
+        return NULL;
+    return do_many(srcs_o, dsts_o, threads_o, seed_o);
+}
+
+PyDoc_STRVAR(xxh64_many_doc,
+"xxh64_many(bufs, threads=1, seed=0) -> list[int]\n\n"
+"xxh64(bufs[i], seed) for every i, split over threads like copy_checksum_many.");
+
+static PyObject *kv_xxh64_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"bufs", "threads", "seed", NULL};
+    PyObject *bufs_o, *threads_o = NULL, *seed_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:xxh64_many", kwlist, &bufs_o,
+                                     &threads_o, &seed_o))
+        return NULL;
+    return do_many(bufs_o, NULL, threads_o, seed_o);
+}
+
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(enabled) -> bool\n\n"
 "Use the AVX2 BLAKE2b compression when enabled and the CPU has AVX2 (the\n"
@@ -349,6 +517,10 @@ static PyMethodDef kv_methods[] = {
      copy_nt_doc},
     {"verify_checksum", (PyCFunction)(void (*)(void))kv_verify_checksum,
      METH_VARARGS | METH_KEYWORDS, verify_checksum_doc},
+    {"copy_checksum_many", (PyCFunction)(void (*)(void))kv_copy_checksum_many,
+     METH_VARARGS | METH_KEYWORDS, copy_checksum_many_doc},
+    {"xxh64_many", (PyCFunction)(void (*)(void))kv_xxh64_many, METH_VARARGS | METH_KEYWORDS,
+     xxh64_many_doc},
     {"set_simd", (PyCFunction)kv_set_simd, METH_O, set_simd_doc},
     {NULL, NULL, 0, NULL},
 };

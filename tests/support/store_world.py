@@ -274,6 +274,18 @@ class JitterPool:
         self._pause()
         return digest
 
+    def write_many(self, slots, srcs, threads=1):
+        self._pause()
+        digests = self._pool.write_many(slots, srcs, threads)
+        self._pause()
+        return digests
+
+    def read_many(self, slots, sizes, dsts, threads=1):
+        self._pause()
+        digests = self._pool.read_many(slots, sizes, dsts, threads)
+        self._pause()
+        return digests
+
     def digests(self, views):
         self._pause()
         return self._pool.digests(views)

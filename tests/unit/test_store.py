@@ -332,12 +332,20 @@ class FlushDuringWrite(DevicePool):
 
     store: BlockStore | None = None
 
-    def write(self, slot, src):
-        digest = super().write(slot, src)
+    def _flush_once(self) -> None:
         if self.store is not None:
             store, self.store = self.store, None
             store.set_generation(SPEC.namespace_id, 1)
+
+    def write(self, slot, src):
+        digest = super().write(slot, src)
+        self._flush_once()
         return digest
+
+    def write_many(self, slots, srcs, threads=1):
+        digests = super().write_many(slots, srcs, threads)
+        self._flush_once()
+        return digests
 
 
 def test_put_racing_a_flush_stores_nothing(make_store, tmp_path):

@@ -26,12 +26,19 @@ class _RendezvousPool:
         self._barrier = threading.Barrier(n, timeout=10)
         self._seen: set[int] = set()
 
-    def write(self, slot, src):
+    def _meet(self) -> None:
         me = threading.get_ident()
         if me not in self._seen:
             self._seen.add(me)
             self._barrier.wait()
+
+    def write(self, slot, src):
+        self._meet()
         return self._pool.write(slot, src)
+
+    def write_many(self, slots, srcs, threads=1):
+        self._meet()
+        return self._pool.write_many(slots, srcs, threads)
 
     def __getattr__(self, name):
         return getattr(self._pool, name)

@@ -21,11 +21,19 @@ class _HookPool:
     def __init__(self, pool, hook) -> None:
         self._pool, self._hook = pool, hook
 
-    def read_into(self, slot, nbytes, dst):
+    def _run_hook(self, slot) -> None:
         hook, self._hook = self._hook, None
         if hook is not None:
             hook(slot)
+
+    def read_into(self, slot, nbytes, dst):
+        self._run_hook(slot)
         return self._pool.read_into(slot, nbytes, dst)
+
+    def read_many(self, slots, sizes, dsts, threads=1):
+        if slots:
+            self._run_hook(slots[0])
+        return self._pool.read_many(slots, sizes, dsts, threads)
 
     def __getattr__(self, name):
         return getattr(self._pool, name)

@@ -1,0 +1,183 @@
+"""The pages behind bulk memory: huge pages asked for where the kernel allows them, and the
+page size a mapping actually got.
+
+A 2 MiB block on 4 KiB pages is 512 TLB entries and 512 page walks per copy, and the
+hardware prefetchers stop at every 4 KiB boundary; on one 2 MiB page it is one. Whether a
+mapping gets huge pages is the kernel's call (/sys/kernel/mm/transparent_hugepage:
+`enabled` for anonymous memory, `shmem_enabled` for memfds), so the staging area and the
+pool ask (MADV_HUGEPAGE before the first touch, MADV_COLLAPSE after it, Linux 6.1+), never
+insist, and what they got is read back from /proc/<pid>/smaps (bench_agent reports it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import sys
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+# Linux values, for Pythons built against headers older than the constant.
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
+
+HUGE_PAGE = 2 << 20
+_MAP_FIXED = 0x10  # Linux values
+_PROT_NONE = 0
+_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+_HUGE_FIELDS = ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped")
+
+
+def ask_huge_pages(mm: mmap.mmap, collapse: bool) -> None:
+    """Ask for transparent huge pages on `mm` (best effort: a kernel that refuses, EINVAL
+    where THP is off for this kind of memory, leaves it on small pages). `collapse`: its
+    pages are already there (touched or populated), so also ask the kernel to move them
+    onto huge pages now (MADV_COLLAPSE; on failure, ENOMEM or EAGAIN, they stay small)."""
+    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE) if collapse else (MADV_HUGEPAGE,):
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):
+            pass  # not allowed here: small pages, which bench_agent reports
+
+
+@dataclass(frozen=True, slots=True)
+class PageReport:
+    """What backs one mapping (from /proc/<pid>/smaps)."""
+
+    start: int  # address range [start, end)
+    end: int
+    name: str  # the mapping's path ("" when anonymous)
+    rss_kib: int
+    huge_kib: int  # resident bytes mapped by 2 MiB page-table entries (THP)
+    kernel_page_kib: int  # the base page size (KernelPageSize)
+
+    @property
+    def page_kib(self) -> int:
+        """The page size that maps most of the resident bytes: 2048 when most are on
+        transparent huge pages, else the base page size."""
+        if self.rss_kib and self.huge_kib * 2 > self.rss_kib:
+            return 2048
+        return self.kernel_page_kib
+
+    @property
+    def size_kib(self) -> int:
+        return (self.end - self.start) >> 10
+
+    @property
+    def huge_share(self) -> float:
+        return self.huge_kib / self.rss_kib if self.rss_kib else 0.0
+
+
+def _kib(value: str) -> int:
+    return int(value.split()[0])
+
+
+def mappings(pid: int | str = "self") -> list[PageReport]:
+    """Every mapping of process `pid`, from /proc/<pid>/smaps."""
+    out: list[PageReport] = []
+    cur: dict[str, str] = {}
+    name, start, end = "", 0, 0
+
+    def flush() -> None:
+        if cur:
+            out.append(
+                PageReport(
+                    start,
+                    end,
+                    name,
+                    _kib(cur.get("Rss", "0 kB")),
+                    sum(_kib(cur.get(f, "0 kB")) for f in _HUGE_FIELDS),
+                    _kib(cur.get("KernelPageSize", "4 kB")),
+                )
+            )
+
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            m = _RANGE.match(line)
+            if m:
+                flush()
+                cur = {"Rss": "0 kB"}
+                fields = line.split(maxsplit=5)
+                name = fields[5].strip() if len(fields) > 5 else ""
+                start, end = int(m.group(1), 16), int(m.group(2), 16)
+            elif ":" in line:
+                key, value = line.split(":", 1)
+                if value.strip().endswith("kB"):
+                    cur[key] = value.strip()
+        flush()
+    return out
+
+
+def mapping_of(address: int, pid: int | str = "self") -> PageReport | None:
+    """The mapping of process `pid` that holds `address`, or None."""
+    return next((m for m in mappings(pid) if m.start <= address < m.end), None)
+
+
+# ---------------------------------------------------------------- aligned shared mappings
+
+
+def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+_LIBC = _libc()
+_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_aligned(fd: int, size: int) -> np.ndarray | None:
+    """`fd`'s first `size` bytes, shared and populated, at a 2 MiB-aligned address (so
+    its huge pages, where the kernel makes them, are mapped as such: the kernel aligns a
+    memfd mapping only where shmem_enabled allows huge pages, and MADV_COLLAPSE needs
+    whole aligned 2 MiB ranges). None where this cannot be tried (not Linux, no room
+    for the reservation). The mapping goes when the array and its last view do."""
+    libc = _LIBC
+    if libc is None:
+        return None
+    span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    base = libc.mmap(None, span + HUGE_PAGE, _PROT_NONE, flags, -1, 0)  # address space only
+    if base in (None, _FAILED):
+        return None
+    start = (base + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    shared = mmap.MAP_SHARED | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    got = libc.mmap(start, span, prot, shared, fd, 0)
+    if got != start:
+        err = ctypes.get_errno()
+        libc.munmap(base, span + HUGE_PAGE)
+        raise OSError(err, os.strerror(err))
+    if start > base:  # the reservation's unused head and tail
+        libc.munmap(base, start - base)
+    if base + span + HUGE_PAGE > start + span:
+        libc.munmap(start + span, base + span + HUGE_PAGE - (start + span))
+    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE):
+        libc.madvise(start, span, advice)  # best effort, as ask_huge_pages
+    raw = (ctypes.c_uint8 * size).from_address(start)
+    weakref.finalize(raw, libc.munmap, start, span)
+    # Through a memoryview: it holds `raw` (so the mapping) for as long as any view does.
+    return np.frombuffer(memoryview(raw), dtype=np.uint8)
+
+
+def map_shared(fd: int, size: int) -> np.ndarray:
+    """The first `size` bytes of memory file `fd`, mapped shared and populated (page
+    faults now, not mid-transfer), huge pages asked for; 2 MiB-aligned where that can be
+    had. Raises OSError (ENOMEM ...) when it cannot be mapped."""
+    arr = _map_aligned(fd, size)
+    if arr is not None:
+        return arr
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    ask_huge_pages(mm, collapse=True)
+    return np.frombuffer(mm, dtype=np.uint8)  # the mapping goes with its last view
