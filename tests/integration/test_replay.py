@@ -115,9 +115,17 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
         "ttft_p99_ratio",
         "max_mean_load",
         "rr_token_hit_rate",
+        "rr_ttft_p99_ratio",
+        "chash_ttft_p99_ratio",
         "pool_fraction",
     ):
         assert isinstance(head[key], float), key
+    # The router told its prices (a block recomputed at the given 8000 tokens/s: 2 ms),
+    # and ours was charged its decision time, never more than the Route call it made.
+    assert head["router_prices_ms"]["recompute_block"] == pytest.approx(2.0)
+    assert head["route_charge"] == "decision"
+    phases = head["phases_p50_ms"]
+    assert 0 < phases["route"] <= phases["route_rpc"]
     for policy in ("", "rr_", "chash_"):
         assert 0.0 <= head[f"{policy}token_hit_rate"] <= head["ceiling"] + 1e-9
         assert 0.0 <= head[f"{policy}request_hit_rate"] <= head["ceiling_request"] + 1e-9
