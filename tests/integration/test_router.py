@@ -124,6 +124,14 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     busy = slow.route(NS_ID, prompt, dry_run=True)
     assert {c.node_id: c.in_flight for c in busy.candidates}["agent-2"] == 2
     assert {c.node_id: c.cost for c in busy.candidates}["agent-2"] == pytest.approx(23)
+    # The answer explains itself: terms that add up to each cost, in blocks recomputed,
+    # and the prices (no pull measured yet: nothing fixed per pull).
+    for c in busy.candidates:
+        terms = c.recompute_cost + c.peer_cost + c.space_cost + c.load_cost + c.utilization_cost
+        assert c.cost == pytest.approx(terms)
+    holder = {c.node_id: c for c in busy.candidates}["agent-2"]
+    assert (holder.recompute_cost, holder.load_cost, holder.queued_blocks) == (5, 18, 10)
+    assert busy.recompute_ms > 0 and busy.pull_fixed_ms == 0 and busy.decide_us > 0
     light = slow.route(NS_ID, prompt, dry_run=True, weights=router_pb2.RouteWeights(load=0.5))
     assert light.node_id == "agent-2"  # per-request weights override the config
     # Their prefill done, p0 and p1 decode on: agent-2 still counts them, not their work.
