@@ -212,6 +212,17 @@ def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
         )
         cc.release(hit)
     router.release("busy")
+    # agent-0 timed that pull and published the fit in its node record; the router now
+    # prices pulls with it instead of peer_gbps (kvstore/pullcost.py).
+    bandwidth_ms = 8 * 1e3 * SPEC.block_bytes / 100e9  # what 100 Gbps prices a block at
+
+    def measured():
+        r = router.route(NS_ID, prompt, dry_run=True)
+        return r.pull_ms_per_block != pytest.approx(bandwidth_ms) and r
+
+    r = wait_for(measured, 20, what="the measured pull cost through etcd")
+    # One pull of 10 blocks: its whole time is charged per block (no fixed part yet).
+    assert r.pull_ms_per_block > bandwidth_ms and r.pull_fixed_ms == 0
 
 
 def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start_router):
