@@ -55,18 +55,22 @@ class PullCostEstimator:
         self._n += 1
 
     def estimate(self) -> PullCost | None:
-        """The fit; None before any pull. With pulls of (nearly) one size the slope is
-        undetermined: then the whole mean duration is charged per byte, which prices
-        the sizes seen right and a smaller pull no dearer than that."""
+        """The fit; None before any pull. While the slope is undetermined (fewer than 3
+        pulls, or all of about one size) the whole mean duration counts as fixed cost:
+        that prices the sizes seen right and bigger pulls optimistically, so the router
+        still makes some, whose times then determine the slope. (Charging it per byte
+        instead priced every pull out after one slow small one, and without pulls the
+        fit never learned otherwise.)"""
         if self._n == 0:
             return None
+        mean_y = max(self._y, 0.0)
         var = self._xx - self._x * self._x
-        if var > 1e-6 * self._x * self._x and self._n >= 3:
-            slope = (self._xy - self._x * self._y) / var
-            fixed = self._y - slope * self._x
-            if slope >= 0 and fixed >= 0:
-                return PullCost(fixed, slope, self._n)
-            if slope < 0:  # bigger pulls were not slower: all of it is fixed cost
-                return PullCost(max(self._y, 0.0), 0.0, self._n)
-            # fixed < 0: the line through the mean from the origin
-        return PullCost(0.0, max(self._y, 0.0) / self._x, self._n)
+        if self._n < 3 or var <= 1e-6 * self._x * self._x:
+            return PullCost(mean_y, 0.0, self._n)
+        slope = (self._xy - self._x * self._y) / var
+        fixed = self._y - slope * self._x
+        if slope < 0:  # bigger pulls were not slower: all of it is fixed cost
+            return PullCost(mean_y, 0.0, self._n)
+        if fixed < 0:  # the line through the mean from the origin
+            return PullCost(0.0, mean_y / self._x, self._n)
+        return PullCost(fixed, slope, self._n)

@@ -60,13 +60,22 @@ def test_estimator_follows_recent_pulls_and_skips_empty_ones():
     assert fit.fixed_s == pytest.approx(0.031, rel=0.05)
 
 
-def test_estimator_with_one_pull_size_charges_it_per_byte():
+def test_estimator_with_one_pull_size_charges_it_as_fixed_cost():
+    """An undetermined slope must not price bigger pulls out: after one slow pull of 20
+    blocks, a pull of 500 is priced at that same time (and then measured)."""
     est = PullCostEstimator()
-    for _ in range(5):
-        est.add(40 * BLOCK, 0.040)
+    est.add(20 * BLOCK, 0.772)
     fit = est.estimate()
-    assert fit is not None and fit.fixed_s == 0
-    assert fit.seconds(40 * BLOCK) == pytest.approx(0.040)
+    assert fit is not None and (fit.fixed_s, fit.s_per_byte) == (pytest.approx(0.772), 0.0)
+    for _ in range(5):
+        est.add(20 * BLOCK, 0.772)
+    fit = est.estimate()
+    assert (
+        fit is not None and fit.s_per_byte == 0 and fit.seconds(500 * BLOCK) == pytest.approx(0.772)
+    )
+    est.add(500 * BLOCK, 0.772 + 480 * 0.001)  # a big one measured: now the slope shows
+    fit = est.estimate()
+    assert fit is not None and fit.s_per_byte * BLOCK == pytest.approx(0.001, rel=0.01)
 
 
 def test_node_record_carries_the_fit_and_old_records_still_decode():
