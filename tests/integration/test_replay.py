@@ -150,7 +150,11 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
     second = [r for r in rows if r["index"] >= SESSIONS * TURNS and r["index"] % 2]
     assert {r["tenant"] for r in second} == {"tenant-1"}
     assert all(r["ceiling_tokens"] == 624 for r in second)
-    assert sum(r["cached_tokens"] for r in second if r["policy"] == "ours") > 0
+    # Each tenant asks each document once, so any hit on a document request is the
+    # other tenant's store: the workers run the pair concurrently (the trace's 1 s gap
+    # does not pace them), so either ask of a pair may be the one that hits.
+    docs = [r for r in rows if r["index"] >= SESSIONS * TURNS and r["policy"] == "ours"]
+    assert sum(r["cached_tokens"] for r in docs) > 0
     # The replay stopped the cluster it started and removed its state directory.
     assert not _leftover_clusters(replay_tmp)
     for pid, kind in summary["cluster_pids"]:
