@@ -279,7 +279,7 @@ class RouterConfig:
     listen: str = "127.0.0.1:50050"
     etcd_endpoints: str = "127.0.0.1:2379"
     weight_recompute: float = 1.0  # cost of one block nobody holds
-    weight_peer_fetch: float = 0.3  # cost of one block fetched from a peer
+    weight_peer_fetch: float = 1.0  # x the measured time of a peer pull (router/scoring.py)
     weight_load: float = 4.0  # per in-flight request on a node
     weight_utilization: float = 2.0  # per unit of pool utilization
     weight_queue: float = 1.0  # per block of prefill queued on a node (in-flight routes)

@@ -5,6 +5,7 @@ next policy starts with empty pools."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ def start_cluster(
     nvme_fraction: float,
     say,
     tls: bool = False,
+    router_settings: dict[str, str] | None = None,
 ) -> ClusterState:
     """`tls`: mTLS on every port (kvctl cluster up --tls); every client of the replay
-    then presents the state's client pair (ClusterState.client_tls)."""
+    then presents the state's client pair (ClusterState.client_tls). `router_settings`:
+    RouterConfig fields for the router, as its KVSTORE_ROUTER_<FIELD> variables."""
 
     def per_agent(fraction: float, floor: int) -> int:
         want = fraction * ws_bytes / agents
@@ -52,11 +55,20 @@ def start_cluster(
         router_log_level="WARNING",
         tls=tls,
     )
+    env = {f"KVSTORE_ROUTER_{k.upper()}": v for k, v in (router_settings or {}).items()}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the processes `up` spawns inherit the environment
     try:
         return up(state_dir, opts, say=lambda m: say("  " + m))
     except BaseException:
         shutil.rmtree(state_dir, ignore_errors=True)
         raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def describe_cluster(state: ClusterState, owned: bool) -> Cluster:

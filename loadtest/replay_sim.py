@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Union
 from kvstore.cli.analyze import Request, cached_blocks, iter_requests, keyspace_root
 from kvstore.hashing import hash_chain
 from kvstore.namespace import Namespace
-from loadtest.tracegen import TraceConfig, generate
+from loadtest.tracegen import TraceConfig, generate, variant_config
 
 if TYPE_CHECKING:  # importing it pulls in transformers: only calibration needs that
     from loadtest.model import PrefillCalibration
@@ -96,13 +96,16 @@ class TraceRequest:
     public: bool = False  # its namespace is public: shared by every tenant
 
 
-def load_trace(trace: str | None, requests: int | None, seed: int) -> tuple[list[Request], object]:
-    """Validated requests in arrival order (a file, else the reference trace from
+def load_trace(
+    trace: str | None, requests: int | None, seed: int, variant: str = "reference"
+) -> tuple[list[Request], object]:
+    """Validated requests in arrival order (a file, else the trace `variant` of
     loadtest.tracegen), and the same requests again as a source for kvctl's analyze()."""
     if trace:
         source: object = trace
     else:
-        source = list(generate(TraceConfig(requests=requests or TraceConfig().requests, seed=seed)))
+        n = requests or TraceConfig().requests
+        source = list(generate(variant_config(variant, requests=n, seed=seed)))
     reqs = list(iter_requests(source))
     if trace and requests:
         reqs = reqs[:requests]
@@ -185,6 +188,19 @@ def _tiny_llama(max_positions: int):
     from loadtest.model import build_tiny_llama
 
     return build_tiny_llama(0, max_positions=max_positions)
+
+
+def marginal_tokens_per_s(cal: CostModel, reqs: list[Request]) -> float:
+    """What the router should price a recomputed block at (its prefill_tokens_per_s):
+    the measured cost of the prompt's second half at the trace's median prompt length,
+    i.e. what one more cached block saves there (the first tokens also pay the model's
+    per-call overhead, which a cache hit does not save)."""
+    lengths = sorted(len(r.tokens) for r in reqs)
+    m = max(2 * BLOCK, lengths[len(lengths) // 2])
+    s = cal.prefill_seconds(m) - cal.prefill_seconds(m // 2)
+    if s <= 0:  # a flat calibration: price at the whole prompt's throughput
+        s = cal.prefill_seconds(m) * (m - m // 2) / m
+    return (m - m // 2) / s if s > 0 else 1e9
 
 
 def decode_seconds_per_token(ms_per_token: float | None, say, max_len: int = 0) -> float:

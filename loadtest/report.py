@@ -51,6 +51,7 @@ class Outcome:
     prefetch_s: float = 0.0  # Peer.Prefetch of the router's peer blocks
     get_s: float = 0.0  # Get of the cached prefix
     put_s: float = 0.0  # Put of the new blocks (after prefill: not in TTFT)
+    route_rpc_s: float = 0.0  # the harness's Route call (ours; in route_s only with rpc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ PHASES = (
     "nocache_queue",
     "nocache_prefill",
     "nocache_ttft",
+    "route_rpc",
 )
 
 
@@ -136,6 +138,7 @@ def phases_p50(rows: Sequence[Outcome]) -> tuple[tuple[str, float], ...]:
         "nocache_queue": [r.nocache_ttft_s - r.full_prefill_s for r in rows],
         "nocache_prefill": [r.full_prefill_s for r in rows],
         "nocache_ttft": [r.nocache_ttft_s for r in rows],
+        "route_rpc": [r.route_rpc_s for r in rows],
     }
     return tuple((k, percentile(cols[k], 50)) for k in PHASES)
 
@@ -375,6 +378,7 @@ def _phase_rows(stats: dict[str, dict[str, SliceStats]]) -> list[list[str]]:
             [
                 label(policy),
                 fine(p["route"]),
+                fine(p["route_rpc"]) if p["route_rpc"] > 0 else "-",
                 f"{fine(p['prefetch'])} ({s.prefetches:,})",
                 fine(p["get"]),
                 fine(p["transfer"]),
@@ -428,7 +432,9 @@ def render_markdown(
     )
     lines += [
         "",
-        "Per-request phases, p50 in ms: measured route (hashing + Route), peer "
+        "Per-request phases, p50 in ms: measured route (hashing, plus the router's "
+        "decision time or, with --route-charge rpc, the whole Route call), the Route "
+        "call's wall time from the harness (not in TTFT unless --route-charge rpc), peer "
         "prefetch (requests that did one), get and their sum; simulated queue wait, "
         "suffix prefill and TTFT; measured put (after prefill, not in TTFT); and the "
         "no-cache TTFT of the same requests (simulated queue + full prefill):",
@@ -438,6 +444,7 @@ def render_markdown(
         (
             "policy",
             "route",
+            "Route call",
             "prefetch (n)",
             "get",
             "route+prefetch+get",
@@ -629,6 +636,7 @@ def headline(
         out[f"{policy}_token_hit_rate"] = _r(s.token_hit_rate)
         out[f"{policy}_request_hit_rate"] = _r(s.request_hit_rate)
         out[f"{policy}_ttft_p50_ratio"] = _r(s.ttft_p50_ratio)
+        out[f"{policy}_ttft_p99_ratio"] = _r(s.ttft_p99_ratio)
         out[f"{policy}_max_mean_load"] = _r(s.max_mean_load)
     out.update(extra)
     return out

@@ -21,6 +21,18 @@ Namespaces named in ``public_namespaces`` (``--public-namespaces``) are public: 
 lines say ``"public": true`` and their static content is one set shared by every tenant
 (public documents, a common system prompt), so tenants share prefixes there.
 
+Variants (``--variant``) break prefixes the way real deployments do; the default,
+``reference``, is the trace above:
+
+* ``broken-tools`` — an agent app's tools are separate schemas that each session lists
+  in its own order, so sessions of one app share only the system prompt.
+* ``trimmed-chat`` — chats keep a context window (``CHAT_WINDOW`` tokens): once the
+  history outgrows it, the oldest turns after the system prompt are dropped, so each
+  trimmed turn shares only the system prompt with the previous one.
+* ``timestamp-first`` — every prompt starts with the current minute (a few tokens), so
+  requests share prefixes only within a minute.
+* ``oneoff`` — mostly one-off prompts (60% of requests), the rest as in the reference.
+
 Usage: ``python -m loadtest.tracegen --requests 2000 --seed 7 --out trace.jsonl``.
 """
 
@@ -39,6 +51,10 @@ from dataclasses import dataclass
 from typing import TextIO
 
 KINDS = ("agent", "chat", "rag", "oneoff")
+VARIANTS = ("reference", "broken-tools", "trimmed-chat", "timestamp-first", "oneoff")
+CHAT_WINDOW = 2048  # tokens a trimmed chat keeps (system prompt included)
+_TOOLS_PER_APP = (3, 8)  # broken-tools: separate tool schemas per agent app
+_ONEOFF_MIX = {"agent": 0.15, "chat": 0.15, "rag": 0.1, "oneoff": 0.6}
 
 # Nominal requests per session by kind, used to turn the per-request mix into
 # per-session odds and the request rate into a session start rate.
@@ -71,8 +87,13 @@ class TraceConfig:
     public_namespaces: tuple[str, ...] = ()
     docs_per_tenant: int = 200
     zipf_s: float = 1.1
+    variant: str = "reference"  # one of VARIANTS: how prefixes break
 
     def __post_init__(self) -> None:
+        _require(
+            self.variant in VARIANTS,
+            f"unknown variant {self.variant!r}; choose from {', '.join(VARIANTS)}",
+        )
         _require(self.requests >= 0, f"requests must be >= 0, got {self.requests}")
         _require(self.vocab_size >= 16, f"vocab_size must be >= 16, got {self.vocab_size}")
         _require(
@@ -167,11 +188,23 @@ class _Tenant:
 Step = tuple[list[int], int]
 
 
+def _agent_tools(tenant: _Tenant, app: int, rng: random.Random) -> list[int]:
+    """The app's tool schemas: one fixed segment, or (broken-tools) separate schemas in
+    an order of this session's own."""
+    if tenant.cfg.variant != "broken-tools":
+        return tenant.segment(f"agent/{app}/tools", 600, 2500)
+    keyed = random.Random(f"tracegen/{tenant.cfg.seed}/{tenant.name}/agent/{app}/tool-count")
+    count = keyed.randint(*_TOOLS_PER_APP)
+    tools = [tenant.segment(f"agent/{app}/tool/{i}", 100, 400) for i in range(count)]
+    rng.shuffle(tools)
+    return [t for tool in tools for t in tool]
+
+
 def _agent_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
     app = rng.randrange(_AGENT_APPS)
     prompt = (
         tenant.segment(f"agent/{app}/system", 800, 2000)
-        + tenant.segment(f"agent/{app}/tools", 600, 2500)
+        + _agent_tools(tenant, app, rng)
         + _tokens(rng, tenant.vocab, rng.randint(40, 300))
     )
     steps = rng.randint(3, 20)
@@ -189,16 +222,20 @@ def _agent_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
 
 def _chat_session(tenant: _Tenant, rng: random.Random) -> Iterator[Step]:
     persona = rng.randrange(_CHAT_PERSONAS)
-    prompt = tenant.segment(f"chat/{persona}/system", 100, 600) + _tokens(
-        rng, tenant.vocab, rng.randint(10, 200)
-    )
+    system = tenant.segment(f"chat/{persona}/system", 100, 600)
+    turns = [_tokens(rng, tenant.vocab, rng.randint(10, 200))]  # user, answer + user, ...
+    trim = tenant.cfg.variant == "trimmed-chat"
     for _ in range(rng.randint(2, 10)):
+        prompt = system + [t for turn in turns for t in turn]
         answer = _tokens(rng, tenant.vocab, rng.randint(50, 600))
         yield prompt, len(answer)
         question = _tokens(rng, tenant.vocab, rng.randint(10, 200))
         if len(prompt) + len(answer) + len(question) > tenant.cfg.max_prompt_tokens:
             return
-        prompt = prompt + answer + question
+        turns.append(answer + question)
+        # A trimmed chat drops its oldest turns (never the newest) to fit the window.
+        while trim and len(turns) > 1 and len(system) + sum(map(len, turns)) > CHAT_WINDOW:
+            turns.pop(0)
 
 
 def _pick_documents(tenant: _Tenant, rng: random.Random, k: int) -> list[int]:
@@ -287,8 +324,16 @@ def _start_session(
     return _Session(f"{tenant.name}/s{n:06d}", kind, tenant, namespace, rng, public.get(namespace))
 
 
+def _timestamp(cfg: TraceConfig, t: float) -> list[int]:
+    """timestamp-first: the minute of `t` as 8 tokens, the same for every prompt of it."""
+    rng = random.Random(f"tracegen/{cfg.seed}/minute/{int(t // 60)}")
+    return _tokens(rng, range(cfg.vocab_size), 8)
+
+
 def _record(index: int, t: float, session: _Session, step: Step, cfg: TraceConfig) -> dict:
     tokens, output = step
+    if cfg.variant == "timestamp-first":
+        tokens = _timestamp(cfg, t) + tokens
     record = {
         "id": f"r{index:06d}",
         "t": round(t, 6),
@@ -359,6 +404,16 @@ def _parse_mix(text: str) -> dict[str, float]:
     return mix
 
 
+def variant_mix(variant: str) -> dict[str, float]:
+    """The request mix a variant implies ({}: TraceConfig's defaults)."""
+    return dict(_ONEOFF_MIX) if variant == "oneoff" else {}
+
+
+def variant_config(variant: str, **kw) -> TraceConfig:
+    """TraceConfig of a named variant (ValueError naming the choices for another)."""
+    return TraceConfig(variant=variant, **{**variant_mix(variant), **kw})
+
+
 def _build_parser() -> argparse.ArgumentParser:
     defaults = TraceConfig()
     p = argparse.ArgumentParser(
@@ -411,6 +466,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "every tenant (default none)",
     )
     p.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="reference",
+        help="how prefixes break: reference (default), broken-tools (tools in a per-session "
+        "order), trimmed-chat (chats trimmed at the front), timestamp-first (the minute "
+        "first), oneoff (60%% one-off prompts)",
+    )
+    p.add_argument(
         "--mix",
         default=None,
         help="request shares per kind, e.g. agent=0.35,chat=0.3,rag=0.25,oneoff=0.1 "
@@ -423,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; 0 on success, 2 on bad arguments."""
     args = _build_parser().parse_args(argv)
     try:
-        mix = _parse_mix(args.mix) if args.mix is not None else {}
+        mix = _parse_mix(args.mix) if args.mix is not None else variant_mix(args.variant)
         cfg = TraceConfig(
             requests=args.requests,
             seed=args.seed,
@@ -434,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             public_namespaces=tuple(
                 n.strip() for n in args.public_namespaces.split(",") if n.strip()
             ),
+            variant=args.variant,
             **mix,
         )
     except ValueError as exc:

@@ -17,6 +17,7 @@ from kvstore.accounting import TenantAccounts
 from kvstore.auth import TokenTable
 from kvstore.config import AgentConfig
 from kvstore.eviction import make_policy
+from kvstore.pullcost import PullCost
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
@@ -295,6 +296,7 @@ class AgentServer:
             round(1.0 - pool.free_slots / pool.n_slots, 2),
             blocks,
             self.hub.epoch,
+            *_pull_fields(self.peer.pull_cost()),
         )
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -325,3 +327,16 @@ class AgentServer:
 
 async def serve(cfg: AgentConfig, ready_file: str | None = None) -> None:
     await run_until_signalled(AgentServer(cfg), ready_file)
+
+
+def _pull_fields(cost: PullCost | None) -> tuple[float, float, int]:
+    """(pull_fixed_ms, pull_ms_per_mib, pull_samples) for the node record, to 3
+    significant digits: the record is rewritten in etcd only when it changes, so the
+    noise of every pull must not rewrite it on every heartbeat."""
+    if cost is None:
+        return 0.0, 0.0, 0
+    return (
+        float(f"{cost.fixed_s * 1e3:.3g}"),
+        float(f"{cost.s_per_byte * 1e3 * (1 << 20):.3g}"),
+        cost.samples,
+    )

@@ -20,7 +20,17 @@ from kvstore import errors
 from kvstore.hashing import BLOCK_ID_BYTES, hash_chain_packed
 from router.engines import EngineBoard, EngineDecision
 from router.index import BlockIndex
-from router.scoring import NodeLoad, Pricing, Score, Weights, load_cost, score_nodes, score_ranked
+from router.scoring import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_BLOCK_TOKENS,
+    NodeLoad,
+    Pricing,
+    Score,
+    Weights,
+    load_cost,
+    score_nodes,
+    score_ranked,
+)
 
 MAX_CANDIDATES = 4  # candidates returned per decision: the chosen node and 3 fallbacks
 
@@ -185,6 +195,7 @@ class Decision(NamedTuple):
     request_id: str
     total_blocks: int
     scores: list[Score]  # cheapest first
+    pricing: Pricing | None = None  # the prices the costs were counted in
 
     @property
     def chosen(self) -> Score:
@@ -216,7 +227,10 @@ class RouterCore:
         self.board = LoadBoard(weights)
         self.inflight = InFlight(inflight_timeout_s, clock, self._touch)
         self.killswitch = False
+        self._prefill_tokens_per_s, self._peer_gbps = prefill_tokens_per_s, peer_gbps
+        self._pull: tuple[float, float] | None = None  # (fixed s, s per byte), measured
         self._default_pricing = Pricing(prefill_tokens_per_s, peer_gbps)
+        self._layouts: dict[bytes, tuple[int, int]] = {}  # ns -> (block bytes, tokens)
         self._pricing: dict[bytes, Pricing] = {}
         self._generations: dict[bytes, int] = {}
         # Serving engines and their own caches (router/engine_feed.py feeds them).
@@ -257,9 +271,12 @@ class RouterCore:
         if st is None:
             self.nodes[record.node_id] = NodeState(record)
             self.index.add_node(record.node_id)
+            self._measure_pulls()
             return True
         moved = st.record.address != record.address
-        st.record = record
+        old, st.record = st.record, record
+        if _pull_of(old) != _pull_of(record):
+            self._measure_pulls()
         if moved:
             st.synced = False
         self._touch(record.node_id)
@@ -270,6 +287,7 @@ class RouterCore:
             self.board.remove(node_id)
             n = self.index.drop_node(node_id)
             self.inflight.forget_node(node_id)
+            self._measure_pulls()
             log.info("node %s left; dropped %d index entries", node_id, n)
 
     def begin_snapshot(self, node_id: str, epoch: str) -> None:
@@ -297,12 +315,45 @@ class RouterCore:
             self._touch(node_id)
 
     def set_namespace_layout(self, ns_id: bytes, block_bytes: int, block_tokens: int) -> None:
-        p = self._default_pricing
-        self._pricing[ns_id] = Pricing(
-            p.prefill_tokens_per_s, p.peer_gbps, block_bytes, block_tokens
+        self._layouts[ns_id] = (block_bytes, block_tokens)
+        self._pricing[ns_id] = self._priced(block_bytes, block_tokens)
+
+    def _priced(self, block_bytes: int, block_tokens: int) -> Pricing:
+        fixed, per_byte = self._pull if self._pull is not None else (0.0, None)
+        return Pricing(
+            self._prefill_tokens_per_s,
+            self._peer_gbps,
+            block_bytes,
+            block_tokens,
+            fixed,
+            per_byte,
         )
 
+    def _measure_pulls(self) -> None:
+        """The pull cost every price uses: the mean of the agents' measured fits
+        (NodeRecord.pull_*), over the agents that have pulled. One figure for the
+        cluster, not one per node: nodes that hold none of a prompt must keep the same
+        peer term for score_ranked's order to hold (router/scoring.py)."""
+        fits = [_pull_of(st.record) for st in self.nodes.values() if st.record.pull_samples]
+        pull = (
+            (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
+            if fits
+            else None
+        )
+        if pull == self._pull:
+            return
+        self._pull = pull
+        self._default_pricing = self._priced(DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_TOKENS)
+        self._pricing = {ns: self._priced(*lay) for ns, lay in self._layouts.items()}
+
+    @property
+    def pull_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per byte) of a peer pull as the agents measured it;
+        None until one has pulled."""
+        return self._pull
+
     def forget_namespace(self, ns_id: bytes) -> None:
+        self._layouts.pop(ns_id, None)
         self._pricing.pop(ns_id, None)
         self._generations.pop(ns_id, None)
 
@@ -370,13 +421,13 @@ class RouterCore:
         # Unguessable (ids are capabilities within a tenant), ~1us on the hot path.
         rid = request_id or secrets.token_hex(16)
         if not dry_run:
-            c = scores[0]  # the prefill it queues there: recompute, plus peer copies
+            c = scores[0]  # the work it queues there: recompute, plus the pull
             self.inflight.add(
-                rid, c.node_id, c.recompute_blocks + c.peer_blocks * pricing.peer_price, tenant
+                rid, c.node_id, c.recompute_blocks + pricing.pull_blocks(c.peer_blocks), tenant
             )
         if log.isEnabledFor(logging.DEBUG):
-            _log_decision(rid, namespace_id, total, scores)
-        return _new(Decision, (rid, total, scores))
+            _log_decision(rid, namespace_id, total, scores, pricing)
+        return _new(Decision, (rid, total, scores, pricing))
 
     def route_tokens(
         self,
@@ -435,16 +486,28 @@ class RouterCore:
         return self.inflight.release(request_id, tenant)
 
 
-def _log_decision(rid: str, namespace_id: bytes, total: int, scores: list[Score]) -> None:
-    """Block counts and cost terms only: never tokens."""
+def _pull_of(r: NodeRecord) -> tuple[float, float]:
+    """A node record's measured pull cost: (fixed seconds, seconds per byte)."""
+    return r.pull_fixed_ms / 1e3, r.pull_ms_per_mib / 1e3 / (1 << 20)
+
+
+def _log_decision(
+    rid: str, namespace_id: bytes, total: int, scores: list[Score], pricing: Pricing
+) -> None:
+    """Block counts and cost terms only: never tokens. Costs are in blocks recomputed
+    (recompute_ms each); a pull costs pull_fixed + peer_price per block."""
     c = scores[0]
     log.debug(
-        "route %s ns=%s blocks=%d -> %s local=%d peer=%d(%s) recompute=%d "
+        "route %s ns=%s blocks=%d recompute_ms=%.3f pull_fixed=%.2f peer_price=%.3f "
+        "-> %s local=%d peer=%d(%s) recompute=%d "
         "in_flight=%d queued=%.1f util=%.2f cost=%.3f [recompute=%.3f peer=%.3f "
         "space=%.3f load=%.3f util=%.3f] runner_up=%s",
         rid,
         namespace_id.hex()[:12],
         total,
+        pricing.recompute_s * 1e3,
+        pricing.pull_fixed,
+        pricing.peer_price,
         c.node_id,
         c.local_blocks,
         c.peer_blocks,

@@ -1,29 +1,32 @@
 """Routing cost: a pure function over a snapshot (prefix lengths per node, load per node),
 weights from RouterConfig with a per-request override. Lower cost wins; ties go to the
 smaller node id so every router replica with the same snapshot picks the same node.
-Costs are in units of one block recomputed:
+Costs are in units of one block recomputed (Pricing.recompute_s seconds), so every term
+is a time on the chosen node:
 
     cost(n) = w_recompute x blocks n must recompute
-            + w_peer x peer_price x blocks n can fetch from a peer
-            + w_peer x DUPLICATE_PRICE x blocks n would duplicate
+            + w_peer x (pull_fixed + peer_price x blocks n fetches from a peer)
+            + DUPLICATE_PRICE x blocks n would duplicate
             + w_load x requests in flight on n (as assigned by this router)
             + w_queue x prefill work queued on n (blocks, of those requests)
             + w_util x n's pool utilization (0..1, reported by the agent)
 
 Peer blocks are the blocks past n's own prefix that the node with the longest prefix
-(other than n) holds. They count only when moving one is cheaper than recomputing it:
-peer_price = transfer time / recompute time of one block, from block bytes, peer
-bandwidth and prefill speed, and it must be < 1; otherwise those blocks are recomputed.
+(other than n) holds. A pull costs what the agents measured (kvstore/pullcost.py: a fixed
+part per Prefetch call, pull_fixed, plus peer_price per block; both / recompute_s), and it
+is made only when it is cheaper than recomputing the same blocks:
+w_peer x (pull_fixed + peer_price x k) < w_recompute x k. Otherwise those blocks are
+recomputed. Before any agent has measured a pull, peer_price comes from block bytes and
+the configured peer bandwidth and pull_fixed is 0.
 
 Duplicates are those same blocks again: fetched or recomputed, n stores a second copy of
 blocks another node already holds, and in a full pool (the steady state of a cache) each
-copy evicts a block that may be wanted later (DUPLICATE_PRICE recomputes each). Without this term
-an idle node always takes a hot prefix from a busy holder (a copy costs ~1% of
-recomputing at 8 KiB blocks), hot prefixes end up on every node and the copies push the
+copy evicts a block that may be wanted later. Without this term an idle node always takes
+a hot prefix from a busy holder, hot prefixes end up on every node and the copies push the
 rest of the working set out. It is the same for every node that holds none of the prompt,
 so those still rank by load alone (score_ranked).
 
-Queued work is the recompute blocks (plus peer blocks at peer_price) of the requests in
+Queued work is the recompute blocks (plus the pull, priced as above) of the requests in
 flight on n: a request waits behind that prefill, so one queued block weighs what one
 block recomputed here does (w_queue 1). The per-request term covers what does not scale
 with prompt length (scheduling, decode).
@@ -31,6 +34,7 @@ with prompt length (scheduling, decode).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
@@ -42,16 +46,18 @@ DEFAULT_BLOCK_BYTES = 2 << 20
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_QUEUE_WEIGHT = 1.0  # RouterConfig.weight_queue's default
 # What a block pushed out of a full pool costs later, in recomputes: it moves to the NVMe
-# tier or, that full too, is dropped. Half, from the reference replay (loadtest.replay):
-# at 1 the busiest node got 1.32 x the mean requests (hit rate 0.99 x the ceiling), at
-# 0.5 1.26 x (0.975 x); lower spreads hot prefixes further, over a slow peer path.
-DUPLICATE_PRICE = 0.5
+# tier (a read instead of a recompute when wanted again) or, that full too, is dropped.
+# Not measured: a judgement that most evicted blocks come back from NVMe. It is the value
+# the router charged before pulls were priced by measurement (0.5 x the old default
+# peer_fetch weight 0.3), kept so that this change moves only the transfer price.
+DUPLICATE_PRICE = 0.15
 
 
 @dataclass(frozen=True, slots=True)
 class Weights:
     recompute: float = 1.0
-    peer_fetch: float = 0.3
+    # 1: a pull is priced at its measured time, no discount (kvstore/pullcost.py).
+    peer_fetch: float = 1.0
     load: float = 4.0
     utilization: float = 2.0
     queue: float = DEFAULT_QUEUE_WEIGHT  # per block of prefill queued on the node
@@ -98,22 +104,44 @@ class Weights:
 
 @dataclass(frozen=True, slots=True)
 class Pricing:
+    """What recomputing and pulling blocks takes. `peer_fixed_s` and `peer_s_per_byte`
+    are the agents' measured pull cost (kvstore/pullcost.py); `peer_s_per_byte` None:
+    none measured yet, a block moves at `peer_gbps`."""
+
     prefill_tokens_per_s: float = 8000.0
     peer_gbps: float = 1.0
     block_bytes: int = DEFAULT_BLOCK_BYTES
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    # Time to fetch one block from a peer / time to recompute it. Computed once: every
-    # route reads it twice.
+    peer_fixed_s: float = 0.0  # per Prefetch call, whatever its size
+    peer_s_per_byte: float | None = None
+    # Derived once (every route reads them): seconds to recompute one block, the unit
+    # every cost is counted in; one more block pulled / one recomputed; one pull's fixed
+    # part in blocks recomputed.
+    recompute_s: float = field(init=False, repr=False, compare=False)
     peer_price: float = field(init=False, repr=False, compare=False)
+    pull_fixed: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
         if self.block_bytes <= 0 or self.block_tokens <= 0:
             raise ValueError("block_bytes and block_tokens must be > 0")
-        transfer_s = self.block_bytes * 8 / (self.peer_gbps * 1e9)
+        for name in ("peer_fixed_s", "peer_s_per_byte"):
+            v = getattr(self, name)
+            if v is not None and not (v >= 0 and v != float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         recompute_s = self.block_tokens / self.prefill_tokens_per_s
+        if self.peer_s_per_byte is not None:
+            transfer_s = self.block_bytes * self.peer_s_per_byte
+        else:
+            transfer_s = self.block_bytes * 8 / (self.peer_gbps * 1e9)
+        object.__setattr__(self, "recompute_s", recompute_s)
         object.__setattr__(self, "peer_price", transfer_s / recompute_s)
+        object.__setattr__(self, "pull_fixed", self.peer_fixed_s / recompute_s)
+
+    def pull_blocks(self, n: int) -> float:
+        """A pull of `n` blocks, in blocks recomputed (0 for none)."""
+        return self.pull_fixed + self.peer_price * n if n > 0 else 0.0
 
 
 class NodeLoad(NamedTuple):
@@ -198,13 +226,19 @@ def score_ranked(
     )
     best = (-held[0][0], held[0][1]) if held else (0, "")
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
-    price = pricing.peer_price
-    peer_ok = price < 1.0
+    price, fixed = pricing.peer_price, pricing.pull_fixed
+    w_pull, w_rc = weights.peer_fetch, weights.recompute
+    # Pulling k blocks beats recomputing them when w_pull (fixed + price k) < w_rc k,
+    # i.e. k > min_pull (never when a block pulled costs a recompute or more).
+    gain = w_rc - w_pull * price
+    min_pull = w_pull * fixed / gain if gain > 0 else math.inf
+
     args = (
         total_blocks,
-        weights.recompute,
-        weights.peer_fetch * price,
-        weights.peer_fetch * DUPLICATE_PRICE,
+        w_rc,
+        w_pull * price,
+        w_pull * fixed,
+        DUPLICATE_PRICE,
         weights.load,
         weights.queue,
         weights.utilization,
@@ -214,9 +248,10 @@ def score_ranked(
         plen, pnode = second if node_id == best[1] else best
         own = -neg
         dup = plen - own if plen > own else 0
-        pb = dup if peer_ok else 0
+        pb = dup if dup > min_pull else 0
         out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, *args))
-    out.extend(_others(ranked, local, limit, best, peer_ok, *args))
+    pb0 = best[0] if best[0] > min_pull else 0
+    out.extend(_others(ranked, local, limit, best, pb0, *args))
     out.sort(key=_ORDER)
     return out[:limit]
 
@@ -226,10 +261,11 @@ def _others(
     local: Mapping[str, int],
     limit: int,
     best: tuple[int, str],
-    peer_ok: bool,
+    pb0: int,
     total: int,
     w_recompute: float,
     w_peer_priced: float,
+    w_pull_fixed: float,
     w_space: float,
     w_load: float,
     w_queue: float,
@@ -237,10 +273,9 @@ def _others(
 ) -> list[Score]:
     """The first `limit` nodes of `ranked` holding none of the prompt, scored: `_row`
     unrolled, since their prompt terms are the same (this runs on every route)."""
-    pb0 = best[0] if peer_ok else 0
     pnode0 = best[1] if pb0 else ""
     rc = w_recompute * (total - pb0)
-    pc = w_peer_priced * pb0
+    pc = w_pull_fixed + w_peer_priced * pb0 if pb0 else 0.0
     sc = w_space * best[0]
     base = rc + pc + sc  # summed in _row's order: the same float
     rows: list[Score] = []
@@ -284,13 +319,14 @@ def _row(
     total: int,
     w_recompute: float,
     w_peer_priced: float,
+    w_pull_fixed: float,
     w_space: float,
     w_load: float,
     w_queue: float,
     w_util: float,
 ) -> Score:
     rc = w_recompute * (total - own - peer_blocks)
-    pc = w_peer_priced * peer_blocks
+    pc = w_pull_fixed + w_peer_priced * peer_blocks if peer_blocks else 0.0
     sc = w_space * dup
     lc = w_load * n.in_flight + w_queue * n.queued
     uc = w_util * n.utilization

@@ -5,6 +5,7 @@ router/access.py said the caller may make them."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -48,9 +49,16 @@ def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
                 in_flight=s.in_flight,
                 utilization=s.utilization,
                 cost=s.cost,
+                recompute_cost=s.recompute_cost,
+                peer_cost=s.peer_cost,
+                space_cost=s.space_cost,
+                load_cost=s.load_cost,
+                utilization_cost=s.utilization_cost,
+                queued_blocks=s.queued,
             )
         )
     c = cands[0]
+    p = d.pricing
     peer = core.nodes.get(c.peer_node_id) if c.peer_node_id else None
     return router_pb2.RouteResponse(
         node_id=c.node_id,
@@ -61,6 +69,9 @@ def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
         peer_hint=c.peer_node_id,
         peer_address=peer.record.address if peer else "",
         peer_transfer_address=peer.record.peer_address if peer else "",
+        recompute_ms=p.recompute_s * 1e3 if p else 0.0,
+        pull_fixed_ms=p.peer_fixed_s * 1e3 if p else 0.0,
+        pull_ms_per_block=p.peer_price * p.recompute_s * 1e3 if p else 0.0,
     )
 
 
@@ -85,6 +96,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 weights = self.core.weights.override(
                     w.recompute, w.peer_fetch, w.load, w.utilization, w.queue
                 )
+            t0 = time.perf_counter()
             d = self.core.route(
                 request.namespace_id,
                 request.block_ids,
@@ -101,7 +113,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
             await context.abort(code, str(exc))
-        return decision_to_proto(d, self.core)
+        resp = decision_to_proto(d, self.core)
+        resp.decide_us = (time.perf_counter() - t0) * 1e6
+        return resp
 
     async def Release(self, request, context):
         # Another tenant's id is one this tenant never routed: the same empty answer as an

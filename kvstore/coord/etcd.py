@@ -118,6 +118,12 @@ class NodeRecord:
     utilization: float = 0.0  # device pool occupancy 0..1
     blocks: int = 0  # blocks held, every tier
     epoch: str = ""  # changes when the agent process restarts
+    # Measured cost of this agent's peer pulls (kvstore/pullcost.py): seconds = fixed +
+    # bytes x per byte, fitted over `pull_samples` pulls (0: none yet, use the router's
+    # configured peer_gbps).
+    pull_fixed_ms: float = 0.0
+    pull_ms_per_mib: float = 0.0
+    pull_samples: int = 0
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -130,6 +136,10 @@ class NodeRecord:
             and 0.0 <= self.utilization <= 1.0
         ):
             raise ValueError(f"node {self.node_id}: utilization must be in [0, 1]")
+        for name in ("pull_fixed_ms", "pull_ms_per_mib", "pull_samples"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"node {self.node_id}: {name} must be a finite number >= 0")
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

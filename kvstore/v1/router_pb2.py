@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore.v1 import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/router.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"g\n\x0cRouteWeights\x12\x11\n\trecompute\x18\x01 \x01(\x01\x12\x12\n\npeer_fetch\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x01\"\xc0\x01\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12)\n\x07weights\x18\x04 \x01(\x0b\x32\x18.kvstore.v1.RouteWeights\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"\xbe\x01\n\tCandidate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpeer_node_id\x18\x05 \x01(\t\x12\x18\n\x10recompute_blocks\x18\x06 \x01(\r\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x0c\n\x04\x63ost\x18\t \x01(\x01\"\xd0\x01\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.Candidate\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tpeer_hint\x18\x06 \x01(\t\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x1d\n\x15peer_transfer_address\x18\x08 \x01(\t\":\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_done\x18\x02 \x01(\x08\"\x11\n\x0fReleaseResponse\"\x12\n\x10ListNodesRequest\"\xb3\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12hbm_capacity_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\x0e\n\x06synced\x18\x08 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo2\xd4\x01\n\x06Router\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/router.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"g\n\x0cRouteWeights\x12\x11\n\trecompute\x18\x01 \x01(\x01\x12\x12\n\npeer_fetch\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x01\"\xc0\x01\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12)\n\x07weights\x18\x04 \x01(\x0b\x32\x18.kvstore.v1.RouteWeights\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x06 \x01(\x08\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"\xc1\x02\n\tCandidate\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpeer_node_id\x18\x05 \x01(\t\x12\x18\n\x10recompute_blocks\x18\x06 \x01(\r\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x0c\n\x04\x63ost\x18\t \x01(\x01\x12\x16\n\x0erecompute_cost\x18\n \x01(\x01\x12\x11\n\tpeer_cost\x18\x0b \x01(\x01\x12\x12\n\nspace_cost\x18\x0c \x01(\x01\x12\x11\n\tload_cost\x18\r \x01(\x01\x12\x18\n\x10utilization_cost\x18\x0e \x01(\x01\x12\x15\n\rqueued_blocks\x18\x0f \x01(\x01\"\xab\x02\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.Candidate\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tpeer_hint\x18\x06 \x01(\t\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x1d\n\x15peer_transfer_address\x18\x08 \x01(\t\x12\x14\n\x0crecompute_ms\x18\t \x01(\x01\x12\x15\n\rpull_fixed_ms\x18\n \x01(\x01\x12\x19\n\x11pull_ms_per_block\x18\x0b \x01(\x01\x12\x11\n\tdecide_us\x18\x0c \x01(\x01\":\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cprefill_done\x18\x02 \x01(\x08\"\x11\n\x0fReleaseResponse\"\x12\n\x10ListNodesRequest\"\xb3\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12hbm_capacity_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13nvme_capacity_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x07 \x01(\x04\x12\x0e\n\x06synced\x18\x08 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo2\xd4\x01\n\x06Router\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST']._serialized_start=170
   _globals['_ROUTEREQUEST']._serialized_end=362
   _globals['_CANDIDATE']._serialized_start=365
-  _globals['_CANDIDATE']._serialized_end=555
-  _globals['_ROUTERESPONSE']._serialized_start=558
-  _globals['_ROUTERESPONSE']._serialized_end=766
-  _globals['_RELEASEREQUEST']._serialized_start=768
-  _globals['_RELEASEREQUEST']._serialized_end=826
-  _globals['_RELEASERESPONSE']._serialized_start=828
-  _globals['_RELEASERESPONSE']._serialized_end=845
-  _globals['_LISTNODESREQUEST']._serialized_start=847
-  _globals['_LISTNODESREQUEST']._serialized_end=865
-  _globals['_NODEINFO']._serialized_start=868
-  _globals['_NODEINFO']._serialized_end=1047
-  _globals['_LISTNODESRESPONSE']._serialized_start=1049
-  _globals['_LISTNODESRESPONSE']._serialized_end=1105
-  _globals['_ROUTER']._serialized_start=1108
-  _globals['_ROUTER']._serialized_end=1320
+  _globals['_CANDIDATE']._serialized_end=686
+  _globals['_ROUTERESPONSE']._serialized_start=689
+  _globals['_ROUTERESPONSE']._serialized_end=988
+  _globals['_RELEASEREQUEST']._serialized_start=990
+  _globals['_RELEASEREQUEST']._serialized_end=1048
+  _globals['_RELEASERESPONSE']._serialized_start=1050
+  _globals['_RELEASERESPONSE']._serialized_end=1067
+  _globals['_LISTNODESREQUEST']._serialized_start=1069
+  _globals['_LISTNODESREQUEST']._serialized_end=1087
+  _globals['_NODEINFO']._serialized_start=1090
+  _globals['_NODEINFO']._serialized_end=1269
+  _globals['_LISTNODESRESPONSE']._serialized_start=1271
+  _globals['_LISTNODESRESPONSE']._serialized_end=1327
+  _globals['_ROUTER']._serialized_start=1330
+  _globals['_ROUTER']._serialized_end=1542
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class RouteRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., generation: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., weights: _Optional[_Union[RouteWeights, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("node_id", "address", "local_blocks", "peer_blocks", "peer_node_id", "recompute_blocks", "in_flight", "utilization", "cost")
+    __slots__ = ("node_id", "address", "local_blocks", "peer_blocks", "peer_node_id", "recompute_blocks", "in_flight", "utilization", "cost", "recompute_cost", "peer_cost", "space_cost", "load_cost", "utilization_cost", "queued_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,12 @@ class Candidate(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_COST_FIELD_NUMBER: _ClassVar[int]
+    PEER_COST_FIELD_NUMBER: _ClassVar[int]
+    SPACE_COST_FIELD_NUMBER: _ClassVar[int]
+    LOAD_COST_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_COST_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     local_blocks: int
@@ -59,10 +65,16 @@ class Candidate(_message.Message):
     in_flight: int
     utilization: float
     cost: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., local_blocks: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., recompute_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
+    recompute_cost: float
+    peer_cost: float
+    space_cost: float
+    load_cost: float
+    utilization_cost: float
+    queued_blocks: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., local_blocks: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., recompute_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., utilization: _Optional[float] = ..., cost: _Optional[float] = ..., recompute_cost: _Optional[float] = ..., peer_cost: _Optional[float] = ..., space_cost: _Optional[float] = ..., load_cost: _Optional[float] = ..., utilization_cost: _Optional[float] = ..., queued_blocks: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("node_id", "address", "matched_blocks", "candidates", "request_id", "peer_hint", "peer_address", "peer_transfer_address")
+    __slots__ = ("node_id", "address", "matched_blocks", "candidates", "request_id", "peer_hint", "peer_address", "peer_transfer_address", "recompute_ms", "pull_fixed_ms", "pull_ms_per_block", "decide_us")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +83,10 @@ class RouteResponse(_message.Message):
     PEER_HINT_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    PULL_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DECIDE_US_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     matched_blocks: int
@@ -79,7 +95,11 @@ class RouteResponse(_message.Message):
     peer_hint: str
     peer_address: str
     peer_transfer_address: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., request_id: _Optional[str] = ..., peer_hint: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_transfer_address: _Optional[str] = ...) -> None: ...
+    recompute_ms: float
+    pull_fixed_ms: float
+    pull_ms_per_block: float
+    decide_us: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., request_id: _Optional[str] = ..., peer_hint: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_transfer_address: _Optional[str] = ..., recompute_ms: _Optional[float] = ..., pull_fixed_ms: _Optional[float] = ..., pull_ms_per_block: _Optional[float] = ..., decide_us: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "prefill_done")

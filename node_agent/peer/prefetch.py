@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvstore import errors
 from kvstore.config import PeerConfig
 from kvstore.hashing import pack_ids
+from kvstore.pullcost import PullCostEstimator
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import agent_pb2, peer_pb2
 from kvstore.wire import namespace_to_proto
@@ -71,6 +72,8 @@ class Prefetcher:
         self._published = published  # ship the store's pending events (event loop)
         self._credential = credential or PeerCredential("")  # which token a pull presents
         self._claims = Claims()
+        # What pulls cost here, measured (published in the node record for the router).
+        self.pull_cost = PullCostEstimator()
         # Concurrent transfers pulled, all transports together: each holds staging sets.
         self._slots = asyncio.Semaphore(pcfg.max_transfers)
 
@@ -95,8 +98,11 @@ class Prefetcher:
             budget = min(budget, time_left)
         peer = PeerRef(req.peer_address, req.peer_ucx_address)
         auth = self._credential.for_pull(peer, authorization)
-        job = FetchJob(st, gen, ids, req.parent_id, peer, time.monotonic() + budget, auth)
+        t0 = time.monotonic()
+        job = FetchJob(st, gen, ids, req.parent_id, peer, t0 + budget, auth)
         await self._run(job)
+        if job.fetched:  # a call that only found or waited for blocks is no pull
+            self.pull_cost.add(job.fetched * st.spec.block_bytes, time.monotonic() - t0)
         present = present_prefix(self._store, st.ns_id, gen, ids, req.parent_id)
         stopped = "" if present == len(ids) else (job.stopped or "blocks left after fetch")
         if stopped:

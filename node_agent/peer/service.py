@@ -12,6 +12,7 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.credential import PeerCredential, read_token
 from node_agent.peer.grpc_transport import GrpcTransport, PeerServicer
 from node_agent.peer.prefetch import Prefetcher
+from kvstore.pullcost import PullCost
 from node_agent.peer.requests import PeerRequests
 from node_agent.peer.serve import BlockSource
 from node_agent.peer.staging import StagingPool
@@ -52,7 +53,7 @@ class PeerTransfer:
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
         self._credential = PeerCredential(read_token(cfg.agent_token_file))
         self._etcd_endpoints = cfg.etcd_endpoints
-        prefetcher = Prefetcher(
+        self._prefetcher = prefetcher = Prefetcher(
             store,
             self._requests,
             staging,
@@ -66,6 +67,10 @@ class PeerTransfer:
         # verifies in place in host memory.
         borrow = pcfg.in_place and store.supports_in_place and not store.pool.is_cuda
         self.servicer = PeerServicer(source, prefetcher, cfg.max_message_bytes, borrow)
+
+    def pull_cost(self) -> PullCost | None:
+        """The fitted cost of this agent's pulls so far (kvstore/pullcost.py)."""
+        return self._prefetcher.pull_cost.estimate()
 
     @property
     def peer_address(self) -> str:

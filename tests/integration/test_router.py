@@ -124,6 +124,14 @@ def test_routing_decisions_over_grpc(etcd, spawn_agent, start_router):
     busy = slow.route(NS_ID, prompt, dry_run=True)
     assert {c.node_id: c.in_flight for c in busy.candidates}["agent-2"] == 2
     assert {c.node_id: c.cost for c in busy.candidates}["agent-2"] == pytest.approx(23)
+    # The answer explains itself: terms that add up to each cost, in blocks recomputed,
+    # and the prices (no pull measured yet: nothing fixed per pull).
+    for c in busy.candidates:
+        terms = c.recompute_cost + c.peer_cost + c.space_cost + c.load_cost + c.utilization_cost
+        assert c.cost == pytest.approx(terms)
+    holder = {c.node_id: c for c in busy.candidates}["agent-2"]
+    assert (holder.recompute_cost, holder.load_cost, holder.queued_blocks) == (5, 18, 10)
+    assert busy.recompute_ms > 0 and busy.pull_fixed_ms == 0 and busy.decide_us > 0
     light = slow.route(NS_ID, prompt, dry_run=True, weights=router_pb2.RouteWeights(load=0.5))
     assert light.node_id == "agent-2"  # per-request weights override the config
     # Their prefill done, p0 and p1 decode on: agent-2 still counts them, not their work.
@@ -204,6 +212,17 @@ def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
         )
         cc.release(hit)
     router.release("busy")
+    # agent-0 timed that pull and published the fit in its node record; the router now
+    # prices pulls with it instead of peer_gbps (kvstore/pullcost.py).
+    bandwidth_ms = 8 * 1e3 * SPEC.block_bytes / 100e9  # what 100 Gbps prices a block at
+
+    def measured():
+        r = router.route(NS_ID, prompt, dry_run=True)
+        return r.pull_ms_per_block != pytest.approx(bandwidth_ms) and r
+
+    r = wait_for(measured, 20, what="the measured pull cost through etcd")
+    # One pull of 10 blocks: its whole time counts as fixed (no slope from one size).
+    assert r.pull_fixed_ms > 0 and r.pull_ms_per_block == 0
 
 
 def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start_router):
