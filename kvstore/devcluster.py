@@ -288,8 +288,9 @@ class UpOptions:
         if not 0 <= self.engines <= 8:
             raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
         if self.tls and self.engines:
-            # The vLLM connector takes no TLS files on main yet (docs/tls.md); the gateway
-            # does (HTTPS from the router's files: gateway_tokenizers with tls is fine).
+            # The connector and vllm_serve take TLS files and the gateway serves HTTPS, but
+            # the dev engines are not started with them yet (vLLM's --ssl-* flags, the
+            # registrar's health check against the CA): gateway_tokenizers with tls is fine.
             raise ValueError("--tls cannot be combined with --engines yet; use --engines 0")
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
