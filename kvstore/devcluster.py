@@ -7,9 +7,11 @@ Everything lives under a state directory::
     etcd/  etcd.log       etcd data (fresh on every `up`) and log
     agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
     router/               router.log
+    model/, engine-<i>/   with --engines: the tiny model; each engine's engine.log
     tls/                  with --tls: a throwaway CA (ca.crt), the processes' pair
-                          (server.crt/.key) and a client pair for kvctl and tests
-                          (client.crt/.key); kvstore/tls_ca.py
+                          (server.crt/.key; the engines serve HTTPS with it) and a
+                          client pair for kvctl, tests and the engines' connectors and
+                          registrars (client.crt/.key); kvstore/tls_ca.py
 
 `up` starts the processes in their own sessions (a Ctrl-C in the shell does not reach
 them), waits until each answers gRPC health and the router has every agent in sync, and
@@ -221,9 +223,19 @@ def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: TLSConfig | None = No
         return False
 
 
-def _http_ok(url: str) -> bool:
+def _client_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
+    """For the gateway and the engines over HTTPS: the CA, presenting the client pair
+    (engines require one)."""
+    if tls is None:
+        return None
+    ctx = ssl.create_default_context(cafile=tls.ca_file)
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
+def _http_ok(url: str, tls: TLSConfig | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
+        with urllib.request.urlopen(url, timeout=1.0, context=_client_context(tls)) as r:
             return r.status == 200
     except OSError:
         return False
@@ -287,11 +299,9 @@ class UpOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.engines <= 8:
             raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
-        if self.tls and self.engines:
-            # The connector and vllm_serve take TLS files and the gateway serves HTTPS, but
-            # the dev engines are not started with them yet (vLLM's --ssl-* flags, the
-            # registrar's health check against the CA): gateway_tokenizers with tls is fine.
-            raise ValueError("--tls cannot be combined with --engines yet; use --engines 0")
+        # tls with engines: each engine serves HTTPS requiring the CA's certificates, its
+        # connector and registrar present the client pair (EngineLaunch.tls_dir), and
+        # its KV event ports stay on loopback (ZMQ has no TLS in vLLM; docs/tls.md).
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
         if self.lease_ttl_s < 2:
@@ -458,24 +468,26 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
     return proc, ready, log
 
 
-def _gateway_engines(url: str) -> int:
+def _gateway_engines(url: str, tls: TLSConfig | None) -> int:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        with urllib.request.urlopen(url + "/health", timeout=2, context=_client_context(tls)) as r:
             return int(json.loads(r.read())["engines"])
     except (OSError, ValueError, KeyError):
         return -1
 
 
-def _start_engines(state, opts, etcd, agents, gw_url, say, started) -> list[Proc]:
+def _start_engines(state, opts, etcd, agents, gw_url, say, started, client) -> list[Proc]:
     """vLLM engines on the agents in turn, registered in etcd; waits until the gateway
     has every one."""
     procs, watch = [], []
+    tls_dir = str(state / "tls") if opts.tls else ""
     for i in range(opts.engines):
         d = state / f"engine-{i}"
         launch = EngineLaunch(
             f"engine-{i}", free_port(), str(state / "model"), MODEL_NAME, agents[i % len(agents)],
             f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
             str(d), ttl_s=opts.lease_ttl_s, kv_events_ports=(free_port(), free_port()),
+            events_host="127.0.0.1" if opts.tls else "*", tls_dir=tls_dir,
         )  # fmt: skip
         proc = start_engine(launch, new_session=True)
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))
@@ -484,7 +496,7 @@ def _start_engines(state, opts, etcd, agents, gw_url, say, started) -> list[Proc
         watch.append((proc, d / "engine.log"))
     if procs:
         say(f"starting {len(procs)} vLLM CPU engines (about 30 s each here)")
-        _wait(lambda: _gateway_engines(gw_url) == len(procs), opts.engine_timeout_s,
+        _wait(lambda: _gateway_engines(gw_url, client) == len(procs), opts.engine_timeout_s,
               "every engine to register with the gateway", watch)  # fmt: skip
         say(f"gateway   {gw_url} (API keys in {state / 'router' / 'keys.json'})")
     return procs
@@ -577,7 +589,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         if opts.gateway_tokenizers or opts.engines
         else ""
     )
-    procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started)
+    procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started, client)
     keys = str(state / "router" / "keys.json") if gw_url else ""
     tls_dir = str(state / "tls") if opts.tls else ""
     st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys, tls_dir)
@@ -641,7 +653,7 @@ def status(state_dir: str | os.PathLike) -> dict:
         elif p.kind == "router":
             healthy = up_ and router_ok
         elif p.kind == "engine":
-            healthy = up_ and _http_ok(p.address + "/health")
+            healthy = up_ and _http_ok(p.address + "/health", tls)
         else:
             healthy = up_ and grpc_healthy(p.address, tls=tls)
         row = {

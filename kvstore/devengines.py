@@ -46,14 +46,21 @@ class EngineLaunch:
     max_model_len: int = 2048
     prefix_caching: bool = True
     ttl_s: int = 3
-    # (publisher, replay) ports of the engine's KV events (vLLM binds both on every
-    # interface: `tcp://*:PORT`, the router connects), so the router learns what the
-    # engine's own prefix cache holds; None publishes none.
+    # (publisher, replay) ports of the engine's KV events, so the router learns what the
+    # engine's own prefix cache holds; None publishes none. events_host "*": vLLM binds
+    # both on every interface and the router connects; "127.0.0.1": vLLM binds the
+    # replay port on loopback and connects its publisher to the router, which binds it
+    # there (router/engine_feed.py), so neither port is reachable from another host.
     kv_events_ports: tuple[int, int] | None = None
+    events_host: str = "*"
+    # With mTLS (`kvctl cluster up --tls`): the dev CA's directory (kvstore/tls_ca.py).
+    # The connector and the registrar present its client pair; vLLM serves HTTPS with
+    # its server pair (valid for 127.0.0.1) and requires a certificate of its CA.
+    tls_dir: str = ""
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls_dir else 'http'}://127.0.0.1:{self.port}"
 
     def kv_transfer_config(self) -> dict:
         extra = {
@@ -63,6 +70,8 @@ class EngineLaunch:
             "shm_mib": 8,
             "namespace_file": str(Path(self.workdir) / "namespace.json"),
         }
+        if self.tls_dir:
+            extra["tls_dir"] = self.tls_dir
         return {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -82,23 +91,42 @@ class EngineLaunch:
         ]  # fmt: skip
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
-        if self.kv_events_ports is not None:
-            pub, replay = self.kv_events_ports
+        endpoints = self._events_endpoints()
+        if endpoints is not None:
+            pub, replay = endpoints
             events = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://*:{pub}",
-                "replay_endpoint": f"tcp://*:{replay}",
+                "endpoint": pub,
+                "replay_endpoint": replay,
             }
             cmd += ["--kv-events-config", json.dumps(events)]
-        return cmd
+        return cmd + self._ssl_args()
+
+    def _ssl_args(self) -> list[str]:
+        if not self.tls_dir:
+            return []
+        d = Path(self.tls_dir)
+        # --ssl-cert-reqs 2 is ssl.CERT_REQUIRED: no client certificate, no handshake.
+        return ["--ssl-keyfile", str(d / "server.key"), "--ssl-certfile", str(d / "server.crt"),
+                "--ssl-ca-certs", str(d / "ca.crt"), "--ssl-cert-reqs", "2"]  # fmt: skip
+
+    def _events_endpoints(self) -> tuple[str, str] | None:
+        if self.kv_events_ports is None:
+            return None
+        pub, replay = self.kv_events_ports
+        return f"tcp://{self.events_host}:{pub}", f"tcp://{self.events_host}:{replay}"
 
     def _events_args(self) -> list[str]:
-        if self.kv_events_ports is None:
+        endpoints = self._events_endpoints()
+        if endpoints is None:
             return []
-        pub, replay = self.kv_events_ports
-        return ["--kv-events-endpoint", f"tcp://*:{pub}",
-                "--kv-events-replay-endpoint", f"tcp://*:{replay}"]  # fmt: skip
+        pub, replay = endpoints
+        return ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+
+    def _registrar_tls_args(self) -> list[str]:
+        # The registrar presents the same client pair to etcd and to the engine's /health.
+        return ["--tls-dir", self.tls_dir] if self.tls_dir else []
 
     def command(self) -> list[str]:
         return [
@@ -107,7 +135,7 @@ class EngineLaunch:
             "--model", self.served_name, "--etcd-endpoints", self.etcd_endpoint,
             "--namespace-file", str(Path(self.workdir) / "namespace.json"),
             "--ttl", str(self.ttl_s), "--check-interval", "0.5", *self._events_args(),
-            "--", *self.vllm_command(),
+            *self._registrar_tls_args(), "--", *self.vllm_command(),
         ]  # fmt: skip
 
 

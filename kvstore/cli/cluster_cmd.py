@@ -62,9 +62,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls",
         action="store_true",
-        help="mTLS on every port (etcd, agents, router, peers) from a throwaway CA "
-        "written to <state>/tls (ca.crt, and client.crt/client.key for kvctl and "
-        "clients); kvctl finds them there by itself",
+        help="mTLS on every port (etcd, agents, router, peers, the gateway's HTTPS and "
+        "the engines') from a throwaway CA written to <state>/tls (ca.crt, and "
+        "client.crt/client.key for kvctl and clients); kvctl finds them there by itself",
     )
     p.add_argument("--output", choices=("table", "json"), default="table")
     p = sub.add_parser(

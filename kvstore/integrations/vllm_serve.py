@@ -16,7 +16,12 @@ server venv (etcd), not in vLLM's.
 
 An etcd serving TLS with client certificates (the cluster's `tls`): `--tls-ca`,
 `--tls-cert`, `--tls-key` (the pair it presents to etcd), or `--tls-dir` (ca.crt,
-client.crt, client.key: what `kvctl cluster up --tls` writes in <state>/tls).
+client.crt, client.key: what `kvctl cluster up --tls` writes in <state>/tls). An engine
+served over HTTPS (an https:// `--url`, vLLM `--ssl-*`) is checked with the same files:
+its certificate must chain to that CA, and the registrar presents that pair, so an
+engine requiring client certificates (`--ssl-cert-reqs 2`) answers it. One identity
+and one CA per cluster, as the gateway has for its clients and engines; without TLS
+files an https:// engine is checked against the system's trust store.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import json
 import logging
 import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +108,16 @@ def engine_record(args: argparse.Namespace) -> EngineRecord | None:
     )
 
 
+def health_verify(url: str, tls: TLSConfig | None) -> ssl.SSLContext | bool:
+    """What /health is checked with: for an https:// engine and TLS files, their CA and
+    client pair (read by etcd_tls before, so a bad file exited 2 already)."""
+    if tls is None or not url.lower().startswith("https://"):
+        return True  # httpx's default: the system's trust store for https://
+    ctx = ssl.create_default_context(cafile=tls.ca_file)
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
 async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
     try:
         return (await http.get(url + "/health")).status_code == 200
@@ -120,7 +136,8 @@ async def run(
         loop.add_signal_handler(sig, stop.set)
     key: LeasedKey | None = None
     failures = 0
-    async with httpx.AsyncClient(timeout=max(args.check_interval, 1.0)) as http:
+    verify = health_verify(args.url, tls)
+    async with httpx.AsyncClient(timeout=max(args.check_interval, 1.0), verify=verify) as http:
         try:
             while not stop.is_set() and (child is None or child.poll() is None):
                 ok = await _healthy(http, args.url.rstrip("/"))

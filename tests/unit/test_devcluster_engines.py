@@ -1,8 +1,12 @@
 """The dev cluster's agents can hold its engines' KV blocks (`kvctl cluster up --engines`,
 what `make run` and the gateway benchmark start): with 64 KiB slots every Lookup and Put
-of the tiny model's 128 KiB blocks was refused, so the engines only ever recomputed."""
+of the tiny model's 128 KiB blocks was refused, so the engines only ever recomputed. With
+`--tls` each engine serves HTTPS requiring the dev CA's client certificates, its connector
+and registrar present the client pair, and its KV event ports stay on loopback."""
 
 from __future__ import annotations
+
+import json
 
 from kvstore.devcluster import UpOptions, agent_slot_bytes
 from kvstore.devengines import (
@@ -24,3 +28,51 @@ def test_agent_slots_hold_one_block_of_the_engines_model():
     assert model_block_bytes(block) == spec.block_bytes  # what the connector's blocks take
     assert agent_slot_bytes(UpOptions(engines=2)) >= spec.block_bytes
     assert agent_slot_bytes(UpOptions(engines=0)) == 64 << 10  # no engines: as configured
+
+
+def _launch(**kw) -> EngineLaunch:
+    return EngineLaunch("engine-0", 8123, "/m", "tiny", "127.0.0.1:50051", "agent-0",
+                        "engines", "/s/kv.secret", "127.0.0.1:2379", "/s/engine-0",
+                        kv_events_ports=(5557, 5558), **kw)  # fmt: skip
+
+
+def _after(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_an_engine_with_tls_serves_https_requiring_the_cas_client_certificates():
+    launch = _launch(tls_dir="/s/tls", events_host="127.0.0.1")
+    assert launch.url == "https://127.0.0.1:8123"
+    vllm = launch.vllm_command()
+    assert _after(vllm, "--ssl-keyfile") == "/s/tls/server.key"
+    assert _after(vllm, "--ssl-certfile") == "/s/tls/server.crt"
+    assert _after(vllm, "--ssl-ca-certs") == "/s/tls/ca.crt"
+    assert _after(vllm, "--ssl-cert-reqs") == "2"  # ssl.CERT_REQUIRED
+    extra = json.loads(_after(vllm, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["tls_dir"] == "/s/tls"  # the connector's mTLS to its agent and router
+    events = json.loads(_after(vllm, "--kv-events-config"))
+    # Loopback only: vLLM binds the replay port there and connects its publisher to the
+    # router, which binds 127.0.0.1:5557 (ZMQ carries no TLS).
+    assert (events["endpoint"], events["replay_endpoint"]) == (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+    )
+
+
+def test_the_registrar_of_a_tls_engine_checks_and_registers_it_over_tls():
+    cmd = _launch(tls_dir="/s/tls", events_host="127.0.0.1").command()
+    own = cmd[: cmd.index("--")]  # the registrar's arguments, before vLLM's command
+    assert _after(own, "--tls-dir") == "/s/tls"
+    assert _after(own, "--url") == "https://127.0.0.1:8123"
+    assert _after(own, "--kv-events-endpoint") == "tcp://127.0.0.1:5557"
+    assert _after(own, "--kv-events-replay-endpoint") == "tcp://127.0.0.1:5558"
+
+
+def test_a_plaintext_engine_is_launched_as_before():
+    launch = _launch()
+    assert launch.url == "http://127.0.0.1:8123"
+    cmd = launch.command()
+    assert not [a for a in cmd if a.startswith(("--ssl-", "--tls-"))]
+    extra = json.loads(_after(cmd, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert "tls_dir" not in extra
+    assert _after(cmd, "--kv-events-endpoint") == "tcp://*:5557"
