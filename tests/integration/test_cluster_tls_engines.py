@@ -2,8 +2,9 @@
 engine runs every HTTP hop with mTLS. A chat request reaches the engine through the
 gateway over HTTPS with the dev CA, and its repeat is served from cache; the engine
 itself answers only HTTPS with a certificate of the dev CA (plaintext and a client
-without a certificate are refused); `kvctl cluster status` sees it healthy over HTTPS;
-`kvctl cluster down` stops every process, the engine's whole session included.
+without a certificate are refused); its KV events reach the router on loopback; `kvctl
+cluster status` sees it healthy over HTTPS; `kvctl cluster down` stops every process,
+the engine's whole session included.
 
 One engine start for the whole file. Run it under `flock /tmp/kvstore-vllm.lock`."""
 
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import subprocess
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from support.common import PY, ROOT
+from support.common import PY, ROOT, wait_for
 
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
 from kvstore.devcluster import ClusterState, alive
@@ -51,6 +53,13 @@ def _cached(resp: httpx.Response) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
+def _engine_blocks(gw: httpx.Client, url: str) -> int:
+    """Blocks the router indexed in the engine's own cache, from its KV events."""
+    page = gw.get(url + "/metrics").text
+    found = re.findall(r"^kvstore_gateway_engine_cached_blocks\{.*\} (\S+)$", page, re.M)
+    return sum(int(float(m)) for m in found)
+
+
 def _check_the_running_cluster(work, st: ClusterState) -> None:
     bare, paired = _contexts(st.tls_dir)
     assert st.gateway_url.startswith("https://127.0.0.1:")
@@ -62,6 +71,9 @@ def _check_the_running_cluster(work, st: ClusterState) -> None:
     with httpx.Client(verify=bare, timeout=300) as gw:
         first = gw.post(st.gateway_url + "/v1/chat/completions", json=body, headers=ACME)
         assert first.status_code == 200, first.text
+        # The engine's KV events reached the router over the loopback-only sockets.
+        wait_for(lambda: _engine_blocks(gw, st.gateway_url) > 0, 120, 0.5,
+                 what="the router to index the engine's cache")  # fmt: skip
         second = gw.post(st.gateway_url + "/v1/chat/completions", json=body, headers=ACME)
         assert second.status_code == 200, second.text
     assert _cached(second) >= 32 and _cached(second) > _cached(first)
