@@ -597,7 +597,8 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     for p in procs[1:]:
         say(f"{p.name:<9} {p.address}")
     if tls_dir:
-        say(f"mTLS on every port; CA and client pair in {tls_dir}")
+        extra = " (the engines' KV event ports: loopback only)" if opts.engines else ""
+        say(f"mTLS on every port{extra}; CA and client pair in {tls_dir}")
     say(f"cluster up in {time.monotonic() - t0:.1f}s; state in {state / STATE_FILE}")
     return st
 
