@@ -39,22 +39,23 @@ class PemFiles:
     key: bytes
 
 
-def _read(path: str, what: str) -> bytes:
+def read_pem(path: str, what: str, who: str = "tls") -> bytes:
+    """The PEM file at `path`, or a TLSFilesError naming `who`'s `what` and the file."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise TLSFilesError(f"tls: cannot read the {what} {path}: {exc.strerror}") from exc
+        raise TLSFilesError(f"{who}: cannot read the {what} {path}: {exc.strerror}") from None
     if b"-----BEGIN" not in data:
-        raise TLSFilesError(f"tls: the {what} {path} holds no PEM data")
+        raise TLSFilesError(f"{who}: the {what} {path} holds no PEM data")
     return data
 
 
 def read_files(tls: TLSConfig) -> PemFiles:
     return PemFiles(
-        _read(tls.ca_file, "CA file (tls.ca_file)"),
-        _read(tls.cert_file, "certificate (tls.cert_file)"),
-        _read(tls.key_file, "private key (tls.key_file)"),
+        read_pem(tls.ca_file, "CA file (tls.ca_file)"),
+        read_pem(tls.cert_file, "certificate (tls.cert_file)"),
+        read_pem(tls.key_file, "private key (tls.key_file)"),
     )
 
 

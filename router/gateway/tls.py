@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from kvstore.config import TLSConfig
-from kvstore.tls import TLSFilesError
+from kvstore.tls import TLSFilesError, read_pem
 from router.gateway.config import GatewayConfig
 
 __all__ = ["GatewayTLS", "ReloadingServerContext", "engine_client_context", "server_context"]
@@ -69,13 +69,7 @@ class GatewayTLS:
 
 
 def _read_pem(path: str, what: str) -> None:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise TLSFilesError(f"gateway tls: cannot read the {what} {path}: {exc.strerror}") from None
-    if b"-----BEGIN" not in data:
-        raise TLSFilesError(f"gateway tls: the {what} {path} holds no PEM data")
+    read_pem(path, what, who="gateway tls")
 
 
 def server_context(tls: GatewayTLS) -> ssl.SSLContext:
