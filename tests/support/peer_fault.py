@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from kvstore import checksum as cks
+from node_agent.peer.ucx.wire import init_ucx
 from kvstore.v1 import peer_pb2
 
 CORRUPT_INDEX = 11
@@ -25,21 +26,10 @@ PACKED_MAX_BLOCK_BYTES = 128 << 10  # node_agent/peer/ucx/wire.py (not imported:
 
 
 async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
-    # Only ucxx, numpy and the generated messages: importing the agent would pull in
-    # torch and cost seconds per test.
-    # The agents' UCX settings (node_agent/peer/ucx/wire.init_ucx): two processes of one
-    # host only connect when they agree on which transports may carry peer endpoints.
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
-    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
-    import ucxx as ucx
-
-    ucx.init(
-        options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
-        env_takes_precedence=True,
-        progress_mode="thread",
-        enable_python_future=True,
-    )
+    # No agent import (it would pull in torch and cost seconds per test), only the
+    # agents' own UCX settings: two processes of one host only connect when they
+    # agree on which transports may carry peer endpoints.
+    ucx = init_ucx()
     done = asyncio.Event()
 
     async def handler(ep) -> None:

@@ -15,23 +15,14 @@ import sys
 
 import numpy as np
 
+from node_agent.peer.ucx.wire import init_ucx
 from kvstore.v1 import agent_pb2, peer_pb2
 
 
 async def dial(host: str, port: int) -> dict:
-    # The agents' UCX settings (node_agent/peer/ucx/wire.init_ucx): two processes of one
-    # host only connect when they agree on which transports may carry peer endpoints.
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
-    os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
-    import ucxx as ucx
-
-    ucx.init(
-        options={"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"},
-        env_takes_precedence=True,
-        progress_mode="thread",
-        enable_python_future=True,
-    )
+    # The agents' own UCX settings: two processes of one host only connect when they
+    # agree on which transports may carry peer endpoints.
+    ucx = init_ucx()
     try:
         ep = await ucx.create_endpoint(host, port, endpoint_error_handling=True)
         req = peer_pb2.FetchRequest(
