@@ -44,6 +44,7 @@ from etcd3aio import prefix_range_end
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
+from kvstore.coord.records import json_object
 from kvstore.coord.etcd import (
     KILLSWITCH,
     NAMESPACES,
@@ -101,13 +102,7 @@ def default_operator() -> str:
 
 # ------------------------------------------------------------------------- records
 def _loads(raw: bytes, what: str) -> dict:
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{what} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object")
-    return data
+    return json_object(raw, what)
 
 
 @dataclass(frozen=True, slots=True)

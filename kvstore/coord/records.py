@@ -10,15 +10,21 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def record_from_json(cls: type[T], raw: bytes, what: str) -> T:
-    """`cls` built from the JSON object `raw`; ValueError naming `what` when it is not
-    one, or misses a required field."""
+def json_object(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON object `raw`; ValueError naming `what` when it is not one."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         raise ValueError(f"{what} is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{what} must be a JSON object")
+    return data
+
+
+def record_from_json(cls: type[T], raw: bytes, what: str) -> T:
+    """`cls` built from the JSON object `raw`; ValueError naming `what` when it is not
+    one, or misses a required field."""
+    data = json_object(raw, what)
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # cls is a dataclass
     kept: dict[str, Any] = {k: v for k, v in data.items() if k in known}
     try:
