@@ -9,7 +9,7 @@ the CPU the router process spends per request (`gateway_cpu_ms_per_request`: wha
 shared, loaded host does not change, unlike wall-clock latency). The stand-ins register
 the engines' namespace, so every request takes the whole path: tokenizing, chain ids,
 the router's cost function, the forward. Every socket on the way sets TCP_NODELAY
-(httpcore's sync client by itself, asyncio's connections, the gateway's and the
+(httpx's sync client by itself, aiohttp's connections, the gateway's and the
 stand-ins' listeners): without it a keep-alive answer can wait ~40 ms for a delayed ACK.
 
 vLLM (`--vllm`): two vLLM CPU engines (tiny model, our connector, one agent each) behind

@@ -4,7 +4,7 @@
 Per request: authenticate the API key (401), validate the body (400/404/413) before any
 work, tokenize, plan (router/gateway/plan.py), pick an engine (engines.py: 429 with
 Retry-After when every engine is full), set `cache_salt` from the tenant (whatever the
-caller sent) and forward with httpcore. The answer goes back byte for byte with the engine's
+caller sent) and forward with aiohttp. The answer goes back byte for byte with the engine's
 status and content type; a forward that fails before the engine answered (connect error,
 5xx) is retried once on the next choice. Engines are reached through one shared
 keep-alive connection pool (upstream.py). The first response byte marks prefill done; the

@@ -71,7 +71,8 @@ class Planner:
         self.salt_key = salt_key
         self.generation = generation
         self._specs: dict[str, _Spec] = {}
-        self._roots: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}
+        self._roots: dict[tuple[Namespace, str, int], tuple[bytes, bytes]] = {}
+        self._salted: dict[tuple[Namespace, str], tuple[Namespace, bytes]] = {}
         self._salts: dict[str, str] = {}
         self._warned: set[str] = set()
 
@@ -107,10 +108,15 @@ class Planner:
         if secret is None:
             self._warn(spec.tenant, f"no kv secret for the engines' tenant {spec.tenant!r}")
             return None
-        ns = salted(spec, salt)
-        ns_id = ns.namespace_id
+        named = self._salted.get((spec, salt))
+        if named is None:  # validated and hashed once per tenant, not once per request
+            if len(self._salted) > 4096:
+                self._salted.clear()
+            ns = salted(spec, salt)
+            named = self._salted[(spec, salt)] = (ns, ns.namespace_id)
+        ns, ns_id = named
         gen = self.generation(ns_id) or 0
-        key = (spec.key, salt, gen)
+        key = (spec, salt, gen)  # the whole spec: two revisions of one name differ
         hit = self._roots.get(key)
         if hit is None:
             if len(self._roots) > 4096:  # flushed generations leave old keys behind

@@ -124,7 +124,7 @@ class ReloadingServerContext:
 def engine_client_context(tls: GatewayTLS | None) -> ssl.SSLContext | None:
     """What the gateway trusts engines served over https:// by: its CA, presenting its
     own pair (engines may require client certificates: vLLM --ssl-cert-reqs 2). None:
-    httpcore's default (the system's trust store), for a gateway without a CA."""
+    the client's default (the system's trust store), for a gateway without a CA."""
     if tls is None or not tls.ca_file:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)

@@ -111,3 +111,25 @@ def test_without_engines_followed_by_the_router_the_plan_routes_by_load():
     assert engines.pick("tiny", "cache", plan.engines).engine.record.engine_id == "e1"  # type: ignore[union-attr]
     planner.hold(plan, e1)  # neither the board nor the nodes know it: nothing to count
     planner.release(plan)
+
+
+def test_two_revisions_of_one_namespace_name_get_their_own_chain_ids():
+    """Engines rolling from one model revision to the next share the namespace's name
+    (tenant/name) but not its spec: each one's chain ids are what its own connector
+    derives, whichever was planned first (the planner caches per spec, not per name)."""
+    from dataclasses import replace
+
+    from kvstore.hashing import BlockId, hash_chain_packed
+    from kvstore.salt import salt_secret, salted
+
+    new = replace(NS, model_revision="r2")
+    e1 = record("e1", "n1")
+    e2 = EngineRecord("e2", "http://127.0.0.1:8002", ("tiny",), "n2", new.to_dict(), BS,
+                      "tcp://*:8102")  # fmt: skip
+    _, planner, _ = world(e1, e2)
+    salt = planner.salt("acme")
+    for rec, spec in ((e1, NS), (e2, new), (e1, NS)):
+        got = planner.chain(rec, TOKENS, "acme")
+        ns = salted(spec, salt)
+        root = ns.root(0, salt_secret(SECRET, salt))
+        assert got == (ns.namespace_id, hash_chain_packed(BlockId(root), TOKENS, BS))
