@@ -31,6 +31,10 @@ _FAILURES: tuple[type[BaseException], ...] = (
 )
 
 _HEADERS = {"content-type": "application/json"}
+# Idle connections are dropped before the engine drops them: vLLM's server (uvicorn) closes
+# an idle keep-alive connection after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request
+# written as it closes fails as if the engine had, which suspends the engine.
+KEEPALIVE_S = 4.0
 # aiohttp adds these by itself; the engine gets what a client calling it directly sends,
 # and its bytes come back as they left it (no gzip negotiated for us to undo).
 _SKIP = ("User-Agent", "Accept-Encoding")
@@ -97,7 +101,7 @@ class Upstream:
         # Made on first use: an aiohttp session belongs to the running event loop.
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=30.0, ssl=self._ssl, enable_cleanup_closed=False
+                limit=0, keepalive_timeout=KEEPALIVE_S, ssl=self._ssl, enable_cleanup_closed=False
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
