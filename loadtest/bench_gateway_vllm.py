@@ -7,7 +7,8 @@ before turn t + 1 of any): run one mode after another, the first (the gateway's)
 engines' first real requests and the host load of another moment than the others did.
 Run alone it prints ONE JSON line with its goals (what `bench_gateway --vllm` adds):
 
-    python -m loadtest.bench_gateway_vllm [--sessions 3] [--turns 4] [--requests-file F]
+    python -m loadtest.bench_gateway_vllm [--sessions 3] [--turns 4] [--rounds 3]
+                                          [--requests-file F]
 """
 
 from __future__ import annotations
@@ -54,10 +55,16 @@ def _warm_up(engines: dict[str, str]) -> None:
             httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
-def vllm_run(tenants: int = 3, sessions: int = 3, turns: int = 4, requests_file: str = "") -> dict:
-    """`requests_file`: also write every request (mode, session, turn, engine, cached
+def vllm_run(
+    tenants: int = 3, sessions: int = 3, turns: int = 4, rounds: int = 3, requests_file: str = ""
+) -> dict:
+    """`rounds` workloads of new conversations (seeds 1, 2, ...) one after another, each
+    mode's figures over all of them: one round is 36 requests a mode, and one stalled
+    engine step (1-2 s on this shared host) moves a median of 36 by hundreds of ms.
+    `requests_file`: also write every request (mode, round, session, turn, engine, cached
     tokens, TTFT, the gateway's pricing; no text) there, one JSON object a line."""
-    w = Workload(("acme", "globex", "initech")[:tenants], sessions, turns)
+    names = ("acme", "globex", "initech")[:tenants]
+    ws = [Workload(names, sessions, turns, seed=1 + r) for r in range(rounds)]
     with tempfile.TemporaryDirectory(prefix="bench-gateway-vllm-") as tmp:
         state = Path(tmp) / "cluster"
         opts = UpOptions(agents=2, engines=2, pool_bytes="64MiB", nvme_bytes="256MiB")
@@ -67,19 +74,21 @@ def vllm_run(tenants: int = 3, sessions: int = 3, turns: int = 4, requests_file:
             engines = {p.name: p.address for p in st.procs if p.kind == "engine"}
             _warm_up(engines)
             codec = PromptCodec.load(str(state / "model"))
-            runs = asyncio.run(run_interleaved(w, MODES, st.gateway_url, keys, engines,
+            runs = asyncio.run(run_interleaved(ws, MODES, st.gateway_url, keys, engines,
                                                codec=codec))  # fmt: skip
             out = _report(runs)
             if requests_file:
                 _write_requests(requests_file, runs)
             out["pull_cost_by_agent"] = asyncio.run(_pull_costs(st.etcd_endpoint))
+            out["gateway_retries"] = _retries(st.gateway_url)
         finally:
             devcluster.down(state, grace_s=20)
     return out
 
 
 def _report(runs: dict[str, list[Turn]]) -> dict:
-    out: dict = {"mode_order": "interleaved per turn, rotated"}
+    out: dict = {"mode_order": "interleaved per turn, rotated",
+                 "rounds": 1 + max(t.round for t in runs["gateway"])}  # fmt: skip
     for mode, prefix in (("gateway", ""), ("rr", "rr_"), ("chash", "chash_")):
         out |= _figures(prefix, runs[mode])
     res = runs["gateway"]
@@ -102,11 +111,25 @@ def _write_requests(path: str, runs: dict[str, list[Turn]]) -> None:
     with open(path, "w") as f:
         for mode, turns in runs.items():
             for t in turns:
-                row = {"mode": mode, "tenant": t.tenant, "session": t.session, "turn": t.turn,
+                row = {"mode": mode, "round": t.round, "tenant": t.tenant,
+                       "session": t.session, "turn": t.turn,
                        "engine": t.engine, "prompt_tokens": t.prompt_tokens,
                        "cached_tokens": t.cached_tokens, "ttft_ms": round(t.ttft_ms, 1),
                        "priced": t.priced}  # fmt: skip
                 f.write(json.dumps(row) + "\n")
+
+
+def _retries(gateway: str) -> float:
+    """Forwards the gateway retried on another engine (a failed forward suspends the
+    engine): any would tilt the comparison, so the JSON line shows them."""
+    import httpx
+
+    page = httpx.get(gateway + "/metrics", timeout=30).text
+    return sum(
+        float(line.split()[-1])
+        for line in page.splitlines()
+        if line.startswith("kvstore_gateway_retries_total")
+    )
 
 
 async def _pull_costs(etcd: str) -> dict[str, dict[str, float]]:
@@ -138,10 +161,16 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="workloads of new conversations")
     ap.add_argument("--requests-file", default="", help="write every request here (JSON lines)")
     a = ap.parse_args()
+    if not 1 <= a.tenants <= 3:
+        ap.error("--tenants must be 1, 2 or 3")
+    for name in ("sessions", "turns", "rounds"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1")
     load = os.getloadavg()[0]
-    res = vllm_run(a.tenants, a.sessions, a.turns, a.requests_file)
+    res = vllm_run(a.tenants, a.sessions, a.turns, a.rounds, a.requests_file)
     res["load_average_1m"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}
     res["goals"] = goals(res)
     print(json.dumps(res))

@@ -35,6 +35,7 @@ class Turn:
     ttft_ms: float
     priced: str = ""  # the gateway's x-kvstore-route: where the router priced the blocks
     prompt_ids: tuple[int, ...] = ()  # with a codec: the prompt's token ids (the ceiling)
+    round: int = 0  # which of run_interleaved's workloads
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +97,13 @@ class Chat:
     def __init__(
         self, w: Workload, mode: str, gateway: str, keys: dict[str, str],
         engines: dict[str, str], model: str = "tiny", on_turn=None, codec=None,
+        round_: int = 0,
     ) -> None:  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.w, self.mode, self.gateway, self.keys = w, mode, gateway, keys
         self.engines, self.model, self.on_turn, self.codec = engines, model, on_turn, codec
+        self.round = round_
         self.history = {
             (t, s): [{"role": "system", "content": w.system(t)}]
             for t in w.tenants
@@ -126,18 +129,22 @@ class Chat:
         msgs.append({"role": "assistant", "content": text})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         t = Turn(tenant, session, turn, via or engine, int(usage.get("prompt_tokens", 0)),
-                 cached, ttft, priced, prompt_ids)  # fmt: skip
+                 cached, ttft, priced, prompt_ids, self.round)  # fmt: skip
         if self.on_turn is not None:
             self.on_turn(self.mode, t)
         return t
 
-    async def turn(self, c: httpx.AsyncClient, turn: int) -> list[Turn]:
+    async def turn(self, turn: int) -> list[Turn]:
         """Every session's next turn, concurrently (sent in a seeded shuffled order), then
-        a pause so the connector's saves reach the agents and the router's index."""
+        a pause so the connector's saves reach the agents and the router's index. Each
+        turn connects afresh: a connection kept from the last turn may have idled past
+        the server's keep-alive timeout (uvicorn's 5 s) while other modes ran, and one
+        closed just as it is reused fails the request (httpx.ReadError)."""
         w = self.w
         batch = [(t, s) for t in w.tenants for s in range(w.sessions)]
         random.Random(f"{w.seed}-{turn}").shuffle(batch)
-        out = await asyncio.gather(*(self._one(c, t, s, turn) for t, s in batch))
+        async with httpx.AsyncClient(timeout=300) as c:
+            out = await asyncio.gather(*(self._one(c, t, s, turn) for t, s in batch))
         await asyncio.sleep(0.5)
         return list(out)
 
@@ -150,9 +157,8 @@ async def run(
     mode); `engines`: engine id -> URL (direct); `codec`: the model's PromptCodec, to keep
     each prompt's token ids (`ceiling`)."""
     chat, out = Chat(w, mode, gateway, keys, engines, model, on_turn, codec), []
-    async with httpx.AsyncClient(timeout=300) as c:
-        for turn in range(w.turns):
-            out += await chat.turn(c, turn)
+    for turn in range(w.turns):
+        out += await chat.turn(turn)
     return out
 
 
@@ -164,19 +170,23 @@ def rotated(modes: tuple[str, ...], turn: int) -> tuple[str, ...]:
 
 
 async def run_interleaved(
-    w: Workload, modes: tuple[str, ...], gateway: str, keys: dict[str, str],
+    rounds: list[Workload], modes: tuple[str, ...], gateway: str, keys: dict[str, str],
     engines: dict[str, str], model: str = "tiny", codec=None,
 ) -> dict[str, list[Turn]]:  # fmt: skip
-    """Every mode's workload on the same engines, interleaved in time: turn t of every
-    mode (one mode's batch at a time, in `rotated` order) before turn t + 1 of any, so
-    host load drifting during the run and the engines warming up fall on every mode
-    alike, where running the modes one after another gave them all to the first."""
-    chats = {m: Chat(w, m, gateway, keys, engines, model, codec=codec) for m in modes}
+    """Every mode's workloads on the same engines, interleaved in time: turn t of every
+    mode (one mode's batch at a time, in `rotated` order, the rotation running on across
+    the rounds) before turn t + 1 of any, so host load drifting during the run and the
+    engines warming up fall on every mode alike, where running the modes one after
+    another gave them all to the first. `rounds`: workloads run one after another (give
+    each its own seed: new conversations), for more requests per figure."""
     out: dict[str, list[Turn]] = {m: [] for m in modes}
-    async with httpx.AsyncClient(timeout=300) as c:
+    k = 0
+    for r, w in enumerate(rounds):
+        chats = {m: Chat(w, m, gateway, keys, engines, model, codec=codec, round_=r) for m in modes}
         for turn in range(w.turns):
-            for m in rotated(modes, turn):
-                out[m] += await chats[m].turn(c, turn)
+            for m in rotated(modes, k):
+                out[m] += await chats[m].turn(turn)
+            k += 1
     return out
 
 
