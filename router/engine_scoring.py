@@ -4,20 +4,26 @@ units of one block recomputed; per candidate engine e on node n:
 
     cost(e) = 0                              x blocks in e's own cache (free)
             + w_recompute x local_price      x further blocks n's agent holds
-            + (w_peer x peer_price
-               + w_recompute x local_price)  x further blocks a peer agent holds
+            + w_peer x (pull_fixed + peer_price x k)
+              + w_recompute x local_price x k  for the k further blocks a peer agent holds
             + w_recompute                    x the blocks left to recompute
             + w_load x requests in flight on e + w_queue x prefill work queued on e
 
 so a prefix in the engine's cache beats one on its node's agent, which beats one on a
 peer, which beats recompute. `local_price` is a load from the node's agent (shared
-memory) against a recompute; `peer_price` is router/scoring.py's Pricing.peer_price
-(transfer time / recompute time), used only when < 1, as for nodes; a peer block pays it
-on top of the local price (it crosses the network, then is loaded from the agent).
+memory) against a recompute; `pull_fixed` and `peer_price` are router/scoring.py's
+Pricing, the agents' measured pull cost (kvstore/pullcost.py: a fixed part per pull plus
+a part per block), as for nodes. A peer block pays the local price on top (it crosses the
+network, then is loaded from the agent). The pull is made only when it is cheaper than
+recomputing the same k blocks; else they are recomputed. Without the fixed part a pull
+of 2 blocks looked nearly free, and the gateway sent a conversation's next turn away from
+the engine holding it to wait for one (bench_gateway_vllm: its 6 hinted requests, pulls
+of 2-4 blocks, took 2.2-4.5 s to the first token against 1.96 s for the median other).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +58,7 @@ class EngineScore:
     peer_cost: float
     recompute_cost: float
     load_cost: float
+    work: float  # prefill it brings, in blocks recomputed: recompute plus the pull
 
     def terms(self) -> dict[str, float | int | str]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -71,17 +78,19 @@ def score_engines(
     if total_blocks < 0:
         raise ValueError("total_blocks must be >= 0")
     held = sorted(((-min(v, total_blocks), k) for k, v in node_prefix.items() if v))
-    price = pricing.peer_price
+    min_pull = _min_pull(weights, pricing, local_price)
     out = []
     for e in engines:
         own = min(engine_prefix.get(e.engine_id, 0), total_blocks)
         agent = max(0, min(node_prefix.get(e.node_id, 0), total_blocks) - own)
         covered = own + agent
         peer_len, peer_node = next(((-n, k) for n, k in held if k != e.node_id), (0, ""))
-        peer = max(0, peer_len - covered) if price < 1.0 else 0
+        peer = max(0, peer_len - covered)
+        peer = peer if peer > min_pull else 0
         rec = total_blocks - covered - peer
+        pull = pricing.pull_blocks(peer)
         ac = weights.recompute * local_price * agent
-        pc = (weights.peer_fetch * price + weights.recompute * local_price) * peer
+        pc = weights.peer_fetch * pull + weights.recompute * local_price * peer
         rc = weights.recompute * rec
         lc = weights.load * e.in_flight + weights.queue * e.queued
         out.append(
@@ -100,7 +109,16 @@ def score_engines(
                 pc,
                 rc,
                 lc,
+                rec + pull,
             )
         )
     out.sort(key=lambda s: (s.cost, s.engine_id))
     return out
+
+
+def _min_pull(weights: Weights, pricing: Pricing, local_price: float) -> float:
+    """Pulling k blocks beats recomputing them when
+    w_peer (pull_fixed + peer_price k) + w_recompute local_price k < w_recompute k,
+    i.e. k > this (never when a pulled block costs a recompute or more)."""
+    gain = weights.recompute * (1.0 - local_price) - weights.peer_fetch * pricing.peer_price
+    return weights.peer_fetch * pricing.pull_fixed / gain if gain > 0 else math.inf

@@ -172,7 +172,7 @@ class EngineBoard:
         rid = request_id or secrets.token_hex(16)
         if not dry_run:
             c = scores[0]
-            self.hold(rid, c.engine_id, c.recompute_blocks + c.peer_blocks * pricing.peer_price)
+            self.hold(rid, c.engine_id, c.work)
         if log.isEnabledFor(logging.DEBUG):
             c = scores[0]
             log.debug("route-engine %s blocks=%d -> %s %s", rid, total, c.engine_id, c.terms())

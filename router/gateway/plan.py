@@ -42,7 +42,6 @@ class Plan:
     salt: str
     first_block: bytes  # the prompt's first chain id ("hash" policy); b"": shorter than one
     scores: tuple[EngineScore, ...] = ()  # the router's candidate engines, cheapest first
-    peer_price: float = 1.0  # prefill-block cost of one peer block (RouterCore pricing)
 
     @property
     def engines(self) -> list[str]:
@@ -151,7 +150,7 @@ class Planner:
         except errors.KvError as exc:  # the router follows no engine of it yet: by load
             log.debug("route %s: %s", rid, exc)
             return Plan(rid, tenant, salt, first)
-        return Plan(rid, tenant, salt, first, tuple(d.scores), self.core.pricing(ns_id).peer_price)
+        return Plan(rid, tenant, salt, first, tuple(d.scores))
 
     def peer_hint(self, plan: Plan, engine_id: str) -> dict[str, dict[str, str]] | None:
         """The forwarded request's kv_transfer_params when the router priced a peer pull
@@ -186,9 +185,10 @@ class Planner:
     # ---------------------------------------------------- the request's lifetime
     def hold(self, plan: Plan, rec: EngineRecord) -> None:
         """Count the request in flight on the engine it was forwarded to, and on its node,
-        with the prefill work the router priced for that engine (0 where unpriced)."""
+        with the prefill work the router priced for that engine (recompute plus the pull,
+        its fixed part included; 0 where unpriced)."""
         s = plan.score_of(rec.engine_id)
-        work = s.recompute_blocks + s.peer_blocks * plan.peer_price if s else 0.0
+        work = s.work if s else 0.0
         if rec.engine_id in self.core.engines.engines:
             self.core.engines.hold(plan.request_id, rec.engine_id, work)
         if rec.node_id in self.core.nodes:

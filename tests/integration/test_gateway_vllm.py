@@ -66,7 +66,10 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
     )  # fmt: skip
     (tmp_path / "kv.secret").write_text(KV_SECRET)
     agents = [spawn_agent(**agent_cfg(etcd, pool_bytes="16MiB")) for _ in range(2)]
-    gw = start_gateway({MODEL: str(model)})
+    # Recompute priced as a large model's prefill on a busy host (50 tokens/s): the router
+    # prices peer pulls at what the agents measured (a fixed part per pull, 0.2-2 s on
+    # this shared host), and step 5's pull of the conversation must pay against that.
+    gw = start_gateway({MODEL: str(model)}, router={"prefill_tokens_per_s": 50.0})
     engines = {}
     for i, agent in enumerate(agents):
         launch = EngineLaunch(

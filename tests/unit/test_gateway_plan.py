@@ -4,6 +4,8 @@ through their event streams with vLLM-format frames; agents' blocks through the 
 
 from __future__ import annotations
 
+import pytest
+
 from kvstore.coord.engines import EngineRecord
 from kvstore.coord.etcd import NodeRecord
 from kvstore.integrations.vllm_peer import PeerHint, hint_from_params
@@ -133,3 +135,49 @@ def test_two_revisions_of_one_namespace_name_get_their_own_chain_ids():
         ns = salted(spec, salt)
         root = ns.root(0, salt_secret(SECRET, salt))
         assert got == (ns.namespace_id, hash_chain_packed(BlockId(root), TOKENS, BS))
+
+
+def test_no_peer_hint_when_the_agents_measured_pull_costs_more_than_recomputing():
+    e1, e2 = record("e1", "n1"), record("e2", "n2")
+    core, planner, engines = world(e1, e2)
+    # Both agents have pulled before and published their fit: 20 ms fixed per pull,
+    # i.e. 40 blocks of 4 tokens recomputed at the router's 8000 tokens/s.
+    for node, port in (("n1", 50051), ("n2", 50052)):
+        core.upsert_node(NodeRecord(node, f"127.0.0.1:{port}", f"ucx-{node}",
+                                    pull_fixed_ms=20.0, pull_samples=5))  # fmt: skip
+        core.mark_synced(node)
+    ns_id, packed = planner.chain(e1, TOKENS, "acme")  # type: ignore[misc]
+    core.index.store("n1", [packed[i : i + 16] for i in range(0, len(packed), 16)])
+    core.set_namespace_layout(ns_id, 8192, BS)
+    plan = planner.plan(e1, TOKENS, "acme", "tiny")
+    engines.engines["e1"].inflight = engines.max_inflight  # e1 saturated: e2 serves
+    s2 = plan.score_of("e2")
+    # Pulling 5 blocks would cost 40 recomputes of fixed part alone: e2 recomputes them,
+    # and the engine is not told to wait for a pull.
+    assert s2 is not None and (s2.peer_blocks, s2.recompute_blocks) == (0, 5)
+    assert planner.peer_hint(plan, "e2") is None
+    planner.hold(plan, e2)
+    assert core.inflight.work("n2") == pytest.approx(5.0)
+
+
+def test_holding_a_hinted_request_charges_the_pull_with_its_fixed_part():
+    e1, e2 = record("e1", "n1"), record("e2", "n2")
+    core, planner, _ = world(e1, e2)
+    for node, port in (("n1", 50051), ("n2", 50052)):
+        core.upsert_node(NodeRecord(node, f"127.0.0.1:{port}", f"ucx-{node}",
+                                    pull_fixed_ms=0.5, pull_samples=5))  # fmt: skip
+        core.mark_synced(node)
+    ns_id, packed = planner.chain(e1, TOKENS, "acme")  # type: ignore[misc]
+    core.index.store("n1", [packed[i : i + 16] for i in range(0, len(packed), 16)])
+    core.set_namespace_layout(ns_id, 8192, BS)
+    pricing = core.pricing(ns_id)
+    assert pricing.pull_fixed == pytest.approx(1.0)  # 0.5 ms: one block recomputed
+    plan = planner.plan(e1, TOKENS, "acme", "tiny")
+    s2 = plan.score_of("e2")
+    assert s2 is not None and s2.peer_blocks == 5 and planner.peer_hint(plan, "e2")
+    planner.hold(plan, e2)
+    # The engine and its node wait for the whole pull, its fixed part included.
+    assert core.inflight.work("n2") == pytest.approx(pricing.pull_blocks(5))
+    assert planner.plan(e1, TOKENS, "acme", "tiny").score_of("e2").queued == pytest.approx(  # type: ignore[union-attr]
+        pricing.pull_blocks(5)
+    )
