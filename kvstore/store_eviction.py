@@ -11,8 +11,9 @@ picks. It runs under the store's lock like everything the store's collaborators 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from kvstore.eviction import EvictionPolicy
@@ -37,6 +38,7 @@ class EvictionQueue:
         self.spills = spills
         self._heaps: dict[HeapKey, list[HeapEntry]] = {}
         self._tick = 0
+        self._deferred: dict[int, BlockMeta] | None = None  # blocks to push (deferred())
 
     def hbm_evictable(self, m: BlockMeta) -> bool:
         return (
@@ -56,15 +58,46 @@ class EvictionQueue:
 
     def refile(self, m: BlockMeta) -> None:
         """Re-enter a block in the eviction heaps after any change of its priority or of
-        its eligibility; stale heap entries are skipped when popped."""
-        m.version += 1
+        its eligibility; stale heap entries are skipped when popped. Inside `deferred()`
+        the entry is pushed once, when the block's last change is done."""
+        m.version += 1  # now: entries filed before are stale from here on, deferred or not
+        if self._deferred is not None:
+            self._deferred[id(m)] = m
+            return
+        self._push(m)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Refiles inside push each block once, at the end: a chain's commit changes each
+        block twice (attached, then its child attached), which would push two entries,
+        one of them stale at once. Only around code that picks no victim: a block refiled
+        inside is in no heap until the end."""
+        if self._deferred is not None:  # nested: the outer one pushes
+            yield
+            return
+        self._deferred = {}
+        try:
+            yield
+        finally:
+            pending, self._deferred = self._deferred, None
+            for m in pending.values():
+                self._push(m)
+
+    def _push(self, m: BlockMeta) -> None:
         if m.block_id not in m.ns.blocks:
             return
+        hbm, nvme = self.hbm_evictable(m), self.nvme_evictable(m)
+        if not (hbm or nvme):  # most blocks of a chain: they have children in the pool
+            return
         prio = self.policy.priority(m)
-        for tier, ok in ((Tier.HBM, self.hbm_evictable(m)), (Tier.NVME, self.nvme_evictable(m))):
+        tenant = m.ns.spec.tenant
+        for tier, ok in ((Tier.HBM, hbm), (Tier.NVME, nvme)):
             if ok:
                 self._tick += 1
-                heap = self._heaps.setdefault(HeapKey(m.ns.tenant, tier), [])
+                key = HeapKey(tenant, tier)
+                heap = self._heaps.get(key)
+                if heap is None:
+                    heap = self._heaps[key] = []
                 heapq.heappush(heap, (prio, self._tick, m.version, m))
                 if len(heap) > 4 * len(m.ns.blocks) + 4096:
                     self._compact(heap, tier)

@@ -9,6 +9,7 @@ under the store's lock. Only leaves leave the node and only pool-leaves leave th
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 from kvstore.accounting import TenantAccounts
@@ -250,6 +251,11 @@ class Residency:
                 self.done_reading(b)
 
     # ------------------------------------------------------ slot bookkeeping
+    def refiles_deferred(self) -> contextlib.AbstractContextManager[None]:
+        """Around bookkeeping that evicts nothing (a commit): each block changed inside is
+        re-filed for eviction once, at the end (EvictionQueue.deferred)."""
+        return self.queue.deferred()
+
     def attach_slot(self, m: BlockMeta, slot: int) -> None:
         m.slot = slot
         self.accounts.add(m.ns.tenant, Tier.HBM, m.nbytes)

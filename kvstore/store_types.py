@@ -54,6 +54,12 @@ class NsState:
     policy: NamespacePolicy
     blocks: dict[bytes, BlockMeta] = field(default_factory=dict)
     pinned_bytes: int = 0
+    # spec.block_bytes, read per block on the hot paths (a property that multiplies
+    # five fields each time)
+    block_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_bytes = self.spec.block_bytes
 
     @property
     def tenant(self) -> str:

@@ -62,7 +62,7 @@ class Writes:
 
     def plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None) -> PutPlan:
         """Validate `items` and reserve a slot for each new block (see BlockStore.put)."""
-        size = st.spec.block_bytes
+        size = st.block_bytes
         for i, it in enumerate(items):
             if len(it.block_id) != ID_BYTES or len(it.parent_id) != ID_BYTES:
                 raise InvalidArgument(f"block {i}: block_id and parent_id must be 16 bytes")
@@ -137,7 +137,7 @@ class Writes:
         """Reserve a pool slot for one block of a write, within the tenant's quota counting
         every slot already in flight for it (this write's and concurrent ones'), and hold
         the parent so making room later cannot evict it. None when no slot can be had."""
-        size = st.spec.block_bytes
+        size = st.block_bytes
         if parent is not None:
             parent.readers += 1
         slot = self.residency.reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
@@ -170,6 +170,12 @@ class Writes:
         committed by another writer (or by the previous batch of a pipelined transfer)
         is not held by this plan and may have been demoted since: a child in the pool
         under it would break the pool's prefix closure, so it is not stored."""
+        with self.residency.refiles_deferred():  # nothing here evicts
+            return self._commit(st, generation, plan, written)
+
+    def _commit(
+        self, st: NsState, generation: int, plan: list[PlannedSlot], written: list[Written]
+    ) -> CommitResult:
         done = {id(w.planned) for w in written}
         self.abort_plan([p for p in plan if id(p) not in done])
         now = self.clock()
@@ -208,7 +214,7 @@ class Writes:
             item.block_id,
             item.parent_id,
             depth,
-            st.spec.block_bytes,
+            st.block_bytes,
             w.digest,
             last_access=now,  # checked by _plan_*
             expires_at=now + ttl if ttl else 0,

@@ -19,6 +19,9 @@ Measures in one run, on this machine, against real agent processes:
 - nvme_demote_gbps / nvme_promote_gbps and the same with encryption at rest
   (nvme_*_enc_gbps, *_enc_ratio against the plaintext figure of this run): the store's
   moves to and from the RocksDB tier, see loadtest/bench_nvme.py
+- shm_put_control_us / shm_get_control_us: the same-host Put and Get of one batch of 4 KiB
+  blocks (the copy next to nothing: the control path alone, median of 10), and
+  shm_put_control_share, its share of this run's 2 MiB-block Put
 - staging_page_kib / pool_page_kib: the page size that backs most of the staging area
   and of the device pool in the agent (where the copies run; /proc/<agent>/smaps: 2048
   when most is on transparent huge pages), beside the kernel's settings for them
@@ -270,7 +273,30 @@ def transfer(
             out["memcpy_batch_gbps"] = _rate(nbytes, memcpy_t)
             if agent is not None:  # while the client's region is still mapped there
                 out.update(agent_pages(agent.proc.pid, pool_bytes))
+            out.update(control_cost(c, batch, float(statistics.median(put_t))))
     return out
+
+
+def control_cost(c: KVClient, batch: int, put_s: float, rounds: int = 10) -> dict[str, float]:
+    """The same-host Put and Get of `batch` blocks of 4 KiB (the copy next to nothing):
+    what the control path alone costs per call (lane, protobuf, interceptors, the store's
+    bookkeeping), and its share of the 2 MiB-block Put of this run (`put_s`)."""
+    ns = c.open_namespace(llama3_8b("control", num_layers=1, num_kv_heads=1, head_dim=64))
+    put_t, get_t = [], []
+    for r in range(rounds):
+        ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
+        t = time.perf_counter()
+        assert c.put_staged(ns, ids).stored == batch
+        put_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        assert len(c.get_views(ns, ids)) == batch
+        get_t.append(time.perf_counter() - t)
+    put_us = statistics.median(put_t) * 1e6
+    return {
+        "shm_put_control_us": put_us,
+        "shm_get_control_us": statistics.median(get_t) * 1e6,
+        "shm_put_control_share": put_us / 1e6 / put_s,
+    }
 
 
 # The load of --contended: what an inference engine beside the agent does to it, one core

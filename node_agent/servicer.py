@@ -189,8 +189,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 f"shm.offsets has {len(offsets)} entries for {len(ids)} blocks"
             )
         size = st.spec.block_bytes
-        for off in offsets:  # validate every range before touching any block
-            region.span(off, size)
+        spans = [region.span(off, size) for off in offsets]  # every range checked first
         served = await self._run(
             len(ids) * size,
             self.store.get,
@@ -198,7 +197,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             request.ns.generation,
             ids,
             request.parent_id,
-            lambda i, n: region.span(offsets[i], n),
+            lambda i, n: spans[i] if n == size else region.span(offsets[i], n),
         )
         self.metrics.served(st, served)
         return agent_pb2.GetResponse(
@@ -256,16 +255,22 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         region = (
             self.shm.get(req.shm_region_id, current_tenant.get()) if req.shm_region_id else None
         )
-        items = []
-        for b in req.blocks:
-            if region is not None:
-                data = region.span(b.shm_offset, st.spec.block_bytes)
-            else:
-                data = b.data
-            items.append(
-                PutItem(b.block_id, b.parent_id, data, b.checksum if b.has_checksum else None)
+        if region is None:
+            return [
+                PutItem(b.block_id, b.parent_id, b.data, b.checksum if b.has_checksum else None)
+                for b in req.blocks
+            ]
+        size = st.block_bytes
+        span = region.span
+        return [
+            PutItem(
+                b.block_id,
+                b.parent_id,
+                span(b.shm_offset, size),
+                b.checksum if b.has_checksum else None,
             )
-        return items
+            for b in req.blocks
+        ]
 
     async def Pin(self, request, context):
         return self._pin(request, True)

@@ -558,21 +558,22 @@ class KVClient:
         timeout: float | None = None,
     ) -> PutResult:
         """Store blocks already written into staging slots first_slot.. (same host)."""
-        parent = ns.root if parent is None else parent
-        blocks = []
-        for i, bid in enumerate(ids):
-            blocks.append(
-                agent_pb2.BlockPut(
-                    block_id=bid, parent_id=parent, shm_offset=(first_slot + i) * ns.block_bytes
-                )
-            )
-            parent = bid
+        first = ns.root if parent is None else parent
+
+        def build() -> agent_pb2.PutRequest:
+            req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, root=ns.root)
+            # blocks.add builds each message in place; a list of BlockPut handed to the
+            # constructor is copied message by message (about twice the time, 64 blocks)
+            add, prev, size = req.blocks.add, first, ns.block_bytes
+            for i, bid in enumerate(ids, first_slot):
+                add(block_id=bid, parent_id=prev, shm_offset=i * size)
+                prev = bid
+            return req
+
         return PutResult.from_proto(
             self._call(
                 lane.PUT,
-                lambda: agent_pb2.PutRequest(
-                    ns=ns.ref, shm_region_id=self._region_id, blocks=blocks, root=ns.root
-                ),
+                build,
                 agent_pb2.PutResponse,
                 lambda r, metadata, timeout: self.stub.Put(
                     iter([r]), metadata=metadata, timeout=timeout

@@ -8,10 +8,21 @@
 
 #define KV_MAX_THREADS 64
 
+/* Bytes a thread claims at once: whole jobs, at least one.  Big enough that the
+ * shared counter is touched rarely (once per 2 MiB block), small enough that a
+ * thread the scheduler stalls leaves little behind for the others to wait on. */
+#define KV_CLAIM_BYTES (256u << 10)
+
+/* The jobs of one batch, handed out in claims of `step` jobs by a shared counter:
+ * a thread that runs late or slow (its core busy with another process) simply
+ * takes fewer of them, where a fixed split would make the whole batch wait for
+ * its share. */
 typedef struct {
     kv_job *jobs;
     size_t count;
-} kv_share;
+    size_t step;
+    size_t next; /* first job not claimed yet (atomic) */
+} kv_queue;
 
 static void run_job(kv_job *j) {
     if (j->dst == NULL) {
@@ -25,60 +36,35 @@ static void run_job(kv_job *j) {
     }
 }
 
-static void *run_share(void *arg) {
-    kv_share *s = (kv_share *)arg;
-    for (size_t i = 0; i < s->count; i++) run_job(&s->jobs[i]);
+static void *run_queue(void *arg) {
+    kv_queue *q = (kv_queue *)arg;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&q->next, q->step, __ATOMIC_RELAXED);
+        if (i >= q->count) break;
+        size_t end = i + q->step < q->count ? i + q->step : q->count;
+        for (; i < end; i++) run_job(&q->jobs[i]);
+    }
     return NULL;
-}
-
-/* Cut jobs into at most `parts` contiguous runs of about total/parts bytes each;
- * returns the number of runs (>= 1 when count >= 1). */
-static int split(kv_job *jobs, size_t count, int parts, kv_share *out) {
-    size_t total = 0;
-    for (size_t i = 0; i < count; i++) total += jobs[i].n;
-    int made = 0;
-    size_t start = 0, acc = 0;
-    for (size_t i = 0; i < count; i++) {
-        acc += jobs[i].n;
-        /* Close run `made` once it reaches its share of the bytes seen so far. */
-        if (made < parts - 1 && acc * (size_t)parts >= total * (size_t)(made + 1)) {
-            out[made].jobs = jobs + start;
-            out[made].count = i + 1 - start;
-            made++;
-            start = i + 1;
-        }
-    }
-    if (start < count || made == 0) {
-        out[made].jobs = jobs + start;
-        out[made].count = count - start;
-        made++;
-    }
-    return made;
 }
 
 int kv_run_jobs(kv_job *jobs, size_t count, int threads) {
     if (threads > KV_MAX_THREADS) threads = KV_MAX_THREADS;
     if (threads > (int)count) threads = (int)count;
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++) total += jobs[i].n;
+    size_t mean = count ? total / count : 0;
+    kv_queue q = {jobs, count, mean >= KV_CLAIM_BYTES ? 1 : KV_CLAIM_BYTES / (mean + 1) + 1, 0};
     if (threads <= 1) {
-        kv_share all = {jobs, count};
-        run_share(&all);
+        run_queue(&q);
         return 1;
     }
-    kv_share shares[KV_MAX_THREADS];
     pthread_t tids[KV_MAX_THREADS];
-    int started[KV_MAX_THREADS] = {0};
-    int parts = split(jobs, count, threads, shares);
-    for (int k = 1; k < parts; k++)
-        started[k] = pthread_create(&tids[k], NULL, run_share, &shares[k]) == 0;
-    run_share(&shares[0]);
-    int ran = 1;
-    for (int k = 1; k < parts; k++) {
-        if (started[k]) {
-            pthread_join(tids[k], NULL);
-            ran++;
-        } else {
-            run_share(&shares[k]); /* no thread to be had: do it here */
-        }
+    int started = 0;
+    for (int k = 1; k < threads; k++) {
+        if (pthread_create(&tids[started], NULL, run_queue, &q) != 0) break;
+        started++; /* a thread that cannot be had leaves its claims to the others */
     }
-    return ran;
+    run_queue(&q);
+    for (int k = 0; k < started; k++) pthread_join(tids[k], NULL);
+    return started + 1;
 }

@@ -19,9 +19,10 @@ typedef struct {
 
 /* Run every job (dst[0..n) = src[0..n) and digest = xxh64(src, seed); ranges of one
  * job may overlap) on up to `threads` threads: the calling one and threads - 1
- * started here, each over a contiguous run of jobs of about equal bytes.  A
- * thread that cannot be started leaves its run to the caller.  Returns how many
- * threads ran (>= 1). */
+ * started here, each claiming the next unclaimed jobs (about 256 KiB, at least one
+ * job) until none is left, so a thread delayed by a busy core costs the batch
+ * little.  A thread that cannot be started leaves its claims to the others.
+ * Returns how many threads ran (>= 1). */
 int kv_run_jobs(kv_job *jobs, size_t count, int threads);
 
 #endif /* KV_NATIVE_BATCH_H */

@@ -32,6 +32,7 @@ _ALLOWED = {
     (SlotState.RESERVED, SlotState.FREE),
     (SlotState.OCCUPIED, SlotState.FREE),
 }
+_ALLOWED_INT = frozenset((int(a), int(b)) for a, b in _ALLOWED)
 
 
 class SlotStateError(KvError):
@@ -143,9 +144,11 @@ class DevicePool:
         return SlotState(self._state[slot])
 
     def _move(self, slot: int, new: SlotState, expect: SlotState | None = None) -> None:
-        old = SlotState(self._state[slot])
-        if (old, new) not in _ALLOWED or (expect is not None and old != expect):
-            raise SlotStateError(f"slot {slot}: illegal transition {old.name} -> {new.name}")
+        old = self._state[slot]  # an int: an enum built per move costs more than the move
+        if (old, new) not in _ALLOWED_INT or (expect is not None and old != expect):
+            raise SlotStateError(
+                f"slot {slot}: illegal transition {SlotState(old).name} -> {new.name}"
+            )
         self._state[slot] = new
 
     def reserve(self) -> int | None:

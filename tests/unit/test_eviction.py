@@ -10,7 +10,10 @@ import pytest
 from support.common import TEST_SECRET, ManualClock, chain_items, make_namespace, prompt_tokens
 
 from kvstore.eviction import LRUPolicy, ValueAwarePolicy, make_policy
+from kvstore.events import Tier
 from kvstore.policy import NamespacePolicy
+from kvstore.store_eviction import EvictionQueue
+from kvstore.store_types import BlockMeta, NsState
 
 SPEC = make_namespace()
 BS = SPEC.block_size
@@ -164,3 +167,29 @@ def test_value_aware_keeps_the_hot_prefix_that_lru_loses(make_store):
     value = _hit_rate_of_hot_prompt(make_store, ValueAwarePolicy())
     assert value > lru
     assert (lru, value) == (0.0, 1.0)
+
+
+# ------------------------------------------------------------ deferred refiles
+def test_deferred_refiles_push_each_block_once_at_the_end():
+    """A commit refiles a chain's blocks inside EvictionQueue.deferred(): nothing is a
+    victim before the end, each block's older entries are stale at once, and every block
+    comes out once afterwards (an inner deferral leaves the push to the outer one)."""
+    queue = EvictionQueue(LRUPolicy(), spills=False)
+    st = NsState(SPEC, SPEC.namespace_id, 0, NamespacePolicy())
+    a, b = (
+        BlockMeta(st, bytes([k]) * 16, bytes(16), 0, st.block_bytes, 0, slot=k, last_access=k)
+        for k in (1, 2)
+    )
+    for m in (a, b):
+        st.blocks[m.block_id] = m
+    queue.refile(b)  # filed before: stale once b is refiled again
+    with queue.deferred():
+        queue.refile(a)
+        queue.refile(b)
+        with queue.deferred():
+            queue.refile(a)
+        assert (a.version, b.version) == (2, 2)
+        assert queue.victim(Tier.HBM, None) is None  # b's old entry is stale, a not filed
+    assert queue.victim(Tier.HBM, None) is a  # the older access first (LRU)
+    assert queue.victim(Tier.HBM, None) is b
+    assert queue.victim(Tier.HBM, None) is None
