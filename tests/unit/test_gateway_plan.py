@@ -137,18 +137,27 @@ def test_two_revisions_of_one_namespace_name_get_their_own_chain_ids():
         assert got == (ns.namespace_id, hash_chain_packed(BlockId(root), TOKENS, BS))
 
 
+def agents_pulled_before(
+    core: RouterCore, planner: Planner, rec: EngineRecord, fixed_ms: float
+) -> bytes:
+    """Both agents have pulled before and published their fit (`fixed_ms` a pull); n1's
+    agent holds TOKENS for acme. Returns the salted namespace id."""
+    for node, port in (("n1", 50051), ("n2", 50052)):
+        core.upsert_node(NodeRecord(node, f"127.0.0.1:{port}", f"ucx-{node}",
+                                    pull_fixed_ms=fixed_ms, pull_samples=5))  # fmt: skip
+        core.mark_synced(node)
+    ns_id, packed = planner.chain(rec, TOKENS, "acme")  # type: ignore[misc]
+    core.index.store("n1", [packed[i : i + 16] for i in range(0, len(packed), 16)])
+    core.set_namespace_layout(ns_id, 8192, BS)
+    return ns_id
+
+
 def test_no_peer_hint_when_the_agents_measured_pull_costs_more_than_recomputing():
     e1, e2 = record("e1", "n1"), record("e2", "n2")
     core, planner, engines = world(e1, e2)
     # Both agents have pulled before and published their fit: 20 ms fixed per pull,
     # i.e. 40 blocks of 4 tokens recomputed at the router's 8000 tokens/s.
-    for node, port in (("n1", 50051), ("n2", 50052)):
-        core.upsert_node(NodeRecord(node, f"127.0.0.1:{port}", f"ucx-{node}",
-                                    pull_fixed_ms=20.0, pull_samples=5))  # fmt: skip
-        core.mark_synced(node)
-    ns_id, packed = planner.chain(e1, TOKENS, "acme")  # type: ignore[misc]
-    core.index.store("n1", [packed[i : i + 16] for i in range(0, len(packed), 16)])
-    core.set_namespace_layout(ns_id, 8192, BS)
+    agents_pulled_before(core, planner, e1, fixed_ms=20.0)
     plan = planner.plan(e1, TOKENS, "acme", "tiny")
     engines.engines["e1"].inflight = engines.max_inflight  # e1 saturated: e2 serves
     s2 = plan.score_of("e2")
@@ -163,13 +172,7 @@ def test_no_peer_hint_when_the_agents_measured_pull_costs_more_than_recomputing(
 def test_holding_a_hinted_request_charges_the_pull_with_its_fixed_part():
     e1, e2 = record("e1", "n1"), record("e2", "n2")
     core, planner, _ = world(e1, e2)
-    for node, port in (("n1", 50051), ("n2", 50052)):
-        core.upsert_node(NodeRecord(node, f"127.0.0.1:{port}", f"ucx-{node}",
-                                    pull_fixed_ms=0.5, pull_samples=5))  # fmt: skip
-        core.mark_synced(node)
-    ns_id, packed = planner.chain(e1, TOKENS, "acme")  # type: ignore[misc]
-    core.index.store("n1", [packed[i : i + 16] for i in range(0, len(packed), 16)])
-    core.set_namespace_layout(ns_id, 8192, BS)
+    ns_id = agents_pulled_before(core, planner, e1, fixed_ms=0.5)
     pricing = core.pricing(ns_id)
     assert pricing.pull_fixed == pytest.approx(1.0)  # 0.5 ms: one block recomputed
     plan = planner.plan(e1, TOKENS, "acme", "tiny")
