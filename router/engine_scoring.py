@@ -23,7 +23,6 @@ of 2-4 blocks, took 2.2-4.5 s to the first token against 1.96 s for the median o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,7 +77,8 @@ def score_engines(
     if total_blocks < 0:
         raise ValueError("total_blocks must be >= 0")
     held = sorted(((-min(v, total_blocks), k) for k, v in node_prefix.items() if v))
-    min_pull = _min_pull(weights, pricing, local_price)
+    # a pulled block is still loaded from the agent: it saves a recompute less that load
+    min_pull = pricing.min_pull(weights.peer_fetch, weights.recompute * (1.0 - local_price))
     out = []
     for e in engines:
         own = min(engine_prefix.get(e.engine_id, 0), total_blocks)
@@ -114,11 +114,3 @@ def score_engines(
         )
     out.sort(key=lambda s: (s.cost, s.engine_id))
     return out
-
-
-def _min_pull(weights: Weights, pricing: Pricing, local_price: float) -> float:
-    """Pulling k blocks beats recomputing them when
-    w_peer (pull_fixed + peer_price k) + w_recompute local_price k < w_recompute k,
-    i.e. k > this (never when a pulled block costs a recompute or more)."""
-    gain = weights.recompute * (1.0 - local_price) - weights.peer_fetch * pricing.peer_price
-    return weights.peer_fetch * pricing.pull_fixed / gain if gain > 0 else math.inf

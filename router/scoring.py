@@ -143,6 +143,13 @@ class Pricing:
         """A pull of `n` blocks, in blocks recomputed (0 for none)."""
         return self.pull_fixed + self.peer_price * n if n > 0 else 0.0
 
+    def min_pull(self, w_pull: float, saved_per_block: float) -> float:
+        """Pulling k blocks beats recomputing them when
+        w_pull (pull_fixed + peer_price k) < saved_per_block k, i.e. k > this (never when
+        a pulled block costs what it saves or more)."""
+        gain = saved_per_block - w_pull * self.peer_price
+        return w_pull * self.pull_fixed / gain if gain > 0 else math.inf
+
 
 class NodeLoad(NamedTuple):
     """A node's prompt-independent state; rebuilt whenever its in-flight count moves,
@@ -228,10 +235,7 @@ def score_ranked(
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price, fixed = pricing.peer_price, pricing.pull_fixed
     w_pull, w_rc = weights.peer_fetch, weights.recompute
-    # Pulling k blocks beats recomputing them when w_pull (fixed + price k) < w_rc k,
-    # i.e. k > min_pull (never when a block pulled costs a recompute or more).
-    gain = w_rc - w_pull * price
-    min_pull = w_pull * fixed / gain if gain > 0 else math.inf
+    min_pull = pricing.min_pull(w_pull, w_rc)  # a pull pays for more blocks than this
 
     args = (
         total_blocks,

@@ -101,10 +101,6 @@ def default_operator() -> str:
 
 
 # ------------------------------------------------------------------------- records
-def _loads(raw: bytes, what: str) -> dict:
-    return json_object(raw, what)
-
-
 @dataclass(frozen=True, slots=True)
 class Ack:
     """A member's acknowledgement of a namespace generation."""
@@ -119,7 +115,7 @@ class Ack:
     def parse(cls, raw: bytes) -> "Ack":
         if raw.strip().isdigit():  # a bare generation is accepted too
             return cls(int(raw))
-        d = _loads(raw, "ack")
+        d = json_object(raw, "ack")
         return cls(int(d["generation"]), int(d.get("dropped", 0)))
 
 
@@ -137,7 +133,7 @@ class NameAck:
 
     @classmethod
     def parse(cls, raw: bytes) -> "NameAck":
-        d = _loads(raw, "name ack")
+        d = json_object(raw, "name ack")
         return cls(int(d["revision"]), int(d.get("flushed", 0)), int(d.get("dropped", 0)))
 
 
@@ -153,7 +149,7 @@ class SwitchAck:
 
     @classmethod
     def parse(cls, raw: bytes) -> "SwitchAck":
-        d = _loads(raw, "kill switch ack")
+        d = json_object(raw, "kill switch ack")
         return cls(bool(d["enabled"]), int(d["revision"]))
 
 
@@ -190,7 +186,7 @@ class Quota:
 
     @classmethod
     def parse(cls, raw: bytes) -> "Quota":
-        d = _loads(raw, "tenant quota")
+        d = json_object(raw, "tenant quota")
         return cls(d.get("hbm_limit_bytes"), d.get("nvme_limit_bytes"))
 
     def describe(self) -> str:
@@ -215,7 +211,7 @@ class AuditRecord:
 
     @classmethod
     def parse(cls, raw: bytes) -> "AuditRecord":
-        d = _loads(raw, "audit record")
+        d = json_object(raw, "audit record")
         return cls(
             float(d["at"]),
             str(d["who"]),

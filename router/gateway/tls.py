@@ -68,17 +68,13 @@ class GatewayTLS:
         return tuple(out)
 
 
-def _read_pem(path: str, what: str) -> None:
-    read_pem(path, what, who="gateway tls")
-
-
 def server_context(tls: GatewayTLS) -> ssl.SSLContext:
     """The listener's context; every file readable PEM that OpenSSL takes, else a
     TLSFilesError (a ValueError) naming the file, before anything listens."""
-    _read_pem(tls.cert_file, "certificate")
-    _read_pem(tls.key_file, "private key")
+    read_pem(tls.cert_file, "certificate", who="gateway tls")
+    read_pem(tls.key_file, "private key", who="gateway tls")
     if tls.ca_file:
-        _read_pem(tls.ca_file, "CA file")
+        read_pem(tls.ca_file, "CA file", who="gateway tls")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
