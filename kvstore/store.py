@@ -383,6 +383,9 @@ class BlockStore:
         finally:
             with self.lock:
                 done = self._writes.commit(st, generation, plan, written)
+                # Blocks sent that the node held already: a client re-sending what it could
+                # have known was here (its Lookup said so) shows up as this counter growing.
+                self.counters["put_already_present"] += planned.already + done.raced
         # A block another writer committed while this one copied is present, not stored.
         return PutResult(done.stored, planned.already + done.raced)
 

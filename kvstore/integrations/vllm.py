@@ -87,6 +87,7 @@ class _ReqState:
     ids: list[bytes]  # kvstore ids of every full prompt block
     prompt_len: int
     stored: int  # leading blocks kvstore holds (matched) or that were sent for saving
+    served: int = 0  # leading blocks loaded from kvstore (stored, less the last token's)
     block_ids: list[int] = field(default_factory=list)
     pending_load: LoadSpec | None = None
 
@@ -175,13 +176,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, False  # a peer pull for it runs: ask again next step
         tokens = list(request.prompt_token_ids or [])
         salt = getattr(request, "cache_salt", None)
-        # At least one token is computed: the engine needs its logits.
+        # At least one token is computed: the engine needs its logits. The lookup still
+        # asks for every full block, so that a held block holding the last token (a
+        # block-aligned prompt) is known as held and not Put again after the prefill.
         usable = (len(tokens) - 1) // bs
-        ids, matched = self._link.prefix(tokens, usable, salt, self._count_id(rid))
+        ids, matched = self._link.prefix(tokens, len(tokens) // bs, salt, self._count_id(rid))
+        served = min(matched, usable)
         if (
             puller is not None
             and ids
-            and matched < usable
+            and served < usable
             and puller.start(
                 rid,
                 ids[:usable],
@@ -190,8 +194,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
         ):
             return None, False
-        self._reqs[rid] = _ReqState(salt, ids, len(tokens), matched)
-        external = matched * bs - num_computed_tokens
+        self._reqs[rid] = _ReqState(salt, ids, len(tokens), matched, served)
+        external = served * bs - num_computed_tokens
         if external <= 0:
             return 0, False
         return external, False
@@ -205,13 +209,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         bs = self._block_size
-        first = st.stored - num_external_tokens // bs
+        first = st.served - num_external_tokens // bs
         st.pending_load = LoadSpec(
             request.request_id,
             st.salt,
-            st.ids[first : st.stored],
+            st.ids[first : st.served],
             st.ids[first - 1] if first else None,
-            block_ids[first : st.stored],
+            block_ids[first : st.served],
             self._count_id(request.request_id),
         )
 

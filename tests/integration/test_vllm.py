@@ -45,7 +45,9 @@ def _prompts() -> dict[str, list[int]]:
         return [rng.randrange(1, 1000) for _ in range(n)]
 
     a = ids(200)
-    return {"A": a, "B": a[:100] + ids(100), "C": ids(150), "D": ids(120)}
+    # E is block-aligned (6 full blocks): the block holding its last token is computed
+    # even on a hit, and must not be stored again.
+    return {"A": a, "B": a[:100] + ids(100), "C": ids(150), "D": ids(120), "E": ids(6 * BLOCK)}
 
 
 def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
@@ -103,8 +105,8 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         "tiny": {"seed": 1},
         "block_size": BLOCK,
         "engines": [
-            {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D")]]},
-            {"kvstore": extra, "batches": [[req("A"), req("C", "s1")]]},
+            {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D"), req("E")]]},
+            {"kvstore": extra, "batches": [[req("A"), req("C", "s1"), req("E")]]},
             {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
             {
                 "kvstore": extra,
@@ -114,6 +116,10 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
                     [req("C", "s2")],
                     [req("C", "s1")],
                     [req("C")],
+                    {"wait": "count-puts"},
+                    [req("E")],
+                    {"drain": True},
+                    {"wait": "count-puts"},
                     {"wait": "flush"},
                     [req("A")],
                     {"drain": True},
@@ -131,9 +137,13 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         ],
     }
     waits = []
+    resent = []  # the agent's count of blocks Put that it held already
 
     def on_wait(name: str) -> None:
         waits.append(name)
+        if name == "count-puts":
+            resent.append(dict(AgentClient(agent.address).stats().counters)["put_already_present"])
+            return
         if name == "kill-agent":
             agent.kill()
             return
@@ -155,9 +165,9 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         batches = _run_plan(tmp_path, plan, on_wait)
     finally:
         proxy.close()
-    ref = {k: o["tokens"] for k, o in zip("ABCD", batches[0]["outputs"])}
+    ref = {k: o["tokens"] for k, o in zip("ABCDE", batches[0]["outputs"])}
     first = batches[1]["outputs"]
-    assert [o["tokens"] for o in first] == [ref["A"], ref["C"]]
+    assert [o["tokens"] for o in first] == [ref["A"], ref["C"], ref["E"]]
     assert all(o["cached"] == 0 for o in first)  # nothing stored yet
 
     # The agent holds A but every Get fails: the blocks the scheduler counted are reported
@@ -175,6 +185,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         (c_s2,),
         (c_s1,),
         (c_plain,),
+        (e,),
         (a_flushed,),
         (a_again,),
         (a_killswitch,),
@@ -190,6 +201,10 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     assert c_s2 == {"tokens": ref["C"], "cached": 0}
     assert c_s1 == {"tokens": ref["C"], "cached": (150 - 1) // BLOCK * BLOCK}
     assert c_plain == {"tokens": ref["C"], "cached": 0}
+    # A block-aligned prompt held whole: its last block is recomputed (the engine needs the
+    # last token's logits) but not Put again: the lookup asked for it too.
+    assert e == {"tokens": ref["E"], "cached": 5 * BLOCK}
+    assert len(resent) == 2 and resent[1] == resent[0], resent
     # `kvctl flush` drops the namespace's blocks: recomputed, same tokens; the recomputed
     # prompt is stored again under the new generation and served from there.
     assert a_flushed == {"tokens": ref["A"], "cached": 0}
@@ -201,6 +216,8 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     # (d) the agent killed mid-run: every request completes, same tokens, recomputed.
     assert waits == [
         "fail-get",
+        "count-puts",
+        "count-puts",
         "flush",
         "killswitch-on",
         "killswitch-off",

@@ -53,7 +53,9 @@ def test_put_lookup_get_round_trip(make_store):
     assert [s.block_id for s in served] == ids
     assert all(s.tier == Tier.HBM for s in served)
     assert data == [it.data for it in items]
+    assert store.counters["put_already_present"] == 0
     assert put(store, items) == (0, 5)  # idempotent
+    assert store.counters["put_already_present"] == 5  # re-sent blocks are counted
     other_ids, _ = prompt(2, 3)
     assert lookup(store, other_ids) == (0, 0, 0)
     check_invariants(store)
