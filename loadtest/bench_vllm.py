@@ -11,8 +11,10 @@ against one agent started here:
 - `offload`: vLLM's CPU OffloadingConnector (`offload_skipped` with the reason when it does
   not start on the CPU backend);
 - `kvstore`: prefix cache plus KVStoreConnector; then `warm`: the final turns again on that
-  engine; `cross_kvstore`: a fresh kvstore engine serving those final turns (what a restart
-  or a second engine on the host sees); `cross_prefix`: a fresh engine, own cache only.
+  engine (`--repeats` times round, each a hit in its own prefix cache); `cross_kvstore`: a
+  fresh kvstore engine serving those final turns (what a restart or a second engine on the
+  host sees); `cross_prefix`: a fresh engine, own cache only. The cross figures have one
+  sample per conversation: `--conversations` sets how many.
 
 TTFT here is the latency of a one-token greedy generate of one request in the engine's
 process (no HTTP, no streaming client): prefill plus one step, which is what the cache
@@ -77,9 +79,12 @@ def _summary(name: str, batches: list[dict]) -> dict:
     }
 
 
-def plan(model: str, tiny: dict, workload, extra: dict, offload_bytes: int) -> dict:
+def plan(
+    model: str, tiny: dict, workload, extra: dict, offload_bytes: int, repeats: int = 1
+) -> dict:
     order = [p for turn in zip(*workload) for p in turn]  # turn by turn, interleaved
     final = [conv[-1] for conv in workload]
+    again = final * repeats  # more samples of the warm figure
     offload = {
         "kv_connector": "OffloadingConnector",
         "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes},
@@ -103,7 +108,7 @@ def plan(model: str, tiny: dict, workload, extra: dict, offload_bytes: int) -> d
                 "name": "kvstore",
                 "prefix_caching": True,
                 "kvstore": extra,
-                "batches": _reqs(order) + _reqs(final),
+                "batches": _reqs(order) + _reqs(again),
             },
             {
                 "name": "cross_kvstore",
@@ -129,7 +134,7 @@ def run(args) -> dict:
                 "tenant_secret": "bench",
                 "shm_mib": 64,
             }
-            p = plan(str(Path(tmp) / "model"), tiny, workload, extra, 256 << 20)
+            p = plan(str(Path(tmp) / "model"), tiny, workload, extra, 256 << 20, args.repeats)
             (Path(tmp) / "plan.json").write_text(json.dumps(p))
             r = subprocess.run(
                 [str(VLLM_PY), "-m", "loadtest.vllm_run", str(Path(tmp) / "plan.json")],
@@ -155,6 +160,7 @@ def run(args) -> dict:
     out: dict = {
         "conversations": args.conversations,
         "turns": args.turns,
+        "repeats": args.repeats,
         "system_tokens": args.system,
         "layers": args.layers,
         "hidden": args.hidden,
@@ -183,12 +189,29 @@ def run(args) -> dict:
         if by[n]
     }
     finals = [[b["outputs"][0]["tokens"] for b in by[n]] for n in ("cross_kvstore", "cross_prefix")]
-    finals.append([b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]])
+    finals.append([b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]][: len(finals[0])])
+    # every warm repeat gave what the first did
+    warm_again = [b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]]
     out["identical_outputs"] = (
         len({json.dumps(v) for v in first.values()}) == 1
         and len({json.dumps(v) for v in finals}) == 1
+        and warm_again == finals[0] * args.repeats
     )
+    out["goals"] = goals(out)
     return out
+
+
+def goals(res: dict) -> dict[str, bool]:
+    """The issue's goals, each against figures of the same run."""
+    g = {
+        "kvstore<=0.5*nocache": res["kvstore_ttft_p50_ms"] <= 0.5 * res["nocache_ttft_p50_ms"],
+        "cross_kvstore<=1.2*warm": res["cross_kvstore_ttft_p50_ms"]
+        <= 1.2 * res["warm_ttft_p50_ms"],
+        "identical_outputs": res["identical_outputs"],
+    }
+    if "offload_ttft_p50_ms" in res:  # else offload_skipped says why
+        g["kvstore<=offload"] = res["kvstore_ttft_p50_ms"] <= res["offload_ttft_p50_ms"]
+    return g
 
 
 def main() -> None:
@@ -200,7 +223,17 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=32, help="tokens per assistant turn")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
-    print(json.dumps(run(ap.parse_args())))
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="times the final turns are served again on the warm engine",
+    )
+    args = ap.parse_args()
+    for name in ("conversations", "turns", "repeats", "layers", "hidden"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    print(json.dumps(run(args)))
 
 
 if __name__ == "__main__":
