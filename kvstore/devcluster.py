@@ -488,6 +488,7 @@ def _start_engines(state, opts, etcd, agents, gw_url, say, started, client) -> l
             f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
             str(d), ttl_s=opts.lease_ttl_s, kv_events_ports=(free_port(), free_port()),
             events_host="127.0.0.1" if opts.tls else "*", tls_dir=tls_dir,
+            device=f"cpu:{socket.gethostname()}",
         )  # fmt: skip
         proc = start_engine(launch, new_session=True)
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))

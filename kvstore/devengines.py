@@ -57,6 +57,9 @@ class EngineLaunch:
     # The connector and the registrar present its client pair; vLLM serves HTTPS with
     # its server pair (valid for 127.0.0.1) and requires a certificate of its CA.
     tls_dir: str = ""
+    # The compute it runs on, as the router sees it (EngineRecord.device): the dev
+    # cluster's CPU engines all share this host's cores.
+    device: str = ""
 
     @property
     def url(self) -> str:
@@ -135,7 +138,8 @@ class EngineLaunch:
             "--model", self.served_name, "--etcd-endpoints", self.etcd_endpoint,
             "--namespace-file", str(Path(self.workdir) / "namespace.json"),
             "--ttl", str(self.ttl_s), "--check-interval", "0.5", *self._events_args(),
-            *self._registrar_tls_args(), "--", *self.vllm_command(),
+            *self._registrar_tls_args(), *(["--device", self.device] if self.device else []),
+            "--", *self.vllm_command(),
         ]  # fmt: skip
 
 

@@ -35,8 +35,10 @@ DEFAULT_LOCAL_PRICE = 0.05  # a block loaded from the node's agent vs. recompute
 class EngineLoad:
     engine_id: str
     node_id: str
+    # requests in flight and their prefill work queued (in blocks) where the engine
+    # computes: on its device when it shares one with other engines (EngineRecord.device)
     in_flight: int = 0
-    queued: float = 0.0  # prefill work of its in-flight requests, in blocks
+    queued: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

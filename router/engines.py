@@ -137,6 +137,29 @@ class EngineBoard:
         self._work[engine] = max(0.0, self._work[engine] - work)
         return True
 
+    def _loads(self, model: str) -> list[EngineLoad]:
+        """Each engine serving `model` with the requests in flight and the prefill work
+        queued where it computes: on its device, whichever engine queued them, when it
+        shares one (two engines on one GPU, or on one host's CPU cores); else its own.
+        Moving a request between engines of one device does not shorten its queue, it
+        only costs their caches."""
+        on_device: dict[str, tuple[int, float]] = {}
+        for e, st in self.engines.items():
+            if st.record.device:
+                n, w = on_device.get(st.record.device, (0, 0.0))
+                on_device[st.record.device] = (
+                    n + self._count.get(e, 0),
+                    w + self._work.get(e, 0.0),
+                )
+        loads = []
+        for e, st in self.engines.items():
+            if model and model not in st.record.models:
+                continue
+            dev = st.record.device
+            n, w = on_device[dev] if dev else (self._count.get(e, 0), self._work.get(e, 0.0))
+            loads.append(EngineLoad(e, st.record.node_id, n, w))
+        return loads
+
     # --------------------------------------------------------------- routing
     def route(
         self,
@@ -155,11 +178,7 @@ class EngineBoard:
             raise errors.InvalidArgument(
                 f"block_ids is {len(packed_ids)} bytes, not a multiple of {BLOCK_ID_BYTES}"
             )
-        loads = [
-            EngineLoad(e, st.record.node_id, self._count.get(e, 0), self._work.get(e, 0.0))
-            for e, st in self.engines.items()
-            if not model or model in st.record.models
-        ]
+        loads = self._loads(model)
         if not loads:
             raise errors.Unavailable(
                 f"no engine serving {model!r} is registered" if model else "no engine is registered"

@@ -35,6 +35,9 @@ class EngineRecord:
     block_size: int = 0
     kv_events_endpoint: str | None = None  # vLLM's ZMQ KV-event publisher, when enabled
     kv_events_replay_endpoint: str | None = None
+    # The compute the engine runs on (e.g. "cuda:GPU-<uuid>", "cpu:<host>"): engines naming
+    # the same device share it, so the router adds up their queues. "": a device of its own.
+    device: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id or "/" in self.engine_id:
@@ -47,6 +50,8 @@ class EngineRecord:
             raise ValueError(f"engine {self.engine_id}: block_size must be an int >= 0")
         if not isinstance(self.namespace, dict):
             raise ValueError(f"engine {self.engine_id}: namespace must be a JSON object")
+        if not isinstance(self.device, str) or len(self.device) > 256:
+            raise ValueError(f"engine {self.engine_id}: device must be a string of <= 256 chars")
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "url", self.url.rstrip("/"))
 

@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--etcd-prefix", default=None)
     p.add_argument("--kv-events-endpoint", default=None)
     p.add_argument("--kv-events-replay-endpoint", default=None)
+    p.add_argument(
+        "--device",
+        default="",
+        help="the compute the engine runs on (e.g. cpu:HOST, cuda:GPU-UUID): engines naming "
+        "the same device share it, and the router adds up their queued work",
+    )
     p.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds")
     p.add_argument("--check-interval", type=float, default=1.0)
     p.add_argument("--unhealthy-after", type=int, default=2)
@@ -105,6 +111,7 @@ def engine_record(args: argparse.Namespace) -> EngineRecord | None:
         block_size=int(namespace.get("block_size", 0)),
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        device=args.device,
     )
 
 
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args, cmd = parse_args(argv)
     try:
         parse_endpoints(args.etcd_endpoints)
-        EngineRecord(args.engine_id, args.url, tuple(args.model), args.node_id)
+        EngineRecord(args.engine_id, args.url, tuple(args.model), args.node_id, device=args.device)
         if args.ttl < 1:
             raise ValueError("--ttl must be >= 1")
         tls = etcd_tls(args)

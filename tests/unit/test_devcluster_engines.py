@@ -7,7 +7,11 @@ and registrar present the client pair, and its KV event ports stay on loopback."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import pytest
+
+from kvstore.coord.engines import EngineRecord
 from kvstore.devcluster import UpOptions, agent_slot_bytes
 from kvstore.devengines import (
     MODEL_HEADS,
@@ -17,6 +21,7 @@ from kvstore.devengines import (
     EngineLaunch,
     model_block_bytes,
 )
+from kvstore.integrations.vllm_serve import engine_record, parse_args
 from tests.support.common import make_namespace
 
 
@@ -76,3 +81,19 @@ def test_a_plaintext_engine_is_launched_as_before():
     extra = json.loads(_after(cmd, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert "tls_dir" not in extra
     assert _after(cmd, "--kv-events-endpoint") == "tcp://*:5557"
+
+
+def test_the_device_an_engine_computes_on_reaches_its_record(tmp_path):
+    """The dev cluster's engines share the host's CPU cores: each names the device, and
+    the registrar puts it in the record the router adds queues up by."""
+    cmd = replace(_launch(device="cpu:host-a"), workdir=str(tmp_path)).command()
+    own = cmd[cmd.index("-m") + 2 : cmd.index("--")]  # the registrar's own arguments
+    assert _after(own, "--device") == "cpu:host-a"
+    (tmp_path / "namespace.json").write_text(json.dumps({"block_size": 32}))
+    args, _ = parse_args([*own, "--namespace-file", str(tmp_path / "namespace.json")])
+    rec = engine_record(args)
+    assert rec is not None and rec.device == "cpu:host-a"
+    assert EngineRecord.from_json(rec.to_json()).device == "cpu:host-a"
+    assert "--device" not in _launch().command()  # none named: a device of its own
+    with pytest.raises(ValueError, match="device must be a string"):
+        replace(rec, device="x" * 257)

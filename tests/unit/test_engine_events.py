@@ -5,6 +5,7 @@ one golden payload was encoded by vLLM's own msgspec classes."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -268,6 +269,42 @@ def test_engine_cache_evictions_seen_through_events_change_the_choice():
     d = core.route_engines(ns_id, ids, "tiny", dry_run=True)
     assert d.chosen.engine_id == "e2"  # no cache left on e1, and it is busier
     assert {s.engine_id: s.engine_blocks for s in d.scores} == {"e1": 0, "e2": 0}
+
+
+def test_engines_sharing_a_device_share_its_queue():
+    """Two engines on one device (one GPU, or one host's CPU cores): work queued on either
+    delays both, so it moves no request away from the engine holding its prefix; engines
+    of their own devices are balanced by their own queues."""
+
+    def board(device: str):
+        core = core_with(
+            replace(record("e1", "n1"), device=device), replace(record("e2", "n2"), device=device)
+        )
+        ev, _ = stored_events(TOKENS)
+        core.engines.engines["e1"].stream.live(0, payload(ev))
+        for i in range(4):  # e1 is busy: four requests of 20 blocks of prefill each
+            core.engines.hold(f"busy-{i}", "e1", 20.0)
+        return core, core.route_engines(
+            NS.namespace_id, connector_ids(TOKENS), "tiny", dry_run=True
+        )
+
+    _, own = board("")
+    assert own.chosen.engine_id == "e2"  # e1's own queue outweighs its five cached blocks
+    core, shared = board("cpu:host-a")
+    by = {s.engine_id: s for s in shared.scores}
+    assert shared.chosen.engine_id == "e1"
+    assert (
+        (by["e1"].in_flight, by["e1"].queued) == (by["e2"].in_flight, by["e2"].queued) == (4, 80.0)
+    )
+    assert by["e1"].engine_blocks == 5 and by["e1"].load_cost == by["e2"].load_cost
+    # A request done with its prefill leaves the device's queue, whichever engine ran it.
+    core.engines.prefill_done("busy-0")
+    assert (
+        core.route_engines(NS.namespace_id, connector_ids(TOKENS), "tiny", dry_run=True)
+        .scores[1]
+        .queued
+        == 60.0
+    )
 
 
 def test_pricing_order_engine_cache_then_agent_then_peer_then_recompute():
