@@ -225,3 +225,38 @@ def test_a_full_store_keeps_a_prefix_on_its_holder_where_an_empty_one_copies_it(
         assert top.node_id == chosen, (fill, top)
         if chosen == "b":
             assert top.space_cost == pytest.approx(DUPLICATE_PRICE * 100)
+
+
+def test_a_router_whose_agents_stores_are_full_leaves_a_prefix_with_its_holder():
+    """The decision end to end: a holds 100 blocks of a 110-block prompt and a queue of
+    150 blocks; pulls cost 1 s (never pay). With the stores full, b would recompute 110
+    blocks and push 100 others out of the store: a keeps the request. (At the flat 0.15 a
+    copy, b took it for 110 + 15 against a's 164.)"""
+    core = RouterCore(Weights(), prefill_tokens_per_s=16_000)
+    cap = 100 * BLOCK
+
+    def record(n: str) -> NodeRecord:
+        return NodeRecord(
+            n,
+            f"h:{ord(n)}",
+            hbm_capacity_bytes=cap // 4,
+            nvme_capacity_bytes=cap - cap // 4,
+            pull_fixed_ms=1000,
+            pull_samples=5,
+        )
+
+    for n in ("a", "b"):
+        core.upsert_node(record(n))
+        core.mark_synced(n)
+    core.set_namespace_layout(NS, BLOCK, 16)
+    ids = hash_chain(bytes(16), list(range(16 * 110)), 16)
+    other = hash_chain(b"\x02" * 16, list(range(16 * 100)), 16)
+    core.index.store("a", ids[:100])
+    core.index.store("b", other)  # b is full of other prefixes
+    core.upsert_node(record("a"))  # the next heartbeat: the router re-measures
+    assert core.pricing(NS).store_fill == 1.0
+    core.hold("busy", "a", 150.0)
+    d = core.route(NS, pack_ids(ids), request_id="r")
+    assert d.chosen.node_id == "a" and d.chosen.local_blocks == 100
+    b = by_node(d.scores)["b"]
+    assert b.space_cost == pytest.approx(100.0) and b.peer_blocks == 0
