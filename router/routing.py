@@ -272,11 +272,13 @@ class RouterCore:
         if st is None:
             self.nodes[record.node_id] = NodeState(record)
             self.index.add_node(record.node_id)
+            self._capacity_bytes += _capacity_of(record)
             self._measure_pulls()
             self._measure_store()
             return True
         moved = st.record.address != record.address
         old, st.record = st.record, record
+        self._capacity_bytes += _capacity_of(record) - _capacity_of(old)
         if _pull_of(old) != _pull_of(record):
             self._measure_pulls()
         self._measure_store()  # a heartbeat: the index has moved on since the last one
@@ -286,7 +288,9 @@ class RouterCore:
         return moved
 
     def remove_node(self, node_id: str) -> None:
-        if self.nodes.pop(node_id, None) is not None:
+        st = self.nodes.pop(node_id, None)
+        if st is not None:
+            self._capacity_bytes -= _capacity_of(st.record)
             self.board.remove(node_id)
             n = self.index.drop_node(node_id)
             self.inflight.forget_node(node_id)
@@ -346,10 +350,6 @@ class RouterCore:
         """Re-measure the store's fill (Pricing.store_fill, which prices a copy's pool
         space): one figure for the cluster, like the pull cost, so that score_ranked's
         order holds. Prices are rebuilt only for layouts whose fill moved."""
-        self._capacity_bytes = sum(
-            st.record.hbm_capacity_bytes + st.record.nvme_capacity_bytes
-            for st in self.nodes.values()
-        )
         fill = self._store_fill(DEFAULT_BLOCK_BYTES)
         if fill != self._default_pricing.store_fill:
             self._default_pricing = self._priced(DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_TOKENS)
@@ -512,6 +512,11 @@ class RouterCore:
         if prefill_done:
             return self.inflight.prefill_done(request_id, tenant)
         return self.inflight.release(request_id, tenant)
+
+
+def _capacity_of(r: NodeRecord) -> int:
+    """Bytes of blocks a node's store holds: its device pool and NVMe tier."""
+    return r.hbm_capacity_bytes + r.nvme_capacity_bytes
 
 
 def _pull_of(r: NodeRecord) -> tuple[float, float]:
