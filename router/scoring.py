@@ -31,9 +31,9 @@ the NVMe tier has room, the block it pushes out of the pool is demoted and costs
 when wanted again (DUPLICATE_PRICE); once the store is full it is dropped and costs a
 recompute. The router measures the store's fill (Pricing.store_fill: blocks its index
 holds over the agents' device-pool plus NVMe capacity) and prices a copy between the two.
-Measured on the timestamp-first replay (docs/benchmarks.md): at the flat 0.15 the router
-made 1.4 x the blocks consistent hashing stored, overflowed the NVMe tiers (5 x the drops)
-and lost those prefixes later.
+On the timestamp-first replay on a busy host (docs/benchmarks.md) the flat 0.15 had the
+router store 1.35 x the blocks consistent hashing stored, drop 5 x as many from NVMe and
+lose those prefixes later.
 
 Queued work is the recompute blocks (plus the pull, priced as above) of the requests in
 flight on n: a request waits behind that prefill, so one queued block weighs what one
