@@ -135,6 +135,7 @@ class Measured:
     put_s: float  # Put of the prompt's new blocks
     errors: tuple[str, ...]  # calls that failed ("get: UNKNOWN") or fell short
     route_rpc_s: float = 0.0  # the Route call's wall time, harness to router and back
+    candidates: tuple[report.Candidate, ...] = ()  # the router's pricing (ours only)
 
     @property
     def transfer_s(self) -> float:
@@ -266,6 +267,7 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
     errors: list[str] = []
     t0 = time.perf_counter()
     rid, peer, best, chosen, rpc_s = "", 0, -1, -1, 0.0
+    priced: tuple[report.Candidate, ...] = ()
     if address is None:
         # Hashing as every policy pays it; then the Route call, timed on its own.
         hash_chain(ns.root, req.tokens, BLOCK)
@@ -281,6 +283,7 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
         top = resp.candidates[0]
         peer, chosen = top.peer_blocks, top.local_blocks + top.peer_blocks
         best = max(c.local_blocks for c in resp.candidates)
+        priced = tuple(_candidate(c) for c in resp.candidates)
         t_rpc = time.perf_counter()
         rpc_s = t_rpc - t_hash
         if sess.route_charge == "decision":
@@ -327,6 +330,23 @@ def serve(sess: Session, req: TraceRequest, address: str | None, node: str) -> M
         t4 - t3,
         tuple(errors),
         rpc_s,
+        priced,
+    )
+
+
+def _candidate(c: router_pb2.Candidate) -> report.Candidate:
+    return report.Candidate(
+        c.node_id,
+        c.local_blocks,
+        c.peer_blocks,
+        c.in_flight,
+        round(c.queued_blocks, 2),
+        round(c.cost, 2),
+        round(c.recompute_cost, 2),
+        round(c.peer_cost, 2),
+        round(c.space_cost, 2),
+        round(c.load_cost, 2),
+        round(c.utilization_cost, 2),
     )
 
 
@@ -416,6 +436,7 @@ class Replayer:
                 m.get_s,
                 m.put_s,
                 m.route_rpc_s,
+                m.candidates,
             )
         )
 

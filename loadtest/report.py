@@ -23,6 +23,24 @@ PERCENTILES = (50, 95, 99)
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """One node as the router priced it for a request (RouteResponse.candidates), so a
+    report can show why a request went where it did. Costs in blocks recomputed."""
+
+    node: str
+    local_blocks: int
+    peer_blocks: int
+    in_flight: int
+    queued_blocks: float
+    cost: float
+    recompute: float
+    peer: float
+    space: float
+    load: float
+    utilization: float
+
+
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """One replayed request under one policy. Times are simulated seconds, except
     `transfer_s` and its phases, measured wall time: transfer_s = route_s + prefetch_s +
@@ -52,6 +70,7 @@ class Outcome:
     get_s: float = 0.0  # Get of the cached prefix
     put_s: float = 0.0  # Put of the new blocks (after prefill: not in TTFT)
     route_rpc_s: float = 0.0  # the harness's Route call (ours; in route_s only with rpc)
+    candidates: tuple[Candidate, ...] = ()  # the router's, cheapest first (ours only)
 
 
 @dataclass(frozen=True, slots=True)

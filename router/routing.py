@@ -229,6 +229,7 @@ class RouterCore:
         self.killswitch = False
         self._prefill_tokens_per_s, self._peer_gbps = prefill_tokens_per_s, peer_gbps
         self._pull: tuple[float, float] | None = None  # (fixed s, s per byte), measured
+        self._capacity_bytes = 0  # the agents' device pools and NVMe tiers together
         self._default_pricing = Pricing(prefill_tokens_per_s, peer_gbps)
         self._layouts: dict[bytes, tuple[int, int]] = {}  # ns -> (block bytes, tokens)
         self._pricing: dict[bytes, Pricing] = {}
@@ -271,23 +272,30 @@ class RouterCore:
         if st is None:
             self.nodes[record.node_id] = NodeState(record)
             self.index.add_node(record.node_id)
+            self._capacity_bytes += _capacity_of(record)
             self._measure_pulls()
+            self._measure_store()
             return True
         moved = st.record.address != record.address
         old, st.record = st.record, record
+        self._capacity_bytes += _capacity_of(record) - _capacity_of(old)
         if _pull_of(old) != _pull_of(record):
             self._measure_pulls()
+        self._measure_store()  # a heartbeat: the index has moved on since the last one
         if moved:
             st.synced = False
         self._touch(record.node_id)
         return moved
 
     def remove_node(self, node_id: str) -> None:
-        if self.nodes.pop(node_id, None) is not None:
+        st = self.nodes.pop(node_id, None)
+        if st is not None:
+            self._capacity_bytes -= _capacity_of(st.record)
             self.board.remove(node_id)
             n = self.index.drop_node(node_id)
             self.inflight.forget_node(node_id)
             self._measure_pulls()
+            self._measure_store()
             log.info("node %s left; dropped %d index entries", node_id, n)
 
     def begin_snapshot(self, node_id: str, epoch: str) -> None:
@@ -327,7 +335,27 @@ class RouterCore:
             block_tokens,
             fixed,
             per_byte,
+            self._store_fill(block_bytes),
         )
+
+    def _store_fill(self, block_bytes: int) -> float:
+        """How full the agents' stores are, 0..1, counting every indexed block at
+        `block_bytes` (exact where namespaces share a layout), to 2 decimals so that
+        prices are rebuilt only when it moves. 0 before any agent reports capacity."""
+        if self._capacity_bytes <= 0:
+            return 0.0
+        return round(min(1.0, self.index.entries * block_bytes / self._capacity_bytes), 2)
+
+    def _measure_store(self) -> None:
+        """Re-measure the store's fill (Pricing.store_fill, which prices a copy's pool
+        space): one figure for the cluster, like the pull cost, so that score_ranked's
+        order holds. Prices are rebuilt only for layouts whose fill moved."""
+        fill = self._store_fill(DEFAULT_BLOCK_BYTES)
+        if fill != self._default_pricing.store_fill:
+            self._default_pricing = self._priced(DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_TOKENS)
+        for ns, (block_bytes, tokens) in self._layouts.items():
+            if self._store_fill(block_bytes) != self._pricing[ns].store_fill:
+                self._pricing[ns] = self._priced(block_bytes, tokens)
 
     def _measure_pulls(self) -> None:
         """The pull cost every price uses: the mean of the agents' measured fits
@@ -486,6 +514,11 @@ class RouterCore:
         return self.inflight.release(request_id, tenant)
 
 
+def _capacity_of(r: NodeRecord) -> int:
+    """Bytes of blocks a node's store holds: its device pool and NVMe tier."""
+    return r.hbm_capacity_bytes + r.nvme_capacity_bytes
+
+
 def _pull_of(r: NodeRecord) -> tuple[float, float]:
     """A node record's measured pull cost: (fixed seconds, seconds per byte)."""
     return r.pull_fixed_ms / 1e3, r.pull_ms_per_mib / 1e3 / (1 << 20)
@@ -499,6 +532,7 @@ def _log_decision(
     c = scores[0]
     log.debug(
         "route %s ns=%s blocks=%d recompute_ms=%.3f pull_fixed=%.2f peer_price=%.3f "
+        "space_price=%.3f "
         "-> %s local=%d peer=%d(%s) recompute=%d "
         "in_flight=%d queued=%.1f util=%.2f cost=%.3f [recompute=%.3f peer=%.3f "
         "space=%.3f load=%.3f util=%.3f] runner_up=%s",
@@ -508,6 +542,7 @@ def _log_decision(
         pricing.recompute_s * 1e3,
         pricing.pull_fixed,
         pricing.peer_price,
+        pricing.space_price,
         c.node_id,
         c.local_blocks,
         c.peer_blocks,

@@ -6,7 +6,7 @@ is a time on the chosen node:
 
     cost(n) = w_recompute x blocks n must recompute
             + w_peer x (pull_fixed + peer_price x blocks n fetches from a peer)
-            + DUPLICATE_PRICE x blocks n would duplicate
+            + space_price x blocks n would duplicate
             + w_load x requests in flight on n (as assigned by this router)
             + w_queue x prefill work queued on n (blocks, of those requests)
             + w_util x n's pool utilization (0..1, reported by the agent)
@@ -25,6 +25,15 @@ copy evicts a block that may be wanted later. Without this term an idle node alw
 a hot prefix from a busy holder, hot prefixes end up on every node and the copies push the
 rest of the working set out. It is the same for every node that holds none of the prompt,
 so those still rank by load alone (score_ranked).
+
+What a copy displaces depends on how full the whole store is (Pricing.space_price): while
+the NVMe tier has room, the block it pushes out of the pool is demoted and costs a read
+when wanted again (DUPLICATE_PRICE); once the store is full it is dropped and costs a
+recompute. The router measures the store's fill (Pricing.store_fill: blocks its index
+holds over the agents' device-pool plus NVMe capacity) and prices a copy between the two.
+On the timestamp-first replay on a busy host (docs/benchmarks.md) the flat 0.15 had the
+router store 1.35 x the blocks consistent hashing stored, drop 5 x as many from NVMe and
+lose those prefixes later.
 
 Queued work is the recompute blocks (plus the pull, priced as above) of the requests in
 flight on n: a request waits behind that prefill, so one queued block weighs what one
@@ -45,11 +54,12 @@ from typing import NamedTuple
 DEFAULT_BLOCK_BYTES = 2 << 20
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_QUEUE_WEIGHT = 1.0  # RouterConfig.weight_queue's default
-# What a block pushed out of a full pool costs later, in recomputes: it moves to the NVMe
-# tier (a read instead of a recompute when wanted again) or, that full too, is dropped.
-# Not measured: a judgement that most evicted blocks come back from NVMe. It is the value
-# the router charged before pulls were priced by measurement (0.5 x the old default
-# peer_fetch weight 0.3), kept so that this change moves only the transfer price.
+# What a block pushed out of a full pool costs later, in recomputes, while the NVMe tier
+# has room: it moves there (a read instead of a recompute when wanted again). Not
+# measured: a judgement, the value the router charged before pulls were priced by
+# measurement (0.5 x the old default peer_fetch weight 0.3). Once the store is full the
+# block pushed out is dropped and costs a recompute (1): Pricing.space_price goes from
+# this to 1 with the store's measured fill.
 DUPLICATE_PRICE = 0.15
 
 
@@ -114,12 +124,16 @@ class Pricing:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     peer_fixed_s: float = 0.0  # per Prefetch call, whatever its size
     peer_s_per_byte: float | None = None
+    # Blocks held over the blocks the agents' pools and NVMe tiers can hold, 0..1
+    # (RouterCore measures it): how likely a copy's block pushes one out of the store.
+    store_fill: float = 0.0
     # Derived once (every route reads them): seconds to recompute one block, the unit
     # every cost is counted in; one more block pulled / one recomputed; one pull's fixed
     # part in blocks recomputed.
     recompute_s: float = field(init=False, repr=False, compare=False)
     peer_price: float = field(init=False, repr=False, compare=False)
     pull_fixed: float = field(init=False, repr=False, compare=False)
+    space_price: float = field(init=False, repr=False, compare=False)  # per copied block
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:
@@ -130,6 +144,8 @@ class Pricing:
             v = getattr(self, name)
             if v is not None and not (v >= 0 and v != float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0.0 <= self.store_fill <= 1.0:
+            raise ValueError(f"store_fill must be in [0, 1], got {self.store_fill!r}")
         recompute_s = self.block_tokens / self.prefill_tokens_per_s
         if self.peer_s_per_byte is not None:
             transfer_s = self.block_bytes * self.peer_s_per_byte
@@ -138,6 +154,10 @@ class Pricing:
         object.__setattr__(self, "recompute_s", recompute_s)
         object.__setattr__(self, "peer_price", transfer_s / recompute_s)
         object.__setattr__(self, "pull_fixed", self.peer_fixed_s / recompute_s)
+        # A copy's block pushes one out of the pool: demoted while the store has room,
+        # dropped (recomputed when wanted) once it is full.
+        fill = self.store_fill
+        object.__setattr__(self, "space_price", DUPLICATE_PRICE + (1 - DUPLICATE_PRICE) * fill)
 
     def pull_blocks(self, n: int) -> float:
         """A pull of `n` blocks, in blocks recomputed (0 for none)."""
@@ -242,7 +262,7 @@ def score_ranked(
         w_rc,
         w_pull * price,
         w_pull * fixed,
-        DUPLICATE_PRICE,
+        pricing.space_price,
         weights.load,
         weights.queue,
         weights.utilization,

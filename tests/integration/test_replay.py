@@ -145,6 +145,17 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
     assert summary["headline"] == head
     rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 120
+    # Ours carries the router's candidates and their cost terms (why it went where it
+    # did), cheapest first; the baselines never asked the router.
+    terms = ("recompute", "peer", "space", "load", "utilization")
+    for r in rows:
+        if r["policy"] != "ours":
+            assert r["candidates"] == []
+            continue
+        top = r["candidates"][0]
+        assert top["node"] == r["node"] and len(r["candidates"]) == 2
+        assert top["cost"] == pytest.approx(sum(top[k] for k in terms), abs=0.05)
+        assert top["cost"] <= r["candidates"][1]["cost"]
     # The public documents: one keyspace for both tenants, so tenant-1's asks are hits
     # in the ceiling, and our router serves them from what tenant-0's stored.
     second = [r for r in rows if r["index"] >= SESSIONS * TURNS and r["index"] % 2]

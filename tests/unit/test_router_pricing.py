@@ -172,3 +172,91 @@ def test_router_prices_with_the_agents_measured_pulls():
     core.remove_node("a")
     core.remove_node("b")
     assert core.pull_cost is None and core.pricing(NS).pull_fixed == 0
+
+
+# ------------------------------------------------------------ a copy's pool space
+def test_a_copy_costs_a_demotion_while_the_store_has_room_and_a_recompute_once_full():
+    assert Pricing(store_fill=0.0).space_price == pytest.approx(DUPLICATE_PRICE)
+    assert Pricing(store_fill=1.0).space_price == pytest.approx(1.0)
+    half = Pricing(store_fill=0.5).space_price
+    assert DUPLICATE_PRICE < half < 1.0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="store_fill"):
+            Pricing(store_fill=bad)
+
+
+def test_the_router_measures_the_store_fill_from_its_index_and_the_agents_capacity():
+    core = RouterCore(Weights(), prefill_tokens_per_s=16_000)
+    cap = 100 * BLOCK  # pool and NVMe of each agent: 100 blocks in all
+    for n in ("a", "b"):
+        core.upsert_node(
+            NodeRecord(
+                n, f"h:{ord(n)}", hbm_capacity_bytes=cap // 4, nvme_capacity_bytes=cap - cap // 4
+            )
+        )
+        core.mark_synced(n)
+    core.set_namespace_layout(NS, BLOCK, 16)
+    assert core.pricing(NS).store_fill == 0.0
+    ids = hash_chain(bytes(16), list(range(16 * 150)), 16)
+    core.index.store("a", ids[:100])
+    core.index.store("b", ids[:50])
+    core.upsert_node(
+        NodeRecord(
+            "a", "h:97", hbm_capacity_bytes=cap // 4, nvme_capacity_bytes=cap - cap // 4, blocks=100
+        )
+    )
+    assert core.pricing(NS).store_fill == pytest.approx(150 / 200)
+    # A layout of twice the block size counts the same blocks as twice the bytes.
+    core.set_namespace_layout(b"\x01" * 16, 2 * BLOCK, 16)
+    assert core.pricing(b"\x01" * 16).store_fill == 1.0
+    core.remove_node("b")  # b's blocks and capacity go: a alone, full
+    assert core.pricing(NS).store_fill == 1.0
+
+
+def test_a_full_store_keeps_a_prefix_on_its_holder_where_an_empty_one_copies_it():
+    """a holds 100 blocks of a 110-block prompt and has 150 blocks queued. With room in
+    the store, b recomputing beside it wins (110 + 15 of space against 10 + 150); once the
+    store is full, each copy drops a block and b's cost becomes 110 + 100: a keeps it."""
+    nodes = [NodeLoad("a", queued=150.0), NodeLoad("b")]
+    w = Weights(recompute=1, peer_fetch=1, load=0, utilization=0, queue=1)
+    for fill, chosen in ((0.0, "b"), (1.0, "a")):
+        pricing = Pricing(16_000, 1.0, BLOCK, 16, 1.0, 0.0, store_fill=fill)  # pulls cost 1 s
+        top = score_nodes(110, {"a": 100}, nodes, w, pricing)[0]
+        assert top.node_id == chosen, (fill, top)
+        if chosen == "b":
+            assert top.space_cost == pytest.approx(DUPLICATE_PRICE * 100)
+
+
+def test_a_router_whose_agents_stores_are_full_leaves_a_prefix_with_its_holder():
+    """The decision end to end: a holds 100 blocks of a 110-block prompt and a queue of
+    150 blocks; pulls cost 1 s (never pay). With the stores full, b would recompute 110
+    blocks and push 100 others out of the store: a keeps the request. (At the flat 0.15 a
+    copy, b took it for 110 + 15 against a's 164.)"""
+    core = RouterCore(Weights(), prefill_tokens_per_s=16_000)
+    cap = 100 * BLOCK
+
+    def record(n: str) -> NodeRecord:
+        return NodeRecord(
+            n,
+            f"h:{ord(n)}",
+            hbm_capacity_bytes=cap // 4,
+            nvme_capacity_bytes=cap - cap // 4,
+            pull_fixed_ms=1000,
+            pull_samples=5,
+        )
+
+    for n in ("a", "b"):
+        core.upsert_node(record(n))
+        core.mark_synced(n)
+    core.set_namespace_layout(NS, BLOCK, 16)
+    ids = hash_chain(bytes(16), list(range(16 * 110)), 16)
+    other = hash_chain(b"\x02" * 16, list(range(16 * 100)), 16)
+    core.index.store("a", ids[:100])
+    core.index.store("b", other)  # b is full of other prefixes
+    core.upsert_node(record("a"))  # the next heartbeat: the router re-measures
+    assert core.pricing(NS).store_fill == 1.0
+    core.hold("busy", "a", 150.0)
+    d = core.route(NS, pack_ids(ids), request_id="r")
+    assert d.chosen.node_id == "a" and d.chosen.local_blocks == 100
+    b = by_node(d.scores)["b"]
+    assert b.space_cost == pytest.approx(100.0) and b.peer_blocks == 0
