@@ -246,11 +246,14 @@ def score_ranked(
         by_id = {n.node_id: n for n in ranked} if local else {}
     # Holders, longest prefix first, ties by node id; each one's best peer is the longest
     # other holder: the first one, or the second for the first itself.
-    held = (
-        sorted((-min(v, total_blocks), k) for k, v in local.items() if v and k in by_id)
-        if local
-        else []
-    )
+    # A list, not a generator into sorted(): a generator's frame costs more than the
+    # 1-3 holders it yields. min(v, total) without min's call.
+    held = [
+        (-(v if v < total_blocks else total_blocks), k)
+        for k, v in local.items()
+        if v and k in by_id
+    ]
+    held.sort()
     best = (-held[0][0], held[0][1]) if held else (0, "")
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price, fixed = pricing.peer_price, pricing.pull_fixed
@@ -303,34 +306,20 @@ def _others(
     sc = w_space * best[0]
     base = rc + pc + sc  # summed in _row's order: the same float
     rows: list[Score] = []
+    if limit <= 0:
+        return rows
+    skip = local.get if local else None
+    # NodeLoad fields by index (node_id, in_flight, utilization, queued): a tuple
+    # subscript is cheaper than a NamedTuple attribute, and this runs on every route.
     for n in ranked:
+        if skip is not None and skip(n[0]):
+            continue
+        lc = w_load * n[1] + w_queue * n[3]
+        uc = w_util * n[2]
+        row = (n[0], 0, pb0, pnode0, total - pb0, n[1], n[2], base + lc + uc, rc, pc, lc, uc)
+        rows.append(_new(Score, (*row, n[3], sc)))
         if len(rows) >= limit:
             break
-        if local and local.get(n.node_id):
-            continue
-        lc = w_load * n.in_flight + w_queue * n.queued
-        uc = w_util * n.utilization
-        rows.append(
-            _new(
-                Score,
-                (
-                    n.node_id,
-                    0,
-                    pb0,
-                    pnode0,
-                    total - pb0,
-                    n.in_flight,
-                    n.utilization,
-                    base + lc + uc,
-                    rc,
-                    pc,
-                    lc,
-                    uc,
-                    n.queued,
-                    sc,
-                ),
-            )
-        )
     return rows
 
 
@@ -352,24 +341,24 @@ def _row(
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_pull_fixed + w_peer_priced * peer_blocks if peer_blocks else 0.0
     sc = w_space * dup
-    lc = w_load * n.in_flight + w_queue * n.queued
-    uc = w_util * n.utilization
+    lc = w_load * n[1] + w_queue * n[3]  # NodeLoad by index, as in _others
+    uc = w_util * n[2]
     return _new(
         Score,
         (
-            n.node_id,
+            n[0],
             own,
             peer_blocks,
             peer,
             total - own - peer_blocks,
-            n.in_flight,
-            n.utilization,
+            n[1],
+            n[2],
             rc + pc + sc + lc + uc,
             rc,
             pc,
             lc,
             uc,
-            n.queued,
+            n[3],
             sc,
         ),
     )
