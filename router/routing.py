@@ -417,10 +417,11 @@ class RouterCore:
     def _scores(
         self, total: int, local: dict[str, int], w: Weights, pricing: Pricing
     ) -> list[Score]:
-        if len(self.board) and (w.load, w.utilization, w.queue) == (
-            self.weights.load,
-            self.weights.utilization,
-            self.weights.queue,
+        # `w is self.weights` first: a route without an override skips building tuples.
+        if len(self.board) and (
+            w is self.weights
+            or (w.load, w.utilization, w.queue)
+            == (self.weights.load, self.weights.utilization, self.weights.queue)
         ):
             return score_ranked(
                 total, local, self.board.ranked, w, pricing, MAX_CANDIDATES, self.board.by_id
@@ -462,7 +463,7 @@ class RouterCore:
             )
         total = len(packed_ids) // BLOCK_ID_BYTES
         local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
-        pricing = self.pricing(namespace_id)
+        pricing = self._pricing.get(namespace_id, self._default_pricing)  # self.pricing()
         scores = self._scores(total, local, weights or self.weights, pricing)
         # Unguessable (ids are capabilities within a tenant), ~1us on the hot path.
         rid = request_id or secrets.token_hex(16)

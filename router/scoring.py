@@ -203,9 +203,8 @@ class Score(NamedTuple):
 
 def load_cost(n: NodeLoad, weights: Weights) -> float:
     """The part of a node's cost that does not depend on the prompt."""
-    return (
-        weights.load * n.in_flight + weights.queue * n.queued + weights.utilization * n.utilization
-    )
+    # By index (in_flight, utilization, queued): LoadBoard costs every load it ranks.
+    return weights.load * n[1] + weights.queue * n[3] + weights.utilization * n[2]
 
 
 def score_nodes(
@@ -260,6 +259,8 @@ def score_ranked(
     w_pull, w_rc = weights.peer_fetch, weights.recompute
     min_pull = pricing.min_pull(w_pull, w_rc)  # a pull pays for more blocks than this
 
+    # One tuple of the route's weights and prices, unpacked by _row and _others: cheaper
+    # than passing them as 8 more arguments (or *args) on every call.
     args = (
         total_blocks,
         w_rc,
@@ -276,9 +277,9 @@ def score_ranked(
         own = -neg
         dup = plen - own if plen > own else 0
         pb = dup if dup > min_pull else 0
-        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, *args))
+        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, args))
     pb0 = best[0] if best[0] > min_pull else 0
-    out.extend(_others(ranked, local, limit, best, pb0, *args))
+    out.extend(_others(ranked, local, limit, best, pb0, args))
     out.sort(key=_ORDER)
     return out[:limit]
 
@@ -289,17 +290,11 @@ def _others(
     limit: int,
     best: tuple[int, str],
     pb0: int,
-    total: int,
-    w_recompute: float,
-    w_peer_priced: float,
-    w_pull_fixed: float,
-    w_space: float,
-    w_load: float,
-    w_queue: float,
-    w_util: float,
+    args: tuple[int, float, float, float, float, float, float, float],
 ) -> list[Score]:
     """The first `limit` nodes of `ranked` holding none of the prompt, scored: `_row`
     unrolled, since their prompt terms are the same (this runs on every route)."""
+    total, w_recompute, w_peer_priced, w_pull_fixed, w_space, w_load, w_queue, w_util = args
     pnode0 = best[1] if pb0 else ""
     rc = w_recompute * (total - pb0)
     pc = w_pull_fixed + w_peer_priced * pb0 if pb0 else 0.0
@@ -329,15 +324,9 @@ def _row(
     peer_blocks: int,
     peer: str,
     dup: int,
-    total: int,
-    w_recompute: float,
-    w_peer_priced: float,
-    w_pull_fixed: float,
-    w_space: float,
-    w_load: float,
-    w_queue: float,
-    w_util: float,
+    args: tuple[int, float, float, float, float, float, float, float],
 ) -> Score:
+    total, w_recompute, w_peer_priced, w_pull_fixed, w_space, w_load, w_queue, w_util = args
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_pull_fixed + w_peer_priced * peer_blocks if peer_blocks else 0.0
     sc = w_space * dup
