@@ -56,7 +56,7 @@ def _slots(held: int) -> list[int]:
 
 class Masks:
     """Interned holder masks (id 0: the empty mask) and their classes (the held bits
-    alone; class 0: held nowhere). `cls` is what the C walk reads."""
+    alone; class 0: held nowhere). `cls`, `off` and `mem` are what the C walk reads."""
 
     def __init__(self) -> None:
         self.mask: list[int] = [0]
