@@ -18,11 +18,20 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 SRC = "kvstore/native"
 SOURCES = [
     f"{SRC}/{name}.c"
-    for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable", "batch")
+    for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable", "idwalk", "batch")
 ]
 HEADERS = [
     f"{SRC}/{name}.h"
-    for name in ("common", "blake2b", "blake2b_impl", "xxh64", "copy", "idtable", "batch")
+    for name in (
+        "common",
+        "blake2b",
+        "blake2b_impl",
+        "xxh64",
+        "copy",
+        "idtable",
+        "idtable_impl",
+        "batch",
+    )
 ]
 
 

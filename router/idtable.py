@@ -11,9 +11,12 @@ Operations (both tables):
                                returns how many ids had each old value (a repeated id
                                meets its new value the second time: transitions must be
                                idempotent)
-  walk(packed, cls)            [c0, hi1, c1, hi2, c2, ...]: the class cls[value] of id 0,
-                               then each point where the class changes (by bisection)
-                               and the class there (0 past the end), until class 0
+  prefix(packed, cls, off, mem, names)
+                               {names[s]: leading ids slot s holds} for the holders of
+                               id 0: cls[value] is a value's class, class c's holder
+                               slots are mem[off[c]:off[c + 1]] (ascending); each point
+                               where the class changes is found by a WAYS-ary search
+                               (kvstore/native/idwalk.c), until no holder is left
   used(n)                      bytes flagging the values < n some id holds
   remap(trans)                 every value v becomes trans[v] (0 deletes)
   nbytes                       memory the table holds
@@ -23,19 +26,28 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvstore import native
 
 ID = 16
+WAYS = 8  # idwalk.c's K: probes per search round + 1
 
 
 class IdTable(Protocol):
     def get(self, packed: bytes, i: int, /) -> int: ...
     def distinct(self, packed: bytes, /) -> list[int]: ...
     def transition(self, packed: bytes, old: list[int], new: list[int], /) -> list[int]: ...
-    def walk(self, packed: bytes, cls: Sequence[int], /) -> list[int]: ...
+    def prefix(
+        self,
+        packed: bytes,
+        cls: Sequence[int],
+        off: Sequence[int],
+        mem: Sequence[int],
+        names: list[str | None],
+        /,
+    ) -> dict[str, int]: ...
     def used(self, n: int, /) -> bytes: ...
     def remap(self, trans: Sequence[int], /) -> int: ...
     def __len__(self) -> int: ...
@@ -83,29 +95,35 @@ class DictIdTable:
                 d.pop(key, None)
         return counts
 
-    def walk(self, packed: bytes, cls: Sequence[int], /) -> list[int]:
+    def prefix(
+        self,
+        packed: bytes,
+        cls: Sequence[int],
+        off: Sequence[int],
+        mem: Sequence[int],
+        names: list[str | None],
+        /,
+    ) -> dict[str, int]:
         _check(packed)
         n = len(packed) // ID
-        if not n:
-            return [0]
         get = self._d.get
 
         def at(i: int) -> int:
             return cls[get(bytes(packed[i * ID : i * ID + ID]), 0)]
 
-        cur, lo = at(0), 0
-        out = [cur]
-        while cur:
-            hi = n
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if at(mid) == cur:
-                    lo = mid
-                else:
-                    hi = mid
-            nxt = at(hi) if hi < n else 0
-            out += (hi, nxt)
-            lo, cur = hi, nxt
+        out: dict[str, int] = {}
+        cur, lo = (at(0) if n else 0), 0
+        held = list(mem[off[cur] : off[cur + 1]])
+        while held:
+            hi = _next_change(at, lo, n, cur)
+            cur = at(hi) if hi < n else 0
+            nxt = set(mem[off[cur] : off[cur + 1]])
+            for s in held:
+                name = names[s]
+                if s not in nxt and name is not None:
+                    out[name] = hi
+            held = [s for s in held if s in nxt]
+            lo = hi
         return out
 
     def used(self, n: int, /) -> bytes:
@@ -131,6 +149,26 @@ class DictIdTable:
     def nbytes(self) -> int:
         # The dict and its keys (each key's own bytes object: one per id).
         return sys.getsizeof(self._d) + len(self._d) * sys.getsizeof(bytes(ID))
+
+
+def _next_change(at: Callable[[int], int], lo: int, n: int, cur: int) -> int:
+    """The first index past `lo` (of class `cur`) whose class differs, by idwalk.c's
+    WAYS-ary search: the same probes, so the same answer where classes do not form runs."""
+    hi = n
+    while hi - lo > 1:
+        pts: list[int] = []
+        for j in range(1, WAYS):
+            q = lo + (hi - lo) * j // WAYS
+            if lo < q < hi and (not pts or q > pts[-1]):
+                pts.append(q)
+        new_lo, new_hi = lo, hi
+        for q in pts:
+            if at(q) != cur:
+                new_hi = q
+                break
+            new_lo = q
+        lo, hi = new_lo, new_hi
+    return hi
 
 
 def new_table(prefer_native: bool = True) -> IdTable:

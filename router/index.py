@@ -16,9 +16,10 @@ new mask once in Python and the table moves every id of the batch in C.
 Route cost. Agents keep their stores prefix-consistent (a block never stays on a node
 without its parent), so "node n holds block i of a prompt" is monotone in i: the holder
 set only loses nodes along a prompt. Each mask has a class, its holder set without tiers;
-`prefix_lengths` bisects (in C) for the few points where the class changes instead of
-scanning the prompt: O(drop points x log(prompt blocks)) probes, independent of how many
-blocks are indexed and of how many nodes there are.
+`prefix_lengths` searches (in C, K-ary so a round's cache misses overlap) for the few
+points where the class changes instead of scanning the prompt: O(drop points x
+log(prompt blocks)) probes, independent of how many blocks are indexed and of how many
+nodes there are, and names each holder's length in the same call.
 """
 
 from __future__ import annotations
@@ -55,16 +56,18 @@ def _slots(held: int) -> list[int]:
 
 class Masks:
     """Interned holder masks (id 0: the empty mask) and their classes (the held bits
-    alone; class 0: held nowhere). `cls` is what the C walk reads."""
+    alone; class 0: held nowhere). `cls`, `off` and `mem` are what the C walk reads."""
 
     def __init__(self) -> None:
         self.mask: list[int] = [0]
         self.ids: dict[int, int] = {0: 0}
         self.cls = array("I", [0])
         self.cls_bits: list[int] = [0]
-        # The slots of each class's holders: a route works on these small sets, whose
-        # cost does not grow with the node count as the bits' does.
-        self.cls_slots: list[frozenset[int]] = [frozenset()]
+        # The slots of each class's holders, ascending: class c's are
+        # mem[off[c]:off[c + 1]]. A route works on these small sets (in C), whose cost
+        # does not grow with the node count as the bits' does.
+        self.off = array("I", [0, 0])
+        self.mem = array("I")
         self._cls_ids: dict[int, int] = {0: 0}
 
     def intern(self, mask: int, even: int) -> int:
@@ -77,7 +80,8 @@ class Masks:
             if c is None:
                 c = self._cls_ids[held] = len(self.cls_bits)
                 self.cls_bits.append(held)
-                self.cls_slots.append(frozenset(_slots(held)))
+                self.mem.extend(_slots(held))
+                self.off.append(len(self.mem))
             self.cls.append(c)
         return i
 
@@ -238,25 +242,12 @@ class BlockIndex:
 
     def prefix_lengths(self, packed: bytes) -> dict[str, int]:
         """Per node holding block 0 of the prompt `packed` (16-byte ids, prefix order):
-        how many leading blocks it holds. Nodes holding nothing are absent."""
+        how many leading blocks it holds. Nodes holding nothing are absent. One C call
+        (router/idtable.py: prefix) walks the prompt and names the nodes."""
         if len(packed) % ID:
             packed = bytes(packed[: len(packed) - len(packed) % ID])
         m = self._m
-        seq = self._tbl.walk(packed, m.cls)
-        slots, node_of = m.cls_slots, self._node_of
-        cur = slots[seq[0]]
-        out: dict[str, int] = {}
-        for k in range(1, len(seq), 2):
-            if not cur:
-                break
-            nxt = slots[seq[k + 1]] & cur  # a node holds block hi only with its prefix
-            hi = seq[k]
-            for s in sorted(cur - nxt) if len(cur) - len(nxt) > 1 else cur - nxt:
-                node = node_of[s]
-                if node is not None:  # a held slot is a live one: never None
-                    out[node] = hi
-            cur = nxt
-        return out
+        return self._tbl.prefix(packed, m.cls, m.off, m.mem, self._node_of)
 
     def __len__(self) -> int:
         """Distinct blocks indexed."""

@@ -10,7 +10,7 @@ import bisect
 import logging
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,8 +55,10 @@ class InFlight:
         self._clock = clock
         self._on_change = on_change
         self._by_request: OrderedDict[tuple[str, str], tuple[str, float, float]] = OrderedDict()
-        self._per_node: Counter[str] = Counter()
-        self._per_tenant: Counter[str] = Counter()
+        # Plain dicts, not Counters: every route adds and every release removes a key,
+        # and Counter's __missing__ / __delitem__ are Python frames on that path.
+        self._per_node: dict[str, int] = {}
+        self._per_tenant: dict[str, int] = {}
         self._work: dict[str, float] = {}
 
     def add(self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "") -> None:
@@ -64,8 +66,9 @@ class InFlight:
         if key in self._by_request:
             self.release(request_id, tenant)  # a retried request id moves, not double counts
         self._by_request[key] = (node_id, self._clock() + self.timeout_s, work)
-        self._per_node[node_id] += 1
-        self._per_tenant[tenant] += 1
+        per_node, per_tenant = self._per_node, self._per_tenant
+        per_node[node_id] = per_node.get(node_id, 0) + 1
+        per_tenant[tenant] = per_tenant.get(tenant, 0) + 1
         self._work[node_id] = self._work.get(node_id, 0.0) + work
         self._on_change(node_id)
 
@@ -73,16 +76,18 @@ class InFlight:
         entry = self._by_request.pop((tenant, request_id), None)
         if entry is None:
             return False
-        self._per_tenant[tenant] -= 1
-        if self._per_tenant[tenant] <= 0:
-            del self._per_tenant[tenant]
-        node_id = entry[0]
-        self._per_node[node_id] -= 1
-        if self._per_node[node_id] <= 0:
-            del self._per_node[node_id]
-            del self._work[node_id]  # exactly 0 again, whatever float rounding left
+        per_node, per_tenant = self._per_node, self._per_tenant
+        if per_tenant[tenant] > 1:
+            per_tenant[tenant] -= 1
         else:
+            del per_tenant[tenant]
+        node_id = entry[0]
+        if per_node[node_id] > 1:
+            per_node[node_id] -= 1
             self._work[node_id] -= entry[2]
+        else:
+            del per_node[node_id]
+            del self._work[node_id]  # exactly 0 again, whatever float rounding left
         self._on_change(node_id)
         return True
 
@@ -123,6 +128,12 @@ class InFlight:
         """Prefill work of the node's in-flight requests, in blocks."""
         return self._work.get(node_id, 0.0)
 
+    def load_of(self, node_id: str) -> tuple[int, float]:
+        """(requests in flight, their prefill work in blocks) on the node: count and
+        work at once, for the re-rank every route and release makes."""
+        n = self._per_node.get(node_id)
+        return (0, 0.0) if n is None else (n, self._work[node_id])
+
     def forget_node(self, node_id: str) -> None:
         for tenant, rid in [k for k, (n, _, _) in self._by_request.items() if n == node_id]:
             self.release(rid, tenant)
@@ -141,6 +152,10 @@ class LoadBoard:
         self._keys: list[tuple[float, str]] = []  # parallel to _ranked: C-speed bisect
         self._ranked: list[NodeLoad] = []
         self._by_id: dict[str, NodeLoad] = {}
+        # Where each node was last put: right unless a move since shifted it, which
+        # _index checks (by identity) before trusting it. Saves a bisection over
+        # (float, str) keys, and the old load's cost, on most changes.
+        self._pos: dict[str, int] = {}
 
     def set(self, load: NodeLoad) -> None:
         node_id = load.node_id
@@ -149,21 +164,25 @@ class LoadBoard:
             return
         keys, ranked = self._keys, self._ranked
         key = (load_cost(load, self.weights), node_id)
+        self._by_id[node_id] = load
         if old is not None:
             i = self._index(old)
             # Every route moves one node one place or a few: shift in place when it stays
             # between its neighbours (the common case), else delete and reinsert.
             if (i == 0 or keys[i - 1] < key) and (i + 1 == len(keys) or key < keys[i + 1]):
                 keys[i], ranked[i] = key, load
-                self._by_id[node_id] = load
+                self._pos[node_id] = i
                 return
             del keys[i], ranked[i]
         i = bisect.bisect_right(keys, key)
         keys.insert(i, key)
         ranked.insert(i, load)
-        self._by_id[node_id] = load
+        self._pos[node_id] = i
 
     def _index(self, old: NodeLoad) -> int:
+        i = self._pos.get(old.node_id, -1)
+        if 0 <= i < len(self._ranked) and self._ranked[i] is old:
+            return i
         # Keys are unique (node id is part of them), so this finds exactly `old`.
         return bisect.bisect_left(self._keys, (load_cost(old, self.weights), old.node_id))
 
@@ -172,6 +191,7 @@ class LoadBoard:
         if old is not None:
             i = self._index(old)
             del self._keys[i], self._ranked[i]
+            del self._pos[node_id]
 
     @property
     def ranked(self) -> list[NodeLoad]:
@@ -249,18 +269,16 @@ class RouterCore:
         )
 
     def _load(self, node_id: str) -> NodeLoad:
-        return NodeLoad(
-            node_id,
-            self.inflight.count(node_id),
-            self.nodes[node_id].record.utilization,
-            self.inflight.work(node_id),
-        )
+        count, work = self.inflight.load_of(node_id)
+        return _new(NodeLoad, (node_id, count, self.nodes[node_id].record.utilization, work))
 
     def _touch(self, node_id: str) -> None:
-        """Re-rank a node after its load, utilization or sync state changed."""
+        """Re-rank a node after its load, utilization or sync state changed (on every
+        route and release: the load is built here rather than through _load)."""
         st = self.nodes.get(node_id)
         if st is not None and st.synced:
-            self.board.set(self._load(node_id))
+            count, work = self.inflight.load_of(node_id)
+            self.board.set(_new(NodeLoad, (node_id, count, st.record.utilization, work)))
         else:
             self.board.remove(node_id)
 
@@ -399,10 +417,11 @@ class RouterCore:
     def _scores(
         self, total: int, local: dict[str, int], w: Weights, pricing: Pricing
     ) -> list[Score]:
-        if len(self.board) and (w.load, w.utilization, w.queue) == (
-            self.weights.load,
-            self.weights.utilization,
-            self.weights.queue,
+        # `w is self.weights` first: a route without an override skips building tuples.
+        if len(self.board) and (
+            w is self.weights
+            or (w.load, w.utilization, w.queue)
+            == (self.weights.load, self.weights.utilization, self.weights.queue)
         ):
             return score_ranked(
                 total, local, self.board.ranked, w, pricing, MAX_CANDIDATES, self.board.by_id
@@ -444,7 +463,7 @@ class RouterCore:
             )
         total = len(packed_ids) // BLOCK_ID_BYTES
         local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
-        pricing = self.pricing(namespace_id)
+        pricing = self._pricing.get(namespace_id, self._default_pricing)  # self.pricing()
         scores = self._scores(total, local, weights or self.weights, pricing)
         # Unguessable (ids are capabilities within a tenant), ~1us on the hot path.
         rid = request_id or secrets.token_hex(16)

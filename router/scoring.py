@@ -203,9 +203,8 @@ class Score(NamedTuple):
 
 def load_cost(n: NodeLoad, weights: Weights) -> float:
     """The part of a node's cost that does not depend on the prompt."""
-    return (
-        weights.load * n.in_flight + weights.queue * n.queued + weights.utilization * n.utilization
-    )
+    # By index (in_flight, utilization, queued): LoadBoard costs every load it ranks.
+    return weights.load * n[1] + weights.queue * n[3] + weights.utilization * n[2]
 
 
 def score_nodes(
@@ -246,17 +245,22 @@ def score_ranked(
         by_id = {n.node_id: n for n in ranked} if local else {}
     # Holders, longest prefix first, ties by node id; each one's best peer is the longest
     # other holder: the first one, or the second for the first itself.
-    held = (
-        sorted((-min(v, total_blocks), k) for k, v in local.items() if v and k in by_id)
-        if local
-        else []
-    )
+    # A list, not a generator into sorted(): a generator's frame costs more than the
+    # 1-3 holders it yields. min(v, total) without min's call.
+    held = [
+        (-(v if v < total_blocks else total_blocks), k)
+        for k, v in local.items()
+        if v and k in by_id
+    ]
+    held.sort()
     best = (-held[0][0], held[0][1]) if held else (0, "")
     second = (-held[1][0], held[1][1]) if len(held) > 1 else (0, "")
     price, fixed = pricing.peer_price, pricing.pull_fixed
     w_pull, w_rc = weights.peer_fetch, weights.recompute
     min_pull = pricing.min_pull(w_pull, w_rc)  # a pull pays for more blocks than this
 
+    # One tuple of the route's weights and prices, unpacked by _row and _others: cheaper
+    # than passing them as 8 more arguments (or *args) on every call.
     args = (
         total_blocks,
         w_rc,
@@ -273,9 +277,9 @@ def score_ranked(
         own = -neg
         dup = plen - own if plen > own else 0
         pb = dup if dup > min_pull else 0
-        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, *args))
+        out.append(_row(by_id[node_id], own, pb, pnode if pb else "", dup, args))
     pb0 = best[0] if best[0] > min_pull else 0
-    out.extend(_others(ranked, local, limit, best, pb0, *args))
+    out.extend(_others(ranked, local, limit, best, pb0, args))
     out.sort(key=_ORDER)
     return out[:limit]
 
@@ -286,51 +290,31 @@ def _others(
     limit: int,
     best: tuple[int, str],
     pb0: int,
-    total: int,
-    w_recompute: float,
-    w_peer_priced: float,
-    w_pull_fixed: float,
-    w_space: float,
-    w_load: float,
-    w_queue: float,
-    w_util: float,
+    args: tuple[int, float, float, float, float, float, float, float],
 ) -> list[Score]:
     """The first `limit` nodes of `ranked` holding none of the prompt, scored: `_row`
     unrolled, since their prompt terms are the same (this runs on every route)."""
+    total, w_recompute, w_peer_priced, w_pull_fixed, w_space, w_load, w_queue, w_util = args
     pnode0 = best[1] if pb0 else ""
     rc = w_recompute * (total - pb0)
     pc = w_pull_fixed + w_peer_priced * pb0 if pb0 else 0.0
     sc = w_space * best[0]
     base = rc + pc + sc  # summed in _row's order: the same float
     rows: list[Score] = []
+    if limit <= 0:
+        return rows
+    skip = local.get if local else None
+    # NodeLoad fields by index (node_id, in_flight, utilization, queued): a tuple
+    # subscript is cheaper than a NamedTuple attribute, and this runs on every route.
     for n in ranked:
+        if skip is not None and skip(n[0]):
+            continue
+        lc = w_load * n[1] + w_queue * n[3]
+        uc = w_util * n[2]
+        row = (n[0], 0, pb0, pnode0, total - pb0, n[1], n[2], base + lc + uc, rc, pc, lc, uc)
+        rows.append(_new(Score, (*row, n[3], sc)))
         if len(rows) >= limit:
             break
-        if local and local.get(n.node_id):
-            continue
-        lc = w_load * n.in_flight + w_queue * n.queued
-        uc = w_util * n.utilization
-        rows.append(
-            _new(
-                Score,
-                (
-                    n.node_id,
-                    0,
-                    pb0,
-                    pnode0,
-                    total - pb0,
-                    n.in_flight,
-                    n.utilization,
-                    base + lc + uc,
-                    rc,
-                    pc,
-                    lc,
-                    uc,
-                    n.queued,
-                    sc,
-                ),
-            )
-        )
     return rows
 
 
@@ -340,36 +324,30 @@ def _row(
     peer_blocks: int,
     peer: str,
     dup: int,
-    total: int,
-    w_recompute: float,
-    w_peer_priced: float,
-    w_pull_fixed: float,
-    w_space: float,
-    w_load: float,
-    w_queue: float,
-    w_util: float,
+    args: tuple[int, float, float, float, float, float, float, float],
 ) -> Score:
+    total, w_recompute, w_peer_priced, w_pull_fixed, w_space, w_load, w_queue, w_util = args
     rc = w_recompute * (total - own - peer_blocks)
     pc = w_pull_fixed + w_peer_priced * peer_blocks if peer_blocks else 0.0
     sc = w_space * dup
-    lc = w_load * n.in_flight + w_queue * n.queued
-    uc = w_util * n.utilization
+    lc = w_load * n[1] + w_queue * n[3]  # NodeLoad by index, as in _others
+    uc = w_util * n[2]
     return _new(
         Score,
         (
-            n.node_id,
+            n[0],
             own,
             peer_blocks,
             peer,
             total - own - peer_blocks,
-            n.in_flight,
-            n.utilization,
+            n[1],
+            n[2],
             rc + pc + sc + lc + uc,
             rc,
             pc,
             lc,
             uc,
-            n.queued,
+            n[3],
             sc,
         ),
     )

@@ -14,58 +14,67 @@
  *       for each id whose value is old[j] (old sorted): set new[j] (0 deletes);
  *       returns how many ids had each old value.  An id repeated in packed meets
  *       its new value the second time, so transitions must be idempotent.
- *   walk(packed, cls) -> list[int]    the prefix walk (see kv_walk)
+ *   prefix(packed, cls, off, mem, names) -> dict   the route's walk (idwalk.c)
  *   used(n) -> bytes                  flags: value v < n is held by some id
  *   remap(trans)                      every value v becomes trans[v] (0 deletes)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "common.h"
 #include "idtable.h"
+#include "idtable_impl.h"
+
+#include <sys/mman.h>
 
 #define MIN_CAP ((size_t)1024)
 
-typedef struct __attribute__((packed)) {
-    uint64_t a, b;
-    uint32_t v; /* 0: empty */
-} slot_t;
+/* Tables of this size or more live in their own 2 MiB-aligned mapping with
+ * MADV_HUGEPAGE: every probe of a route lands on a random slot, and with 4 KiB
+ * pages each one also missed the TLB (a two-level page walk under a
+ * hypervisor), most of a big table's probe time.  Smaller ones stay on
+ * PyMem.  Both are counted by tracemalloc (the mapping under its own domain),
+ * so bench_router's bytes per entry still sees the whole table. */
+#define HUGE_BYTES ((size_t)2 << 20)
+#define TRACE_DOMAIN 0x6b76 /* "kv" */
 
-typedef struct {
-    PyObject_HEAD
-    slot_t *slots;
-    size_t cap; /* power of two */
-    size_t len;
-    uint64_t s0, s1;
-} IdTable;
-
-static inline uint64_t mix(const IdTable *t, uint64_t a, uint64_t b) {
-    uint64_t x = (a ^ t->s0) + (b ^ t->s1) * 0x9E3779B97F4A7C15ULL;
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
+/* Rounded to 4 KiB pages, not to huge ones: the tail past the last 2 MiB line
+ * keeps small pages rather than holding up to 2 MiB nobody uses. */
+static size_t map_bytes(size_t cap) {
+    size_t n = cap * sizeof(slot_t);
+    return (n + 4095) & ~(size_t)4095;
 }
 
-/* Slot holding (a, b), or the empty slot where it would go. */
-static inline size_t find(const IdTable *t, uint64_t a, uint64_t b) {
-    size_t m = t->cap - 1, i = mix(t, a, b) & m;
-    for (;;) {
-        const slot_t *s = &t->slots[i];
-        if (!s->v || (s->a == a && s->b == b)) return i;
-        i = (i + 1) & m;
+static slot_t *alloc_slots(size_t cap) {
+    size_t bytes = cap * sizeof(slot_t);
+    if (bytes < HUGE_BYTES) return PyMem_Calloc(cap, sizeof(slot_t));
+    size_t len = map_bytes(cap);
+    /* Over-map by one huge page and trim, so the table starts on a 2 MiB line. */
+    uint8_t *raw = mmap(NULL, len + HUGE_BYTES, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    uintptr_t at = ((uintptr_t)raw + HUGE_BYTES - 1) & ~(uintptr_t)(HUGE_BYTES - 1);
+    size_t head = at - (uintptr_t)raw;
+    if (head) munmap(raw, head);
+    if (HUGE_BYTES - head) munmap((uint8_t *)at + len, HUGE_BYTES - head);
+#ifdef MADV_HUGEPAGE
+    (void)madvise((void *)at, len, MADV_HUGEPAGE); /* advice: 4 KiB pages still work */
+#endif
+    (void)PyTraceMalloc_Track(TRACE_DOMAIN, at, len);
+    return (slot_t *)at;
+}
+
+static void free_slots(slot_t *slots, size_t cap) {
+    if (!slots) return;
+    if (cap * sizeof(slot_t) < HUGE_BYTES) {
+        PyMem_Free(slots);
+        return;
     }
-}
-
-static inline uint32_t lookup(const IdTable *t, const uint8_t *id) {
-    uint64_t a = load64_le(id), b = load64_le(id + 8);
-    return t->slots[find(t, a, b)].v;
+    (void)PyTraceMalloc_Untrack(TRACE_DOMAIN, (uintptr_t)slots);
+    munmap(slots, map_bytes(cap));
 }
 
 static int resize(IdTable *t, size_t cap) {
-    slot_t *old = t->slots, *fresh = PyMem_Calloc(cap, sizeof(slot_t));
+    slot_t *old = t->slots, *fresh = alloc_slots(cap);
     if (!fresh) {
         PyErr_NoMemory();
         return -1;
@@ -74,9 +83,9 @@ static int resize(IdTable *t, size_t cap) {
     t->slots = fresh;
     t->cap = cap;
     for (size_t i = 0; i < old_cap; i++) {
-        if (old[i].v) t->slots[find(t, old[i].a, old[i].b)] = old[i];
+        if (old[i].v) t->slots[idt_find(t, old[i].a, old[i].b)] = old[i];
     }
-    PyMem_Free(old);
+    free_slots(old, old_cap);
     return 0;
 }
 
@@ -87,7 +96,7 @@ static void delete_at(IdTable *t, size_t i) {
     for (;;) {
         j = (j + 1) & m;
         if (!t->slots[j].v) break;
-        size_t k = mix(t, t->slots[j].a, t->slots[j].b) & m;
+        size_t k = idt_mix(t, t->slots[j].a, t->slots[j].b) & m;
         /* j's entry may move to i unless its home k lies cyclically in (i, j]. */
         int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
         if (!stays) {
@@ -148,7 +157,7 @@ static PyObject *idt_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyBuffer_Release(&seed);
     t->cap = MIN_CAP;
     t->len = 0;
-    t->slots = PyMem_Calloc(t->cap, sizeof(slot_t));
+    t->slots = alloc_slots(t->cap);
     if (!t->slots) {
         Py_DECREF(t);
         return PyErr_NoMemory();
@@ -157,7 +166,7 @@ static PyObject *idt_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
 }
 
 static void idt_dealloc(IdTable *t) {
-    PyMem_Free(t->slots);
+    free_slots(t->slots, t->cap);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -177,13 +186,13 @@ static PyObject *idt_get(IdTable *t, PyObject *const *args, Py_ssize_t nargs) {
             return NULL;
         }
         return PyLong_FromUnsignedLong(
-            lookup(t, (const uint8_t *)PyBytes_AS_STRING(args[0]) + 16 * i));
+            idt_lookup(t, (const uint8_t *)PyBytes_AS_STRING(args[0]) + 16 * i));
     }
     Py_buffer view;
     if (get_packed(args[0], &view) < 0) return NULL;
     PyObject *out = NULL;
     if (i < 0 || i >= view.len / 16) PyErr_SetString(PyExc_IndexError, "id index out of range");
-    else out = PyLong_FromUnsignedLong(lookup(t, (const uint8_t *)view.buf + 16 * i));
+    else out = PyLong_FromUnsignedLong(idt_lookup(t, (const uint8_t *)view.buf + 16 * i));
     PyBuffer_Release(&view);
     return out;
 }
@@ -207,7 +216,7 @@ static PyObject *idt_distinct(IdTable *t, PyObject *arg) {
     uint32_t seen[256] = {0}; /* value + 1; 0: empty */
     const uint8_t *p = view.buf;
     for (size_t i = 0; i < n; i++) {
-        uint32_t v = lookup(t, p + 16 * i);
+        uint32_t v = idt_lookup(t, p + 16 * i);
         if (seen[v & 255] == v + 1) continue;
         seen[v & 255] = v + 1;
         vals[k++] = v;
@@ -262,7 +271,7 @@ static Py_ssize_t bsearch_u32(const uint32_t *a, Py_ssize_t n, uint32_t v) {
 
 static int apply_one(IdTable *t, uint64_t a, uint64_t b, const uint32_t *old, const uint32_t *new,
                      Py_ssize_t nold, Py_ssize_t *counts) {
-    size_t i = find(t, a, b);
+    size_t i = idt_find(t, a, b);
     Py_ssize_t j = bsearch_u32(old, nold, t->slots[i].v);
     if (j < 0) return 0; /* a repeated id, already moved to its new value */
     counts[j]++;
@@ -275,7 +284,7 @@ static int apply_one(IdTable *t, uint64_t a, uint64_t b, const uint32_t *old, co
     } else {
         if ((t->len + 1) * 10 > t->cap * 7) {
             if (resize(t, t->cap * 2) < 0) return -1;
-            i = find(t, a, b);
+            i = idt_find(t, a, b);
         }
         t->slots[i].a = a;
         t->slots[i].b = b;
@@ -330,95 +339,6 @@ done:
     return out;
 }
 
-static inline void prefetch_id(const IdTable *t, const uint8_t *p, Py_ssize_t i) {
-    const uint8_t *id = p + 16 * i;
-    KV_PREFETCH(&t->slots[mix(t, load64_le(id), load64_le(id + 8)) & (t->cap - 1)]);
-}
-
-/* The class (cls[value]) of the i-th id, or -1 with an exception. */
-static inline long class_of(const IdTable *t, const uint8_t *p, Py_ssize_t i, const uint32_t *cls,
-                            size_t ncls) {
-    uint32_t v = lookup(t, p + 16 * i);
-    if (v >= ncls) {
-        PyErr_Format(PyExc_ValueError, "value %u has no class (cls has %zu)", v, ncls);
-        return -1;
-    }
-    return cls[v];
-}
-
-/* walk(packed, cls) -> [c0, hi1, c1, hi2, c2, ...]: c0 is the class of id 0,
- * then each point hi where the class changes, found by bisection, with the
- * class there (0 at the end of the prompt).  Ends at the first class 0.  The
- * bisection is exact when a prompt's classes form runs, as holder sets do on
- * prefix-consistent stores (they only lose nodes along a prompt). */
-static PyObject *idt_walk(IdTable *t, PyObject *args) {
-    PyObject *packed_o, *cls_o;
-    if (!PyArg_ParseTuple(args, "OO:walk", &packed_o, &cls_o)) return NULL;
-    Py_buffer view, cv;
-    if (get_packed(packed_o, &view) < 0) return NULL;
-    if (get_u32_array(cls_o, &cv, "cls") < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    const uint8_t *p = view.buf;
-    const uint32_t *cls = cv.buf;
-    size_t ncls = (size_t)cv.len / 4;
-    Py_ssize_t n = view.len / 16, lo = 0;
-    long seq[2 * 64 + 1];
-    PyObject *out = PyList_New(0);
-    long cur = n ? class_of(t, p, 0, cls, ncls) : 0;
-    int k = 0;
-    if (cur < 0) goto fail;
-    seq[k++] = cur;
-    while (cur > 0) {
-        Py_ssize_t hi = n;
-        while (hi - lo > 1) {
-            Py_ssize_t mid = (lo + hi) >> 1;
-            /* Each probe is a cache miss in a big table: fetch both possible next
-             * probes' slots while this one waits, so the misses overlap. */
-            prefetch_id(t, p, (lo + mid) >> 1);
-            prefetch_id(t, p, (mid + hi) >> 1);
-            long c = class_of(t, p, mid, cls, ncls);
-            if (c < 0) goto fail;
-            if (c == cur) lo = mid;
-            else hi = mid;
-        }
-        long nxt = hi < n ? class_of(t, p, hi, cls, ncls) : 0;
-        if (nxt < 0) goto fail;
-        seq[k++] = (long)hi;
-        seq[k++] = nxt;
-        if (k > 2 * 64 - 1) { /* flush: a prompt with many drop points */
-            for (int j = 0; j < k; j++) {
-                PyObject *x = PyLong_FromLong(seq[j]);
-                if (!x || PyList_Append(out, x) < 0) {
-                    Py_XDECREF(x);
-                    goto fail;
-                }
-                Py_DECREF(x);
-            }
-            k = 0;
-        }
-        lo = hi;
-        cur = nxt;
-    }
-    for (int j = 0; j < k; j++) {
-        PyObject *x = PyLong_FromLong(seq[j]);
-        if (!x || PyList_Append(out, x) < 0) {
-            Py_XDECREF(x);
-            goto fail;
-        }
-        Py_DECREF(x);
-    }
-    PyBuffer_Release(&view);
-    PyBuffer_Release(&cv);
-    return out;
-fail:
-    Py_XDECREF(out);
-    PyBuffer_Release(&view);
-    PyBuffer_Release(&cv);
-    return NULL;
-}
-
 static PyObject *idt_used(IdTable *t, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
@@ -461,7 +381,7 @@ static PyObject *idt_remap(IdTable *t, PyObject *arg) {
         size_t cap = t->cap;
         size_t live = t->len - removed;
         while (cap > MIN_CAP && live * 10 < cap * 7 / 4) cap >>= 1; /* shrink below 17.5% */
-        slot_t *old = t->slots, *fresh = PyMem_Calloc(cap, sizeof(slot_t));
+        slot_t *old = t->slots, *fresh = alloc_slots(cap);
         if (!fresh) return PyErr_NoMemory();
         size_t old_cap = t->cap;
         t->slots = fresh;
@@ -472,10 +392,10 @@ static PyObject *idt_remap(IdTable *t, PyObject *arg) {
             if (!v || !tr[v]) continue;
             slot_t s = old[i];
             s.v = tr[v];
-            t->slots[find(t, s.a, s.b)] = s;
+            t->slots[idt_find(t, s.a, s.b)] = s;
             t->len++;
         }
-        PyMem_Free(old);
+        free_slots(old, old_cap);
     } else {
         for (size_t i = 0; i < t->cap; i++) {
             uint32_t v = t->slots[i].v;
@@ -486,7 +406,8 @@ static PyObject *idt_remap(IdTable *t, PyObject *arg) {
 }
 
 static PyObject *idt_nbytes(IdTable *t, void *closure) {
-    return PyLong_FromSize_t(t->cap * sizeof(slot_t) + sizeof(IdTable));
+    size_t n = t->cap * sizeof(slot_t);
+    return PyLong_FromSize_t((n < HUGE_BYTES ? n : map_bytes(t->cap)) + sizeof(IdTable));
 }
 
 static PyMethodDef idt_methods[] = {
@@ -494,7 +415,8 @@ static PyMethodDef idt_methods[] = {
     {"distinct", (PyCFunction)idt_distinct, METH_O, "distinct(packed) -> list[int]"},
     {"transition", (PyCFunction)idt_transition, METH_VARARGS,
      "transition(packed, old, new) -> list[int]"},
-    {"walk", (PyCFunction)idt_walk, METH_VARARGS, "walk(packed, cls) -> list[int]"},
+    {"prefix", (PyCFunction)(void (*)(void))kv_idt_prefix, METH_FASTCALL,
+     "prefix(packed, cls, off, mem, names) -> dict (idwalk.c)"},
     {"used", (PyCFunction)idt_used, METH_O, "used(n) -> bytes"},
     {"remap", (PyCFunction)idt_remap, METH_O, "remap(trans) -> int (ids removed)"},
     {NULL, NULL, 0, NULL},
