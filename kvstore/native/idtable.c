@@ -126,7 +126,7 @@ static int get_packed(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-static int get_u32_array(PyObject *obj, Py_buffer *view, const char *name) {
+int kv_u32_view(PyObject *obj, Py_buffer *view, const char *name) {
     if (kv_get_buffer(obj, view, name, 0) < 0) return -1;
     if (view->itemsize != 4 || view->len % 4) {
         PyBuffer_Release(view);
@@ -359,7 +359,7 @@ static PyObject *idt_used(IdTable *t, PyObject *arg) {
 
 static PyObject *idt_remap(IdTable *t, PyObject *arg) {
     Py_buffer tv;
-    if (get_u32_array(arg, &tv, "trans") < 0) return NULL;
+    if (kv_u32_view(arg, &tv, "trans") < 0) return NULL;
     const uint32_t *tr = tv.buf;
     size_t ntr = (size_t)tv.len / 4, removed = 0;
     for (size_t i = 0; i < t->cap; i++) {

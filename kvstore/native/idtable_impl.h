@@ -49,6 +49,9 @@ static inline void idt_prefetch(const IdTable *t, const uint8_t *id) {
     KV_PREFETCH(&t->slots[idt_mix(t, load64_le(id), load64_le(id + 8)) & (t->cap - 1)]);
 }
 
+/* A buffer of 4-byte unsigned ints (idtable.c); -1 with TypeError otherwise. */
+int kv_u32_view(PyObject *obj, Py_buffer *view, const char *name);
+
 /* idwalk.c's method, listed in idtable.c's method table. */
 PyObject *kv_idt_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 

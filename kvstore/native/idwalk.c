@@ -150,16 +150,6 @@ fail:
     return NULL;
 }
 
-static int u32_view(PyObject *obj, Py_buffer *view, const char *name) {
-    if (kv_get_buffer(obj, view, name, 0) < 0) return -1;
-    if (view->itemsize != 4 || view->len % 4) {
-        PyBuffer_Release(view);
-        PyErr_Format(PyExc_TypeError, "%s must be a buffer of 4-byte unsigned ints", name);
-        return -1;
-    }
-    return 0;
-}
-
 PyObject *kv_idt_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "prefix(packed, cls, off, mem, names) takes 5 arguments");
@@ -181,7 +171,7 @@ PyObject *kv_idt_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int got = 0;
     PyObject *out = NULL;
     for (; got < 3; got++) {
-        if (u32_view(args[1 + got], &views[got], what[got]) < 0) goto done;
+        if (kv_u32_view(args[1 + got], &views[got], what[got]) < 0) goto done;
     }
     walk_t w = {
         (const IdTable *)self, pv.buf,           pv.len / 16,          views[0].buf,
