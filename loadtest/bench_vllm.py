@@ -189,13 +189,12 @@ def run(args) -> dict:
         if by[n]
     }
     finals = [[b["outputs"][0]["tokens"] for b in by[n]] for n in ("cross_kvstore", "cross_prefix")]
-    finals.append([b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]][: len(finals[0])])
-    # every warm repeat gave what the first did
-    warm_again = [b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]]
+    warm = [b["outputs"][0]["tokens"] for b in by["kvstore"][n_order:]]
+    finals.append(warm[: len(finals[0])])
     out["identical_outputs"] = (
         len({json.dumps(v) for v in first.values()}) == 1
         and len({json.dumps(v) for v in finals}) == 1
-        and warm_again == finals[0] * args.repeats
+        and warm == finals[0] * args.repeats  # every warm repeat gave what the first did
     )
     out["goals"] = goals(out)
     return out
