@@ -11,8 +11,9 @@
 # Known quirks of this machine kind, handled here: crun refuses its hybrid cgroup layout
 # (runc, through a containers.conf), podman's default ulimits exceed the hard limits
 # (tools/image_check.py passes --ulimit within the hard limits), no systemd (tools/image_check.py runs `podman
-# healthcheck run` itself). About 5 minutes cold and 4 GB of container storage; the base is
-# cached under $KVSTORE_IMAGE_WORK (default /var/tmp/kvstore-image).
+# healthcheck run` itself). About 5 minutes and 4 GB of container storage (each run replaces
+# the last run's image); the base is cached under $KVSTORE_IMAGE_WORK (default
+# /var/tmp/kvstore-image).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 work="${KVSTORE_IMAGE_WORK:-/var/tmp/kvstore-image}"
@@ -32,6 +33,28 @@ fi
 conf="$work/containers.conf"
 printf '[engine]\nruntime = "runc"\n' > "$conf"  # ulimits: tools/image_check.py passes them
 export CONTAINERS_CONF="$conf"
+
+# Container storage is bounded to one checked image plus the base: what an earlier check
+# left (its image, containers and volumes of an interrupted run, layers no tag names) goes
+# first, the build keeps no per-step cache (--layers=false), and a host without room for a
+# build fails here with the figures rather than halfway through a layer.
+store="$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)"
+prune() {
+  podman ps -a --format '{{.Names}}' | grep '^kvc-' | xargs -r podman rm -f >/dev/null 2>&1 || true
+  podman volume ls --format '{{.Name}}' | grep '^kvc-' | xargs -r podman volume rm -f >/dev/null 2>&1 || true
+  podman rmi -f "$image" >/dev/null 2>&1 || true
+  podman image prune -f >/dev/null 2>&1 || true
+}
+prune
+need_gb="${KVSTORE_IMAGE_NEED_GB:-8}"
+mkdir -p "$store"
+free_gb=$(df -Pk "$store" | awk 'NR==2 {print int($4 / 1048576)}')
+if [ "$free_gb" -lt "$need_gb" ]; then
+  say "only ${free_gb} GiB free under $store; a build needs about ${need_gb} GiB (KVSTORE_IMAGE_NEED_GB)"
+  df -h "$store" >&2
+  podman system df >&2 2>/dev/null || true
+  exit 1
+fi
 
 if ! podman image exists "$base"; then
   say "making the stand-in for $base with debootstrap (a few minutes, once)"
@@ -61,9 +84,12 @@ rm -rf "$ctx" && mkdir -p "$ctx"
 git -C "$here" archive HEAD | tar -x -C "$ctx"
 say "building $image from $(git -C "$here" rev-parse --short HEAD) (podman $(podman --version | awk '{print $3}'))"
 start=$(date +%s)
-podman build --network host --format docker --pull=never \
+podman build --network host --format docker --pull=never --layers=false \
   --build-arg "TORCH_INDEX_URL=http://127.0.0.1:$port/simple" -t "$image" "$ctx" \
-  > "$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; say "build failed"; exit 1; }
+  > "$work/build.log" 2>&1 || {
+    tail -40 "$work/build.log" >&2; df -h "$store" >&2; podman image prune -f >/dev/null 2>&1 || true
+    say "build failed"; exit 1; }
+podman image prune -f >/dev/null 2>&1 || true  # what the build stage left
 say "built in $(( $(date +%s) - start )) s, $(podman image inspect "$image" --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
 
 exec "$py" "$here/tools/image_check.py" --image "$image" --base "$base"
