@@ -11,7 +11,7 @@ import signal
 import grpc
 import pytest
 import torch
-from support.cluster import RouterProc, agent_config, spawn_many
+from support.cluster import RouterProc, agent_config, settle, spawn_many
 from support.common import TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
 from kvstore.coord.etcd import EtcdClient
@@ -212,17 +212,32 @@ def test_cluster_client_pulls_the_peer_hinted_blocks_onto_the_chosen_node(
         )
         cc.release(hit)
     router.release("busy")
-    # agent-0 timed that pull and published the fit in its node record; the router now
-    # prices pulls with it instead of peer_gbps (kvstore/pullcost.py).
     bandwidth_ms = 8 * 1e3 * SPEC.block_bytes / 100e9  # what 100 Gbps prices a block at
 
-    def measured():
+    def priced():
         r = router.route(NS_ID, prompt, dry_run=True)
-        return r.pull_ms_per_block != pytest.approx(bandwidth_ms) and r
+        return (r.pull_fixed_ms, r.pull_ms_per_block)
 
-    r = wait_for(measured, 20, what="the measured pull cost through etcd")
-    # One pull of 10 blocks: its whole time counts as fixed (no slope from one size).
-    assert r.pull_fixed_ms > 0 and r.pull_ms_per_block == 0
+    # That first pull from agent-1 also opened agent-0's connections to it, a cost later
+    # pulls do not pay: it stays out of the fit, so the router still prices peer_gbps.
+    settle(3.0)  # the node record is rewritten within a lease TTL (2 s) of a change
+    assert priced() == (0.0, pytest.approx(bandwidth_ms))
+    # A second pull from the same peer is timed; agent-0 publishes the fit in its node
+    # record and the router prices pulls with it instead (kvstore/pullcost.py).
+    more = ids_for(22, 10)
+    with KVClient(agents[1].address, tenant_secret=TEST_SECRET, use_shm=False) as holder:
+        put_blocks(holder, more)
+    with KVClient(agents[0].address, tenant_secret=TEST_SECRET, use_shm=False) as puller:
+        ns = puller.open_namespace(SPEC)
+        p = puller.prefetch(ns, more, hit.route.peer_address, hit.route.peer_transfer_address)
+        assert (p.present, p.fetched, p.stopped) == (10, 10, ""), p
+    fixed, per_block = wait_for(
+        lambda: priced()[1] != pytest.approx(bandwidth_ms) and priced(),
+        20,
+        what="the measured pull cost through etcd",
+    )
+    # One timed pull of 10 blocks: its whole time counts as fixed (no slope from one size).
+    assert fixed > 0 and per_block == 0
 
 
 def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start_router):
