@@ -1,5 +1,6 @@
-"""What a peer pull costs, measured: an agent times each Prefetch that moved blocks and
-fits `seconds = fixed + bytes x per_byte` to them, weighting recent pulls more
+"""What a peer pull costs, measured: an agent times each Prefetch that moved blocks (but
+the first from each peer, which also opened the connections: node_agent/peer/prefetch.py)
+and fits `seconds = fixed + bytes x per_byte` to them, weighting recent pulls more
 (exponentially weighted least squares). The agent publishes the fit in its etcd record
 (NodeRecord.pull_*), and the router prices peer fetches with it (router/scoring.py) instead
 of a configured bandwidth: on a host where a pull pays ~35 ms of fixed overhead (calls,
