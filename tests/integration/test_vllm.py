@@ -22,7 +22,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.common import wait_for
 from support.control import AgentClient, agent_cfg, kvctl, kvctl_json
+from support.gateway import indexed_blocks
 from support.grpc_proxy import AgentProxy
 from support.pool_fault import corrupt_pool
 
@@ -374,3 +376,63 @@ def test_vllm_saves_do_not_wait_for_the_agent_and_a_stalled_get_recomputes(
     fresh = [x["outputs"][0] for x in batches[5:]]
     full = {k: (len(p[k]) - 1) // BLOCK * BLOCK for k in "ACD"}
     assert fresh == [{"tokens": ref[k], "cached": full[k]} for k in "ACD"]
+
+
+def test_vllm_pulls_from_a_peer_when_the_router_prices_it_as_paying(
+    tmp_path, etcd, spawn_agent, start_router
+):
+    """No kv_transfer_params: the connector's `router` setting names the peer. An engine
+    on agent 1 stores A and C; fresh engines on agent 2 ask a router pricing recompute as
+    nearly free (C: no pull, recomputed) and one pricing it as a large model's prefill
+    (A: pulled from agent 1, loaded), both with the tokens of no connector."""
+    p = _prompts()
+    cfg = agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB")
+    a1, a2 = spawn_agent(**cfg), spawn_agent(**cfg)
+    cheap = start_router(config={"prefill_tokens_per_s": 1e12})
+    dear = start_router(config={"prefill_tokens_per_s": 50.0})
+    base = {"tenant": "peers", "tenant_secret": SECRET, "shm_mib": 8}
+
+    def req(name: str) -> dict:
+        return {"prompt": p[name], "max_tokens": 8}
+
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "engines": [
+            {"kvstore": None, "batches": [[req("A"), req("C")]]},
+            {"kvstore": {**base, "agent": a1.address}, "batches": [[req("A")], [req("C")]]},
+            {
+                "kvstore": {**base, "agent": a2.address, "router": cheap.address},
+                "batches": [{"wait": "indexed"}, [req("C")]],
+            },
+            {
+                "kvstore": {**base, "agent": a2.address, "router": dear.address},
+                "batches": [[req("A")]],
+            },
+        ],
+    }
+    node1 = a1.config["node_id"]
+    held = 200 // BLOCK + 150 // BLOCK  # A's and C's full blocks, on agent 1
+
+    def on_wait(name: str) -> None:
+        for r in (cheap, dear):
+            wait_for(
+                lambda r=r: indexed_blocks(r.address).get(node1, 0) >= held,
+                30,
+                0.1,
+                what="agent 1's blocks in the router's index",
+            )
+
+    batches = _run_plan(tmp_path, plan, on_wait)
+    ref = dict(zip("AC", (o["tokens"] for o in batches[0]["outputs"])))
+    assert [b["outputs"][0] for b in batches[1:3]] == [
+        {"tokens": ref[k], "cached": 0} for k in "AC"
+    ]
+    (c,), (a,) = (b["outputs"] for b in batches[3:])
+    assert c == {"tokens": ref["C"], "cached": 0}  # a pull did not pay: recomputed
+    assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}  # pulled
+    log = (tmp_path / "vllm.log").read_text()
+    assert log.count("blocks held after a pull from") == 1, log[-4000:]
+    assert "6 of 6 blocks held after a pull from " + a1.address in log
+    assert AgentClient(a2.address).tenant("peers").lookups == 2
