@@ -111,6 +111,11 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
             {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D"), req("E")]]},
             {"kvstore": extra, "batches": [[req("A"), req("C", "s1"), req("E")]]},
             {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
+            # Another configured tenant (the same secret even): never reads acme's blocks.
+            {
+                "kvstore": {**extra, "tenant": "globex"},
+                "batches": [[req("A"), req("C", "s1")]],
+            },
             {
                 "kvstore": extra,
                 "batches": [
@@ -181,7 +186,14 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     log = (tmp_path / "vllm.log").read_text()
     assert "loaded 0 of 6 blocks; recomputing the rest" in log
 
-    fresh = [b["outputs"] for b in batches[3:]]
+    # A request without a salt uses the engine's configured tenant: globex's engine gets
+    # none of what acme's stored, salted or not.
+    assert batches[3]["outputs"] == [
+        {"tokens": ref["A"], "cached": 0},
+        {"tokens": ref["C"], "cached": 0},
+    ]
+
+    fresh = [b["outputs"] for b in batches[4:]]
     (
         (a,),
         (b,),
