@@ -7,8 +7,9 @@ greedy token ids, a first kvstore engine stores prompts, a fresh one loads them.
 caching is off in the kvstore engines, so every hit they report came through kvstore.
 Faults: a proxy failing Gets (tests/support/grpc_proxy.py), `kvctl flush`, the kill switch,
 a frozen agent (SIGSTOP) and a SIGKILL of the agent, a running agent's pool bytes damaged
-(tests/support/pool_fault.py). Two agents: a fresh engine on the second pulls the prefix an
-engine on the first stored (the request's kv_transfer_params name the peer).
+(tests/support/pool_fault.py), an agent holding Puts or Gets unanswered (the proxy again).
+Two agents: a fresh engine on the second pulls the prefix an engine on the first stored
+(the request's kv_transfer_params name the peer).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.common import wait_for
 from support.control import AgentClient, agent_cfg, kvctl, kvctl_json
+from support.gateway import indexed_blocks
 from support.grpc_proxy import AgentProxy
 from support.pool_fault import corrupt_pool
 
@@ -108,6 +111,11 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
             {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D"), req("E")]]},
             {"kvstore": extra, "batches": [[req("A"), req("C", "s1"), req("E")]]},
             {"kvstore": via_proxy, "batches": [{"wait": "fail-get"}, [req("A")]]},
+            # Another configured tenant (the same secret even): never reads acme's blocks.
+            {
+                "kvstore": {**extra, "tenant": "globex"},
+                "batches": [[req("A"), req("C", "s1")]],
+            },
             {
                 "kvstore": extra,
                 "batches": [
@@ -178,7 +186,14 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
     log = (tmp_path / "vllm.log").read_text()
     assert "loaded 0 of 6 blocks; recomputing the rest" in log
 
-    fresh = [b["outputs"] for b in batches[3:]]
+    # A request without a salt uses the engine's configured tenant: globex's engine gets
+    # none of what acme's stored, salted or not.
+    assert batches[3]["outputs"] == [
+        {"tokens": ref["A"], "cached": 0},
+        {"tokens": ref["C"], "cached": 0},
+    ]
+
+    fresh = [b["outputs"] for b in batches[4:]]
     (
         (a,),
         (b,),
@@ -297,3 +312,139 @@ def test_vllm_peer_pull_corrupt_block_and_request_counts(tmp_path, etcd, spawn_a
     assert "6 of 6 blocks held after a pull from " + a1.address in log
     counters = dict(AgentClient(a2.address).stats().counters)
     assert counters["removed_corrupt"] >= 1
+
+
+def test_vllm_saves_do_not_wait_for_the_agent_and_a_stalled_get_recomputes(
+    tmp_path, etcd, spawn_agent
+):
+    """The agent holds every Put unanswered: the engine still serves A, then C and D in the
+    blocks A freed (12 blocks in all), while A's save waits; once the agent answers, a
+    fresh engine loads all three, with the same greedy tokens: a save carries the blocks
+    as they were when computed. Then the agent holds a Get (Lookup answered) past the
+    connector's deadline: the request recomputes, same tokens."""
+    p = _prompts()
+    agent = spawn_agent(**agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB"))
+    extra = {"agent": agent.address, "tenant": "acme", "tenant_secret": SECRET, "shm_mib": 8}
+    proxy = AgentProxy(agent.address)
+    # A deadline long past the test's run: a save waiting in the engine's step would
+    # stall the batches behind it, not fail.
+    slow_put = {**extra, "agent": proxy.address, "local_lane": False, "timeout_s": 600}
+    via_proxy = {**extra, "agent": proxy.address, "local_lane": False}
+
+    def req(name: str) -> dict:
+        return {"prompt": p[name], "max_tokens": 8}
+
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "max_len": 256,
+        "engines": [
+            {"kvstore": None, "batches": [[req("A"), req("C"), req("D")]]},
+            {
+                "kvstore": slow_put,
+                "num_blocks": 12,
+                "batches": [
+                    {"wait": "hold-put"},
+                    [req("A")],
+                    [req("C")],
+                    [req("D")],
+                    {"wait": "release-put"},
+                ],
+            },
+            {"kvstore": via_proxy, "batches": [{"wait": "hold-get"}, [req("A")]]},
+            {
+                "kvstore": extra,
+                "batches": [{"wait": "release-get"}, [req("A")], [req("C")], [req("D")]],
+            },
+        ],
+    }
+    seen: dict[str, tuple[int, int]] = {}
+
+    def on_wait(name: str) -> None:
+        seen[name] = (proxy.held, proxy.calls.get(name.split("-")[1].title(), 0))
+        if name == "hold-put":
+            proxy.hold = {"Put"}
+        elif name == "hold-get":
+            proxy.hold = {"Get"}
+        else:
+            proxy.release()
+
+    try:
+        batches = _run_plan(tmp_path, plan, on_wait)
+    finally:
+        proxy.close()
+    ref = dict(zip("ACD", (o["tokens"] for o in batches[0]["outputs"])))
+    held_put = [x["outputs"][0] for x in batches[1:4]]
+    assert held_put == [{"tokens": ref[k], "cached": 0} for k in "ACD"]
+    # A, C and D were served while A's Put was the one call waiting at the agent (C's and
+    # D's saves queued behind it, in the connector).
+    assert seen["release-put"] == (1, 1), seen
+    (stalled,) = batches[4]["outputs"]
+    assert stalled["tokens"] == ref["A"]
+    assert seen["release-get"][0] == 1, seen  # the Get the connector gave up on
+    log = (tmp_path / "vllm.log").read_text()
+    assert "loaded 0 of 6 blocks; recomputing the rest" in log
+    fresh = [x["outputs"][0] for x in batches[5:]]
+    full = {k: (len(p[k]) - 1) // BLOCK * BLOCK for k in "ACD"}
+    assert fresh == [{"tokens": ref[k], "cached": full[k]} for k in "ACD"]
+
+
+def test_vllm_pulls_from_a_peer_when_the_router_prices_it_as_paying(
+    tmp_path, etcd, spawn_agent, start_router
+):
+    """No kv_transfer_params: the connector's `router` setting names the peer. An engine
+    on agent 1 stores A and C; fresh engines on agent 2 ask a router pricing recompute as
+    nearly free (C: no pull, recomputed) and one pricing it as a large model's prefill
+    (A: pulled from agent 1, loaded), both with the tokens of no connector."""
+    p = _prompts()
+    cfg = agent_cfg(etcd, slot_bytes="64KiB", pool_bytes="16MiB")
+    a1, a2 = spawn_agent(**cfg), spawn_agent(**cfg)
+    cheap = start_router(config={"prefill_tokens_per_s": 1e12})
+    dear = start_router(config={"prefill_tokens_per_s": 50.0})
+    base = {"tenant": "peers", "tenant_secret": SECRET, "shm_mib": 8}
+
+    def req(name: str) -> dict:
+        return {"prompt": p[name], "max_tokens": 8}
+
+    plan = {
+        "model": str(tmp_path / "tiny-llama"),
+        "tiny": {"seed": 1},
+        "block_size": BLOCK,
+        "engines": [
+            {"kvstore": None, "batches": [[req("A"), req("C")]]},
+            {"kvstore": {**base, "agent": a1.address}, "batches": [[req("A")], [req("C")]]},
+            {
+                "kvstore": {**base, "agent": a2.address, "router": cheap.address},
+                "batches": [{"wait": "indexed"}, [req("C")]],
+            },
+            {
+                "kvstore": {**base, "agent": a2.address, "router": dear.address},
+                "batches": [[req("A")]],
+            },
+        ],
+    }
+    node1 = a1.config["node_id"]
+    held = 200 // BLOCK + 150 // BLOCK  # A's and C's full blocks, on agent 1
+
+    def on_wait(name: str) -> None:
+        for r in (cheap, dear):
+            wait_for(
+                lambda r=r: indexed_blocks(r.address).get(node1, 0) >= held,
+                30,
+                0.1,
+                what="agent 1's blocks in the router's index",
+            )
+
+    batches = _run_plan(tmp_path, plan, on_wait)
+    ref = dict(zip("AC", (o["tokens"] for o in batches[0]["outputs"])))
+    assert [b["outputs"][0] for b in batches[1:3]] == [
+        {"tokens": ref[k], "cached": 0} for k in "AC"
+    ]
+    (c,), (a,) = (b["outputs"] for b in batches[3:])
+    assert c == {"tokens": ref["C"], "cached": 0}  # a pull did not pay: recomputed
+    assert a == {"tokens": ref["A"], "cached": (200 - 1) // BLOCK * BLOCK}  # pulled
+    log = (tmp_path / "vllm.log").read_text()
+    assert log.count("blocks held after a pull from") == 1, log[-4000:]
+    assert "6 of 6 blocks held after a pull from " + a1.address in log
+    assert AgentClient(a2.address).tenant("peers").lookups == 2

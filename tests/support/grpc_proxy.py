@@ -1,12 +1,15 @@
 """Fault injection: a gRPC proxy in front of a real agent that forwards every call as raw
-bytes and, while `fail` names a method, answers that method UNAVAILABLE instead.
+bytes and, while `fail` names a method, answers that method UNAVAILABLE instead; while
+`hold` names a method, its calls wait (an agent slow to answer them) until `release()`.
 
     proxy = AgentProxy(agent.address)      # clients use proxy.address
     proxy.fail = {"Get"}                   # Lookups still answer; Gets fail
+    proxy.hold = {"Put"}                   # Puts wait; proxy.held: how many wait now
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import grpc
@@ -19,7 +22,11 @@ _CLIENT_STREAM = {"Put"}
 class AgentProxy(grpc.GenericRpcHandler):
     def __init__(self, target: str) -> None:
         self.fail: set[str] = set()
+        self.hold: set[str] = set()
+        self.held = 0  # calls waiting in `hold` now
         self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._released = threading.Event()
         self._channel = grpc.insecure_channel(
             target,
             options=[
@@ -39,7 +46,14 @@ class AgentProxy(grpc.GenericRpcHandler):
         self.address = f"127.0.0.1:{port}"
         self._server.start()
 
+    def release(self) -> None:
+        """Let the held calls through; later ones are not held until `hold` is set again."""
+        self.hold = set()
+        released, self._released = self._released, threading.Event()
+        released.set()
+
     def close(self) -> None:
+        self._released.set()
         self._server.stop(grace=None)
         self._channel.close()
 
@@ -48,6 +62,13 @@ class AgentProxy(grpc.GenericRpcHandler):
         self.calls[name] = self.calls.get(name, 0) + 1
         if name in self.fail:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"injected fault: {name} fails")
+        if name in self.hold:
+            released = self._released
+            with self._lock:
+                self.held += 1
+            released.wait()
+            with self._lock:
+                self.held -= 1
 
     def service(self, details):
         method = details.method
