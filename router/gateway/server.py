@@ -98,7 +98,7 @@ class GatewayServer:
             tls = {"ssl_context_factory": lambda config, default: ctx}
         # No access log: a URL is harmless, but nothing per request is logged by default.
         return uvicorn.Config(
-            self.gateway.app,
+            self.gateway,
             log_level="warning",
             access_log=False,
             lifespan="off",
