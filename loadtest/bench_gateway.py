@@ -4,7 +4,9 @@ Overhead: the router's gateway in front of two stand-in OpenAI workers
 (loadtest/standin_openai.py: canned answers at once, so the gateway is the bottleneck),
 against calling the workers directly, in the same run: `gateway_added_p50_ms` /
 `gateway_added_p99_ms` (sequential requests, interleaved, p(via) - p(direct), one client
-and the same stand-ins for both), `gateway_rps` / `direct_rps` (concurrent clients), and
+and the same stand-ins for both), `gateway_rps` / `direct_rps` (concurrent clients, in
+alternating rounds: on a shared host the load shifts within seconds, and a direct phase
+followed by a gateway phase compared two different hosts), and
 the CPU the router process spends per request (`gateway_cpu_ms_per_request`: what a
 shared, loaded host does not change, unlike wall-clock latency). The stand-ins register
 the engines' namespace, so every request takes the whole path: tokenizing, chain ids,
@@ -136,8 +138,12 @@ def _latency(gw: str, direct: list[str], key: str, n: int) -> dict:
     }
 
 
-async def _rps(urls: list[str], headers: dict, n: int, concurrency: int = 32) -> float:
-    todo = iter(range(n))
+async def _rps(
+    urls: list[str], headers: dict, n: int, first: int = 0, concurrency: int = 32
+) -> float:
+    """Seconds `n` requests take from `concurrency` clients (the prompts of
+    _body(first..first + n))."""
+    todo = iter(range(first, first + n))
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as c:
 
         async def worker() -> None:
@@ -148,7 +154,35 @@ async def _rps(urls: list[str], headers: dict, n: int, concurrency: int = 32) ->
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return n / (time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+
+RPS_ROUNDS = 4  # direct, then through the gateway, this many times
+
+
+def _throughput(
+    gw: str, direct: list[str], auth: dict, n: int, router: int, workers: list[int]
+) -> dict:
+    """Requests per second direct and through the gateway over `n` requests each, in
+    alternating rounds, and the CPU per request of the router and of the workers in the
+    gateway's rounds."""
+    direct_s = gateway_s = cpu_s = wcpu_s = 0.0
+    per_round = max(1, n // RPS_ROUNDS)
+    for r in range(RPS_ROUNDS):  # the same prompts as one phase of n would send
+        direct_s += asyncio.run(_rps(direct, {}, per_round, r * per_round))
+        cpu0, wcpu0 = _cpu_s(router), sum(_cpu_s(w) for w in workers)
+        gateway_s += asyncio.run(_rps([gw], auth, per_round, r * per_round))
+        cpu_s += _cpu_s(router) - cpu0
+        wcpu_s += sum(_cpu_s(w) for w in workers) - wcpu0
+    total = per_round * RPS_ROUNDS
+    return {
+        "direct_rps": total / direct_s,
+        "gateway_rps": total / gateway_s,
+        # CPU per request does not depend on what else the machine runs; wall-clock
+        # latency on a shared, loaded machine does.
+        "gateway_cpu_ms_per_request": cpu_s * 1000 / total,
+        "worker_cpu_ms_per_request": wcpu_s * 1000 / total,
+    }
 
 
 def overhead(requests: int) -> dict:
@@ -170,17 +204,11 @@ def overhead(requests: int) -> dict:
             key = next(iter(json.loads(Path(st.gateway_keys).read_text())))
             lat = _latency(st.gateway_url, urls, key, requests)
             auth = {"authorization": f"Bearer {key}"}
-            direct_rps = asyncio.run(_rps(urls, {}, requests * 2))
             router = next(p.pid for p in st.procs if p.kind == "router")
             workers = [p.pid for p in procs[::2]]
-            cpu0, wcpu0 = _cpu_s(router), sum(_cpu_s(w) for w in workers)
-            gateway_rps = asyncio.run(_rps([st.gateway_url], auth, requests * 2))
-            # CPU per request does not depend on what else the machine runs; wall-clock
-            # latency on a shared, loaded machine does.
-            lat["gateway_cpu_ms_per_request"] = (_cpu_s(router) - cpu0) * 1000 / (requests * 2)
-            lat["worker_cpu_ms_per_request"] = (
-                (sum(_cpu_s(w) for w in workers) - wcpu0) * 1000 / (requests * 2)
-            )
+            rates = _throughput(st.gateway_url, urls, auth, requests * 2, router, workers)
+            for k in ("gateway_cpu_ms_per_request", "worker_cpu_ms_per_request"):
+                lat[k] = rates.pop(k)
             lat["load_average_1m"] = os.getloadavg()[0]
         finally:
             for p in procs:
@@ -190,8 +218,8 @@ def overhead(requests: int) -> dict:
             devcluster.down(state / "cluster", grace_s=5)
     return {
         **{k: round(v, 3) for k, v in lat.items()},
-        "gateway_rps": round(gateway_rps, 1),
-        "direct_rps": round(direct_rps, 1),
+        "gateway_rps": round(rates["gateway_rps"], 1),
+        "direct_rps": round(rates["direct_rps"], 1),
         "overhead_requests": requests,
     }
 

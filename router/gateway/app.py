@@ -9,6 +9,14 @@ status and content type; a forward that fails before the engine answered (connec
 5xx) is retried once on the next choice. Engines are reached through one shared
 keep-alive connection pool (upstream.py). The first response byte marks prefill done; the
 end of the answer, or the client going away, releases the request.
+
+The two forwarding routes are plain ASGI callables that `Gateway.__call__` (what uvicorn
+serves) reaches without Starlette's middleware, routing, Request and Response objects:
+those cost about 20 us of the router's CPU per request (in-process, 20000 calls: 23-25 us
+against 2.5 for the same work as a plain ASGI callable), on a host where the gateway's
+whole own work is a few hundred. Starlette keeps the other routes and the same two
+(their 405 for other methods); streamed answers go out through Starlette's
+StreamingResponse, which watches for the client going away.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from router.gateway.config import ApiKeys, GatewayConfig
+from router.gateway.config import ApiKeys, GatewayConfig, Grant
 from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.plan import Plan, Planner
@@ -39,6 +47,7 @@ log = logging.getLogger("kvstore.gateway")
 
 ENGINE_HEADER = "x-kvstore-engine"  # which engine answered: the demo and tests print it
 ROUTE_HEADER = "x-kvstore-route"  # where the router priced its blocks (Planner.priced)
+_FORWARDED = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 
 
 class HTTPFailure(Exception):
@@ -50,6 +59,50 @@ class HTTPFailure(Exception):
 def _error(exc: HTTPFailure) -> JSONResponse:
     body = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
     return JSONResponse(body, exc.status, headers=exc.headers)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """The first `name` header of the request (lower case, as the server gives them), as
+    Starlette's Headers.get reads it; "" when absent."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+class Answer:
+    """A whole (not streamed) answer as two ASGI messages: what Starlette's Response
+    sends, without building one per request."""
+
+    __slots__ = ("status_code", "_start", "_body")
+
+    def __init__(self, content: bytes, status_code: int, headers: list[tuple[bytes, bytes]]):
+        self.status_code = status_code
+        if status_code >= 200 and status_code not in (204, 304):  # as Starlette's Response
+            headers.append((b"content-length", b"%d" % len(content)))
+        self._start: Message = {
+            "type": "http.response.start",
+            "status": status_code,
+            "headers": headers,
+        }
+        self._body: Message = {"type": "http.response.body", "body": content}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(self._start)
+        await send(self._body)
+
+
+class _Plain:
+    """An ASGI callable that Starlette mounts as it is (a function or method it would
+    call with a Request)."""
+
+    __slots__ = ("_app",)
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
 
 
 class Forwarded(StreamingResponse):
@@ -89,15 +142,24 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.http = upstream or Upstream(cfg.connect_timeout_s, cfg.request_timeout_s)
         self.tenant_inflight: Counter[str] = Counter()  # requests forwarded, not yet released
-        self.app = Starlette(
+        forwarding = _Plain(self.forwarding)
+        self.routes = Starlette(
             routes=[
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", forwarding, methods=["POST"]),
+                Route("/v1/chat/completions", forwarding, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_page, methods=["GET"]),
             ]
         )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app the server runs: a POST to a forwarding route goes straight to it,
+        anything else through Starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _FORWARDED:
+            await self.forwarding(scope, receive, send)
+        else:
+            await self.routes(scope, receive, send)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -112,10 +174,9 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._tenant(request)
+            grant = self._grant(request.headers.get("authorization", ""))
         except HTTPFailure as exc:
             return _error(exc)
-        grant = request.state.grant
         served = sorted(
             {m for s in self.engines.engines.values() for m in s.record.models if grant.allows(m)}
         )
@@ -123,28 +184,35 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------ validation
-    def _tenant(self, request: Request) -> str:
-        auth = request.headers.get("authorization", "")
+    def _grant(self, auth: str) -> Grant:
+        """The API key's grant: its tenant, and the models it may use (checked once the
+        body names one)."""
         scheme, _, key = auth.partition(" ")
         grant = self.keys.grant(key.strip()) if scheme.lower() == "bearer" else None
         if grant is None:
             raise HTTPFailure(401, "missing or unknown API key", "authentication_error")
-        request.state.grant = grant  # the models it may use: checked once the body names one
-        return grant.tenant
+        return grant
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise HTTPFailure(
-                413, f"body over {self.cfg.max_body_bytes} bytes", "invalid_request_error"
-            )
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > self.cfg.max_body_bytes:
-                raise HTTPFailure(
-                    413, f"body over {self.cfg.max_body_bytes} bytes", "invalid_request_error"
-                )
+    async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any] | None:
+        """The request's JSON object; None when the client went away before sending it."""
+        limit = self.cfg.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPFailure(413, f"body over {limit} bytes", "invalid_request_error")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HTTPFailure(413, f"body over {limit} bytes", "invalid_request_error")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             body = json.loads(raw)
         except ValueError:
@@ -179,19 +247,25 @@ class Gateway:
         return model, ids
 
     # ------------------------------------------------------------ the proxy
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "/v1/completions", chat=False)
+    async def forwarding(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/completions and /v1/chat/completions (plain ASGI)."""
+        path = scope["path"]
+        resp = await self._serve(scope, receive, path, _FORWARDED[path])
+        if resp is not None:
+            await resp(scope, receive, send)
 
-    async def chat(self, request: Request) -> Response:
-        return await self._serve(request, "/v1/chat/completions", chat=True)
-
-    async def _serve(self, request: Request, path: str, chat: bool) -> Response:
+    async def _serve(
+        self, scope: Scope, receive: Receive, path: str, chat: bool
+    ) -> Answer | Response | None:
         t0 = time.perf_counter()
         try:
-            tenant = self._tenant(request)
-            body = await self._body(request)
-            self._permit(request, body.get("model"))
+            grant = self._grant(_header(scope, b"authorization"))
+            body = await self._body(scope, receive)
+            if body is None:
+                return None  # nothing to answer: the client is gone
+            self._permit(grant, body.get("model"))
             model, ids = self._tokens(body, chat)
+            tenant = grant.tenant
             self._admit(tenant)
             plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
@@ -207,9 +281,9 @@ class Gateway:
         self.metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
-    def _permit(self, request: Request, model: Any) -> None:
+    def _permit(self, grant: Grant, model: Any) -> None:
         """Before tokenizing: a key limited to some models asks for another (403)."""
-        if isinstance(model, str) and model and not request.state.grant.allows(model):
+        if isinstance(model, str) and model and not grant.allows(model):
             raise HTTPFailure(403, f"this API key may not use model {model!r}", "permission_error")
 
     def _admit(self, tenant: str) -> None:
@@ -244,7 +318,9 @@ class Gateway:
             body = dict(body, kv_transfer_params=hint)
         return json.dumps(body).encode()
 
-    async def _forward(self, path: str, model: str, body: dict, plan: Plan, t0: float) -> Response:
+    async def _forward(
+        self, path: str, model: str, body: dict, plan: Plan, t0: float
+    ) -> Answer | Response:
         tried: set[str] = set()
         while True:
             st = self._choose(model, plan, tried)
@@ -289,11 +365,9 @@ class Gateway:
 
     async def _respond(
         self, upstream: EngineAnswer, st: EngineState, plan: Plan, t0: float
-    ) -> Response:
-        headers = {
-            ENGINE_HEADER: st.record.engine_id,
-            ROUTE_HEADER: self.planner.priced(plan, st.record.engine_id),
-        }
+    ) -> Answer | Response:
+        engine_id = st.record.engine_id
+        route = self.planner.priced(plan, engine_id)
         media = upstream.content_type
         closed = False
 
@@ -313,7 +387,12 @@ class Gateway:
                 raise HTTPFailure(502, "the engine broke off its answer", "api_error") from None
             finally:
                 await close()
-            return Response(content, upstream.status_code, headers=headers, media_type=media)
+            head = [
+                (ENGINE_HEADER.encode(), engine_id.encode("latin-1")),
+                (ROUTE_HEADER.encode(), route.encode("latin-1")),
+                (b"content-type", media.encode("latin-1")),
+            ]
+            return Answer(content, upstream.status_code, head)
 
         async def chunks() -> AsyncIterator[bytes]:
             first = True
@@ -328,7 +407,7 @@ class Gateway:
                     "engine %s broke off request %s: %s", st.record.engine_id, plan.request_id, exc
                 )
 
-        headers["content-type"] = media
+        headers = {ENGINE_HEADER: engine_id, ROUTE_HEADER: route, "content-type": media}
         return Forwarded(chunks(), close, upstream.status_code, headers)
 
     def _first_byte(self, plan: Plan, t0: float) -> None:
