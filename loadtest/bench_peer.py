@@ -19,6 +19,12 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   by itself, without peer-failure handling (which lets UCX stripe each message over
   several TCP interfaces; the agents cannot: a dead peer must fail their transfers),
   limit_free_transport
+- limit_shm_footprint_gbps / ucx_ratio_shm_footprint: context, not the goal: the copy
+  the agents' CMA transfers make, without UCX and without verification: one process
+  reading a Prefetch's bytes of distinct memory out of another's with process_vm_readv,
+  in 16 MiB reads into distinct memory of its own (blocks x 2 MiB each side); perftest's
+  shared-memory figure reads the same 2 MiB buffer into the same 2 MiB buffer every
+  time, from the CPU cache
 - limit_footprint_gbps / ucx_ratio_footprint: context, not the goal: a raw TCP socket
   between two processes streaming one Prefetch's bytes of distinct memory (blocks x 2 MiB
   each side, as the agents move them); perftest reuses the same 2 MiB buffers for every
@@ -287,6 +293,56 @@ def footprint_socket_gbps(footprint: int, passes: int = 3) -> float:
     return total / elapsed / 1e9
 
 
+# The reading side of footprint_cma_gbps, in a process of its own (no torch import): its
+# own pre-touched distinct memory, filled from the other process's with process_vm_readv.
+_CMA_READER = """
+import ctypes, mmap, os, sys, time
+import numpy as np
+pid, addr, footprint, passes, piece = map(int, sys.argv[1:])
+mem = mmap.mmap(-1, footprint)
+if hasattr(mmap, "MADV_HUGEPAGE"):
+    mem.madvise(mmap.MADV_HUGEPAGE)
+dst = np.frombuffer(mem, dtype=np.uint8)
+dst[:] = 0
+base = dst.ctypes.data
+libc = ctypes.CDLL(None, use_errno=True)
+class Iov(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+start = time.perf_counter()
+for _ in range(passes):
+    for off in range(0, footprint, piece):
+        n = min(piece, footprint - off)
+        local, remote = Iov(base + off, n), Iov(addr + off, n)
+        got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got != n:
+            sys.exit(f"process_vm_readv: {got} of {n} bytes, errno {ctypes.get_errno()}")
+print(footprint * passes / (time.perf_counter() - start) / 1e9)
+"""
+
+
+def footprint_cma_gbps(footprint: int, passes: int = 3) -> float | None:
+    """GB/s of CMA reads (process_vm_readv, the copy UCX's cma transport makes for the
+    agents) from `footprint` bytes of distinct, pre-touched memory in this process into as
+    many of another process's, in 16 MiB reads (the agents' payload messages), `passes`
+    times over; None where the reads are not allowed (ptrace restrictions)."""
+    mem = host_memory(footprint)
+    src = np.frombuffer(mem, dtype=np.uint8)
+    src[:] = np.random.default_rng(0).integers(0, 256, footprint, dtype=np.uint8)
+    args = [os.getpid(), src.ctypes.data, footprint, passes, 16 * MiB]
+    out = subprocess.run(
+        [sys.executable, "-c", _CMA_READER, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    del src
+    mem.close()
+    if out.returncode != 0:
+        log(f"CMA footprint reads failed: {out.stderr[-300:]}")
+        return None
+    return float(out.stdout.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How the transport limits are measured (transport_limit): `tcp()` the goal's limit,
@@ -402,7 +458,16 @@ def prefetch(stub, a: Agent, b: Agent, na, ids, ucx: bool, block: int = BLOCK) -
     return len(ids) * block / dt / 1e9
 
 
-KEYS = ("limit", "limit_shm", "limit_free", "limit_footprint", "ucx", "ucx_cold", "grpc")
+KEYS = (
+    "limit",
+    "limit_shm",
+    "limit_free",
+    "limit_footprint",
+    "limit_shm_footprint",
+    "ucx",
+    "ucx_cold",
+    "grpc",
+)
 
 
 def tcp_devices(transport: str) -> str:
@@ -412,9 +477,12 @@ def tcp_devices(transport: str) -> str:
     return ",".join(re.findall(r"tcp/([\w.-]+)", lanes))
 
 
-def round_limits(limits: Limits, footprint: int, out: dict, protocols: dict, devices: str) -> None:
+def round_limits(
+    limits: Limits, footprint: int, out: dict, protocols: dict, devices: str, cma: bool
+) -> None:
     """One round's limits into `out` (and what carried them into `protocols`); the TCP
-    limit on `devices`, those of the agents' TCP lanes."""
+    limit on `devices`, those of the agents' TCP lanes; `cma`: the agents move payloads
+    with CMA reads (not --tcp), and the CMA footprint figure is measured."""
     tcp = lambda: limits.tcp(devices)  # noqa: E731
     for key, fn in (("limit", tcp), ("limit_shm", limits.shm), ("limit_free", limits.free)):
         got = fn() if fn is not None else None
@@ -422,10 +490,21 @@ def round_limits(limits: Limits, footprint: int, out: dict, protocols: dict, dev
             out[key].append(got.gbps)
             protocols[key] = got.transport
     out["limit_footprint"].append(footprint_socket_gbps(footprint))
+    got_cma = footprint_cma_gbps(footprint) if cma else None
+    if got_cma is not None:
+        out["limit_shm_footprint"].append(got_cma)
 
 
 def measure(
-    a: Agent, b: Agent, na, prompts, rounds: int, burst: int, limits: Limits, protocols: dict
+    a: Agent,
+    b: Agent,
+    na,
+    prompts,
+    rounds: int,
+    burst: int,
+    limits: Limits,
+    protocols: dict,
+    cma: bool = True,
 ) -> dict[str, list[float]]:
     """Interleaved rounds: limits, UCX, gRPC. This machine's load moves a lot from second
     to second; pairing each UCX figure with limits taken just before keeps the ratios
@@ -443,7 +522,7 @@ def measure(
         devices = tcp_devices(used_transports(b.workdir / "agent.log"))
         for r in range(rounds):
             had = {k: len(v) for k, v in out.items()}
-            round_limits(limits, len(prompts[0]) * BLOCK, out, protocols, devices)
+            round_limits(limits, len(prompts[0]) * BLOCK, out, protocols, devices, cma)
             out["ucx_cold"].append(prefetch(stub, a, b, na, next(it), ucx=True))
             # bytes over the burst's total time (each call moves the same bytes)
             ucx = burst / sum(
@@ -451,7 +530,13 @@ def measure(
             )
             out["ucx"].append(ucx)
             out["grpc"].append(prefetch(stub, a, b, na, next(it), ucx=False))
-            for key in ("limit", "limit_shm", "limit_free", "limit_footprint"):
+            for key in (
+                "limit",
+                "limit_shm",
+                "limit_free",
+                "limit_footprint",
+                "limit_shm_footprint",
+            ):
                 if len(out[key]) > had[key]:  # measured this round
                     name = "ratio" + key.removeprefix("limit")
                     ratios.setdefault(name, []).append(ucx / out[key][-1])
@@ -459,7 +544,8 @@ def measure(
             log(
                 f"  round {r}: limit tcp {now['limit']}  shm {now['limit_shm']}  tcp as "
                 f"perftest picks {now['limit_free']}  socket over the footprint "
-                f"{now['limit_footprint']}  ucx {now['ucx']} (first call {now['ucx_cold']})"
+                f"{now['limit_footprint']}  CMA over the footprint {now['limit_shm_footprint']}"
+                f"  ucx {now['ucx']} (first call {now['ucx_cold']})"
                 f"  grpc {now['grpc']} GB/s"
             )
     return {**out, **ratios}
@@ -565,7 +651,7 @@ def main(argv=None) -> int:
             with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
                 na = ca.open_namespace(spec)
             log(f"{args.rounds} rounds of {args.blocks} blocks")
-            m = measure(a, b, na, prompts, args.rounds, args.burst, limits, protocols)
+            m = measure(a, b, na, prompts, args.rounds, args.burst, limits, protocols, not args.tcp)
         finally:
             for ag in agents:
                 ag.stop()
@@ -581,6 +667,7 @@ def main(argv=None) -> int:
         limit_free_gbps=med["limit_free"],
         limit_free_transport=protocols.get("limit_free"),
         limit_footprint_gbps=med["limit_footprint"],
+        limit_shm_footprint_gbps=med["limit_shm_footprint"],
         ucx_gbps=med["ucx"],
         ucx_cold_gbps=med["ucx_cold"],
         grpc_gbps=med["grpc"],
@@ -588,6 +675,7 @@ def main(argv=None) -> int:
         ucx_ratio_shm=med.get("ratio_shm"),
         ucx_ratio_free=med.get("ratio_free"),
         ucx_ratio_footprint=med["ratio_footprint"],
+        ucx_ratio_shm_footprint=med.get("ratio_shm_footprint"),
         ucx_best_gbps=round(max(m["ucx"]), 3),
         ucx_transport=transport,
         prefetch_60x8k_ms_ucx=small.get("ucx"),

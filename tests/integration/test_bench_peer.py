@@ -66,3 +66,10 @@ def test_bench_peer_runs_and_reports_every_figure():
         assert result["ucx_ratio_shm"] == pytest.approx(
             result["ucx_gbps"] / result["limit_shm_gbps"], rel=0.01
         )
+    # The CMA copy over a Prefetch's distinct memory, beside perftest's cached buffers:
+    # measured where the agents read payloads with CMA (None where ptrace forbids it).
+    if result["limit_shm_footprint_gbps"] is not None:
+        assert result["limit_shm_footprint_gbps"] > 0
+        assert result["ucx_ratio_shm_footprint"] == pytest.approx(
+            result["ucx_gbps"] / result["limit_shm_footprint_gbps"], rel=0.01
+        )

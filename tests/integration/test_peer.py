@@ -664,6 +664,38 @@ def test_runs_and_spans_follow_memory_layout():
             check_runs(bad, 3)
 
 
+def test_the_last_message_of_a_transfer_is_cut_in_halves():
+    """tapered: the last run split down to TAIL_MESSAGE_BYTES (or one block), the blocks
+    all still there and in order; runs already that small are left alone."""
+    from node_agent.peer.ucx.wire import TAIL_MESSAGE_BYTES, tapered
+
+    mib = 1 << 20
+    assert TAIL_MESSAGE_BYTES == 2 * mib
+    assert tapered([8, 8, 8], 2 * mib) == [8, 8, 4, 2, 1, 1]
+    assert tapered([3, 5], 2 * mib) == [3, 3, 1, 1]
+    assert tapered([64], 256 << 10) == [32, 16, 8, 8]  # stops at 2 MiB: 8 x 256 KiB
+    assert tapered([2], 256 << 10) == [2]
+    assert tapered([1], 16 * mib) == [1]  # one block more than the tail size: left whole
+    assert tapered([], 2 * mib) == []
+
+
+@needs_ucx
+def test_large_blocks_arrive_intact_with_the_last_message_tapered(cluster):
+    """2 MiB blocks lying back to back in B's pool: one chunk of 12 travels as a message
+    of 8 blocks, then the last run of 4 cut into 2, 1 and 1 (wire.tapered), received in
+    place (or through staging where A's free slots do not lie back to back: earlier
+    tests left its pool fragmented) and verified."""
+    na, ids, blocks = cluster.seed(BIG, 12, seed=41)
+    da, db = Delta(cluster, "a"), Delta(cluster, "b")
+    r = cluster.prefetch(na, ids)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (12, 12, "ucx", ""), r
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    assert db.now()["peer_payload_messages"] == 4
+    d = da.now()
+    assert d["peer_blocks_in_place"] + d["peer_blocks_staged"] == 12, d
+    assert d["peer_blocks_stored"] == 12 and d["peer_checksum_mismatch"] == 0, d
+
+
 def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     """One UCX message per control message: length, then bytes (post_control/recv_control)."""
     import asyncio

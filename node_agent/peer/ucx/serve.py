@@ -27,6 +27,7 @@ from node_agent.peer.ucx.wire import (
     packed,
     post_control,
     recv_control,
+    tapered,
 )
 from node_agent.tokens import TokenTable
 
@@ -164,7 +165,9 @@ class UcxServer:
             payloads = [rb.bufs[0][: len(rb.served) * size] if rb.served else _EMPTY]
         elif rb.served:
             views = rb.bufs[: len(rb.served)]
-            hdr.runs.extend(runs_of(views, size, max(1, MESSAGE_BYTES // size)))
+            runs = runs_of(views, size, max(1, MESSAGE_BYTES // size))
+            # the last chunk's last messages smaller: less left to verify at the end
+            hdr.runs.extend(tapered(runs, size) if rb.last else runs)
             spanned = spans(views, list(hdr.runs), size)
             if spanned is None:  # runs_of just cut the runs where the views lie back to back
                 raise PeerTransportError("served views do not lie back to back")
