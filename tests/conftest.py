@@ -168,11 +168,16 @@ def start_standin(tmp_path, etcd):
     workers: list[StandIn] = []
 
     def start(
-        name: str, model: str, fail_status: int = 0, namespace: dict | None = None, node: str = ""
+        name: str,
+        model: str,
+        fail_status: int = 0,
+        namespace: dict | None = None,
+        node: str = "",
+        registrar_args: list[str] | None = None,
     ):
         w = StandIn(tmp_path / f"standin-{name}", etcd.endpoint, name, node)
         workers.append(w)
-        return w.start(model, fail_status, namespace)
+        return w.start(model, fail_status, namespace, registrar_args)
 
     yield start
     for w in workers:

@@ -143,6 +143,7 @@ async def run(
         loop.add_signal_handler(sig, stop.set)
     key: LeasedKey | None = None
     failures = 0
+    unregistered_said = False  # the engine answers but has no namespace: said once
     verify = health_verify(args.url, tls)
     async with httpx.AsyncClient(timeout=max(args.check_interval, 1.0), verify=verify) as http:
         try:
@@ -150,6 +151,16 @@ async def run(
                 ok = await _healthy(http, args.url.rstrip("/"))
                 failures = 0 if ok else failures + 1
                 rec = engine_record(args) if ok else None
+                if ok and rec is None and key is None and not unregistered_said:
+                    unregistered_said = True
+                    log.warning(
+                        "engine %s answers /health but its connector has not written its "
+                        "namespace to %s: not registered for the gateway until it does. A "
+                        "refused connector says why in the engine's log ('kvstore connector "
+                        "disabled'); check kv_connector_extra_config there",
+                        args.engine_id,
+                        args.namespace_file,
+                    )
                 if rec is not None and key is None:
                     key = LeasedKey(etcd, ENGINES + rec.engine_id, rec.to_json(), args.ttl)
                     key.start()
@@ -181,6 +192,7 @@ async def run(
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /health check
     args, cmd = parse_args(argv)
     try:
         parse_endpoints(args.etcd_endpoints)

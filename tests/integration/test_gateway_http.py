@@ -165,3 +165,22 @@ def test_no_engine_left_is_503_and_models_lists_the_registered(
     _wait_engines(gw, 1)
     models = httpx.get(gw.url + "/v1/models", headers=ACME).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_an_engine_whose_connector_wrote_no_namespace_is_named_not_registered(
+    start_gateway, start_standin, tokenizer_dir, tmp_path
+):
+    """A connector that refused its configuration writes no namespace file: the registrar
+    says so in its log, once, and registers the engine when the file appears."""
+    gw = start_gateway({MODEL: tokenizer_dir})
+    ns_file = tmp_path / "late-ns.json"
+    e = start_standin("e0", MODEL, registrar_args=["--namespace-file", str(ns_file)])
+    log = e.workdir / "registrar.log"
+    wait_for(lambda: "has not written its namespace" in log.read_text(), 30, what="the warning")
+    assert str(ns_file) in log.read_text() and "kvstore connector disabled" in log.read_text()
+    assert gw.engines() == 0
+    ns_file.write_text(json.dumps({}))
+    _wait_engines(gw, 1)
+    assert log.read_text().count("has not written its namespace") == 1
+    assert "registered" in log.read_text().split("has not written its namespace")[1]
+    assert "/health" not in log.read_text().replace("answers /health", "")  # no line per check
