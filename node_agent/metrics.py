@@ -157,9 +157,12 @@ class AgentMetrics:
         if d.first and self._hit_length is not None:
             self._hit_length.record(d.hit_blocks * bs, self._labels[st.tenant])
 
-    def lookup(self, st, n_blocks: int, res, request_id: str = "") -> None:
-        """One Lookup of `n_blocks` ids in namespace `st` answered with `res`."""
-        self._count(st, self.ledger.lookup(st.tenant, request_id, n_blocks, res.matched))
+    def lookup(self, st, n_blocks: int, res, request_id: str = "", caller_held: int = 0) -> None:
+        """One Lookup of `n_blocks` ids in namespace `st` answered with `res`; the caller
+        held the leading `caller_held` itself (request_tally.RequestLedger.lookup)."""
+        self._count(
+            st, self.ledger.lookup(st.tenant, request_id, n_blocks, res.matched, caller_held)
+        )
         attrs = pending_attributes()
         if attrs is not None:
             attrs.update(

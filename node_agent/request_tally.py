@@ -11,7 +11,9 @@ and the ledger remembers, per tenant, which requests it already counted:
   matched (Lookup) or served (Get);
 - a later Lookup of that request that matches more (a peer pull landed in between) raises
   its hit to that; a later Get counts nothing (its blocks may be a tail of the prompt);
-- a Get without an id counts nothing: a Lookup of the same request did.
+- a Get without an id counts nothing: a Lookup of the same request did;
+- blocks a Lookup says the caller holds itself (`caller_held`: vLLM's own prefix cache)
+  are neither asked nor hit: the rates say what kvstore had beyond the engine's cache.
 
 The ledger keeps the last `capacity` request ids; one forgotten earlier is counted again.
 """
@@ -55,8 +57,17 @@ class RequestLedger:
             self._seen.popitem(last=False)
         return RequestDelta(1, int(hit > 0), asked, hit)
 
-    def lookup(self, tenant: str, request_id: str, asked: int, matched: int) -> RequestDelta:
-        """A Lookup of `asked` blocks that matched the leading `matched`."""
+    def lookup(
+        self, tenant: str, request_id: str, asked: int, matched: int, caller_held: int = 0
+    ) -> RequestDelta:
+        """A Lookup of `asked` blocks that matched the leading `matched`, of which the
+        caller held the leading `caller_held` in a cache of its own (an engine's prefix
+        cache): those count neither as asked nor as hit, and a Lookup of nothing else
+        counts nothing (kvstore had no part in that request)."""
+        if caller_held:
+            if caller_held >= asked:
+                return NOTHING
+            asked, matched = asked - caller_held, max(0, matched - caller_held)
         if not request_id:
             return RequestDelta(1, int(matched > 0), asked, matched)
         key = (tenant, request_id)

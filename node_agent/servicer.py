@@ -131,8 +131,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.InvalidArgument(
                 f"request names {len(ids)} blocks; the limit is {self.max_blocks} per request"
             )
+        if request.caller_held > len(ids):
+            raise errors.InvalidArgument(
+                f"caller_held is {request.caller_held}, more than the {len(ids)} blocks named"
+            )
         res = self.store.lookup(st.ns_id, request.ns.generation, ids)
-        self.metrics.lookup(st, len(ids), res, rid)
+        self.metrics.lookup(st, len(ids), res, rid, request.caller_held)
         return agent_pb2.LookupResponse(
             matched=res.matched, hbm=res.hbm, nvme=res.nvme, generation=res.generation
         )

@@ -369,11 +369,16 @@ class KVClient:
         ids: list[bytes],
         timeout: float | None = None,
         request_id: str = "",
+        caller_held: int = 0,
     ) -> LookupResult:
         """How many leading blocks of `ids` the agent holds. `request_id` names the engine
         request this serves: the agent counts each request once in its hit rates, however
-        many Lookups and Gets name it (without one, each Lookup is a request)."""
-        req = agent_pb2.LookupRequest(ns=ns.ref, block_ids=pack_ids(ids), request_id=request_id)
+        many Lookups and Gets name it (without one, each Lookup is a request).
+        `caller_held`: leading blocks the caller holds in a cache of its own (an engine's
+        prefix cache), left out of those hit rates."""
+        req = agent_pb2.LookupRequest(
+            ns=ns.ref, block_ids=pack_ids(ids), request_id=request_id, caller_held=caller_held
+        )
         return LookupResult.from_proto(
             self._call(
                 lane.LOOKUP, lambda: req, agent_pb2.LookupResponse, self.stub.Lookup, timeout

@@ -180,7 +180,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         # asks for every full block, so that a held block holding the last token (a
         # block-aligned prompt) is known as held and not Put again after the prefill.
         usable = (len(tokens) - 1) // bs
-        ids, matched = self._link.prefix(tokens, len(tokens) // bs, salt, self._count_id(rid))
+        ids, matched = self._link.prefix(
+            tokens, len(tokens) // bs, salt, self._count_id(rid), num_computed_tokens // bs
+        )
         served = min(matched, usable)
         if (
             puller is not None

@@ -116,12 +116,18 @@ class AgentLink:
             return default
 
     def prefix(
-        self, tokens: list[int], usable: int, salt: str | None, request_id: str = ""
+        self,
+        tokens: list[int],
+        usable: int,
+        salt: str | None,
+        request_id: str = "",
+        engine_held: int = 0,
     ) -> tuple[list[bytes], int]:
         """The chain ids of the full blocks of `tokens` and how many of the first `usable`
         the agent holds; ([], 0) when the agent is out. One call, so ids and answer come
         from the same generation (a flush in between reopens and recomputes both).
-        `request_id`: the agent counts the engine request once, however often asked."""
+        `request_id`: the agent counts the engine request once, however often asked;
+        `engine_held`: leading blocks the engine's own cache has, not counted as ours."""
 
         def run(client: KVClient) -> tuple[list[bytes], int]:
             ns = self._handle(client, salt)
@@ -129,7 +135,9 @@ class AgentLink:
             head = ids[:usable]
             if not head:
                 return ids, 0
-            return ids, int(client.lookup(ns, head, request_id=request_id).matched)
+            held = min(engine_held, len(head))
+            r = client.lookup(ns, head, request_id=request_id, caller_held=held)
+            return ids, int(r.matched)
 
         return self._call("lookup", run, ([], 0))
 

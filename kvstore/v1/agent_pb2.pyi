@@ -39,14 +39,16 @@ class NamespaceRef(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ns", "block_ids", "request_id")
+    __slots__ = ("ns", "block_ids", "request_id", "caller_held")
     NS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_HELD_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     block_ids: bytes
     request_id: str
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    caller_held: int
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., request_id: _Optional[str] = ..., caller_held: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched", "hbm", "nvme", "generation")

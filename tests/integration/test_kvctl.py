@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import grpc
+
 import pytest
 from support.common import free_port, make_namespace
 from support.control import AgentClient, agent_cfg, kvctl, with_fake_member
@@ -217,8 +219,20 @@ def test_stats_count_each_request_once_whichever_calls_it_made(etcd, spawn_agent
         assert len(c.get_views(ns, ids[2:4], ids[1], request_id="vllm-7")) == 2
         # 4: a fetch (its Lookup and Get, one request).
         assert c.fetch(ns, tokens).cached_blocks == 4
+        # 5: the engine's own prefix cache held blocks 0..1: kvstore's part is 2 of 3.
+        assert c.lookup(ns, ids[:5], request_id="vllm-8", caller_held=2).matched == 4
+        # 6: the engine held every block it asked about: not kvstore's request at all.
+        assert c.lookup(ns, ids[:4], request_id="vllm-9", caller_held=4).matched == 4
+        # A caller cannot hold more blocks than it names.
+        with pytest.raises(grpc.RpcError) as bad:
+            c.lookup(ns, ids[:2], request_id="vllm-10", caller_held=3)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "caller_held is 3, more than the 2 blocks named" in bad.value.details()
     stats = run_json(capsys, "stats", "--tenant", SPEC.tenant, *e)
     (acme,) = stats["tenants"]
-    assert (acme["lookups"], acme["lookup_hits"]) == (4, 3)
-    assert (acme["lookup_blocks"], acme["lookup_hit_blocks"]) == (6 + 3 + 5 + 6, 4 + 0 + 4 + 4)
-    assert acme["request_hit_rate"] == 0.75
+    assert (acme["lookups"], acme["lookup_hits"]) == (5, 4)
+    assert (acme["lookup_blocks"], acme["lookup_hit_blocks"]) == (
+        6 + 3 + 5 + 6 + 3,
+        4 + 0 + 4 + 4 + 2,
+    )
+    assert acme["request_hit_rate"] == 0.8

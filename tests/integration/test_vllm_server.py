@@ -4,8 +4,10 @@ vLLM's own Prometheus counters, in the agent's per-tenant metrics and in `kvctl 
 each engine request counted once; a connector config missing a field leaves the reason in
 the engine's log and the engine serving, recomputing everything.
 
-vLLM's own prefix cache is off, so every cached token came through kvstore. Two engine
-starts (vLLM's api_server through its registrar, kvstore.devengines), real etcd and agent.
+vLLM's own prefix cache is off, so every cached token came through kvstore; a third
+engine with it on shows that what the engine's own cache served is not counted as
+kvstore's. Three engine starts (vLLM's api_server through its registrar,
+kvstore.devengines), real etcd and agent.
 """
 
 from __future__ import annotations
@@ -81,11 +83,13 @@ def engines(tmp_path, etcd):
     (tmp_path / "kv.secret").write_text("vllm-server-secret")
     procs = []
 
-    def start(name: str, agent, tenant: str = TENANT) -> tuple[EngineLaunch, Path]:
+    def start(
+        name: str, agent, tenant: str = TENANT, prefix_caching: bool = False
+    ) -> tuple[EngineLaunch, Path]:
         launch = EngineLaunch(
             name, free_port(), str(model), MODEL, agent.address, agent.config["node_id"],
             tenant, str(tmp_path / "kv.secret"), etcd.endpoint, str(tmp_path / name),
-            block_size=BLOCK, prefix_caching=False,
+            block_size=BLOCK, prefix_caching=prefix_caching,
         )  # fmt: skip
         proc = start_engine(launch, new_session=True)
         procs.append(proc)
@@ -155,3 +159,19 @@ def test_served_tokens_show_in_usage_vllm_counters_agent_metrics_and_kvctl_stats
     ) in log, log[-4000:]
     assert "Traceback" not in log, log[-4000:]
     assert kvctl_json("stats", "--tenant", TENANT, etcd=etcd)["tenants"][0]["lookups"] == 3
+
+    # vLLM's own prefix cache on: a fresh engine gets A from kvstore, then A again from
+    # its own cache. That second request is the engine's hit, not kvstore's: the
+    # connector tells the agent which blocks the engine holds (caller_held), and the
+    # tenant's rates gain one request, hit, of A's 6 blocks, not two.
+    launch3, _ = engines("e2", agent, prefix_caching=True)
+    assert _complete(launch3.url, p["A"]) == again  # from kvstore
+    assert _vllm_counter(launch3.url, "vllm:prefix_cache_hits_total") == 0
+    assert _complete(launch3.url, p["A"]) == again  # from the engine's own cache
+    wait_for(
+        lambda: _vllm_counter(launch3.url, "vllm:prefix_cache_hits_total") == 6 * BLOCK,
+        30, 0.2, what="vLLM's own prefix cache hits",
+    )  # fmt: skip
+    (t,) = kvctl_json("stats", "--tenant", TENANT, etcd=etcd)["tenants"]
+    assert (t["lookups"], t["lookup_hits"]) == (4, 3)
+    assert (t["lookup_blocks"], t["lookup_hit_blocks"]) == (4 * 6, 6 + 3 + 6)

@@ -31,6 +31,17 @@ def test_repeated_lookups_count_once_and_a_later_get_adds_nothing():
     assert led.get("t", "r", 2, 2) == RequestDelta()
 
 
+def test_blocks_the_caller_holds_itself_are_neither_asked_nor_hit():
+    """vLLM's own prefix cache held the leading blocks: kvstore's rates count the rest."""
+    led = RequestLedger()
+    assert led.lookup("t", "r", 6, 4, caller_held=2) == RequestDelta(1, 1, 4, 2)
+    assert led.lookup("t", "s", 6, 1, caller_held=2) == RequestDelta(1, 0, 4, 0)
+    assert led.lookup("t", "", 6, 6, caller_held=3) == RequestDelta(1, 1, 3, 3)
+    # The engine held every block: kvstore had no part in it, nothing counts.
+    assert led.lookup("t", "u", 4, 4, caller_held=4) == RequestDelta()
+    assert led.lookup("t", "", 4, 4, caller_held=4) == RequestDelta()
+
+
 def test_a_lookup_matching_more_later_raises_the_hit():
     """A miss at first, then the same request after a peer pull landed: one request, a hit
     of the blocks it got in the end."""
