@@ -350,28 +350,21 @@ def rss_bytes(pid: int) -> int:
 
 
 def fill_disk(directory: Path) -> int:
-    """Write a ballast file into `directory` until the filesystem is full; its size."""
+    """Write a ballast file into `directory` until the filesystem is full; its size.
+    Unbuffered: a buffered file kept the bytes the full disk refused and raised ENOSPC
+    again when closed, out of the harness's fault thread."""
     ballast = directory / "chaos-ballast"
-    chunk = b"\0" * MiB
     written = 0
-    with open(ballast, "wb") as f:
-        try:
-            while True:
-                written += f.write(chunk)
-                f.flush()
-        except OSError:  # ENOSPC: full, as intended
-            pass
+    with open(ballast, "wb", buffering=0) as f:
+        for n in (MiB, 65536, 4096, 512):  # then top up the last partial megabyte
+            chunk = b"\0" * n
+            try:
+                while w := f.write(chunk):
+                    written += w
+            except OSError:  # ENOSPC: full, as intended
+                pass
         try:
             os.fsync(f.fileno())
-        except OSError:
-            pass
-    for n in (65536, 4096, 512):  # top up the last partial megabyte too
-        try:
-            with open(ballast, "ab") as f:
-                while True:
-                    f.write(b"\0" * n)
-                    f.flush()
-                    written += n
         except OSError:
             pass
     return written

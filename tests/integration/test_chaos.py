@@ -6,6 +6,7 @@ here: every figure must be present and sane, and no byte read may be wrong."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,25 @@ def test_chaos_refuses_an_unknown_fault_with_a_message():
     assert proc.returncode == 2
     assert "unknown fault(s) meteor" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_disk_full_fills_the_tmpfs_whatever_the_space_left(tmp_path):
+    """The disk_full fault's ballast fills the filesystem and returns, even when the room
+    left ends just short of a megabyte (a buffered file kept the refused bytes and raised
+    ENOSPC again when closed: the harness failed mid-run)."""
+    from loadtest.chaos_cluster import clear_disk, fill_disk
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)], check=True)
+    try:
+        for used in (0, 528384, 70000):  # 528384: 1020 KiB left, 4 KiB short of 1 MiB
+            (mnt / "used").write_bytes(b"\0" * used)
+            written = fill_disk(mnt)
+            assert os.statvfs(mnt).f_bavail == 0, used
+            assert written == (mnt / "chaos-ballast").stat().st_size > 0
+            clear_disk(mnt)
+            assert not (mnt / "chaos-ballast").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
