@@ -54,7 +54,9 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _run_plan(tmp_path: Path, plan: dict, on_wait) -> list[dict]:
-    """Run the plan; `on_wait(name)` is called at each wait point. Returns the batches."""
+    """Run the plan (the tiny model, BLOCK-token blocks, unless it says otherwise);
+    `on_wait(name)` is called at each wait point. Returns the batches."""
+    plan = {"model": str(tmp_path / "tiny-llama"), "tiny": {"seed": 1}, "block_size": BLOCK, **plan}
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -104,9 +106,6 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
         return {"prompt": p[name], "salt": salt, "max_tokens": 8}
 
     plan = {
-        "model": str(tmp_path / "tiny-llama"),
-        "tiny": {"seed": 1},
-        "block_size": BLOCK,
         "engines": [
             {"kvstore": None, "batches": [[req("A"), req("B"), req("C"), req("D"), req("E")]]},
             {"kvstore": extra, "batches": [[req("A"), req("C", "s1"), req("E")]]},
@@ -262,9 +261,6 @@ def test_vllm_peer_pull_corrupt_block_and_request_counts(tmp_path, etcd, spawn_a
         return {"prompt": p[name], "max_tokens": 8, "params": params}
 
     plan = {
-        "model": str(tmp_path / "tiny-llama"),
-        "tiny": {"seed": 1},
-        "block_size": BLOCK,
         "engines": [
             {"kvstore": None, "batches": [[req("A"), req("B")]]},
             {"kvstore": on1, "batches": [[req("A")]]},
@@ -335,9 +331,6 @@ def test_vllm_saves_do_not_wait_for_the_agent_and_a_stalled_get_recomputes(
         return {"prompt": p[name], "max_tokens": 8}
 
     plan = {
-        "model": str(tmp_path / "tiny-llama"),
-        "tiny": {"seed": 1},
-        "block_size": BLOCK,
         "max_len": 256,
         "engines": [
             {"kvstore": None, "batches": [[req("A"), req("C"), req("D")]]},
@@ -408,9 +401,6 @@ def test_vllm_pulls_from_a_peer_when_the_router_prices_it_as_paying(
         return {"prompt": p[name], "max_tokens": 8}
 
     plan = {
-        "model": str(tmp_path / "tiny-llama"),
-        "tiny": {"seed": 1},
-        "block_size": BLOCK,
         "engines": [
             {"kvstore": None, "batches": [[req("A"), req("C")]]},
             {"kvstore": {**base, "agent": a1.address}, "batches": [[req("A")], [req("C")]]},
