@@ -102,6 +102,13 @@ def test_short_replay_end_to_end(tmp_path, replay_tmp):
         "2",
         "--prefill-tokens-per-s",
         "8000",
+        # Dispatched at the trace's own times: a document's second ask leaves a second
+        # after the first (unpaced, both of every pair could run at once and all miss:
+        # seen once in make test).
+        "--offered-load",
+        "0",
+        "--speed",
+        "1",
         "--out",
         str(out),
     ]
