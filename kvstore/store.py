@@ -69,7 +69,7 @@ from kvstore.store_types import (
     Written,
     _first_false,
 )
-from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.pool import DevicePool, fill_tensor, is_tensor
 from kvstore.tiers.rocks import RocksTier
 
 __all__ = [
@@ -333,13 +333,16 @@ class BlockStore:
                 elif slot >= 0:
                     ok = self.pool.read_into(slot, m.nbytes, dst) == m.checksum
                     tier = Tier.HBM
-                else:
-                    buf = bytearray(m.nbytes) if dst is None else dst
+                else:  # a device staging destination takes the block through the host
+                    buf = bytearray(m.nbytes) if dst is None or is_tensor(dst) else dst
                     ok = self._residency.read_nvme(m, buf)
                     tier = Tier.NVME
                     if ok:
                         promote.append(Promotion(m, buf))
-                        data = bytes(buf) if dst is None else None
+                        if dst is None:
+                            data = bytes(buf)
+                        elif buf is not dst:
+                            fill_tensor(dst, buf)
                 if not ok:
                     corrupt = m
                     break

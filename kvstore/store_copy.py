@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvstore import checksum as cks
-from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.pool import DevicePool, is_tensor
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -42,6 +42,8 @@ class BatchCopier:
         self, pool: DevicePool, slots: list[int], sizes: list[int], dsts: list[Any]
     ) -> list[int]:
         """pool.read_into of every (slot, size, dst); the payloads' XXH64."""
+        if dsts and is_tensor(dsts[0]):  # device staging: one batch on the device
+            return pool.read_tensors(slots, sizes, dsts)
         if pool.host:
             return pool.read_many(slots, sizes, dsts, self.threads_for(sum(sizes)))
         return self.map(lambda a: pool.read_into(*a), list(zip(slots, sizes, dsts)), sum(sizes))

@@ -23,7 +23,7 @@ from node_agent.events import EventHub
 from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
-from node_agent.shm import ShmRegistry, shm_offer
+from node_agent.shm import DeviceRegion, ShmRegistry, shm_offer
 from node_agent.stats import build_stats
 
 if TYPE_CHECKING:  # imported by node_agent/server.py only when configured
@@ -264,6 +264,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 PutItem(b.block_id, b.parent_id, b.data, b.checksum if b.has_checksum else None)
                 for b in req.blocks
             ]
+        if isinstance(region, DeviceRegion):
+            raise errors.InvalidArgument(
+                f"region {req.shm_region_id} is device staging, which Gets fill; Put from "
+                "host staging"
+            )
         size = st.block_bytes
         span = region.span
         return [
@@ -303,7 +308,18 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 "shared memory is registered over the agent's local lane by handing over "
                 "its file descriptor (LocalLane names the socket); registering by name is refused"
             )
-        region = self.shm.register_fd(offer, request.size, current_tenant.get())
+        if request.device_uuid:  # GPU staging memory (a CUDA VMM allocation's descriptor)
+            pool = self.store.pool
+            region = self.shm.register_device_fd(
+                offer,
+                request.size,
+                request.device_uuid,
+                current_tenant.get(),
+                pool.device,
+                pool.why_not_in_place,
+            )
+        else:
+            region = self.shm.register_fd(offer, request.size, current_tenant.get())
         return agent_pb2.RegisterShmResponse(
             region_id=region.region_id, local_socket=self.lane.path if self.lane else ""
         )

@@ -7,6 +7,11 @@ between its pool slots and the region (one copy, checksummed on the way), and gR
 lane carries only control. The agent maps the descriptor it received, never a file named
 by the caller, so nobody can point it at memory they do not hold; a region is bound to the
 tenant that registered it and lives as long as the lane connection it came over.
+
+A GPU engine's staging area is device memory instead (`DeviceRegion`): the descriptor is a
+CUDA virtual-memory allocation's (kvstore/cuda_vmm.py), accepted only when the agent's
+pool lives on that same GPU and verifies payloads there, so a Get copies pool slots into
+it device to device (kvstore/tiers/pool.py, read_many) with no host memory between.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import stat
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kvstore.errors import (
     UNKNOWN_REGION,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -63,6 +70,35 @@ class Region:
             )
         return self.array[offset : offset + nbytes]
 
+    def release(self) -> None:
+        # The mapping goes with the array's last view: now, unless a copy still holds one.
+        self.array = np.empty(0, dtype=np.uint8)
+
+
+@dataclass(slots=True, eq=False)
+class DeviceRegion:
+    """A client's staging area in GPU memory, mapped here: spans are uint8 tensors on the
+    pool's GPU (a torch tensor over the mapping holds it until its last view is gone)."""
+
+    region_id: int
+    owner: str
+    tenant: str | None
+    tensor: torch.Tensor  # 1-D uint8, on the pool's device
+    memory: object = None  # kvstore.cuda_vmm.DeviceMemory: unmapped with its last view
+
+    def span(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.tensor.numel():
+            raise InvalidArgument(
+                f"device staging range [{offset}, {offset + nbytes}) is outside "
+                f"region {self.region_id} of {self.tensor.numel()} bytes"
+            )
+        return self.tensor[offset : offset + nbytes]
+
+    def release(self) -> None:
+        # As for host regions: the mapping goes once no copy still holds a view of it.
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.memory = None
+
 
 def check_memory_fd(fd: int, size: int) -> None:
     """Refuse a descriptor that is not anonymous memory sealed against shrinking: a file
@@ -86,9 +122,33 @@ def check_memory_fd(fd: int, size: int) -> None:
         raise InvalidArgument(f"shared memory of {st.st_size} bytes is smaller than {size}")
 
 
+def device_staging_refusal(pool_device: torch.device, in_place_why: str, uuid: bytes) -> str:
+    """Why GPU staging memory on the GPU `uuid` cannot be taken by a pool on
+    `pool_device` ('' when it can): the copy must stay on one GPU and be verified there."""
+    if pool_device.type != "cuda":
+        return (
+            f"this agent's pool is in host memory ({pool_device}); device staging needs the "
+            "pool on the same GPU: use host staging"
+        )
+    if in_place_why:
+        return f"this agent's GPU pool cannot verify payloads in place ({in_place_why})"
+    from kvstore import cuda_vmm
+
+    why = cuda_vmm.why_unavailable()
+    if why:
+        return why
+    ours = cuda_vmm.device_uuid(pool_device.index or 0)
+    if ours != uuid:
+        return (
+            f"the staging memory is on GPU {uuid.hex()}, this agent's pool on GPU "
+            f"{ours.hex()}: use host staging"
+        )
+    return ""
+
+
 class ShmRegistry:
     def __init__(self) -> None:
-        self._regions: dict[int, Region] = {}
+        self._regions: dict[int, Region | DeviceRegion] = {}
 
     def register_fd(self, offer: FdOffer, size: int, tenant: str | None) -> Region:
         """Map the memory behind `offer.fd` (the caller keeps and closes the descriptor)."""
@@ -103,6 +163,32 @@ class ShmRegistry:
         self._regions[region.region_id] = region
         return region
 
+    def register_device_fd(
+        self,
+        offer: FdOffer,
+        size: int,
+        uuid: bytes,
+        tenant: str | None,
+        pool_device: torch.device,
+        in_place_why: str,
+    ) -> DeviceRegion:
+        """Map the GPU memory behind `offer.fd` (a CUDA VMM allocation's descriptor) for
+        a pool on `pool_device`; FAILED_PRECONDITION when the pool cannot take it there."""
+        if not 0 < size <= MAX_REGION_BYTES:
+            raise InvalidArgument(f"device staging size must be in (0, {MAX_REGION_BYTES}]")
+        if len(uuid) != 16:
+            raise InvalidArgument(f"device_uuid must be 16 bytes, got {len(uuid)}")
+        why = device_staging_refusal(pool_device, in_place_why, uuid)
+        if why:
+            raise FailedPrecondition(why)
+        from kvstore import cuda_vmm
+
+        mem = cuda_vmm.DeviceMemory.import_fd(offer.fd, size, pool_device.index or 0)
+        owner = f"pid {offer.pid} uid {offer.uid}"
+        region = DeviceRegion(self._new_id(), owner, tenant, mem.tensor(), mem)
+        self._regions[region.region_id] = region
+        return region
+
     def _new_id(self) -> int:
         """Random, never 0 (no region): a client of this agent's previous process at the
         same address still names its old id, and with ids counted from 1 that id would
@@ -113,7 +199,7 @@ class ShmRegistry:
             if rid not in self._regions:
                 return rid
 
-    def get(self, region_id: int, tenant: str | None) -> Region:
+    def get(self, region_id: int, tenant: str | None) -> Region | DeviceRegion:
         region = self._regions.get(region_id)
         if region is None:
             raise NotFound(f"{UNKNOWN_REGION} {region_id}")
@@ -128,10 +214,8 @@ class ShmRegistry:
     def drop(self, region_id: int) -> None:
         """Forget a region whatever its tenant (its lane connection closed)."""
         region = self._regions.pop(region_id, None)
-        if region is None:
-            return
-        # The mapping goes with the array's last view: now, unless a copy still holds one.
-        region.array = np.empty(0, dtype=np.uint8)
+        if region is not None:
+            region.release()
 
     def __len__(self) -> int:
         return len(self._regions)

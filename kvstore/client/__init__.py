@@ -51,7 +51,9 @@ from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
 from kvstore.client.local_lane import LaneBroken, LaneChannel
 from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
+from kvstore.client.device_staging import DeviceStaging, allocate_device_staging, close_quietly
 from kvstore.client.staging import Staging, create_staging
+from kvstore.errors import KvError
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -181,6 +183,7 @@ class KVClient:
         self._session_lock = threading.Lock()
         self.reregistrations = 0  # times this client registered again (agent restarts)
         self._staging_cache: dict[tuple, torch.Tensor] = {}
+        self._device: DeviceStaging | None = None  # attach_device_staging
         self.local_socket = ""  # the agent's local-lane socket, when it offered one
         if use_shm is not False:
             self._try_shm(shm_bytes, required=bool(use_shm))
@@ -246,7 +249,62 @@ class KVClient:
             ch.close()
             raise KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         self._region_id, self.local_socket, self._lane = resp.region_id, where.socket, ch
+        if self._device is not None:  # after an agent restart: lend it again
+            self._device.region_id = self._register_device(self._device, deadline)
         self._stale = False
+
+    def _register_device(self, dev: DeviceStaging, deadline: float) -> int:
+        """Lend device staging `dev` to the agent over our lane connection (it lives as
+        long as that connection); its region id."""
+        if self._lane is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "no local lane to the agent")
+        fd = dev.export_fd()
+        try:
+            resp = self._lane.call(
+                lane.REGISTER,
+                agent_pb2.RegisterShmRequest(size=dev.size, device_uuid=dev.uuid),
+                agent_pb2.RegisterShmResponse,
+                deadline - time.monotonic(),
+                fds=(fd,),
+            )
+        except LaneBroken as exc:
+            raise KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        finally:
+            close_quietly(fd)
+        return resp.region_id
+
+    def attach_device_staging(
+        self, device: torch.device | str, nbytes: int, timeout: float | None = None
+    ) -> str:
+        """Lend the agent `nbytes` of staging memory on GPU `device`, so that
+        `get_device_staged_tensor` serves blocks there, copied from the agent's pool on
+        that GPU device to device. Returns '' once attached, else why not (no CUDA, no
+        local lane, the agent's pool in host memory or on another GPU): host staging
+        still serves, as before."""
+        if self._device is not None:
+            return ""
+        if not self.uses_local_lane:
+            return "no local lane to the agent (another host, or local_lane=False)"
+        try:
+            dev = allocate_device_staging(device, nbytes)
+        except KvError as exc:  # no CUDA or driver, not a CUDA device, no size
+            return str(exc)
+        try:
+            dev.region_id = self._register_device(dev, self._deadline(timeout))
+        except KVClientError as exc:
+            dev.close()
+            if exc.code() in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ):
+                return exc.details() or exc.code().name
+            raise
+        self._device = dev
+        return ""
+
+    @property
+    def uses_device_staging(self) -> bool:
+        return self._device is not None
 
     def _reregister(self, deadline: float) -> None:
         """The agent lost our registration (it restarted) or the lane broke: close the
@@ -329,7 +387,10 @@ class KVClient:
             raise
 
     def close(self) -> None:
-        self._drop_lane()  # the agent drops our region with the connection
+        self._drop_lane()  # the agent drops our regions with the connection
+        if self._device is not None:
+            self._device.close()
+            self._device = None
         if self._shm is not None:
             self._staging = None
             self._staging_cache.clear()
@@ -447,6 +508,34 @@ class KVClient:
         resp = self._get_staged("get_staged_tensor", ns, ids, parent, timeout, request_id)
         return self._staging_blocks(ns)[: resp.count]
 
+    def device_staging_capacity(self, ns: NamespaceHandle) -> int:
+        return 0 if self._device is None else self._device.size // ns.block_bytes
+
+    def get_device_staged_tensor(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+        request_id: str = "",
+    ) -> torch.Tensor:
+        """get_staged_tensor into the device staging area (attach_device_staging): one
+        (n, *block shape) tensor on its GPU, valid until the next call on this client;
+        n leading blocks were served, each verified on the GPU by the agent."""
+        dev = self._device
+        if dev is None:
+            raise RuntimeError("get_device_staged_tensor needs attach_device_staging first")
+        resp = self._get_staged(
+            "get_device_staged_tensor", ns, ids, parent, timeout, request_id, device=True
+        )
+        key = (ns.spec.kv_dtype, block_shape(ns.spec))
+        t = dev.views.get(key)
+        if t is None:
+            cap = self.device_staging_capacity(ns)
+            flat = dev.tensor[: cap * ns.block_bytes]
+            t = dev.views[key] = flat.view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
+        return t[: resp.count]
+
     def _get_staged(
         self,
         what: str,
@@ -455,12 +544,14 @@ class KVClient:
         parent: bytes | None,
         timeout: float | None = None,
         request_id: str = "",
+        device: bool = False,
     ) -> agent_pb2.GetResponse:
-        """Get into staging slots 0..len(ids), for the zero-copy call `what`: it needs the
-        shared-memory path and at most the staging area's capacity."""
+        """Get into staging slots 0..len(ids) (of the device staging area with `device`),
+        for the zero-copy call `what`: it needs the shared-memory path and at most the
+        staging area's capacity."""
         if self._staging is None:
             raise RuntimeError(f"{what} needs the same-host shared-memory path")
-        cap = self.staging_capacity(ns)
+        cap = self.device_staging_capacity(ns) if device else self.staging_capacity(ns)
         if len(ids) > cap:
             raise ValueError(f"{what} takes at most {cap} blocks at once")
         parent = ns.root if parent is None else parent
@@ -472,7 +563,12 @@ class KVClient:
                 ns=ns.ref,
                 block_ids=packed,
                 parent_id=parent,
-                shm=agent_pb2.ShmTarget(region_id=self._region_id, offsets=offsets),
+                shm=agent_pb2.ShmTarget(
+                    region_id=self._device.region_id
+                    if device and self._device
+                    else self._region_id,
+                    offsets=offsets,
+                ),
                 request_id=request_id,
             ),
             agent_pb2.GetResponse,

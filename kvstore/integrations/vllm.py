@@ -296,6 +296,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             return
         self._save_link = AgentLink(self._settings, self.spec, "saver")
+        cache_device = self._layout.layers[0].device
+        if cache_device.type == "cuda" and self._link is not None:
+            self._link.use_device(cache_device)  # device staging, when the agent's pool is there
         for link in (self._link, self._save_link):
             if link is not None:
                 link.warm()

@@ -37,6 +37,8 @@ class AgentLink:
         self._handles: dict[str, NamespaceHandle] = {}
         self._down_until = 0.0
         self._lock = threading.Lock()  # one call at a time: the staging area is shared
+        self._device: torch.device | None = None  # load into device staging on this GPU
+        self._device_why = ""  # why device staging was refused, logged once
 
     # ---------------------------------------------------------------- plumbing
     def _connect(self) -> KVClient | None:
@@ -57,7 +59,25 @@ class AgentLink:
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute"
             self._mark_down(f"cannot reach agent {self.settings.agent}: {_why(exc)}")
             return None
+        if self._device is not None:
+            self._attach_device(self._client, self._device)
         return self._client
+
+    def use_device(self, device: torch.device) -> None:
+        """Load into staging on GPU `device` when the agent's pool is on that GPU too:
+        blocks then go pool -> device staging -> the engine's cache without host memory."""
+        self._device = device
+
+    def _attach_device(self, client: KVClient, device: torch.device) -> None:
+        try:
+            why = client.attach_device_staging(device, self.settings.shm_bytes)
+        except Exception as exc:  # noqa: BLE001 - host staging still serves
+            why = _why(exc)
+        if why and why != self._device_why:
+            log.info("kvstore %s: loading through host staging: %s", self.role, why)
+        elif not why:
+            log.info("kvstore %s: loading through device staging on %s", self.role, device)
+        self._device_why = why
 
     def _mark_down(self, reason: str) -> None:
         log.warning("kvstore %s: %s; recomputing for %.0f s", self.role, reason, self.retry_s)
@@ -157,13 +177,16 @@ class AgentLink:
 
         def run(client: KVClient) -> int:
             ns = self._handle(client, salt)
-            cap = max(1, client.staging_capacity(ns))
+            on_device = client.uses_device_staging
+            get = client.get_device_staged_tensor if on_device else client.get_staged_tensor
+            cap = client.device_staging_capacity(ns) if on_device else client.staging_capacity(ns)
+            cap = max(1, cap)
             done = progress[0] = 0
             while done < len(ids):
                 chunk = ids[done : done + cap]
                 par = parent if done == 0 else ids[done - 1]
                 # One tensor over the staging area: the sink copies it out in one go.
-                got = client.get_staged_tensor(ns, chunk, par, request_id=request_id)
+                got = get(ns, chunk, par, request_id=request_id)
                 if len(got):
                     sink(done, got)
                 done = progress[0] = done + len(got)

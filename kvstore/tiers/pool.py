@@ -73,6 +73,17 @@ def _read_only_tensor(src) -> torch.Tensor:
         return torch.frombuffer(src, dtype=torch.uint8)
 
 
+def is_tensor(dst) -> bool:
+    """Whether a read's destination is a tensor (device staging) rather than a host buffer."""
+    return isinstance(dst, torch.Tensor)
+
+
+def fill_tensor(dst: torch.Tensor, src) -> None:
+    """Copy host bytes `src` (e.g. a block read from NVMe) into tensor `dst`."""
+    n = memoryview(src).nbytes
+    dst[:n].copy_(_read_only_tensor(src))
+
+
 class DevicePool:
     """Every write into a slot is a blocking copy (done when write() returns): transports
     send straight from borrowed slot views, and the tensor interface they read carries no
@@ -191,6 +202,8 @@ class DevicePool:
 
     def read_into(self, slot: int, nbytes: int, dst) -> int:
         """Copy an OCCUPIED slot's first `nbytes` into `dst`; returns their XXH64."""
+        if is_tensor(dst):
+            return self.read_tensors([slot], [nbytes], [dst])[0]
         if self._state[slot] != SlotState.OCCUPIED:
             raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
         self._check_len(nbytes)
@@ -233,6 +246,28 @@ class DevicePool:
             self._check_len(n)
             srcs.append(self._host[slot, :n])
         return cks.copy_with_checksum_many(dsts, srcs, threads)
+
+    def read_tensors(self, slots: list[int], sizes: list[int], dsts: list) -> list[int]:
+        """read_into for uint8 tensor destinations on the pool's device (a GPU client's
+        device staging, node_agent/shm.py): every slot hashed where it lies by the device
+        kernel (one launch per run of one size), then copied device to device; returns the
+        XXH64s once the copies are done (the client reads the moment the Get answers)."""
+        if not self.tensor_views:
+            raise InvalidArgument("tensor destinations need a pool that hashes tensor views")
+        views = []
+        for slot, n, dst in zip(slots, sizes, dsts):
+            if self._state[slot] != SlotState.OCCUPIED:
+                raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
+            self._check_len(n)
+            if dst.device != self.device or dst.numel() < n:
+                raise InvalidArgument(f"a {n}-byte block needs room on {self.device}")
+            views.append(self.tensor[slot, :n])
+        digests = self.digests(views)
+        for view, dst in zip(views, dsts):
+            dst[: view.numel()].copy_(view, non_blocking=True)
+        if self.is_cuda and views:
+            torch.cuda.synchronize(self.device)
+        return digests
 
     def read_bytes(self, slot: int, nbytes: int) -> tuple[bytes, int]:
         """A slot's payload as a new bytes object (one copy) and its XXH64."""

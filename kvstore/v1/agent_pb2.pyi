@@ -236,12 +236,14 @@ class LocalLaneResponse(_message.Message):
     def __init__(self, socket: _Optional[str] = ..., lane_id: _Optional[bytes] = ...) -> None: ...
 
 class RegisterShmRequest(_message.Message):
-    __slots__ = ("name", "size")
+    __slots__ = ("name", "size", "device_uuid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    device_uuid: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class RegisterShmResponse(_message.Message):
     __slots__ = ("region_id", "local_socket")

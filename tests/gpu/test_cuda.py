@@ -177,3 +177,63 @@ def test_peer_transfer_into_and_out_of_a_gpu_pool(spawn_agent, gpu):
         )
         if r.transport == "ucx":  # straight into A's slots (GPU memory on a GPU pool)
             assert counters["peer_blocks_in_place"] == 40, counters
+
+
+# ------------------------------------------------- device staging: no host memory on a load
+def test_a_gpu_client_loads_from_a_gpu_pool_through_device_staging(spawn_agent):
+    """The agent's pool and the client on one GPU: the client lends staging memory on the
+    GPU (a CUDA VMM allocation's descriptor over the local lane), Gets are copied pool ->
+    staging on the GPU and verified there, and the client reads them in device memory."""
+    agent = spawn_agent(device="cuda:0", slot_bytes="2MiB", pool_bytes="64MiB", nvme_bytes=0)
+    with KVClient(agent.address, tenant_secret=TEST_SECRET) as c:
+        assert c.attach_device_staging("cuda:0", 32 << 20) == ""
+        assert c.uses_device_staging
+        ns = c.open_namespace(BIG)
+        assert c.device_staging_capacity(ns) == 16
+        ids = c.block_ids(ns, prompt_tokens(51, 20 * BIG.block_size))
+        blocks = blocks_for(BIG, 20, 51)
+        assert c.put(ns, ids, blocks).stored == 20
+        got = c.get_device_staged_tensor(ns, ids[:16])
+        assert got.is_cuda and got.shape == (16, *block_shape(BIG))
+        assert same_bytes(list(got.unbind(0)), blocks[:16])
+        tail = c.get_device_staged_tensor(ns, ids[16:], ids[15])  # a chunk after the first
+        assert same_bytes(list(tail.unbind(0)), blocks[16:])
+        # More than the area holds is refused before anything is asked.
+        with pytest.raises(ValueError, match="at most 16 blocks"):
+            c.get_device_staged_tensor(ns, ids)
+
+
+def test_a_gpu_client_of_a_host_pool_agent_keeps_host_staging(spawn_agent):
+    agent = spawn_agent(device="cpu", slot_bytes="2MiB", pool_bytes="64MiB", nvme_bytes=0)
+    with KVClient(agent.address, tenant_secret=TEST_SECRET) as c:
+        why = c.attach_device_staging("cuda:0", 32 << 20)
+        assert "pool is in host memory" in why and not c.uses_device_staging
+        ns = c.open_namespace(BIG)
+        ids = c.block_ids(ns, prompt_tokens(52, 4 * BIG.block_size))
+        blocks = blocks_for(BIG, 4, 52)
+        assert c.put(ns, ids, blocks).stored == 4
+        assert same_bytes(list(c.get_staged_tensor(ns, ids).unbind(0)), blocks)
+
+
+def test_the_vllm_layout_loads_from_device_staging_on_the_gpu(spawn_agent):
+    """What the vLLM connector's worker does on a GPU engine: the blocks the agent copied
+    into device staging are scattered into a flash-attention paged cache on the same GPU
+    (no .to() copy: already there) and read back by gather, unchanged."""
+    from kvstore.integrations.vllm_layout import PagedLayout
+
+    agent = spawn_agent(device="cuda:0", slot_bytes="2MiB", pool_bytes="64MiB", nvme_bytes=0)
+    with KVClient(agent.address, tenant_secret=TEST_SECRET) as c:
+        assert c.attach_device_staging("cuda:0", 32 << 20) == ""
+        ns = c.open_namespace(BIG)
+        ids = c.block_ids(ns, prompt_tokens(53, 6 * BIG.block_size))
+        blocks = blocks_for(BIG, 6, 53)
+        c.put(ns, ids, blocks)
+        dtype = torch_dtype(BIG.kv_dtype)
+        shape = (2, 32, BIG.block_size, BIG.num_kv_heads, BIG.head_dim)
+        caches = [torch.zeros(shape, dtype=dtype, device="cuda:0") for _ in range(BIG.num_layers)]
+        layout = PagedLayout.detect(caches, BIG.block_size, BIG.num_kv_heads, BIG.head_dim)
+        staged = c.get_device_staged_tensor(ns, ids)
+        layout.scatter([9, 3, 4, 5, 20, 21], staged)
+        out = torch.empty((6, *block_shape(BIG)), dtype=dtype, device="cuda:0")
+        layout.gather([9, 3, 4, 5, 20, 21], out)
+        assert same_bytes(list(out.unbind(0)), blocks)

@@ -23,8 +23,9 @@ from support.common import TEST_SECRET, chain_items, make_namespace, prompt_toke
 from kvstore import checksum as cks  # noqa: E402
 from kvstore import device_hash  # noqa: E402
 from kvstore.errors import DataLoss, InvalidArgument  # noqa: E402
+from kvstore.events import Tier  # noqa: E402
 from kvstore.store import BlockStore  # noqa: E402
-from kvstore.tiers.pool import DevicePool  # noqa: E402
+from kvstore.tiers.pool import DevicePool, SlotStateError  # noqa: E402
 from node_agent.peer.staging import runs_of, spans  # noqa: E402
 
 DEVICE = "cuda:0" if GPU else "cpu"
@@ -205,6 +206,87 @@ def test_runs_and_spans_of_tensor_slot_views():
     assert b"".join(payload_bytes(m) for m in msgs) == b"".join(it.data for it in items)
     assert spans([views[0], views[2]], [2], size) is None  # not back to back
     store.abort(res)
+
+
+# ------------------------------------------- Gets into device staging (tensor destinations)
+def get_into_staging(store, ids, staging: torch.Tensor) -> list:
+    """A Get as the agent runs one into a client's device staging area: each block's
+    destination is a span of one uint8 tensor on the pool's device."""
+    size = SMALL.block_bytes
+    return store.get(
+        SMALL.namespace_id, 0, ids, ROOT, lambda i, n: staging[i * size : i * size + n]
+    )
+
+
+def test_a_get_into_device_staging_copies_verified_blocks_on_the_device():
+    store = make_store()
+    ids, items = prompt(6, 5)
+    assert store.put(SMALL.namespace_id, 0, items) == (5, 0)
+    staging = torch.zeros(8 * SMALL.block_bytes, dtype=torch.uint8, device=DEVICE)
+    served = get_into_staging(store, ids, staging)
+    assert [s.block_id for s in served] == ids
+    assert [s.checksum for s in served] == [cks.checksum(it.data) for it in items]
+    assert payload_bytes(staging[: 5 * SMALL.block_bytes]) == b"".join(it.data for it in items)
+    assert payload_bytes(staging[5 * SMALL.block_bytes :]) == bytes(3 * SMALL.block_bytes)
+
+
+def test_a_block_corrupted_in_the_pool_is_not_served_into_device_staging():
+    store = make_store()
+    ids, items = prompt(7, 4)
+    store.put(SMALL.namespace_id, 0, items)
+    meta = store.namespace(SMALL.namespace_id, 0).blocks[ids[2]]
+    store.pool.tensor[meta.slot, 3] ^= 0x40
+    staging = torch.zeros(4 * SMALL.block_bytes, dtype=torch.uint8, device=DEVICE)
+    served = get_into_staging(store, ids, staging)
+    assert len(served) == 2 and store.counters["corrupt_dropped"] == 1
+    assert store.lookup(SMALL.namespace_id, 0, ids).matched == 2  # dropped, never served
+
+
+def test_device_staging_destinations_are_checked_before_any_copy():
+    pool = pool_of(2, 64)
+    slot = pool.reserve()
+    pool.write(slot, bytes(range(64)))
+    pool.commit(slot)
+    with pytest.raises(InvalidArgument, match="needs room"):
+        pool.read_tensors([slot], [64], [torch.zeros(32, dtype=torch.uint8, device=DEVICE)])
+    free = pool.reserve()
+    dst = torch.zeros(64, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(SlotStateError):
+        pool.read_tensors([slot, free], [64, 64], [dst, dst.clone()])
+    assert payload_bytes(dst) == bytes(64)  # nothing copied before the refusal
+    assert pool.read_into(slot, 64, dst) == cks.checksum(bytes(range(64)))
+    assert payload_bytes(dst) == bytes(range(64))
+
+
+def test_a_host_pool_without_tensor_views_refuses_tensor_destinations():
+    pool = DevicePool(2, 64, "cpu")
+    slot = pool.reserve()
+    pool.write(slot, bytes(64))
+    pool.commit(slot)
+    with pytest.raises(InvalidArgument, match="tensor destinations"):
+        pool.read_tensors([slot], [64], [torch.zeros(64, dtype=torch.uint8)])
+
+
+def test_an_nvme_block_reaches_device_staging_through_the_host(tmp_path):
+    """A block only on NVMe is read into host memory, verified, copied into its staging
+    span, and promoted into the pool as on any Get."""
+    from kvstore.tiers.rocks import RocksTier
+
+    rocks = RocksTier(str(tmp_path / "r"), 1 << 20)
+    store = BlockStore(pool_of(4, SMALL.block_bytes), rocks)
+    try:
+        store.open_namespace(SMALL)
+        ids, items = prompt(8, 4)
+        store.put(SMALL.namespace_id, 0, items)
+        store.put(SMALL.namespace_id, 0, prompt(9, 4)[1])  # a 4-slot pool: the first spills
+        assert store.namespace(SMALL.namespace_id, 0).blocks[ids[0]].slot < 0
+        staging = torch.zeros(4 * SMALL.block_bytes, dtype=torch.uint8, device=DEVICE)
+        served = get_into_staging(store, ids, staging)
+        assert [s.tier for s in served] == [Tier.NVME] * 4
+        assert payload_bytes(staging) == b"".join(it.data for it in items)
+        assert store.counters["promotions"] == 4
+    finally:
+        rocks.close()
 
 
 def test_a_pool_without_the_kernel_keeps_copying_writes(monkeypatch):
