@@ -460,14 +460,12 @@ class KVClient:
     def _staging_blocks(self, ns: NamespaceHandle) -> torch.Tensor:
         """The staging area as (capacity, *block shape) in the namespace's dtype; one view
         per layout, made once (a frombuffer per block costs ~20 us, per Get of hundreds)."""
-        key = (ns.spec.kv_dtype, block_shape(ns.spec))
-        t = self._staging_cache.get(key)
-        if t is None:
-            cap = self.staging_capacity(ns)
-            flat = torch.frombuffer(self._staging, dtype=torch.uint8, count=cap * ns.block_bytes)
-            t = flat.view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
-            self._staging_cache[key] = t
-        return t
+        return _blocks_view(
+            self._staging_cache,
+            ns,
+            self.staging_capacity(ns),
+            lambda n: torch.frombuffer(self._staging, dtype=torch.uint8, count=n),
+        )
 
     def get_views(
         self,
@@ -528,13 +526,8 @@ class KVClient:
         resp = self._get_staged(
             "get_device_staged_tensor", ns, ids, parent, timeout, request_id, device=True
         )
-        key = (ns.spec.kv_dtype, block_shape(ns.spec))
-        t = dev.views.get(key)
-        if t is None:
-            cap = self.device_staging_capacity(ns)
-            flat = dev.tensor[: cap * ns.block_bytes]
-            t = dev.views[key] = flat.view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
-        return t[: resp.count]
+        cap = self.device_staging_capacity(ns)
+        return _blocks_view(dev.views, ns, cap, lambda n: dev.tensor[:n])[: resp.count]
 
     def _get_staged(
         self,
@@ -844,3 +837,15 @@ class KVClient:
         n = len(tokens)
         read = cached_blocks * ns.spec.block_size
         return Usage(n, read, written * ns.spec.block_size, n - read)
+
+
+def _blocks_view(cache: dict, ns: NamespaceHandle, cap: int, flat) -> torch.Tensor:
+    """A staging area as (cap, *block shape) in the namespace's dtype, from `flat(nbytes)`
+    (its first nbytes as uint8); one view per layout, kept in `cache` (a frombuffer per
+    block costs ~20 us, per Get of hundreds)."""
+    key = (ns.spec.kv_dtype, block_shape(ns.spec))
+    t = cache.get(key)
+    if t is None:
+        t = flat(cap * ns.block_bytes).view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
+        cache[key] = t
+    return t
