@@ -11,9 +11,11 @@ external tokens, always leaving one prompt token to compute; when it lacks them 
 is named (the request's kv_transfer_params, or the router; vllm_peer), the agent first
 pulls them from that peer while the request waits. Worker side: before the
 forward, Gets those blocks and writes them into the paged KV cache (vllm_layout); after
-the forward, copies the prompt's newly computed full blocks out of the cache and hands
-them to a background thread that Puts them, so the engine's step never waits on the agent
-(a full save queue drops the save: a cache miss later, never a stall).
+the forward, copies the prompt's newly computed full blocks out of the cache (on a GPU
+into device memory; the host copy waits for the save thread) and hands them to a
+background thread that Puts them, so the engine's step never waits on the agent (a full
+save queue drops the save: a cache miss later, never a stall). On a GPU whose agent keeps
+its pool on the same GPU, loads come through device staging (docs/gpu.md): no host copy.
 
 The namespace comes from the engine's config (vllm_config.engine_namespace). A request's
 `cache_salt` gets its own namespace and chain-root secret. When something needed is
@@ -346,19 +348,30 @@ class KVStoreConnector(KVConnectorBase_V1):
                     "kvstore: save queue full; request %s's blocks are not stored", spec.req_id
                 )
                 continue
+            # Copied out on the cache's own device: on a GPU a device-to-device gather,
+            # queued on the engine's stream ahead of whatever reuses these blocks; the copy
+            # to the host happens in the save thread, after the event, not in the step.
+            device = self._layout.layers[0].device
             out = torch.empty(
                 (len(spec.block_ids), *block_shape(self.spec)),
                 dtype=torch_dtype(self.spec.kv_dtype),
+                device=device,
             )
             self._layout.gather(spec.block_ids, out)
-            self._saves.put_nowait((spec, out))
+            done = None
+            if device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            self._saves.put_nowait((spec, out, done))
 
     def _save_loop(self) -> None:
         while True:
             item = self._saves.get()
             if item is None:
                 return
-            spec, blocks = item
+            spec, blocks, done = item
+            if done is not None:
+                done.synchronize()  # the gather in the engine's step has finished
             if self._save_link is not None:
                 self._save_link.save(spec.kv_ids, spec.parent, spec.salt, blocks)
             self._saves.task_done()
