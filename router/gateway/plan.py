@@ -173,13 +173,14 @@ class Planner:
     def priced(plan: Plan, engine_id: str) -> str:
         """Where the router expected `engine_id` to find the prompt's blocks, in block
         counts (the gateway's x-kvstore-route header): block counts of the caller's own
-        salted namespace, never tokens."""
+        salted namespace, never tokens, and nothing of the engine's load (requests in
+        flight there are other tenants' too: /metrics has the totals)."""
         s = plan.score_of(engine_id)
         if s is None:
             return "unpriced"
         return (
             f"engine={s.engine_blocks} agent={s.agent_blocks} peer={s.peer_blocks} "
-            f"recompute={s.recompute_blocks} in_flight={s.in_flight}"
+            f"recompute={s.recompute_blocks}"
         )
 
     # ---------------------------------------------------- the request's lifetime

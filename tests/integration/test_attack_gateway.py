@@ -84,6 +84,29 @@ def test_the_in_flight_check_sees_a_held_request(world):
     wait_for(lambda: world.router_inflight().get("agent-0") == 0, 20, 0.05, what="released")
 
 
+def test_what_a_tenant_is_told_carries_nothing_of_another_tenants_load(world):
+    """The route header says where the router priced the caller's own blocks; requests in
+    flight on the engine are other tenants' too, so the header never carries them: with
+    globex holding a request, acme is told what it is told on an idle gateway."""
+    url = world.gw.url + "/v1/chat/completions"
+    quiet = httpx.post(url, json=_chat(), headers=ACME, timeout=30)
+    held: list[int] = []
+    t = threading.Thread(
+        target=lambda: held.append(
+            httpx.post(url, json=_chat(standin_delay_s=3), headers=GLOBEX, timeout=30).status_code
+        )
+    )
+    t.start()
+    wait_for(lambda: sum(world.router_inflight().values()) == 1, 20, 0.05, what="held")
+    busy = httpx.post(url, json=_chat(), headers=ACME, timeout=30)
+    t.join()
+    assert (quiet.status_code, busy.status_code, held) == (200, 200, [200])
+    for r in (quiet, busy):
+        fields = dict(kv.split("=") for kv in r.headers["x-kvstore-route"].split())
+        assert set(fields) == {"engine", "agent", "peer", "recompute"}, fields
+    assert busy.headers["x-kvstore-route"] == quiet.headers["x-kvstore-route"]
+
+
 def test_requests_without_a_valid_key_change_nothing(world):
     before = world.state()
     big = json.dumps(_chat("w9 " * 200_000)).encode()  # over max_body_bytes as well
