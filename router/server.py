@@ -179,6 +179,9 @@ class RouterServer:
 
     async def start(self) -> None:
         Weights.from_config(self.cfg)  # validated once, before serving
+        # The gateway's files (tokenizers, API keys, secrets, TLS) are read before anything
+        # waits for etcd: a bad one stops the router at once, saying which.
+        built = self._build_gateway(self.gateway_cfg) if self.gateway_cfg is not None else None
         self.telemetry = RouterTelemetry(self.cfg, self.core)
         # The edge last: undecodable requests and unexpected errors get a precise status
         # on every method (kvstore/grpc_edge.py), callers are authenticated before the
@@ -210,8 +213,8 @@ class RouterServer:
             )
             await self.control.start()
             self.servicer.fence = self.control.check
-        if self.gateway_cfg is not None:
-            await self._start_gateway(self.gateway_cfg)
+        if self.gateway_cfg is not None and built is not None:
+            await self._start_gateway(self.gateway_cfg, built)
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("kvstore.v1.Router", health_pb2.HealthCheckResponse.SERVING)
@@ -222,14 +225,20 @@ class RouterServer:
             self.cfg.etcd_endpoints,
         )
 
-    async def _start_gateway(self, gcfg: GatewayConfig) -> None:
-        from router.gateway.server import GatewayServer, build_gateway
+    def _build_gateway(self, gcfg: GatewayConfig):
+        from router.gateway.server import build_gateway
 
-        generation = self.control.generation if self.control is not None else None
+        def generation(ns_id: bytes) -> int | None:  # the control follows etcd once started
+            return self.control.generation(ns_id) if self.control is not None else None
+
         try:
-            gw = build_gateway(gcfg, self.core, generation or (lambda ns_id: None), self.cfg.tls)
+            return build_gateway(gcfg, self.core, generation, self.cfg.tls)
         except ValueError as exc:
             raise StartupError(f"gateway: {exc}") from None
+
+    async def _start_gateway(self, gcfg: GatewayConfig, gw) -> None:
+        from router.gateway.server import GatewayServer
+
         self.gateway = GatewayServer(gcfg, gw, self._etcd, self.cfg.tls)
         await self.gateway.start()
         if self.gateway_ready_file:

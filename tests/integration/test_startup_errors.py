@@ -76,3 +76,24 @@ def test_agent_on_a_read_only_filesystem_names_its_data_dir(tmp_path):
         "(Read-only file system): mount a writable volume there" in r.stderr
     )
     assert "Traceback" not in r.stderr
+
+
+def test_a_router_whose_gateway_files_are_bad_says_so_before_waiting_for_etcd(tmp_path):
+    """A missing tokenizer directory (or key file) stops the router at once, naming it,
+    even with no etcd to reach: the files are read before anything waits for etcd."""
+    from support.common import free_port
+
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"key-acme": "acme"}')
+    (tmp_path / "salt").write_text("s" * 32)
+    cfg = tmp_path / "gateway.json"
+    cfg.write_text(
+        '{"tokenizers": {"tiny": "%s"}, "api_keys_file": "%s", "salt_key_file": "%s"}'
+        % (tmp_path / "no-such-tokenizer", keys, tmp_path / "salt")
+    )
+    nobody = f"127.0.0.1:{free_port()}"  # no etcd there
+    r = _run("-m", "router", "--listen", "127.0.0.1:0", "--etcd-endpoints", nobody,
+             "--gateway-listen", "127.0.0.1:0", "--gateway-config", str(cfg))  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "kvstore-router: cannot start: gateway:" in r.stderr
+    assert "no-such-tokenizer" in r.stderr and "Traceback" not in r.stderr
