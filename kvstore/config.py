@@ -390,8 +390,15 @@ def load_config(
     `env_prefix`) merge field by field across the layers and read their own variables."""
     data: dict = {}
     if path:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+        is_yaml = path.endswith((".yaml", ".yml"))
+        try:
+            loaded = yaml.safe_load(text) if is_yaml else json.loads(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(
                 f"{path}: expected a mapping of {cls.__name__} fields, got {type(loaded).__name__}"

@@ -142,6 +142,21 @@ def test_bad_file_contents(tmp_path):
     assert load_config(AgentConfig, write(tmp_path, "")) == AgentConfig()
 
 
+def test_an_unreadable_or_unparsable_file_is_named(tmp_path):
+    """The operator learns which file is broken, not just a parser's line and column."""
+    bad = tmp_path / "router.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match=rf"{bad}: not valid JSON: Expecting property name"):
+        load_config(RouterConfig, str(bad))
+    bad_yaml = tmp_path / "agent.yaml"
+    bad_yaml.write_text("pool_bytes: [1\n")
+    with pytest.raises(ValueError, match=rf"{bad_yaml}: not valid YAML"):
+        load_config(AgentConfig, str(bad_yaml))
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(ValueError, match=rf"{missing}: cannot read: No such file"):
+        load_config(AgentConfig, str(missing))
+
+
 def test_router_config_validation():
     assert load_config(RouterConfig, overrides={"weight_load": "2"}).weight_load == 2.0
     with pytest.raises(ValueError, match="weight_load"):
