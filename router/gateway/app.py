@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from router.gateway.config import ApiKeys, GatewayConfig, Grant
+from router.gateway.config import ApiKeys, GatewayConfig, Grant, ReloadingApiKeys
 from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.plan import Plan, Planner
@@ -133,7 +133,7 @@ class Gateway:
         planner: Planner,
         engines: EngineSet,
         codecs: dict[str, PromptCodec],
-        keys: ApiKeys,
+        keys: ApiKeys | ReloadingApiKeys,
         metrics: GatewayMetrics | None = None,
         upstream: Upstream | None = None,
     ) -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["GatewayConfig", "ApiKeys", "Grant", "POLICIES", "read_secret"]
+__all__ = ["GatewayConfig", "ApiKeys", "Grant", "POLICIES", "ReloadingApiKeys", "read_secret"]
+
+log = logging.getLogger("kvstore.gateway")
 
 POLICIES = ("cache", "round_robin", "hash")
 
@@ -127,6 +132,56 @@ class ApiKeys:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+
+class ReloadingApiKeys:
+    """The api_keys_file, read again when it changes (checked at most once per
+    `interval_s`, by its stat: a rewrite, or a Kubernetes Secret's symlink swap), so a
+    leaked key is revoked by editing the file, without a restart. A file that no longer
+    loads (half written, bad entry) keeps the keys in force and is logged, never locking
+    every tenant out."""
+
+    def __init__(self, path: str, interval_s: float = 1.0) -> None:
+        self.path, self.interval_s = path, interval_s
+        self._keys = ApiKeys.load(path)  # a bad file at start-up stops the gateway
+        self._seen = self._stat()
+        self._next = time.monotonic() + interval_s
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        seen = self._stat()
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            self._keys = ApiKeys.load(self.path)
+        except ValueError as exc:
+            log.warning(
+                "api_keys_file changed but does not load; keeping the keys in force: %s", exc
+            )
+            return
+        log.info("api_keys_file reloaded: %d keys", len(self._keys))
+
+    def grant(self, key: str) -> Grant | None:
+        self._refresh()
+        return self._keys.grant(key)
+
+    def tenant(self, key: str) -> str | None:
+        g = self.grant(key)
+        return g.tenant if g is not None else None
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _grant(key: str, value: Any) -> Grant:

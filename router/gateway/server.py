@@ -20,7 +20,7 @@ from kvstore.coord.engines import ENGINES
 from kvstore.coord.etcd import EtcdClient
 from kvstore.process import StartupError
 from router.gateway.app import Gateway
-from router.gateway.config import ApiKeys, GatewayConfig, read_secret
+from router.gateway.config import GatewayConfig, ReloadingApiKeys, read_secret
 from router.gateway.engines import EngineSet
 from router.gateway.plan import Planner
 from router.gateway.prompt import PromptCodec
@@ -107,7 +107,7 @@ def build_gateway(
     if tls is not None:
         ReloadingServerContext(tls)  # unreadable or unusable files: refused here
     codecs = {model: PromptCodec.load(path) for model, path in cfg.tokenizers.items()}
-    keys = ApiKeys.load(cfg.api_keys_file)
+    keys = ReloadingApiKeys(cfg.api_keys_file)
     kv_secrets = {t: read_secret(p, f"kv_secret_files.{t}") for t, p in cfg.kv_secret_files.items()}
     if cfg.salt_key_file:
         salt_key = read_secret(cfg.salt_key_file, "salt_key_file").encode()

@@ -281,3 +281,24 @@ def test_a_key_limited_to_other_models_is_403_before_any_work(
     assert (
         httpx.post(gw.url + "/v1/chat/completions", json=_chat(), headers=ACME).status_code == 200
     )
+
+
+def test_a_revoked_key_is_refused_without_a_restart(world):
+    """Editing the api_keys_file revokes a leaked key (and adds one) while the gateway
+    runs; a file that no longer loads keeps the keys in force instead of locking every
+    tenant out, and says so in the log."""
+    url = world.gw.url + "/v1/chat/completions"
+    keys = world.gw.workdir / "keys.json"
+
+    def status(key: str) -> int:
+        return httpx.post(url, json=_chat(), headers={"authorization": f"Bearer {key}"},
+                          timeout=30).status_code  # fmt: skip
+
+    assert (status("key-acme"), status("key-globex"), status("key-new")) == (200, 200, 401)
+    keys.write_text(json.dumps({"key-acme": "acme", "key-new": "globex"}))
+    wait_for(lambda: status("key-globex") == 401, 20, 0.2, what="the revoked key refused")
+    assert (status("key-acme"), status("key-new")) == (200, 200)
+    keys.write_text('{"key-acme": ')  # half written
+    wait_for(lambda: status("key-acme") == 200 and "does not load; keeping the keys in force"
+             in world.gw.log, 20, 0.2, what="the bad file logged")  # fmt: skip
+    assert (status("key-acme"), status("key-new"), status("key-globex")) == (200, 200, 401)
