@@ -153,6 +153,24 @@ def test_gateway_over_vllm_engines(world):
     ns_id, packed = planner.chain(rec, tokens, "acme")
     d = _route(gw.router_address, ns_id, packed)
     assert d.node_id == rec.node_id and d.matched_blocks >= conv[-2][2] // BLOCK, d
+    # ... and the choice follows the cache, not the engines' order nor the last choice: a
+    # conversation whose first turn went straight to the other engine (under the salt the
+    # gateway sets for acme) goes on there through the gateway, priced from its cache.
+    other = next(e for e in engines if e != home)
+    acme_salt = Planner(None, {}, KV_SECRET.encode()).salt("acme")  # type: ignore[arg-type]
+    seeded = [{"role": "system", "content": _words(7, 200)},
+              {"role": "user", "content": _words(300, 40)}]  # fmt: skip
+    before = _engine_blocks(gw)
+    r = httpx.post(engines[other][0].url + "/v1/chat/completions",
+                   json=_chat(seeded) | {"cache_salt": acme_salt}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    wait_for(lambda: _engine_blocks(gw) > before, 60, 0.2, what="the other engine's blocks")
+    seeded += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+               {"role": "user", "content": _words(301, 40)}]  # fmt: skip
+    r = httpx.post(url, json=_chat(seeded), headers=ACME, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvstore-engine"] == other, (home, other, r.headers)
+    assert _priced(r)["engine"] > 0 and _cached(r) > 0, (_priced(r), _cached(r))
     # 2. Another tenant sending acme's very prompt gets no cached tokens, wherever it lands.
     first = [{"role": "system", "content": _words(1, 200)},
              {"role": "user", "content": _words(100, 40)}]  # fmt: skip
@@ -185,7 +203,6 @@ def test_gateway_over_vllm_engines(world):
     # 5. The conversation's next turn: only the engine left can serve it. Its node's agent
     # holds just the shared start (step 4); the dead engine's agent holds the whole
     # conversation, so the router prices a pull from that peer and the gateway hints it.
-    other = next(e for e in engines if e != home)
     own = len(PromptCodec.load(launch.model_dir).chat_ids(first)) // BLOCK * BLOCK  # at most
     msgs.append({"role": "user", "content": _words(200, 40)})
     r = httpx.post(url, json=_chat(msgs), headers=ACME, timeout=120)
