@@ -7,14 +7,19 @@ the objects that happen to be rendered.)"""
 from __future__ import annotations
 
 import pytest
+import yaml
+
+from kvstore.config import load_config
 
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
+    CHART,
     VALUES,
     WORKLOADS,
     helm,
     of_kind,
     one,
     render,
+    render_error,
 )
 
 GATEWAY = "gateway-values.yaml"
@@ -95,3 +100,27 @@ def test_gateway_without_autoscaling_keeps_its_replicas(helm):  # noqa: F811
     assert one(docs, "Deployment", "-gateway")["spec"]["replicas"] == 3
     assert not [h for h in of_kind(docs, "HorizontalPodAutoscaler")
                 if h["metadata"]["name"].endswith("-gateway")]  # fmt: skip
+
+
+def _gateway_config(docs, tmp_path):
+    from router.gateway.config import GatewayConfig
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
+    return load_config(GatewayConfig, str(path))
+
+
+def test_gateway_caps_each_tenants_requests_in_flight(helm, tmp_path):  # noqa: F811
+    """GatewayConfig's own default is 0 (no cap: one tenant can hold every engine's
+    slots); the chart renders its own non-zero default into gateway.yaml."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    default = values["gateway"]["maxInflightPerTenant"]
+    assert 0 < default
+    cfg = _gateway_config(render(helm, GATEWAY), tmp_path)
+    assert cfg.max_inflight_per_tenant == default
+    set_ = _gateway_config(render(helm, GATEWAY, "gateway.maxInflightPerTenant=7"), tmp_path)
+    assert set_.max_inflight_per_tenant == 7
+    off = _gateway_config(render(helm, GATEWAY, "gateway.maxInflightPerTenant=0"), tmp_path)
+    assert off.max_inflight_per_tenant == 0  # no cap, said explicitly
+    err = render_error(helm, GATEWAY, "gateway.maxInflightPerTenant=-1")
+    assert "schema" in err and "maxInflightPerTenant" in err
