@@ -300,8 +300,8 @@ class UpOptions:
         if not 0 <= self.engines <= 8:
             raise ValueError(f"--engines must be between 0 and 8, got {self.engines}")
         # tls with engines: each engine serves HTTPS requiring the CA's certificates, its
-        # connector and registrar present the client pair (EngineLaunch.tls_dir), and
-        # its KV event ports stay on loopback (ZMQ has no TLS in vLLM; docs/tls.md).
+        # connector and registrar present the client pair (EngineLaunch.tls_dir). Its KV
+        # event ports are on loopback with or without tls (ZMQ has no TLS in vLLM).
         if not 1 <= self.agents <= 64:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
         if self.lease_ttl_s < 2:
@@ -476,20 +476,27 @@ def _gateway_engines(url: str, tls: TLSConfig | None) -> int:
         return -1
 
 
+def engine_launch(
+    state: Path, opts: UpOptions, i: int, etcd: str, agents: list[str]
+) -> EngineLaunch:
+    """Engine i of the cluster, on agent i mod len(agents); its KV event sockets are on
+    loopback in every mode (EngineLaunch.kv_events_ports)."""
+    return EngineLaunch(
+        f"engine-{i}", free_port(), str(state / "model"), MODEL_NAME, agents[i % len(agents)],
+        f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
+        str(state / f"engine-{i}"), ttl_s=opts.lease_ttl_s,
+        kv_events_ports=(free_port(), free_port()),
+        tls_dir=str(state / "tls") if opts.tls else "", device=f"cpu:{socket.gethostname()}",
+    )  # fmt: skip
+
+
 def _start_engines(state, opts, etcd, agents, gw_url, say, started, client) -> list[Proc]:
     """vLLM engines on the agents in turn, registered in etcd; waits until the gateway
     has every one."""
     procs, watch = [], []
-    tls_dir = str(state / "tls") if opts.tls else ""
     for i in range(opts.engines):
         d = state / f"engine-{i}"
-        launch = EngineLaunch(
-            f"engine-{i}", free_port(), str(state / "model"), MODEL_NAME, agents[i % len(agents)],
-            f"agent-{i % len(agents)}", KV_TENANT, str(state / "router" / "kv.secret"), etcd,
-            str(d), ttl_s=opts.lease_ttl_s, kv_events_ports=(free_port(), free_port()),
-            events_host="127.0.0.1" if opts.tls else "*", tls_dir=tls_dir,
-            device=f"cpu:{socket.gethostname()}",
-        )  # fmt: skip
+        launch = engine_launch(state, opts, i, etcd, agents)
         proc = start_engine(launch, new_session=True)
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))
         started.append(p)

@@ -47,12 +47,12 @@ class EngineLaunch:
     prefix_caching: bool = True
     ttl_s: int = 3
     # (publisher, replay) ports of the engine's KV events, so the router learns what the
-    # engine's own prefix cache holds; None publishes none. events_host "*": vLLM binds
-    # both on every interface and the router connects; "127.0.0.1": vLLM binds the
-    # replay port on loopback and connects its publisher to the router, which binds it
-    # there (router/engine_feed.py), so neither port is reachable from another host.
+    # engine's own prefix cache holds; None publishes none. Always on loopback, TLS or
+    # not: vLLM's ZMQ sockets have no authentication or TLS and carry every tenant's
+    # prompt token ids. vLLM binds the replay port on 127.0.0.1 and connects its
+    # publisher to 127.0.0.1:PORT, which the router binds (router/engine_feed.py), so
+    # neither port is reachable from another host (`tcp://*:PORT` bound both on 0.0.0.0).
     kv_events_ports: tuple[int, int] | None = None
-    events_host: str = "*"
     # With mTLS (`kvctl cluster up --tls`): the dev CA's directory (kvstore/tls_ca.py).
     # The connector and the registrar present its client pair; vLLM serves HTTPS with
     # its server pair (valid for 127.0.0.1) and requires a certificate of its CA.
@@ -118,7 +118,7 @@ class EngineLaunch:
         if self.kv_events_ports is None:
             return None
         pub, replay = self.kv_events_ports
-        return f"tcp://{self.events_host}:{pub}", f"tcp://{self.events_host}:{replay}"
+        return f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
 
     def _events_args(self) -> list[str]:
         endpoints = self._events_endpoints()

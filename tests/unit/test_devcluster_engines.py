@@ -2,7 +2,8 @@
 what `make run` and the gateway benchmark start): with 64 KiB slots every Lookup and Put
 of the tiny model's 128 KiB blocks was refused, so the engines only ever recomputed. With
 `--tls` each engine serves HTTPS requiring the dev CA's client certificates, its connector
-and registrar present the client pair, and its KV event ports stay on loopback."""
+and registrar present the client pair. With or without it, its KV event ports stay on
+loopback: vLLM's ZMQ sockets have no TLS and carry every tenant's prompt token ids."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from kvstore.coord.engines import EngineRecord
-from kvstore.devcluster import UpOptions, agent_slot_bytes
+from kvstore.devcluster import UpOptions, agent_slot_bytes, engine_launch
 from kvstore.devengines import (
     MODEL_HEADS,
     MODEL_HIDDEN,
@@ -22,6 +23,7 @@ from kvstore.devengines import (
     model_block_bytes,
 )
 from kvstore.integrations.vllm_serve import engine_record, parse_args
+from router.engine_feed import connectable, subscriber_binds
 from tests.support.common import make_namespace
 
 
@@ -46,7 +48,7 @@ def _after(cmd: list[str], flag: str) -> str:
 
 
 def test_an_engine_with_tls_serves_https_requiring_the_cas_client_certificates():
-    launch = _launch(tls_dir="/s/tls", events_host="127.0.0.1")
+    launch = _launch(tls_dir="/s/tls")
     assert launch.url == "https://127.0.0.1:8123"
     vllm = launch.vllm_command()
     assert _after(vllm, "--ssl-keyfile") == "/s/tls/server.key"
@@ -65,7 +67,7 @@ def test_an_engine_with_tls_serves_https_requiring_the_cas_client_certificates()
 
 
 def test_the_registrar_of_a_tls_engine_checks_and_registers_it_over_tls():
-    cmd = _launch(tls_dir="/s/tls", events_host="127.0.0.1").command()
+    cmd = _launch(tls_dir="/s/tls").command()
     own = cmd[: cmd.index("--")]  # the registrar's arguments, before vLLM's command
     assert _after(own, "--tls-dir") == "/s/tls"
     assert _after(own, "--url") == "https://127.0.0.1:8123"
@@ -80,7 +82,34 @@ def test_a_plaintext_engine_is_launched_as_before():
     assert not [a for a in cmd if a.startswith(("--ssl-", "--tls-"))]
     extra = json.loads(_after(cmd, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert "tls_dir" not in extra
-    assert _after(cmd, "--kv-events-endpoint") == "tcp://*:5557"
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_the_clusters_engines_keep_their_kv_events_on_loopback(tmp_path, tls):
+    """`tcp://*:PORT` made vLLM bind its PUB and its replay ROUTER on 0.0.0.0, in
+    plaintext. On loopback, vLLM connects its PUB to the router, which binds it, and
+    binds its replay socket there; the registrar advertises exactly those endpoints."""
+    opts = UpOptions(engines=2, tls=tls)
+    agents = ["127.0.0.1:50051", "127.0.0.1:50052"]
+    for i in range(opts.engines):
+        launch = engine_launch(tmp_path, opts, i, "127.0.0.1:2379", agents)
+        cmd = launch.command()
+        own, vllm = cmd[: cmd.index("--")], cmd[cmd.index("--") + 1 :]
+        events = json.loads(_after(vllm, "--kv-events-config"))
+        assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+        pub, replay = events["endpoint"], events["replay_endpoint"]
+        for ep in (pub, replay):
+            assert ep.startswith("tcp://127.0.0.1:"), ep
+        assert (
+            _after(own, "--kv-events-endpoint"),
+            _after(own, "--kv-events-replay-endpoint"),
+        ) == (
+            pub,
+            replay,
+        )
+        assert subscriber_binds(pub)  # the router binds the loopback address vLLM dials
+        assert connectable(replay, launch.url) == replay  # and dials the replay socket there
+        assert launch.url.startswith("https://" if tls else "http://")
 
 
 def test_the_device_an_engine_computes_on_reaches_its_record(tmp_path):
