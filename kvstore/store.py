@@ -320,19 +320,20 @@ class BlockStore:
             digests = self._copier.read(
                 self.pool, slots[:n_pool], [m.nbytes for m in metas[:n_pool]], dsts[:n_pool]
             )
+            hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
             for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dsts[i]
                 data: bytes | None = None
                 if i < n_pool:
                     ok = digests[i] == m.checksum
-                    tier = Tier.HBM
+                    tier = hbm
                 elif slot >= 0 and dst is None:
                     data, digest = self.pool.read_bytes(slot, m.nbytes)
                     ok = digest == m.checksum
-                    tier = Tier.HBM
+                    tier = hbm
                 elif slot >= 0:
                     ok = self.pool.read_into(slot, m.nbytes, dst) == m.checksum
-                    tier = Tier.HBM
+                    tier = hbm
                 else:  # a device staging destination takes the block through the host
                     buf = bytearray(m.nbytes) if dst is None or is_tensor(dst) else dst
                     ok = self._residency.read_nvme(m, buf)

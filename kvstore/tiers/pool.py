@@ -33,6 +33,9 @@ _ALLOWED = {
     (SlotState.OCCUPIED, SlotState.FREE),
 }
 _ALLOWED_INT = frozenset((int(a), int(b)) for a, b in _ALLOWED)
+# The members as module constants: reading one through its class costs ~0.3 us on Python
+# 3.11 (against ~0.05 us for a global), and every block a store moves reads several.
+_FREE, _RESERVED, _OCCUPIED = SlotState.FREE, SlotState.RESERVED, SlotState.OCCUPIED
 
 
 class SlotStateError(KvError):
@@ -167,21 +170,21 @@ class DevicePool:
         if not self._free:
             return None
         slot = self._free.pop()
-        self._move(slot, SlotState.RESERVED)
+        self._move(slot, _RESERVED)
         return slot
 
     def commit(self, slot: int) -> None:
-        self._move(slot, SlotState.OCCUPIED)
+        self._move(slot, _OCCUPIED)
 
     def abort(self, slot: int) -> None:
         """Give back a RESERVED slot whose write did not complete."""
-        self._move(slot, SlotState.FREE, expect=SlotState.RESERVED)
+        self._move(slot, _FREE, expect=_RESERVED)
         self._free.append(slot)
 
     def release(self, slot: int) -> None:
         """Free an OCCUPIED slot. Aborting a committed block or releasing a half-written
         one would be a bookkeeping bug, so each path accepts only its own state."""
-        self._move(slot, SlotState.FREE, expect=SlotState.OCCUPIED)
+        self._move(slot, _FREE, expect=_OCCUPIED)
         self._free.append(slot)
 
     def _check_len(self, n: int) -> None:
@@ -190,7 +193,7 @@ class DevicePool:
 
     def write(self, slot: int, src) -> int:
         """Copy `src` (any buffer) into a RESERVED slot; returns the payload's XXH64."""
-        if self._state[slot] != SlotState.RESERVED:
+        if self._state[slot] != _RESERVED:
             raise SlotStateError(f"slot {slot} written while {self.state(slot).name}")
         n = memoryview(src).nbytes
         self._check_len(n)
@@ -204,7 +207,7 @@ class DevicePool:
         """Copy an OCCUPIED slot's first `nbytes` into `dst`; returns their XXH64."""
         if is_tensor(dst):
             return self.read_tensors([slot], [nbytes], [dst])[0]
-        if self._state[slot] != SlotState.OCCUPIED:
+        if self._state[slot] != _OCCUPIED:
             raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
         self._check_len(nbytes)
         if self._host is not None:
@@ -226,7 +229,7 @@ class DevicePool:
             return [self.write(s, src) for s, src in zip(slots, srcs)]
         dsts = []
         for slot, src in zip(slots, srcs):
-            if self._state[slot] != SlotState.RESERVED:
+            if self._state[slot] != _RESERVED:
                 raise SlotStateError(f"slot {slot} written while {self.state(slot).name}")
             n = memoryview(src).nbytes
             self._check_len(n)
@@ -241,7 +244,7 @@ class DevicePool:
             return [self.read_into(s, n, d) for s, n, d in zip(slots, sizes, dsts)]
         srcs = []
         for slot, n in zip(slots, sizes):
-            if self._state[slot] != SlotState.OCCUPIED:
+            if self._state[slot] != _OCCUPIED:
                 raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
             self._check_len(n)
             srcs.append(self._host[slot, :n])
@@ -256,7 +259,7 @@ class DevicePool:
             raise InvalidArgument("tensor destinations need a pool that hashes tensor views")
         views = []
         for slot, n, dst in zip(slots, sizes, dsts):
-            if self._state[slot] != SlotState.OCCUPIED:
+            if self._state[slot] != _OCCUPIED:
                 raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
             self._check_len(n)
             if dst.device != self.device or dst.numel() < n:
@@ -272,7 +275,7 @@ class DevicePool:
     def read_bytes(self, slot: int, nbytes: int) -> tuple[bytes, int]:
         """A slot's payload as a new bytes object (one copy) and its XXH64."""
         if self._host is not None:
-            if self._state[slot] != SlotState.OCCUPIED:
+            if self._state[slot] != _OCCUPIED:
                 raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
             self._check_len(nbytes)
             data = self._host[slot, :nbytes].tobytes()
@@ -291,7 +294,7 @@ class DevicePool:
             raise InvalidArgument(
                 f"this pool cannot verify payloads in place ({self.why_not_in_place})"
             )
-        want = SlotState.RESERVED if writable else SlotState.OCCUPIED
+        want = _RESERVED if writable else _OCCUPIED
         if self._state[slot] != want:
             raise SlotStateError(f"slot {slot} viewed while {self.state(slot).name}")
         self._check_len(nbytes)

@@ -115,3 +115,31 @@ def test_put_refuses_blocks_of_the_wrong_dtype_or_shape(agent):
             c.open_namespace(SPEC)
         pub = c.open_namespace(make_namespace(name="docs", public=True))
         assert pub.root == make_namespace(name="docs", public=True).root(0, None)
+
+
+def test_staging_views_of_two_layouts_on_one_client(agent):
+    """Each namespace's views over the staging area have its own shape and dtype, lie over
+    the same memory, and get_views returns what was stored, whichever layout came before."""
+    wide = make_namespace(name="wide", num_kv_heads=SPEC.num_kv_heads * 2, kv_dtype="float32")
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
+        ns_a, ns_b = c.open_namespace(SPEC), c.open_namespace(wide)
+        a_blocks = kv_to_blocks(prompt_kv(SPEC, 2 * BS, seed=3), BS)
+        b_blocks = kv_to_blocks(prompt_kv(wide, 2 * BS, seed=4), BS)
+        ids_a = c.block_ids(ns_a, prompt_tokens(7, 2 * BS))
+        ids_b = c.block_ids(ns_b, prompt_tokens(8, 2 * BS))
+        assert c.put(ns_a, ids_a, a_blocks).stored == 2
+        assert c.put(ns_b, ids_b, b_blocks).stored == 2
+        for _ in range(2):  # the second time from views made before
+            got_a = c.get_views(ns_a, ids_a)
+            assert [v.shape for v in got_a] == [b.shape for b in a_blocks]
+            assert all(torch.equal(v, b) for v, b in zip(got_a, a_blocks))
+            got_b = c.get_views(ns_b, ids_b)
+            assert [(v.shape, v.dtype) for v in got_b] == [(b.shape, b.dtype) for b in b_blocks]
+            assert all(torch.equal(v, b) for v, b in zip(got_b, b_blocks))
+        assert got_a[0].data_ptr() == got_b[0].data_ptr() == c.staging_views(ns_a, 1)[0].data_ptr()
+        assert got_a[1].data_ptr() == got_a[0].data_ptr() + ns_a.block_bytes
+        # A view written by the caller is what put_staged stores.
+        ids_c = c.block_ids(ns_a, prompt_tokens(9, BS))
+        c.staging_views(ns_a, 1)[0].copy_(a_blocks[1])
+        assert c.put_staged(ns_a, ids_c).stored == 1
+        assert torch.equal(c.get(ns_a, ids_c)[0], a_blocks[1])
