@@ -56,7 +56,8 @@ static size_t *paged_ids(PyObject *ids_o, size_t num_blocks, Py_ssize_t *count) 
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        Py_ssize_t v = PyLong_Check(o) && !PyBool_Check(o) ? PyLong_AsSsize_t(o) : -1;
+        /* Any integer (numpy's too: __index__), never a bool. */
+        Py_ssize_t v = PyIndex_Check(o) && !PyBool_Check(o) ? PyNumber_AsSsize_t(o, NULL) : -1;
         if (v < 0 || (size_t)v >= num_blocks) {
             if (PyErr_Occurred()) PyErr_Clear();
             PyErr_Format(PyExc_ValueError, "block_ids[%zd] is %R, not a block in [0, %zu)", i, o,

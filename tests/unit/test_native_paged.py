@@ -32,7 +32,7 @@ def _args(caches, ids, blocks):
 def test_gather_and_scatter_move_the_layouts_bytes():
     rng = np.random.default_rng(1)
     caches = _caches(rng)
-    ids = [4, 0, 5, 2]
+    ids = [4, 0, np.int64(5), 2]  # numpy's integers are integers too
     out = np.empty((len(ids), LAYERS, 2, BS, HEADS, ROW), dtype=np.uint8)
     _native.paged_gather(*_args(caches, ids, out))
     assert np.array_equal(out, _reference(caches, ids))
@@ -52,6 +52,8 @@ def test_arguments_are_checked_before_anything_is_copied():
         _native.paged_scatter(*_args(caches, [6], one))
     with pytest.raises(ValueError, match=r"block_ids\[1\] is -1"):
         _native.paged_scatter(*_args(caches, [0, -1], np.ones((2, *one.shape[1:]), np.uint8)))
+    with pytest.raises(ValueError, match=r"block_ids\[0\] is True"):
+        _native.paged_scatter(*_args(caches, [True], one))
     with pytest.raises(ValueError, match="not 2 blocks"):
         _native.paged_scatter(*_args(caches, [0, 1], one))
     with pytest.raises(ValueError, match="not whole blocks"):
