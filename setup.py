@@ -18,7 +18,17 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 SRC = "kvstore/native"
 SOURCES = [
     f"{SRC}/{name}.c"
-    for name in ("module", "blake2b", "blake2b_avx2", "xxh64", "copy", "idtable", "idwalk", "batch")
+    for name in (
+        "module",
+        "blake2b",
+        "blake2b_avx2",
+        "xxh64",
+        "copy",
+        "idtable",
+        "idwalk",
+        "batch",
+        "paged",
+    )
 ]
 HEADERS = [
     f"{SRC}/{name}.h"
@@ -31,6 +41,7 @@ HEADERS = [
         "idtable",
         "idtable_impl",
         "batch",
+        "paged",
     )
 ]
 

@@ -29,6 +29,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -49,7 +51,7 @@ from kvstore.client.convert import (
 )
 from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
-from kvstore.client.local_lane import LaneBroken, LaneChannel
+from kvstore.client.local_lane import AnswerGone, LaneBroken, LaneChannel, Sent
 from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.device_staging import DeviceStaging, allocate_device_staging, close_quietly
 from kvstore.client.staging import Staging, create_staging
@@ -63,6 +65,7 @@ __all__ = [
     "KVClient",
     "Blocks",
     "NamespaceHandle",
+    "PendingGet",
     "PrefixHit",
     "Usage",
     "kv_to_blocks",
@@ -111,6 +114,20 @@ class Blocks:
 
     blocks: list[torch.Tensor]
     tiers: list[int]  # kvstore.events.Tier values, one per block
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PendingGet:
+    """A Get `KVClient.begin_get_staged` sent; `finish_get_staged` reads its answer."""
+
+    ns: NamespaceHandle
+    ids: list[bytes]
+    parent: bytes | None
+    timeout: float | None
+    request_id: str
+    first_slot: int
+    lane: LaneChannel | None  # where it was sent; None: nothing sent, finish makes the call
+    sent: Sent | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,23 +384,32 @@ class KVClient:
     def _attempt(self, method: int, request, response_type, grpc_call, deadline: float):
         lane_ch = self._lane if self._lane_ok else None
         if lane_ch is not None:
-            try:
+            with self._lane_errors():
                 return lane_ch.call(method, request, response_type, deadline - time.monotonic())
-            except LaneBroken as exc:  # e.g. the agent restarted
-                self._drop_lane()
-                raise _Stale(KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
-            except DeadlineExceeded:
-                self._drop_lane()  # out of step; reconnect on the next call
-                self._stale = True
-                raise
-            except KVClientError as exc:
-                if exc.unknown_region:
-                    raise _Stale(exc) from None
-                raise
         try:
             return self._grpc(grpc_call, request, deadline)
         except KVClientError as exc:
             if exc.unknown_region and self._shm is not None:
+                raise _Stale(exc) from None
+            raise
+
+    @contextmanager
+    def _lane_errors(self) -> Iterator[None]:
+        """A lane call's failures as the client handles them: _Stale (register again and
+        retry) for a broken lane or an agent that lost our region."""
+        try:
+            yield
+        except AnswerGone:
+            raise
+        except LaneBroken as exc:  # e.g. the agent restarted
+            self._drop_lane()
+            raise _Stale(KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
+        except DeadlineExceeded:
+            self._drop_lane()  # out of step; reconnect on the next call
+            self._stale = True
+            raise
+        except KVClientError as exc:
+            if exc.unknown_region:
                 raise _Stale(exc) from None
             raise
 
@@ -510,12 +536,60 @@ class KVClient:
         parent: bytes | None = None,
         timeout: float | None = None,
         request_id: str = "",
+        first_slot: int = 0,
     ) -> torch.Tensor:
         """get_views as one (n, *block shape) tensor over the staging area: zero-copy,
-        valid until the next call on this client; n leading blocks were served. One
-        tensor, so a caller copies all of them out in one operation."""
-        resp = self._get_staged("get_staged_tensor", ns, ids, parent, timeout, request_id)
-        return self._staging_blocks(ns)[: resp.count]
+        valid until a later call on this client writes over those slots; n leading
+        blocks were served. One tensor, so a caller copies all of them out in one
+        operation. `first_slot`: the staging slot (in blocks) the first block lands in,
+        so that Gets into disjoint slots can be held at once."""
+        resp = self._get_staged(
+            "get_staged_tensor", ns, ids, parent, timeout, request_id, first_slot
+        )
+        return self._staging_blocks(ns)[first_slot : first_slot + resp.count]
+
+    def begin_get_staged(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None = None,
+        timeout: float | None = None,
+        request_id: str = "",
+        first_slot: int = 0,
+    ) -> PendingGet:
+        """get_staged_tensor in two halves: the Get goes out now over the local lane and
+        `finish_get_staged` reads its answer (by the same deadline), so the agent copies
+        and verifies the blocks while the caller does something else. Several may be
+        begun (into disjoint slots) and finished in order. Any other call on this client
+        in between, or finishing a later one first, reads and drops that answer: finish
+        then makes the Get again. Without a lane, or when sending fails, nothing is sent
+        now and finish makes the whole call (registering again first where needed)."""
+        build = self._get_request("begin_get_staged", ns, ids, parent, request_id, first_slot)
+        lane_ch = self._lane if self._lane_ok and not self._stale else None
+        sent = None
+        if lane_ch is not None:
+            try:
+                with self._lane_errors():
+                    sent = lane_ch.start(lane.GET, build(), self._timeout_of(timeout))
+            except (_Stale, KVClientError, AnswerGone):
+                lane_ch = None
+        return PendingGet(ns, ids, parent, timeout, request_id, first_slot, lane_ch, sent)
+
+    def finish_get_staged(self, p: PendingGet) -> torch.Tensor:
+        """The answer to `begin_get_staged`: what get_staged_tensor would have returned."""
+        if p.lane is not None and p.sent is not None and p.lane is self._lane:
+            try:
+                with self._lane_errors():
+                    resp = p.lane.finish(p.sent, agent_pb2.GetResponse)
+                return self._staging_blocks(p.ns)[p.first_slot : p.first_slot + resp.count]
+            except AnswerGone:
+                pass
+            except _Stale:
+                self._stale = True  # the Get below registers again first
+        return self.get_staged_tensor(p.ns, p.ids, p.parent, p.timeout, p.request_id, p.first_slot)
+
+    def _timeout_of(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
 
     def device_staging_capacity(self, ns: NamespaceHandle) -> int:
         return 0 if self._device is None else self._device.size // ns.block_bytes
@@ -548,36 +622,54 @@ class KVClient:
         parent: bytes | None,
         timeout: float | None = None,
         request_id: str = "",
+        first_slot: int = 0,
         device: bool = False,
     ) -> agent_pb2.GetResponse:
-        """Get into staging slots 0..len(ids) (of the device staging area with `device`),
-        for the zero-copy call `what`: it needs the shared-memory path and at most the
-        staging area's capacity."""
-        if self._staging is None:
-            raise RuntimeError(f"{what} needs the same-host shared-memory path")
-        cap = self.device_staging_capacity(ns) if device else self.staging_capacity(ns)
-        if len(ids) > cap:
-            raise ValueError(f"{what} takes at most {cap} blocks at once")
-        parent = ns.root if parent is None else parent
-        offsets = range(0, len(ids) * ns.block_bytes, ns.block_bytes)
-        packed = pack_ids(ids)
+        """Get into staging slots first_slot..first_slot + len(ids) (of the device staging
+        area with `device`), for the zero-copy call `what`."""
         return self._call(
             lane.GET,
-            lambda: agent_pb2.GetRequest(
-                ns=ns.ref,
-                block_ids=packed,
-                parent_id=parent,
-                shm=agent_pb2.ShmTarget(
-                    region_id=self._device.region_id
-                    if device and self._device
-                    else self._region_id,
-                    offsets=offsets,
-                ),
-                request_id=request_id,
-            ),
+            self._get_request(what, ns, ids, parent, request_id, first_slot, device),
             agent_pb2.GetResponse,
             self._get_one,
             timeout,
+        )
+
+    def _get_request(
+        self,
+        what: str,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes | None,
+        request_id: str,
+        first_slot: int,
+        device: bool = False,
+    ) -> Callable[[], agent_pb2.GetRequest]:
+        """The builder of a Get into staging slots first_slot.. (of the device staging area
+        with `device`) for the zero-copy call `what`: it needs the shared-memory path and
+        those slots within the staging area."""
+        if self._staging is None:
+            raise RuntimeError(f"{what} needs the same-host shared-memory path")
+        cap = self.device_staging_capacity(ns) if device else self.staging_capacity(ns)
+        if first_slot < 0 or first_slot + len(ids) > cap:
+            raise ValueError(
+                f"{what} takes at most {cap} blocks at once, slots {first_slot}.. asked for "
+                f"{len(ids)}"
+            )
+        parent = ns.root if parent is None else parent
+        start = first_slot * ns.block_bytes
+        offsets = range(start, start + len(ids) * ns.block_bytes, ns.block_bytes)
+        packed = pack_ids(ids)
+        # Built per attempt: the region id changes when the client registers again.
+        return lambda: agent_pb2.GetRequest(
+            ns=ns.ref,
+            block_ids=packed,
+            parent_id=parent,
+            shm=agent_pb2.ShmTarget(
+                region_id=self._device.region_id if device and self._device else self._region_id,
+                offsets=offsets,
+            ),
+            request_id=request_id,
         )
 
     def _get_one(

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import deque
+import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,6 +30,17 @@ class LaneError(KVClientError):
 
 class LaneBroken(ConnectionError):
     """The socket failed mid-call; the connection is closed and must not be reused."""
+
+
+class AnswerGone(LaneBroken):
+    """Another call read the answer a `start` was waiting for; the connection is fine."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Sent:
+    """A request sent on a lane connection, whose answer is still to be read."""
+
+    deadline: float  # time.monotonic() by which the answer must have come
 
 
 class LaneChannel:
@@ -46,6 +60,7 @@ class LaneChannel:
         self._md = tuple(metadata)
         self._timeout = timeout_s
         self._lock = threading.Lock()
+        self._unread: deque[Sent] = deque()  # sent by start, answers not read yet
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -71,30 +86,74 @@ class LaneChannel:
         """Send `request` (a protobuf message), return a `response_type` message; wait at
         most `timeout` seconds (the channel's default when None) for the answer. `fds`:
         file descriptors to hand over with the frame (RegisterShm's staging memory)."""
+        with self._lock:
+            sent = self._send_request(method, request, timeout, fds)
+            return self._read_answer(sent, response_type)
+
+    def start(self, method: int, request, timeout: float | None = None) -> Sent:
+        """The first half of `call`: send `request` now; `finish` reads its answer, by
+        the same deadline. Until then the agent works on it while the caller does
+        something else; several may be started (the agent answers a connection's
+        requests in order). A call made meanwhile on this connection, or finishing a
+        later one first, reads and drops the answer: `finish` then raises AnswerGone."""
+        with self._lock:
+            sent = self._send_request(method, request, timeout, (), drain=False)
+            self._unread.append(sent)
+            return sent
+
+    def finish(self, sent: Sent, response_type):
+        """The answer to `sent` (from `start`) as a `response_type` message."""
+        with self._lock:
+            if sent not in self._unread:
+                raise AnswerGone(f"local lane {self.path}: another call read the answer")
+            while self._unread[0] is not sent:  # answered before ours: read, dropped
+                self._unread.popleft()
+                self._guard(self._recv_answer, sent.deadline)
+            self._unread.popleft()
+            return self._read_answer(sent, response_type)
+
+    def _send_request(self, method: int, request, timeout: float | None, fds, drain=True) -> Sent:
+        """Send one request frame (under the lock); with `drain`, after reading the
+        answers nobody finished: they come first."""
         meta = lane.encode_meta(trace_metadata(self._md))
         frame = lane.request_frame(method, meta, request.SerializeToString())
         wait = self._timeout if timeout is None else timeout
         if wait <= 0:
             raise DeadlineExceeded(f"local lane {self.path}: the deadline passed before the call")
-        with self._lock:
-            try:
-                self._sock.settimeout(wait)
-                self._send(frame, fds)
-                n, status = lane.RESPONSE_HEADER.unpack(self._recv(lane.RESPONSE_HEADER.size))
-                body = self._recv(n)
-            except TimeoutError:  # the stream is out of step now: never reuse it
-                self._sock.close()
-                raise DeadlineExceeded(
-                    f"local lane {self.path}: no answer within {wait:.3g} s"
-                ) from None
-            except OSError as exc:
-                self._sock.close()
-                raise LaneBroken(f"local lane {self.path}: {exc}") from exc
+        sent = Sent(time.monotonic() + wait)
+        self._guard(lambda: self._send(frame, fds), sent.deadline)
+        while drain and self._unread:  # answered before ours, within our deadline too
+            self._unread.popleft()
+            self._guard(self._recv_answer, sent.deadline)
+        return sent
+
+    def _read_answer(self, sent: Sent, response_type):
+        status, body = self._guard(self._recv_answer, sent.deadline)
         if status != lane.OK:
             raise LaneError(
                 _STATUS.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace")
             )
         return response_type.FromString(body)
+
+    def _recv_answer(self) -> tuple[int, bytearray]:
+        n, status = lane.RESPONSE_HEADER.unpack(self._recv(lane.RESPONSE_HEADER.size))
+        return status, self._recv(n)
+
+    def _guard(self, io, deadline: float):
+        """`io()` on the socket by `deadline`; a timeout or a socket error leaves the
+        stream out of step, so the connection is closed (never reused)."""
+        wait = max(deadline - time.monotonic(), 0.001)
+        try:
+            self._sock.settimeout(wait)
+            return io()
+        except TimeoutError:  # the stream is out of step now: never reuse it
+            self._sock.close()
+            raise DeadlineExceeded(
+                f"local lane {self.path}: no answer within {wait:.3g} s"
+            ) from None
+        except OSError as exc:
+            self._sock.close()
+            raise LaneBroken(f"local lane {self.path}: {exc}") from exc
 
     def _send(self, frame: bytes, fds) -> None:
         if not fds:

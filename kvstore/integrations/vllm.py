@@ -9,8 +9,9 @@ Scheduler side: for a new request, asks the node's agent (same host: shared memo
 local lane) how many leading full blocks of the prompt it holds, and reports them as
 external tokens, always leaving one prompt token to compute; when it lacks them and a peer
 is named (the request's kv_transfer_params, or the router; vllm_peer), the agent first
-pulls them from that peer while the request waits. Worker side: before the
-forward, Gets those blocks and writes them into the paged KV cache (vllm_layout); after
+pulls them from that peer while the request waits. Worker side: Gets those blocks as
+soon as the step reaches the worker, while vLLM prepares its inputs (vllm_load), and
+writes them into the paged KV cache before the forward (vllm_layout); after
 the forward, copies the prompt's newly computed full blocks out of the cache (on a GPU
 into device memory; the host copy waits for the save thread) and hands them to a
 background thread that Puts them, so the engine's step never waits on the agent (a full
@@ -49,6 +50,7 @@ from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.integrations.vllm_agent import AgentLink
 from kvstore.integrations.vllm_config import ConnectorSettings, NamespaceRefused, engine_namespace
 from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
+from kvstore.integrations.vllm_load import Loader
 from kvstore.integrations.vllm_peer import PeerPuller, RouterLink, hint_from_params
 
 log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: its handlers print it
@@ -122,6 +124,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         # worker side
         self._layout: PagedLayout | None = None
+        self._loader: Loader | None = None
         self._load_errors: set[int] = set()
         self._saves: queue.Queue = queue.Queue(
             maxsize=getattr(self, "_settings", None) and self._settings.save_queue or 1
@@ -304,29 +307,34 @@ class KVStoreConnector(KVConnectorBase_V1):
         for link in (self._link, self._save_link):
             if link is not None:
                 link.warm()
+        if self._link is not None:
+            self._loader = Loader(self._link, self._layout)
         self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
         self._saver.start()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first worker call of a step, before vLLM prepares its inputs: the step's
+        # Gets begin now (vllm_load). Preemptions need nothing: saves copy their blocks
+        # out within the step that computed them.
+        meta = kv_connector_metadata
+        if self._loader is not None and isinstance(meta, KVStoreMetadata) and meta.loads:
+            self._loader.begin(meta, meta.loads)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KVStoreMetadata) or not meta.loads:
             return
-        for spec in meta.loads:
-            loaded = 0
-            if self._layout is not None and self._link is not None:
-                layout = self._layout
-
-                def sink(first: int, blocks: torch.Tensor, spec=spec, layout=layout) -> None:
-                    layout.scatter(spec.block_ids[first : first + len(blocks)], blocks)
-
-                loaded = self._link.load(spec.kv_ids, spec.parent, spec.salt, sink, spec.count_id)
-            if loaded < len(spec.block_ids):
+        loaded = [0] * len(meta.loads)
+        if self._loader is not None:
+            loaded = self._loader.load(meta, meta.loads)
+        for spec, n in zip(meta.loads, loaded):
+            if n < len(spec.block_ids):
                 # vLLM recomputes from the first block not loaded.
-                self._load_errors.update(spec.block_ids[loaded:])
+                self._load_errors.update(spec.block_ids[n:])
                 log.warning(
                     "kvstore: request %s loaded %d of %d blocks; recomputing the rest",
                     spec.req_id,
-                    loaded,
+                    n,
                     len(spec.block_ids),
                 )
 

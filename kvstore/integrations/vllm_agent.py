@@ -12,17 +12,38 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvstore.client import KVClient, NamespaceHandle
+from kvstore.client import KVClient, NamespaceHandle, PendingGet
 from kvstore.integrations.vllm_config import ConnectorSettings, salt_secret, salted
 from kvstore.namespace import Namespace
 
 log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: its handlers print it
 
-__all__ = ["AgentLink"]
+__all__ = ["AgentLink", "Begun", "StagedGet"]
+
+_NOTHING = torch.empty(0)  # what a failed Get served
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """Gets `AgentLink.begin` sent on `client`, in order, for `AgentLink.stage` to read."""
+
+    client: KVClient | None
+    sent: list[PendingGet]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedGet:
+    """One Get for `AgentLink.stage`: blocks `ids`, children of `parent` (None: the
+    chain root), in the namespace of `salt`, counted for engine request `request_id`."""
+
+    ids: list[bytes]
+    parent: bytes | None
+    salt: str | None
+    request_id: str = ""
 
 
 class AgentLink:
@@ -196,6 +217,63 @@ class AgentLink:
 
         got = self._call("get", run, None)
         return progress[0] if got is None else got
+
+    def begin(self, gets: list[StagedGet]) -> Begun:
+        """Send the Gets `stage(gets, begun)` reads, now (the agent copies and verifies
+        the blocks meanwhile): as many as the staging area holds together. Nothing is
+        sent when the agent is out; `stage` then makes the Gets itself."""
+
+        def run(client: KVClient) -> Begun:
+            sent, slot = [], 0
+            if client.uses_device_staging:  # loads go device to device, through `load`
+                return Begun(client, sent)
+            for g in gets:
+                ns = self._handle(client, g.salt)
+                if slot + len(g.ids) > client.staging_capacity(ns):
+                    break
+                sent.append(
+                    client.begin_get_staged(
+                        ns, g.ids, g.parent, request_id=g.request_id, first_slot=slot
+                    )
+                )
+                slot += len(g.ids)
+            return Begun(client, sent)
+
+        return self._call("get", run, Begun(None, []))
+
+    def stage(self, gets: list[StagedGet], begun: Begun | None = None) -> list[torch.Tensor]:
+        """Get each of `gets` into its own slots of the staging area, in order, while they
+        fit in it together (the answers of those `begun` sent, else Gets made now): the
+        leading blocks served of each (an empty tensor where the agent was out or the Get
+        failed: recompute), valid until a later call on this link. Stops before the first
+        that does not fit: those are for `load`."""
+        out: list[torch.Tensor] = []
+        slot = 0
+        for i, g in enumerate(gets):
+            pending = None
+            if begun is not None and i < len(begun.sent):
+                pending = begun.sent[i]
+
+            def run(client: KVClient, g=g, first=slot) -> torch.Tensor | None:
+                nonlocal pending
+                p, pending = pending, None  # its answer once; a retry Gets again
+                if p is not None and begun is not None and begun.client is client:
+                    return client.finish_get_staged(p)
+                if client.uses_device_staging:  # `load` serves them from device staging
+                    return None
+                ns = self._handle(client, g.salt)
+                if first + len(g.ids) > client.staging_capacity(ns):
+                    return None
+                return client.get_staged_tensor(
+                    ns, g.ids, g.parent, request_id=g.request_id, first_slot=first
+                )
+
+            got = self._call("get", run, _NOTHING)
+            if got is None:
+                break
+            out.append(got)
+            slot += len(g.ids)
+        return out
 
     def warm(self) -> None:
         """Connect and open the unsalted namespace now (engine start-up): a client's first

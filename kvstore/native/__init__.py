@@ -3,7 +3,9 @@
 This folder holds the C sources of the extension ``kvstore._native`` (setup.py builds
 it): ``blake2b.c`` and ``blake2b_avx2.c`` (block ids), ``xxh64.c`` (payload checksums),
 ``copy.c`` (non-temporal copies and the fused copy+checksum), ``idtable.c`` (the router
-index's id table; router/idtable.py holds its fallback), ``module.c`` (the CPython glue).
+index's id table; router/idtable.py holds its fallback), ``paged.c`` (copies between
+kvstore blocks and vLLM's paged CPU KV cache; kvstore/integrations/vllm_layout.py holds
+its torch fallback), ``module.c`` (the CPython glue).
 ``load()`` is how kvstore.hashing and kvstore.checksum get the extension, or
 ``None`` for their pure-Python fallbacks (bit-identical, several times slower): a
 fallback is never silent, it logs a warning once per process and ``active()`` names it

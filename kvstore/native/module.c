@@ -10,6 +10,8 @@
  *   copy_checksum_many(dsts, srcs, threads=1, seed=0) -> list[int]
  *   xxh64_many(bufs, threads=1, seed=0) -> list[int]
  *   IdTable(seed)                 (idtable.c: the router index's id table)
+ *   paged_scatter(caches, block_ids, blocks, block_size, kv_heads, row_bytes)
+ *   paged_gather(...)             (paged.c: vLLM's paged CPU KV cache)
  *   set_simd(enabled) -> bool    (AVX2 or scalar BLAKE2b; HAVE_AVX2 says
  *                                 whether this CPU and build have AVX2)
  *
@@ -23,8 +25,8 @@
  * protocol and releases the GIL while it works on large inputs.
  *
  * This file is the CPython glue (argument checks, the GIL, the module); the
- * kernels live beside it: blake2b.c / blake2b_avx2.c, xxh64.c, copy.c, and
- * batch.c (many buffers in one call, over threads).
+ * kernels live beside it: blake2b.c / blake2b_avx2.c, xxh64.c, copy.c,
+ * batch.c (many buffers in one call, over threads) and paged.c (with its glue).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,6 +35,7 @@
 #include "blake2b.h"
 #include "copy.h"
 #include "idtable.h"
+#include "paged.h"
 #include "xxh64.h"
 
 #if PY_BIG_ENDIAN == KV_LITTLE_ENDIAN
@@ -532,6 +535,7 @@ static int kv_exec(PyObject *m) {
     if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) return -1;
     if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) return -1;
     if (kv_add_idtable(m) < 0) return -1;
+    if (kv_add_paged(m) < 0) return -1;
     return 0;
 }
 

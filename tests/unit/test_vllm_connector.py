@@ -17,6 +17,7 @@ from kvstore.integrations.vllm_config import (
     salt_secret,
     salted,
 )
+from kvstore import native
 from kvstore.integrations.vllm_layout import PagedLayout, UnsupportedLayout
 
 EXTRA = {"agent": "127.0.0.1:1", "tenant": "acme", "tenant_secret": "s3cret"}
@@ -134,9 +135,34 @@ def _cpu_cache(blocks=6, heads=2, bs=32, hd=32):
     return torch.randn(blocks, heads, bs, 2 * hd)
 
 
-def test_cpu_layout_round_trip_and_kernel_view():
+@pytest.fixture(params=["native", "torch"])
+def copies(request, monkeypatch):
+    """CPU copies in the native extension, or torch's (its fallback)."""
+    if request.param == "native" and native.load().module is None:
+        pytest.skip("kvstore._native is not built")
+    if request.param == "torch":
+        monkeypatch.setenv(native.OFF_ENV, "1")
+    return request.param
+
+
+def test_cpu_copies_are_native_where_the_extension_is_built():
+    layers = [_cpu_cache(), _cpu_cache()]
+    built = native.load().module is not None
+    assert (PagedLayout.detect(layers, 32, 2, 32).native is not None) == built
+    # A layer that is not one contiguous tensor takes torch's copy, and lands the same.
+    strided = [torch.randn(12, 2, 32, 64)[::2] for _ in range(2)]  # every other block
+    layout = PagedLayout.detect(strided, 32, 2, 32)
+    assert layout.native is None
+    out = torch.empty(2, 2, 2, 32, 2, 32)
+    PagedLayout.detect(layers, 32, 2, 32).gather([3, 0], out)
+    layout.scatter([1, 4], out)
+    assert torch.equal(strided[0][1], layers[0][3]) and torch.equal(strided[1][4], layers[1][0])
+
+
+def test_cpu_layout_round_trip_and_kernel_view(copies):
     layers = [_cpu_cache(), _cpu_cache()]
     layout = PagedLayout.detect(layers, 32, 2, 32)
+    assert (layout.native is not None) == (copies == "native")
     out = torch.empty(2, 2, 2, 32, 2, 32)  # (n, layers, K/V, block, heads, head_dim)
     layout.gather([4, 1], out)
     # The CPU kernel reads a block as (heads, 2 * block, head_dim): K rows, then V rows.
@@ -151,7 +177,7 @@ def test_cpu_layout_round_trip_and_kernel_view():
 
 
 @pytest.mark.parametrize("kind", ["cpu", "flash"])
-def test_consecutive_and_scattered_block_ids_copy_alike(kind):
+def test_consecutive_and_scattered_block_ids_copy_alike(kind, copies):
     """A run of consecutive ids (one narrow copy per layer) and scattered ids (index_copy)
     write and read the same bytes as the kernel's own view of a block."""
 
@@ -201,7 +227,7 @@ def test_extra_config_router_and_pull_timeout():
     assert (d.router, d.pull_timeout_s) == (None, 10.0)
 
 
-def test_cpu_copies_of_many_blocks_land_every_block_once():
+def test_cpu_copies_of_many_blocks_land_every_block_once(copies):
     """Loads and saves of many blocks (4096 elements per block and layer here: copied in
     pieces of 7, vllm_layout._chunks) land right: pieces that start mid-run, runs broken
     across pieces, scattered ids."""
