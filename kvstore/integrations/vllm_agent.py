@@ -224,7 +224,8 @@ class AgentLink:
         sent when the agent is out; `stage` then makes the Gets itself."""
 
         def run(client: KVClient) -> Begun:
-            sent, slot = [], 0
+            sent: list[PendingGet] = []
+            slot = 0
             if client.uses_device_staging:  # loads go device to device, through `load`
                 return Begun(client, sent)
             for g in gets:
