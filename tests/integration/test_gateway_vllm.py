@@ -133,6 +133,16 @@ def _turns(gw, headers, system: str, n: int, msgs: list) -> list[tuple[str, int,
     return out
 
 
+def _stream_answer(raw: bytes) -> tuple:
+    """What an SSE answer says, whatever its chunking: the ids and model of its chunks,
+    the text, the finish reasons, the usage and the fingerprint."""
+    events = sse_events(raw)
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    ends = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    return ({(e["id"], e["object"], e["model"]) for e in events}, text, ends,
+            events[-1].get("usage"), events[-1].get("system_fingerprint"))  # fmt: skip
+
+
 def test_gateway_over_vllm_engines(world):
     gw, engines = world
     url = gw.url + "/v1/chat/completions"
@@ -188,8 +198,10 @@ def test_gateway_over_vllm_engines(world):
     direct = httpx.post(chosen.url + "/v1/chat/completions", json=direct_body, timeout=120)
     assert via.status_code == direct.status_code == 200
     assert sse_events(via.content), via.text
-    created = re.compile(rb'"created":\s*\d+')
-    assert created.sub(b"", via.content) == created.sub(b"", direct.content)
+    # The same tokens, ending and usage. Not the same bytes: vLLM may put two tokens in one
+    # chunk when its detokenizer lags (seen in CI), so the chunking is the engine's own.
+    assert _stream_answer(via.content) == _stream_answer(direct.content)
+    assert via.content.endswith(b"data: [DONE]\n\n"), via.content[-200:]
     # 4. Kill the engine holding the conversation: every request still answers 200.
     launch, proc = engines[home]
     os.killpg(proc.pid, signal.SIGKILL)
