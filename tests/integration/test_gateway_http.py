@@ -184,3 +184,25 @@ def test_an_engine_whose_connector_wrote_no_namespace_is_named_not_registered(
     assert log.read_text().count("has not written its namespace") == 1
     assert "registered" in log.read_text().split("has not written its namespace")[1]
     assert "/health" not in log.read_text().replace("answers /health", "")  # no line per check
+
+
+def test_an_engine_that_dies_after_its_head_costs_one_retry(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """vLLM sends a stream's head before its first token. Before the fix the gateway
+    committed to the engine at its head: an engine dying before its first chunk left the
+    client an empty 200. Now the client's answer waits for the engine's first bytes, and
+    a failure before them goes to the next choice."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"policy": "round_robin"})
+    dying = start_standin("w0", MODEL)
+    w1 = start_standin("w1", MODEL)
+    _wait_engines(gw, 2)
+    body = _chat(stream=True, standin_die_after_head=["w0"])
+    direct = httpx.post(w1.url + "/v1/chat/completions", json=body)
+    assert direct.status_code == 200 and len(direct.content) > 100
+    for _ in range(2):  # round robin: w0 is one of the first two choices
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=ACME)
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-kvstore-engine"], r.content) == ("w1", direct.content)
+    assert dying.worker is not None and dying.worker.wait(10) != 0  # it died mid-answer
+    assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
