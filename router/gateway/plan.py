@@ -173,13 +173,14 @@ class Planner:
     def priced(plan: Plan, engine_id: str) -> str:
         """Where the router expected `engine_id` to find the prompt's blocks, in block
         counts (the gateway's x-kvstore-route header): block counts of the caller's own
-        salted namespace, never tokens."""
+        salted namespace, never tokens; and the load it saw there: requests in flight,
+        and the prefill work queued (blocks, until each request's first token)."""
         s = plan.score_of(engine_id)
         if s is None:
             return "unpriced"
         return (
             f"engine={s.engine_blocks} agent={s.agent_blocks} peer={s.peer_blocks} "
-            f"recompute={s.recompute_blocks} in_flight={s.in_flight}"
+            f"recompute={s.recompute_blocks} in_flight={s.in_flight} queued={s.queued:.1f}"
         )
 
     # ---------------------------------------------------- the request's lifetime

@@ -1,6 +1,7 @@
 """The gateway's HTTP edge against stand-in OpenAI workers (loadtest/standin_openai.py):
-a real router process serving the gateway, real etcd, the real registrar. What vLLM
-itself does behind the gateway is tests/integration/test_gateway_vllm.py."""
+a real router process serving the gateway, real etcd, the real registrar (and, for the
+router's view of a request's lifetime, an agent). What vLLM itself does behind the
+gateway is tests/integration/test_gateway_vllm.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import httpx
 import pytest
 from support.common import wait_for
-from support.gateway import write_word_tokenizer
+from support.gateway import World, route_terms, write_word_tokenizer
 
 MODEL = "tiny"
 ACME = {"authorization": "Bearer key-acme"}
@@ -206,3 +207,62 @@ def test_an_engine_that_dies_after_its_head_costs_one_retry(
         assert (r.headers["x-kvstore-engine"], r.content) == ("w1", direct.content)
     assert dying.worker is not None and dying.worker.wait(10) != 0  # it died mid-answer
     assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
+
+
+@pytest.fixture
+def world(tmp_path, etcd, spawn_agent, start_gateway, start_standin):
+    return World(tmp_path, etcd, spawn_agent, start_gateway, start_standin)
+
+
+def test_a_streamed_answer_is_prefilled_at_its_first_chunk_and_released_at_its_end(world):
+    """The router's load terms for a streamed request, through its three stages: queued
+    prefill work until the engine's first chunk, in flight (decoding) until the end, then
+    nothing. Read from the router's in-flight gauge on the engine's node, the gateway's,
+    and the load another request was priced with (its x-kvstore-route: in_flight and
+    queued on the engine). The stand-in streams when told (POST /step/TAG)."""
+    url = world.gw.url + "/v1/chat/completions"
+
+    def probe() -> dict[str, float]:
+        r = httpx.post(url, json=_chat("w8 w9"), headers=GLOBEX)
+        assert r.status_code == 200, r.text
+        return route_terms(r)
+
+    def step() -> None:
+        assert httpx.post(world.w.url + "/step/s1").status_code == 200
+
+    first = threading.Event()
+    got: list[bytes] = []
+
+    def stream() -> None:
+        body = _chat("w5 w6 w7 " * 8, stream=True, standin_gate="s1")
+        with httpx.stream("POST", url, json=body, headers=ACME, timeout=60) as r:
+            chunks = r.iter_raw()
+            got.append(next(chunks))
+            first.set()
+            got.append(b"".join(chunks))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        wait_for(lambda: world.router_inflight()["agent-0"] == 1, 20, 0.05, what="held")
+        queued = probe()
+        assert queued["in_flight"] == 1 and queued["queued"] > 0, queued
+        step()  # the first chunk: prefill done
+        assert first.wait(20)
+        decoding = probe()
+        assert decoding["in_flight"] == 1 and decoding["queued"] == 0, decoding
+        assert world.router_inflight()["agent-0"] == 1 and world.gateway_inflight() == 1
+        step()  # the rest, and the end
+        t.join(20)
+    finally:
+        for _ in range(2):
+            step()  # a stream still waiting ends
+        t.join(20)
+    assert got[0].startswith(b"data: ") and got[1].endswith(b"data: [DONE]\n\n")
+    wait_for(
+        lambda: world.router_inflight()["agent-0"] == 0 and world.gateway_inflight() == 0,
+        20,
+        0.05,
+        what="the stream released",
+    )
+    assert probe()["in_flight"] == 0

@@ -91,9 +91,10 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
                     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _priced(resp: httpx.Response) -> dict[str, int]:
+def _priced(resp: httpx.Response) -> dict[str, float]:
     """The gateway's x-kvstore-route header: where the router priced the blocks."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in resp.headers["x-kvstore-route"].split())}
+    terms = resp.headers["x-kvstore-route"].split()
+    return {k: float(v) for k, v in (kv.split("=") for kv in terms)}
 
 
 def _engine_blocks(gw) -> int:

@@ -301,3 +301,10 @@ class World:
         items = etcd_items(self.etcd.endpoint)
         etcd = {k: (v if not k.startswith("nodes/") else b"") for k, v in items.items()}
         return etcd, self.router_inflight(), len(self.w.seen())
+
+
+def route_terms(resp: httpx.Response) -> dict[str, float]:
+    """The gateway's x-kvstore-route header as numbers: where the router priced the
+    prompt's blocks, and the load it saw on the engine (in_flight, queued)."""
+    terms = resp.headers["x-kvstore-route"].split()
+    return {k: float(v) for k, v in (kv.split("=") for kv in terms)}
