@@ -54,3 +54,9 @@ def test_https_follows_the_routers_files_unless_told_otherwise():
         GatewayConfig(tls_ca_file="/ca.crt")
     with pytest.raises(ValueError, match="max_inflight_per_tenant"):
         GatewayConfig(max_inflight_per_tenant=-1)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_prompt_token_cap_below_one_is_refused(value):
+    with pytest.raises(ValueError, match=rf"max_prompt_tokens must be >= 1 .*got {value}"):
+        GatewayConfig(max_prompt_tokens=value)
