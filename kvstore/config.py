@@ -348,7 +348,7 @@ def _coerce_value(tp, value, name: str):
             return False
         raise ValueError(f"{name}: expected a boolean, got {value!r}")
     if tp is int:
-        return parse_size(value) if name.endswith("bytes") else int(value)
+        return parse_size(value) if name.lower().endswith("bytes") else int(value)
     if tp is float:
         return float(value)
     if tp is str:
@@ -404,16 +404,26 @@ def load_config(
                 f"{path}: expected a mapping of {cls.__name__} fields, got {type(loaded).__name__}"
             )
         _layer(cls, data, loaded or {})
+    from_env: dict[str, str] = {}  # field -> the variable that set it
     if env_prefix:
-        env = {
-            f.name: os.environ[f"{env_prefix}{f.name.upper()}"]
-            for f in dataclasses.fields(cls)
-            if f"{env_prefix}{f.name.upper()}" in os.environ
-        }
+        hints = typing.get_type_hints(cls)
+        env = {}
+        for f in dataclasses.fields(cls):
+            var = f"{env_prefix}{f.name.upper()}"
+            if var in os.environ:
+                _coerce(hints[f.name], os.environ[var], var)  # a bad value names its variable
+                env[f.name], from_env[f.name] = os.environ[var], var
         _layer(cls, data, env)
         _layer(cls, data, _section_env(cls))
-    _layer(cls, data, {k: v for k, v in (overrides or {}).items() if v is not None})
-    return _build(cls, data)
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _layer(cls, data, given)
+    try:
+        return _build(cls, data)
+    except ValueError as exc:  # a range check in __post_init__: say where the value came from
+        named = [var for f, var in from_env.items() if f not in given and f in str(exc)]
+        if not named:
+            raise
+        raise ValueError(f"{exc} (set by {', '.join(named)})") from None
 
 
 def _sections(cls) -> dict[str, str]:
@@ -439,7 +449,12 @@ def _section_env(cls) -> dict:
                 f"unknown {name} settings in the environment: "
                 f"{', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
-        given = {field_: os.environ[var] for var, field_ in known.items() if var in os.environ}
+        hints_ = typing.get_type_hints(hints[name])
+        given = {}
+        for var, field_ in known.items():
+            if var in os.environ:
+                _coerce(hints_[field_], os.environ[var], var)  # a bad value names its variable
+                given[field_] = os.environ[var]
         if given:
             out[name] = given
     return out

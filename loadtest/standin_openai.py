@@ -8,8 +8,18 @@ gateway's tests can see what it forwarded (GET /seen) and make a worker fail.
 With --ssl-ca-certs, clients must present a certificate from that CA (vLLM's
 `--ssl-ca-certs` with `--ssl-cert-reqs 2`).
 
-A request may carry `"standin_delay_s": x` (the worker waits that long before answering,
-to hold requests in flight) and `"standin_chunks": n` (SSE chunks, default 4).
+A request may carry, for the tests:
+- `"standin_delay_s": x`: wait that long before answering (to hold requests in flight);
+  the wait ends when the client goes away, as vLLM aborts a request whose client left,
+  and /seen marks the request `"gone": true`;
+- `"standin_chunks": n`: SSE chunks (default 4);
+- `"standin_status": s`: answer HTTP s with an error body (a request the engine fails);
+- `"standin_gate": tag`: a streamed answer's head goes out at once, as vLLM's does, then
+  it waits for `POST /step/{tag}` before its first chunk and again before the rest;
+- `"standin_die_after_head": [names]`: the workers named send the answer's head and
+  exit at once (an engine that dies before its first token).
+As vLLM does, a `kv_transfer_params` (top level, else in `vllm_xargs`) that is not an
+object fails the request with 500: vLLM's connector reads it as one.
 """
 
 from __future__ import annotations
@@ -31,23 +41,36 @@ from starlette.routing import Route
 
 def make_app(name: str, fail_status: int = 0) -> Starlette:
     seen: list[dict] = []
+    gates: dict[str, asyncio.Semaphore] = {}
+
+    def gate(tag: str) -> asyncio.Semaphore:
+        return gates.setdefault(tag, asyncio.Semaphore(0))
 
     async def complete(request: Request) -> Response:
         body = await request.json()
-        seen.append(
-            {
-                "path": request.url.path,
-                "model": body.get("model"),
-                "cache_salt": body.get("cache_salt"),
-                "kv_transfer_params": body.get("kv_transfer_params"),
-            }
-        )
+        entry = {
+            "path": request.url.path,
+            "model": body.get("model"),
+            "cache_salt": body.get("cache_salt"),
+            "kv_transfer_params": body.get("kv_transfer_params"),
+            "ec_transfer_params": body.get("ec_transfer_params"),
+            "vllm_xargs": body.get("vllm_xargs"),
+        }
+        seen.append(entry)
         if fail_status:
             return JSONResponse({"error": {"message": "stand-in failure"}}, fail_status)
-        await asyncio.sleep(float(body.get("standin_delay_s", 0)))
+        status = int(body.get("standin_status", 0)) or _vllm_refusal(body)
+        if status:
+            return JSONResponse({"error": {"message": f"stand-in: HTTP {status}"}}, status)
+        if await _client_left(request, float(body.get("standin_delay_s", 0))):
+            entry["gone"] = True
+            return Response(b"")
         n = int(body.get("standin_chunks", 4))
         if body.get("stream"):
-            return StreamingResponse(_sse(name, n), media_type="text/event-stream")
+            tag = body.get("standin_gate")
+            dies = name in body.get("standin_die_after_head", ())
+            chunks = _sse(name, n, gate(tag) if tag else None, dies)
+            return StreamingResponse(chunks, media_type="text/event-stream")
         text = " ".join(f"{name}-{i}" for i in range(n))
         usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
         return JSONResponse(
@@ -60,6 +83,10 @@ def make_app(name: str, fail_status: int = 0) -> Starlette:
             }
         )
 
+    async def step(request: Request) -> Response:
+        gate(request.path_params["tag"]).release()
+        return Response(b"")
+
     async def seen_page(request: Request) -> Response:
         return JSONResponse(seen)
 
@@ -70,14 +97,52 @@ def make_app(name: str, fail_status: int = 0) -> Starlette:
         routes=[
             Route("/v1/completions", complete, methods=["POST"]),
             Route("/v1/chat/completions", complete, methods=["POST"]),
+            Route("/step/{tag}", step, methods=["POST"]),
             Route("/seen", seen_page),
             Route("/health", health),
         ]
     )
 
 
-async def _sse(name: str, n: int) -> AsyncIterator[bytes]:
+def _vllm_refusal(body: dict) -> int:
+    """What vLLM answers for the request's kv_transfer_params: 400 when the top-level one
+    or vllm_xargs is not an object (its request validation); else it hands the top-level
+    one, or vllm_xargs' when that is absent, to its KV connector, which reads it as an
+    object: anything else fails the request with 500."""
+    top, xargs = body.get("kv_transfer_params"), body.get("vllm_xargs")
+    if (top is not None and not isinstance(top, dict)) or (
+        xargs is not None and not isinstance(xargs, dict)
+    ):
+        return 400
+    params = top or (xargs or {}).get("kv_transfer_params")
+    return 500 if params is not None and not isinstance(params, dict) else 0
+
+
+async def _client_left(request: Request, delay: float) -> bool:
+    """Wait `delay` seconds, or less when the client goes away (True then): what vLLM's
+    with_cancellation does for its routes."""
+    if delay <= 0:
+        return False
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    done, _ = await asyncio.wait({watch}, timeout=delay)
+    watch.cancel()
+    return bool(done)
+
+
+async def _sse(
+    name: str, n: int, gate: asyncio.Semaphore | None = None, dies: bool = False
+) -> AsyncIterator[bytes]:
+    if dies:  # the head is written: the engine dies before its first token
+        await asyncio.sleep(0.1)
+        os._exit(1)
     for i in range(n):
+        if gate is not None and i in (0, 1):
+            await gate.acquire()
         chunk = {"id": "cmpl-standin", "choices": [{"index": 0, "text": f"{name}-{i} "}]}
         yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"

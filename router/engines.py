@@ -137,6 +137,11 @@ class EngineBoard:
         self._work[engine] = max(0.0, self._work[engine] - work)
         return True
 
+    def load(self, engine_id: str) -> tuple[int, float]:
+        """Requests in flight on the engine itself, and their prefill work still queued
+        (blocks): the operator's view (router metrics), never a tenant's."""
+        return self._count.get(engine_id, 0), self._work.get(engine_id, 0.0)
+
     def _loads(self, model: str) -> list[EngineLoad]:
         """Each engine serving `model` with the requests in flight and the prefill work
         queued where it computes: on its device, whichever engine queued them, when it

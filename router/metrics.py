@@ -11,7 +11,10 @@ Exposed names:
   kvstore_router_recompute_blocks        histogram: blocks nobody holds
   kvstore_router_cost                    histogram: the chosen node's cost
   kvstore_router_indexed_blocks{node}, kvstore_router_inflight{node},
-  kvstore_router_nodes{state}            gauges read from RouterCore
+  kvstore_router_nodes{state},
+  kvstore_router_engine_inflight{engine},
+  kvstore_router_engine_queued_blocks{engine}  gauges read from RouterCore (the engine
+                                         gauges: every tenant's requests, for operators)
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 
@@ -58,6 +61,16 @@ class RouterMetrics:
         meter.create_observable_gauge(
             "kvstore_router_nodes", [self._nodes], description="Known nodes, synced or not"
         )
+        meter.create_observable_gauge(
+            "kvstore_router_engine_inflight",
+            [self._engine_inflight],
+            description="Requests routed or forwarded to the engine, not yet released",
+        )
+        meter.create_observable_gauge(
+            "kvstore_router_engine_queued_blocks",
+            [self._engine_queued],
+            description="Prefill work of the engine's requests before their first token",
+        )
 
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
@@ -84,6 +97,14 @@ class RouterMetrics:
         return [
             Observation(self.core.inflight.count(n), {"node": n}) for n in list(self.core.nodes)
         ]
+
+    def _engine_inflight(self, options: CallbackOptions):
+        board = self.core.engines
+        return [Observation(board.load(e)[0], {"engine": e}) for e in list(board.engines)]
+
+    def _engine_queued(self, options: CallbackOptions):
+        board = self.core.engines
+        return [Observation(board.load(e)[1], {"engine": e}) for e in list(board.engines)]
 
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]

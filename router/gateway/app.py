@@ -2,13 +2,17 @@
 (streaming SSE or not), GET /v1/models, /health and /metrics.
 
 Per request: authenticate the API key (401), validate the body (400/404/413) before any
-work, tokenize, plan (router/gateway/plan.py), pick an engine (engines.py: 429 with
-Retry-After when every engine is full), set `cache_salt` from the tenant (whatever the
-caller sent) and forward with aiohttp. The answer goes back byte for byte with the engine's
-status and content type; a forward that fails before the engine answered (connect error,
-5xx) is retried once on the next choice. Engines are reached through one shared
-keep-alive connection pool (upstream.py). The first response byte marks prefill done; the
-end of the answer, or the client going away, releases the request.
+work, tokenize (a large prompt on a worker thread), plan (router/gateway/plan.py), pick an
+engine (engines.py: 429 with Retry-After when every engine is full), set `cache_salt` from
+the tenant and drop the caller's connector parameters (whatever the caller sent), and
+forward with aiohttp. The client's answer waits for the engine's head and first body
+bytes (vLLM sends a stream's head before its first token): a forward that fails before
+them (transport, or a 502/503/504 answer) is retried once on the next choice, and only a
+transport failure suspends the engine; any other answer, a 500 included, goes back byte
+for byte with the engine's status and content type. Engines are reached through one
+shared keep-alive connection pool (upstream.py). The engine's first body bytes mark
+prefill done; the end of the answer, or the client going away (watched while the engine
+works, too), releases the request and closes the engine's.
 
 The two forwarding routes are plain ASGI callables that `Gateway.__call__` (what uvicorn
 serves) reaches without Starlette's middleware, routing, Request and Response objects:
@@ -21,6 +25,7 @@ StreamingResponse, which watches for the client going away.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -48,12 +53,87 @@ log = logging.getLogger("kvstore.gateway")
 ENGINE_HEADER = "x-kvstore-engine"  # which engine answered: the demo and tests print it
 ROUTE_HEADER = "x-kvstore-route"  # where the router priced its blocks (Planner.priced)
 _FORWARDED = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+# Only the gateway talks to an engine's connector (its peer hint): these go from the
+# caller's body, at the top level and inside vllm_xargs, which vLLM copies into the same
+# place (the request's extra_args). A caller's malformed one fails the request on the
+# engine (500), and must not even reach it.
+CONNECTOR_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+# An engine's answers that mean "not now" rather than "this request failed": the next
+# choice may take the request. A 500 is this request's own answer: the caller gets it.
+_RETRY_STATUSES = frozenset((502, 503, 504))
+# A request body over this many bytes is tokenized on a worker thread: the event loop also
+# serves the router's gRPC and follows etcd and the engines' events, and tokenizing a
+# 4 MiB prompt held it 0.5-2.6 s (2-core host, load ~4; on a thread the loop went on,
+# its longest gap 44 ms). Below it (~2000 words), inline costs the loop at most ~1-2 ms,
+# and a bench-sized prompt (128 words: ~0.1-0.3 ms) no thread hop (~0.08 ms).
+TOKENIZE_INLINE_BYTES = 8 << 10
+# How long the gateway waits on an engine before it watches for the client going away.
+WATCH_AFTER_S = 0.05
 
 
 class HTTPFailure(Exception):
     def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+class _Failed(Exception):
+    """A forward that failed before any of its answer reached the client, so the next
+    choice may take it. `suspend`: the engine itself failed (its transport), not only
+    this request: it is skipped for engine_suspend_s."""
+
+    def __init__(self, reason: str, suspend: bool) -> None:
+        super().__init__(reason)
+        self.suspend = suspend
+
+
+def strip_connector_fields(body: dict[str, Any]) -> None:
+    """Drop the caller's connector parameters (CONNECTOR_FIELDS), top level and in
+    vllm_xargs (a vllm_xargs that is not an object the engine refuses by itself)."""
+    for name in CONNECTOR_FIELDS:
+        body.pop(name, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(name in xargs for name in CONNECTOR_FIELDS):
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in CONNECTOR_FIELDS}
+
+
+class ClientWatch:
+    """Watches for the client going away while the gateway waits on an engine (its head
+    and first bytes can take a whole prefill, or a whole answer when not streamed): once
+    the request's body is read, the server's receive() returns http.disconnect when the
+    connection drops. The waiting task is cancelled then, which closes the engine's
+    request (vLLM aborts it) and releases the request at once.
+
+    The watching task starts only once the wait has lasted WATCH_AFTER_S: an engine that
+    answers sooner costs a timer (~4 us), not a task started and cancelled (~20-35 us of
+    the router's CPU, measured in-process on this 2-core host at load ~4), and a client
+    gone is noticed WATCH_AFTER_S late at most."""
+
+    __slots__ = ("gone", "_receive", "_waiter", "_timer", "_task")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._receive = receive
+        self._waiter = asyncio.current_task()
+        self._task: asyncio.Future[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if self._waiter is not None:
+            self.gone = True
+            self._waiter.cancel()
+
+    def stop(self) -> None:
+        """From here on the answer's own sending notices a client gone."""
+        self._waiter = None
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 def _error(exc: HTTPFailure) -> JSONResponse:
@@ -193,8 +273,9 @@ class Gateway:
             raise HTTPFailure(401, "missing or unknown API key", "authentication_error")
         return grant
 
-    async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any] | None:
-        """The request's JSON object; None when the client went away before sending it."""
+    async def _body(self, scope: Scope, receive: Receive) -> tuple[dict[str, Any], int] | None:
+        """The request's JSON object and its size in bytes; None when the client went away
+        before sending it."""
         limit = self.cfg.max_body_bytes
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -219,9 +300,9 @@ class Gateway:
             raise HTTPFailure(400, "body is not JSON", "invalid_request_error") from None
         if not isinstance(body, dict):
             raise HTTPFailure(400, "body must be a JSON object", "invalid_request_error")
-        return body
+        return body, size
 
-    def _tokens(self, body: dict[str, Any], chat: bool) -> tuple[str, list[int]]:
+    async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> tuple[str, list[int]]:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise HTTPFailure(400, "model is required", "invalid_request_error")
@@ -230,12 +311,15 @@ class Gateway:
             raise HTTPFailure(404, f"model {model!r} is not served here", "not_found_error")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise HTTPFailure(400, "stream must be true or false", "invalid_request_error")
+        if chat:
+            gen = bool(body.get("add_generation_prompt", True))
+            messages = body.get("messages")
+            work = lambda: codec.chat_ids(messages, gen)  # noqa: E731
+        else:
+            prompt = body.get("prompt")
+            work = lambda: codec.completion_ids(prompt)  # noqa: E731
         try:
-            if chat:
-                gen = body.get("add_generation_prompt", True)
-                ids = codec.chat_ids(body.get("messages"), bool(gen))
-            else:
-                ids = codec.completion_ids(body.get("prompt"))
+            ids = work() if size <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(work)
         except BadPrompt as exc:
             raise HTTPFailure(400, str(exc), "invalid_request_error") from None
         if not ids:
@@ -260,24 +344,27 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             grant = self._grant(_header(scope, b"authorization"))
-            body = await self._body(scope, receive)
-            if body is None:
+            read = await self._body(scope, receive)
+            if read is None:
                 return None  # nothing to answer: the client is gone
+            body, size = read
             self._permit(grant, body.get("model"))
-            model, ids = self._tokens(body, chat)
+            model, ids = await self._tokens(body, chat, size)
             tenant = grant.tenant
             self._admit(tenant)
             plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
             # talk to the connector directly.
             body["cache_salt"] = plan.salt
-            body.pop("kv_transfer_params", None)
-            resp = await self._forward(path, model, body, plan, t0)
+            strip_connector_fields(body)
+            resp = await self._forward(path, model, body, plan, t0, receive)
         except HTTPFailure as exc:
             self.metrics.requests.labels(path, str(exc.status)).inc()
             if exc.status == 429:
                 self.metrics.saturated.inc()
             return _error(exc)
+        if resp is None:
+            return None  # the client went away while the engine worked
         self.metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
@@ -319,41 +406,85 @@ class Gateway:
         return json.dumps(body).encode()
 
     async def _forward(
-        self, path: str, model: str, body: dict, plan: Plan, t0: float
-    ) -> Answer | Response:
+        self, path: str, model: str, body: dict, plan: Plan, t0: float, receive: Receive
+    ) -> Answer | Response | None:
+        """To the plan's first free engine, and once more to the next one when that fails
+        before any of its answer reached the client; None when the client went away
+        meanwhile (the engine's request closed, the request released)."""
         tried: set[str] = set()
-        while True:
-            st = self._choose(model, plan, tried)
-            self.engines.acquire(st)
-            self.planner.hold(plan, st.record)
-            self.metrics.inflight.inc()
-            self.tenant_inflight[plan.tenant] += 1
-            # No x-request-id of ours: vLLM would name its answer after it, and the
-            # answer must be what the engine says to this request as sent.
-            content = self._request_body(body, plan, st)
-            failure = ""
+        watch: ClientWatch | None = None
+        try:
+            while True:
+                st = self._choose(model, plan, tried)
+                watch = watch or ClientWatch(receive)
+                try:
+                    return await self._attempt(path, body, plan, st, t0, bool(tried))
+                except _Failed as failure:
+                    self._failed(st, plan, failure, tried)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the watch's cancel, not the server's
+            return None
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _failed(self, st: EngineState, plan: Plan, failure: _Failed, tried: set[str]) -> None:
+        if failure.suspend:
+            self.engines.suspend(st)
+        log.warning(
+            "engine %s failed request %s before answering (%s)",
+            st.record.engine_id,
+            plan.request_id,
+            failure,
+        )
+        if tried:  # once: a second failure is the client's answer
+            raise HTTPFailure(502, "the engines chosen failed before answering", "api_error")
+        tried.add(st.record.engine_id)
+        self.metrics.retries.inc()
+
+    async def _attempt(
+        self, path: str, body: dict, plan: Plan, st: EngineState, t0: float, last: bool
+    ) -> Answer | Response:
+        """One forward to `st`, held until its answer can be committed to: the engine's
+        head and its first body bytes (the whole body when not streamed). _Failed: none
+        of it reached the client; `last`: a 502/503/504 is the client's answer then. The
+        request is released whatever is raised, the client gone included."""
+        self._hold(st, plan)
+        # No x-request-id of ours: vLLM would name its answer after it, and the
+        # answer must be what the engine says to this request as sent.
+        content = self._request_body(body, plan, st)
+        upstream: EngineAnswer | None = None
+        try:
             try:
                 upstream = await self.http.post(st.record.url + path, content)
-                if upstream.status_code >= 500:
-                    await upstream.aclose()
-                    failure = f"HTTP {upstream.status_code}"
+                if upstream.status_code in _RETRY_STATUSES and not last:
+                    raise _Failed(f"HTTP {upstream.status_code}", suspend=False)
+                streamed = upstream.content_type.startswith("text/event-stream")
+                first = await (upstream.first_chunk() if streamed else upstream.aread())
             except UpstreamError as exc:
-                failure = str(exc)
-            if not failure:
-                self.metrics.forwards.labels(st.record.engine_id).inc()
-                return await self._respond(upstream, st, plan, t0)
+                raise _Failed(str(exc), suspend=True) from None
+        except BaseException:
+            if upstream is not None:
+                await upstream.aclose()  # before its end: drops the connection, aborts it
             self._done(st, plan)
-            self.engines.suspend(st)
-            log.warning(
-                "engine %s failed request %s before answering (%s)",
-                st.record.engine_id,
-                plan.request_id,
-                failure,
-            )
-            if tried:  # once: a second failure is the client's answer
-                raise HTTPFailure(502, "the engines chosen failed before answering", "api_error")
-            tried.add(st.record.engine_id)
-            self.metrics.retries.inc()
+            raise
+        self._first_byte(plan, t0)
+        self.metrics.forwards.labels(st.record.engine_id).inc()
+        if streamed:
+            return self._streamed(upstream, st, plan, first)
+        await upstream.aclose()
+        self._done(st, plan)
+        return self._whole(upstream, st, plan, first)
+
+    def _hold(self, st: EngineState, plan: Plan) -> None:
+        self.engines.acquire(st)
+        self.planner.hold(plan, st.record)
+        self.metrics.inflight.inc()
+        self.tenant_inflight[plan.tenant] += 1
 
     def _done(self, st: EngineState, plan: Plan) -> None:
         self.engines.release(st)
@@ -363,51 +494,42 @@ class Gateway:
         if self.tenant_inflight[plan.tenant] <= 0:
             del self.tenant_inflight[plan.tenant]
 
-    async def _respond(
-        self, upstream: EngineAnswer, st: EngineState, plan: Plan, t0: float
-    ) -> Answer | Response:
+    def _whole(self, upstream: EngineAnswer, st: EngineState, plan: Plan, content: bytes) -> Answer:
         engine_id = st.record.engine_id
-        route = self.planner.priced(plan, engine_id)
-        media = upstream.content_type
-        closed = False
+        head = [
+            (ENGINE_HEADER.encode(), engine_id.encode("latin-1")),
+            (ROUTE_HEADER.encode(), self.planner.priced(plan, engine_id).encode("latin-1")),
+            (b"content-type", upstream.content_type.encode("latin-1")),
+        ]
+        return Answer(content, upstream.status_code, head)
+
+    def _streamed(
+        self, upstream: EngineAnswer, st: EngineState, plan: Plan, first: bytes
+    ) -> Forwarded:
+        """The engine's stream from its first bytes (already read) on; released however
+        it ends."""
 
         async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                await upstream.aclose()  # a client gone aborts the engine's request too
-                self._done(st, plan)
-
-        if not media.startswith("text/event-stream"):
-            try:
-                content = await upstream.aread()
-                self._first_byte(plan, t0)
-            except UpstreamError:
-                await close()
-                raise HTTPFailure(502, "the engine broke off its answer", "api_error") from None
-            finally:
-                await close()
-            head = [
-                (ENGINE_HEADER.encode(), engine_id.encode("latin-1")),
-                (ROUTE_HEADER.encode(), route.encode("latin-1")),
-                (b"content-type", media.encode("latin-1")),
-            ]
-            return Answer(content, upstream.status_code, head)
+            await upstream.aclose()  # a client gone aborts the engine's request too
+            self._done(st, plan)
 
         async def chunks() -> AsyncIterator[bytes]:
-            first = True
+            if first:
+                yield first
             try:
                 async for chunk in upstream.aiter_raw():
-                    if first:
-                        first = False
-                        self._first_byte(plan, t0)
                     yield chunk
             except UpstreamError as exc:  # mid-stream: the bytes sent cannot be retried
                 log.warning(
                     "engine %s broke off request %s: %s", st.record.engine_id, plan.request_id, exc
                 )
 
-        headers = {ENGINE_HEADER: engine_id, ROUTE_HEADER: route, "content-type": media}
+        engine_id = st.record.engine_id
+        headers = {
+            ENGINE_HEADER: engine_id,
+            ROUTE_HEADER: self.planner.priced(plan, engine_id),
+            "content-type": upstream.content_type,
+        }
         return Forwarded(chunks(), close, upstream.status_code, headers)
 
     def _first_byte(self, plan: Plan, t0: float) -> None:

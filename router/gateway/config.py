@@ -45,7 +45,7 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int = 1 << 20
+    max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
     # HTTPS: the router's tls: section (ca_file, cert_file, key_file) by default, or these
     # files (a certificate of its own for the public name, say); rewritten files apply to
     # new connections without a restart (router/gateway/tls.py). No files: plain HTTP.
@@ -62,6 +62,11 @@ class GatewayConfig:
         for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_prompt_tokens < 1:  # 0 would refuse every prompt, not lift the cap
+            raise ValueError(
+                "max_prompt_tokens must be >= 1 (the most tokens a prompt may have), "
+                f"got {self.max_prompt_tokens}"
+            )
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0 (0: no cap)")
         for name in ("engine_suspend_s", "connect_timeout_s", "request_timeout_s"):

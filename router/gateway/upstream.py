@@ -64,6 +64,14 @@ class EngineAnswer:
         except _FAILURES as exc:
             raise UpstreamError(type(exc).__name__) from None
 
+    async def first_chunk(self) -> bytes:
+        """The body's first bytes as they arrive (b"": it ended empty); aiter_raw then
+        goes on from there."""
+        try:
+            return await self.response.content.readany()
+        except _FAILURES as exc:
+            raise UpstreamError(type(exc).__name__) from None
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self.response.content.iter_any():

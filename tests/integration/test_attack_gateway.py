@@ -9,54 +9,15 @@ processes: etcd, an agent, the router serving the gateway, stand-in workers."""
 from __future__ import annotations
 
 import json
-import re
 import threading
 
 import httpx
 import pytest
-from support.attack import etcd_items
-from support.common import free_port, make_namespace, wait_for
-from support.gateway import KV_TENANT, write_word_tokenizer
+from support.common import wait_for
+from support.gateway import MODEL, SPEC, World, write_word_tokenizer
 
-MODEL = "tiny"
 ACME = {"authorization": "Bearer key-acme"}
 GLOBEX = {"authorization": "Bearer key-globex"}
-SPEC = make_namespace(tenant=KV_TENANT)  # the engines' namespace: chain ids get priced
-
-
-class World:
-    """An agent (node agent-0), the gateway's router with a Prometheus port, and a
-    stand-in engine on agent-0 publishing the namespace, so a forwarded request is held
-    in the router's in-flight table on agent-0."""
-
-    def __init__(self, tmp_path, etcd, spawn_agent, start_gateway, start_standin, **gw) -> None:
-        self.etcd = etcd
-        self.agent = spawn_agent(etcd_endpoints=etcd.endpoint, lease_ttl_s=2)
-        self.metrics_port = free_port()
-        tok = str(write_word_tokenizer(tmp_path / "tok"))
-        router = {"metrics_port": self.metrics_port, **gw.pop("router", {})}
-        self.gw = start_gateway({MODEL: tok}, gw.pop("config", None), router=router)
-        self.gw.http = gw.pop("http", {})
-        self.w = start_standin("w0", MODEL, namespace=SPEC.to_dict(), node="agent-0")
-        wait_for(lambda: self.gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
-        wait_for(lambda: "agent-0" in self.router_inflight(), 30, 0.1, what="agent-0 routed")
-
-    def router_inflight(self) -> dict[str, float]:
-        page = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
-        return {
-            m.group(1): float(m.group(2))
-            for m in re.finditer(r'^kvstore_router_inflight\{node="([^"]+)"\} (\S+)$', page, re.M)
-        }
-
-    def gateway_metrics(self) -> str:
-        return httpx.get(self.gw.url + "/metrics", timeout=5, **self.gw.http).text
-
-    def state(self) -> tuple:
-        """What a refused request must not change (agents refresh their own records in
-        etcd: nodes/ is compared by key only)."""
-        items = etcd_items(self.etcd.endpoint)
-        etcd = {k: (v if not k.startswith("nodes/") else b"") for k, v in items.items()}
-        return etcd, self.router_inflight(), len(self.w.seen())
 
 
 @pytest.fixture
@@ -302,3 +263,62 @@ def test_a_revoked_key_is_refused_without_a_restart(world):
     wait_for(lambda: status("key-acme") == 200 and "does not load; keeping the keys in force"
              in world.gw.log, 20, 0.2, what="the bad file logged")  # fmt: skip
     assert (status("key-acme"), status("key-new"), status("key-globex")) == (200, 200, 401)
+
+
+def test_a_tenant_cannot_reach_the_connector_through_vllm_xargs(world):
+    """vLLM copies vllm_xargs into the request's extra_args, where its connector reads
+    kv_transfer_params: before the fix one request with a malformed one ("boom") failed
+    on every engine (500 from real vLLM engines; the stand-in answers as they do) and,
+    through the suspension that followed, denied every tenant for engine_suspend_s."""
+    url = world.gw.url + "/v1/chat/completions"
+    xargs = {"kv_transfer_params": "boom", "ec_transfer_params": "boom", "note": "kept"}
+    evil = {"vllm_xargs": xargs, "ec_transfer_params": {"kvstore": {"peer": "x"}}}
+    for stream in (False, True):
+        r = httpx.post(url, json=_chat(stream=stream, **evil), headers=GLOBEX)
+        assert r.status_code == 200, r.text
+    assert httpx.post(url, json=_chat(), headers=ACME).status_code == 200
+    seen = world.w.seen()
+    assert [s["vllm_xargs"] for s in seen] == [{"note": "kept"}] * 2 + [None]
+    assert all(s["kv_transfer_params"] is None and s["ec_transfer_params"] is None for s in seen)
+
+
+def test_a_request_an_engine_fails_is_its_callers_answer_and_suspends_no_engine(
+    world, start_standin
+):
+    """A tenant can make an engine fail its own request. Before the fix any 5xx suspended
+    the engine and was retried on the next: one request from globex, both engines 500,
+    and acme got 503 for engine_suspend_s. Now a 500 goes back to its caller unchanged,
+    not retried; a 502/503/504 ("not now") is retried once on the next choice; neither
+    suspends an engine."""
+    w1 = start_standin("w1", MODEL, namespace=SPEC.to_dict(), node="agent-0")
+    wait_for(lambda: world.gw.engines() == 2, 30, 0.1, what="two engines in the gateway")
+    url = world.gw.url + "/v1/chat/completions"
+    for status, forwards in ((500, 1), (503, 2)):
+        before = len(world.w.seen()) + len(w1.seen())
+        poison = _chat(standin_status=status)
+        direct = httpx.post(world.w.url + "/v1/chat/completions", json=poison)
+        r = httpx.post(url, json=poison, headers=GLOBEX)
+        assert (r.status_code, r.content) == (status, direct.content)
+        assert len(world.w.seen()) + len(w1.seen()) == before + 1 + forwards
+        for headers in (ACME, GLOBEX):  # at once: no engine suspended
+            assert httpx.post(url, json=_chat(), headers=headers).status_code == 200
+    assert "kvstore_gateway_retries_total 1.0" in world.gateway_metrics()  # the 503's
+
+
+def test_a_client_that_leaves_before_the_engine_answers_is_released_at_once(world):
+    """Before the fix the gateway noticed a client gone only once the engine answered: the
+    request stayed in flight (gateway and router) and the engine went on with it. Now the
+    gateway watches the client while it waits and closes the engine's request, which the
+    engine sees (the stand-in marks it gone, as vLLM aborts it)."""
+    url = world.gw.url + "/v1/chat/completions"
+    for stream in (False, True):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, json=_chat(stream=stream, standin_delay_s=6), headers=ACME, timeout=1)
+        wait_for(lambda: world.w.seen()[-1].get("gone"), 20, 0.05, what="the engine told")
+        wait_for(
+            lambda: world.gateway_inflight() == 0 and world.router_inflight()["agent-0"] == 0,
+            20,
+            0.05,
+            what="the request released",
+        )
+    assert httpx.post(url, json=_chat(), headers=ACME).status_code == 200

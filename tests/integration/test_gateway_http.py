@@ -1,6 +1,7 @@
 """The gateway's HTTP edge against stand-in OpenAI workers (loadtest/standin_openai.py):
-a real router process serving the gateway, real etcd, the real registrar. What vLLM
-itself does behind the gateway is tests/integration/test_gateway_vllm.py."""
+a real router process serving the gateway, real etcd, the real registrar (and, for the
+router's view of a request's lifetime, an agent). What vLLM itself does behind the
+gateway is tests/integration/test_gateway_vllm.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import httpx
 import pytest
 from support.common import wait_for
-from support.gateway import write_word_tokenizer
+from support.gateway import World, write_word_tokenizer
 
 MODEL = "tiny"
 ACME = {"authorization": "Bearer key-acme"}
@@ -184,3 +185,80 @@ def test_an_engine_whose_connector_wrote_no_namespace_is_named_not_registered(
     assert log.read_text().count("has not written its namespace") == 1
     assert "registered" in log.read_text().split("has not written its namespace")[1]
     assert "/health" not in log.read_text().replace("answers /health", "")  # no line per check
+
+
+def test_an_engine_that_dies_after_its_head_costs_one_retry(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """vLLM sends a stream's head before its first token. Before the fix the gateway
+    committed to the engine at its head: an engine dying before its first chunk left the
+    client an empty 200. Now the client's answer waits for the engine's first bytes, and
+    a failure before them goes to the next choice."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"policy": "round_robin"})
+    dying = start_standin("w0", MODEL)
+    w1 = start_standin("w1", MODEL)
+    _wait_engines(gw, 2)
+    body = _chat(stream=True, standin_die_after_head=["w0"])
+    direct = httpx.post(w1.url + "/v1/chat/completions", json=body)
+    assert direct.status_code == 200 and len(direct.content) > 100
+    for _ in range(2):  # round robin: w0 is one of the first two choices
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=ACME)
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-kvstore-engine"], r.content) == ("w1", direct.content)
+    assert dying.worker is not None and dying.worker.wait(10) != 0  # it died mid-answer
+    assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
+
+
+@pytest.fixture
+def world(tmp_path, etcd, spawn_agent, start_gateway, start_standin):
+    return World(tmp_path, etcd, spawn_agent, start_gateway, start_standin)
+
+
+def test_a_streamed_answer_is_prefilled_at_its_first_chunk_and_released_at_its_end(world):
+    """The router's load terms for a streamed request, through its three stages: queued
+    prefill work until the engine's first chunk, in flight (decoding) until the end, then
+    nothing. Read where an operator reads them, the router's gauges for the engine (and
+    for its node) and the gateway's; a tenant's answers carry none of it
+    (test_attack_gateway). The stand-in streams when told (POST /step/TAG)."""
+    url = world.gw.url + "/v1/chat/completions"
+
+    def step() -> None:
+        assert httpx.post(world.w.url + "/step/s1").status_code == 200
+
+    first = threading.Event()
+    got: list[bytes] = []
+
+    def stream() -> None:
+        body = _chat("w5 w6 w7 " * 8, stream=True, standin_gate="s1")
+        with httpx.stream("POST", url, json=body, headers=ACME, timeout=60) as r:
+            chunks = r.iter_raw()
+            got.append(next(chunks))
+            first.set()
+            got.append(b"".join(chunks))
+
+    assert world.engine_load("w0") == (0, 0)
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        wait_for(lambda: world.router_inflight()["agent-0"] == 1, 20, 0.05, what="held")
+        in_flight, queued = world.engine_load("w0")
+        assert in_flight == 1 and queued > 0, (in_flight, queued)
+        assert not first.is_set()  # the client has nothing before the engine's first chunk
+        step()  # the first chunk: prefill done
+        assert first.wait(20)
+        assert world.engine_load("w0") == (1, 0)
+        assert world.router_inflight()["agent-0"] == 1 and world.gateway_inflight() == 1
+        step()  # the rest, and the end
+        t.join(20)
+    finally:
+        for _ in range(2):
+            step()  # a stream still waiting ends
+        t.join(20)
+    assert got[0].startswith(b"data: ") and got[1].endswith(b"data: [DONE]\n\n")
+    wait_for(
+        lambda: world.router_inflight()["agent-0"] == 0 and world.gateway_inflight() == 0,
+        20,
+        0.05,
+        what="the stream released",
+    )
+    assert world.engine_load("w0") == (0, 0)

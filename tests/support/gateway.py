@@ -1,24 +1,29 @@
 """Helpers for the gateway tests: a router process serving the gateway, stand-in OpenAI
 workers (loadtest/standin_openai.py) and their registrar (kvstore.integrations.vllm_serve),
-a word-level tokenizer with the tiny model's chat template."""
+a word-level tokenizer with the tiny model's chat template, and a World of the three with
+an agent, whose load the router's own gauges show."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-from support.common import ROOT, wait_for
+from support.attack import etcd_items
+from support.common import ROOT, free_port, make_namespace, wait_for
 
-from loadtest.vllm_model import write_word_tokenizer  # noqa: F401 - for the tests
+from loadtest.vllm_model import write_word_tokenizer
 
 KV_TENANT = "gw"
 KV_SECRET = "gateway-test-secret"
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
+MODEL = "tiny"
+SPEC = make_namespace(tenant=KV_TENANT)  # the engines' namespace: chain ids get priced
 
 
 def _proc(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -256,3 +261,54 @@ def https_standin(workdir: Path, name: str, cert: str, key: str, ca: str) -> tup
 
 def stop_proc(proc: subprocess.Popen | None) -> None:
     _stop(proc)
+
+
+class World:
+    """An agent (node agent-0), the gateway's router with a Prometheus port, and a
+    stand-in engine on agent-0 publishing the namespace, so a forwarded request is held
+    in the router's in-flight table on agent-0."""
+
+    def __init__(self, tmp_path, etcd, spawn_agent, start_gateway, start_standin, **gw) -> None:
+        self.etcd = etcd
+        self.agent = spawn_agent(etcd_endpoints=etcd.endpoint, lease_ttl_s=2)
+        self.metrics_port = free_port()
+        tok = str(write_word_tokenizer(tmp_path / "tok"))
+        router = {"metrics_port": self.metrics_port, **gw.pop("router", {})}
+        self.gw = start_gateway({MODEL: tok}, gw.pop("config", None), router=router)
+        self.gw.http = gw.pop("http", {})
+        self.w = start_standin("w0", MODEL, namespace=SPEC.to_dict(), node="agent-0")
+        wait_for(lambda: self.gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+        wait_for(lambda: "agent-0" in self.router_inflight(), 30, 0.1, what="agent-0 routed")
+
+    def router_inflight(self) -> dict[str, float]:
+        page = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^kvstore_router_inflight\{node="([^"]+)"\} (\S+)$', page, re.M)
+        }
+
+    def engine_load(self, engine: str) -> tuple[float, float]:
+        """The router's load terms for one engine (its Prometheus port, an operator's):
+        requests in flight, and their prefill work queued (blocks)."""
+        page = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        terms = []
+        for gauge in ("kvstore_router_engine_inflight", "kvstore_router_engine_queued_blocks"):
+            m = re.search(rf'^{gauge}\{{engine="{re.escape(engine)}"\}} (\S+)$', page, re.M)
+            assert m is not None, (gauge, engine, page)
+            terms.append(float(m.group(1)))
+        return terms[0], terms[1]
+
+    def gateway_metrics(self) -> str:
+        return httpx.get(self.gw.url + "/metrics", timeout=5, **self.gw.http).text
+
+    def gateway_inflight(self) -> float:
+        m = re.search(r"^kvstore_gateway_inflight (\S+)$", self.gateway_metrics(), re.M)
+        assert m is not None
+        return float(m.group(1))
+
+    def state(self) -> tuple:
+        """What a refused request must not change (agents refresh their own records in
+        etcd: nodes/ is compared by key only)."""
+        items = etcd_items(self.etcd.endpoint)
+        etcd = {k: (v if not k.startswith("nodes/") else b"") for k, v in items.items()}
+        return etcd, self.router_inflight(), len(self.w.seen())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.config import TLSConfig
+from kvstore.config import TLSConfig, load_config
 from router.gateway.config import ApiKeys, GatewayConfig
 from router.gateway.tls import GatewayTLS
 
@@ -54,3 +54,36 @@ def test_https_follows_the_routers_files_unless_told_otherwise():
         GatewayConfig(tls_ca_file="/ca.crt")
     with pytest.raises(ValueError, match="max_inflight_per_tenant"):
         GatewayConfig(max_inflight_per_tenant=-1)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_prompt_token_cap_below_one_is_refused(value):
+    with pytest.raises(ValueError, match=rf"max_prompt_tokens must be >= 1 .*got {value}"):
+        GatewayConfig(max_prompt_tokens=value)
+
+
+@pytest.mark.parametrize(
+    "var,value,match",
+    [
+        ("KVSTORE_GATEWAY_MAX_PROMPT_TOKENS", "lots", r"^KVSTORE_GATEWAY_MAX_PROMPT_TOKENS: "),
+        ("KVSTORE_GATEWAY_HTTPS", "maybe", r"^KVSTORE_GATEWAY_HTTPS: expected a boolean"),
+        ("KVSTORE_GATEWAY_MAX_BODY_BYTES", "big", r"^KVSTORE_GATEWAY_MAX_BODY_BYTES: "),
+        (
+            "KVSTORE_GATEWAY_MAX_PROMPT_TOKENS",
+            "0",
+            r"max_prompt_tokens must be >= 1 .*\(set by KVSTORE_GATEWAY_MAX_PROMPT_TOKENS\)$",
+        ),
+    ],
+)
+def test_a_bad_environment_value_names_its_variable(monkeypatch, tmp_path, var, value, match):
+    """The operator set a variable, not a field: the error says which variable."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
+
+
+def test_a_value_from_the_environment_is_read_as_its_type(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSTORE_GATEWAY_MAX_BODY_BYTES", "2MiB")
+    monkeypatch.setenv("KVSTORE_GATEWAY_HTTPS", "off")
+    cfg = load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
+    assert (cfg.max_body_bytes, cfg.https) == (2 << 20, False)
