@@ -92,6 +92,9 @@ class ClusterState:
     gateway_url: str = ""  # the router's OpenAI gateway, with --engines
     gateway_keys: str = ""  # its API keys file (dev keys)
     tls_dir: str = ""  # with --tls: ca.crt, client.crt, client.key (kvstore.tls.files_in)
+    # The router's Prometheus page, with the gateway's metrics (every tenant's counts: not
+    # on the gateway's own port). Plain HTTP on loopback.
+    metrics_url: str = ""
 
     @property
     def client_tls(self) -> TLSConfig | None:
@@ -441,6 +444,8 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
     log = d / "router.log"
     # Like the agents: no tenants, callers without a token act as the cluster (dev only).
     rcfg: dict = {"allow_unauthenticated": True, **_tls_section(tls)}
+    if tokenizers:  # the gateway's metrics are on the router's Prometheus port
+        rcfg["metrics_port"] = free_port()
     if opts.engines:  # to name the engines' cached blocks from their KV events
         rcfg["tenant_secret_files"] = {KV_TENANT: str(d / "kv.secret")}
     (d / "router.json").write_text(json.dumps(rcfg, indent=2) + "\n")
@@ -600,10 +605,16 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started, client)
     keys = str(state / "router" / "keys.json") if gw_url else ""
     tls_dir = str(state / "tls") if opts.tls else ""
-    st = ClusterState(str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys, tls_dir)
+    rcfg = json.loads((state / "router" / "router.json").read_text())
+    metrics = f"http://127.0.0.1:{rcfg['metrics_port']}/metrics" if "metrics_port" in rcfg else ""
+    st = ClusterState(
+        str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys, tls_dir, metrics
+    )
     st.save()
     for p in procs[1:]:
         say(f"{p.name:<9} {p.address}")
+    if metrics:
+        say(f"metrics   {metrics} (the router's and the gateway's)")
     if tls_dir:
         extra = " (the engines' KV event ports: loopback only)" if opts.engines else ""
         say(f"mTLS on every port{extra}; CA and client pair in {tls_dir}")
@@ -683,6 +694,7 @@ def status(state_dir: str | os.PathLike) -> dict:
         "etcd_endpoint": st.etcd_endpoint,
         "router_address": st.router_address,
         "gateway_url": st.gateway_url,
+        "metrics_url": st.metrics_url,
         "uptime_s": round(time.time() - st.started_at),
         "components": comps,
     }

@@ -80,7 +80,7 @@ def vllm_run(
             if requests_file:
                 _write_requests(requests_file, runs)
             out["pull_cost_by_agent"] = asyncio.run(_pull_costs(st.etcd_endpoint))
-            out["gateway_retries"] = _retries(st.gateway_url)
+            out["gateway_retries"] = _retries(st.metrics_url)
         finally:
             devcluster.down(state, grace_s=20)
     return out
@@ -119,12 +119,13 @@ def _write_requests(path: str, runs: dict[str, list[Turn]]) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
-def _retries(gateway: str) -> float:
+def _retries(metrics_url: str) -> float:
     """Forwards the gateway retried on another engine (a failed forward suspends the
-    engine): any would tilt the comparison, so the JSON line shows them."""
+    engine): any would tilt the comparison, so the JSON line shows them. From the router's
+    Prometheus port, where the gateway's metrics are."""
     import httpx
 
-    page = httpx.get(gateway + "/metrics", timeout=30).text
+    page = httpx.get(metrics_url, timeout=30).text
     return sum(
         float(line.split()[-1])
         for line in page.splitlines()

@@ -240,6 +240,9 @@ class RouterServer:
         from router.gateway.server import GatewayServer
 
         self.gateway = GatewayServer(gcfg, gw, self._etcd, self.cfg.tls)
+        endpoint = self.telemetry.endpoint if self.telemetry is not None else None
+        if endpoint is not None:  # the operator's port has the gateway's page too
+            endpoint.registry.register(gw.metrics.collector(gw.planner.engine_blocks))
         await self.gateway.start()
         if self.gateway_ready_file:
             write_ready_file(self.gateway_ready_file, self.gateway.address)

@@ -136,6 +136,12 @@ class ClientWatch:
             self._task.cancel()
 
 
+_METRICS_ELSEWHERE = (
+    "the gateway's metrics are on the router's Prometheus port (metrics_port), not on the "
+    "tenants' port; public_metrics: true serves them here too"
+)
+
+
 def _error(exc: HTTPFailure) -> JSONResponse:
     body = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
     return JSONResponse(body, exc.status, headers=exc.headers)
@@ -249,6 +255,8 @@ class Gateway:
         return JSONResponse({"status": "ok", "engines": len(self.engines.engines)})
 
     async def metrics_page(self, request: Request) -> Response:
+        if not self.cfg.public_metrics:
+            return _error(HTTPFailure(404, _METRICS_ELSEWHERE, "not_found"))
         page = self.metrics.render(self.planner.engine_blocks())
         return Response(page, media_type="text/plain; version=0.0.4")
 

@@ -46,6 +46,10 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
+    # /metrics on the gateway's own port. Off by default: the page counts every tenant's
+    # requests, and any caller reaching the port would read them. The same page is always
+    # on the router's Prometheus port (metrics_port), the operator's.
+    public_metrics: bool = False
     # HTTPS: the router's tls: section (ca_file, cert_file, key_file) by default, or these
     # files (a certificate of its own for the public name, say); rewritten files apply to
     # new connections without a restart (router/gateway/tls.py). No files: plain HTTP.

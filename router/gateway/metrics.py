@@ -1,7 +1,11 @@
-"""The gateway's Prometheus metrics, in their own registry, served at /metrics. Labels
-carry engine ids, routes and status codes only: never keys, tenants' prompts or text."""
+"""The gateway's Prometheus metrics, in their own registry: on the router's Prometheus
+port (metrics_port, the operator's) and, with public_metrics, at the gateway's /metrics.
+Labels carry engine ids, routes and status codes only: never keys, tenants' prompts or
+text; the counts are every tenant's, so they are not on the tenants' port by default."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -46,10 +50,27 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def collector(self, engine_blocks: Callable[[], dict[str, int]]) -> "_Page":
+        """The page as a collector for another registry (the router's metrics port):
+        `engine_blocks` is read at each scrape, from that server's thread."""
+        return _Page(self, engine_blocks)
+
+    def refresh(self, engine_blocks: dict[str, int]) -> None:
+        self.engine_blocks.clear()  # engines that left drop out
+        for engine, n in engine_blocks.items():
+            self.engine_blocks.labels(engine).set(n)
+
     def render(self, engine_blocks: dict[str, int] | None = None) -> bytes:
         """`engine_blocks`: engine id -> blocks indexed, read at scrape time."""
         if engine_blocks is not None:
-            self.engine_blocks.clear()  # engines that left drop out
-            for engine, n in engine_blocks.items():
-                self.engine_blocks.labels(engine).set(n)
+            self.refresh(engine_blocks)
         return generate_latest(self.registry)
+
+
+class _Page:
+    def __init__(self, metrics: GatewayMetrics, engine_blocks: Callable[[], dict[str, int]]):
+        self.metrics, self.engine_blocks = metrics, engine_blocks
+
+    def collect(self):
+        self.metrics.refresh(self.engine_blocks())
+        return self.metrics.registry.collect()

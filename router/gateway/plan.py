@@ -167,14 +167,14 @@ class Planner:
     def engine_blocks(self) -> dict[str, int]:
         """Blocks the router indexed in each engine's own cache (the /metrics gauge)."""
         board = self.core.engines
-        return {e: board.index.engine_blocks(e) for e in board.engines}
+        return {e: board.index.engine_blocks(e) for e in list(board.engines)}
 
     @staticmethod
     def priced(plan: Plan, engine_id: str) -> str:
         """Where the router expected `engine_id` to find the prompt's blocks, in block
         counts (the gateway's x-kvstore-route header): block counts of the caller's own
         salted namespace, never tokens, and nothing of the engine's load (requests in
-        flight there are other tenants' too: /metrics has the totals)."""
+        flight there are other tenants' too: the router's metrics port has them)."""
         s = plan.score_of(engine_id)
         if s is None:
             return "unpriced"

@@ -124,3 +124,25 @@ def test_gateway_caps_each_tenants_requests_in_flight(helm, tmp_path):  # noqa: 
     assert off.max_inflight_per_tenant == 0  # no cap, said explicitly
     err = render_error(helm, GATEWAY, "gateway.maxInflightPerTenant=-1")
     assert "schema" in err and "maxInflightPerTenant" in err
+
+
+def test_the_gateways_metrics_are_off_the_tenants_port(helm, tmp_path):  # noqa: F811
+    """The gateway's metrics count every tenant's requests: rendered off the http port
+    (public_metrics false), on each pod's router metrics port, behind a ClusterIP Service
+    of their own that the ServiceMonitor scrapes; the tenants' Service has no such port."""
+    docs = render(helm, GATEWAY, "metrics.serviceMonitor.enabled=true")
+    assert _gateway_config(docs, tmp_path).public_metrics is False
+    deploy = one(docs, "Deployment", "-gateway")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    by_name = {p["name"]: p["containerPort"] for p in container["ports"]}
+    router_yaml = yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["router.yaml"])
+    assert by_name["metrics"] == router_yaml["metrics_port"] > 0
+    assert [p["name"] for p in one(docs, "Service", "-gateway")["spec"]["ports"]] == ["http"]
+    svc = one(docs, "Service", "-gateway-metrics")["spec"]
+    assert svc["type"] == "ClusterIP" and [p["targetPort"] for p in svc["ports"]] == ["metrics"]
+    assert _selected(docs, svc["selector"]) == {("Deployment", deploy["metadata"]["name"])}
+    sm = one(docs, "ServiceMonitor", "-gateway")["spec"]
+    assert [e["port"] for e in sm["endpoints"]] == ["metrics"]
+    assert sm["selector"]["matchLabels"].items() <= svc["selector"].items()
+    public = render(helm, GATEWAY, "gateway.publicMetrics=true")
+    assert _gateway_config(public, tmp_path).public_metrics is True

@@ -68,6 +68,26 @@ def test_what_a_tenant_is_told_carries_nothing_of_another_tenants_load(world):
     assert busy.headers["x-kvstore-route"] == quiet.headers["x-kvstore-route"]
 
 
+def test_the_gateways_metrics_are_not_on_the_tenants_port(world, tmp_path, start_gateway):
+    """The gateway's metrics count every tenant's requests (in flight, forwards per
+    engine): on the tenants' port /metrics is 404 by default, with or without a key, and
+    says where they are; the router's Prometheus port, the operator's, has them.
+    public_metrics: true serves them on the tenants' port too (the positive control)."""
+    for headers in ({}, ACME):
+        r = httpx.get(world.gw.url + "/metrics", headers=headers, timeout=10)
+        assert r.status_code == 404, r.text
+        assert "router's Prometheus port" in r.json()["error"]["message"]
+        assert "kvstore_gateway" not in r.text
+    assert httpx.post(world.gw.url + "/v1/chat/completions", json=_chat(), headers=ACME).is_success
+    page = world.gateway_metrics()
+    assert 'kvstore_gateway_requests_total{code="200",route="/v1/chat/completions"} 1.0' in page
+    assert 'kvstore_gateway_forwards_total{engine="w0"} 1.0' in page
+    tok = str(write_word_tokenizer(tmp_path / "tok-public"))
+    public = start_gateway({MODEL: tok}, {"public_metrics": True})
+    r = httpx.get(public.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and "kvstore_gateway_inflight 0.0" in r.text, r.text
+
+
 def test_requests_without_a_valid_key_change_nothing(world):
     before = world.state()
     big = json.dumps(_chat("w9 " * 200_000)).encode()  # over max_body_bytes as well

@@ -53,9 +53,10 @@ def _cached(resp: httpx.Response) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def _engine_blocks(gw: httpx.Client, url: str) -> int:
-    """Blocks the router indexed in the engine's own cache, from its KV events."""
-    page = gw.get(url + "/metrics").text
+def _engine_blocks(url: str) -> int:
+    """Blocks the router indexed in the engine's own cache, from its KV events (the
+    gateway's metrics, on the router's Prometheus port)."""
+    page = httpx.get(url, timeout=10).text
     found = re.findall(r"^kvstore_gateway_engine_cached_blocks\{.*\} (\S+)$", page, re.M)
     return sum(int(float(m)) for m in found)
 
@@ -72,7 +73,7 @@ def _check_the_running_cluster(work, st: ClusterState) -> None:
         first = gw.post(st.gateway_url + "/v1/chat/completions", json=body, headers=ACME)
         assert first.status_code == 200, first.text
         # The engine's KV events reached the router over the loopback-only sockets.
-        wait_for(lambda: _engine_blocks(gw, st.gateway_url) > 0, 120, 0.5,
+        wait_for(lambda: _engine_blocks(st.metrics_url) > 0, 120, 0.5,
                  what="the router to index the engine's cache")  # fmt: skip
         second = gw.post(st.gateway_url + "/v1/chat/completions", json=body, headers=ACME)
         assert second.status_code == 200, second.text

@@ -109,7 +109,7 @@ def test_every_engine_saturated_is_429_with_retry_after(
     t.start()
     # The held request is in flight once the gateway's gauge says so.
     wait_for(
-        lambda: "kvstore_gateway_inflight 1.0" in httpx.get(gw.url + "/metrics").text,
+        lambda: "kvstore_gateway_inflight 1.0" in gw.metrics(),
         20,
         0.05,
         what="one request in flight",
@@ -151,7 +151,7 @@ def test_a_killed_engine_costs_one_retry_and_drops_out(start_gateway, start_stan
         assert r.status_code == 200, r.text
         answered.append(r.headers["x-kvstore-engine"])
     assert set(answered) == {"w1"}
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = gw.metrics()
     assert "kvstore_gateway_retries_total 1.0" in metrics
     _wait_engines(gw, 1)  # the registrar saw /health fail and revoked the lease
 
@@ -206,7 +206,7 @@ def test_an_engine_that_dies_after_its_head_costs_one_retry(
         assert r.status_code == 200, r.text
         assert (r.headers["x-kvstore-engine"], r.content) == ("w1", direct.content)
     assert dying.worker is not None and dying.worker.wait(10) != 0  # it died mid-answer
-    assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
+    assert "kvstore_gateway_retries_total 1.0" in gw.metrics()
 
 
 @pytest.fixture

@@ -97,8 +97,9 @@ def _priced(resp: httpx.Response) -> dict[str, int]:
 
 
 def _engine_blocks(gw) -> int:
-    """Blocks the router indexed in the engines' own caches (the gateway's /metrics)."""
-    page = httpx.get(gw.url + "/metrics", timeout=10).text
+    """Blocks the router indexed in the engines' own caches (the gateway's metrics, on the
+    router's Prometheus port)."""
+    page = gw.metrics()
     return sum(
         int(float(m))
         for m in re.findall(r"^kvstore_gateway_engine_cached_blocks\{.*\} (\S+)$", page, re.M)
@@ -188,20 +189,29 @@ def test_gateway_over_vllm_engines(world):
     assert r.status_code == 200 and _cached(r) == 0, r.text
     r = httpx.post(url, json=_chat(first), headers=ACME, timeout=120)
     assert _cached(r) > 0  # while acme's own still hits
-    # 3. Streaming through the gateway is the engine's answer to the same request.
+    # 3. Streaming through the gateway is the engine's answer to the same request: the same
+    # tokens, ending and usage every time, and byte for byte (but "created") in at least one
+    # of three tries. Not in every one: vLLM puts two tokens in one chunk when its output
+    # handler lags (seen in CI), so two direct calls can differ too. A gateway that rewrote
+    # any byte would never match.
     body = _chat(first, stream=True, request_id="same-request")
-    via = httpx.post(url, json=body, headers=ACME, timeout=120)
-    chosen = engines[via.headers["x-kvstore-engine"]][0]
     # The salt the gateway sets for acme (no salt_key_file: keyed by the kv secret).
     salt = Planner(None, {}, KV_SECRET.encode()).salt("acme")  # type: ignore[arg-type]
-    direct_body = body | {"cache_salt": salt}
-    direct = httpx.post(chosen.url + "/v1/chat/completions", json=direct_body, timeout=120)
-    assert via.status_code == direct.status_code == 200
-    assert sse_events(via.content), via.text
-    # The same tokens, ending and usage. Not the same bytes: vLLM may put two tokens in one
-    # chunk when its detokenizer lags (seen in CI), so the chunking is the engine's own.
-    assert _stream_answer(via.content) == _stream_answer(direct.content)
-    assert via.content.endswith(b"data: [DONE]\n\n"), via.content[-200:]
+    created = re.compile(rb'"created":\s*\d+')
+    identical = []
+    for _ in range(3):
+        via = httpx.post(url, json=body, headers=ACME, timeout=120)
+        chosen = engines[via.headers["x-kvstore-engine"]][0]
+        direct = httpx.post(
+            chosen.url + "/v1/chat/completions", json=body | {"cache_salt": salt}, timeout=120
+        )
+        assert via.status_code == direct.status_code == 200
+        assert sse_events(via.content), via.text
+        assert _stream_answer(via.content) == _stream_answer(direct.content)
+        identical.append(created.sub(b"", via.content) == created.sub(b"", direct.content))
+        if identical[-1]:
+            break
+    assert any(identical), (via.content, direct.content)
     # 4. Kill the engine holding the conversation: every request still answers 200.
     launch, proc = engines[home]
     os.killpg(proc.pid, signal.SIGKILL)
@@ -210,7 +220,7 @@ def test_gateway_over_vllm_engines(world):
         r = httpx.post(url, json=_chat(first, stream=bool(i % 2)), headers=ACME, timeout=120)
         assert r.status_code == 200, r.text
         assert r.headers["x-kvstore-engine"] != home
-    assert "kvstore_gateway_retries_total 1.0" in httpx.get(gw.url + "/metrics").text
+    assert "kvstore_gateway_retries_total 1.0" in gw.metrics()
     wait_for(lambda: gw.engines() == 1, 30, 0.2, what="the dead engine's lease expired")
     # 5. The conversation's next turn: only the engine left can serve it. Its node's agent
     # holds just the shared start (step 4); the dead engine's agent holds the whole

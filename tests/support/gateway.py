@@ -64,6 +64,7 @@ class GatewayProc:
         self.url = ""
         self.address = ""  # host:port of the gateway
         self.router_address = ""
+        self.metrics_port = 0
         self.http: dict = {}  # httpx arguments its own calls use (verify, cert) over HTTPS
 
     def start(
@@ -83,11 +84,14 @@ class GatewayProc:
         }
         (w / "gateway.json").write_text(json.dumps(gcfg))
         # The engines' tenant secret names what their own caches hold (KV events).
+        # A Prometheus port always: the gateway's metrics page is there (the operator's).
         rcfg = {
             "allow_unauthenticated": True,
             "tenant_secret_files": {KV_TENANT: str(w / "kv.secret")},
+            "metrics_port": free_port(),
             **(router or {}),
         }
+        self.metrics_port = rcfg["metrics_port"]
         (w / "router.json").write_text(json.dumps(rcfg))
         for f in ("ready", "gw-ready"):
             (w / f).unlink(missing_ok=True)
@@ -130,6 +134,11 @@ class GatewayProc:
     @property
     def log(self) -> str:
         return (self.workdir / "router.log").read_text(errors="replace")
+
+    def metrics(self) -> str:
+        """The router's Prometheus page, with the gateway's metrics (plain HTTP: the
+        router's metrics port has no TLS)."""
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
 
     def engines(self) -> int:
         return int(httpx.get(self.url + "/health", timeout=5, **self.http).json()["engines"])
@@ -299,7 +308,7 @@ class World:
         return terms[0], terms[1]
 
     def gateway_metrics(self) -> str:
-        return httpx.get(self.gw.url + "/metrics", timeout=5, **self.gw.http).text
+        return self.gw.metrics()
 
     def gateway_inflight(self) -> float:
         m = re.search(r"^kvstore_gateway_inflight (\S+)$", self.gateway_metrics(), re.M)
