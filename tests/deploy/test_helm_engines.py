@@ -135,8 +135,19 @@ def test_only_routers_and_gateways_reach_the_event_ports(helm, gateway):  # noqa
         ports = {p["name"].rsplit("-", 1)[0]: p["containerPort"] for p in c["ports"]}
         assert by_port[ports["kv-events"]] == want, c["name"]
         assert by_port[ports["kv-replay"]] == want, c["name"]
-        assert by_port[ports["http"]] is None  # the OpenAI port stays as open as before
+        # The OpenAI port: the gateway's pods alone when there is one (a direct caller
+        # skips its keys and cache_salt); open when the engines are the front door.
+        assert by_port[ports["http"]] == ({"Deployment/kv-kvstore-gateway"} if gateway else None)
     assert len(by_port) == 3 * 2  # nothing else is let in
+
+
+def test_more_direct_callers_of_the_engines_are_named_peers(helm):  # noqa: F811
+    peer = "engines.clientPeers[0].podSelector.matchLabels.app=batch"
+    docs = render(helm, GATEWAY, peer)
+    policy = one(docs, "NetworkPolicy", "-engine")
+    (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 8000]
+    assert rule["from"][1] == {"podSelector": {"matchLabels": {"app": "batch"}}}
+    assert len(rule["from"]) == 2
 
 
 def test_events_off_renders_no_event_sockets(helm):  # noqa: F811
@@ -149,7 +160,7 @@ def test_events_off_renders_no_event_sockets(helm):  # noqa: F811
         )
         assert [p["name"] for p in c["ports"]] == [c["name"].replace("engine-", "http-")]
     by_port = _ingress_by_port(docs, one(docs, "NetworkPolicy", "-engine"))
-    assert list(by_port.values()) == [None]
+    assert list(by_port.values()) == [{"Deployment/kv-kvstore-gateway"}]  # the OpenAI port
 
 
 @pytest.mark.parametrize(
