@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -420,7 +421,8 @@ def load_config(
     try:
         return _build(cls, data)
     except ValueError as exc:  # a range check in __post_init__: say where the value came from
-        named = [var for f, var in from_env.items() if f not in given and f in str(exc)]
+        said = set(re.findall(r"[a-z_][a-z0-9_]*", str(exc)))
+        named = [var for f, var in from_env.items() if f not in given and f in said]
         if not named:
             raise
         raise ValueError(f"{exc} (set by {', '.join(named)})") from None

@@ -55,6 +55,7 @@ def make_app(name: str, fail_status: int = 0) -> Starlette:
             "kv_transfer_params": body.get("kv_transfer_params"),
             "ec_transfer_params": body.get("ec_transfer_params"),
             "vllm_xargs": body.get("vllm_xargs"),
+            "n": body.get("n"),
         }
         seen.append(entry)
         if fail_status:

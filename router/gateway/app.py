@@ -319,6 +319,20 @@ class Gateway:
             raise HTTPFailure(404, f"model {model!r} is not served here", "not_found_error")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise HTTPFailure(400, "stream must be true or false", "invalid_request_error")
+        for name in ("n", "best_of"):
+            value = body.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise HTTPFailure(
+                    400, f"{name} must be a whole number >= 1", "invalid_request_error"
+                )
+            if value > self.cfg.max_choices:
+                raise HTTPFailure(
+                    400,
+                    f"{name} over {self.cfg.max_choices} (the gateway's max_choices)",
+                    "invalid_request_error",
+                )
         if chat:
             gen = bool(body.get("add_generation_prompt", True))
             messages = body.get("messages")

@@ -46,6 +46,10 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
+    # The most completions one request may ask of the engine (`n`, `best_of`); more is
+    # refused (400): a request's n choices weigh on the engine like n requests, while the
+    # tenant's in-flight cap counts it once.
+    max_choices: int = 16
     # /metrics on the gateway's own port. Off by default: the page counts every tenant's
     # requests, and any caller reaching the port would read them. The same page is always
     # on the router's Prometheus port (metrics_port), the operator's.
@@ -63,7 +67,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes"):
+        for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes", "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens < 1:  # 0 would refuse every prompt, not lift the cap

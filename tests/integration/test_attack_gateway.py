@@ -135,6 +135,28 @@ def test_token_ids_the_tokenizer_cannot_make_are_400_before_any_work(world):
     assert "Exception in ASGI application" not in world.gw.log  # uvicorn's line for a 500
 
 
+def test_a_request_for_more_choices_than_max_choices_is_400_before_any_work(world):
+    """One request with n=256 would weigh on the engine like 256 requests while the
+    tenant's in-flight cap counts one: past max_choices (16) it is refused before the
+    engine sees it, as is an n that is not a whole number >= 1."""
+    url = world.gw.url + "/v1/chat/completions"
+    before = world.state()
+    for extra, said in (
+        ({"n": 17}, "n over 16 (the gateway's max_choices)"),
+        ({"best_of": 256}, "best_of over 16"),
+        ({"n": 0}, "n must be a whole number >= 1"),
+        ({"n": "8"}, "n must be a whole number >= 1"),
+        ({"n": True}, "n must be a whole number >= 1"),
+    ):
+        r = httpx.post(url, json=_chat(**extra), headers=ACME, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        assert said in r.json()["error"]["message"], r.text
+    assert world.state() == before
+    r = httpx.post(url, json=_chat(n=16), headers=ACME, timeout=30)  # the positive control
+    assert r.status_code == 200, r.text
+    assert world.w.seen()[-1]["n"] == 16
+
+
 def test_a_tenant_cannot_choose_the_salt_nor_talk_to_the_connector(world):
     evil = {"cache_salt": "guessed", "kv_transfer_params": {"kvstore": {"peer_node": "x"}}}
     for headers in (ACME, GLOBEX):

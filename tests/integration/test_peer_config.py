@@ -46,7 +46,7 @@ def test_agent_with_a_misspelt_peer_boolean_refuses_to_start(tmp_path):
     """Before, KVSTORE_PEER_IN_PLACE=flase silently meant False and the agent ran."""
     r = _start_agent(tmp_path, KVSTORE_PEER_IN_PLACE="flase")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "bad configuration: peer.in_place: expected a boolean, got 'flase'" in r.stderr
+    assert "bad configuration: KVSTORE_PEER_IN_PLACE: expected a boolean, got 'flase'" in r.stderr
     assert "Traceback" not in r.stderr
 
 

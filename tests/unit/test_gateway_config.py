@@ -87,3 +87,8 @@ def test_a_value_from_the_environment_is_read_as_its_type(monkeypatch, tmp_path)
     monkeypatch.setenv("KVSTORE_GATEWAY_HTTPS", "off")
     cfg = load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
     assert (cfg.max_body_bytes, cfg.https) == (2 << 20, False)
+
+
+def test_max_choices_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_choices must be >= 1"):
+        GatewayConfig(listen="127.0.0.1:1", tokenizers={"m": str(tmp_path)}, max_choices=0)
