@@ -89,7 +89,10 @@ podman build --network host --format docker --pull=never --layers=false \
   > "$work/build.log" 2>&1 || {
     tail -40 "$work/build.log" >&2; df -h "$store" >&2; podman image prune -f >/dev/null 2>&1 || true
     say "build failed"; exit 1; }
+kill "$server" 2>/dev/null || true  # the torch index is for the build only
 podman image prune -f >/dev/null 2>&1 || true  # what the build stage left
 say "built in $(( $(date +%s) - start )) s, $(podman image inspect "$image" --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
 
-exec "$py" "$here/tools/image_check.py" --image "$image" --base "$base"
+# Not exec: the EXIT trap must still run (an exec'd shell never runs it, and the index
+# server outlived the check, holding whatever the caller's descriptors held: a lock).
+"$py" "$here/tools/image_check.py" --image "$image" --base "$base"

@@ -124,6 +124,7 @@ def _up(args) -> int:
                     "router_address": st.router_address,
                     "agents": {p.name: p.address for p in st.agents},
                     "gateway_url": st.gateway_url,
+                    "metrics_url": st.metrics_url,
                     "tls_dir": st.tls_dir,
                 },
                 indent=2,
@@ -160,6 +161,10 @@ def render_status(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"cluster in {report['state_dir']} (up {report['uptime_s']}s)"]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    if report.get("gateway_url"):
+        lines.append(f"gateway  {report['gateway_url']} (OpenAI API)")
+    if report.get("metrics_url"):  # the gateway's metrics count every tenant: not on its port
+        lines.append(f"metrics  {report['metrics_url']} (the router's and the gateway's)")
     return "\n".join(lines)
 
 

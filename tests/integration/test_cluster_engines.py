@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 from support.common import ROOT
 
@@ -50,6 +51,12 @@ def test_make_runs_path_chat_through_the_gateway_against_round_robin(tmp_path):
         st = ClusterState.load(state)
         engines = {p.name for p in st.procs if p.kind == "engine"}
         assert len(engines) == 2 and st.gateway_url
+        # Where the gateway is, and its metrics: on the router's port, not the tenants'.
+        table = _run("-m", "kvstore.cli", "cluster", "status", "--state-dir", str(state))
+        assert f"gateway  {st.gateway_url}" in table.stdout, table.stdout
+        assert f"metrics  {st.metrics_url}" in table.stdout, table.stdout
+        assert "kvstore_gateway_inflight" in httpx.get(st.metrics_url, timeout=10).text
+        assert httpx.get(st.gateway_url + "/metrics", timeout=10).status_code == 404
         demo = _run("-m", "loadtest.demo", "--state-dir", str(state), "--tenants", "2",
                     "--sessions", "1", "--turns", "2")  # fmt: skip
         assert demo.returncode == 0, demo.stderr + demo.stdout
