@@ -470,7 +470,8 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
         ],
         log,
     )
-    return proc, ready, log
+    port = rcfg.get("metrics_port")
+    return proc, ready, log, f"http://127.0.0.1:{port}/metrics" if port else ""
 
 
 def _gateway_engines(url: str, tls: TLSConfig | None) -> int:
@@ -563,7 +564,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     _wait(lambda: etcd_healthy(endpoint, tls=client), 30, "etcd to become healthy", [(etcd, elog)])
     say(f"etcd      {endpoint}")
     agents = [_start_agent(state, i, endpoint, opts, server_tls) for i in range(opts.agents)]
-    router, rready, rlog = _start_router(state, endpoint, opts, server_tls)
+    router, rready, rlog, metrics = _start_router(state, endpoint, opts, server_tls)
     for i, (proc, _, log) in enumerate(agents):
         started.append(Proc(f"agent-{i}", "agent", proc.pid, "", str(log)))
     started.append(Proc("router", "router", router.pid, "", str(rlog)))
@@ -605,8 +606,6 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started, client)
     keys = str(state / "router" / "keys.json") if gw_url else ""
     tls_dir = str(state / "tls") if opts.tls else ""
-    rcfg = json.loads((state / "router" / "router.json").read_text())
-    metrics = f"http://127.0.0.1:{rcfg['metrics_port']}/metrics" if "metrics_port" in rcfg else ""
     st = ClusterState(
         str(state), endpoint, raddr, tuple(procs), time.time(), gw_url, keys, tls_dir, metrics
     )
