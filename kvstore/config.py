@@ -63,6 +63,13 @@ class PeerConfig:
     # place: host memory, or GPU memory with the device hash and a UCX built with CUDA).
     # False: through host staging copies on both sides (what a GPU pool does otherwise).
     in_place: bool = True
+    # Agents of one host (same kernel and PID namespace): the fetching agent reads large
+    # blocks straight from the serving agent's pool slots itself, over several threads
+    # with each block hashed as it lands (node_agent/peer/ucx/direct.py), the UCX
+    # connection carrying only the control messages. Needs shared_memory and in_place,
+    # a host-memory pool on the fetching side, and the right to ptrace the peer (same
+    # user); where the kernel refuses, that peer's payloads go back to UCX messages.
+    same_host_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_transfers", "batch_bytes", "max_batch_blocks"):

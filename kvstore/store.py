@@ -416,6 +416,10 @@ class BlockStore:
     def supports_in_place(self) -> bool:
         return self._in_place.supported
 
+    def copy_threads_for(self, nbytes: int) -> int:
+        """Threads a bulk copy (or read) of `nbytes` is split over (copy_threads)."""
+        return self._copier.threads_for(nbytes)
+
     def reserve(
         self,
         ns_id: bytes,

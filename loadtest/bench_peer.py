@@ -37,9 +37,16 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   shared-memory limit (each UCX round right after the limit measurements: the load on a
   shared machine changes quickly, and pairing keeps the ratios honest); ucx_ratio is the
   goal of `--tcp`, ucx_ratio_shm that of the default run
-- ucx_transport: what carried the payloads, from UCX's own account of the protocol the
-  sending agent's endpoint selected for 2 MiB tag messages (UCX_PROTO_INFO=y), e.g.
-  "cma/memory: rendezvous zero-copy read from remote"
+- payload_path: how the payloads moved, from the agents' counters: "direct reads"
+  (agents of one host: A reads B's borrowed slots itself with process_vm_readv, the same
+  kernel copy as UCX's CMA transport, in copy_threads threads, each block hashed as it
+  lands; UCX carries the control messages: node_agent/peer/ucx/direct.py) or "ucx
+  messages" (`--tcp`, or `--no-direct-reads`: KVSTORE_PEER_SAME_HOST_READS=0);
+  direct_blocks: blocks A read so
+- ucx_transport: what carried UCX's payload messages, from UCX's own account of the
+  protocol the sending agent's endpoint selected for 2 MiB tag messages
+  (UCX_PROTO_INFO=y), e.g. "cma/memory: rendezvous zero-copy read from remote"; with
+  direct reads only the control messages travel over UCX
 - batch_blocks: blocks per chunk of 2 MiB blocks (the agents' peer.batch_bytes,
   kvstore/config.PeerConfig; KVSTORE_PEER_* to override); `--tcp` runs both agents with
   KVSTORE_PEER_SHARED_MEMORY=0 (payloads on TCP)
@@ -620,6 +627,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="agents keep payloads on TCP (KVSTORE_PEER_SHARED_MEMORY=0)",
     )
+    ap.add_argument(
+        "--no-direct-reads",
+        action="store_true",
+        help="payloads as UCX messages between agents of this host too "
+        "(KVSTORE_PEER_SAME_HOST_READS=0)",
+    )
     args = ap.parse_args(argv)
     spec = bench_agent.llama3_8b("peer")
     n_prompts = 1 + args.rounds * (args.burst + 2)
@@ -628,6 +641,8 @@ def main(argv=None) -> int:
     os.environ["UCX_PROTO_INFO"] = "y"
     if args.tcp:
         os.environ["KVSTORE_PEER_SHARED_MEMORY"] = "0"
+    if args.no_direct_reads:
+        os.environ["KVSTORE_PEER_SAME_HOST_READS"] = "0"
     result: dict = {
         "block_bytes": BLOCK,
         "blocks": args.blocks,
@@ -652,6 +667,8 @@ def main(argv=None) -> int:
                 na = ca.open_namespace(spec)
             log(f"{args.rounds} rounds of {args.blocks} blocks")
             m = measure(a, b, na, prompts, args.rounds, args.burst, limits, protocols, not args.tcp)
+            with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
+                direct_blocks = dict(ca.stats().counters).get("peer_blocks_direct", 0)
         finally:
             for ag in agents:
                 ag.stop()
@@ -677,6 +694,8 @@ def main(argv=None) -> int:
         ucx_ratio_footprint=med["ratio_footprint"],
         ucx_ratio_shm_footprint=med.get("ratio_shm_footprint"),
         ucx_best_gbps=round(max(m["ucx"]), 3),
+        payload_path="direct reads" if direct_blocks else "ucx messages",
+        direct_blocks=direct_blocks,
         ucx_transport=transport,
         prefetch_60x8k_ms_ucx=small.get("ucx"),
         prefetch_60x8k_ms_grpc=small.get("grpc"),

@@ -1,7 +1,10 @@
 /* Batches of copy+XXH64 jobs over threads (see batch.h). */
+#define _GNU_SOURCE /* process_vm_readv */
 #include "batch.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <sys/uio.h>
 
 #include "copy.h"
 #include "xxh64.h"
@@ -24,8 +27,44 @@ typedef struct {
     size_t next; /* first job not claimed yet (atomic) */
 } kv_queue;
 
+/* Bytes read from another process per process_vm_readv call (512 KiB, L2 per core
+ * here: 256 KiB to 1 MiB measured alike through the noise), hashed right
+ * after it lands, while it is still in this core's L2 (1 MiB here), so the hash does not
+ * read the bytes from memory a second time. */
+#ifndef KV_CMA_PIECE
+#define KV_CMA_PIECE ((size_t)512 << 10)
+#endif
+
+/* dst[0..n) = process pid's src[0..n) (cross-memory attach: the kernel copies from the
+ * other process's pages, no mapping of them here), hashed piece by piece; j->err set
+ * (and the digest left 0) when a read fails. */
+static void run_remote_job(kv_job *j) {
+    xx_state s;
+    xx_init(&s, j->seed);
+    uintptr_t src = (uintptr_t)j->src;
+    for (size_t done = 0; done < j->n;) {
+        size_t want = j->n - done < KV_CMA_PIECE ? j->n - done : KV_CMA_PIECE;
+        for (size_t got = 0; got < want;) {
+            struct iovec local = {j->dst + done + got, want - got};
+            struct iovec remote = {(void *)(src + done + got), want - got};
+            ssize_t k = process_vm_readv(j->pid, &local, 1, &remote, 1, 0);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) { /* 0: the remote range ends early (partly unmapped) */
+                j->err = k < 0 ? errno : EFAULT;
+                return;
+            }
+            got += (size_t)k;
+        }
+        xx_stripes(&s, j->dst + done, want / 32); /* pieces but the last: whole stripes */
+        done += want;
+    }
+    j->digest = xx_finish(&s, (uint64_t)j->n, j->dst + (j->n / 32) * 32);
+}
+
 static void run_job(kv_job *j) {
-    if (j->dst == NULL) {
+    if (j->pid > 0) {
+        run_remote_job(j);
+    } else if (j->dst == NULL) {
         j->digest = xxh64_buf(j->src, j->n, j->seed);
     } else if (ranges_overlap(j->dst, j->n, j->src, j->n)) {
         /* Hash the original bytes before any of them is overwritten. */

@@ -11,14 +11,17 @@
 
 typedef struct {
     uint8_t *dst;       /* NULL: hash only */
-    const uint8_t *src;
+    const uint8_t *src; /* pid > 0: an address in process pid, not in this one */
     size_t n;
     uint64_t seed;
     uint64_t digest;    /* out */
+    int pid;            /* > 0: read src from process pid (cross-memory attach) */
+    int err;            /* out, pid > 0: errno of the read that failed; 0 when none did */
 } kv_job;
 
 /* Run every job (dst[0..n) = src[0..n) and digest = xxh64(src, seed); ranges of one
- * job may overlap) on up to `threads` threads: the calling one and threads - 1
+ * job may overlap; with pid > 0 the bytes are read from that process's src, in pieces
+ * that stay in this core's cache while they are hashed) on up to `threads` threads: the calling one and threads - 1
  * started here, each claiming the next unclaimed jobs (about 256 KiB, at least one
  * job) until none is left, so a thread delayed by a busy core costs the batch
  * little.  A thread that cannot be started leaves its claims to the others.

@@ -9,23 +9,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FetchRequest(_message.Message):
-    __slots__ = ("ns", "spec", "block_ids", "parent_id", "batch_blocks", "authorization")
+    __slots__ = ("ns", "spec", "block_ids", "parent_id", "batch_blocks", "authorization", "same_host")
     NS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
     ns: _agent_pb2.NamespaceRef
     spec: _common_pb2.Namespace
     block_ids: bytes
     parent_id: bytes
     batch_blocks: int
     authorization: str
-    def __init__(self, ns: _Optional[_Union[_agent_pb2.NamespaceRef, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., batch_blocks: _Optional[int] = ..., authorization: _Optional[str] = ...) -> None: ...
+    same_host: str
+    def __init__(self, ns: _Optional[_Union[_agent_pb2.NamespaceRef, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., batch_blocks: _Optional[int] = ..., authorization: _Optional[str] = ..., same_host: _Optional[str] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code", "runs")
+    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code", "runs", "direct_pid", "addresses")
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +36,8 @@ class FetchChunk(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     first_index: int
     count: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -42,7 +46,9 @@ class FetchChunk(_message.Message):
     error: str
     error_code: str
     runs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
+    direct_pid: int
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., runs: _Optional[_Iterable[int]] = ..., direct_pid: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("ns", "spec", "block_ids", "parent_id", "peer_address", "peer_ucx_address", "timeout_ms")

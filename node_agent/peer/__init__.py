@@ -16,6 +16,12 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   request to B. UCX keeps same-tag messages between two endpoints in order, so headers
   and payloads pair up by position. On one host UCX moves the payloads with one CMA read
   from B's memory into A's (node_agent/peer/ucx/wire.init_ucx), elsewhere over TCP.
+- Direct reads (agents of one host, same PID namespace: node_agent/peer/ucx/direct.py):
+  A's FetchRequest offers its host identity; when B's matches, B's chunk headers of large
+  blocks name where each borrowed block lies in B's memory and no payload message
+  follows. A reads them itself into its reserved slots (process_vm_readv, several threads,
+  each block hashed as it lands), stores the chunk, then sends a release message for it
+  (B ends the borrow); the acknowledgement follows the last release.
 - gRPC: Peer.FetchBlocks (node_agent/peer/grpc_transport.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).

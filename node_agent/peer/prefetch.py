@@ -270,6 +270,9 @@ class Prefetcher:
         except PeerTransportError as exc:
             self._counters.add(f"peer_{transport.name}_failures")
             job.stopped = f"{transport.name}: {exc}"
+            # The last chunk's header may have come before its payloads failed: what the
+            # peer announced did not arrive, so the next transport may still get it.
+            sink.remote_done = False
             log.warning(
                 "%s fetch of %d blocks from %s failed after %d: %s",
                 transport.name,

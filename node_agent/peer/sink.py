@@ -47,6 +47,9 @@ class Landing:
     # In place: per message, a future of the XXH64s of its blocks that have a slot, taken
     # as soon as it landed (None: that message failed)
     digests: list[asyncio.Future] | None = None
+    # Read by the fetcher from the peer's memory (direct reads, no UCX receive): the
+    # peer keeps the blocks lent until it is told the batch is done with
+    direct: bool = False
 
 
 class BatchSink:

@@ -508,6 +508,7 @@ def test_peer_settings_reach_every_agent_alike(helm, tmp_path, monkeypatch):
         "agent.peer.batchMiB=32",
         "agent.peer.sharedMemory=false",
         "agent.peer.inPlace=false",
+        "agent.peer.sameHostReads=false",
         "agent.peer.ioTimeoutSeconds=3",
         "agent.peer.ucxEnabled=false",
     )
@@ -518,7 +519,13 @@ def test_peer_settings_reach_every_agent_alike(helm, tmp_path, monkeypatch):
         for c in agent_containers(docs)
     ]
     assert {c.peer for c in cfgs} == {
-        PeerConfig(batch_bytes=32 << 20, shared_memory=False, in_place=False, io_timeout_s=3.0)
+        PeerConfig(
+            batch_bytes=32 << 20,
+            shared_memory=False,
+            in_place=False,
+            same_host_reads=False,
+            io_timeout_s=3.0,
+        )
     }
     assert not any(c.ucx_enabled for c in cfgs)
 
@@ -613,6 +620,7 @@ BAD_VALUES = [
     ("agent.peer.stagingSets=2", "agent.peer.stagingSets"),
     ("agent.peer.ioTimeoutSeconds=0", "agent.peer.ioTimeoutSeconds"),
     ("agent.peer.inPlace=sometimes", "agent.peer.inPlace"),
+    ("agent.peer.sameHostReads=1", "agent.peer.sameHostReads"),
     ("agent.peer.bachMiB=64", "bachMiB"),
     ("encryption.keys.acme\\.1\\.key=c2hvcnQ=", "encryption.keys"),  # not 32 bytes
     ("encryption.keys.acme\\.one\\.key=" + "A" * 43 + "=", "encryption.keys"),

@@ -375,17 +375,48 @@ def fake_peer(tmp_path):
 
 
 @needs_ucx
-@pytest.mark.parametrize("spec", [SMALL, MID], ids=["packed", "in-place"])
-def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer, spec):
+@pytest.mark.parametrize(
+    "spec,mode",
+    [(SMALL, "corrupt"), (MID, "corrupt"), (MID, "direct-corrupt")],
+    ids=["packed", "in-place", "direct-reads"],
+)
+def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_peer, spec, mode):
     """Packed: the fused copy + verify pass catches it; in place: the digest of its
-    message, taken as the message landed."""
-    na, ids, blocks = cluster.seed(spec, 20, seed=9)
+    message, taken as the message landed; direct reads: the digest each block's read
+    took."""
+    na, ids, blocks = cluster.seed(spec, 20, seed=9 if mode == "corrupt" else 19)
     da = Delta(cluster, "a")
-    r = cluster.prefetch(na, ids, ucx=fake_peer("corrupt", blocks))  # flips block 11
+    r = cluster.prefetch(na, ids, ucx=fake_peer(mode, blocks))  # flips block 11
     assert (r.present, r.transport) == (11, "ucx"), r
     assert "checksum mismatch" in r.stopped
     assert same_bytes(cluster.clients["a"].get(na, ids), blocks[:11])
-    assert da.now()["peer_checksum_mismatch"] == 1
+    d = da.now()
+    assert d["peer_checksum_mismatch"] == 1
+    assert d["peer_blocks_direct"] == (20 if mode == "direct-corrupt" else 0), d
+
+
+@needs_ucx
+def test_a_peer_the_kernel_will_not_let_us_read_gets_payload_messages_after(cluster, fake_peer):
+    """Direct reads the kernel refuses (here: a process that does not exist; across PID
+    namespaces, or without the right to ptrace the peer, likewise) fail that transfer,
+    which the Prefetch finishes over gRPC; the fetcher then stops offering direct reads
+    to that peer, whose next answer comes as UCX payload messages."""
+    na, ids, blocks = cluster.seed(MID, 20, seed=44)
+    fake = fake_peer("direct-gone", blocks)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na, ids, ucx=fake)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx+grpc", ""), r
+    assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
+    d = da.now()
+    assert d["peer_direct_refused"] == 1 and d["peer_ucx_failures"] == 1, d
+    # The fake serves its rows whatever ids are asked: they arrive under these ones.
+    na2, ids2, _ = cluster.seed(MID, 20, seed=45)
+    da = Delta(cluster, "a")
+    r = cluster.prefetch(na2, ids2, ucx=fake)
+    assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx", ""), r
+    assert same_bytes(cluster.clients["a"].get(na2, ids2), blocks)
+    d = da.now()
+    assert d["peer_blocks_direct"] == 0 and d["peer_direct_refused"] == 0, d
 
 
 @needs_ucx
@@ -572,11 +603,18 @@ def put_one_by_one(client: KVClient, chains) -> None:
 
 
 @needs_ucx
-def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent, monkeypatch):
-    """Blocks lying back to back in B's pool travel as one message per run; A receives a
-    run in place when the slots it reserved lie back to back too, else into staging and
-    copies in its verifying pass. Every layout arrives intact, over several chunks."""
+@pytest.mark.parametrize("direct", [False, True], ids=["messages", "direct-reads"])
+def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(
+    spawn_agent, monkeypatch, direct
+):
+    """UCX messages (peer.same_host_reads off): blocks lying back to back in B's pool
+    travel as one message per run; A receives a run in place when the slots it reserved
+    lie back to back too, else into staging and copies in its verifying pass. Direct
+    reads: A reads every block into its own slot wherever either lies, nothing staged and
+    no payload message, one release per chunk. Every layout arrives intact, over several
+    chunks."""
     monkeypatch.setenv("KVSTORE_PEER_BATCH_BYTES", str(5 * MID.block_bytes))  # agents
+    monkeypatch.setenv("KVSTORE_PEER_SAME_HOST_READS", "1" if direct else "0")
     big = dict(slot_bytes="256KiB", pool_bytes="32MiB", nvme_bytes=0)
     b_port = free_port()
     b = spawn_agent(peer_port=b_port, **big)
@@ -613,8 +651,12 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
         na = ca.open_namespace(MID)
         stub = peer_pb2_grpc.PeerStub(ca.channel)
         before = Counter(dict(ca.stats().counters))
-        for (_, ids, blocks), staged, messages in ((contiguous_on_b, n, 3), (scattered_on_b, 0, n)):
-            sent = Counter(dict(cb.stats().counters))["peer_payload_messages"]
+        layouts = ((contiguous_on_b, n, 3), (scattered_on_b, 0, n))
+        if direct:
+            layouts = ((contiguous_on_b, 0, 0), (scattered_on_b, 0, 0))
+        for (_, ids, blocks), staged, messages in layouts:
+            sent = Counter(dict(cb.stats().counters))
+            direct_before = before["peer_blocks_direct"]
             req = peer_pb2.PrefetchRequest(
                 ns=na.ref,
                 spec=common_pb2.Namespace(**MID.to_dict()),
@@ -629,9 +671,12 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(spawn_agent,
             after = Counter(dict(ca.stats().counters))
             # The first prompt lands in the expired chain's slots (two apart): staged.
             assert after["peer_blocks_staged"] - before["peer_blocks_staged"] == staged
+            assert after["peer_blocks_direct"] - direct_before == (n if direct else 0)
             before = after
             # B: one message per chunk when its blocks lie back to back, else one each.
-            assert Counter(dict(cb.stats().counters))["peer_payload_messages"] - sent == messages
+            now = Counter(dict(cb.stats().counters))
+            assert now["peer_payload_messages"] - sent["peer_payload_messages"] == messages
+            assert now["peer_direct_chunks"] - sent["peer_direct_chunks"] == (3 if direct else 0)
         assert before["peer_checksum_mismatch"] == 0 and before["peer_ucx_failures"] == 0
 
 
@@ -680,20 +725,57 @@ def test_the_last_message_of_a_transfer_is_cut_in_halves():
 
 
 @needs_ucx
-def test_large_blocks_arrive_intact_with_the_last_message_tapered(cluster):
-    """2 MiB blocks lying back to back in B's pool: one chunk of 12 travels as a message
-    of 8 blocks, then the last run of 4 cut into 2, 1 and 1 (wire.tapered), received in
-    place (or through staging where A's free slots do not lie back to back: earlier
-    tests left its pool fragmented) and verified."""
-    na, ids, blocks = cluster.seed(BIG, 12, seed=41)
+@needs_ucx
+def test_large_blocks_arrive_intact_with_the_last_message_tapered(spawn_agent, monkeypatch):
+    """UCX messages (peer.same_host_reads off): 2 MiB blocks lying back to back in B's
+    pool: one chunk of 12 travels as a message of 8 blocks, then the last run of 4 cut
+    into 2, 1 and 1 (wire.tapered), received in place and verified."""
+    monkeypatch.setenv("KVSTORE_PEER_SAME_HOST_READS", "0")
+    big = dict(slot_bytes="2MiB", pool_bytes="64MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **big)
+    a = spawn_agent(peer_port=free_port(), **big)
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
+        nb, na = cb.open_namespace(BIG), ca.open_namespace(BIG)
+        ids = cb.block_ids(nb, prompt_tokens(41, 12 * BIG.block_size))
+        blocks = random_blocks(BIG, 12, 41)
+        assert cb.put(nb, ids, blocks).stored == 12
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
+        assert (r.present, r.fetched, r.transport, r.stopped) == (12, 12, "ucx", ""), r
+        assert same_bytes(ca.get(na, ids), blocks)
+        sent, got = Counter(dict(cb.stats().counters)), Counter(dict(ca.stats().counters))
+    assert sent["peer_payload_messages"] == 4 and sent["peer_direct_chunks"] == 0, sent
+    assert got["peer_blocks_in_place"] == 12 and got["peer_blocks_direct"] == 0, got
+    assert got["peer_blocks_stored"] == 12 and got["peer_checksum_mismatch"] == 0, got
+
+
+@needs_ucx
+def test_agents_of_one_host_read_large_blocks_from_each_other_directly(cluster):
+    """Same kernel, same PID namespace: A reads B's borrowed slots itself (direct reads)
+    into the slots it reserved, hashing each block as it lands; B sends no payload
+    message, only the chunk's header, and keeps the blocks borrowed until A's release.
+    Small blocks still travel packed."""
+    na, ids, blocks = cluster.seed(BIG, 12, seed=42)
     da, db = Delta(cluster, "a"), Delta(cluster, "b")
     r = cluster.prefetch(na, ids)
     assert (r.present, r.fetched, r.transport, r.stopped) == (12, 12, "ucx", ""), r
     assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
-    assert db.now()["peer_payload_messages"] == 4
-    d = da.now()
-    assert d["peer_blocks_in_place"] + d["peer_blocks_staged"] == 12, d
-    assert d["peer_blocks_stored"] == 12 and d["peer_checksum_mismatch"] == 0, d
+    sent, got = db.now(), da.now()
+    assert sent["peer_direct_chunks"] == 1 and sent["peer_payload_messages"] == 0, sent
+    assert sent["peer_blocks_borrowed"] == 12, sent
+    assert got["peer_blocks_direct"] == 12 and got["peer_blocks_in_place"] == 12, got
+    assert got["peer_blocks_stored"] == 12 and got["peer_checksum_mismatch"] == 0, got
+    # B's borrows ended with the release: its blocks can go again (B is not pinned).
+    assert cluster.clients["b"].stats().tiers[0].blocks >= 12
+    sn, sids, sblocks = cluster.seed(SMALL, 6, seed=43)
+    db = Delta(cluster, "b")
+    r = cluster.prefetch(sn, sids)
+    assert (r.present, r.transport) == (6, "ucx"), r
+    assert same_bytes(cluster.clients["a"].get(sn, sids), sblocks)
+    assert db.now()["peer_direct_chunks"] == 0
 
 
 def test_control_frames_carry_their_length_and_refuse_impossible_ones():

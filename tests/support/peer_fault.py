@@ -3,7 +3,12 @@ protocol of node_agent/peer/ over real ucxx, serving the payloads in a .npy file
 answers the i-th requested block), and misbehaves on purpose:
 
 - corrupt: flips one byte of block 11 after computing its checksum;
-- die: sends a first chunk of at most 8 blocks, then exits without closing anything.
+- die: sends a first chunk of at most 8 blocks, then exits without closing anything;
+- direct-corrupt: offered direct reads (same host), announces its blocks for the fetcher
+  to read from its memory (node_agent/peer/ucx/direct.py), block 11 flipped after its
+  checksum was taken;
+- direct-gone: announces direct reads from a process that does not exist (the kernel
+  refuses them); a later connection that offers none is served with payload messages.
 
 Usage: python tests/support/peer_fault.py MODE DATA.npy PORT_FILE
 """
@@ -17,6 +22,7 @@ import sys
 import numpy as np
 
 from kvstore import checksum as cks
+from node_agent.peer.ucx.direct import RELEASE, host_identity
 from node_agent.peer.ucx.wire import init_ucx
 from kvstore.v1 import peer_pb2
 
@@ -44,17 +50,27 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         if mode == "die":
             batch = min(batch, DIE_BATCH)  # a legal (smaller) chunk that is not the last
         pack = data.shape[1] <= PACKED_MAX_BLOCK_BYTES
+        direct = mode.startswith("direct") and not pack and req.same_host == host_identity()
+        held = []  # rows the fetcher reads directly: alive until the connection ends
         for start in range(0, n, batch):
             rows = [data[i].copy() for i in range(start, min(n, start + batch))]
             sums = [cks.checksum(r) for r in rows]
-            if mode == "corrupt" and start <= CORRUPT_INDEX < start + len(rows):
+            if mode.endswith("corrupt") and start <= CORRUPT_INDEX < start + len(rows):
                 rows[CORRUPT_INDEX - start][100] ^= 0xFF
             last = start + len(rows) >= n
             hdr = peer_pb2.FetchChunk(first_index=start, count=len(rows), checksums=sums, done=last)
+            if direct:
+                held.extend(rows)
+                hdr.direct_pid = gone_pid() if mode == "direct-gone" else os.getpid()
+                hdr.addresses.extend(r.ctypes.data for r in rows)
             raw = hdr.SerializeToString()
             frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
             await asyncio.wait_for(ep.send(frame), 10)
-            if pack:  # small blocks: the whole batch as one message
+            if direct:  # the fetcher reads the rows, then releases them
+                release = np.empty(len(RELEASE), dtype=np.uint8)
+                await asyncio.wait_for(ep.recv(release), 10)
+                assert release.tobytes() == RELEASE
+            elif pack:  # small blocks: the whole batch as one message
                 await asyncio.wait_for(ep.send(np.concatenate(rows)), 10)
             else:
                 await asyncio.wait_for(asyncio.gather(*(ep.send(r) for r in rows)), 10)
@@ -77,9 +93,15 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         ucx.stop_notifier_thread()
 
 
+def gone_pid() -> int:
+    """A PID no process has: PIDs stay below pid_max."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())
+
+
 def main() -> None:
     mode, path, port_file = sys.argv[1:4]
-    if mode not in ("corrupt", "die"):
+    if mode not in ("corrupt", "die", "direct-corrupt", "direct-gone"):
         raise SystemExit(f"unknown mode {mode!r}")
     asyncio.run(serve(mode, np.load(path), port_file))
 

@@ -151,3 +151,80 @@ def test_host_pool_batch_keeps_the_slot_states():
     out = [bytearray(4096), bytearray(1000)]
     assert pool.read_many([a, b], [4096, 1000], out, 2) == [cks.checksum(d) for d in data]
     assert [bytes(o) for o in out] == data
+
+
+# ------------------------------------------------------------ cma_read_checksum
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=hs.lists(hs.one_of(hs.integers(0, 300), hs.integers(250_000, 800_000)), max_size=6),
+    threads=hs.integers(1, 3),
+    off=hs.integers(0, 7),
+)
+def test_cma_read_checksum_reads_and_hashes_like_xxh64(sizes, threads, off):
+    """Reading from this very process (process_vm_readv allows it): every dst holds the
+    bytes at its address, and each digest is the XXH64 of the xxhash package, across
+    the 256 KiB pieces the reads are hashed in, for any size and alignment."""
+    import os
+
+    rng = np.random.default_rng(len(sizes) + off)
+    srcs = [rng.integers(0, 256, n + off, dtype=np.uint8)[off:] for n in sizes]
+    dsts = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    got = _native.cma_read_checksum(
+        os.getpid(), dsts, [s.__array_interface__["data"][0] for s in srcs], threads=threads
+    )
+    assert got == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+
+
+@needs_native
+def test_cma_read_checksum_reads_another_process_and_reports_errno():
+    """A child's memory, read by address; an unmapped address is EFAULT, a PID no process
+    has ESRCH; bad arguments fail before any read."""
+    import errno
+    import mmap
+    import multiprocessing as mp
+    import os
+
+    mem = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    src = np.frombuffer(mem, dtype=np.uint8)
+    src[:] = np.random.default_rng(3).integers(0, 256, src.size, dtype=np.uint8)
+    addr = src.__array_interface__["data"][0]
+    ready, stop = mp.get_context("fork").Event(), mp.get_context("fork").Event()
+
+    def child():  # a forked copy: the same address, its own pages from here on
+        ready.set()
+        stop.wait(30)
+
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        expected = src.copy()
+        src[:] = 0  # ours changes; the child's copy does not
+        dst = np.zeros(src.size, dtype=np.uint8)
+        got = _native.cma_read_checksum(proc.pid, [dst[:4096], dst[4096:]], [addr, addr + 4096])
+        assert np.array_equal(dst, expected)
+        assert got == [
+            xxhash.xxh64_intdigest(expected[:4096].tobytes()),
+            xxhash.xxh64_intdigest(expected[4096:].tobytes()),
+        ]
+        with pytest.raises(OSError) as e:
+            _native.cma_read_checksum(proc.pid, [dst[:64]], [8])
+        assert e.value.errno == errno.EFAULT
+    finally:
+        stop.set()
+        proc.join(30)
+    with open("/proc/sys/kernel/pid_max") as f:
+        nobody = int(f.read())
+    with pytest.raises(OSError) as e:
+        _native.cma_read_checksum(nobody, [dst[:64]], [addr])
+    assert e.value.errno == errno.ESRCH
+    with pytest.raises(ValueError, match="2 addresses for 1 dsts"):
+        _native.cma_read_checksum(os.getpid(), [dst], [addr, addr])
+    with pytest.raises(TypeError, match="writable"):
+        _native.cma_read_checksum(os.getpid(), [bytes(8)], [addr])
+    with pytest.raises(ValueError, match="pid must be > 0"):
+        _native.cma_read_checksum(0, [dst], [addr])
+    with pytest.raises(ValueError, match=r"addresses\[0\]"):
+        _native.cma_read_checksum(os.getpid(), [dst], [-1])

@@ -22,6 +22,7 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
+from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.auth import UcxAuth, connect_handshake
 from node_agent.peer.ucx.wire import (
     ACK,
@@ -41,7 +42,9 @@ MAX_IDLE_PER_PEER = 4  # kept connections per peer address
 
 class UcxFetcher:
     """Pulls FetchRequests from peers' UCX listeners into BatchSinks. `in_place`: receive
-    into reserved pool slots (UcxTransport.in_place), else through staging."""
+    into reserved pool slots (UcxTransport.in_place), else through staging. `same_host`:
+    this agent's direct.host_identity, offered to every peer (a peer of the same host
+    then lets this agent read large blocks from its memory itself); "": no offer."""
 
     def __init__(
         self,
@@ -52,7 +55,10 @@ class UcxFetcher:
         counters: Counters,
         in_place: bool,
         auth: UcxAuth | None = None,
+        same_host: str = "",
     ) -> None:
+        self._same_host = same_host if in_place else ""
+        self._no_direct: set[str] = set()  # peers whose memory the kernel will not let us read
         self._auth = auth  # the certificate handshake on each new connection (auth.py)
         self._ucx = ucx  # the initialised ucxx module
         self._store = store
@@ -106,6 +112,7 @@ class UcxFetcher:
         Batch k+1's header is awaited, its slots reserved and its receives posted before batch
         k is verified and committed, so the wire never idles for a store step; at most
         staging_sets - 1 batches are posted at a time."""
+        req.same_host = self._same_host if address not in self._no_direct else ""
         ep = self._checkout(address)
         if ep is not None:
             try:
@@ -145,6 +152,10 @@ class UcxFetcher:
         # Packed: the next chunk's payload receive, posted right behind its header's
         # (_expect); at most one, taken by the header that comes, settled in `finally`
         early: list[_EarlyPayload] = []
+        # Direct reads: each chunk's release message, sent once the chunk is stored (so
+        # in chunk order, and off the path from the last read to the answer); the last
+        # one goes before the acknowledgement
+        releases: list[asyncio.Future] = []
         clean = abandoned = False
 
         def reserve_first() -> None:
@@ -171,7 +182,14 @@ class UcxFetcher:
                 # this chunk's payload receive, if posted early: stays in `early` (settled
                 # by `finally`) until a Landing takes it or it is taken empty
                 payload = early[0] if early else None
-                if hdr.count:
+                if hdr.direct_pid:
+                    self._check_direct(hdr, req, sink.block_bytes)
+                if hdr.count and hdr.direct_pid:
+                    take = ahead.pop() if ahead else None
+                    if not await self._post_direct(ep, address, sink, posted, first, hdr, take):
+                        abandoned = True  # the peer waits for a release that never comes
+                        break
+                elif hdr.count:
                     runs = None if packed(sink.block_bytes) else check_runs(hdr.runs, hdr.count)
                     # _post owns the slots reserved ahead from here; unused, `finally` frees them
                     take = ahead.pop() if ahead else None
@@ -184,18 +202,18 @@ class UcxFetcher:
                 elif payload is not None:
                     await self._skip(early.pop(), deadline, io)
                 if len(posted) > self._pcfg.staging_sets - 2 and not await self._store_oldest(
-                    posted, sink, deadline, io
+                    posted, sink, deadline, io, ep, releases
                 ):
                     break
                 if sink.remote_done:
                     break
                 raw = await within(expect(), deadline, io, "chunk header")
-            while posted and await self._store_oldest(posted, sink, deadline, io):
+            while posted and await self._store_oldest(posted, sink, deadline, io, ep, releases):
                 pass
             if sink.remote_done and not posted and not abandoned:
                 # The answer is complete: acknowledge it without waiting (the connection goes
                 # back to the idle set once the acknowledgement is out).
-                self._spawn(self._acknowledge(ep, address))
+                self._spawn(self._acknowledge(ep, address, releases[-1] if releases else None))
                 clean = True
                 await sink.drain()
         except (PeerTransportError, PeerRefused, _StaleConnection):
@@ -246,10 +264,14 @@ class UcxFetcher:
                 payload.recv.exception()  # retrieved: no "never retrieved" warning
             self._staging.give(payload.scratch)
 
-    async def _acknowledge(self, ep, address: str) -> None:
-        """Acknowledge a complete answer, then keep the connection for the next request to
-        this peer (it waits for that on it); a connection whose acknowledgement fails is
-        dropped."""
+    async def _acknowledge(self, ep, address: str, after: asyncio.Future | None = None) -> None:
+        """Acknowledge a complete answer (once `after`, the last release message, is out),
+        then keep the connection for the next request to this peer (it waits for that on
+        it); a connection whose acknowledgement fails is dropped."""
+        if after is not None and not await after:
+            log.debug("a release to %s failed; dropping the connection", address)
+            ep.abort()
+            return
         try:
             await within(
                 ep.send(np.frombuffer(ACK, dtype=np.uint8)),
@@ -317,10 +339,100 @@ class UcxFetcher:
         posted.append(ld)
         return True
 
-    async def _store_oldest(
-        self, posted: list[Landing], sink: BatchSink, deadline: float, io: float
+    def _check_direct(self, hdr: peer_pb2.FetchChunk, req: peer_pb2.FetchRequest, size: int):
+        """A chunk for direct reads must answer an offer, of large blocks, with an address
+        per block."""
+        if not req.same_host or packed(size) or len(hdr.addresses) != hdr.count:
+            raise PeerTransportError(
+                f"malformed chunk from peer: direct reads of {len(hdr.addresses)} addresses "
+                f"for {hdr.count} blocks of {size} bytes"
+                + ("" if req.same_host else ", not offered")
+            )
+
+    async def _post_direct(
+        self,
+        ep,
+        address: str,
+        sink: BatchSink,
+        posted: list[Landing],
+        first: int,
+        hdr: peer_pb2.FetchChunk,
+        ahead: Reservation | None,
     ) -> bool:
-        """Wait for the oldest posted batch to land, then hand it to the sink."""
+        """Reserve the batch's slots (or take `ahead`) and start reading its blocks from the
+        peer's memory into them (direct.read_into, in a worker thread), each hashed as it
+        lands; the peer's release message for the batch follows once it is stored
+        (_store_oldest). False (the sink knows why) when not one block of it can be
+        stored here: then nothing is read."""
+        after = posted[-1].res if posted else None
+        try:
+            if ahead is not None:
+                self._store.trim(ahead, hdr.count)
+                res = ahead
+            elif self._store.pool.free_slots < hdr.count:  # making room may write NVMe
+                res = await asyncio.to_thread(sink.reserve, first, hdr.count, after)
+            else:
+                res = sink.reserve(first, hdr.count, after)
+        except errors.KvError as exc:
+            sink.stop_reason = sink.stop_reason or f"not stored here: {exc}"
+            return False
+        if not res.plan:
+            sink.stop_reason = sink.stop_reason or f"not stored here: {res.reason}"
+            return False
+        ld = Landing(first, hdr.count, list(hdr.checksums), res, [], [], direct=True)
+        views = res.views  # fewer than hdr.count when the pool is short: the rest is a miss
+        threads = self._store.copy_threads_for(len(views) * sink.block_bytes)
+        read = asyncio.ensure_future(
+            self._read(address, hdr.direct_pid, views, list(hdr.addresses[: len(views)]), threads)
+        )
+        ld.recvs = asyncio.ensure_future(asyncio.gather(read, return_exceptions=True))
+        ld.digests = [asyncio.ensure_future(_digests_of(read))]
+        self._counters.add("peer_blocks_direct", len(views))
+        posted.append(ld)
+        return True
+
+    async def _read(self, address: str, pid: int, views, addrs, threads: int) -> list[int]:
+        try:
+            return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
+        except direct.DirectReadError as exc:
+            if exc.refused:  # later requests to this peer ask for payload messages
+                self._no_direct.add(address)
+                self._counters.add("peer_direct_refused")
+                log.warning(
+                    "direct reads from %s refused (%s): its payloads go over UCX messages",
+                    address,
+                    exc,
+                )
+            raise
+
+    async def _release(self, ep) -> bool:
+        """Tell the peer that the oldest batch it lent for direct reads is done with;
+        whether that went out (else the transfer's own waits report the broken
+        connection)."""
+        try:
+            await within(
+                ep.send(np.frombuffer(direct.RELEASE, dtype=np.uint8)),
+                time.monotonic() + self._pcfg.io_timeout_s,
+                self._pcfg.io_timeout_s,
+                "release",
+            )
+        except Exception as exc:
+            log.debug("sending a release failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return True
+
+    async def _store_oldest(
+        self,
+        posted: list[Landing],
+        sink: BatchSink,
+        deadline: float,
+        io: float,
+        ep=None,
+        releases: list[asyncio.Future] | None = None,
+    ) -> bool:
+        """Wait for the oldest posted batch to land, then hand it to the sink; a batch read
+        directly is then released to the peer on `ep` (its send added to `releases`):
+        nothing reads the peer's memory for it any more."""
         ld = posted[0]
         if ld.recvs is None:  # _post sets it before posting the batch
             raise PeerTransportError("a batch was posted without its receives")
@@ -330,6 +442,8 @@ class UcxFetcher:
             raise PeerTransportError(f"receiving a payload: {type(failed).__name__}: {failed}")
         posted.pop(0)
         ok = await sink.land(ld)
+        if ld.direct and releases is not None:
+            releases.append(asyncio.ensure_future(self._release(ep)))
         if ld.res is not None:  # its scratch only took payloads that are not stored
             self._give_back(ld)  # (packed, land() took the set: the sink gives it back)
         return ok
@@ -497,6 +611,14 @@ async def _ask(
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "never retrieved" warning
+
+
+async def _digests_of(read: asyncio.Future) -> list[int] | None:
+    """The XXH64s a direct read took; None when it failed (the transfer fails on its own)."""
+    try:
+        return await read
+    except Exception:
+        return None
 
 
 async def _digest_landed(recv: asyncio.Future, views: list, digests) -> list[int] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -19,6 +20,7 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerTransportError, within
 from node_agent.peer.serve import BlockSource, ReadBatch, ServeRequest
 from node_agent.peer.staging import runs_of, spans
+from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.auth import UcxAuth, accept_handshake
 from node_agent.peer.ucx.wire import (
     ACK,
@@ -38,7 +40,9 @@ _EMPTY = np.empty(0, dtype=np.uint8)  # the payload message of a packed chunk of
 class UcxServer:
     """Answers the connections a UCX listener accepts (handle). The UCX path bypasses
     the gRPC edge, so the token the fetching agent forwards is checked here (`tokens`).
-    `borrow`: payloads are sent straight from pool slots (UcxTransport.in_place)."""
+    `borrow`: payloads are sent straight from pool slots (UcxTransport.in_place).
+    `same_host`: this agent's direct.host_identity; a fetcher that offers the same one
+    reads large blocks from this process's memory itself (direct reads); "": never."""
 
     def __init__(
         self,
@@ -49,10 +53,12 @@ class UcxServer:
         borrow: bool,
         auth: UcxAuth | None = None,
         address: Callable[[], str] = lambda: "",
+        same_host: str = "",
     ) -> None:
         """`auth`: every connection must pass the certificate handshake first
         (node_agent/peer/ucx/auth.py), made for the listener's `address()`."""
         self._auth = auth
+        self._same_host = same_host
         self._address = address
         self._source = source
         self._tokens = tokens
@@ -119,14 +125,16 @@ class UcxServer:
                 post_control(ep, err.SerializeToString()), far, self._pcfg.io_timeout_s, "refusal"
             )
             return
+        same_host = bool(self._same_host) and req.same_host == self._same_host
         async with self._source.slots:
-            await self._send_batches(ep, src)
+            await self._send_batches(ep, src, same_host)
 
-    async def _send_batches(self, ep, src: ServeRequest) -> None:
+    async def _send_batches(self, ep, src: ServeRequest, same_host: bool = False) -> None:
         """Header then payloads per batch, all posted at once (one completion wait per
         batch), announcing the next batch before the payloads of this one have landed; at
         most staging_sets - 2 batches stay in flight when read_batches reads ahead, which
-        keeps its buffer reuse safe."""
+        keeps its buffer reuse safe. `same_host`: the fetcher reads large blocks itself
+        (direct reads): a batch is done with once its release message came."""
         far = time.monotonic() + 1e9
         io = self._pcfg.io_timeout_s
         size = src.st.spec.block_bytes
@@ -137,7 +145,7 @@ class UcxServer:
             batches = self._source.read_batches(src, lease, pack, borrow=self._borrow)
             async with aclosing(batches) as it:
                 async for rb in it:
-                    sends = self._announce(ep, rb, size, pack)
+                    sends = self._announce(ep, rb, size, pack, same_host)
                     inflight.append((asyncio.gather(*sends), rb))
                     while len(inflight) > self._pcfg.staging_sets - 2:
                         await self._sent(inflight, far, io)
@@ -151,15 +159,26 @@ class UcxServer:
                     self._source.done_with(rb)
             lease.release()
 
-    def _announce(self, ep, rb: ReadBatch, size: int, pack: bool) -> list[asyncio.Future]:
+    def _announce(
+        self, ep, rb: ReadBatch, size: int, pack: bool, same_host: bool = False
+    ) -> list[asyncio.Future]:
         """Post the header of `rb` and its payloads (packed: the batch as one message;
-        else one per run of blocks back to back in memory); the sends' futures."""
+        else one per run of blocks back to back in memory); the sends' futures. Direct
+        reads (`same_host`, large blocks in host memory): the header names where each
+        block lies in this process, and the fetcher's release message for the batch
+        stands for the payloads."""
         hdr = peer_pb2.FetchChunk(
             first_index=rb.first,
             count=len(rb.served),
             checksums=[s.checksum for s in rb.served],
             done=rb.last,
         )
+        where = direct.addresses(rb.bufs[: len(rb.served)]) if same_host and not pack else None
+        if where:
+            hdr.direct_pid = os.getpid()
+            hdr.addresses.extend(where)
+            self._counters.add("peer_direct_chunks")
+            return [post_control(ep, hdr.SerializeToString()), asyncio.ensure_future(_released(ep))]
         payloads = []
         if pack:  # the fetcher posts this receive before the header came: always one
             payloads = [rb.bufs[0][: len(rb.served) * size] if rb.served else _EMPTY]
@@ -182,3 +201,11 @@ class UcxServer:
         await within(asyncio.shield(fut), far, io, "header and payload sends")
         inflight.pop(0)
         self._source.done_with(rb)
+
+
+async def _released(ep) -> None:
+    """Receive the fetcher's release message of a batch it read directly."""
+    buf = np.empty(len(direct.RELEASE), dtype=np.uint8)
+    await ep.recv(buf)
+    if buf.tobytes() != direct.RELEASE:
+        raise PeerTransportError("peer sent something else than a release message")

@@ -16,6 +16,7 @@ from node_agent.peer.sink import BatchSink
 from node_agent.peer.staging import StagingPool
 from node_agent.peer.transport import PeerRef
 from node_agent.peer.ucx.auth import UcxAuth
+from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.bind import InterfaceGuard
 from node_agent.peer.ucx.fetch import UcxFetcher
 from node_agent.peer.ucx.serve import UcxServer
@@ -70,6 +71,7 @@ class UcxTransport:
         try:
             ucx = init_ucx(self._pcfg.shared_memory)
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
+            same_host = self._same_host()
             server = UcxServer(
                 self._source,
                 self._tokens,
@@ -78,6 +80,7 @@ class UcxTransport:
                 borrow=self.in_place,
                 auth=self._auth,
                 address=lambda: self.address,
+                same_host=same_host,
             )
             guard = InterfaceGuard(
                 self._bind_host, lambda: self._counters.add("peer_ucx_wrong_interface")
@@ -91,8 +94,16 @@ class UcxTransport:
             )
             return
         self._ucx, self._server, self._listener = ucx, server, listener
+        # direct reads land only in host memory: a GPU pool fetches by UCX messages
         self._fetcher = UcxFetcher(
-            ucx, self._store, self._staging, self._pcfg, self._counters, self.in_place, self._auth
+            ucx,
+            self._store,
+            self._staging,
+            self._pcfg,
+            self._counters,
+            self.in_place,
+            self._auth,
+            same_host=same_host if not self._store.pool.is_cuda else "",
         )
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
@@ -109,6 +120,14 @@ class UcxTransport:
                 if self.in_place
                 else f"are staged in host memory ({why})",
             )
+
+    def _same_host(self) -> str:
+        """This agent's host identity for direct reads with agents of the same host, or ""
+        when they are off (peer.same_host_reads, or peer.shared_memory: payloads kept on
+        TCP), or cannot be had here."""
+        if not (self._pcfg.same_host_reads and self._pcfg.shared_memory):
+            return ""
+        return direct.host_identity()
 
     def _decide_in_place(self, ucx_cuda: bool) -> bool:
         """Whether payloads move straight between pool slots: configured so, and the pool
