@@ -4,7 +4,9 @@
 
 #include <errno.h>
 #include <pthread.h>
+#ifdef __linux__
 #include <sys/uio.h>
+#endif
 
 #include "copy.h"
 #include "xxh64.h"
@@ -38,7 +40,13 @@ typedef struct {
 /* dst[0..n) = process pid's src[0..n) (cross-memory attach: the kernel copies from the
  * other process's pages, no mapping of them here), hashed piece by piece; j->err set
  * (and the digest left 0) when a read fails. */
+_Static_assert(KV_CMA_PIECE % 32 == 0, "pieces but the last must be whole XXH64 stripes");
+
 static void run_remote_job(kv_job *j) {
+#ifndef __linux__
+    j->err = ENOSYS; /* cross-memory attach is Linux's */
+    return;
+#else
     xx_state s;
     xx_init(&s, j->seed);
     uintptr_t src = (uintptr_t)j->src;
@@ -59,6 +67,7 @@ static void run_remote_job(kv_job *j) {
         done += want;
     }
     j->digest = xx_finish(&s, (uint64_t)j->n, j->dst + (j->n / 32) * 32);
+#endif
 }
 
 static void run_job(kv_job *j) {

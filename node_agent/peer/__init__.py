@@ -20,8 +20,8 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   A's FetchRequest offers its host identity; when B's matches, B's chunk headers of large
   blocks name where each borrowed block lies in B's memory and no payload message
   follows. A reads them itself into its reserved slots (process_vm_readv, several threads,
-  each block hashed as it lands), stores the chunk, then sends a release message for it
-  (B ends the borrow); the acknowledgement follows the last release.
+  each block hashed as it lands), sends a release message for it once read (B ends
+  the borrow), and stores it; the acknowledgement follows the last release.
 - gRPC: Peer.FetchBlocks (node_agent/peer/grpc_transport.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).

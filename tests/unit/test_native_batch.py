@@ -164,7 +164,7 @@ def test_host_pool_batch_keeps_the_slot_states():
 def test_cma_read_checksum_reads_and_hashes_like_xxh64(sizes, threads, off):
     """Reading from this very process (process_vm_readv allows it): every dst holds the
     bytes at its address, and each digest is the XXH64 of the xxhash package, across
-    the 256 KiB pieces the reads are hashed in, for any size and alignment."""
+    the 512 KiB pieces the reads are hashed in, for any size and alignment."""
     import os
 
     rng = np.random.default_rng(len(sizes) + off)

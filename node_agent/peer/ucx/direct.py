@@ -36,7 +36,9 @@ from kvstore.checksum import ACCEL
 from node_agent.peer.errors import PeerTransportError
 
 RELEASE = struct.pack("<Q", 0x4B56_524C_5300_0001)  # "KVRLS", version 1
-# errnos that say this peer cannot be read directly at all (rather than this once)
+# errnos that say this peer cannot be read directly (rather than this read failed): the
+# fetcher then asks it for payload messages for a while (fetch.NO_DIRECT_S); ESRCH: the
+# peer process is gone (it may come back restarted)
 REFUSED = frozenset({errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS})
 
 
@@ -48,6 +50,8 @@ def host_identity() -> str:
     accepted)."""
     if ACCEL.module is None or not hasattr(ACCEL.module, "cma_read_checksum"):
         return ""
+    if not may_read_peers():
+        return ""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -55,6 +59,30 @@ def host_identity() -> str:
     except OSError:
         return ""
     return f"{boot}/{pidns}" if boot and pidns else ""
+
+
+CAP_SYS_PTRACE = 19
+
+
+def may_read_peers() -> bool:
+    """Whether the kernel lets this process read another one of its user (Yama's
+    ptrace_scope 0, or none; with 1 or more only CAP_SYS_PTRACE can): else every
+    offer would cost a failed transfer first."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return True  # no Yama
+    if scope == 0:
+        return True
+    if scope >= 3:
+        return False
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+        return bool(int(caps, 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
 
 
 def address_of(view) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ from node_agent.peer.ucx.wire import (
 
 log = logging.getLogger("kvstore.agent.peer")
 MAX_IDLE_PER_PEER = 4  # kept connections per peer address
+# A peer whose memory the kernel would not let us read is asked for payload messages for
+# this long, then offered direct reads again (it may have restarted in our PID namespace).
+NO_DIRECT_S = 300.0
 
 
 class UcxFetcher:
@@ -58,7 +62,8 @@ class UcxFetcher:
         same_host: str = "",
     ) -> None:
         self._same_host = same_host if in_place else ""
-        self._no_direct: set[str] = set()  # peers whose memory the kernel will not let us read
+        # peers whose memory the kernel would not let us read -> until when we do not ask
+        self._no_direct: dict[str, float] = {}
         self._auth = auth  # the certificate handshake on each new connection (auth.py)
         self._ucx = ucx  # the initialised ucxx module
         self._store = store
@@ -80,11 +85,12 @@ class UcxFetcher:
                 ep.abort()
         self._idle.clear()
 
-    def _spawn(self, coro) -> None:
-        """Run `coro` in the background (nobody waits for it; kept referenced)."""
+    def _spawn(self, coro) -> asyncio.Future:
+        """Run `coro` in the background (kept referenced until done); its task."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _checkout(self, address: str):
         """An idle connection to `address` young enough that the peer still keeps it."""
@@ -112,7 +118,8 @@ class UcxFetcher:
         Batch k+1's header is awaited, its slots reserved and its receives posted before batch
         k is verified and committed, so the wire never idles for a store step; at most
         staging_sets - 1 batches are posted at a time."""
-        req.same_host = self._same_host if address not in self._no_direct else ""
+        refused_until = self._no_direct.get(address, 0.0)
+        req.same_host = self._same_host if refused_until < time.monotonic() else ""
         ep = self._checkout(address)
         if ep is not None:
             try:
@@ -152,9 +159,10 @@ class UcxFetcher:
         # Packed: the next chunk's payload receive, posted right behind its header's
         # (_expect); at most one, taken by the header that comes, settled in `finally`
         early: list[_EarlyPayload] = []
-        # Direct reads: each chunk's release message, sent once the chunk is stored (so
-        # in chunk order, and off the path from the last read to the answer); the last
-        # one goes before the acknowledgement
+        # Direct reads: each chunk's release message, sent as soon as its read is over and
+        # the chunks before it were released (in chunk order, whatever the pace of storing:
+        # a server with fewer staging sets waits for a release before its next header);
+        # the last one goes before the acknowledgement
         releases: list[asyncio.Future] = []
         clean = abandoned = False
 
@@ -186,7 +194,9 @@ class UcxFetcher:
                     self._check_direct(hdr, req, sink.block_bytes)
                 if hdr.count and hdr.direct_pid:
                     take = ahead.pop() if ahead else None
-                    if not await self._post_direct(ep, address, sink, posted, first, hdr, take):
+                    if not await self._post_direct(
+                        ep, address, sink, posted, first, hdr, take, releases
+                    ):
                         abandoned = True  # the peer waits for a release that never comes
                         break
                 elif hdr.count:
@@ -202,13 +212,13 @@ class UcxFetcher:
                 elif payload is not None:
                     await self._skip(early.pop(), deadline, io)
                 if len(posted) > self._pcfg.staging_sets - 2 and not await self._store_oldest(
-                    posted, sink, deadline, io, ep, releases
+                    posted, sink, deadline, io
                 ):
                     break
                 if sink.remote_done:
                     break
                 raw = await within(expect(), deadline, io, "chunk header")
-            while posted and await self._store_oldest(posted, sink, deadline, io, ep, releases):
+            while posted and await self._store_oldest(posted, sink, deadline, io):
                 pass
             if sink.remote_done and not posted and not abandoned:
                 # The answer is complete: acknowledge it without waiting (the connection goes
@@ -358,12 +368,13 @@ class UcxFetcher:
         first: int,
         hdr: peer_pb2.FetchChunk,
         ahead: Reservation | None,
+        releases: list[asyncio.Future],
     ) -> bool:
         """Reserve the batch's slots (or take `ahead`) and start reading its blocks from the
         peer's memory into them (direct.read_into, in a worker thread), each hashed as it
-        lands; the peer's release message for the batch follows once it is stored
-        (_store_oldest). False (the sink knows why) when not one block of it can be
-        stored here: then nothing is read."""
+        lands; the peer's release message for the batch follows once the read is over
+        (in chunk order: `releases`). False (the sink knows why) when not one block of it
+        can be stored here: then nothing is read."""
         after = posted[-1].res if posted else None
         try:
             if ahead is not None:
@@ -379,6 +390,9 @@ class UcxFetcher:
         if not res.plan:
             sink.stop_reason = sink.stop_reason or f"not stored here: {res.reason}"
             return False
+        if hdr.direct_pid == os.getpid():  # our own memory: other tenants' slots among it
+            self._store.abort(res)
+            raise PeerTransportError("malformed chunk from peer: direct reads from this process")
         ld = Landing(first, hdr.count, list(hdr.checksums), res, [], [], direct=True)
         views = res.views  # fewer than hdr.count when the pool is short: the rest is a miss
         threads = self._store.copy_threads_for(len(views) * sink.block_bytes)
@@ -387,6 +401,8 @@ class UcxFetcher:
         )
         ld.recvs = asyncio.ensure_future(asyncio.gather(read, return_exceptions=True))
         ld.digests = [asyncio.ensure_future(_digests_of(read))]
+        prev = releases[-1] if releases else None
+        releases.append(self._spawn(self._release(ep, prev, read)))
         self._counters.add("peer_blocks_direct", len(views))
         posted.append(ld)
         return True
@@ -395,8 +411,8 @@ class UcxFetcher:
         try:
             return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
         except direct.DirectReadError as exc:
-            if exc.refused:  # later requests to this peer ask for payload messages
-                self._no_direct.add(address)
+            if exc.refused:  # requests to this peer ask for payload messages for a while
+                self._no_direct[address] = time.monotonic() + NO_DIRECT_S
                 self._counters.add("peer_direct_refused")
                 log.warning(
                     "direct reads from %s refused (%s): its payloads go over UCX messages",
@@ -405,10 +421,16 @@ class UcxFetcher:
                 )
             raise
 
-    async def _release(self, ep) -> bool:
-        """Tell the peer that the oldest batch it lent for direct reads is done with;
-        whether that went out (else the transfer's own waits report the broken
-        connection)."""
+    async def _release(self, ep, prev: asyncio.Future | None, read: asyncio.Future) -> bool:
+        """Tell the peer that the batch `read` read is done with, once the batches before
+        it were (`prev`); whether that went out. A failed read sends nothing: the transfer
+        fails and its connection is aborted (as it is when a send fails: the transfer's
+        own waits report it)."""
+        if prev is not None and not await prev:
+            return False
+        await asyncio.wait([read])
+        if read.cancelled() or read.exception() is not None:
+            return False
         try:
             await within(
                 ep.send(np.frombuffer(direct.RELEASE, dtype=np.uint8)),
@@ -422,17 +444,10 @@ class UcxFetcher:
         return True
 
     async def _store_oldest(
-        self,
-        posted: list[Landing],
-        sink: BatchSink,
-        deadline: float,
-        io: float,
-        ep=None,
-        releases: list[asyncio.Future] | None = None,
+        self, posted: list[Landing], sink: BatchSink, deadline: float, io: float
     ) -> bool:
-        """Wait for the oldest posted batch to land, then hand it to the sink; a batch read
-        directly is then released to the peer on `ep` (its send added to `releases`):
-        nothing reads the peer's memory for it any more."""
+        """Wait for the oldest posted batch to land, then hand it to the sink; False when
+        the transfer stops (then its slots go back: the sink did not take them)."""
         ld = posted[0]
         if ld.recvs is None:  # _post sets it before posting the batch
             raise PeerTransportError("a batch was posted without its receives")
@@ -442,8 +457,8 @@ class UcxFetcher:
             raise PeerTransportError(f"receiving a payload: {type(failed).__name__}: {failed}")
         posted.pop(0)
         ok = await sink.land(ld)
-        if ld.direct and releases is not None:
-            releases.append(asyncio.ensure_future(self._release(ep)))
+        if not ok and ld.res is not None:  # an earlier batch stopped the transfer: not
+            self._store.abort(ld.res)  # committed, and nothing writes into it any more
         if ld.res is not None:  # its scratch only took payloads that are not stored
             self._give_back(ld)  # (packed, land() took the set: the sink gives it back)
         return ok
