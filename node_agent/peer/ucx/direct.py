@@ -37,7 +37,7 @@ from node_agent.peer.errors import PeerTransportError
 
 RELEASE = struct.pack("<Q", 0x4B56_524C_5300_0001)  # "KVRLS", version 1
 # errnos that say this peer cannot be read directly (rather than this read failed): the
-# fetcher then asks it for payload messages for a while (fetch.NO_DIRECT_S); ESRCH: the
+# fetcher then asks it for payload messages for a while (direct_fetch.NO_DIRECT_S); ESRCH: the
 # peer process is gone (it may come back restarted)
 REFUSED = frozenset({errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS})
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +22,8 @@ from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
-from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.auth import UcxAuth, connect_handshake
+from node_agent.peer.ucx.direct_fetch import DirectFetcher
 from node_agent.peer.ucx.wire import (
     ACK,
     check_runs,
@@ -39,9 +38,6 @@ from node_agent.peer.ucx.wire import (
 
 log = logging.getLogger("kvstore.agent.peer")
 MAX_IDLE_PER_PEER = 4  # kept connections per peer address
-# A peer whose memory the kernel would not let us read is asked for payload messages for
-# this long, then offered direct reads again (it may have restarted in our PID namespace).
-NO_DIRECT_S = 300.0
 
 
 class UcxFetcher:
@@ -61,9 +57,9 @@ class UcxFetcher:
         auth: UcxAuth | None = None,
         same_host: str = "",
     ) -> None:
-        self._same_host = same_host if in_place else ""
-        # peers whose memory the kernel would not let us read -> until when we do not ask
-        self._no_direct: dict[str, float] = {}
+        self._direct = DirectFetcher(
+            store, pcfg, counters, same_host if in_place else "", self._spawn
+        )
         self._auth = auth  # the certificate handshake on each new connection (auth.py)
         self._ucx = ucx  # the initialised ucxx module
         self._store = store
@@ -118,8 +114,7 @@ class UcxFetcher:
         Batch k+1's header is awaited, its slots reserved and its receives posted before batch
         k is verified and committed, so the wire never idles for a store step; at most
         staging_sets - 1 batches are posted at a time."""
-        refused_until = self._no_direct.get(address, 0.0)
-        req.same_host = self._same_host if refused_until < time.monotonic() else ""
+        req.same_host = self._direct.offer(address)
         ep = self._checkout(address)
         if ep is not None:
             try:
@@ -191,10 +186,10 @@ class UcxFetcher:
                 # by `finally`) until a Landing takes it or it is taken empty
                 payload = early[0] if early else None
                 if hdr.direct_pid:
-                    self._check_direct(hdr, req, sink.block_bytes)
+                    self._direct.check(hdr, req, sink.block_bytes)
                 if hdr.count and hdr.direct_pid:
                     take = ahead.pop() if ahead else None
-                    if not await self._post_direct(
+                    if not await self._direct.post(
                         ep, address, sink, posted, first, hdr, take, releases
                     ):
                         abandoned = True  # the peer waits for a release that never comes
@@ -347,100 +342,6 @@ class UcxFetcher:
                 )
                 i += len(views)
         posted.append(ld)
-        return True
-
-    def _check_direct(self, hdr: peer_pb2.FetchChunk, req: peer_pb2.FetchRequest, size: int):
-        """A chunk for direct reads must answer an offer, of large blocks, with an address
-        per block."""
-        if not req.same_host or packed(size) or len(hdr.addresses) != hdr.count:
-            raise PeerTransportError(
-                f"malformed chunk from peer: direct reads of {len(hdr.addresses)} addresses "
-                f"for {hdr.count} blocks of {size} bytes"
-                + ("" if req.same_host else ", not offered")
-            )
-
-    async def _post_direct(
-        self,
-        ep,
-        address: str,
-        sink: BatchSink,
-        posted: list[Landing],
-        first: int,
-        hdr: peer_pb2.FetchChunk,
-        ahead: Reservation | None,
-        releases: list[asyncio.Future],
-    ) -> bool:
-        """Reserve the batch's slots (or take `ahead`) and start reading its blocks from the
-        peer's memory into them (direct.read_into, in a worker thread), each hashed as it
-        lands; the peer's release message for the batch follows once the read is over
-        (in chunk order: `releases`). False (the sink knows why) when not one block of it
-        can be stored here: then nothing is read."""
-        after = posted[-1].res if posted else None
-        try:
-            if ahead is not None:
-                self._store.trim(ahead, hdr.count)
-                res = ahead
-            elif self._store.pool.free_slots < hdr.count:  # making room may write NVMe
-                res = await asyncio.to_thread(sink.reserve, first, hdr.count, after)
-            else:
-                res = sink.reserve(first, hdr.count, after)
-        except errors.KvError as exc:
-            sink.stop_reason = sink.stop_reason or f"not stored here: {exc}"
-            return False
-        if not res.plan:
-            sink.stop_reason = sink.stop_reason or f"not stored here: {res.reason}"
-            return False
-        if hdr.direct_pid == os.getpid():  # our own memory: other tenants' slots among it
-            self._store.abort(res)
-            raise PeerTransportError("malformed chunk from peer: direct reads from this process")
-        ld = Landing(first, hdr.count, list(hdr.checksums), res, [], [], direct=True)
-        views = res.views  # fewer than hdr.count when the pool is short: the rest is a miss
-        threads = self._store.copy_threads_for(len(views) * sink.block_bytes)
-        read = asyncio.ensure_future(
-            self._read(address, hdr.direct_pid, views, list(hdr.addresses[: len(views)]), threads)
-        )
-        ld.recvs = asyncio.ensure_future(asyncio.gather(read, return_exceptions=True))
-        ld.digests = [asyncio.ensure_future(_digests_of(read))]
-        prev = releases[-1] if releases else None
-        releases.append(self._spawn(self._release(ep, prev, read)))
-        self._counters.add("peer_blocks_direct", len(views))
-        posted.append(ld)
-        return True
-
-    async def _read(self, address: str, pid: int, views, addrs, threads: int) -> list[int]:
-        try:
-            return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
-        except direct.DirectReadError as exc:
-            if exc.refused:  # requests to this peer ask for payload messages for a while
-                self._no_direct[address] = time.monotonic() + NO_DIRECT_S
-                self._counters.add("peer_direct_refused")
-                log.warning(
-                    "direct reads from %s refused (%s): its payloads go over UCX messages",
-                    address,
-                    exc,
-                )
-            raise
-
-    async def _release(self, ep, prev: asyncio.Future | None, read: asyncio.Future) -> bool:
-        """Tell the peer that the batch `read` read is done with, once the batches before
-        it were (`prev`); whether that went out. A failed read sends nothing: the transfer
-        fails and its connection is aborted (as it is when a send fails: the transfer's
-        own waits report it)."""
-        if prev is not None and not await prev:
-            return False
-        await asyncio.wait([read])
-        if read.cancelled() or read.exception() is not None:
-            return False
-        try:
-            await within(
-                ep.send(np.frombuffer(direct.RELEASE, dtype=np.uint8)),
-                time.monotonic() + self._pcfg.io_timeout_s,
-                self._pcfg.io_timeout_s,
-                "release",
-            )
-        except Exception as exc:
-            log.debug("sending a release failed: %s: %s", type(exc).__name__, exc)
-            return False
         return True
 
     async def _store_oldest(
@@ -626,14 +527,6 @@ async def _ask(
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "never retrieved" warning
-
-
-async def _digests_of(read: asyncio.Future) -> list[int] | None:
-    """The XXH64s a direct read took; None when it failed (the transfer fails on its own)."""
-    try:
-        return await read
-    except Exception:
-        return None
 
 
 async def _digest_landed(recv: asyncio.Future, views: list, digests) -> list[int] | None:

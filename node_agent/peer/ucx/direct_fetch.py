@@ -1,0 +1,158 @@
+"""The fetching side of direct reads between agents of one host (direct.py): what
+UcxFetcher does with a chunk header that names blocks in the peer's memory instead of
+announcing payload messages. The protocol: node_agent/peer/__init__.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.config import PeerConfig
+from kvstore.store import BlockStore
+from kvstore.store_types import Reservation
+from kvstore.v1 import peer_pb2
+from node_agent.peer.counters import Counters
+from node_agent.peer.errors import PeerTransportError, within
+from node_agent.peer.sink import BatchSink, Landing
+from node_agent.peer.ucx import direct
+from node_agent.peer.ucx.wire import packed
+
+log = logging.getLogger("kvstore.agent.peer")
+# A peer whose memory the kernel would not let us read is asked for payload messages for
+# this long, then offered direct reads again (it may have restarted in our PID namespace).
+NO_DIRECT_S = 300.0
+
+
+class DirectFetcher:
+    """`same_host`: this agent's direct.host_identity, offered to every peer not refused
+    lately ("" : never offered). `spawn`: runs a background task, kept referenced."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        pcfg: PeerConfig,
+        counters: Counters,
+        same_host: str,
+        spawn: Callable[..., asyncio.Future],
+    ) -> None:
+        self._store = store
+        self._pcfg = pcfg
+        self._counters = counters
+        self._same_host = same_host
+        self._spawn = spawn
+        # peers whose memory the kernel would not let us read -> until when we do not ask
+        self._refused: dict[str, float] = {}
+
+    def offer(self, address: str) -> str:
+        """What a FetchRequest to `address` offers in `same_host`."""
+        if self._refused.get(address, 0.0) >= time.monotonic():
+            return ""
+        return self._same_host
+
+    def check(self, hdr: peer_pb2.FetchChunk, req: peer_pb2.FetchRequest, size: int) -> None:
+        """A chunk for direct reads must answer an offer, of large blocks, with an address
+        per block."""
+        if not req.same_host or packed(size) or len(hdr.addresses) != hdr.count:
+            raise PeerTransportError(
+                f"malformed chunk from peer: direct reads of {len(hdr.addresses)} addresses "
+                f"for {hdr.count} blocks of {size} bytes"
+                + ("" if req.same_host else ", not offered")
+            )
+
+    async def post(
+        self,
+        ep,
+        address: str,
+        sink: BatchSink,
+        posted: list[Landing],
+        first: int,
+        hdr: peer_pb2.FetchChunk,
+        ahead: Reservation | None,
+        releases: list[asyncio.Future],
+    ) -> bool:
+        """Reserve the batch's slots (or take `ahead`) and start reading its blocks from the
+        peer's memory into them (direct.read_into, in a worker thread), each hashed as it
+        lands; the peer's release message for the batch follows once the read is over
+        (in chunk order: `releases`). False (the sink knows why) when not one block of it
+        can be stored here: then nothing is read."""
+        after = posted[-1].res if posted else None
+        try:
+            if ahead is not None:
+                self._store.trim(ahead, hdr.count)
+                res = ahead
+            elif self._store.pool.free_slots < hdr.count:  # making room may write NVMe
+                res = await asyncio.to_thread(sink.reserve, first, hdr.count, after)
+            else:
+                res = sink.reserve(first, hdr.count, after)
+        except errors.KvError as exc:
+            sink.stop_reason = sink.stop_reason or f"not stored here: {exc}"
+            return False
+        if not res.plan:
+            sink.stop_reason = sink.stop_reason or f"not stored here: {res.reason}"
+            return False
+        if hdr.direct_pid == os.getpid():  # our own memory: other tenants' slots among it
+            self._store.abort(res)
+            raise PeerTransportError("malformed chunk from peer: direct reads from this process")
+        ld = Landing(first, hdr.count, list(hdr.checksums), res, [], [], direct=True)
+        views = res.views  # fewer than hdr.count when the pool is short: the rest is a miss
+        threads = self._store.copy_threads_for(len(views) * sink.block_bytes)
+        read = asyncio.ensure_future(
+            self._read(address, hdr.direct_pid, views, list(hdr.addresses[: len(views)]), threads)
+        )
+        ld.recvs = asyncio.ensure_future(asyncio.gather(read, return_exceptions=True))
+        ld.digests = [asyncio.ensure_future(_digests_of(read))]
+        prev = releases[-1] if releases else None
+        releases.append(self._spawn(self._release(ep, prev, read)))
+        self._counters.add("peer_blocks_direct", len(views))
+        posted.append(ld)
+        return True
+
+    async def _read(self, address: str, pid: int, views, addrs, threads: int) -> list[int]:
+        try:
+            return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
+        except direct.DirectReadError as exc:
+            if exc.refused:  # requests to this peer ask for payload messages for a while
+                self._refused[address] = time.monotonic() + NO_DIRECT_S
+                self._counters.add("peer_direct_refused")
+                log.warning(
+                    "direct reads from %s refused (%s): its payloads go over UCX messages",
+                    address,
+                    exc,
+                )
+            raise
+
+    async def _release(self, ep, prev: asyncio.Future | None, read: asyncio.Future) -> bool:
+        """Tell the peer that the batch `read` read is done with, once the batches before
+        it were (`prev`); whether that went out. A failed read sends nothing: the transfer
+        fails and its connection is aborted (as it is when a send fails: the transfer's
+        own waits report it)."""
+        if prev is not None and not await prev:
+            return False
+        await asyncio.wait([read])
+        if read.cancelled() or read.exception() is not None:
+            return False
+        try:
+            await within(
+                ep.send(np.frombuffer(direct.RELEASE, dtype=np.uint8)),
+                time.monotonic() + self._pcfg.io_timeout_s,
+                self._pcfg.io_timeout_s,
+                "release",
+            )
+        except Exception as exc:
+            log.debug("sending a release failed: %s: %s", type(exc).__name__, exc)
+            return False
+        return True
+
+
+async def _digests_of(read: asyncio.Future) -> list[int] | None:
+    """The XXH64s a direct read took; None when it failed (the transfer fails on its own)."""
+    try:
+        return await read
+    except Exception:
+        return None
