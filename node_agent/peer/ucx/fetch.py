@@ -44,7 +44,8 @@ class UcxFetcher:
     """Pulls FetchRequests from peers' UCX listeners into BatchSinks. `in_place`: receive
     into reserved pool slots (UcxTransport.in_place), else through staging. `same_host`:
     this agent's direct.host_identity, offered to every peer (a peer of the same host
-    then lets this agent read large blocks from its memory itself); "": no offer."""
+    then lets this agent read large blocks from its memory itself); "": no offer (the
+    transport gives none unless the pool takes payloads in place in host memory)."""
 
     def __init__(
         self,
@@ -57,9 +58,7 @@ class UcxFetcher:
         auth: UcxAuth | None = None,
         same_host: str = "",
     ) -> None:
-        self._direct = DirectFetcher(
-            store, pcfg, counters, same_host if in_place else "", self._spawn
-        )
+        self._direct = DirectFetcher(store, pcfg, counters, same_host, self._spawn)
         self._auth = auth  # the certificate handshake on each new connection (auth.py)
         self._ucx = ucx  # the initialised ucxx module
         self._store = store

@@ -94,7 +94,8 @@ class UcxTransport:
             )
             return
         self._ucx, self._server, self._listener = ucx, server, listener
-        # direct reads land only in host memory: a GPU pool fetches by UCX messages
+        # direct reads land only in reserved slots of host memory: a GPU pool, or one that
+        # takes payloads through staging, fetches by UCX messages
         self._fetcher = UcxFetcher(
             ucx,
             self._store,
@@ -103,7 +104,7 @@ class UcxTransport:
             self._counters,
             self.in_place,
             self._auth,
-            same_host=same_host if not self._store.pool.is_cuda else "",
+            same_host=same_host if self.in_place and not self._store.pool.is_cuda else "",
         )
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
