@@ -228,3 +228,34 @@ def test_cma_read_checksum_reads_another_process_and_reports_errno():
         _native.cma_read_checksum(0, [dst], [addr])
     with pytest.raises(ValueError, match=r"addresses\[0\]"):
         _native.cma_read_checksum(os.getpid(), [dst], [-1])
+
+
+@needs_native
+def test_the_digest_is_of_the_bytes_written_while_the_source_changes():
+    """The source may be memory another process writes to (a client's staging area, a
+    peer's pool mapped read-only): each word is loaded once, for the hash and the store
+    alike, so whatever the source held at the time, the digest matches dst. A writer
+    thread rewrites the source (ctypes.memset releases the GIL) while blocks are copied."""
+    import ctypes
+    import threading
+
+    n = 4 << 20
+    src = np.zeros(n, dtype=np.uint8)
+    dsts = [np.empty(n, dtype=np.uint8) for _ in range(2)]
+    stop = threading.Event()
+
+    def scribble() -> None:
+        value = 0
+        while not stop.is_set():
+            value = (value + 1) & 0xFF
+            ctypes.memset(src.ctypes.data, value, n)
+
+    writer = threading.Thread(target=scribble, daemon=True)
+    writer.start()
+    try:
+        for _ in range(40):
+            digests = cks.copy_with_checksum_many(dsts, [src, src], threads=2)
+            assert digests == [xxhash.xxh64_intdigest(d) for d in dsts]
+    finally:
+        stop.set()
+        writer.join()
