@@ -12,6 +12,7 @@ insist, and what they got is read back from /proc/<pid>/smaps (bench_agent repor
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -137,12 +138,14 @@ _LIBC = _libc()
 _FAILED = ctypes.c_void_p(-1).value
 
 
-def _map_aligned(fd: int, size: int) -> np.ndarray | None:
-    """`fd`'s first `size` bytes, shared and populated, at a 2 MiB-aligned address (so
-    its huge pages, where the kernel makes them, are mapped as such: the kernel aligns a
-    memfd mapping only where shmem_enabled allows huge pages, and MADV_COLLAPSE needs
-    whole aligned 2 MiB ranges). None where this cannot be tried (not Linux, no room
-    for the reservation). The mapping goes when the array and its last view do."""
+def _map_aligned(fd: int, size: int, writable: bool = True) -> np.ndarray | None:
+    """`fd`'s first `size` bytes, shared, at a 2 MiB-aligned address (so its huge pages,
+    where the kernel makes them, are mapped as such: the kernel aligns a memfd mapping
+    only where shmem_enabled allows huge pages, and MADV_COLLAPSE needs whole aligned
+    2 MiB ranges); `writable`: read-write, populated and collapsed, else read-only and
+    faulted in as it is read (a huge page already there maps whole). None where this
+    cannot be tried (not Linux, no room for the reservation). The mapping goes when the
+    array and its last view do."""
     libc = _LIBC
     if libc is None:
         return None
@@ -152,8 +155,8 @@ def _map_aligned(fd: int, size: int) -> np.ndarray | None:
     if base in (None, _FAILED):
         return None
     start = (base + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    shared = mmap.MAP_SHARED | _MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    shared = mmap.MAP_SHARED | _MAP_FIXED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
     got = libc.mmap(start, span, prot, shared, fd, 0)
     if got != start:
         err = ctypes.get_errno()
@@ -163,12 +166,14 @@ def _map_aligned(fd: int, size: int) -> np.ndarray | None:
         libc.munmap(base, start - base)
     if base + span + HUGE_PAGE > start + span:
         libc.munmap(start + span, base + span + HUGE_PAGE - (start + span))
-    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE):
+    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE) if writable else ():
         libc.madvise(start, span, advice)  # best effort, as ask_huge_pages
     raw = (ctypes.c_uint8 * size).from_address(start)
     weakref.finalize(raw, libc.munmap, start, span)
     # Through a memoryview: it holds `raw` (so the mapping) for as long as any view does.
-    return np.frombuffer(memoryview(raw), dtype=np.uint8)
+    arr = np.frombuffer(memoryview(raw), dtype=np.uint8)
+    arr.flags.writeable = writable
+    return arr
 
 
 def map_shared(fd: int, size: int) -> np.ndarray:
@@ -181,3 +186,30 @@ def map_shared(fd: int, size: int) -> np.ndarray:
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     ask_huge_pages(mm, collapse=True)
     return np.frombuffer(mm, dtype=np.uint8)  # the mapping goes with its last view
+
+
+def map_read_only(fd: int, size: int) -> np.ndarray:
+    """The first `size` bytes of memory file `fd` (opened read-only), mapped shared and
+    read-only, 2 MiB-aligned where that can be had; pages are faulted in as they are read.
+    Raises OSError when it cannot be mapped."""
+    arr = _map_aligned(fd, size, writable=False)
+    if arr is not None:
+        return arr
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def sealed_memfd(name: str, size: int, seals: int) -> tuple[int, np.ndarray]:
+    """A memory file of `size` bytes, every page backed now (posix_fallocate: a clean
+    ENOMEM/ENOSPC here rather than SIGBUS on a later fault), sealed with `seals`
+    (fcntl.F_SEAL_*), mapped by map_shared: (fd, array). The caller owns the fd. OSError
+    when it cannot be had (the fd is closed then)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd, map_shared(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise

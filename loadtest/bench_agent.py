@@ -25,7 +25,8 @@ Measures in one run, on this machine, against real agent processes:
 - staging_page_kib / pool_page_kib: the page size that backs most of the staging area
   and of the device pool in the agent (where the copies run; /proc/<agent>/smaps: 2048
   when most is on transparent huge pages), beside the kernel's settings for them
-  (thp_enabled for the pool's anonymous memory, thp_shmem_enabled for the staging memfd)
+  (thp_enabled for anonymous memory, thp_shmem_enabled for memfds: the staging area and
+  the pool are memfds, which MADV_COLLAPSE puts on huge pages whatever shmem_enabled says)
 `--contended`: also the same-host figures while a load runs beside them, as an engine
 beside the agent would: a process copying 64 MiB buffers in a loop, pinned to one core
 (contended_memcpy_gbps, contended_shm_put_gbps / _get_gbps and their ratios;
@@ -72,7 +73,7 @@ from kvstore.client import KVClient
 from kvstore.config import TLSConfig
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
 from kvstore.store import BlockStore, PackedIds, PutItem
-from kvstore.tiers.pool import DevicePool
+from kvstore.tiers.pool import POOL_MEMFD, DevicePool
 from loadtest.bench_nvme import llama3_8b, nvme_rates
 
 GiB = 1 << 30
@@ -183,9 +184,12 @@ def agent_pages(pid: int, pool_bytes: int) -> dict[str, object]:
     """The pages behind the agent's mapping of the staging area and its device pool."""
     maps = pages.mappings(pid)
     staging = [m for m in maps if m.name.startswith("/memfd:kvstore-staging")]
-    # The pool is the agent's one anonymous mapping of (at least, if the kernel merged it
-    # with a neighbour) the pool's size.
-    pool = [m for m in maps if not m.name and m.size_kib * 1024 >= pool_bytes]
+    # The pool is the agent's memfd (kvstore.tiers.pool.shared_host_memory) or, where none
+    # could be had, its one anonymous mapping of (at least, if the kernel merged it with a
+    # neighbour) the pool's size.
+    pool = [m for m in maps if m.name.startswith(f"/memfd:{POOL_MEMFD}")] or [
+        m for m in maps if not m.name and m.size_kib * 1024 >= pool_bytes
+    ]
     out: dict[str, object] = {
         "thp_enabled": thp_setting("enabled"),
         "thp_shmem_enabled": thp_setting("shmem_enabled"),

@@ -37,12 +37,14 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   shared-memory limit (each UCX round right after the limit measurements: the load on a
   shared machine changes quickly, and pairing keeps the ratios honest); ucx_ratio is the
   goal of `--tcp`, ucx_ratio_shm that of the default run
-- payload_path: how the payloads moved, from the agents' counters: "direct reads"
+- payload_path: how the payloads moved, from the agents' counters: "mapped reads" (agents
+  of one host: A maps B's pool, a sealed memfd, read-only and copies each block out in one
+  fused copy+hash pass: node_agent/peer/ucx/mapped.py), "direct reads"
   (agents of one host: A reads B's borrowed slots itself with process_vm_readv, the same
   kernel copy as UCX's CMA transport, in copy_threads threads, each block hashed as it
   lands; UCX carries the control messages: node_agent/peer/ucx/direct.py) or "ucx
   messages" (`--tcp`, or `--no-direct-reads`: KVSTORE_PEER_SAME_HOST_READS=0);
-  direct_blocks: blocks A read so
+  direct_blocks: blocks A read either way, mapped_blocks: of those, through the mapping
 - ucx_transport: what carried UCX's payload messages, from UCX's own account of the
   protocol the sending agent's endpoint selected for 2 MiB tag messages
   (UCX_PROTO_INFO=y), e.g. "cma/memory: rendezvous zero-copy read from remote"; with
@@ -668,7 +670,9 @@ def main(argv=None) -> int:
             log(f"{args.rounds} rounds of {args.blocks} blocks")
             m = measure(a, b, na, prompts, args.rounds, args.burst, limits, protocols, not args.tcp)
             with KVClient(a.address, tenant_secret="bench", use_shm=False) as ca:
-                direct_blocks = dict(ca.stats().counters).get("peer_blocks_direct", 0)
+                counters = dict(ca.stats().counters)
+                direct_blocks = counters.get("peer_blocks_direct", 0)
+                mapped_blocks = counters.get("peer_blocks_mapped", 0)
         finally:
             for ag in agents:
                 ag.stop()
@@ -694,8 +698,11 @@ def main(argv=None) -> int:
         ucx_ratio_footprint=med["ratio_footprint"],
         ucx_ratio_shm_footprint=med.get("ratio_shm_footprint"),
         ucx_best_gbps=round(max(m["ucx"]), 3),
-        payload_path="direct reads" if direct_blocks else "ucx messages",
+        payload_path=(
+            "mapped reads" if mapped_blocks else "direct reads" if direct_blocks else "ucx messages"
+        ),
         direct_blocks=direct_blocks,
+        mapped_blocks=mapped_blocks,
         ucx_transport=transport,
         prefetch_60x8k_ms_ucx=small.get("ucx"),
         prefetch_60x8k_ms_grpc=small.get("grpc"),

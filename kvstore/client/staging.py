@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.pages import map_shared
+from kvstore.pages import sealed_memfd
 
 log = logging.getLogger("kvstore.client")
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -46,17 +46,13 @@ class Staging:
 
 def _memfd(size: int) -> Staging | None:
     """A sealed memfd of `size` bytes with every page backed; None when it cannot be."""
-    fd = os.memfd_create("kvstore-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-        return Staging(fd, map_shared(fd, size), size)
+        fd, array = sealed_memfd("kvstore-staging", size, fcntl.F_SEAL_SHRINK)
     except OSError as exc:
-        os.close(fd)
         if exc.errno in _NO_ROOM:
             return None
         raise
+    return Staging(fd, array, size)
 
 
 def create_staging(size: int, floor: int) -> Staging | None:

@@ -8,11 +8,15 @@ tensor is allocated and touched once at start-up, and the free list is a plain s
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
+import os
 import warnings
+from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from kvstore import checksum as cks
@@ -52,6 +56,38 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cuda", "cpu"):
         raise InvalidArgument(f"device {device!r}: only cuda:N and cpu are supported")
     return dev
+
+
+POOL_MEMFD = "kvstore-pool"  # the name /proc/PID/maps shows: /memfd:kvstore-pool (deleted)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShare:
+    """Where another agent of this host finds a host pool's memory to read it directly
+    (node_agent/peer/ucx/mapped.py): this process's file descriptor `fd`, a memfd sealed
+    against resizing (no reader can be cut short by a shrink), mapped at `base` for `size`
+    bytes here."""
+
+    fd: int
+    base: int
+    size: int
+
+
+def shared_host_memory(nbytes: int) -> tuple[int, np.ndarray] | None:
+    """A host pool's memory as a sealed memfd (pages.sealed_memfd): an agent of this host
+    that may read this process's memory anyway (ptrace rights: /proc/PID/fd checks them)
+    can then map it read-only and copy blocks out itself, one fused copy+hash pass, instead
+    of a kernel copy and a second pass to hash. Huge pages as for anonymous memory:
+    MADV_COLLAPSE puts a memfd on them even where shmem_enabled is `never`. None where no
+    memfd can be had (not Linux, memory short): then anonymous memory (host_memory)."""
+    if not hasattr(os, "memfd_create"):
+        return None
+    try:
+        return pages.sealed_memfd(
+            POOL_MEMFD, nbytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
+    except OSError:
+        return None
 
 
 def host_memory(nbytes: int) -> mmap.mmap:
@@ -102,14 +138,20 @@ class DevicePool:
         self.device = resolve_device(device)
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
-        if self.device.type == "cpu":
-            self._mem = host_memory(n_slots * slot_bytes)
-            self.tensor = torch.frombuffer(self._mem, dtype=torch.uint8).view(n_slots, slot_bytes)
+        self.share: PoolShare | None = None  # host memory other agents may map
+        shared = shared_host_memory(n_slots * slot_bytes) if self.device.type == "cpu" else None
+        if shared is not None:  # backed, zero and collapsed onto huge pages already
+            fd, arr = shared
+            self.share = PoolShare(fd, arr.ctypes.data, arr.nbytes)
+            self.tensor = torch.from_numpy(arr).view(n_slots, slot_bytes)
+        elif self.device.type == "cpu":
+            mem = host_memory(n_slots * slot_bytes)
+            self.tensor = torch.frombuffer(mem, dtype=torch.uint8).view(n_slots, slot_bytes)
+            self.tensor.zero_()  # touch every page now, not on the first put
+            pages.ask_huge_pages(mem, collapse=True)  # pages the fault did not put on them
         else:
             self.tensor = torch.empty((n_slots, slot_bytes), dtype=torch.uint8, device=self.device)
-        self.tensor.zero_()  # touch every page now, not on the first put
-        if self.device.type == "cpu":  # pages the fault did not put on huge pages
-            pages.ask_huge_pages(self._mem, collapse=True)
+            self.tensor.zero_()
         self._host = self.tensor.numpy() if self.device.type == "cpu" else None
         self.tensor_views = self.is_cuda or tensor_views
         # Payloads written in place by a transport are verified where they lie: on the host

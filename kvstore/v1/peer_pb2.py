@@ -26,7 +26,7 @@ from kvstore.v1 import agent_pb2 as kvstore_dot_v1_dot_agent__pb2
 from kvstore.v1 import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\x1a\x16kvstore/v1/agent.proto\x1a\x17kvstore/v1/common.proto\"\xbf\x01\n\x0c\x46\x65tchRequest\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.NamespaceRef\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12\x11\n\tparent_id\x18\x04 \x01(\x0c\x12\x14\n\x0c\x62\x61tch_blocks\x18\x05 \x01(\r\x12\x15\n\rauthorization\x18\x06 \x01(\t\x12\x11\n\tsame_host\x18\x07 \x01(\t\"\xb7\x01\n\nFetchChunk\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x03(\x0c\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x0c\n\x04runs\x18\x08 \x03(\r\x12\x12\n\ndirect_pid\x18\t \x01(\r\x12\x11\n\taddresses\x18\n \x03(\x04\"\xc6\x01\n\x0fPrefetchRequest\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.NamespaceRef\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12\x11\n\tparent_id\x18\x04 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"h\n\x10PrefetchResponse\x12\x0f\n\x07present\x18\x01 \x01(\r\x12\x0f\n\x07\x66\x65tched\x18\x02 \x01(\r\x12\x0e\n\x06waited\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07stopped\x18\x05 \x01(\t2\x90\x01\n\x04Peer\x12\x41\n\x0b\x46\x65tchBlocks\x12\x18.kvstore.v1.FetchRequest\x1a\x16.kvstore.v1.FetchChunk0\x01\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\x1a\x16kvstore/v1/agent.proto\x1a\x17kvstore/v1/common.proto\"\xbf\x01\n\x0c\x46\x65tchRequest\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.NamespaceRef\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12\x11\n\tparent_id\x18\x04 \x01(\x0c\x12\x14\n\x0c\x62\x61tch_blocks\x18\x05 \x01(\r\x12\x15\n\rauthorization\x18\x06 \x01(\t\x12\x11\n\tsame_host\x18\x07 \x01(\t\"\xf5\x01\n\nFetchChunk\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x03(\x0c\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x0c\n\x04runs\x18\x08 \x03(\r\x12\x12\n\ndirect_pid\x18\t \x01(\r\x12\x11\n\taddresses\x18\n \x03(\x04\x12\x11\n\tdirect_fd\x18\x0b \x01(\r\x12\x13\n\x0b\x64irect_base\x18\x0c \x01(\x04\x12\x14\n\x0c\x64irect_bytes\x18\r \x01(\x04\"\xc6\x01\n\x0fPrefetchRequest\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.NamespaceRef\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x11\n\tblock_ids\x18\x03 \x01(\x0c\x12\x11\n\tparent_id\x18\x04 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"h\n\x10PrefetchResponse\x12\x0f\n\x07present\x18\x01 \x01(\r\x12\x0f\n\x07\x66\x65tched\x18\x02 \x01(\r\x12\x0e\n\x06waited\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07stopped\x18\x05 \x01(\t2\x90\x01\n\x04Peer\x12\x41\n\x0b\x46\x65tchBlocks\x12\x18.kvstore.v1.FetchRequest\x1a\x16.kvstore.v1.FetchChunk0\x01\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHREQUEST']._serialized_start=87
   _globals['_FETCHREQUEST']._serialized_end=278
   _globals['_FETCHCHUNK']._serialized_start=281
-  _globals['_FETCHCHUNK']._serialized_end=464
-  _globals['_PREFETCHREQUEST']._serialized_start=467
-  _globals['_PREFETCHREQUEST']._serialized_end=665
-  _globals['_PREFETCHRESPONSE']._serialized_start=667
-  _globals['_PREFETCHRESPONSE']._serialized_end=771
-  _globals['_PEER']._serialized_start=774
-  _globals['_PEER']._serialized_end=918
+  _globals['_FETCHCHUNK']._serialized_end=526
+  _globals['_PREFETCHREQUEST']._serialized_start=529
+  _globals['_PREFETCHREQUEST']._serialized_end=727
+  _globals['_PREFETCHRESPONSE']._serialized_start=729
+  _globals['_PREFETCHRESPONSE']._serialized_end=833
+  _globals['_PEER']._serialized_start=836
+  _globals['_PEER']._serialized_end=980
 # @@protoc_insertion_point(module_scope)

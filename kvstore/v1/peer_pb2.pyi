@@ -27,7 +27,7 @@ class FetchRequest(_message.Message):
     def __init__(self, ns: _Optional[_Union[_agent_pb2.NamespaceRef, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_ids: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., batch_blocks: _Optional[int] = ..., authorization: _Optional[str] = ..., same_host: _Optional[str] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code", "runs", "direct_pid", "addresses")
+    __slots__ = ("first_index", "count", "checksums", "data", "done", "error", "error_code", "runs", "direct_pid", "addresses", "direct_fd", "direct_base", "direct_bytes")
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,9 @@ class FetchChunk(_message.Message):
     RUNS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_PID_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FD_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_BASE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_BYTES_FIELD_NUMBER: _ClassVar[int]
     first_index: int
     count: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -48,7 +51,10 @@ class FetchChunk(_message.Message):
     runs: _containers.RepeatedScalarFieldContainer[int]
     direct_pid: int
     addresses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., runs: _Optional[_Iterable[int]] = ..., direct_pid: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+    direct_fd: int
+    direct_base: int
+    direct_bytes: int
+    def __init__(self, first_index: _Optional[int] = ..., count: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., runs: _Optional[_Iterable[int]] = ..., direct_pid: _Optional[int] = ..., addresses: _Optional[_Iterable[int]] = ..., direct_fd: _Optional[int] = ..., direct_base: _Optional[int] = ..., direct_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("ns", "spec", "block_ids", "parent_id", "peer_address", "peer_ucx_address", "timeout_ms")

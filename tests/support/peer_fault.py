@@ -8,7 +8,15 @@ answers the i-th requested block), and misbehaves on purpose:
   to read from its memory (node_agent/peer/ucx/direct.py), block 11 flipped after its
   checksum was taken;
 - direct-gone: announces direct reads from a process that does not exist (the kernel
-  refuses them); a later connection that offers none is served with payload messages.
+  refuses them); a later connection that offers none is served with payload messages;
+- mapped-corrupt: direct reads of blocks kept in a sealed memfd, announced for mapping
+  (node_agent/peer/ucx/mapped.py) as an agent's host pool is, block 11 flipped after its
+  checksum was taken;
+- mapped-unsealed: the same, from a memfd not sealed against shrinking (the fetcher must
+  not map it: it reads those blocks with process_vm_readv instead);
+- mapped-outside: the same, but the pool announced starts at its last block: the blocks
+  before it are outside it (a malformed chunk: the transfer fails, the Prefetch falls back
+  to gRPC).
 
 Usage: python tests/support/peer_fault.py MODE DATA.npy PORT_FILE
 """
@@ -16,6 +24,8 @@ Usage: python tests/support/peer_fault.py MODE DATA.npy PORT_FILE
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import mmap
 import os
 import sys
 
@@ -50,10 +60,15 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         if mode == "die":
             batch = min(batch, DIE_BATCH)  # a legal (smaller) chunk that is not the last
         pack = data.shape[1] <= PACKED_MAX_BLOCK_BYTES
-        direct = mode.startswith("direct") and not pack and req.same_host == host_identity()
+        direct = mode.startswith(("direct", "mapped")) and not pack
+        direct = direct and req.same_host == host_identity()
         held = []  # rows the fetcher reads directly: alive until the connection ends
+        pool = mapped_pool(mode, data) if mode.startswith("mapped") else None
         for start in range(0, n, batch):
-            rows = [data[i].copy() for i in range(start, min(n, start + batch))]
+            if pool is not None:  # views of the memfd, where the fetcher maps them
+                rows = [pool[1][i] for i in range(start, min(n, start + batch))]
+            else:
+                rows = [data[i].copy() for i in range(start, min(n, start + batch))]
             sums = [cks.checksum(r) for r in rows]
             if mode.endswith("corrupt") and start <= CORRUPT_INDEX < start + len(rows):
                 rows[CORRUPT_INDEX - start][100] ^= 0xFF
@@ -63,6 +78,12 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
                 held.extend(rows)
                 hdr.direct_pid = gone_pid() if mode == "direct-gone" else os.getpid()
                 hdr.addresses.extend(r.ctypes.data for r in rows)
+                if pool is not None:
+                    fd, arr = pool
+                    hdr.direct_fd, hdr.direct_bytes = fd, arr.nbytes
+                    # outside: the pool announced starts at its last block
+                    shift = arr.nbytes - data.shape[1] if mode == "mapped-outside" else 0
+                    hdr.direct_base = arr.ctypes.data + shift
             raw = hdr.SerializeToString()
             frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
             await asyncio.wait_for(ep.send(frame), 10)
@@ -93,6 +114,20 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
         ucx.stop_notifier_thread()
 
 
+def mapped_pool(mode: str, data: np.ndarray) -> tuple[int, np.ndarray]:
+    """The rows in a memfd as an agent's host pool keeps its slots (sealed against
+    resizing, but for mapped-unsealed): (fd, rows)."""
+    seals = 0 if mode == "mapped-unsealed" else fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    size = data.nbytes
+    fd = os.memfd_create("kvstore-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    arr = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED), dtype=np.uint8)
+    arr[:] = data.reshape(-1)
+    return fd, arr.reshape(data.shape)
+
+
 def gone_pid() -> int:
     """A PID no process has: PIDs stay below pid_max."""
     with open("/proc/sys/kernel/pid_max") as f:
@@ -101,7 +136,15 @@ def gone_pid() -> int:
 
 def main() -> None:
     mode, path, port_file = sys.argv[1:4]
-    if mode not in ("corrupt", "die", "direct-corrupt", "direct-gone"):
+    if mode not in (
+        "corrupt",
+        "die",
+        "direct-corrupt",
+        "direct-gone",
+        "mapped-corrupt",
+        "mapped-unsealed",
+        "mapped-outside",
+    ):
         raise SystemExit(f"unknown mode {mode!r}")
     asyncio.run(serve(mode, np.load(path), port_file))
 

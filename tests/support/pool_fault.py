@@ -1,10 +1,10 @@
 """Fault injection: damage the blocks a running agent holds in its host-memory pool, so a
 Get finds the checksum mismatch (a block damaged on disk is dropped at recovery instead).
 
-The pool is one anonymous mapping of exactly `pool_bytes`, advised for transparent huge
-pages (kvstore.tiers.pool.host_memory), which keeps it a mapping of its own in
-/proc/PID/smaps; its bytes are written through /proc/PID/mem (the test process started
-the agent, so it may)."""
+The pool is the agent's one read-write mapping of its memfd (/memfd:kvstore-pool,
+kvstore.tiers.pool.shared_host_memory) or, where no memfd could be had, one anonymous
+mapping of exactly `pool_bytes` advised for transparent huge pages (host_memory); its
+bytes are written through /proc/PID/mem (the test process started the agent, so it may)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ def pool_mapping(pid: int, pool_bytes: int) -> int:
             m = _HEADER.match(line)
             if m:
                 start, end = int(m.group(1), 16), int(m.group(2), 16)
-                anon = not m.group(4) and m.group(3).startswith("rw")
-                cur = start if anon and end - start == pool_bytes else None
+                name, rw = m.group(4), m.group(3).startswith("rw")
+                if rw and name.startswith("/memfd:kvstore-pool"):
+                    found.append(start)
+                    cur = None
+                else:
+                    anon = not name and rw
+                    cur = start if anon and end - start == pool_bytes else None
             elif line.startswith("VmFlags:") and cur is not None and " hg" in line:
                 found.append(cur)
     assert len(found) == 1, f"{len(found)} mappings look like the pool of {pool_bytes} bytes"

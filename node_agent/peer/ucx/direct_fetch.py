@@ -20,7 +20,7 @@ from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerTransportError, within
 from node_agent.peer.sink import BatchSink, Landing
-from node_agent.peer.ucx import direct
+from node_agent.peer.ucx import direct, mapped
 from node_agent.peer.ucx.wire import packed
 
 log = logging.getLogger("kvstore.agent.peer")
@@ -48,12 +48,21 @@ class DirectFetcher:
         self._spawn = spawn
         # peers whose memory the kernel would not let us read -> until when we do not ask
         self._refused: dict[str, float] = {}
+        self._mappings = mapped.PoolMappings()  # peers' pools, mapped read-only
+        # peer processes whose pool could not be mapped -> until when we read it with
+        # process_vm_readv instead
+        self._unmapped: dict[int, float] = {}
 
     def offer(self, address: str) -> str:
         """What a FetchRequest to `address` offers in `same_host`."""
         if self._refused.get(address, 0.0) >= time.monotonic():
             return ""
+        if self._same_host:
+            self._mappings.sweep()  # the pools of peers gone are freed
         return self._same_host
+
+    def close(self) -> None:
+        self._mappings.close()
 
     def check(self, hdr: peer_pb2.FetchChunk, req: peer_pb2.FetchRequest, size: int) -> None:
         """A chunk for direct reads must answer an offer, of large blocks, with an address
@@ -102,9 +111,8 @@ class DirectFetcher:
         ld = Landing(first, hdr.count, list(hdr.checksums), res, [], [], direct=True)
         views = res.views  # fewer than hdr.count when the pool is short: the rest is a miss
         threads = self._store.copy_threads_for(len(views) * sink.block_bytes)
-        read = asyncio.ensure_future(
-            self._read(address, hdr.direct_pid, views, list(hdr.addresses[: len(views)]), threads)
-        )
+        addrs = list(hdr.addresses[: len(views)])
+        read = asyncio.ensure_future(self._read(address, hdr, views, addrs, threads))
         ld.recvs = asyncio.ensure_future(asyncio.gather(read, return_exceptions=True))
         ld.digests = [asyncio.ensure_future(_digests_of(read))]
         prev = releases[-1] if releases else None
@@ -113,8 +121,13 @@ class DirectFetcher:
         posted.append(ld)
         return True
 
-    async def _read(self, address: str, pid: int, views, addrs, threads: int) -> list[int]:
+    async def _read(
+        self, address: str, hdr: peer_pb2.FetchChunk, views, addrs, threads: int
+    ) -> list[int]:
+        pid = hdr.direct_pid
         try:
+            if hdr.direct_bytes and self._unmapped.get(pid, 0.0) < time.monotonic():
+                return await asyncio.to_thread(self._read_mapped, hdr, views, addrs, threads)
             return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
         except direct.DirectReadError as exc:
             if exc.refused:  # requests to this peer ask for payload messages for a while
@@ -126,6 +139,27 @@ class DirectFetcher:
                     exc,
                 )
             raise
+
+    def _read_mapped(self, hdr: peer_pb2.FetchChunk, views, addrs, threads: int) -> list[int]:
+        """Worker thread: the chunk through a mapping of the peer's pool (mapped.py), or,
+        where that cannot be had, with process_vm_readv (and so for that process's
+        chunks for a while: a refusal costs a failed open each time)."""
+        pid = hdr.direct_pid
+        try:
+            got = self._mappings.read_into(
+                pid, hdr.direct_fd, hdr.direct_base, hdr.direct_bytes, views, addrs, threads
+            )
+        except OSError as exc:
+            self._unmapped[pid] = time.monotonic() + NO_DIRECT_S
+            log.warning(
+                "cannot map the pool of peer process %d (%s): reading it with "
+                "process_vm_readv instead",
+                pid,
+                exc,
+            )
+            return direct.read_into(pid, views, addrs, threads)
+        self._counters.add("peer_blocks_mapped", len(views))
+        return got
 
     async def _release(self, ep, prev: asyncio.Future | None, read: asyncio.Future) -> bool:
         """Tell the peer that the batch `read` read is done with, once the batches before

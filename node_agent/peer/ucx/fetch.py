@@ -75,6 +75,7 @@ class UcxFetcher:
     def close(self) -> None:
         """Drop the kept connections; later acknowledgements drop theirs."""
         self._closed = True
+        self._direct.close()
         for eps in self._idle.values():
             for _, ep in eps:
                 ep.abort()

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvstore import errors
 from kvstore.config import PeerConfig
+from kvstore.tiers.pool import PoolShare
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerTransportError, within
@@ -54,9 +55,12 @@ class UcxServer:
         auth: UcxAuth | None = None,
         address: Callable[[], str] = lambda: "",
         same_host: str = "",
+        share: PoolShare | None = None,
     ) -> None:
         """`auth`: every connection must pass the certificate handshake first
-        (node_agent/peer/ucx/auth.py), made for the listener's `address()`."""
+        (node_agent/peer/ucx/auth.py), made for the listener's `address()`. `share`: the
+        pool's memfd, named to direct readers of blocks that lie in it (mapped.py)."""
+        self._share = share
         self._auth = auth
         self._same_host = same_host
         self._address = address
@@ -177,6 +181,15 @@ class UcxServer:
         if where:
             hdr.direct_pid = os.getpid()
             hdr.addresses.extend(where)
+            share = self._share
+            if share is not None and all(
+                share.base <= a and a + size <= share.base + share.size for a in where
+            ):  # all in the pool (blocks read from NVMe lie in staging buffers)
+                hdr.direct_fd, hdr.direct_base, hdr.direct_bytes = (
+                    share.fd,
+                    share.base,
+                    share.size,
+                )
             self._counters.add("peer_direct_chunks")
             return [post_control(ep, hdr.SerializeToString()), asyncio.ensure_future(_released(ep))]
         payloads = []

@@ -81,6 +81,7 @@ class UcxTransport:
                 auth=self._auth,
                 address=lambda: self.address,
                 same_host=same_host,
+                share=self._store.pool.share,
             )
             guard = InterfaceGuard(
                 self._bind_host, lambda: self._counters.add("peer_ucx_wrong_interface")
