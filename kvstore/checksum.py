@@ -146,7 +146,9 @@ def checksum(buf: Any) -> int:
 
 
 def copy_with_checksum(dst: Any, src: Any) -> int:
-    """Copy ``src`` into the start of ``dst`` and return ``checksum(src)``.
+    """Copy ``src`` into the start of ``dst`` and return ``checksum(src)``: of exactly
+    the bytes copied (natively, each word is loaded once, so another process writing to
+    either buffer meanwhile cannot make the digest differ from what landed in ``dst``).
 
     ``dst`` must be writable and at least ``len(src)`` bytes (ValueError
     otherwise); bytes of ``dst`` beyond ``len(src)`` are left untouched.

@@ -65,7 +65,8 @@ class PeerConfig:
     in_place: bool = True
     # Agents of one host (same kernel and PID namespace): the fetching agent reads large
     # blocks straight from the serving agent's pool slots itself, over several threads
-    # with each block hashed as it lands (node_agent/peer/ucx/direct.py), the UCX
+    # with each block hashed as it lands (node_agent/peer/ucx/direct.py; through a
+    # read-only mapping of that agent's pool where it can, mapped.py), the UCX
     # connection carrying only the control messages. Needs shared_memory and in_place,
     # a host-memory pool on the fetching side, and the right to ptrace the peer (same
     # user); where the kernel refuses, that peer's payloads go back to UCX messages.

@@ -25,6 +25,8 @@ import numpy as np
 # Linux values, for Pythons built against headers older than the constant.
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
+MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+MADV_DONTDUMP = getattr(mmap, "MADV_DONTDUMP", 16)
 
 HUGE_PAGE = 2 << 20
 _MAP_FIXED = 0x10  # Linux values
@@ -166,7 +168,8 @@ def _map_aligned(fd: int, size: int, writable: bool = True) -> np.ndarray | None
         libc.munmap(base, start - base)
     if base + span + HUGE_PAGE > start + span:
         libc.munmap(start + span, base + span + HUGE_PAGE - (start + span))
-    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE) if writable else ():
+    # read-only: another process's memory, kept out of this one's core dumps and children
+    for advice in (MADV_HUGEPAGE, MADV_COLLAPSE) if writable else (MADV_DONTDUMP, MADV_DONTFORK):
         libc.madvise(start, span, advice)  # best effort, as ask_huge_pages
     raw = (ctypes.c_uint8 * size).from_address(start)
     weakref.finalize(raw, libc.munmap, start, span)
@@ -196,16 +199,26 @@ def map_read_only(fd: int, size: int) -> np.ndarray:
     if arr is not None:
         return arr
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    for advice in (MADV_DONTDUMP, MADV_DONTFORK):
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):
+            pass
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def sealed_memfd(name: str, size: int, seals: int) -> tuple[int, np.ndarray]:
+def sealed_memfd(
+    name: str, size: int, seals: int, mode: int | None = None
+) -> tuple[int, np.ndarray]:
     """A memory file of `size` bytes, every page backed now (posix_fallocate: a clean
     ENOMEM/ENOSPC here rather than SIGBUS on a later fault), sealed with `seals`
-    (fcntl.F_SEAL_*), mapped by map_shared: (fd, array). The caller owns the fd. OSError
-    when it cannot be had (the fd is closed then)."""
+    (fcntl.F_SEAL_*), with permission bits `mode` (who may open it again through
+    /proc/PID/fd; a memfd's are 0777 else), mapped by map_shared: (fd, array). The caller
+    owns the fd. OSError when it cannot be had (the fd is closed then)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)

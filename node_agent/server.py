@@ -30,6 +30,7 @@ from node_agent.interceptors import EdgeInterceptor
 from node_agent.local_lane import LaneLimits, LocalLane
 from node_agent.metrics import AgentTelemetry
 from node_agent.peer.service import PeerTransfer
+from node_agent.peer.ucx import direct
 from node_agent.servicer import AgentServicer
 from node_agent.shm import ShmRegistry
 
@@ -102,7 +103,15 @@ def quarantine_nvme(cfg: AgentConfig, reason: str, sealer: Sealer | None) -> Roc
 
 
 def build_store(cfg: AgentConfig) -> BlockStore:
-    pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device)
+    # A host pool other agents of this host may map read-only (peer/ucx/mapped.py): only
+    # where they would read it directly anyway, and it exposes nothing new
+    shareable = (
+        cfg.ucx_enabled
+        and cfg.peer.same_host_reads
+        and cfg.peer.shared_memory
+        and direct.pool_may_be_mapped()
+    )
+    pool = DevicePool(cfg.pool_slots, cfg.slot_bytes, cfg.device, shareable=shareable)
     rocks = open_nvme(cfg)
     limits = {  # the reserved identities (routers, peer agents) hold no blocks
         t: {Tier.HBM: tc.hbm_limit_bytes, Tier.NVME: tc.nvme_limit_bytes}

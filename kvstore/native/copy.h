@@ -22,7 +22,8 @@ static inline int ranges_overlap(const uint8_t *a, size_t an, const uint8_t *b, 
 /* dst[0..n) = src[0..n), non-temporal when large; the ranges must not overlap. */
 void copy_plain_or_nt(uint8_t *dst, const uint8_t *src, size_t n);
 /* The same copy, returning the XXH64 (seed) of the bytes written into dst (each
- * word loaded once: src changing meanwhile cannot make them differ); the ranges
+ * word loaded once, hashed and stored from one register: neither side changing
+ * meanwhile can make them differ); the ranges
  * must not overlap. */
 uint64_t copy_hash(uint8_t *dst, const uint8_t *src, size_t n, uint64_t seed);
 

@@ -318,7 +318,9 @@ static PyObject *do_copy(PyObject *args, PyObject *kwargs, int with_hash) {
 PyDoc_STRVAR(copy_checksum_doc,
 "copy_checksum(dst, src, seed=0) -> int\n\n"
 "Copy src into the start of dst (len(dst) >= len(src)) and return\n"
-"xxh64(src, seed), hashing and copying in one pass with streaming stores.");
+"xxh64(src, seed), hashing and copying in one pass with streaming stores: each\n"
+"word is loaded once, so the digest is of exactly the bytes copied even while\n"
+"another process writes to either buffer.");
 
 static PyObject *kv_copy_checksum(PyObject *self, PyObject *args, PyObject *kwargs) {
     return do_copy(args, kwargs, 1);

@@ -13,6 +13,7 @@ import itertools
 import mmap
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -65,8 +66,8 @@ POOL_MEMFD = "kvstore-pool"  # the name /proc/PID/maps shows: /memfd:kvstore-poo
 class PoolShare:
     """Where another agent of this host finds a host pool's memory to read it directly
     (node_agent/peer/ucx/mapped.py): this process's file descriptor `fd`, a memfd sealed
-    against resizing (no reader can be cut short by a shrink), mapped at `base` for `size`
-    bytes here."""
+    against resizing (no reader can be cut short by a shrink) and readable by its owner
+    only, mapped at `base` for `size` bytes here."""
 
     fd: int
     base: int
@@ -75,16 +76,22 @@ class PoolShare:
 
 def shared_host_memory(nbytes: int) -> tuple[int, np.ndarray] | None:
     """A host pool's memory as a sealed memfd (pages.sealed_memfd): an agent of this host
-    that may read this process's memory anyway (ptrace rights: /proc/PID/fd checks them)
-    can then map it read-only and copy blocks out itself, one fused copy+hash pass, instead
-    of a kernel copy and a second pass to hash. Huge pages as for anonymous memory:
-    MADV_COLLAPSE puts a memfd on them even where shmem_enabled is `never`. None where no
-    memfd can be had (not Linux, memory short): then anonymous memory (host_memory)."""
+    that may read this process's memory anyway can then map it read-only and copy blocks
+    out itself, one fused copy+hash pass, instead of a kernel copy and a second pass to
+    hash. Opening it through /proc/PID/fd takes the ptrace read check (who may: the
+    caller decides, node_agent/peer/ucx/direct.pool_may_be_mapped) and, as its mode is
+    0400, the owner's user (a process of that user cannot open it for writing). Huge
+    pages as for anonymous memory: MADV_COLLAPSE puts a memfd on them even where
+    shmem_enabled is `never`. None where no memfd can be had (not Linux, memory short):
+    then anonymous memory (host_memory)."""
     if not hasattr(os, "memfd_create"):
         return None
     try:
         return pages.sealed_memfd(
-            POOL_MEMFD, nbytes, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            POOL_MEMFD,
+            nbytes,
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
+            mode=0o400,
         )
     except OSError:
         return None
@@ -131,7 +138,12 @@ class DevicePool:
     interpreter), to run the device code paths where no GPU is."""
 
     def __init__(
-        self, n_slots: int, slot_bytes: int, device: str = "auto", tensor_views: bool = False
+        self,
+        n_slots: int,
+        slot_bytes: int,
+        device: str = "auto",
+        tensor_views: bool = False,
+        shareable: bool = False,
     ) -> None:
         if n_slots <= 0 or slot_bytes <= 0:
             raise InvalidArgument("pool needs n_slots > 0 and slot_bytes > 0")
@@ -139,9 +151,12 @@ class DevicePool:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self.share: PoolShare | None = None  # host memory other agents may map
-        shared = shared_host_memory(n_slots * slot_bytes) if self.device.type == "cpu" else None
+        shared = None
+        if shareable and self.device.type == "cpu":
+            shared = shared_host_memory(n_slots * slot_bytes)
         if shared is not None:  # backed, zero and collapsed onto huge pages already
             fd, arr = shared
+            weakref.finalize(self, os.close, fd)  # the memory goes with fd and mapping
             self.share = PoolShare(fd, arr.ctypes.data, arr.nbytes)
             self.tensor = torch.from_numpy(arr).view(n_slots, slot_bytes)
         elif self.device.type == "cpu":

@@ -21,7 +21,10 @@ Agent A is asked (Peer.Prefetch) to pull the blocks of a prompt it lacks from ag
   blocks name where each borrowed block lies in B's memory and no payload message
   follows. A reads them itself into its reserved slots (process_vm_readv, several threads,
   each block hashed as it lands), sends a release message for it once read (B ends
-  the borrow), and stores it; the acknowledgement follows the last release.
+  the borrow), and stores it; the acknowledgement follows the last release. When the
+  blocks all lie in B's host pool (a sealed memfd), the header names it too and A copies
+  them out of a read-only mapping of it instead, one fused copy+hash pass
+  (node_agent/peer/ucx/mapped.py).
 - gRPC: Peer.FetchBlocks (node_agent/peer/grpc_transport.py) streams the same chunks with the
   payloads inline. A uses it when UCX is off or failed to import, when the peer has no UCX
   address, and when a UCX transfer fails midway (it resumes after the blocks stored).

@@ -6,6 +6,7 @@ another process's memfd."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import subprocess
 import sys
@@ -14,7 +15,10 @@ import textwrap
 import numpy as np
 import pytest
 
+from support.common import TEST_SECRET, free_port, prompt_tokens, wait_for
+
 from kvstore import checksum as cks
+from kvstore.client import KVClient
 from kvstore.tiers.pool import DevicePool
 from node_agent.peer.errors import PeerTransportError
 from node_agent.peer.ucx.mapped import PoolMappings
@@ -24,6 +28,7 @@ from tests.integration.test_peer import (
     Cluster,
     Delta,
     needs_ucx,
+    random_blocks,
     run_fake_peer,
     same_bytes,
 )
@@ -123,6 +128,45 @@ def test_a_block_outside_the_announced_pool_fails_the_transfer_and_grpc_finishes
     assert d["peer_ucx_failures"] == 1 and d["peer_blocks_mapped"] == 0, d
 
 
+@needs_ucx
+def test_a_dead_peers_pool_is_unmapped_without_waiting_for_another_fetch(spawn_agent):
+    """A's mapping would keep B's pool memory alive after B exits: A's sweeper drops it
+    within seconds (mapped.SWEEP_S), no further fetch needed."""
+    mem = dict(slot_bytes="256KiB", pool_bytes="16MiB", nvme_bytes=0)
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **mem)
+    a = spawn_agent(peer_port=free_port(), **mem)
+    with (
+        KVClient(b.address, tenant_secret=TEST_SECRET, use_shm=False) as cb,
+        KVClient(a.address, tenant_secret=TEST_SECRET, use_shm=False) as ca,
+    ):
+        nb, na = cb.open_namespace(MID), ca.open_namespace(MID)
+        ids = cb.block_ids(nb, prompt_tokens(75, 8 * MID.block_size))
+        blocks = random_blocks(MID, 8, 75)
+        assert cb.put(nb, ids, blocks).stored == 8
+        r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}", timeout_ms=8000)
+        assert (r.present, r.transport) == (8, "ucx"), r
+        assert same_bytes(ca.get(na, ids), blocks)
+        assert dict(ca.stats().counters)["peer_blocks_mapped"] == 8
+
+        def mapped_pools() -> int:
+            return sum(
+                1 for p, n in maps_of(a.proc.pid) if p == "r--s" and "memfd:kvstore-pool" in n
+            )
+
+        assert mapped_pools() == 1
+        b.kill()
+        wait_for(lambda: mapped_pools() == 0, 30, what="A dropping the dead peer's pool")
+
+
+def test_an_agent_that_reads_no_peer_directly_keeps_an_anonymous_pool(spawn_agent):
+    """Only a pool other agents would read directly anyway is put in a memfd."""
+    on = spawn_agent(peer_port=free_port())
+    off = spawn_agent(peer_port=free_port(), peer={"same_host_reads": False})
+    assert any("memfd:kvstore-pool" in n for _, n in maps_of(on.proc.pid))
+    assert not any("memfd:kvstore-pool" in n for _, n in maps_of(off.proc.pid))
+
+
 # ------------------------------------------------------------- PoolMappings, the pool
 HOLDER = textwrap.dedent(
     """
@@ -199,13 +243,33 @@ def test_pool_mappings_refuse_a_file_not_sealed_against_shrinking(holder):
     assert len(maps) == 0
 
 
-def test_a_host_pool_is_a_memfd_sealed_against_resizing_at_its_tensor():
-    pool = DevicePool(4, 64 << 10, "cpu")
+def pool_fds() -> list[int]:
+    """This process's descriptors of pool memfds."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:kvstore-pool"):
+                out.append(int(name))
+        except OSError:  # the listing's own descriptor, gone
+            pass
+    return out
+
+
+def test_a_shareable_host_pool_is_a_memfd_sealed_against_resizing_at_its_tensor():
+    pool = DevicePool(4, 64 << 10, "cpu", shareable=True)
     share = pool.share
     assert share is not None
     assert (share.base, share.size) == (pool.tensor.data_ptr(), 4 * (64 << 10))
     assert os.readlink(f"/proc/self/fd/{share.fd}").startswith("/memfd:kvstore-pool")
     seals = fcntl.fcntl(share.fd, fcntl.F_GET_SEALS)
     assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW, seals
+    assert os.fstat(share.fd).st_mode & 0o777 == 0o400  # its user may read it, no more
     with pytest.raises(OSError):
         os.ftruncate(share.fd, 0)
+    pool.tensor[1, :5] = 7  # the tensor is the shared memory
+    assert os.pread(share.fd, 5, 64 << 10) == b"\x07" * 5
+    assert pool_fds() == [share.fd]
+    del pool, share
+    gc.collect()
+    assert pool_fds() == []  # closed with the pool: its memory goes with the mapping
+    assert DevicePool(4, 64 << 10, "cpu").share is None  # anonymous unless asked

@@ -259,3 +259,34 @@ def test_the_digest_is_of_the_bytes_written_while_the_source_changes():
     finally:
         stop.set()
         writer.join()
+
+
+@needs_native
+@pytest.mark.parametrize("n", [100_003, (4 << 20) + 17])
+def test_the_digest_is_of_the_bytes_read_while_the_destination_changes(n):
+    """A Get copies a pool slot into a client's staging area, which the client may write
+    to meanwhile: the digest is of the bytes read from the (stable) source, never of what
+    the client put into dst, so a client cannot make a good block look corrupt. Sizes
+    below the streaming threshold and one with a tail of 17 bytes."""
+    import ctypes
+    import threading
+
+    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = xxhash.xxh64_intdigest(src)
+    dst = np.zeros(n, dtype=np.uint8)
+    stop = threading.Event()
+
+    def scribble() -> None:
+        value = 0
+        while not stop.is_set():
+            value = (value + 1) & 0xFF
+            ctypes.memset(dst.ctypes.data, value, n)
+
+    writer = threading.Thread(target=scribble, daemon=True)
+    writer.start()
+    try:
+        for _ in range(200):
+            assert cks.copy_with_checksum_many([dst], [src], threads=1) == [want]
+    finally:
+        stop.set()
+        writer.join()

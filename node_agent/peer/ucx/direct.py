@@ -17,6 +17,11 @@ slot the server gave up meanwhile (after a timeout) is a checksum mismatch, not 
 block. The server keeps each chunk's blocks borrowed until the fetcher's release
 message for that chunk (RELEASE) has come.
 
+Blocks that lie in the serving agent's host pool (a sealed memfd) are read through a
+read-only mapping of it instead, one fused copy+hash pass and no kernel copy (mapped.py);
+process_vm_readv reads the rest (blocks the server staged from NVMe) and pools that cannot
+be mapped.
+
 Both ends must share a kernel and a PID namespace (`host_identity`), and the fetcher
 needs the right to ptrace the server (same user, no Yama restriction, or
 CAP_SYS_PTRACE): a read the kernel refuses fails that transfer (the Prefetch falls back
@@ -68,12 +73,8 @@ def may_read_peers() -> bool:
     """Whether the kernel lets this process read another one of its user (Yama's
     ptrace_scope 0, or none; with 1 or more only CAP_SYS_PTRACE can): else every
     offer would cost a failed transfer first."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip())
-    except (OSError, ValueError):
-        return True  # no Yama
-    if scope == 0:
+    scope = _yama_scope()
+    if scope is None or scope == 0:
         return True
     if scope >= 3:
         return False
@@ -83,6 +84,26 @@ def may_read_peers() -> bool:
         return bool(int(caps, 16) >> CAP_SYS_PTRACE & 1)
     except (OSError, StopIteration, ValueError, IndexError):
         return False
+
+
+def _yama_scope() -> int | None:
+    """Yama's ptrace_scope, None without Yama."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pool_may_be_mapped() -> bool:
+    """Whether this agent may keep its host pool in a memfd that agents of this host can
+    map (mapped.py) without exposing it to more processes than can read it already.
+    Opening /proc/PID/fd/N takes only the kernel's ptrace *read* check, which Yama does
+    not restrict, where process_vm_readv takes the attach check, which it does: with
+    Yama at 1 or more, a memfd would let every process of the agent's user (an engine in
+    the same container, say) read the pool, which it cannot attach to. So only without
+    Yama, or with Yama at 0 (then each of them may attach the agent anyway)."""
+    return _yama_scope() in (None, 0)
 
 
 def addresses(views: list) -> list[int] | None:

@@ -52,17 +52,33 @@ class DirectFetcher:
         # peer processes whose pool could not be mapped -> until when we read it with
         # process_vm_readv instead
         self._unmapped: dict[int, float] = {}
+        self._sweeper: asyncio.Future | None = None  # _sweep, while pools are mapped
 
     def offer(self, address: str) -> str:
         """What a FetchRequest to `address` offers in `same_host`."""
-        if self._refused.get(address, 0.0) >= time.monotonic():
-            return ""
         if self._same_host:
             self._mappings.sweep()  # the pools of peers gone are freed
+        if self._refused.get(address, 0.0) >= time.monotonic():
+            return ""
         return self._same_host
 
     def close(self) -> None:
         self._mappings.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    async def _sweep(self) -> None:
+        """While any peer pool is mapped: drop those of peers gone every SWEEP_S, so a
+        dead agent's pool memory is freed even when no fetch comes."""
+        try:
+            while len(self._mappings):
+                await asyncio.sleep(mapped.SWEEP_S)
+                self._mappings.sweep()
+                now = time.monotonic()
+                for pid in [p for p, t in self._unmapped.items() if t < now]:
+                    del self._unmapped[pid]
+        finally:
+            self._sweeper = None
 
     def check(self, hdr: peer_pb2.FetchChunk, req: peer_pb2.FetchRequest, size: int) -> None:
         """A chunk for direct reads must answer an offer, of large blocks, with an address
@@ -127,7 +143,10 @@ class DirectFetcher:
         pid = hdr.direct_pid
         try:
             if hdr.direct_bytes and self._unmapped.get(pid, 0.0) < time.monotonic():
-                return await asyncio.to_thread(self._read_mapped, hdr, views, addrs, threads)
+                got = await asyncio.to_thread(self._read_mapped, hdr, views, addrs, threads)
+                if self._sweeper is None and len(self._mappings):
+                    self._sweeper = self._spawn(self._sweep())
+                return got
             return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
         except direct.DirectReadError as exc:
             if exc.refused:  # requests to this peer ask for payload messages for a while

@@ -11,15 +11,21 @@ process_vm_readv is a kernel copy and then a second pass to hash: on a 2-core ho
 128 MiB of distinct memory moved 13-17 GB/s this way against 6-7 GB/s
 (docs/benchmarks.md).
 
-Who may: opening another process's /proc/PID/fd/N takes the same ptrace right over it
-as process_vm_readv does (the kernel checks it), and the mapping is read-only: the server
-cannot be written to. The memfd must carry F_SEAL_SHRINK (else the server could cut it
-short under the reader, which would fault, SIGBUS, instead of reading stale bytes): a
-file without it is refused and that chunk is read with process_vm_readv.
+Who may: opening another process's /proc/PID/fd/N takes the kernel's ptrace read check
+(and the file's mode: the pool's is 0400, its owner's user), and the mapping is
+read-only: the server cannot be written to. That check is weaker than process_vm_readv's
+(Yama does not restrict it), so an agent keeps its pool in a memfd only where Yama is
+absent or at 0 (direct.pool_may_be_mapped), where each process of its user may attach it
+anyway. The file must be fully backed (no hole: a read of one could fault, SIGBUS, where
+memory is short) and carry F_SEAL_SHRINK (else the server could cut it short under the
+reader, with the same fault): a file that is not is refused, and that chunk is read with
+process_vm_readv.
 
-A mapping keeps the server's pool memory alive after the server exits: sweep() (on every
-fetch, and when a new mapping is made) drops the mappings whose process no longer holds
-that file at that descriptor, and at most MAX_MAPPED are kept (8 GPUs, 8 agents a host).
+A mapping keeps the server's pool memory alive after the server exits: sweep() drops the
+mappings whose process no longer holds that file at that descriptor (the fetcher runs it
+at every offer, when a new mapping is made, and every SWEEP_S while any is kept), and at
+most MAX_MAPPED are kept (8 GPUs, 8 agents a host). The mappings are left out of core
+dumps and children (MADV_DONTDUMP, MADV_DONTFORK).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from node_agent.peer.errors import PeerTransportError
 
 log = logging.getLogger("kvstore.agent.peer")
 MAX_MAPPED = 16  # peer pools mapped at once; the least recently used goes first
+SWEEP_S = 5.0  # how often the fetcher looks for pools of peers gone while it maps any
 
 
 @dataclass(slots=True)
@@ -56,6 +63,7 @@ class PoolMappings:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], _Mapping] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -95,6 +103,8 @@ class PoolMappings:
                 return m.array
         arr, st = _map(path, size)
         with self._lock:
+            if self._closed:
+                raise OSError("the fetcher is closed")
             self._maps[key] = _Mapping(st.st_dev, st.st_ino, base, arr)
             while len(self._maps) > MAX_MAPPED:
                 del self._maps[next(iter(self._maps))]
@@ -120,17 +130,20 @@ class PoolMappings:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._maps.clear()
 
 
 def _map(path: str, size: int) -> tuple[np.ndarray, os.stat_result]:
-    """Open and map a peer's pool: a regular file of exactly `size` bytes sealed against
-    shrinking, else OSError."""
+    """Open and map a peer's pool: a regular file of exactly `size` bytes, every one of
+    them backed, sealed against shrinking, else OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise OSError(f"{path}: not a pool of {size} bytes ({st.st_size})")
+        if st.st_blocks * 512 < size:
+            raise OSError(f"{path}: holes in it ({st.st_blocks * 512} of {size} bytes backed)")
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
             raise OSError(f"{path}: not sealed against shrinking")
         return pages.map_read_only(fd, size), st
