@@ -106,6 +106,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 caller.scope,
                 self.access.inflight_cap(caller),
             )
+            decide_s = time.perf_counter() - t0  # no RPC encoding: as the gateway pays it
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override
             code = (
                 status_for(exc)
@@ -114,7 +115,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
             await context.abort(code, str(exc))
         resp = decision_to_proto(d, self.core)
-        resp.decide_us = (time.perf_counter() - t0) * 1e6
+        resp.decide_us = decide_s * 1e6
         return resp
 
     async def Release(self, request, context):
