@@ -74,9 +74,10 @@ class DirectFetcher:
             while len(self._mappings):
                 await asyncio.sleep(mapped.SWEEP_S)
                 self._mappings.sweep()
-                now = time.monotonic()
-                for pid in [p for p, t in self._unmapped.items() if t < now]:
-                    del self._unmapped[pid]
+                now = time.monotonic()  # (read threads add to _unmapped: a copy first)
+                for pid, until in list(self._unmapped.items()):
+                    if until < now:
+                        self._unmapped.pop(pid, None)
         finally:
             self._sweeper = None
 

@@ -7,9 +7,10 @@ A chunk header whose blocks all lie in it names its file descriptor in the serve
 /proc/<pid>/fd/<fd> read-only and maps the whole pool read-only, once per peer process.
 Each block is then one fused pass (kvstore.checksum.copy_with_checksum_many: every word
 loaded once, hashed and streamed into the reserved slot from the same register), where
-process_vm_readv is a kernel copy and then a second pass to hash: on a 2-core host,
-128 MiB of distinct memory moved 13-17 GB/s this way against 6-7 GB/s
-(docs/benchmarks.md).
+process_vm_readv is a kernel copy and then a second pass to hash: on a 2-core host a
+Prefetch's 128 MiB read took 7.6-10.5 ms this way (12.8-17.7 GB/s), against 16-17 ms
+before, and process_vm_readv with hashing moved 4.9-6.6 GB/s in a scratch program
+(docs/benchmarks.md, 2026-12-04).
 
 Who may: opening another process's /proc/PID/fd/N takes the kernel's ptrace read check
 (and the file's mode: the pool's is 0400, its owner's user), and the mapping is
