@@ -6,6 +6,10 @@ the host pool's batch reads and writes keep the slot state machine."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import threading
+
 import numpy as np
 import pytest
 import xxhash
@@ -230,35 +234,39 @@ def test_cma_read_checksum_reads_another_process_and_reports_errno():
         _native.cma_read_checksum(os.getpid(), [dst], [-1])
 
 
-@needs_native
-def test_the_digest_is_of_the_bytes_written_while_the_source_changes():
-    """The source may be memory another process writes to (a client's staging area, a
-    peer's pool mapped read-only): each word is loaded once, for the hash and the store
-    alike, so whatever the source held at the time, the digest matches dst. A writer
-    thread rewrites the source (ctypes.memset releases the GIL) while blocks are copied."""
-    import ctypes
-    import threading
-
-    n = 4 << 20
-    src = np.zeros(n, dtype=np.uint8)
-    dsts = [np.empty(n, dtype=np.uint8) for _ in range(2)]
+@contextlib.contextmanager
+def scribbled(buf: np.ndarray):
+    """Another thread rewrites `buf` over and over (ctypes.memset releases the GIL) for
+    as long as the block runs, as another process writing shared memory would."""
     stop = threading.Event()
 
     def scribble() -> None:
         value = 0
         while not stop.is_set():
             value = (value + 1) & 0xFF
-            ctypes.memset(src.ctypes.data, value, n)
+            ctypes.memset(buf.ctypes.data, value, buf.nbytes)
 
     writer = threading.Thread(target=scribble, daemon=True)
     writer.start()
     try:
-        for _ in range(40):
-            digests = cks.copy_with_checksum_many(dsts, [src, src], threads=2)
-            assert digests == [xxhash.xxh64_intdigest(d) for d in dsts]
+        yield
     finally:
         stop.set()
         writer.join()
+
+
+@needs_native
+def test_the_digest_is_of_the_bytes_written_while_the_source_changes():
+    """The source may be memory another process writes to (a client's staging area, a
+    peer's pool mapped read-only): each word is loaded once, for the hash and the store
+    alike, so whatever the source held at the time, the digest matches dst."""
+    n = 4 << 20
+    src = np.zeros(n, dtype=np.uint8)
+    dsts = [np.empty(n, dtype=np.uint8) for _ in range(2)]
+    with scribbled(src):
+        for _ in range(40):
+            digests = cks.copy_with_checksum_many(dsts, [src, src], threads=2)
+            assert digests == [xxhash.xxh64_intdigest(d) for d in dsts]
 
 
 @needs_native
@@ -268,25 +276,9 @@ def test_the_digest_is_of_the_bytes_read_while_the_destination_changes(n):
     to meanwhile: the digest is of the bytes read from the (stable) source, never of what
     the client put into dst, so a client cannot make a good block look corrupt. Sizes
     below the streaming threshold and one with a tail of 17 bytes."""
-    import ctypes
-    import threading
-
     src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     want = xxhash.xxh64_intdigest(src)
     dst = np.zeros(n, dtype=np.uint8)
-    stop = threading.Event()
-
-    def scribble() -> None:
-        value = 0
-        while not stop.is_set():
-            value = (value + 1) & 0xFF
-            ctypes.memset(dst.ctypes.data, value, n)
-
-    writer = threading.Thread(target=scribble, daemon=True)
-    writer.start()
-    try:
+    with scribbled(dst):
         for _ in range(200):
             assert cks.copy_with_checksum_many([dst], [src], threads=1) == [want]
-    finally:
-        stop.set()
-        writer.join()
