@@ -41,6 +41,7 @@ __all__ = [
     "checksum_many",
     "copy_with_checksum",
     "copy_with_checksum_many",
+    "copy_with_checksum_start",
     "verify",
 ]
 
@@ -168,6 +169,19 @@ def copy_with_checksum_many(
     if _native is not None:
         return _native.copy_checksum_many(dsts, srcs, threads)
     return py_copy_with_checksum_many(dsts, srcs, threads)
+
+
+def copy_with_checksum_start(dsts: Sequence[Any], srcs: Sequence[Any], threads: int = 1):
+    """``copy_with_checksum_many`` in the background, on `threads` threads started for
+    it (none of them the caller's), for a caller waiting on an event loop: returns a
+    job at once, whose ``fileno()`` (an eventfd) turns readable when every copy is done
+    and whose ``result()`` is the digests (it waits for the threads first, then lets go
+    of the buffers). None without the native extension: the caller copies in the
+    foreground instead. Argument errors are raised here, before anything is copied."""
+    start = getattr(_native, "copy_checksum_start", None)
+    if start is None:
+        return None
+    return start(dsts, srcs, threads)
 
 
 def checksum_many(bufs: Sequence[Any], threads: int = 1) -> list[int]:

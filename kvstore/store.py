@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.accounting import TenantAccounts
 from kvstore.errors import (
@@ -53,6 +54,7 @@ from kvstore.store_types import (
     NS_META_PREFIX,
     BlockMeta,
     Borrowed,
+    CommitResult,
     HeldBlock,
     LookupResult,
     NsSnapshot,
@@ -74,6 +76,8 @@ from kvstore.tiers.rocks import RocksTier
 
 __all__ = [
     "BlockStore",
+    "PendingGet",
+    "PendingPut",
     "BlockMeta",
     "NsState",
     "PutItem",
@@ -299,59 +303,39 @@ class BlockStore:
         When `dst_for` returns None the payload comes back as bytes in ServedBlock.data
         (the gRPC path needs bytes objects). Stops at the first missing, mis-chained or
         corrupt block."""
+        return self.get_begin(ns_id, generation, ids, parent_id, dst_for, False).finish()
+
+    def get_begin(
+        self,
+        ns_id: bytes,
+        generation: int,
+        ids: list[bytes],
+        parent_id: bytes,
+        dst_for: Callable[[int, int], Payload | None],
+        background: bool = True,
+    ) -> PendingGet:
+        """`get` in two steps, for a caller on an event loop: the blocks are taken now
+        (held, under the lock) and, with `background`, the copy of their leading run in
+        the pool is started on threads of its own where that can be had
+        (BatchCopier.read_start); PendingGet.fileno() turns readable when it is done.
+        finish() verifies and serves (and copies, where nothing ran in the background)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
             if self._killswitch.on:
                 self._killswitch.get_miss()
-                return []
-            metas = self._reads.leading(st, ids, parent_id)
+                metas: list[BlockMeta] = []
+            else:
+                metas = self._reads.leading(st, ids, parent_id)
             slots = [m.slot for m in metas]  # read once, under the lock (see _parked)
             for m in metas:
                 m.readers += 1
-        served: list[ServedBlock] = []
-        promote: list[Promotion] = []
-        corrupt: BlockMeta | None = None
+        pending = PendingGet(self, st, metas, slots)
         try:
-            dsts = [dst_for(i, m.nbytes) for i, m in enumerate(metas)]
-            # The pool is prefix-closed: pool blocks lead, so copy that run in parallel.
-            n_pool = next(
-                (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
-            )
-            digests = self._copier.read(
-                self.pool, slots[:n_pool], [m.nbytes for m in metas[:n_pool]], dsts[:n_pool]
-            )
-            hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
-            for i, (m, slot) in enumerate(zip(metas, slots)):
-                dst = dsts[i]
-                data: bytes | None = None
-                if i < n_pool:
-                    ok = digests[i] == m.checksum
-                    tier = hbm
-                elif slot >= 0 and dst is None:
-                    data, digest = self.pool.read_bytes(slot, m.nbytes)
-                    ok = digest == m.checksum
-                    tier = hbm
-                elif slot >= 0:
-                    ok = self.pool.read_into(slot, m.nbytes, dst) == m.checksum
-                    tier = hbm
-                else:  # a device staging destination takes the block through the host
-                    buf = bytearray(m.nbytes) if dst is None or is_tensor(dst) else dst
-                    ok = self._residency.read_nvme(m, buf)
-                    tier = Tier.NVME
-                    if ok:
-                        promote.append(Promotion(m, buf))
-                        if dst is None:
-                            data = bytes(buf)
-                        elif buf is not dst:
-                            fill_tensor(dst, buf)
-                if not ok:
-                    corrupt = m
-                    break
-                served.append(ServedBlock(m.block_id, tier, m.checksum, data))
-        finally:
-            with self.lock:
-                self._reads.finish(st, metas, served, promote, corrupt)
-        return served
+            pending.prepare(dst_for, background)
+        except BaseException:
+            pending.finish_with([])
+            raise
+        return pending
 
     # ------------------------------------------------------------------------ put
     def put(
@@ -364,6 +348,21 @@ class BlockStore:
         evicted meanwhile, or the client is wrong): the node then never holds a block
         without its whole prefix, which the router's binary searches rely on. `root=None`
         is for trusted in-process callers (peer transfer copies whole chains)."""
+        return self.put_begin(ns_id, generation, items, root, False).finish()
+
+    def put_begin(
+        self,
+        ns_id: bytes,
+        generation: int,
+        items: list[PutItem],
+        root: bytes | None = None,
+        background: bool = True,
+    ) -> PendingPut:
+        """`put` in two steps, for a caller on an event loop: the slots are planned now
+        (under the lock; planning may evict, see fits_without_eviction) and, with
+        `background`, the copy is started on threads of its own where that can be had
+        (BatchCopier.write_start); PendingPut.fileno() turns readable when it is done.
+        finish() checks and commits (and copies, where nothing ran in the background)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
             if self._killswitch.on:
@@ -372,26 +371,19 @@ class BlockStore:
                     "(`kvctl killswitch off` to resume caching)"
                 )
             planned = self._writes.plan_put(st, items, root)
-        plan = planned.slots
-        written: list[Written] = []
-        try:
-            digests = self._copier.write(
-                self.pool, [p.slot for p in plan], [p.item.data for p in plan]
-            )
-            for p, digest in zip(plan, digests):
-                if p.item.checksum is not None and digest != p.item.checksum:
-                    raise DataLoss(
-                        f"block {p.item.block_id.hex()[:12]} payload does not match its checksum"
-                    )
-                written.append(Written(p, digest))
-        finally:
-            with self.lock:
-                done = self._writes.commit(st, generation, plan, written)
-                # Blocks sent that the node held already: a client re-sending what it could
-                # have known was here (its Lookup said so) shows up as this counter growing.
-                self.counters["put_already_present"] += planned.already + done.raced
-        # A block another writer committed while this one copied is present, not stored.
-        return PutResult(done.stored, planned.already + done.raced)
+        pending = PendingPut(self, st, generation, planned)
+        if background:
+            pending.start()
+        return pending
+
+    def fits_without_eviction(self, ns_id: bytes, blocks: int) -> bool:
+        """Whether `blocks` new blocks of the namespace would find free pool slots within
+        its tenant's quota now, so that planning them evicts nothing (an eviction may
+        write to NVMe: no work for an event loop's thread). A hint: a concurrent writer
+        may take the room first."""
+        with self.lock:
+            st = self._ns.get(ns_id)
+            return st is not None and self._writes.fits(st, blocks)
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:
@@ -508,3 +500,179 @@ class BlockStore:
 
     def block_count(self) -> int:
         return sum(len(st.blocks) for st in self._ns.values())
+
+
+class PendingPut:
+    """A put between its plan and its commit (BlockStore.put_begin)."""
+
+    __slots__ = ("_store", "_st", "_generation", "_planned", "_job", "_done")
+
+    def __init__(self, store: BlockStore, st: NsState, generation: int, planned) -> None:
+        self._store = store
+        self._st = st
+        self._generation = generation
+        self._planned = planned
+        self._job: Any = None
+        self._done = False
+
+    def start(self) -> None:
+        """Start the copy in the background where that can be had."""
+        store, plan = self._store, self._planned.slots
+        try:
+            self._job = store._copier.write_start(
+                store.pool, [p.slot for p in plan], [p.item.data for p in plan]
+            )
+        except BaseException:
+            self._commit([])  # nothing was copied: every slot goes back
+            raise
+
+    def fileno(self) -> int | None:
+        """A descriptor readable once the background copy is done; None when none runs
+        (finish() copies, on the caller's thread)."""
+        return self._job.fileno() if self._job is not None else None
+
+    def finish(self) -> PutResult:
+        """Wait for the copy (or make it), check each block's checksum where the client
+        sent one, commit what was written and return (stored, already_present)."""
+        if self._done:
+            raise RuntimeError("this put was finished already")
+        store, plan = self._store, self._planned.slots
+        written: list[Written] = []
+        try:
+            if self._job is not None:
+                digests = self._job.result()
+            else:
+                digests = store._copier.write(
+                    store.pool, [p.slot for p in plan], [p.item.data for p in plan]
+                )
+            for p, digest in zip(plan, digests):
+                if p.item.checksum is not None and digest != p.item.checksum:
+                    raise DataLoss(
+                        f"block {p.item.block_id.hex()[:12]} payload does not match its checksum"
+                    )
+                written.append(Written(p, digest))
+        finally:
+            done = self._commit(written)
+        # A block another writer committed while this one copied is present, not stored.
+        return PutResult(done.stored, self._planned.already + done.raced)
+
+    def abandon(self) -> None:
+        """The caller is gone (cancelled): wait for the copy, commit what landed."""
+        self.finish()
+
+    def _commit(self, written: list[Written]) -> CommitResult:
+        self._done = True
+        store = self._store
+        with store.lock:
+            done = store._writes.commit(self._st, self._generation, self._planned.slots, written)
+            # Blocks sent that the node held already: a client re-sending what it could
+            # have known was here (its Lookup said so) shows up as this counter growing.
+            store.counters["put_already_present"] += self._planned.already + done.raced
+        return done
+
+
+class PendingGet:
+    """A get between taking its blocks and serving them (BlockStore.get_begin)."""
+
+    __slots__ = ("_store", "_st", "_metas", "_slots", "_dsts", "_n_pool", "_job", "_done")
+
+    def __init__(
+        self, store: BlockStore, st: NsState, metas: list[BlockMeta], slots: list[int]
+    ) -> None:
+        self._store = store
+        self._st = st
+        self._metas = metas
+        self._slots = slots
+        self._dsts: list[Any] = []
+        self._n_pool = 0
+        self._job: Any = None
+        self._done = False
+
+    def prepare(self, dst_for: Callable[[int, int], Payload | None], background: bool) -> None:
+        metas, slots = self._metas, self._slots
+        self._dsts = dsts = [dst_for(i, m.nbytes) for i, m in enumerate(metas)]
+        # The pool is prefix-closed: pool blocks lead, so that run is copied as a batch.
+        self._n_pool = n = next(
+            (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
+        )
+        if background and n:
+            store = self._store
+            self._job = store._copier.read_start(
+                store.pool, slots[:n], [m.nbytes for m in metas[:n]], dsts[:n]
+            )
+
+    def fileno(self) -> int | None:
+        """A descriptor readable once the background copy is done; None when none runs."""
+        return self._job.fileno() if self._job is not None else None
+
+    @property
+    def reads_beyond_pool(self) -> bool:
+        """finish() reads blocks one by one (NVMe, or payloads returned as bytes): work
+        for a thread, not an event loop."""
+        return self._n_pool < len(self._metas)
+
+    def finish(self) -> list[ServedBlock]:
+        if self._done:
+            raise RuntimeError("this get was finished already")
+        store = self._store
+        metas, slots, dsts, n_pool = self._metas, self._slots, self._dsts, self._n_pool
+        served: list[ServedBlock] = []
+        promote: list[Promotion] = []
+        corrupt: BlockMeta | None = None
+        try:
+            if self._job is not None:
+                digests = self._job.result()
+            else:
+                digests = store._copier.read(
+                    store.pool, slots[:n_pool], [m.nbytes for m in metas[:n_pool]], dsts[:n_pool]
+                )
+            hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
+            for i, (m, slot) in enumerate(zip(metas, slots)):
+                dst = dsts[i]
+                data: bytes | None = None
+                if i < n_pool:
+                    ok = digests[i] == m.checksum
+                    tier = hbm
+                elif slot >= 0 and dst is None:
+                    data, digest = store.pool.read_bytes(slot, m.nbytes)
+                    ok = digest == m.checksum
+                    tier = hbm
+                elif slot >= 0:
+                    ok = store.pool.read_into(slot, m.nbytes, dst) == m.checksum
+                    tier = hbm
+                else:  # a device staging destination takes the block through the host
+                    buf = bytearray(m.nbytes) if dst is None or is_tensor(dst) else dst
+                    ok = store._residency.read_nvme(m, buf)
+                    tier = Tier.NVME
+                    if ok:
+                        promote.append(Promotion(m, buf))
+                        if dst is None:
+                            data = bytes(buf)
+                        elif buf is not dst:
+                            fill_tensor(dst, buf)
+                if not ok:
+                    corrupt = m
+                    break
+                served.append(ServedBlock(m.block_id, tier, m.checksum, data))
+        finally:
+            self.finish_with(served, promote, corrupt)
+        return served
+
+    def abandon(self) -> None:
+        """The caller is gone (cancelled): wait for the copy, serve nothing."""
+        if not self._done:
+            self.finish_with([])
+
+    def finish_with(
+        self,
+        served: list[ServedBlock],
+        promote: list[Promotion] | None = None,
+        corrupt: BlockMeta | None = None,
+    ) -> None:
+        """End the read with `served` (the holds let go of; nothing served on an error)."""
+        self._done = True
+        if self._job is not None:
+            self._job.result()  # the copy must be over before the slots can be reused
+        store = self._store
+        with store.lock:
+            store._reads.finish(self._st, self._metas, served, promote or [], corrupt)

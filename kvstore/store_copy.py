@@ -48,6 +48,23 @@ class BatchCopier:
             return pool.read_many(slots, sizes, dsts, self.threads_for(sum(sizes)))
         return self.map(lambda a: pool.read_into(*a), list(zip(slots, sizes, dsts)), sum(sizes))
 
+    def write_start(self, pool: DevicePool, slots: list[int], srcs: list[Any]) -> Any | None:
+        """`write`, started in the background (a job: fileno() readable when it is done,
+        result() the digests), or None where a batch is copied in the foreground only: a
+        device pool, no native extension, or a batch small enough that starting threads
+        costs more than it saves (PARALLEL_MIN_BYTES)."""
+        if not pool.host or sum(memoryview(s).nbytes for s in srcs) < PARALLEL_MIN_BYTES:
+            return None
+        return pool.write_start(slots, srcs, self._threads)
+
+    def read_start(
+        self, pool: DevicePool, slots: list[int], sizes: list[int], dsts: list[Any]
+    ) -> Any | None:
+        """`read` started in the background, like write_start (host destinations only)."""
+        if not pool.host or sum(sizes) < PARALLEL_MIN_BYTES or (dsts and is_tensor(dsts[0])):
+            return None
+        return pool.read_start(slots, sizes, dsts, self._threads)
+
     def checksums(self, views: list[Any]) -> list[int]:
         """XXH64 of host buffers."""
         return cks.checksum_many(views, self.threads_for(sum(memoryview(v).nbytes for v in views)))

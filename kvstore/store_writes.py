@@ -60,6 +60,14 @@ class Writes:
         # counts them, or writes open at once would together overshoot the tenant's quota.
         self._inflight: Counter[str] = Counter()
 
+    def fits(self, st: NsState, blocks: int) -> bool:
+        """Whether `blocks` new blocks of `st` find free slots within the tenant's quota
+        (counting the writes in flight): planning them would evict nothing."""
+        extra = blocks * st.block_bytes + self._inflight[st.tenant]
+        return self.pool.free_slots >= blocks and not self.residency.accounts.overflow(
+            st.tenant, Tier.HBM, extra
+        )
+
     def plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None) -> PutPlan:
         """Validate `items` and reserve a slot for each new block (see BlockStore.put)."""
         size = st.block_bytes

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <unistd.h>
 #ifdef __linux__
 #include <sys/uio.h>
 #endif
@@ -11,23 +12,10 @@
 #include "copy.h"
 #include "xxh64.h"
 
-#define KV_MAX_THREADS 64
-
 /* Bytes a thread claims at once: whole jobs, at least one.  Big enough that the
  * shared counter is touched rarely (once per 2 MiB block), small enough that a
  * thread the scheduler stalls leaves little behind for the others to wait on. */
 #define KV_CLAIM_BYTES (256u << 10)
-
-/* The jobs of one batch, handed out in claims of `step` jobs by a shared counter:
- * a thread that runs late or slow (its core busy with another process) simply
- * takes fewer of them, where a fixed split would make the whole batch wait for
- * its share. */
-typedef struct {
-    kv_job *jobs;
-    size_t count;
-    size_t step;
-    size_t next; /* first job not claimed yet (atomic) */
-} kv_queue;
 
 /* Bytes read from another process per process_vm_readv call (512 KiB, L2 per core
  * here: 256 KiB to 1 MiB measured alike through the noise), hashed right
@@ -95,13 +83,18 @@ static void *run_queue(void *arg) {
     return NULL;
 }
 
-int kv_run_jobs(kv_job *jobs, size_t count, int threads) {
-    if (threads > KV_MAX_THREADS) threads = KV_MAX_THREADS;
-    if (threads > (int)count) threads = (int)count;
+static kv_queue make_queue(kv_job *jobs, size_t count) {
     size_t total = 0;
     for (size_t i = 0; i < count; i++) total += jobs[i].n;
     size_t mean = count ? total / count : 0;
     kv_queue q = {jobs, count, mean >= KV_CLAIM_BYTES ? 1 : KV_CLAIM_BYTES / (mean + 1) + 1, 0};
+    return q;
+}
+
+int kv_run_jobs(kv_job *jobs, size_t count, int threads) {
+    if (threads > KV_MAX_THREADS) threads = KV_MAX_THREADS;
+    if (threads > (int)count) threads = (int)count;
+    kv_queue q = make_queue(jobs, count);
     if (threads <= 1) {
         run_queue(&q);
         return 1;
@@ -115,4 +108,45 @@ int kv_run_jobs(kv_job *jobs, size_t count, int threads) {
     run_queue(&q);
     for (int k = 0; k < started; k++) pthread_join(tids[k], NULL);
     return started + 1;
+}
+
+/* The last thread out tells the caller's event loop. */
+static void finished_one(kv_async *a, int n) {
+    if (__atomic_sub_fetch(&a->running, n, __ATOMIC_ACQ_REL) != 0) return;
+    uint64_t one = 1;
+    while (write(a->efd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+}
+
+static void *run_async(void *arg) {
+    kv_async *a = (kv_async *)arg;
+    run_queue(&a->q);
+    finished_one(a, 1);
+    return NULL;
+}
+
+int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd) {
+    if (threads > KV_MAX_THREADS) threads = KV_MAX_THREADS;
+    if (threads > (int)count) threads = (int)count;
+    if (threads < 1) threads = 1;
+    a->q = make_queue(jobs, count);
+    a->efd = efd;
+    a->started = 0;
+    a->running = threads; /* before any thread can finish */
+    for (int k = 0; k < threads; k++) {
+        if (pthread_create(&a->tids[k], NULL, run_async, a) != 0) break;
+        a->started++;
+    }
+    if (a->started == 0) { /* no thread to be had: the batch runs here */
+        a->running = 1;
+        run_async(a);
+        return 0;
+    }
+    if (a->started < threads) finished_one(a, threads - a->started); /* theirs: the others' */
+    return a->started;
+}
+
+void kv_join_jobs(kv_async *a) {
+    for (int k = 0; k < a->started; k++) pthread_join(a->tids[k], NULL);
+    a->started = 0;
 }

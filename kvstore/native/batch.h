@@ -7,7 +7,11 @@
 #ifndef KV_NATIVE_BATCH_H
 #define KV_NATIVE_BATCH_H
 
+#include <pthread.h>
+
 #include "common.h"
+
+#define KV_MAX_THREADS 64
 
 typedef struct {
     uint8_t *dst;       /* NULL: hash only */
@@ -27,5 +31,37 @@ typedef struct {
  * little.  A thread that cannot be started leaves its claims to the others.
  * Returns how many threads ran (>= 1). */
 int kv_run_jobs(kv_job *jobs, size_t count, int threads);
+
+/* The jobs of one batch, handed out in claims of `step` jobs by a shared counter:
+ * a thread that runs late or slow (its core busy with another process) simply
+ * takes fewer of them, where a fixed split would make the whole batch wait for
+ * its share. */
+typedef struct {
+    kv_job *jobs;
+    size_t count;
+    size_t step;
+    size_t next; /* first job not claimed yet (atomic) */
+} kv_queue;
+
+/* A batch run in the background, for a caller that waits on an event loop rather
+ * than on a thread: no thread of the caller's takes part and none has to be woken
+ * to hand the batch over or back.  The last thread to finish writes 1 (8 bytes) to
+ * `efd`, an eventfd the caller polls. */
+typedef struct {
+    kv_queue q;
+    pthread_t tids[KV_MAX_THREADS];
+    int started; /* threads to join */
+    int running; /* threads not finished yet (atomic) */
+    int efd;
+} kv_async;
+
+/* Start the jobs on up to `threads` new threads and return how many started; with
+ * none (pthread_create failing) they run here, before this returns.  Either way
+ * `efd` is written once, when every job is done.  kv_join_jobs must follow. */
+int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd);
+
+/* Wait for the threads kv_start_jobs started (after its write to efd, or to block
+ * until then). */
+void kv_join_jobs(kv_async *a);
 
 #endif /* KV_NATIVE_BATCH_H */

@@ -9,6 +9,8 @@
  *   verify_checksum(data, expected, seed=0) -> bool
  *   copy_checksum_many(dsts, srcs, threads=1, seed=0) -> list[int]
  *   xxh64_many(bufs, threads=1, seed=0) -> list[int]
+ *   copy_checksum_start(dsts, srcs, threads=1, seed=0) -> CopyJob
+ *                                (copy_checksum_many in the background)
  *   IdTable(seed)                 (idtable.c: the router index's id table)
  *   paged_scatter(caches, block_ids, blocks, block_size, kv_heads, row_bytes)
  *   paged_gather(...)             (paged.c: vLLM's paged CPU KV cache)
@@ -32,6 +34,8 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "batch.h"
 #include "blake2b.h"
@@ -499,6 +503,147 @@ static PyObject *kv_xxh64_many(PyObject *self, PyObject *args, PyObject *kwargs)
     return do_many(bufs_o, NULL, threads_o, seed_o);
 }
 
+/* ---- A batch in the background ------------------------------------------ */
+
+/* copy_checksum_start's handle: the views of the batch stay held, and the batch's
+ * threads run, until result() (or the handle's end) joins them. */
+typedef struct {
+    PyObject_HEAD
+    kv_batch b;
+    kv_async a;
+    int efd;           /* -1 once result() has closed it */
+    int joined;        /* threads joined and views released */
+    PyObject *digests; /* result() once computed */
+} CopyJobObject;
+
+/* Join the threads (the GIL released: they may still be copying) and release the
+ * views: the batch's memory is the caller's again. */
+static void job_join(CopyJobObject *self) {
+    if (self->joined) return;
+    Py_BEGIN_ALLOW_THREADS
+    kv_join_jobs(&self->a);
+    Py_END_ALLOW_THREADS
+    self->joined = 1;
+}
+
+static void job_dealloc(CopyJobObject *self) {
+    job_join(self);
+    if (self->b.src) batch_release(&self->b);
+    if (self->efd >= 0) close(self->efd);
+    Py_XDECREF(self->digests);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *job_fileno(CopyJobObject *self, PyObject *unused) {
+    if (self->efd < 0) {
+        PyErr_SetString(PyExc_ValueError, "the job's result was taken: no descriptor left");
+        return NULL;
+    }
+    return PyLong_FromLong(self->efd);
+}
+
+static PyObject *job_done(CopyJobObject *self, PyObject *unused) {
+    return PyBool_FromLong(self->joined || __atomic_load_n(&self->a.running, __ATOMIC_ACQUIRE) == 0);
+}
+
+static PyObject *job_result(CopyJobObject *self, PyObject *unused) {
+    if (self->digests == NULL) {
+        job_join(self);
+        PyObject *out = PyList_New(self->b.count);
+        for (Py_ssize_t i = 0; out && i < self->b.count; i++) {
+            PyObject *d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
+            if (!d) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, i, d);
+        }
+        if (!out) return NULL;
+        batch_release(&self->b);
+        memset(&self->b, 0, sizeof(self->b));
+        if (self->efd >= 0) close(self->efd);
+        self->efd = -1;
+        self->digests = out;
+    }
+    Py_INCREF(self->digests);
+    return self->digests;
+}
+
+static PyMethodDef job_methods[] = {
+    {"fileno", (PyCFunction)job_fileno, METH_NOARGS,
+     "fileno() -> int: an eventfd, readable once every job is done (until result())."},
+    {"done", (PyCFunction)job_done, METH_NOARGS, "done() -> bool: every job has finished."},
+    {"result", (PyCFunction)job_result, METH_NOARGS,
+     "result() -> list[int]: the digests, in order; waits for the threads (GIL released),\n"
+     "then releases the buffers and closes the descriptor. Later calls return the same."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore._native.CopyJob",
+    .tp_basicsize = sizeof(CopyJobObject),
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A copy_checksum_start batch running in the background.",
+    .tp_methods = job_methods,
+};
+
+PyDoc_STRVAR(copy_checksum_start_doc,
+"copy_checksum_start(dsts, srcs, threads=1, seed=0) -> CopyJob\n\n"
+"copy_checksum_many, run in the background on `threads` threads started for it (none\n"
+"of them the caller's): returns at once. The job's fileno() (an eventfd) becomes\n"
+"readable when every copy is done; result() then gives the digests. The buffers stay\n"
+"held (and must not be reused) until result() or the job's end, which wait for the\n"
+"threads. Argument errors are raised here, before anything is copied.");
+
+static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dsts", "srcs", "threads", "seed", NULL};
+    PyObject *dsts_o, *srcs_o, *threads_o = NULL, *seed_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OO:copy_checksum_start", kwlist,
+                                     &dsts_o, &srcs_o, &threads_o, &seed_o))
+        return NULL;
+    int threads;
+    uint64_t seed = 0;
+    if (get_threads(threads_o, &threads) < 0) return NULL;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    PyObject *srcs = PySequence_Fast(srcs_o, "srcs must be a sequence of buffers");
+    if (!srcs) return NULL;
+    PyObject *dsts = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
+    CopyJobObject *job = NULL;
+    if (!dsts) goto done;
+    if (PySequence_Fast_GET_SIZE(dsts) != PySequence_Fast_GET_SIZE(srcs)) {
+        PyErr_Format(PyExc_ValueError, "%zd dsts for %zd srcs", PySequence_Fast_GET_SIZE(dsts),
+                     PySequence_Fast_GET_SIZE(srcs));
+        goto done;
+    }
+    job = PyObject_New(CopyJobObject, &CopyJobType);
+    if (!job) goto done;
+    memset(&job->b, 0, sizeof(job->b));
+    job->a.started = 0;
+    job->joined = 1; /* nothing to join until started */
+    job->digests = NULL;
+    job->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (job->efd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_CLEAR(job);
+        goto done;
+    }
+    if (batch_acquire(&job->b, srcs, dsts, seed) < 0) {
+        memset(&job->b, 0, sizeof(job->b));
+        Py_CLEAR(job);
+        goto done;
+    }
+    job->joined = 0;
+    Py_BEGIN_ALLOW_THREADS /* with no thread to be had, the batch runs here */
+    kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd);
+    Py_END_ALLOW_THREADS
+done:
+    Py_XDECREF(dsts);
+    Py_DECREF(srcs);
+    return (PyObject *)job;
+}
+
 PyDoc_STRVAR(buffer_addresses_doc,
 "buffer_addresses(bufs) -> list[int]\n\n"
 "The address of the first byte of each of `bufs` (C-contiguous buffers, read-only\n"
@@ -646,6 +791,8 @@ static PyMethodDef kv_methods[] = {
      METH_VARARGS | METH_KEYWORDS, copy_checksum_many_doc},
     {"xxh64_many", (PyCFunction)(void (*)(void))kv_xxh64_many, METH_VARARGS | METH_KEYWORDS,
      xxh64_many_doc},
+    {"copy_checksum_start", (PyCFunction)(void (*)(void))kv_copy_checksum_start,
+     METH_VARARGS | METH_KEYWORDS, copy_checksum_start_doc},
     {"buffer_addresses", (PyCFunction)kv_buffer_addresses, METH_O, buffer_addresses_doc},
     {"cma_read_checksum", (PyCFunction)(void (*)(void))kv_cma_read_checksum,
      METH_VARARGS | METH_KEYWORDS, cma_read_checksum_doc},
@@ -659,6 +806,8 @@ static int kv_exec(PyObject *m) {
     if (PyModule_AddIntConstant(m, "BLOCK_ID_BYTES", B2_OUT) < 0) return -1;
     if (PyModule_AddObjectRef(m, "HAVE_SSE2", KV_HAVE_SSE2 ? Py_True : Py_False) < 0) return -1;
     if (PyModule_AddIntConstant(m, "NT_MIN_BYTES", (long)NT_MIN_BYTES) < 0) return -1;
+    if (PyType_Ready(&CopyJobType) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "CopyJob", (PyObject *)&CopyJobType) < 0) return -1;
     if (kv_add_idtable(m) < 0) return -1;
     if (kv_add_paged(m) < 0) return -1;
     return 0;

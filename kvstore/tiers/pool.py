@@ -284,6 +284,20 @@ class DevicePool:
         before the first copy; a device pool writes one slot after another."""
         if self._host is None:
             return [self.write(s, src) for s, src in zip(slots, srcs)]
+        return cks.copy_with_checksum_many(self._write_views(slots, srcs), srcs, threads)
+
+    def write_start(self, slots: list[int], srcs: list, threads: int = 1):
+        """write_many of a host pool, started in the background (kvstore.checksum.
+        copy_with_checksum_start: a job whose fileno() is readable when it is done and
+        whose result() is the digests); None where it cannot run so (no native
+        extension, or a device pool). Every slot is checked before the first copy."""
+        if self._host is None:
+            return None
+        return cks.copy_with_checksum_start(self._write_views(slots, srcs), srcs, threads)
+
+    def _write_views(self, slots: list[int], srcs: list) -> list:
+        """The host slots `srcs` go to, each checked RESERVED and big enough."""
+        assert self._host is not None
         dsts = []
         for slot, src in zip(slots, srcs):
             if self._state[slot] != _RESERVED:
@@ -291,7 +305,7 @@ class DevicePool:
             n = memoryview(src).nbytes
             self._check_len(n)
             dsts.append(self._host[slot, :n])
-        return cks.copy_with_checksum_many(dsts, srcs, threads)
+        return dsts
 
     def read_many(
         self, slots: list[int], sizes: list[int], dsts: list, threads: int = 1
@@ -299,13 +313,24 @@ class DevicePool:
         """read_into(slots[i], sizes[i], dsts[i]) for every i, batched like write_many."""
         if self._host is None:
             return [self.read_into(s, n, d) for s, n, d in zip(slots, sizes, dsts)]
+        return cks.copy_with_checksum_many(dsts, self._read_views(slots, sizes), threads)
+
+    def read_start(self, slots: list[int], sizes: list[int], dsts: list, threads: int = 1):
+        """read_many of a host pool started in the background, like write_start."""
+        if self._host is None:
+            return None
+        return cks.copy_with_checksum_start(dsts, self._read_views(slots, sizes), threads)
+
+    def _read_views(self, slots: list[int], sizes: list[int]) -> list:
+        """The host slots' first `sizes` bytes, each slot checked OCCUPIED."""
+        assert self._host is not None
         srcs = []
         for slot, n in zip(slots, sizes):
             if self._state[slot] != _OCCUPIED:
                 raise SlotStateError(f"slot {slot} read while {self.state(slot).name}")
             self._check_len(n)
             srcs.append(self._host[slot, :n])
-        return cks.copy_with_checksum_many(dsts, srcs, threads)
+        return srcs
 
     def read_tensors(self, slots: list[int], sizes: list[int], dsts: list) -> list[int]:
         """read_into for uint8 tensor destinations on the pool's device (a GPU client's

@@ -1,0 +1,152 @@
+"""copy_checksum_start: the batch copy run in the background for a caller on an event
+loop (the agent's big shared-memory Puts and Gets, node_agent/servicer.py). The same
+digests as the foreground batch and the xxhash package, every buffer checked before a
+byte is copied, the eventfd readable only once all is done, the buffers held until the
+result is taken, and nothing leaked (threads, descriptors) however the job ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from kvstore import checksum as cks
+
+try:
+    from kvstore import _native
+except ImportError:  # pragma: no cover - extension not built
+    _native = None
+
+pytestmark = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
+MiB = 1 << 20
+
+
+def _blocks(seed: int, sizes: list[int]):
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dsts = [np.full(n + 5, 0xAB, dtype=np.uint8) for n in sizes]
+    return srcs, dsts
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=hs.lists(hs.integers(0, 600_000), max_size=8),
+    threads=hs.integers(1, 6),
+    seed=hs.integers(0, 2**32 - 1),
+)
+def test_background_batch_gives_the_foreground_digests(sizes, threads, seed):
+    srcs, dsts = _blocks(seed, sizes)
+    job = cks.copy_with_checksum_start(dsts, srcs, threads)
+    assert _readable(job.fileno(), 30)
+    assert job.done()
+    got = job.result()
+    assert got == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+    assert got == cks.copy_with_checksum_many([np.empty_like(s) for s in srcs], srcs, threads)
+    for s, d in zip(srcs, dsts):
+        assert np.array_equal(d[: s.size], s)
+        assert (d[s.size :] == 0xAB).all()  # nothing past the source's length
+    assert job.result() == got  # the same list again
+
+
+def test_the_descriptor_turns_readable_only_when_every_copy_is_done():
+    srcs, dsts = _blocks(1, [32 * MiB] * 8)  # long enough to be caught in flight
+    job = cks.copy_with_checksum_start(dsts, srcs, 2)
+    fd = job.fileno()
+    seen_in_flight = False
+    while not _readable(fd, 0):
+        seen_in_flight = True
+    assert seen_in_flight  # 256 MiB take far longer than one look
+    assert job.done()  # readable: every thread is past its last copy
+    assert os.eventfd_read(fd) == 1  # written once, by the last thread out
+    assert job.result() == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+
+
+def test_result_closes_the_descriptor_and_lets_go_of_the_buffers():
+    src = bytearray(os.urandom(4 * MiB))
+    dst = bytearray(4 * MiB)
+    before = _open_fds()
+    job = cks.copy_with_checksum_start([memoryview(dst)], [memoryview(src)], 2)
+    assert _open_fds() == before + 1
+    with pytest.raises(BufferError):  # held by the job while it may still copy
+        dst.extend(b"x")
+    job.result()
+    assert _open_fds() == before
+    with pytest.raises(ValueError, match="no descriptor left"):
+        job.fileno()
+    dst.extend(b"x")  # released: the buffer may be resized again
+    assert bytes(dst[: len(src)]) == bytes(src)
+
+
+def test_a_job_dropped_unfinished_waits_for_its_threads_and_leaks_nothing():
+    before = _open_fds()
+    threads = len(os.listdir("/proc/self/task"))
+    for _ in range(20):
+        srcs, dsts = _blocks(2, [2 * MiB] * 8)
+        job = cks.copy_with_checksum_start(dsts, srcs, 3)
+        del job  # its end joins the threads before the buffers go
+        for s, d in zip(srcs, dsts):
+            assert np.array_equal(d[: s.size], s)
+    assert _open_fds() == before
+    assert len(os.listdir("/proc/self/task")) == threads
+
+
+@pytest.mark.parametrize(
+    "dsts, srcs, error, match",
+    [
+        ([bytearray(8)], [b"a" * 8, b"b" * 8], ValueError, "1 dsts for 2 srcs"),
+        ([b"x" * 8], [b"a" * 8], TypeError, r"dsts\[0\] must be a writable buffer"),
+        ([bytearray(8), bytearray(4)], [b"a" * 8] * 2, ValueError, r"dsts\[1\] is too small"),
+        ([bytearray(8)], [3], TypeError, r"srcs\[0\] must be a bytes-like object"),
+        (5, [b"a"], TypeError, "dsts must be a sequence"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_copied(dsts, srcs, error, match):
+    before = _open_fds()
+    firsts = [bytes(d) for d in dsts] if isinstance(dsts, list) else None
+    with pytest.raises(error, match=match):
+        cks.copy_with_checksum_start(dsts, srcs, 2)
+    if firsts is not None:
+        assert [bytes(d) for d in dsts] == firsts
+    assert _open_fds() == before
+
+
+@pytest.mark.parametrize("threads", [0, 65, True, "2"])
+def test_thread_counts_out_of_range_are_refused(threads):
+    with pytest.raises((ValueError, TypeError), match="threads"):
+        cks.copy_with_checksum_start([bytearray(4)], [b"abcd"], threads)
+
+
+def test_an_event_loop_waits_on_the_job_without_a_thread_of_its_own():
+    srcs, dsts = _blocks(3, [8 * MiB] * 4)
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        job = cks.copy_with_checksum_start(dsts, srcs, 2)
+        done = loop.create_future()
+        loop.add_reader(job.fileno(), lambda: done.done() or done.set_result(None))
+        try:
+            await asyncio.wait_for(done, 30)
+        finally:
+            loop.remove_reader(job.fileno())
+        return job.result()
+
+    assert asyncio.run(main()) == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+
+
+def test_without_the_extension_there_is_no_background_job(monkeypatch):
+    monkeypatch.setattr(cks, "_native", None)
+    assert cks.copy_with_checksum_start([bytearray(4)], [b"abcd"], 2) is None

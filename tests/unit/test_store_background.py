@@ -1,0 +1,171 @@
+"""BlockStore.put_begin / get_begin: a put or get whose copy runs in the background
+(the native batch's own threads) while the agent's event loop waits on a descriptor
+(node_agent/servicer.py). Whatever happens between the begin and the finish (a flush, a
+corrupt payload, the caller going away) the store ends as a foreground put or get would
+leave it: same blocks, same events, every slot and every hold given back."""
+
+from __future__ import annotations
+
+import select
+
+import pytest
+from support.common import TEST_SECRET
+from support.store import NB, SPEC, check_invariants, demote_all, get, lookup, prompt, put
+
+from kvstore import store_copy
+from kvstore.errors import DataLoss
+from kvstore.events import Tier
+from kvstore.store import PutItem
+
+try:
+    from kvstore import _native
+except ImportError:  # pragma: no cover - extension not built
+    _native = None
+
+needs_native = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
+NS = SPEC.namespace_id
+ROOT = SPEC.root(0, TEST_SECRET)
+
+
+@pytest.fixture(autouse=True)
+def small_batches_in_the_background(monkeypatch):
+    """The test namespace's blocks are small: let batches of any size run in the
+    background (the agent does so from PARALLEL_MIN_BYTES = 8 MiB)."""
+    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
+
+
+def _wait(pending) -> None:
+    fd = pending.fileno()
+    assert fd is not None, "the copy did not start in the background"
+    assert select.select([fd], [], [], 30)[0]
+
+
+def _dsts(n: int) -> tuple[list[bytearray], object]:
+    bufs = [bytearray(NB) for _ in range(n)]
+    return bufs, (lambda i, nbytes: bufs[i])
+
+
+@needs_native
+def test_a_background_put_and_get_store_and_serve_what_the_foreground_does(make_store):
+    store = make_store(copy_threads=2)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 5)
+    pending = store.put_begin(NS, 0, items, ROOT)
+    _wait(pending)
+    assert pending.finish() == (5, 0)
+    assert lookup(store, ids) == (5, 5, 0)
+    bufs, dst_for = _dsts(5)
+    got = store.get_begin(NS, 0, ids, ROOT, dst_for)
+    assert not got.reads_beyond_pool
+    _wait(got)
+    served = got.finish()
+    assert [s.block_id for s in served] == ids and all(s.tier == Tier.HBM for s in served)
+    assert [bytes(b) for b in bufs] == [bytes(it.data) for it in items]
+    assert store.counters["get_blocks"] == 5
+    again = store.put_begin(NS, 0, items, ROOT)  # all present: nothing planned to copy
+    assert again.finish() == (0, 5)
+    check_invariants(store)
+
+
+@needs_native
+def test_a_flush_while_the_copy_runs_stores_nothing_and_frees_every_slot(make_store):
+    store = make_store(n_slots=4, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    pending = store.put_begin(NS, 0, items, ROOT)
+    store.set_generation(NS, 1)  # flushed while the payloads were still landing
+    _wait(pending)
+    assert pending.finish() == (0, 0)
+    assert store.block_count() == 0 and store.pool.free_slots == 4
+    check_invariants(store)
+
+
+@needs_native
+def test_a_flush_while_a_background_get_copies_serves_nothing(make_store):
+    store = make_store(n_slots=4, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    put(store, items)
+    _, dst_for = _dsts(3)
+    pending = store.get_begin(NS, 0, ids, ROOT, dst_for)
+    store.set_generation(NS, 1)
+    _wait(pending)
+    assert pending.finish() == []
+    assert store.pool.free_slots == 4  # the flushed blocks' slots, freed by the last reader
+    check_invariants(store)
+
+
+@needs_native
+def test_a_corrupt_payload_keeps_the_blocks_before_it_and_leaks_no_slot(make_store):
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    bad = PutItem(items[1].block_id, items[1].parent_id, items[1].data, checksum=12345)
+    pending = store.put_begin(NS, 0, [items[0], bad, items[2]], ROOT)
+    _wait(pending)
+    with pytest.raises(DataLoss, match="checksum"):
+        pending.finish()
+    assert lookup(store, ids) == (1, 1, 0)
+    assert store.pool.free_slots == 7
+    check_invariants(store)
+
+
+@needs_native
+def test_finishing_twice_is_refused_and_abandoning_ends_cleanly(make_store):
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 4)
+    pending = store.put_begin(NS, 0, items, ROOT)
+    pending.abandon()  # the caller went away: what landed is committed all the same
+    with pytest.raises(RuntimeError, match="finished already"):
+        pending.finish()
+    assert lookup(store, ids) == (4, 4, 0)
+    _, dst_for = _dsts(4)
+    got = store.get_begin(NS, 0, ids, ROOT, dst_for)
+    got.abandon()  # nothing served, every hold let go of
+    got.abandon()
+    with pytest.raises(RuntimeError, match="finished already"):
+        got.finish()
+    assert store.counters["get_blocks"] == 0
+    assert all(m.readers == 0 for st in store.namespaces() for m in st.blocks.values())
+    check_invariants(store)
+
+
+def test_a_get_that_reaches_nvme_says_so_and_promotes_on_finish(make_store):
+    store = make_store(n_slots=4)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    put(store, items)
+    demote_all(store)
+    _, dst_for = _dsts(3)
+    pending = store.get_begin(NS, 0, ids, ROOT, dst_for)
+    assert pending.reads_beyond_pool  # finish() reads RocksDB: the agent runs it on a thread
+    served = pending.finish()
+    assert [s.tier for s in served] == [Tier.NVME] * 3
+    check_invariants(store)
+
+
+def test_without_background_the_copy_runs_in_finish(make_store):
+    store = make_store()
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    pending = store.put_begin(NS, 0, items, ROOT, background=False)
+    assert pending.fileno() is None
+    assert pending.finish() == (3, 0)
+    served, data = get(store, ids)
+    assert data == [it.data for it in items]
+
+
+def test_fits_without_eviction_counts_free_slots_quota_and_writes_in_flight(make_store):
+    store = make_store(n_slots=4, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    assert store.fits_without_eviction(NS, 4)
+    assert not store.fits_without_eviction(NS, 5)
+    assert not store.fits_without_eviction(b"\0" * 16, 1)  # no such namespace
+    _, items = prompt(1, 2)
+    pending = store.put_begin(NS, 0, items, ROOT, background=False)  # 2 slots in flight
+    assert store.fits_without_eviction(NS, 2) and not store.fits_without_eviction(NS, 3)
+    pending.finish()
+    store.set_tenant_limits(SPEC.tenant, 3 * NB, None)
+    assert store.fits_without_eviction(NS, 1)
+    assert not store.fits_without_eviction(NS, 2)  # free slots, but over the quota
