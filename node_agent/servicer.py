@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvstore import errors, native
 from kvstore.auth import CLUSTER_TENANT, check_namespace
 from kvstore.events import Tier
+from kvstore.hashing import BLOCK_ID_BYTES
 from kvstore.store import BlockStore, NsState, PackedIds, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from kvstore.wire import (
@@ -262,7 +263,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 if req.root and len(req.root) != 16:
                     raise errors.InvalidArgument("root must be empty or 16 bytes")
                 root = req.root
-            total += len(req.blocks)
+            total += len(req.blocks) + len(req.chain_ids) // BLOCK_ID_BYTES
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
             pending += self._put_items(st, req)
@@ -280,6 +281,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 
     def _put_items(self, st: NsState, req) -> list[PutItem]:
+        if req.chain_ids and (req.blocks or not req.shm_region_id):
+            raise errors.InvalidArgument(
+                "chain_ids is the shared-memory form of a Put (shm_region_id set) and "
+                "replaces blocks: a PutRequest carries one or the other"
+            )
         region = (
             self.shm.get(req.shm_region_id, current_tenant.get()) if req.shm_region_id else None
         )
@@ -293,6 +299,8 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 f"region {req.shm_region_id} is device staging, which Gets fill; Put from "
                 "host staging"
             )
+        if req.chain_ids:
+            return self._chain_items(st, req, region)
         size = st.block_bytes
         span = region.span
         return [
@@ -304,6 +312,19 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             )
             for b in req.blocks
         ]
+
+    def _chain_items(self, st: NsState, req, region) -> list[PutItem]:
+        """PutRequest.chain_ids: block i the child of block i - 1 (block 0 of
+        chain_parent_id), its payload at chain_first_offset + i * chain_stride."""
+        ids = self._ids(req.chain_ids, "chain_ids")
+        parent = check_id(req.chain_parent_id, "chain_parent_id")
+        size = st.block_bytes
+        if req.chain_stride < size:
+            raise errors.InvalidArgument(
+                f"chain_stride {req.chain_stride} is below the namespace's {size}-byte blocks"
+            )
+        spans = region.spans(req.chain_first_offset, req.chain_stride, size, len(ids))
+        return [PutItem(*b) for b in zip(ids, [parent, *ids[:-1]], spans)]
 
     async def Pin(self, request, context):
         return self._pin(request, True)
@@ -345,7 +366,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         else:
             region = self.shm.register_fd(offer, request.size, current_tenant.get())
         return agent_pb2.RegisterShmResponse(
-            region_id=region.region_id, local_socket=self.lane.path if self.lane else ""
+            region_id=region.region_id,
+            local_socket=self.lane.path if self.lane else "",
+            chain_puts=True,
         )
 
     async def UnregisterShm(self, request, context):

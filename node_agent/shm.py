@@ -70,6 +70,15 @@ class Region:
             )
         return self.array[offset : offset + nbytes]
 
+    def spans(self, first: int, stride: int, nbytes: int, count: int) -> list[np.ndarray]:
+        """`count` spans of `nbytes`, the i-th at first + i * stride (stride >= nbytes),
+        every one checked before any is made."""
+        if count:
+            self.span(first, nbytes)
+            self.span(first + (count - 1) * stride, nbytes)
+        a = self.array
+        return [a[o : o + nbytes] for o in range(first, first + count * stride, stride)]
+
     def release(self) -> None:
         # The mapping goes with the array's last view: now, unless a copy still holds one.
         self.array = np.empty(0, dtype=np.uint8)

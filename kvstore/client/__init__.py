@@ -192,6 +192,7 @@ class KVClient:
         self._shm: Staging | None = None
         self._staging: np.ndarray | None = None
         self._region_id = 0
+        self._chain_puts = False  # the agent takes PutRequest.chain_ids (RegisterShm says)
         # The lane connection our region was registered over (it lives as long as this
         # connection); data calls use it too unless local_lane=False.
         self._lane: LaneChannel | None = None
@@ -267,6 +268,7 @@ class KVClient:
             ch.close()
             raise KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         self._region_id, self.local_socket, self._lane = resp.region_id, where.socket, ch
+        self._chain_puts = resp.chain_puts
         if self._device is not None:  # after an agent restart: lend it again
             self._device.region_id = self._register_device(self._device, deadline)
         self._stale = False
@@ -758,10 +760,21 @@ class KVClient:
         first = ns.root if parent is None else parent
 
         def build() -> agent_pb2.PutRequest:
+            size = ns.block_bytes
+            if self._chain_puts:  # one packed field: no BlockPut per block to build, parse
+                return agent_pb2.PutRequest(
+                    ns=ns.ref,
+                    shm_region_id=self._region_id,
+                    root=ns.root,
+                    chain_ids=pack_ids(ids),
+                    chain_parent_id=first,
+                    chain_first_offset=first_slot * size,
+                    chain_stride=size,
+                )
             req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, root=ns.root)
             # blocks.add builds each message in place; a list of BlockPut handed to the
             # constructor is copied message by message (about twice the time, 64 blocks)
-            add, prev, size = req.blocks.add, first, ns.block_bytes
+            add, prev = req.blocks.add, first
             for i, bid in enumerate(ids, first_slot):
                 add(block_id=bid, parent_id=prev, shm_offset=i * size)
                 prev = bid

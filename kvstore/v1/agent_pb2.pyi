@@ -115,16 +115,24 @@ class BlockPut(_message.Message):
     def __init__(self, block_id: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("ns", "shm_region_id", "blocks", "root")
+    __slots__ = ("ns", "shm_region_id", "blocks", "root", "chain_ids", "chain_parent_id", "chain_first_offset", "chain_stride")
     NS_FIELD_NUMBER: _ClassVar[int]
     SHM_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_STRIDE_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     shm_region_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPut]
     root: bytes
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ...) -> None: ...
+    chain_ids: bytes
+    chain_parent_id: bytes
+    chain_first_offset: int
+    chain_stride: int
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ..., chain_ids: _Optional[bytes] = ..., chain_parent_id: _Optional[bytes] = ..., chain_first_offset: _Optional[int] = ..., chain_stride: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "already_present")
@@ -246,12 +254,14 @@ class RegisterShmRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class RegisterShmResponse(_message.Message):
-    __slots__ = ("region_id", "local_socket")
+    __slots__ = ("region_id", "local_socket", "chain_puts")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_PUTS_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     local_socket: str
-    def __init__(self, region_id: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    chain_puts: bool
+    def __init__(self, region_id: _Optional[int] = ..., local_socket: _Optional[str] = ..., chain_puts: _Optional[bool] = ...) -> None: ...
 
 class UnregisterShmRequest(_message.Message):
     __slots__ = ("region_id",)

@@ -366,6 +366,58 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
                 ),
                 "region 12345",
             ),
+            # the packed chain form of a shared-memory Put: every field checked first
+            *[
+                (IA, stub.Put, iter([agent_pb2.PutRequest(ns=ns.ref, root=ns.root, **kw)]), why)
+                for kw, why in (
+                    (dict(chain_ids=ids[0], chain_parent_id=ns.root), "shm_region_id set"),
+                    (
+                        dict(
+                            shm_region_id=region,
+                            chain_ids=ids[0],
+                            chain_parent_id=ns.root,
+                            chain_stride=NB,
+                            blocks=[agent_pb2.BlockPut(block_id=ids[0], parent_id=ns.root)],
+                        ),
+                        "one or the other",
+                    ),
+                    (
+                        dict(shm_region_id=region, chain_ids=b"x" * 20, chain_stride=NB),
+                        "multiple of 16",
+                    ),
+                    (
+                        dict(shm_region_id=region, chain_ids=ids[0], chain_stride=NB),
+                        "chain_parent_id must be 16 bytes",
+                    ),
+                    (
+                        dict(
+                            shm_region_id=region,
+                            chain_ids=pack_ids(ids[:2]),
+                            chain_parent_id=ns.root,
+                            chain_stride=NB - 1,
+                        ),
+                        f"below the namespace's {NB}-byte blocks",
+                    ),
+                    (
+                        dict(
+                            shm_region_id=region,
+                            chain_ids=pack_ids(ids[:2]),
+                            chain_parent_id=ns.root,
+                            chain_stride=1 << 20,  # the second block past the 1 MiB region
+                        ),
+                        "outside region",
+                    ),
+                    (
+                        dict(
+                            shm_region_id=region,
+                            chain_ids=b"\0" * 16 * 65,
+                            chain_parent_id=ns.root,
+                            chain_stride=NB,
+                        ),
+                        "more than 64 blocks",
+                    ),
+                )
+            ],
             # memory by name (over gRPC): never; only a descriptor over the local lane
             (
                 grpc.StatusCode.PERMISSION_DENIED,

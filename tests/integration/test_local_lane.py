@@ -80,6 +80,28 @@ def test_same_host_client_round_trips_over_the_lane_without_grpc(spawn_agent):
     assert "local lane on /dev/shm/" in agent.log
 
 
+@pytest.mark.parametrize("chain_puts", [True, False], ids=["packed-chain", "block-puts"])
+def test_staged_puts_in_either_form_store_the_same_chain(spawn_agent, chain_puts):
+    """put_staged sends the packed chain form (PutRequest.chain_ids) to an agent whose
+    RegisterShm says it takes it, a BlockPut per block otherwise (agents before it):
+    both land the same blocks, offset by first_slot and chained to `parent`."""
+    agent = spawn_agent()
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=1 << 20) as c:
+        assert c._chain_puts  # this agent says so
+        c._chain_puts = chain_puts
+        ns = c.open_namespace(SPEC)
+        ids = c.block_ids(ns, prompt_tokens(4, 6 * BS))
+        blocks = blocks_for(4, 6)
+        views = c.staging_views(ns, 6)
+        for v, b in zip(views, blocks):
+            v.copy_(b.reshape(v.shape))
+        assert c.put_staged(ns, ids[:2]).stored == 2
+        # the rest from slot 2 on, chained to the last block stored
+        assert c.put_staged(ns, ids[2:], parent=ids[1], first_slot=2).stored == 4
+        got = c.get(ns, ids)
+        assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(got, blocks))
+
+
 def test_lane_errors_match_grpc_and_tenants_stay_apart(spawn_agent):
     agent = spawn_agent(allow_unauthenticated=False, tenants=tenants())
     with (
