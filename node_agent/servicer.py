@@ -4,6 +4,7 @@ Errors are KvError subclasses; node_agent/interceptors.py turns them into status
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -93,17 +94,21 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             self.hub.publish_pending()
 
     async def _store_put(self, st: NsState, generation: int, items: list[PutItem], root):
-        """store.put of a Put's items. A big batch into room the pool has is planned
-        here, its copy run in the background on threads of the native batch's own and
-        waited for on the loop: no worker thread to wake, hand the batch to and back
-        (0.1-0.5 ms each way on a 2-core host, per big Put). One whose plan would evict
-        (an eviction may write to NVMe) or that cannot copy so goes to a worker thread."""
+        """store.put of a Put's items. A big batch's copy runs in the background on the
+        native batch's own threads, waited for on the loop: no worker thread to wake, hand
+        the batch to and back (0.1-0.5 ms each way on a 2-core host, per big Put). Its
+        plan runs here too, unless it may write NVMe (evicting to make room, with an NVMe
+        tier to demote to): that goes to a worker thread first."""
         nbytes = len(items) * st.spec.block_bytes
-        if nbytes < _OFFLOAD_BYTES or not self.store.fits_without_eviction(st.ns_id, len(items)):
+        if nbytes < _OFFLOAD_BYTES:
             return await self._run(nbytes, self.store.put, st.ns_id, generation, items, root)
         self.in_flight += 1
         try:
-            pending = self.store.put_begin(st.ns_id, generation, items, root)
+            begin = functools.partial(self.store.put_begin, st.ns_id, generation, items, root)
+            if self.store.rocks is None or self.store.fits_without_eviction(st.ns_id, len(items)):
+                pending = begin()
+            else:
+                pending = await _begun_in_thread(begin)
             if pending.fileno() is None:
                 return await asyncio.to_thread(pending.finish)
             await _copied(pending)
@@ -399,6 +404,23 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             )
         async for batch in self.hub.subscribe(request.subscriber or context.peer()):
             yield batch
+
+
+async def _begun_in_thread(begin):
+    """`begin()` (BlockStore.put_begin) on a worker thread. Cancelled meanwhile, the
+    put it begins is still ended, once begun: abandoned (PendingPut.abandon) on a worker
+    thread, or its reserved slots would never be given back."""
+    began = asyncio.ensure_future(asyncio.to_thread(begin))
+    try:
+        return await asyncio.shield(began)
+    except asyncio.CancelledError:
+
+        def end(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                asyncio.get_running_loop().run_in_executor(None, fut.result().abandon)
+
+        began.add_done_callback(end)
+        raise
 
 
 async def _copied(pending) -> None:

@@ -1,0 +1,106 @@
+"""The agent's waits on background copies (node_agent/servicer.py): a Put or Get whose
+caller goes away (a cancelled call: the client's deadline, a dropped connection) while its
+copy runs, or while its plan runs on a worker thread, still ends in the store: the copy
+waited for, what landed committed (a Put) or nothing served (a Get), no slot left
+reserved and no block left held. A real BlockStore over a host pool."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from support.common import TEST_SECRET
+from support.store import NB, SPEC, check_invariants, lookup, prompt, put
+
+from kvstore import store_copy
+from kvstore.tiers.pool import SlotState
+from node_agent import servicer
+
+try:
+    from kvstore import _native
+except ImportError:  # pragma: no cover - extension not built
+    _native = None
+
+pytestmark = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
+NS = SPEC.namespace_id
+ROOT = SPEC.root(0, TEST_SECRET)
+
+
+@pytest.fixture(autouse=True)
+def small_batches_in_the_background(monkeypatch):
+    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
+
+
+def _reserved(store) -> int:
+    return sum(store.pool.state(s) == SlotState.RESERVED for s in range(store.pool.n_slots))
+
+
+async def _cancel_soon(task: asyncio.Task) -> None:
+    await asyncio.sleep(0)  # the task runs up to its first wait
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_put_cancelled_while_its_copy_runs_commits_what_landed(make_store):
+    store = make_store(n_slots=16, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 8)
+
+    async def main() -> None:
+        pending = store.put_begin(NS, 0, items, ROOT)
+        assert pending.fileno() is not None
+        await _cancel_soon(asyncio.ensure_future(servicer._copied(pending)))
+
+    asyncio.run(main())
+    assert lookup(store, ids) == (8, 8, 0)
+    assert _reserved(store) == 0
+    check_invariants(store)
+
+
+def test_a_get_cancelled_while_its_copy_runs_serves_nothing_and_holds_nothing(make_store):
+    store = make_store(n_slots=16, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 8)
+    put(store, items)
+    bufs = [bytearray(NB) for _ in ids]
+
+    async def main() -> None:
+        pending = store.get_begin(NS, 0, ids, ROOT, lambda i, n: bufs[i])
+        assert pending.fileno() is not None
+        await _cancel_soon(asyncio.ensure_future(servicer._copied(pending)))
+
+    asyncio.run(main())
+    assert store.counters["get_blocks"] == 0
+    assert all(m.readers == 0 for st in store.namespaces() for m in st.blocks.values())
+    check_invariants(store)
+
+
+def test_a_put_cancelled_while_its_plan_runs_on_a_thread_is_still_ended(make_store):
+    store = make_store(n_slots=16, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 8)
+    planning, go_on = threading.Event(), threading.Event()
+
+    def begin():
+        planning.set()
+        go_on.wait(10)  # the caller is cancelled while the plan is still running
+        return store.put_begin(NS, 0, items, ROOT)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(servicer._begun_in_thread(begin))
+        await asyncio.to_thread(planning.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go_on.set()
+        for _ in range(500):  # the put begun after the cancel is abandoned: committed
+            if lookup(store, ids)[0] == 8 and _reserved(store) == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert lookup(store, ids) == (8, 8, 0)
+    assert _reserved(store) == 0
+    check_invariants(store)
