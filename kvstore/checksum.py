@@ -176,8 +176,9 @@ def copy_with_checksum_start(dsts: Sequence[Any], srcs: Sequence[Any], threads: 
     it (none of them the caller's), for a caller waiting on an event loop: returns a
     job at once, whose ``fileno()`` (an eventfd) turns readable when every copy is done
     and whose ``result()`` is the digests (it waits for the threads first, then lets go
-    of the buffers). None without the native extension: the caller copies in the
-    foreground instead. Argument errors are raised here, before anything is copied."""
+    of the buffers). None without the native extension, or when no thread could be
+    started: the caller copies in the foreground instead. Argument errors are raised
+    here, before anything is copied."""
     start = getattr(_native, "copy_checksum_start", None)
     if start is None:
         return None

@@ -376,14 +376,14 @@ class BlockStore:
             pending.start()
         return pending
 
-    def fits_without_eviction(self, ns_id: bytes, blocks: int) -> bool:
-        """Whether `blocks` new blocks of the namespace would find free pool slots within
-        its tenant's quota now, so that planning them evicts nothing (an eviction may
-        write to NVMe: no work for an event loop's thread). A hint: a concurrent writer
-        may take the room first."""
+    def fits_without_eviction(self, ns_id: bytes, items: list[PutItem]) -> bool:
+        """Whether planning `items` now touches no NVMe: free pool slots within the
+        tenant's quota for all of them (an eviction may write NVMe), and no parent of
+        theirs held on NVMe only (it would be read back into the pool first). Work an
+        event loop's thread may do. A hint: a concurrent writer may take the room first."""
         with self.lock:
             st = self._ns.get(ns_id)
-            return st is not None and self._writes.fits(st, blocks)
+            return st is not None and self._writes.fits(st, items)
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:
@@ -671,8 +671,10 @@ class PendingGet:
     ) -> None:
         """End the read with `served` (the holds let go of; nothing served on an error)."""
         self._done = True
-        if self._job is not None:
-            self._job.result()  # the copy must be over before the slots can be reused
         store = self._store
-        with store.lock:
-            store._reads.finish(self._st, self._metas, served, promote or [], corrupt)
+        try:
+            if self._job is not None:
+                self._job.result()  # the copy must be over before the slots can be reused
+        finally:
+            with store.lock:
+                store._reads.finish(self._st, self._metas, served, promote or [], corrupt)

@@ -60,13 +60,23 @@ class Writes:
         # counts them, or writes open at once would together overshoot the tenant's quota.
         self._inflight: Counter[str] = Counter()
 
-    def fits(self, st: NsState, blocks: int) -> bool:
-        """Whether `blocks` new blocks of `st` find free slots within the tenant's quota
-        (counting the writes in flight): planning them would evict nothing."""
+    def fits(self, st: NsState, items: list[PutItem]) -> bool:
+        """Whether planning `items` would evict nothing and read nothing from NVMe: free
+        slots for all of them within the tenant's quota (counting the writes in flight),
+        and every parent held either in the pool or not at all (a parent on NVMe only is
+        promoted by the plan)."""
+        blocks = len(items)
         extra = blocks * st.block_bytes + self._inflight[st.tenant]
-        return self.pool.free_slots >= blocks and not self.residency.accounts.overflow(
+        if self.pool.free_slots < blocks or self.residency.accounts.overflow(
             st.tenant, Tier.HBM, extra
-        )
+        ):
+            return False
+        get = st.blocks.get
+        for it in items:
+            parent = get(it.parent_id)
+            if parent is not None and parent.slot < 0:
+                return False
+        return True
 
     def plan_put(self, st: NsState, items: list[PutItem], root: bytes | None = None) -> PutPlan:
         """Validate `items` and reserve a slot for each new block (see BlockStore.put)."""

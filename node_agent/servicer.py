@@ -8,7 +8,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from kvstore import errors, native
+from kvstore import errors, native, store_copy
 from kvstore.auth import CLUSTER_TENANT, check_namespace
 from kvstore.events import Tier
 from kvstore.hashing import BLOCK_ID_BYTES
@@ -100,12 +100,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         plan runs here too, unless it may write NVMe (evicting to make room, with an NVMe
         tier to demote to): that goes to a worker thread first."""
         nbytes = len(items) * st.spec.block_bytes
-        if nbytes < _OFFLOAD_BYTES:
+        if nbytes < _background_bytes():
             return await self._run(nbytes, self.store.put, st.ns_id, generation, items, root)
         self.in_flight += 1
         try:
             begin = functools.partial(self.store.put_begin, st.ns_id, generation, items, root)
-            if self.store.rocks is None or self.store.fits_without_eviction(st.ns_id, len(items)):
+            if self.store.rocks is None or self.store.fits_without_eviction(st.ns_id, items):
                 pending = begin()
             else:
                 pending = await _begun_in_thread(begin)
@@ -121,7 +121,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         """store.get into shared memory; a big batch's copy out of the pool runs in the
         background like _store_put's, the rest (NVMe reads) on a worker thread."""
         nbytes = len(ids) * st.spec.block_bytes
-        if nbytes < _OFFLOAD_BYTES:
+        if nbytes < _background_bytes():
             return await self._run(
                 nbytes, self.store.get, st.ns_id, generation, ids, parent, dst_for
             )
@@ -286,6 +286,13 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 
     def _put_items(self, st: NsState, req) -> list[PutItem]:
+        if not req.chain_ids and (
+            req.chain_parent_id or req.chain_first_offset or req.chain_stride
+        ):
+            raise errors.InvalidArgument(
+                "chain_parent_id, chain_first_offset and chain_stride describe chain_ids, "
+                "which is empty"
+            )
         if req.chain_ids and (req.blocks or not req.shm_region_id):
             raise errors.InvalidArgument(
                 "chain_ids is the shared-memory form of a Put (shm_region_id set) and "
@@ -406,18 +413,45 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             yield batch
 
 
+def _background_bytes() -> int:
+    """Batches from this size copy in the background (BatchCopier.write_start): smaller
+    ones go through _run as a whole (inline, or one hand-off to a worker thread)."""
+    return max(_OFFLOAD_BYTES, store_copy.PARALLEL_MIN_BYTES)
+
+
+def _abandon_off_loop(pending) -> None:
+    """End a put or get whose call was cancelled (PendingPut / PendingGet.abandon: it
+    waits for the copy threads) on a worker thread, the loop serving on meanwhile; on
+    this thread where the loop takes no more work (it is closing)."""
+
+    def logged(fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("a put or get cancelled mid-copy ended badly", exc_info=fut.exception())
+
+    try:
+        asyncio.get_running_loop().run_in_executor(None, pending.abandon).add_done_callback(logged)
+    except RuntimeError:  # the executor is shut down
+        try:
+            pending.abandon()
+        except Exception:  # noqa: BLE001 - nobody is left to tell but the log
+            log.exception("a put or get cancelled mid-copy ended badly")
+
+
 async def _begun_in_thread(begin):
     """`begin()` (BlockStore.put_begin) on a worker thread. Cancelled meanwhile, the
-    put it begins is still ended, once begun: abandoned (PendingPut.abandon) on a worker
-    thread, or its reserved slots would never be given back."""
+    put it begins is still ended, once begun (_abandon_off_loop), or its reserved
+    slots would never be given back."""
     began = asyncio.ensure_future(asyncio.to_thread(begin))
     try:
         return await asyncio.shield(began)
     except asyncio.CancelledError:
 
         def end(fut: asyncio.Future) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                asyncio.get_running_loop().run_in_executor(None, fut.result().abandon)
+            if fut.cancelled():
+                return
+            if fut.exception() is not None:  # nothing was begun: nothing to end
+                return
+            _abandon_off_loop(fut.result())
 
         began.add_done_callback(end)
         raise
@@ -425,8 +459,9 @@ async def _begun_in_thread(begin):
 
 async def _copied(pending) -> None:
     """Wait until a background copy (PendingPut / PendingGet) is done. Cancelled
-    meanwhile (the client went away, a deadline), the copy is still waited for, on this
-    thread: its slots and buffers are not free to reuse before."""
+    meanwhile (the client went away, a deadline), the call ends at once and the put or
+    get is ended on a worker thread once its copy is over (_abandon_off_loop): its
+    slots and buffers are not free to reuse before."""
     loop = asyncio.get_running_loop()
     fd = pending.fileno()
     done: asyncio.Future[None] = loop.create_future()
@@ -442,10 +477,7 @@ async def _copied(pending) -> None:
         finally:
             loop.remove_reader(fd)  # before the descriptor is closed (finish, abandon)
     except BaseException:
-        try:
-            pending.abandon()  # waits for the copy threads
-        except Exception:  # noqa: BLE001 - the cancellation is what goes on
-            log.exception("a background copy ended badly after its call was cancelled")
+        _abandon_off_loop(pending)
         raise
 
 

@@ -137,11 +137,7 @@ int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd)
         if (pthread_create(&a->tids[k], NULL, run_async, a) != 0) break;
         a->started++;
     }
-    if (a->started == 0) { /* no thread to be had: the batch runs here */
-        a->running = 1;
-        run_async(a);
-        return 0;
-    }
+    if (a->started == 0) return 0; /* no thread to be had: nothing ran, efd untouched */
     if (a->started < threads) finished_one(a, threads - a->started); /* theirs: the others' */
     return a->started;
 }

@@ -55,9 +55,10 @@ typedef struct {
     int efd;
 } kv_async;
 
-/* Start the jobs on up to `threads` new threads and return how many started; with
- * none (pthread_create failing) they run here, before this returns.  Either way
- * `efd` is written once, when every job is done.  kv_join_jobs must follow. */
+/* Start the jobs on up to `threads` new threads and return how many started; `efd`
+ * is written once, when every job is done.  0: no thread could be started, nothing
+ * ran and `efd` stays unwritten (the caller runs the batch some other way).
+ * kv_join_jobs must follow a start that returned more than 0. */
 int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd);
 
 /* Wait for the threads kv_start_jobs started (after its write to efd, or to block

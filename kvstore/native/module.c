@@ -511,23 +511,28 @@ typedef struct {
     PyObject_HEAD
     kv_batch b;
     kv_async a;
-    int efd;           /* -1 once result() has closed it */
-    int joined;        /* threads joined and views released */
-    PyObject *digests; /* result() once computed */
+    int efd;               /* -1 once result() has closed it */
+    int joined;            /* the threads are joined (under `lock`) */
+    pthread_mutex_t lock;  /* one joiner at a time: result() may be called from threads */
+    PyObject *digests;     /* result() once computed */
 } CopyJobObject;
 
-/* Join the threads (the GIL released: they may still be copying) and release the
- * views: the batch's memory is the caller's again. */
+/* Wait for the threads (the GIL released: they may still be copying). Another caller
+ * joining meanwhile is waited for, not joined twice. */
 static void job_join(CopyJobObject *self) {
-    if (self->joined) return;
     Py_BEGIN_ALLOW_THREADS
-    kv_join_jobs(&self->a);
+    pthread_mutex_lock(&self->lock);
+    if (!self->joined) {
+        kv_join_jobs(&self->a);
+        self->joined = 1;
+    }
+    pthread_mutex_unlock(&self->lock);
     Py_END_ALLOW_THREADS
-    self->joined = 1;
 }
 
 static void job_dealloc(CopyJobObject *self) {
     job_join(self);
+    pthread_mutex_destroy(&self->lock);
     if (self->b.src) batch_release(&self->b);
     if (self->efd >= 0) close(self->efd);
     Py_XDECREF(self->digests);
@@ -543,12 +548,13 @@ static PyObject *job_fileno(CopyJobObject *self, PyObject *unused) {
 }
 
 static PyObject *job_done(CopyJobObject *self, PyObject *unused) {
-    return PyBool_FromLong(self->joined || __atomic_load_n(&self->a.running, __ATOMIC_ACQUIRE) == 0);
+    return PyBool_FromLong(self->digests != NULL ||
+                           __atomic_load_n(&self->a.running, __ATOMIC_ACQUIRE) == 0);
 }
 
 static PyObject *job_result(CopyJobObject *self, PyObject *unused) {
-    if (self->digests == NULL) {
-        job_join(self);
+    if (self->digests == NULL) job_join(self);
+    if (self->digests == NULL) { /* not made by another caller while this one waited */
         PyObject *out = PyList_New(self->b.count);
         for (Py_ssize_t i = 0; out && i < self->b.count; i++) {
             PyObject *d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
@@ -592,7 +598,8 @@ static PyTypeObject CopyJobType = {
 PyDoc_STRVAR(copy_checksum_start_doc,
 "copy_checksum_start(dsts, srcs, threads=1, seed=0) -> CopyJob\n\n"
 "copy_checksum_many, run in the background on `threads` threads started for it (none\n"
-"of them the caller's): returns at once. The job's fileno() (an eventfd) becomes\n"
+"of them the caller's): returns at once (None, nothing copied, when no thread could\n"
+"be started). The job's fileno() (an eventfd) becomes\n"
 "readable when every copy is done; result() then gives the digests. The buffers stay\n"
 "held (and must not be reused) until result() or the job's end, which wait for the\n"
 "threads. Argument errors are raised here, before anything is copied.");
@@ -611,6 +618,7 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     if (!srcs) return NULL;
     PyObject *dsts = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
     CopyJobObject *job = NULL;
+    PyObject *result = NULL;
     if (!dsts) goto done;
     if (PySequence_Fast_GET_SIZE(dsts) != PySequence_Fast_GET_SIZE(srcs)) {
         PyErr_Format(PyExc_ValueError, "%zd dsts for %zd srcs", PySequence_Fast_GET_SIZE(dsts),
@@ -621,7 +629,9 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     if (!job) goto done;
     memset(&job->b, 0, sizeof(job->b));
     job->a.started = 0;
+    job->a.running = 0;
     job->joined = 1; /* nothing to join until started */
+    pthread_mutex_init(&job->lock, NULL);
     job->digests = NULL;
     job->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (job->efd < 0) {
@@ -634,14 +644,22 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
         Py_CLEAR(job);
         goto done;
     }
-    job->joined = 0;
-    Py_BEGIN_ALLOW_THREADS /* with no thread to be had, the batch runs here */
-    kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd);
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    started = kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd);
     Py_END_ALLOW_THREADS
+    if (started == 0) { /* no thread to be had: the caller copies in the foreground */
+        Py_CLEAR(job);
+        Py_INCREF(Py_None);
+        result = Py_None;
+        goto done;
+    }
+    job->joined = 0;
+    result = (PyObject *)job;
 done:
     Py_XDECREF(dsts);
     Py_DECREF(srcs);
-    return (PyObject *)job;
+    return result;
 }
 
 PyDoc_STRVAR(buffer_addresses_doc,

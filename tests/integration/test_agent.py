@@ -410,6 +410,20 @@ def test_bad_requests_get_precise_status_codes(spawn_agent):
                     (
                         dict(
                             shm_region_id=region,
+                            chain_ids=ids[0],
+                            chain_parent_id=ns.root,
+                            chain_first_offset=2**64 - 1,  # far past any region
+                            chain_stride=NB,
+                        ),
+                        "outside region",
+                    ),
+                    (
+                        dict(shm_region_id=region, chain_parent_id=ns.root, chain_stride=NB),
+                        "describe chain_ids, which is empty",
+                    ),
+                    (
+                        dict(
+                            shm_region_id=region,
                             chain_ids=b"\0" * 16 * 65,
                             chain_parent_id=ns.root,
                             chain_stride=NB,

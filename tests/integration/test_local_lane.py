@@ -136,6 +136,25 @@ def test_lane_errors_match_grpc_and_tenants_stay_apart(spawn_agent):
         finally:
             lane_ch.close()
         assert got == want and got[0] == grpc.StatusCode.INVALID_ARGUMENT
+        # B's packed chain Put naming A's staging region is refused (as any use of a
+        # region by another tenant: region ids are random 64-bit numbers), an unknown
+        # one too; nothing of A's memory is stored for B.
+        ns_b = b.open_namespace(dataclasses.replace(SPEC, tenant="beta"))
+        ids_b = b.block_ids(ns_b, prompt_tokens(5, 2 * BS))
+        for region, code in (
+            (a._region_id, grpc.StatusCode.PERMISSION_DENIED),
+            (987654321, grpc.StatusCode.NOT_FOUND),
+        ):
+            steal = agent_pb2.PutRequest(
+                ns=ns_b.ref,
+                shm_region_id=region,
+                root=ns_b.root,
+                chain_ids=b"".join(ids_b),
+                chain_parent_id=ns_b.root,
+                chain_stride=SPEC.block_bytes,
+            )
+            assert code_of(b._lane.call, lane.PUT, steal, agent_pb2.PutResponse)[0] == code
+        assert b.lookup(ns_b, ids_b).matched == 0
         # A's blocks are intact after all of that.
         assert all(torch.equal(x, y) for x, y in zip(a.get(ns, ids), blocks))
 

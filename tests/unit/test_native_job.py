@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import threading
 
 import numpy as np
 import pytest
@@ -63,13 +64,13 @@ def test_background_batch_gives_the_foreground_digests(sizes, threads, seed):
 
 
 def test_the_descriptor_turns_readable_only_when_every_copy_is_done():
-    srcs, dsts = _blocks(1, [32 * MiB] * 8)  # long enough to be caught in flight
+    srcs, dsts = _blocks(1, [8 * MiB] * 8)  # long enough to be caught in flight
     job = cks.copy_with_checksum_start(dsts, srcs, 2)
     fd = job.fileno()
     seen_in_flight = False
     while not _readable(fd, 0):
         seen_in_flight = True
-    assert seen_in_flight  # 256 MiB take far longer than one look
+    assert seen_in_flight  # 64 MiB take far longer than one look
     assert job.done()  # readable: every thread is past its last copy
     assert os.eventfd_read(fd) == 1  # written once, by the last thread out
     assert job.result() == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
@@ -89,6 +90,24 @@ def test_result_closes_the_descriptor_and_lets_go_of_the_buffers():
         job.fileno()
     dst.extend(b"x")  # released: the buffer may be resized again
     assert bytes(dst[: len(src)]) == bytes(src)
+
+
+def _take(job, got: list) -> None:
+    got.append(job.result())
+
+
+def test_results_taken_from_several_threads_at_once_join_once_and_agree():
+    srcs, dsts = _blocks(4, [4 * MiB] * 8)
+    for _ in range(10):
+        job = cks.copy_with_checksum_start(dsts, srcs, 2)
+        got: list = []
+        takers = [threading.Thread(target=_take, args=(job, got)) for _ in range(4)]
+        for t in takers:
+            t.start()
+        for t in takers:
+            t.join()
+        assert len(got) == 4 and all(g == got[0] for g in got)
+    assert got[0] == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
 
 
 def test_a_job_dropped_unfinished_waits_for_its_threads_and_leaks_nothing():

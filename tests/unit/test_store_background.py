@@ -9,7 +9,7 @@ from __future__ import annotations
 import select
 
 import pytest
-from support.common import TEST_SECRET
+from support.common import TEST_SECRET, make_namespace
 from support.store import NB, SPEC, check_invariants, demote_all, get, lookup, prompt, put
 
 from kvstore import store_copy
@@ -159,13 +159,33 @@ def test_without_background_the_copy_runs_in_finish(make_store):
 def test_fits_without_eviction_counts_free_slots_quota_and_writes_in_flight(make_store):
     store = make_store(n_slots=4, nvme_bytes=0)
     store.open_namespace(SPEC)
-    assert store.fits_without_eviction(NS, 4)
-    assert not store.fits_without_eviction(NS, 5)
-    assert not store.fits_without_eviction(b"\0" * 16, 1)  # no such namespace
-    _, items = prompt(1, 2)
-    pending = store.put_begin(NS, 0, items, ROOT, background=False)  # 2 slots in flight
-    assert store.fits_without_eviction(NS, 2) and not store.fits_without_eviction(NS, 3)
+    _, four = prompt(1, 4)
+    _, five = prompt(2, 5)
+    assert store.fits_without_eviction(NS, four)
+    assert not store.fits_without_eviction(NS, five)
+    assert not store.fits_without_eviction(b"\0" * 16, four[:1])  # no such namespace
+    pending = store.put_begin(NS, 0, four[:2], ROOT, background=False)  # 2 slots in flight
+    _, two, three = prompt(3, 2)[1], prompt(4, 2)[1], prompt(5, 3)[1]
+    assert store.fits_without_eviction(NS, two) and not store.fits_without_eviction(NS, three)
     pending.finish()
     store.set_tenant_limits(SPEC.tenant, 3 * NB, None)
-    assert store.fits_without_eviction(NS, 1)
-    assert not store.fits_without_eviction(NS, 2)  # free slots, but over the quota
+    assert store.fits_without_eviction(NS, two[:1])
+    assert not store.fits_without_eviction(NS, two)  # free slots, but over the quota
+
+
+def test_a_parent_held_on_nvme_only_does_not_fit(make_store):
+    """Planning a child of a block held on NVMe only reads that block back into the pool
+    first (and may evict to make room for it): not work for the agent's event loop."""
+    store = make_store(n_slots=4)
+    store.open_namespace(SPEC)
+    other = make_namespace(name="filler")
+    store.open_namespace(other)
+    ids, items = prompt(1, 3)
+    put(store, items[:2])
+    put(store, prompt(2, 4, spec=other)[1], spec=other)  # pushes the chain to NVMe
+    store.set_generation(other.namespace_id, 1)  # flushed: its 4 slots free again
+    assert store.pool.free_slots == 4
+    st = next(s for s in store.namespaces() if s.ns_id == NS)
+    assert st.blocks[ids[1]].slot < 0 and st.blocks[ids[1]].on_nvme
+    assert not store.fits_without_eviction(NS, items[2:])  # its parent is on NVMe only
+    assert store.fits_without_eviction(NS, prompt(3, 3)[1])  # a chain of its own does
