@@ -23,6 +23,8 @@ Fixtures:
 - `make_ns(**overrides)`: a complete, valid Namespace.
 - `make_store(n_slots=8, nvme_bytes=1MiB, path=None, **BlockStore kwargs)`: a real
   BlockStore over a CPU DevicePool and a RocksDB tier in tmp_path.
+- `small_background_batches`: batches of any size copy in the background (the agent's
+  big-batch path), for the small blocks of the test namespace.
 - `start_gateway(tokenizers, config=None, keys=None, router=None)`: a router process
   serving the OpenAI gateway on that etcd (tests/support/gateway.py); `.url`; `router`:
   RouterConfig fields (a `tls` section: HTTPS).
@@ -117,6 +119,16 @@ def spawn_agent(tmp_path):
     yield spawn
     for a in procs:
         a.stop()
+
+
+@pytest.fixture
+def small_background_batches(monkeypatch):
+    """Batches of any size copy in the background (BatchCopier.write_start / read_start;
+    the agent does so from PARALLEL_MIN_BYTES = 8 MiB), so that the test namespace's
+    small blocks take that path."""
+    from kvstore import store_copy
+
+    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
 
 
 @pytest.fixture

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 from support.common import TEST_SECRET, chain_items, make_namespace, prompt_tokens
 
 from kvstore.events import Tier
 from kvstore.policy import NamespacePolicy
 from kvstore.store import BlockStore
 
+try:
+    from kvstore import _native
+except ImportError:  # pragma: no cover - extension not built
+    _native = None
+
 SPEC = make_namespace()
 BS = SPEC.block_size
 NB = SPEC.block_bytes
+NS = SPEC.namespace_id
+ROOT = SPEC.root(0, TEST_SECRET)
+# Background copies (copy_checksum_start) are the native extension's.
+needs_native = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
 
 
 def policy(**kw):

@@ -10,26 +10,13 @@ import asyncio
 import threading
 
 import pytest
-from support.common import TEST_SECRET
-from support.store import NB, SPEC, check_invariants, lookup, prompt, put
+from support.store import NB, NS, ROOT, SPEC, check_invariants, lookup, needs_native, prompt, put
 
-from kvstore import store_copy
 from kvstore.tiers.pool import SlotState
 from node_agent import servicer
 
-try:
-    from kvstore import _native
-except ImportError:  # pragma: no cover - extension not built
-    _native = None
 
-pytestmark = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
-NS = SPEC.namespace_id
-ROOT = SPEC.root(0, TEST_SECRET)
-
-
-@pytest.fixture(autouse=True)
-def small_batches_in_the_background(monkeypatch):
-    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
+pytestmark = [needs_native, pytest.mark.usefixtures("small_background_batches")]
 
 
 def _reserved(store) -> int:

@@ -11,8 +11,8 @@ import asyncio
 import threading
 
 import pytest
-from support.common import TEST_SECRET, make_namespace
-from support.store import NB, SPEC, check_invariants, lookup, prompt, put
+from support.common import make_namespace
+from support.store import NB, NS, ROOT, SPEC, check_invariants, lookup, needs_native, prompt, put
 
 from kvstore import store as store_mod
 from kvstore import store_copy
@@ -21,19 +21,12 @@ from node_agent import servicer
 from node_agent.events import EventHub
 from node_agent.shm import ShmRegistry
 
-try:
-    from kvstore import _native
-except ImportError:  # pragma: no cover - extension not built
-    _native = None
 
-pytestmark = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
-NS = SPEC.namespace_id
-ROOT = SPEC.root(0, TEST_SECRET)
+pytestmark = [needs_native, pytest.mark.usefixtures("small_background_batches")]
 
 
 @pytest.fixture(autouse=True)
-def big_batch_path_for_small_blocks(monkeypatch):
-    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
+def big_batches_by_the_servicer_too(monkeypatch):
     monkeypatch.setattr(servicer, "_OFFLOAD_BYTES", 1)
 
 

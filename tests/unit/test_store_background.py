@@ -9,29 +9,27 @@ from __future__ import annotations
 import select
 
 import pytest
-from support.common import TEST_SECRET, make_namespace
-from support.store import NB, SPEC, check_invariants, demote_all, get, lookup, prompt, put
+from support.common import make_namespace
+from support.store import (
+    NB,
+    NS,
+    ROOT,
+    SPEC,
+    check_invariants,
+    demote_all,
+    get,
+    lookup,
+    needs_native,
+    prompt,
+    put,
+)
 
-from kvstore import store_copy
 from kvstore.errors import DataLoss
 from kvstore.events import Tier
 from kvstore.store import PutItem
 
-try:
-    from kvstore import _native
-except ImportError:  # pragma: no cover - extension not built
-    _native = None
 
-needs_native = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
-NS = SPEC.namespace_id
-ROOT = SPEC.root(0, TEST_SECRET)
-
-
-@pytest.fixture(autouse=True)
-def small_batches_in_the_background(monkeypatch):
-    """The test namespace's blocks are small: let batches of any size run in the
-    background (the agent does so from PARALLEL_MIN_BYTES = 8 MiB)."""
-    monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 1)
+pytestmark = pytest.mark.usefixtures("small_background_batches")
 
 
 def _wait(pending) -> None:
