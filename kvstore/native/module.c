@@ -445,17 +445,18 @@ static int get_threads(PyObject *obj, int *out) {
     return 0;
 }
 
-/* copy_checksum_many (dsts given) and xxh64_many share everything but the copy. */
-static PyObject *do_many(PyObject *srcs_o, PyObject *dsts_o, PyObject *threads_o,
-                         PyObject *seed_o) {
-    int threads;
+/* The arguments of a batch call, checked, and every view acquired into `b` (dsts_o
+ * NULL: hash only): 0, or -1 with an exception set and nothing held. */
+static int batch_from_args(kv_batch *b, PyObject *srcs_o, PyObject *dsts_o,
+                           PyObject *threads_o, PyObject *seed_o, int *threads) {
     uint64_t seed = 0;
-    if (get_threads(threads_o, &threads) < 0) return NULL;
-    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
+    if (get_threads(threads_o, threads) < 0) return -1;
+    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return -1;
     PyObject *srcs = PySequence_Fast(srcs_o, dsts_o ? "srcs must be a sequence of buffers"
                                                     : "bufs must be a sequence of buffers");
-    if (!srcs) return NULL;
-    PyObject *dsts = NULL, *out = NULL;
+    if (!srcs) return -1;
+    PyObject *dsts = NULL;
+    int rc = -1;
     if (dsts_o) {
         dsts = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
         if (!dsts) goto done;
@@ -465,13 +466,21 @@ static PyObject *do_many(PyObject *srcs_o, PyObject *dsts_o, PyObject *threads_o
             goto done;
         }
     }
-    kv_batch b;
-    if (batch_acquire(&b, srcs, dsts, seed) < 0) goto done;
-    out = batch_run(&b, threads);
-    batch_release(&b);
+    rc = batch_acquire(b, srcs, dsts, seed); /* the views hold their exporters */
 done:
     Py_XDECREF(dsts);
     Py_DECREF(srcs);
+    return rc;
+}
+
+/* copy_checksum_many (dsts given) and xxh64_many share everything but the copy. */
+static PyObject *do_many(PyObject *srcs_o, PyObject *dsts_o, PyObject *threads_o,
+                         PyObject *seed_o) {
+    int threads;
+    kv_batch b;
+    if (batch_from_args(&b, srcs_o, dsts_o, threads_o, seed_o, &threads) < 0) return NULL;
+    PyObject *out = batch_run(&b, threads);
+    batch_release(&b);
     return out;
 }
 
@@ -610,23 +619,8 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OO:copy_checksum_start", kwlist,
                                      &dsts_o, &srcs_o, &threads_o, &seed_o))
         return NULL;
-    int threads;
-    uint64_t seed = 0;
-    if (get_threads(threads_o, &threads) < 0) return NULL;
-    if (seed_o != NULL && get_u64(seed_o, &seed, "seed") < 0) return NULL;
-    PyObject *srcs = PySequence_Fast(srcs_o, "srcs must be a sequence of buffers");
-    if (!srcs) return NULL;
-    PyObject *dsts = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
-    CopyJobObject *job = NULL;
-    PyObject *result = NULL;
-    if (!dsts) goto done;
-    if (PySequence_Fast_GET_SIZE(dsts) != PySequence_Fast_GET_SIZE(srcs)) {
-        PyErr_Format(PyExc_ValueError, "%zd dsts for %zd srcs", PySequence_Fast_GET_SIZE(dsts),
-                     PySequence_Fast_GET_SIZE(srcs));
-        goto done;
-    }
-    job = PyObject_New(CopyJobObject, &CopyJobType);
-    if (!job) goto done;
+    CopyJobObject *job = PyObject_New(CopyJobObject, &CopyJobType);
+    if (!job) return NULL;
     memset(&job->b, 0, sizeof(job->b));
     job->a.started = 0;
     job->a.running = 0;
@@ -636,30 +630,25 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     job->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (job->efd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
-        Py_CLEAR(job);
-        goto done;
+        Py_DECREF(job);
+        return NULL;
     }
-    if (batch_acquire(&job->b, srcs, dsts, seed) < 0) {
+    int threads;
+    if (batch_from_args(&job->b, srcs_o, dsts_o, threads_o, seed_o, &threads) < 0) {
         memset(&job->b, 0, sizeof(job->b));
-        Py_CLEAR(job);
-        goto done;
+        Py_DECREF(job);
+        return NULL;
     }
     int started;
     Py_BEGIN_ALLOW_THREADS
     started = kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd);
     Py_END_ALLOW_THREADS
     if (started == 0) { /* no thread to be had: the caller copies in the foreground */
-        Py_CLEAR(job);
-        Py_INCREF(Py_None);
-        result = Py_None;
-        goto done;
+        Py_DECREF(job);
+        Py_RETURN_NONE;
     }
     job->joined = 0;
-    result = (PyObject *)job;
-done:
-    Py_XDECREF(dsts);
-    Py_DECREF(srcs);
-    return result;
+    return (PyObject *)job;
 }
 
 PyDoc_STRVAR(buffer_addresses_doc,
