@@ -515,13 +515,15 @@ class PendingPut:
         self._job: Any = None
         self._done = False
 
+    def _batch(self) -> tuple[DevicePool, list[int], list[Any]]:
+        """What the copy moves: into these slots of the pool, from these payloads."""
+        plan = self._planned.slots
+        return self._store.pool, [p.slot for p in plan], [p.item.data for p in plan]
+
     def start(self) -> None:
         """Start the copy in the background where that can be had."""
-        store, plan = self._store, self._planned.slots
         try:
-            self._job = store._copier.write_start(
-                store.pool, [p.slot for p in plan], [p.item.data for p in plan]
-            )
+            self._job = self._store._copier.write_start(*self._batch())
         except BaseException:
             self._commit([])  # nothing was copied: every slot goes back
             raise
@@ -536,16 +538,13 @@ class PendingPut:
         sent one, commit what was written and return (stored, already_present)."""
         if self._done:
             raise RuntimeError("this put was finished already")
-        store, plan = self._store, self._planned.slots
         written: list[Written] = []
         try:
             if self._job is not None:
                 digests = self._job.result()
             else:
-                digests = store._copier.write(
-                    store.pool, [p.slot for p in plan], [p.item.data for p in plan]
-                )
-            for p, digest in zip(plan, digests):
+                digests = self._store._copier.write(*self._batch())
+            for p, digest in zip(self._planned.slots, digests):
                 if p.item.checksum is not None and digest != p.item.checksum:
                     raise DataLoss(
                         f"block {p.item.block_id.hex()[:12]} payload does not match its checksum"
@@ -574,7 +573,7 @@ class PendingPut:
 class PendingGet:
     """A get between taking its blocks and serving them (BlockStore.get_begin)."""
 
-    __slots__ = ("_store", "_st", "_metas", "_slots", "_dsts", "_n_pool", "_job", "_done")
+    __slots__ = ("_store", "_st", "_metas", "_slots", "_dsts", "_n_pool", "_run", "_job", "_done")
 
     def __init__(
         self, store: BlockStore, st: NsState, metas: list[BlockMeta], slots: list[int]
@@ -585,6 +584,7 @@ class PendingGet:
         self._slots = slots
         self._dsts: list[Any] = []
         self._n_pool = 0
+        self._run: tuple = (store.pool, [], [], [])  # BatchCopier.read's arguments
         self._job: Any = None
         self._done = False
 
@@ -595,11 +595,10 @@ class PendingGet:
         self._n_pool = n = next(
             (i for i, (s, d) in enumerate(zip(slots, dsts)) if s < 0 or d is None), len(metas)
         )
+        store = self._store
+        self._run = (store.pool, slots[:n], [m.nbytes for m in metas[:n]], dsts[:n])
         if background and n:
-            store = self._store
-            self._job = store._copier.read_start(
-                store.pool, slots[:n], [m.nbytes for m in metas[:n]], dsts[:n]
-            )
+            self._job = store._copier.read_start(*self._run)
 
     def fileno(self) -> int | None:
         """A descriptor readable once the background copy is done; None when none runs."""
@@ -623,9 +622,7 @@ class PendingGet:
             if self._job is not None:
                 digests = self._job.result()
             else:
-                digests = store._copier.read(
-                    store.pool, slots[:n_pool], [m.nbytes for m in metas[:n_pool]], dsts[:n_pool]
-                )
+                digests = store._copier.read(*self._run)
             hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
             for i, (m, slot) in enumerate(zip(metas, slots)):
                 dst = dsts[i]

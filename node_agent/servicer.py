@@ -4,8 +4,10 @@ Errors are KvError subclasses; node_agent/interceptors.py turns them into status
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvstore import errors, native, store_copy
@@ -83,15 +85,21 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         check_namespace(current_tenant.get(), self.store.spec_of(ref.namespace_id), write)
         return self.store.namespace(ref.namespace_id, ref.generation)
 
-    async def _run(self, nbytes: int, fn, *args):
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Around work on the store: counted in `in_flight`, its events published after."""
         self.in_flight += 1
         try:
-            if nbytes >= _OFFLOAD_BYTES:
-                return await asyncio.to_thread(fn, *args)
-            return fn(*args)
+            yield
         finally:
             self.in_flight -= 1
             self.hub.publish_pending()
+
+    async def _run(self, nbytes: int, fn, *args):
+        with self._counted():
+            if nbytes >= _OFFLOAD_BYTES:
+                return await asyncio.to_thread(fn, *args)
+            return fn(*args)
 
     async def _store_put(self, st: NsState, generation: int, items: list[PutItem], root):
         """store.put of a Put's items. A big batch's copy runs in the background on the
@@ -102,8 +110,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         nbytes = len(items) * st.spec.block_bytes
         if nbytes < _background_bytes():
             return await self._run(nbytes, self.store.put, st.ns_id, generation, items, root)
-        self.in_flight += 1
-        try:
+        with self._counted():
             begin = functools.partial(self.store.put_begin, st.ns_id, generation, items, root)
             if self.store.rocks is None or self.store.fits_without_eviction(st.ns_id, items):
                 pending = begin()
@@ -113,9 +120,6 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 return await asyncio.to_thread(pending.finish)
             await _copied(pending)
             return pending.finish()
-        finally:
-            self.in_flight -= 1
-            self.hub.publish_pending()
 
     async def _store_get(self, st: NsState, generation: int, ids, parent: bytes, dst_for):
         """store.get into shared memory; a big batch's copy out of the pool runs in the
@@ -125,17 +129,14 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             return await self._run(
                 nbytes, self.store.get, st.ns_id, generation, ids, parent, dst_for
             )
-        self.in_flight += 1
-        try:
+        with self._counted():
             pending = self.store.get_begin(st.ns_id, generation, ids, parent, dst_for)
-            if pending.fileno() is not None:
+            background = pending.fileno() is not None
+            if background:
                 await _copied(pending)
-            if pending.reads_beyond_pool or pending.fileno() is None:
+            if pending.reads_beyond_pool or not background:
                 return await asyncio.to_thread(pending.finish)
             return pending.finish()
-        finally:
-            self.in_flight -= 1
-            self.hub.publish_pending()
 
     # --------------------------------------------------------------------- RPCs
     async def OpenNamespace(self, request, context):
