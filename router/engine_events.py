@@ -332,6 +332,7 @@ class EngineStream:
         self.seq = SeqTracker()
         self.applied_events = 0
         self.resyncs = 0
+        self.catch_ups = 0  # catch-up replays that brought batches the live socket lost
         self._pending: tuple[int, bytes] | None = None
 
     def live(self, seq: int, payload: bytes) -> int | None:
@@ -380,6 +381,37 @@ class EngineStream:
             self._apply(*pending)
             s = pending[0] + 1
         self.seq.replayed(start, s)
+
+    def catch_up_from(self) -> int:
+        """Where an idle catch-up asks the replay socket from: the next seq expected."""
+        return 0 if self.seq.expected is None else self.seq.expected
+
+    def caught_up(self, start: int, frames: list[tuple[int, bytes]]) -> None:
+        """A catch-up replay from `start` (catch_up_from), asked while the live socket
+        was idle: batches it never delivered. A PUB drops what it sends before the
+        subscription reaches it, so an engine's first batches after a (re)connect can be
+        lost with no later batch to show the gap. Applied like any replay; a batch that
+        then arrives live is a duplicate and dropped."""
+        got = sorted({s: p for s, p in frames if s >= start}.items())
+        if not got:
+            return
+        first = got[0][0]
+        if first != start and self.seq.expected is not None:
+            log.info(
+                "engine %s: events %d..%d lost and not replayable; resyncing",
+                self.cache.engine_id,
+                start,
+                first - 1,
+            )
+            self._resync()
+        self.catch_ups += 1
+        prev = first - 1
+        for s, p in got:
+            if s != prev + 1:  # a hole inside the replay itself
+                self._resync()
+            self._apply(s, p)
+            prev = s
+        self.seq.replayed(first, prev + 1)
 
     def _resync(self) -> None:
         self.resyncs += 1

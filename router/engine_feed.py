@@ -8,6 +8,12 @@ address: one router replica per such engine), and for `tcp://*:PORT` it connects
 engine's host (from its URL), which lets every router replica subscribe. The replay socket
 is always bound by vLLM (a ROUTER): we connect a DEALER, send the first missing sequence
 number (8 bytes, big-endian) and read (topic, seq, payload) frames until seq -1.
+
+Two things ask it. A gap (a live seq past the next expected) asks from the first missing
+seq. And a live socket idle for `catch_up_s` asks from the next expected seq: a PUB drops
+what it sends before the subscription reaches it, so an engine's first batches after a
+(re)connect can be lost with no later batch to show the gap; the catch-up brings them
+within about `catch_up_s` (an empty answer, seq -1 alone, when nothing was lost).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ log = logging.getLogger("kvstore.router")
 
 END_SEQ = -1
 REPLAY_TIMEOUT_S = 2.0
+CATCH_UP_S = 1.0  # a live socket idle this long asks the replay socket what it missed
 _RETRY_S = (0.2, 3.0)
 
 
@@ -46,10 +53,18 @@ def connectable(endpoint: str, engine_url: str) -> str:
 class EngineSubscriber:
     """One engine's event socket into its EngineStream, until cancelled."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, rec: EngineRecord, stream: EngineStream) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        rec: EngineRecord,
+        stream: EngineStream,
+        catch_up_s: float | None = CATCH_UP_S,
+    ) -> None:
         self.ctx = ctx
         self.rec = rec
         self.stream = stream
+        # None: no idle catch-up (only gaps ask the replay socket), for tests of the gap.
+        self.catch_up_s = catch_up_s if rec.kv_events_replay_endpoint else None
         # Set once a publisher is connected (a ZMQ socket monitor event): what a driver
         # waits for before the engine's first events, which a PUB drops until then.
         self.connected = asyncio.Event()
@@ -89,7 +104,11 @@ class EngineSubscriber:
         self.connected.set()
 
     async def _follow(self, sock: zmq.asyncio.Socket) -> None:
+        idle_ms = None if self.catch_up_s is None else int(self.catch_up_s * 1000)
         while True:
+            if idle_ms is not None and not await sock.poll(idle_ms):
+                await self._catch_up()
+                continue
             frames = await sock.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 log.warning(
@@ -98,10 +117,41 @@ class EngineSubscriber:
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             start = self.stream.live(seq, frames[2])
-            if start is not None:
-                self.stream.replayed(start, await self._replay(start))
+            if start is None:
+                continue
+            got = None
+            try:
+                got = await self._replay(start)
+            except (TimeoutError, zmq.ZMQError) as exc:
+                log.warning(
+                    "engine %s: replay from %d at %s failed: %r",
+                    self.rec.engine_id,
+                    start,
+                    self.rec.kv_events_replay_endpoint,
+                    exc,
+                )
+            self.stream.replayed(start, got)
+
+    async def _catch_up(self) -> None:
+        start = self.stream.catch_up_from()
+        try:
+            got = await self._replay(start)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            # Every idle second while the engine is away (restarting): not a warning.
+            log.debug("engine %s: catch-up from %d failed: %r", self.rec.engine_id, start, exc)
+            return
+        if got:
+            log.info(
+                "engine %s: caught up %d batch(es) the live socket lost, from %d",
+                self.rec.engine_id,
+                len(got),
+                start,
+            )
+            self.stream.caught_up(start, got)
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The replay socket's batches from `start` on, in order; None when the answer
+        is malformed or there is no replay socket. Raises TimeoutError or ZMQError."""
         ep = self.rec.kv_events_replay_endpoint
         if not ep:
             return None
@@ -119,11 +169,6 @@ class EngineSubscriber:
                 if seq == END_SEQ:
                     return out
                 out.append((seq, frames[3]))
-        except (TimeoutError, zmq.ZMQError) as exc:
-            log.warning(
-                "engine %s: replay from %d at %s failed: %r", self.rec.engine_id, start, ep, exc
-            )
-            return None
         finally:
             sock.close(0)
 
@@ -131,9 +176,15 @@ class EngineSubscriber:
 class EngineFeed:
     """etcd engines/ into the board, a subscriber per engine with an events endpoint."""
 
-    def __init__(self, board: EngineBoard, etcd: EtcdClient | None = None) -> None:
+    def __init__(
+        self,
+        board: EngineBoard,
+        etcd: EtcdClient | None = None,
+        catch_up_s: float | None = CATCH_UP_S,
+    ) -> None:
         self.board = board
         self.etcd = etcd
+        self.catch_up_s = catch_up_s
         self.ctx = zmq.asyncio.Context()
         self.subscribers: dict[str, EngineSubscriber] = {}
         self._task: asyncio.Task | None = None
@@ -163,7 +214,9 @@ class EngineFeed:
         st = self.board.engines[rec.engine_id]
         log.info("engine %s registered at %s (node %s)", rec.engine_id, rec.url, rec.node_id)
         if st.stream is not None:
-            self.subscribers[rec.engine_id] = EngineSubscriber(self.ctx, rec, st.stream)
+            self.subscribers[rec.engine_id] = EngineSubscriber(
+                self.ctx, rec, st.stream, self.catch_up_s
+            )
 
     def remove(self, engine_id: str) -> None:
         sub = self.subscribers.pop(engine_id, None)

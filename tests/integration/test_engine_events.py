@@ -25,7 +25,7 @@ from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.etcd import EtcdClient
 from kvstore.hashing import BlockId, hash_chain_packed
 from kvstore.namespace import Namespace
-from router.engine_feed import EngineFeed
+from router.engine_feed import CATCH_UP_S, EngineFeed
 from router.routing import RouterCore
 from router.scoring import Weights
 from tests.support.common import free_port, wait_for
@@ -221,84 +221,147 @@ def _run_plan(tmp_path: Path, plan: dict, spec: dict, on_wait) -> None:
     assert done and proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n" + log[-6000:]
 
 
-def test_a_lost_batch_is_replayed_over_the_replay_socket():
-    """vLLM's publisher protocol over real ZMQ sockets, with a fault injected: the PUB
-    side (standing in for vLLM's, which cannot be made to lose one message) never sends
-    seq 1 live; the subscriber sees the gap and asks the ROUTER replay socket for it, as
-    vLLM's ZmqEventPublisher._service_replay answers. Ordering only, no timing: seq 0 is
-    sent once the subscription is there, and the replay is awaited on its request."""
-    import msgpack
-    import zmq
+class _Publisher:
+    """vLLM's publisher protocol over real ZMQ sockets, driven by the test: an XPUB (a
+    PUB that also hears subscriptions) connected to the router's bound SUB, and the
+    ROUTER replay socket, answered by hand as vLLM's ZmqEventPublisher._service_replay
+    does. The router side (an EngineFeed with no etcd: the record is handed in) runs on
+    its own loop thread."""
 
-    from tests.support.common import make_namespace
+    def __init__(self, catch_up_s: float | None) -> None:
+        import zmq
 
-    spec = make_namespace(tenant="acme", block_size=4)
-    tokens = list(range(40, 60))  # 5 blocks of 4
-    hashes = [bytes([i]) * 32 for i in range(5)]
-    stored = {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": None,
-        "token_ids": tokens,
-        "block_size": 4,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-    }
-    frames = [
-        msgpack.packb([1.0, [stored], 0]),
-        msgpack.packb([2.0, [{"type": "BlockRemoved", "block_hashes": hashes[3:]}], 0]),
-        msgpack.packb([3.0, [{"type": "BlockRemoved", "block_hashes": hashes[2:3]}], 0]),
-    ]
-    pub_port, replay_port = free_port(), free_port()
-    router = RouterLoop.__new__(RouterLoop)  # no etcd here: the record is handed in
-    router.loop = asyncio.new_event_loop()
-    router.thread = threading.Thread(target=router.loop.run_forever, daemon=True)
-    router.thread.start()
-    router.core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
-    router.feed = router.call(lambda: EngineFeed(router.core.engines))
-    rec = EngineRecord(
-        "e0",
-        "http://127.0.0.1:1",
-        ("tiny",),
-        "n0",
-        spec.to_dict(),
-        4,
-        f"tcp://127.0.0.1:{pub_port}",
-        f"tcp://127.0.0.1:{replay_port}",
-    )
-    ctx = zmq.Context()
-    pub, rep = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
-    try:
-        rep.bind(rec.kv_events_replay_endpoint or "")
-        router.call(lambda: router.feed.upsert(rec))
-        sub = router.feed.subscribers["e0"]
-        pub.connect(rec.kv_events_endpoint or "")
-        wait_for(lambda: router.call(sub.connected.is_set), what="publisher connected")
-        stream = sub.stream
-        # XPUB (a PUB that also hears subscriptions): nothing is sent before the
-        # subscriber's subscription has arrived, so only the injected loss is lost.
-        assert pub.poll(20_000), "no subscription arrived"
-        assert pub.recv() == b"\x01"
-        pub.send_multipart((b"", (0).to_bytes(8, "big"), frames[0]))
-        pub.send_multipart((b"", (2).to_bytes(8, "big"), frames[2]))  # seq 1 lost
-        assert rep.poll(20_000), "the subscriber asked for no replay"
-        client, empty, start = rep.recv_multipart()
-        assert (empty, int.from_bytes(start, "big")) == (b"", 1)
-        for seq in (1, 2):
-            rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
-        rep.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
-        root = BlockId(spec.root(0, SECRET))
-        wait_for(lambda: router.call(lambda: stream.seq.expected) == 3, what="replay applied")
-        held = router.call(
-            lambda: router.core.engines.index.prefix_lengths(hash_chain_packed(root, tokens, 4))
+        from tests.support.common import make_namespace
+
+        self.spec = make_namespace(tenant="acme", block_size=4)
+        self.tokens = list(range(40, 60))  # 5 blocks of 4
+        self.hashes = [bytes([i]) * 32 for i in range(5)]
+        pub_port, replay_port = free_port(), free_port()
+        router = RouterLoop.__new__(RouterLoop)
+        router.loop = asyncio.new_event_loop()
+        router.thread = threading.Thread(target=router.loop.run_forever, daemon=True)
+        router.thread.start()
+        router.core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+        router.feed = router.call(lambda: EngineFeed(router.core.engines, None, catch_up_s))
+        self.router = router
+        self.rec = EngineRecord(
+            "e0",
+            "http://127.0.0.1:1",
+            ("tiny",),
+            "n0",
+            self.spec.to_dict(),
+            4,
+            f"tcp://127.0.0.1:{pub_port}",
+            f"tcp://127.0.0.1:{replay_port}",
         )
-        assert held == {"e0": 2}  # both removals applied, in order, none resynced
+        self.ctx = zmq.Context()
+        self.pub, self.rep = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.ROUTER)
+        self.rep.bind(self.rec.kv_events_replay_endpoint or "")
+
+    def frames(self) -> list[bytes]:
+        import msgpack
+
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": self.hashes,
+            "parent_block_hash": None,
+            "token_ids": self.tokens,
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        return [
+            msgpack.packb([1.0, [stored], 0]),
+            msgpack.packb([2.0, [{"type": "BlockRemoved", "block_hashes": self.hashes[3:]}], 0]),
+            msgpack.packb([3.0, [{"type": "BlockRemoved", "block_hashes": self.hashes[2:3]}], 0]),
+        ]
+
+    def connect(self) -> None:
+        """As vLLM's publisher does at start: it connects, bound or not yet."""
+        self.pub.connect(self.rec.kv_events_endpoint or "")
+
+    def subscribe(self, connected: bool = False):
+        """The router's subscriber for this engine, connected and subscribed: from here
+        on a batch sent live is delivered (once: one connection)."""
+        self.router.call(lambda: self.router.feed.upsert(self.rec))
+        sub = self.router.feed.subscribers["e0"]
+        if not connected:
+            self.connect()
+        wait_for(lambda: self.router.call(sub.connected.is_set), what="publisher connected")
+        assert self.pub.poll(20_000), "no subscription arrived"
+        assert self.pub.recv() == b"\x01"
+        return sub
+
+    def send(self, seq: int, frame: bytes) -> None:
+        self.pub.send_multipart((b"", seq.to_bytes(8, "big"), frame))
+
+    def answer_replay(self, frames: dict[int, bytes]) -> int:
+        """Answer one replay request with the batches from its start on; its start."""
+        assert self.rep.poll(20_000), "the subscriber asked for no replay"
+        client, empty, start_b = self.rep.recv_multipart()
+        assert empty == b""
+        start = int.from_bytes(start_b, "big")
+        for seq in sorted(s for s in frames if s >= start):
+            self.rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
+        self.rep.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+        return start
+
+    def held(self) -> dict[str, int]:
+        root = BlockId(self.spec.root(0, SECRET))
+        chain = hash_chain_packed(root, self.tokens, 4)
+        return self.router.call(lambda: self.router.core.engines.index.prefix_lengths(chain))
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.rep.close(0)
+        self.ctx.term()
+        self.router.wait(self.router.feed.stop())
+        self.router.loop.call_soon_threadsafe(self.router.loop.stop)
+        self.router.thread.join(10)
+
+
+def test_a_lost_batch_is_replayed_over_the_replay_socket():
+    """A fault injected: the publisher never sends seq 1 live; the subscriber sees the
+    gap and asks the replay socket for it. Ordering only, no timing: seq 0 is sent once
+    the subscription is there, and the replay is awaited on its request (no idle
+    catch-up here, so the gap's is the only request)."""
+    p = _Publisher(catch_up_s=None)
+    try:
+        frames = p.frames()
+        stream = p.subscribe().stream
+        p.send(0, frames[0])
+        p.send(2, frames[2])  # seq 1 lost
+        assert p.answer_replay({1: frames[1], 2: frames[2]}) == 1
+        wait_for(lambda: p.router.call(lambda: stream.seq.expected) == 3, what="replay applied")
+        assert p.held() == {"e0": 2}  # both removals applied, in order, none resynced
         assert stream.resyncs == 0
     finally:
-        pub.close(0)
-        rep.close(0)
-        ctx.term()
-        router.wait(router.feed.stop())
-        router.loop.call_soon_threadsafe(router.loop.stop)
-        router.thread.join(10)
+        p.close()
+
+
+def test_batches_sent_before_the_subscription_are_caught_up_when_the_socket_is_idle():
+    """What a PUB does to an engine's first batches: sent before the router's
+    subscription reached it, they are dropped, and no later batch shows the gap. With
+    the default idle catch-up the subscriber asks the replay socket from the next seq it
+    expects (0) and applies what it missed; a later live copy of one is dropped."""
+    p = _Publisher(catch_up_s=CATCH_UP_S)
+    try:
+        frames = p.frames()
+        p.connect()  # nobody bound yet: what is sent now is not delivered
+        p.send(0, frames[0])
+        p.send(1, frames[1])
+        stream = p.subscribe(connected=True).stream
+        assert p.router.call(lambda: stream.seq.expected) is None  # nothing arrived live
+        assert p.answer_replay({0: frames[0], 1: frames[1]}) == 0
+        wait_for(lambda: p.router.call(lambda: stream.seq.expected) == 2, what="catch-up")
+        assert p.held() == {"e0": 3}  # stored 5, the last 2 removed
+        p.send(1, frames[1])  # a live duplicate of a caught-up batch
+        p.send(2, frames[2])
+        wait_for(lambda: p.router.call(lambda: stream.seq.expected) == 3, what="seq 2 applied")
+        assert p.held() == {"e0": 2}
+        assert (stream.resyncs, stream.catch_ups) == (0, 1)
+        # Idle again: the next catch-up asks from seq 3, and nothing is missing.
+        assert p.answer_replay({s: f for s, f in enumerate(frames)}) == 3
+    finally:
+        p.close()

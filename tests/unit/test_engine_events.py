@@ -220,6 +220,58 @@ def test_a_stream_joined_late_replays_its_history_without_resync():
     assert s.seq.expected == 4
 
 
+def test_a_catch_up_before_any_live_batch_applies_the_history_from_seq_0():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    frames = [payload(ev), payload(removed(hashes[3:]))]
+    assert s.catch_up_from() == 0
+    s.caught_up(0, [(1, frames[1]), (0, frames[0])])  # in any order
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {"e1": 3}
+    assert (s.seq.expected, s.resyncs, s.catch_ups) == (2, 0, 1)
+    assert s.catch_up_from() == 2
+    assert s.live(1, frames[1]) is None  # its live copy, late: dropped
+    assert s.live(2, payload(removed(hashes[2:3]))) is None
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {"e1": 2}
+    assert s.resyncs == 0
+
+
+def test_an_empty_catch_up_changes_nothing():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, _ = stored_events(TOKENS)
+    s.live(0, payload(ev))
+    s.caught_up(1, [])
+    s.caught_up(1, [(0, payload(ev))])  # older than asked: ignored
+    assert (s.seq.expected, s.resyncs, s.catch_ups) == (1, 0, 0)
+    assert index.engine_blocks("e1") == 5
+
+
+def test_a_catch_up_that_cannot_cover_the_loss_mid_stream_resyncs():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, _ = stored_events(TOKENS)
+    s.live(0, payload(ev))
+    other, _ = stored_events(list(range(300, 308)))
+    s.caught_up(1, [(4, payload(other))])  # 1..3 rolled out of the engine's buffer
+    assert s.resyncs == 1
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
+    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
+    assert s.seq.expected == 5
+
+
+def test_a_hole_inside_a_catch_up_resyncs_before_the_batch_after_it():
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, _ = stored_events(TOKENS)
+    other, _ = stored_events(list(range(300, 308)))
+    s.caught_up(0, [(0, payload(ev)), (2, payload(other))])
+    assert s.resyncs == 1
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
+    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
+    assert s.seq.expected == 3
+
+
 def test_engine_restart_seq_reset_resyncs():
     index = EngineIndex()
     s = make_stream(index)
