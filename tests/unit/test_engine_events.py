@@ -247,29 +247,29 @@ def test_an_empty_catch_up_changes_nothing():
     assert index.engine_blocks("e1") == 5
 
 
-def test_a_catch_up_that_cannot_cover_the_loss_mid_stream_resyncs():
-    index = EngineIndex()
-    s = make_stream(index)
-    ev, _ = stored_events(TOKENS)
-    s.live(0, payload(ev))
-    other, _ = stored_events(list(range(300, 308)))
-    s.caught_up(1, [(4, payload(other))])  # 1..3 rolled out of the engine's buffer
-    assert s.resyncs == 1
-    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
-    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
-    assert s.seq.expected == 5
-
-
-def test_a_hole_inside_a_catch_up_resyncs_before_the_batch_after_it():
+@pytest.mark.parametrize(
+    "live_first, start, last",
+    [(True, 1, 4), (False, 0, 2)],
+    ids=["rolled-out-of-the-buffer", "hole-inside-the-replay"],
+)
+def test_a_catch_up_missing_batches_resyncs_before_the_batch_after_them(live_first, start, last):
+    """The chain stored at seq 0 (live, or first in the catch-up), another at `last`, and
+    the batches between lost for good: they may have removed blocks, so the index starts
+    over before `last`."""
     index = EngineIndex()
     s = make_stream(index)
     ev, _ = stored_events(TOKENS)
     other, _ = stored_events(list(range(300, 308)))
-    s.caught_up(0, [(0, payload(ev)), (2, payload(other))])
+    frames = [(last, payload(other))]
+    if live_first:
+        s.live(0, payload(ev))
+    else:
+        frames.insert(0, (0, payload(ev)))
+    s.caught_up(start, frames)
     assert s.resyncs == 1
     assert index.prefix_lengths(connector_ids(TOKENS)) == {}
     assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
-    assert s.seq.expected == 3
+    assert s.seq.expected == last + 1
 
 
 def test_engine_restart_seq_reset_resyncs():
