@@ -68,6 +68,11 @@ class EngineSubscriber:
         # Set once a publisher is connected (a ZMQ socket monitor event): what a driver
         # waits for before the engine's first events, which a PUB drops until then.
         self.connected = asyncio.Event()
+        # The DEALER to the replay socket, kept between asks (a catch-up every idle
+        # second would otherwise open and close a TCP connection each time); dropped
+        # after any ask that did not end cleanly, so a late answer is never read as the
+        # next one's.
+        self._dealer: zmq.asyncio.Socket | None = None
         self.task = asyncio.create_task(self._run(), name=f"kv-events-{rec.engine_id}")
 
     def cancel(self) -> None:
@@ -96,6 +101,7 @@ class EngineSubscriber:
                 monitor.cancel()
                 mon.close(0)
                 sock.close(0)
+                self._drop_dealer()
             await asyncio.sleep(delay)
             delay = min(delay * 2, _RETRY_S[1])
 
@@ -155,11 +161,14 @@ class EngineSubscriber:
         ep = self.rec.kv_events_replay_endpoint
         if not ep:
             return None
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        if self._dealer is None:
+            self._dealer = self.ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(connectable(ep, self.rec.url))
+        sock = self._dealer
         out: list[tuple[int, bytes]] = []
+        clean = False
         try:
-            sock.connect(connectable(ep, self.rec.url))
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
@@ -167,10 +176,17 @@ class EngineSubscriber:
                     return None
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
+                    clean = True
                     return out
                 out.append((seq, frames[3]))
         finally:
-            sock.close(0)
+            if not clean:
+                self._drop_dealer()
+
+    def _drop_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(0)
+            self._dealer = None
 
 
 class EngineFeed:

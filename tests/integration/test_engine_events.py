@@ -257,6 +257,7 @@ class _Publisher:
         self.ctx = zmq.Context()
         self.pub, self.rep = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.ROUTER)
         self.rep.bind(self.rec.kv_events_replay_endpoint or "")
+        self.clients: list[bytes] = []  # the identity each replay request came from
 
     def frames(self) -> list[bytes]:
         import msgpack
@@ -301,6 +302,7 @@ class _Publisher:
         assert self.rep.poll(20_000), "the subscriber asked for no replay"
         client, empty, start_b = self.rep.recv_multipart()
         assert empty == b""
+        self.clients.append(client)
         start = int.from_bytes(start_b, "big")
         for seq in sorted(s for s in frames if s >= start):
             self.rep.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), frames[seq]))
@@ -361,7 +363,23 @@ def test_batches_sent_before_the_subscription_are_caught_up_when_the_socket_is_i
         wait_for(lambda: p.router.call(lambda: stream.seq.expected) == 3, what="seq 2 applied")
         assert p.held() == {"e0": 2}
         assert (stream.resyncs, stream.catch_ups) == (0, 1)
-        # Idle again: the next catch-up asks from seq 3, and nothing is missing.
+        # Idle again: the next catch-up asks from seq 3, and nothing is missing. It asks
+        # over the same connection: catch-ups do not open one per idle second.
         assert p.answer_replay({s: f for s, f in enumerate(frames)}) == 3
+        assert p.clients[0] == p.clients[1]
+    finally:
+        p.close()
+
+
+def test_a_catch_up_left_unanswered_asks_again_over_a_fresh_connection():
+    """An ask that timed out drops its DEALER: the answer, were it to come late, would
+    otherwise be read as the next ask's."""
+    p = _Publisher(catch_up_s=CATCH_UP_S)
+    try:
+        p.subscribe()
+        assert p.rep.poll(20_000), "no catch-up asked"
+        first, _, _ = p.rep.recv_multipart()  # left unanswered past REPLAY_TIMEOUT_S
+        assert p.answer_replay({}) == 0  # the next catch-up, from 0 still
+        assert p.clients == [p.clients[0]] and p.clients[0] != first
     finally:
         p.close()
