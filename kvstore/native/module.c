@@ -524,11 +524,17 @@ typedef struct {
     int joined;            /* the threads are joined (under `lock`) */
     pthread_mutex_t lock;  /* one joiner at a time: result() may be called from threads */
     PyObject *digests;     /* result() once computed */
+    pid_t pid;             /* the process that started the threads */
 } CopyJobObject;
+
+/* In a child forked while the job ran the threads do not exist (and the copies there
+ * are incomplete): nothing to join, no result to give. */
+static int job_forked(CopyJobObject *self) { return getpid() != self->pid; }
 
 /* Wait for the threads (the GIL released: they may still be copying). Another caller
  * joining meanwhile is waited for, not joined twice. */
 static void job_join(CopyJobObject *self) {
+    if (job_forked(self)) return;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->lock);
     if (!self->joined) {
@@ -562,23 +568,39 @@ static PyObject *job_done(CopyJobObject *self, PyObject *unused) {
 }
 
 static PyObject *job_result(CopyJobObject *self, PyObject *unused) {
+    if (self->digests == NULL && job_forked(self)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the copy job was started in another process (before a fork)");
+        return NULL;
+    }
     if (self->digests == NULL) job_join(self);
-    if (self->digests == NULL) { /* not made by another caller while this one waited */
+    if (self->digests == NULL) {
+        /* PyList_New may collect garbage, and a finalizer may call result() meanwhile:
+         * look again before taking the batch. Filling the list (ints, not tracked by
+         * the collector) runs no Python; the result is published and the batch and the
+         * descriptor taken over before anything is released, since releasing a buffer
+         * can run Python (its owner's end) that calls here again. */
         PyObject *out = PyList_New(self->b.count);
-        for (Py_ssize_t i = 0; out && i < self->b.count; i++) {
-            PyObject *d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
-            if (!d) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyList_SET_ITEM(out, i, d);
-        }
         if (!out) return NULL;
-        batch_release(&self->b);
-        memset(&self->b, 0, sizeof(self->b));
-        if (self->efd >= 0) close(self->efd);
-        self->efd = -1;
-        self->digests = out;
+        if (self->digests != NULL) {
+            Py_DECREF(out);
+        } else {
+            for (Py_ssize_t i = 0; i < self->b.count; i++) {
+                PyObject *d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
+                if (!d) {
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                PyList_SET_ITEM(out, i, d);
+            }
+            kv_batch b = self->b;
+            int efd = self->efd;
+            memset(&self->b, 0, sizeof(self->b));
+            self->efd = -1;
+            self->digests = out;
+            if (efd >= 0) close(efd);
+            batch_release(&b);
+        }
     }
     Py_INCREF(self->digests);
     return self->digests;
@@ -627,6 +649,7 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     job->joined = 1; /* nothing to join until started */
     pthread_mutex_init(&job->lock, NULL);
     job->digests = NULL;
+    job->pid = getpid();
     job->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (job->efd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);

@@ -110,6 +110,69 @@ def test_results_taken_from_several_threads_at_once_join_once_and_agree():
     assert got[0] == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
 
 
+class _AsksOnItsEnd:
+    """Garbage in a cycle that, when collected, takes the job's result itself."""
+
+    def __init__(self, job, got: list) -> None:
+        self.job, self.got = job, got
+        self.other: _AsksOnItsEnd | None = None
+
+    def __del__(self) -> None:
+        self.got.append(self.job.result())
+
+
+def test_a_result_asked_from_a_finalizer_while_the_first_is_made_gives_the_same():
+    """result() builds its list, which may collect garbage, whose finalizer may ask the
+    same job's result() meanwhile: both get the digests (the outer once returned a list
+    of empty slots, a crash on first use)."""
+    import gc
+
+    srcs, dsts = _blocks(6, [MiB] * 4)
+    job = _native.copy_checksum_start(dsts, srcs, 2)
+    assert _readable(job.fileno(), 30)
+    inner: list = []
+    gc.collect()
+    gc.disable()
+    try:
+        drained = [[] for _ in range(500)]  # the list free list empty: the next list is
+        a, b = _AsksOnItsEnd(job, inner), _AsksOnItsEnd(job, inner)  # a new object
+        a.other, b.other = b, a
+        del a, b
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)
+        gc.enable()
+        try:
+            outer = job.result()
+        finally:
+            gc.set_threshold(*threshold)
+    finally:
+        gc.enable()
+    del drained
+    assert inner, "no finalizer ran inside result(): the case was not made"
+    want = [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+    assert outer == want and all(got == want for got in inner)
+    assert all(np.array_equal(s, d[: s.size]) for s, d in zip(srcs, dsts))
+
+
+def test_a_child_forked_while_a_job_runs_gets_an_error_not_a_result():
+    """In a forked child the job's threads do not exist and its copies are incomplete:
+    result() raises there; the parent's result is whole."""
+    srcs, dsts = _blocks(7, [8 * MiB] * 8)
+    job = _native.copy_checksum_start(dsts, srcs, 2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if result() refused
+        code = 1
+        try:
+            job.result()
+        except RuntimeError as exc:
+            code = 0 if "another process" in str(exc) else 2
+        finally:
+            os._exit(code)
+    assert job.result() == [xxhash.xxh64_intdigest(s.tobytes()) for s in srcs]
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_job_dropped_unfinished_waits_for_its_threads_and_leaks_nothing():
     before = _open_fds()
     threads = len(os.listdir("/proc/self/task"))
