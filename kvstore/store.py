@@ -556,8 +556,17 @@ class PendingPut:
         return PutResult(done.stored, self._planned.already + done.raced)
 
     def abandon(self) -> None:
-        """The caller is gone (cancelled): wait for the copy, commit what landed."""
-        self.finish()
+        """The caller is gone (cancelled): wait for the copy, store nothing, give every
+        slot back. What the copy read is not to be trusted: a client told its call failed
+        may already be writing its next blocks into the same staging slots, and a block
+        committed from those bytes would carry a checksum of them, served as valid."""
+        if self._done:
+            return
+        try:
+            if self._job is not None:
+                self._job.result()  # the slots are not free to reuse before
+        finally:
+            self._commit([])
 
     def _commit(self, written: list[Written]) -> CommitResult:
         self._done = True

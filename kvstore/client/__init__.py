@@ -757,6 +757,8 @@ class KVClient:
         timeout: float | None = None,
     ) -> PutResult:
         """Store blocks already written into staging slots first_slot.. (same host)."""
+        if not ids:
+            return PutResult(0, 0)
         first = ns.root if parent is None else parent
 
         def build() -> agent_pb2.PutRequest:

@@ -21,6 +21,7 @@ from kvstore import lane
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.client.local_lane import LaneBroken, LaneChannel, LaneError
+from kvstore.client.results import PutResult
 from kvstore.events import Tier
 from kvstore.v1 import agent_pb2
 
@@ -95,6 +96,7 @@ def test_staged_puts_in_either_form_store_the_same_chain(spawn_agent, chain_puts
         views = c.staging_views(ns, 6)
         for v, b in zip(views, blocks):
             v.copy_(b.reshape(v.shape))
+        assert c.put_staged(ns, []) == PutResult(0, 0)  # nothing to send: nothing sent
         assert c.put_staged(ns, ids[:2]).stored == 2
         # the rest from slot 2 on, chained to the last block stored
         assert c.put_staged(ns, ids[2:], parent=ids[1], first_slot=2).stored == 4

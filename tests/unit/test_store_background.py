@@ -114,10 +114,12 @@ def test_finishing_twice_is_refused_and_abandoning_ends_cleanly(make_store):
     store.open_namespace(SPEC)
     ids, items = prompt(1, 4)
     pending = store.put_begin(NS, 0, items, ROOT)
-    pending.abandon()  # the caller went away: what landed is committed all the same
+    pending.abandon()  # the caller went away: nothing stored, every slot back
+    pending.abandon()
     with pytest.raises(RuntimeError, match="finished already"):
         pending.finish()
-    assert lookup(store, ids) == (4, 4, 0)
+    assert lookup(store, ids) == (0, 0, 0) and store.pool.free_slots == 8
+    assert store.put(NS, 0, items, ROOT).stored == 4  # the same blocks, put again
     _, dst_for = _dsts(4)
     got = store.get_begin(NS, 0, ids, ROOT, dst_for)
     got.abandon()  # nothing served, every hold let go of
