@@ -359,10 +359,38 @@ class BlockStore:
         background: bool = True,
     ) -> PendingPut:
         """`put` in two steps, for a caller on an event loop: the slots are planned now
-        (under the lock; planning may evict, see fits_without_eviction) and, with
+        (under the lock; planning may touch NVMe, see put_begin_if_fits) and, with
         `background`, the copy is started on threads of its own where that can be had
         (BatchCopier.write_start); PendingPut.fileno() turns readable when it is done.
         finish() checks and commits (and copies, where nothing ran in the background)."""
+        pending = self._put_plan(ns_id, generation, items, root, False)
+        assert pending is not None
+        if background:
+            pending.start()
+        return pending
+
+    def put_begin_if_fits(
+        self, ns_id: bytes, generation: int, items: list[PutItem], root: bytes | None = None
+    ) -> PendingPut | None:
+        """put_begin, only where planning touches no NVMe: the items fit in free pool
+        slots within the tenant's quota (else it evicts, which may demote to NVMe) and
+        no parent of theirs is held on NVMe only (else it is read back into the pool
+        first). None, nothing planned, otherwise: for the caller to plan on a thread of
+        its own. Decided under the plan's own lock: no other writer takes the room in
+        between."""
+        pending = self._put_plan(ns_id, generation, items, root, True)
+        if pending is not None:
+            pending.start()
+        return pending
+
+    def _put_plan(
+        self,
+        ns_id: bytes,
+        generation: int,
+        items: list[PutItem],
+        root: bytes | None,
+        only_if_fits: bool,
+    ) -> PendingPut | None:
         with self.lock:
             st = self.namespace(ns_id, generation)
             if self._killswitch.on:
@@ -370,20 +398,10 @@ class BlockStore:
                     "kill switch is on: writes are refused "
                     "(`kvctl killswitch off` to resume caching)"
                 )
+            if only_if_fits and not self._writes.fits(st, items):
+                return None
             planned = self._writes.plan_put(st, items, root)
-        pending = PendingPut(self, st, generation, planned)
-        if background:
-            pending.start()
-        return pending
-
-    def fits_without_eviction(self, ns_id: bytes, items: list[PutItem]) -> bool:
-        """Whether planning `items` now touches no NVMe: free pool slots within the
-        tenant's quota for all of them (an eviction may write NVMe), and no parent of
-        theirs held on NVMe only (it would be read back into the pool first). Work an
-        event loop's thread may do. A hint: a concurrent writer may take the room first."""
-        with self.lock:
-            st = self._ns.get(ns_id)
-            return st is not None and self._writes.fits(st, items)
+        return PendingPut(self, st, generation, planned)
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:

@@ -14,7 +14,7 @@ from kvstore import errors, native, store_copy
 from kvstore.auth import CLUSTER_TENANT, check_namespace
 from kvstore.events import Tier
 from kvstore.hashing import BLOCK_ID_BYTES
-from kvstore.store import BlockStore, NsState, PackedIds, PutItem
+from kvstore.store import BlockStore, NsState, PackedIds, PendingPut, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from kvstore.wire import (
     check_id,
@@ -111,11 +111,14 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         if nbytes < _background_bytes():
             return await self._run(nbytes, self.store.put, st.ns_id, generation, items, root)
         with self._counted():
-            begin = functools.partial(self.store.put_begin, st.ns_id, generation, items, root)
-            if self.store.rocks is None or self.store.fits_without_eviction(st.ns_id, items):
-                pending = begin()
+            args = (st.ns_id, generation, items, root)
+            pending: PendingPut | None
+            if self.store.rocks is None:  # no NVMe tier: planning never touches one
+                pending = self.store.put_begin(*args)
             else:
-                pending = await _begun_in_thread(begin)
+                pending = self.store.put_begin_if_fits(*args)
+            if pending is None:  # planning may write or read NVMe: not on the loop
+                pending = await _begun_in_thread(functools.partial(self.store.put_begin, *args))
             if pending.fileno() is None:
                 return await asyncio.to_thread(pending.finish)
             await _copied(pending)

@@ -1,9 +1,10 @@
 """Which thread does what in the agent's big same-host Puts and Gets
 (node_agent/servicer.py _store_put / _store_get): the plan on the event loop unless it may
-touch NVMe, the copy in the background, the finish on the loop unless it reads NVMe; and
-each way stores and serves what store.put / store.get would. A real BlockStore (with and
-without a RocksDB tier), the servicer's own methods, thresholds lowered so that the test
-namespace's small blocks take the big-batch path."""
+touch NVMe (put_begin_if_fits decides, under the plan's lock), the copy in the
+background, the finish on the loop unless it reads NVMe; and each way stores and serves
+what store.put / store.get would. A real BlockStore (with and without a RocksDB tier), the
+servicer's own methods, thresholds lowered so that the test namespace's small blocks take
+the big-batch path."""
 
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def big_batches_by_the_servicer_too(monkeypatch):
 
 
 class Seen:
-    """Where put_begin / get_begin and the finishes ran (the loop's thread or another),
-    and whether the copy ran in the background."""
+    """Where put_begin(_if_fits) / get_begin and the finishes ran (the loop's thread or
+    another), and whether the copy ran in the background (None: nothing was begun)."""
 
     def __init__(self, monkeypatch, store) -> None:
         self.calls: list[tuple[str, bool, bool | None]] = []
-        for name in ("put_begin", "get_begin"):
+        for name in ("put_begin", "put_begin_if_fits", "get_begin"):
             real = getattr(store, name)
             monkeypatch.setattr(store, name, self._wrap(name, real))
         for cls in (store_mod.PendingPut, store_mod.PendingGet):
@@ -45,7 +46,7 @@ class Seen:
     def _wrap(self, name, real):
         def call(*args, **kwargs):
             out = real(*args, **kwargs)
-            background = out.fileno() is not None if name.endswith("_begin") else None
+            background = None if out is None or "finish" in name else out.fileno() is not None
             self.calls.append(
                 (name, threading.current_thread() is threading.main_thread(), background)
             )
@@ -95,7 +96,8 @@ def test_with_an_nvme_tier_a_plan_with_room_runs_on_the_loop(make_store, monkeyp
     seen = Seen(monkeypatch, store)
     ids, items = prompt(1, 3)
     assert _put(_servicer(store), items) == (3, 0)
-    assert seen.on_loop("put_begin") and seen.in_background("put_begin")
+    assert seen.on_loop("put_begin_if_fits") and seen.in_background("put_begin_if_fits")
+    assert "put_begin" not in [c[0] for c in seen.calls]
     assert lookup(store, ids) == (3, 3, 0)
 
 
@@ -116,6 +118,7 @@ def test_with_an_nvme_tier_a_plan_that_may_touch_it_runs_on_a_thread(make_store,
         todo = items[2:]
     seen = Seen(monkeypatch, store)
     assert _put(_servicer(store), todo) == (len(todo), 0)
+    assert seen.calls[0] == ("put_begin_if_fits", True, None)  # asked on the loop: no
     assert not seen.on_loop("put_begin") and seen.in_background("put_begin")
     assert seen.on_loop("PendingPut.finish")  # the commit touches no NVMe
     assert lookup(store, ids)[0] == 3

@@ -24,7 +24,7 @@ from support.store import (
     put,
 )
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, NotFound
 from kvstore.events import Tier
 from kvstore.store import PutItem
 
@@ -156,21 +156,33 @@ def test_without_background_the_copy_runs_in_finish(make_store):
     assert data == [it.data for it in items]
 
 
-def test_fits_without_eviction_counts_free_slots_quota_and_writes_in_flight(make_store):
+def _fits(store, items, ns=NS) -> bool:
+    """put_begin_if_fits planned them (and the put is then given up, nothing stored)."""
+    pending = store.put_begin_if_fits(ns, 0, items, ROOT)
+    if pending is not None:
+        pending.abandon()
+    return pending is not None
+
+
+def test_put_begin_if_fits_counts_free_slots_quota_and_writes_in_flight(make_store):
     store = make_store(n_slots=4, nvme_bytes=0)
     store.open_namespace(SPEC)
     _, four = prompt(1, 4)
     _, five = prompt(2, 5)
-    assert store.fits_without_eviction(NS, four)
-    assert not store.fits_without_eviction(NS, five)
-    assert not store.fits_without_eviction(b"\0" * 16, four[:1])  # no such namespace
+    assert _fits(store, four)
+    assert not _fits(store, five)
+    assert store.pool.free_slots == 4  # nothing planned either way, nothing kept
+    with pytest.raises(NotFound):
+        store.put_begin_if_fits(b"\0" * 16, 0, four[:1], ROOT)  # no such namespace
     pending = store.put_begin(NS, 0, four[:2], ROOT, background=False)  # 2 slots in flight
     _, two, three = prompt(3, 2)[1], prompt(4, 2)[1], prompt(5, 3)[1]
-    assert store.fits_without_eviction(NS, two) and not store.fits_without_eviction(NS, three)
+    assert _fits(store, two) and not _fits(store, three)
     pending.finish()
     store.set_tenant_limits(SPEC.tenant, 3 * NB, None)
-    assert store.fits_without_eviction(NS, two[:1])
-    assert not store.fits_without_eviction(NS, two)  # free slots, but over the quota
+    assert _fits(store, two[:1])
+    assert not _fits(store, two)  # free slots, but over the quota
+    got = store.put_begin_if_fits(NS, 0, two[:1], ROOT)  # what fits is planned and put
+    assert got is not None and got.finish().stored == 1
 
 
 def test_a_parent_held_on_nvme_only_does_not_fit(make_store):
@@ -187,5 +199,5 @@ def test_a_parent_held_on_nvme_only_does_not_fit(make_store):
     assert store.pool.free_slots == 4
     st = next(s for s in store.namespaces() if s.ns_id == NS)
     assert st.blocks[ids[1]].slot < 0 and st.blocks[ids[1]].on_nvme
-    assert not store.fits_without_eviction(NS, items[2:])  # its parent is on NVMe only
-    assert store.fits_without_eviction(NS, prompt(3, 3)[1])  # a chain of its own does
+    assert not _fits(store, items[2:])  # its parent is on NVMe only
+    assert _fits(store, prompt(3, 3)[1])  # a chain of its own does
