@@ -31,6 +31,20 @@ async def _cancel_soon(task: asyncio.Task) -> None:
         await task
 
 
+async def _slots_given_back(store, slots: int = 16) -> None:
+    for _ in range(500):
+        if _reserved(store) == 0 and store.pool.free_slots == slots:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _nothing_kept(store, ids, slots: int = 16) -> None:
+    """An abandoned put: none of its blocks stored, every slot free again."""
+    assert lookup(store, ids) == (0, 0, 0)
+    assert _reserved(store) == 0 and store.pool.free_slots == slots
+    check_invariants(store)
+
+
 def test_a_put_cancelled_while_its_copy_runs_stores_nothing_and_frees_its_slots(make_store):
     store = make_store(n_slots=16, nvme_bytes=0)
     store.open_namespace(SPEC)
@@ -40,15 +54,10 @@ def test_a_put_cancelled_while_its_copy_runs_stores_nothing_and_frees_its_slots(
         pending = store.put_begin(NS, 0, items, ROOT)
         assert pending.fileno() is not None
         await _cancel_soon(asyncio.ensure_future(servicer._copied(pending)))
-        for _ in range(500):  # abandoned on a worker thread once the copy is over
-            if _reserved(store) == 0:
-                return
-            await asyncio.sleep(0.01)
+        await _slots_given_back(store)  # on a worker thread, once the copy is over
 
     asyncio.run(main())
-    assert lookup(store, ids) == (0, 0, 0)
-    assert _reserved(store) == 0 and store.pool.free_slots == 16
-    check_invariants(store)
+    _nothing_kept(store, ids)
 
 
 def test_a_get_cancelled_while_its_copy_runs_serves_nothing_and_holds_nothing(make_store):
@@ -90,12 +99,7 @@ def test_a_put_cancelled_while_its_plan_runs_on_a_thread_is_still_ended(make_sto
             await task
         go_on.set()
         assert await asyncio.to_thread(begun.wait, 10)
-        for _ in range(500):  # the put begun after the cancel is abandoned: nothing kept
-            if _reserved(store) == 0 and store.pool.free_slots == 16:
-                return
-            await asyncio.sleep(0.01)
+        await _slots_given_back(store)  # the put begun after the cancel is abandoned
 
     asyncio.run(main())
-    assert lookup(store, ids) == (0, 0, 0)
-    assert _reserved(store) == 0 and store.pool.free_slots == 16
-    check_invariants(store)
+    _nothing_kept(store, ids)
