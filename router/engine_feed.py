@@ -123,29 +123,13 @@ class EngineSubscriber:
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             start = self.stream.live(seq, frames[2])
-            if start is None:
-                continue
-            got = None
-            try:
-                got = await self._replay(start)
-            except (TimeoutError, zmq.ZMQError) as exc:
-                log.warning(
-                    "engine %s: replay from %d at %s failed: %r",
-                    self.rec.engine_id,
-                    start,
-                    self.rec.kv_events_replay_endpoint,
-                    exc,
-                )
-            self.stream.replayed(start, got)
+            if start is not None:
+                self.stream.replayed(start, await self._replay(start))
 
     async def _catch_up(self) -> None:
         start = self.stream.catch_up_from()
-        try:
-            got = await self._replay(start)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            # Every idle second while the engine is away (restarting): not a warning.
-            log.debug("engine %s: catch-up from %d failed: %r", self.rec.engine_id, start, exc)
-            return
+        # Failing every idle second while the engine is away (restarting): not a warning.
+        got = await self._replay(start, logging.DEBUG)
         if got:
             log.info(
                 "engine %s: caught up %d batch(es) the live socket lost, from %d",
@@ -155,9 +139,12 @@ class EngineSubscriber:
             )
             self.stream.caught_up(start, got)
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """The replay socket's batches from `start` on, in order; None when the answer
-        is malformed or there is no replay socket. Raises TimeoutError or ZMQError."""
+    async def _replay(
+        self, start: int, failed_level: int = logging.WARNING
+    ) -> list[tuple[int, bytes]] | None:
+        """The replay socket's batches from `start` on, in order; None when there is no
+        replay socket, its answer is malformed, or the ask failed (logged at
+        `failed_level`)."""
         ep = self.rec.kv_events_replay_endpoint
         if not ep:
             return None
@@ -179,6 +166,16 @@ class EngineSubscriber:
                     clean = True
                     return out
                 out.append((seq, frames[3]))
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.log(
+                failed_level,
+                "engine %s: replay from %d at %s failed: %r",
+                self.rec.engine_id,
+                start,
+                ep,
+                exc,
+            )
+            return None
         finally:
             if not clean:
                 self._drop_dealer()
