@@ -51,6 +51,12 @@ class Unavailable(KvError):
     code = "UNAVAILABLE"
 
 
+class DeadlineExceeded(KvError):
+    """The caller's deadline passed before the work could be done with its memory."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class DataLoss(KvError):
     """Checksum mismatch or a corrupt record."""
 

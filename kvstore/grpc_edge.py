@@ -37,6 +37,7 @@ _CODES = {
         "UNAUTHENTICATED",
         "UNAVAILABLE",
         "DATA_LOSS",
+        "DEADLINE_EXCEEDED",
         "INTERNAL",
     )
 }

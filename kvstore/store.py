@@ -30,6 +30,7 @@ from typing import Any
 from kvstore.accounting import TenantAccounts
 from kvstore.errors import (
     DataLoss,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -298,12 +299,16 @@ class BlockStore:
         ids: list[bytes],
         parent_id: bytes,
         dst_for: Callable[[int, int], Payload | None],
+        deadline_ns: int | None = None,
     ) -> list[ServedBlock]:
         """Copy the leading present blocks into `dst_for(i, nbytes)` buffers, verified.
         When `dst_for` returns None the payload comes back as bytes in ServedBlock.data
         (the gRPC path needs bytes objects). Stops at the first missing, mis-chained or
-        corrupt block."""
-        return self.get_begin(ns_id, generation, ids, parent_id, dst_for, False).finish()
+        corrupt block. `deadline_ns` (CLOCK_MONOTONIC): the caller's, past which nothing
+        is copied into its buffers (DeadlineExceeded; see PendingGet.prepare)."""
+        return self.get_begin(
+            ns_id, generation, ids, parent_id, dst_for, False, deadline_ns
+        ).finish()
 
     def get_begin(
         self,
@@ -313,6 +318,7 @@ class BlockStore:
         parent_id: bytes,
         dst_for: Callable[[int, int], Payload | None],
         background: bool = True,
+        deadline_ns: int | None = None,
     ) -> PendingGet:
         """`get` in two steps, for a caller on an event loop: the blocks are taken now
         (held, under the lock) and, with `background`, the copy of their leading run in
@@ -329,7 +335,7 @@ class BlockStore:
             slots = [m.slot for m in metas]  # read once, under the lock (see _parked)
             for m in metas:
                 m.readers += 1
-        pending = PendingGet(self, st, metas, slots)
+        pending = PendingGet(self, st, metas, slots, deadline_ns)
         try:
             pending.prepare(dst_for, background)
         except BaseException:
@@ -339,7 +345,12 @@ class BlockStore:
 
     # ------------------------------------------------------------------------ put
     def put(
-        self, ns_id: bytes, generation: int, items: list[PutItem], root: bytes | None = None
+        self,
+        ns_id: bytes,
+        generation: int,
+        items: list[PutItem],
+        root: bytes | None = None,
+        deadline_ns: int | None = None,
     ) -> PutResult:
         """Store blocks (parent before child). Returns (stored, already_present).
 
@@ -347,8 +358,9 @@ class BlockStore:
         earlier in this put, nor the chain root is refused as an orphan (its parent was
         evicted meanwhile, or the client is wrong): the node then never holds a block
         without its whole prefix, which the router's binary searches rely on. `root=None`
-        is for trusted in-process callers (peer transfer copies whole chains)."""
-        return self.put_begin(ns_id, generation, items, root, False).finish()
+        is for trusted in-process callers (peer transfer copies whole chains).
+        `deadline_ns`: see PendingPut.finish."""
+        return self.put_begin(ns_id, generation, items, root, False).finish(deadline_ns)
 
     def put_begin(
         self,
@@ -551,17 +563,30 @@ class PendingPut:
         (finish() copies, on the caller's thread)."""
         return self._job.fileno() if self._job is not None else None
 
-    def finish(self) -> PutResult:
+    def finish(self, deadline_ns: int | None = None) -> PutResult:
         """Wait for the copy (or make it), check each block's checksum where the client
-        sent one, commit what was written and return (stored, already_present)."""
+        sent one, commit what was written and return (stored, already_present).
+
+        `deadline_ns` (CLOCK_MONOTONIC): the caller's. A copy that ended past it stores
+        nothing (DeadlineExceeded): a caller told its call failed may have been writing
+        its buffers again while they were read, and a block committed from those bytes
+        would carry a checksum of them, served as valid. Checked once the copy is over:
+        one that ended before the deadline read nothing the caller wrote after it."""
         if self._done:
             raise RuntimeError("this put was finished already")
         written: list[Written] = []
+        late = False
         try:
             if self._job is not None:
                 digests = self._job.result()
             else:
                 digests = self._store._copier.write(*self._batch())
+            if deadline_ns is not None and time.monotonic_ns() >= deadline_ns:
+                late = True
+                raise DeadlineExceeded(
+                    f"the copy of {len(digests)} blocks ended past the caller's deadline: "
+                    "nothing stored (the caller may be writing those buffers again)"
+                )
             for p, digest in zip(self._planned.slots, digests):
                 if p.item.checksum is not None and digest != p.item.checksum:
                     raise DataLoss(
@@ -569,7 +594,7 @@ class PendingPut:
                     )
                 written.append(Written(p, digest))
         finally:
-            done = self._commit(written)
+            done = self._commit(written, late)
         # A block another writer committed while this one copied is present, not stored.
         return PutResult(done.stored, self._planned.already + done.raced)
 
@@ -586,11 +611,13 @@ class PendingPut:
         finally:
             self._commit([])
 
-    def _commit(self, written: list[Written]) -> CommitResult:
+    def _commit(self, written: list[Written], late: bool = False) -> CommitResult:
         self._done = True
         store = self._store
         with store.lock:
             done = store._writes.commit(self._st, self._generation, self._planned.slots, written)
+            if late:
+                store.counters["put_past_deadline"] += 1
             # Blocks sent that the node held already: a client re-sending what it could
             # have known was here (its Lookup said so) shows up as this counter growing.
             store.counters["put_already_present"] += self._planned.already + done.raced
@@ -600,15 +627,32 @@ class PendingPut:
 class PendingGet:
     """A get between taking its blocks and serving them (BlockStore.get_begin)."""
 
-    __slots__ = ("_store", "_st", "_metas", "_slots", "_dsts", "_n_pool", "_run", "_job", "_done")
+    __slots__ = (
+        "_store",
+        "_st",
+        "_metas",
+        "_slots",
+        "_deadline_ns",
+        "_dsts",
+        "_n_pool",
+        "_run",
+        "_job",
+        "_done",
+    )
 
     def __init__(
-        self, store: BlockStore, st: NsState, metas: list[BlockMeta], slots: list[int]
+        self,
+        store: BlockStore,
+        st: NsState,
+        metas: list[BlockMeta],
+        slots: list[int],
+        deadline_ns: int | None = None,
     ) -> None:
         self._store = store
         self._st = st
         self._metas = metas
         self._slots = slots
+        self._deadline_ns = deadline_ns
         self._dsts: list[Any] = []
         self._n_pool = 0
         self._run: tuple = (store.pool, [], [], [])  # BatchCopier.read's arguments
@@ -616,6 +660,8 @@ class PendingGet:
         self._done = False
 
     def prepare(self, dst_for: Callable[[int, int], Payload | None], background: bool) -> None:
+        """The destinations, and the copy started in the background where it can be."""
+        self._check_deadline()
         metas, slots = self._metas, self._slots
         self._dsts = dsts = [dst_for(i, m.nbytes) for i, m in enumerate(metas)]
         # The pool is prefix-closed: pool blocks lead, so that run is copied as a batch.
@@ -626,6 +672,21 @@ class PendingGet:
         self._run = (store.pool, slots[:n], [m.nbytes for m in metas[:n]], dsts[:n])
         if background and n:
             self._job = store._copier.read_start(*self._run)
+
+    def _check_deadline(self) -> None:
+        """Nothing is copied into the caller's buffers once its deadline has passed: a
+        caller told its call failed may be using them again (a copy already running is
+        not stopped)."""
+        if self._past_deadline():
+            with self._store.lock:
+                self._store.counters["get_past_deadline"] += 1
+            raise DeadlineExceeded(
+                f"the caller's deadline passed before {len(self._metas)} blocks were copied "
+                "into its buffers: nothing written"
+            )
+
+    def _past_deadline(self) -> bool:
+        return self._deadline_ns is not None and time.monotonic_ns() >= self._deadline_ns
 
     def fileno(self) -> int | None:
         """A descriptor readable once the background copy is done; None when none runs."""
@@ -649,9 +710,12 @@ class PendingGet:
             if self._job is not None:
                 digests = self._job.result()
             else:
+                self._check_deadline()  # prepare's check, again: a thread may start late
                 digests = store._copier.read(*self._run)
             hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
             for i, (m, slot) in enumerate(zip(metas, slots)):
+                if i >= n_pool and self._past_deadline():
+                    break  # read one by one past the pool's run: not into a late caller's
                 dst = dsts[i]
                 data: bytes | None = None
                 if i < n_pool:

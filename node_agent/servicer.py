@@ -27,7 +27,7 @@ from node_agent.events import EventHub
 from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
-from node_agent.shm import DeviceRegion, ShmRegistry, shm_offer
+from node_agent.shm import DeviceRegion, ShmRegistry, shm_offer, staging_deadline
 from node_agent.stats import build_stats
 
 if TYPE_CHECKING:  # imported by node_agent/server.py only when configured
@@ -101,15 +101,25 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 return await asyncio.to_thread(fn, *args)
             return fn(*args)
 
-    async def _store_put(self, st: NsState, generation: int, items: list[PutItem], root):
+    async def _store_put(
+        self,
+        st: NsState,
+        generation: int,
+        items: list[PutItem],
+        root,
+        deadline_ns: int | None = None,
+    ):
         """store.put of a Put's items. A big batch's copy runs in the background on the
         native batch's own threads, waited for on the loop: no worker thread to wake, hand
         the batch to and back (0.1-0.5 ms each way on a 2-core host, per big Put). Its
         plan runs here too, unless it may write NVMe (evicting to make room, with an NVMe
-        tier to demote to): that goes to a worker thread first."""
+        tier to demote to): that goes to a worker thread first. `deadline_ns`: a copy
+        out of the caller's staging that ends past it stores nothing (PendingPut.finish)."""
         nbytes = len(items) * st.spec.block_bytes
         if nbytes < _background_bytes():
-            return await self._run(nbytes, self.store.put, st.ns_id, generation, items, root)
+            return await self._run(
+                nbytes, self.store.put, st.ns_id, generation, items, root, deadline_ns
+            )
         with self._counted():
             args = (st.ns_id, generation, items, root)
             pending: PendingPut | None
@@ -120,20 +130,31 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             if pending is None:  # planning may write or read NVMe: not on the loop
                 pending = await _begun_in_thread(functools.partial(self.store.put_begin, *args))
             if pending.fileno() is None:
-                return await asyncio.to_thread(pending.finish)
+                return await asyncio.to_thread(pending.finish, deadline_ns)
             await _copied(pending)
-            return pending.finish()
+            return pending.finish(deadline_ns)
 
-    async def _store_get(self, st: NsState, generation: int, ids, parent: bytes, dst_for):
+    async def _store_get(
+        self,
+        st: NsState,
+        generation: int,
+        ids,
+        parent: bytes,
+        dst_for,
+        deadline_ns: int | None = None,
+    ):
         """store.get into shared memory; a big batch's copy out of the pool runs in the
-        background like _store_put's, the rest (NVMe reads) on a worker thread."""
+        background like _store_put's, the rest (NVMe reads) on a worker thread. Nothing
+        is copied into the caller's staging once `deadline_ns` has passed."""
         nbytes = len(ids) * st.spec.block_bytes
         if nbytes < _background_bytes():
             return await self._run(
-                nbytes, self.store.get, st.ns_id, generation, ids, parent, dst_for
+                nbytes, self.store.get, st.ns_id, generation, ids, parent, dst_for, deadline_ns
             )
         with self._counted():
-            pending = self.store.get_begin(st.ns_id, generation, ids, parent, dst_for)
+            pending = self.store.get_begin(
+                st.ns_id, generation, ids, parent, dst_for, True, deadline_ns
+            )
             background = pending.fileno() is not None
             if background:
                 await _copied(pending)
@@ -242,6 +263,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             raise errors.InvalidArgument(
                 f"shm.offsets has {len(offsets)} entries for {len(ids)} blocks"
             )
+        deadline = staging_deadline(request.shm.deadline_ns, request.shm.sent_ns, "shm")
         size = st.spec.block_bytes
         spans = [region.span(off, size) for off in offsets]  # every range checked first
         served = await self._store_get(
@@ -250,6 +272,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             ids,
             request.parent_id,
             lambda i, n: spans[i] if n == size else region.span(offsets[i], n),
+            deadline,
         )
         self.metrics.served(st, served)
         return agent_pb2.GetResponse(
@@ -272,6 +295,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 if req.root and len(req.root) != 16:
                     raise errors.InvalidArgument("root must be empty or 16 bytes")
                 root = req.root
+                deadline = staging_deadline(
+                    req.staging_deadline_ns, req.staging_sent_ns, "staging_deadline_ns"
+                )
             total += len(req.blocks) + len(req.chain_ids) // BLOCK_ID_BYTES
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
@@ -280,12 +306,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             # stream until the chain is long enough (later ones extend a cached prefix).
             if len(pending) < st.policy.min_prefix_blocks:
                 continue
-            s, a = await self._store_put(st, generation, pending, root)
+            s, a = await self._store_put(st, generation, pending, root, deadline)
             stored, already, pending = stored + s, already + a, []
         if st is None:
             raise errors.InvalidArgument("empty Put stream")
         if pending:
-            s, a = await self._store_put(st, generation, pending, root)
+            s, a = await self._store_put(st, generation, pending, root, deadline)
             stored, already = stored + s, already + a
         return agent_pb2.PutResponse(stored=stored, already_present=already)
 

@@ -51,7 +51,7 @@ from kvstore.client.convert import (
 )
 from kvstore import lane
 from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
-from kvstore.client.local_lane import AnswerGone, LaneBroken, LaneChannel, Sent
+from kvstore.client.local_lane import AnswerGone, LaneBroken, LaneChannel, LaneDeadline, Sent
 from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.device_staging import DeviceStaging, allocate_device_staging, close_quietly
 from kvstore.client.staging import Staging, create_staging
@@ -368,18 +368,19 @@ class KVClient:
         return self._lane is not None and self._lane_ok
 
     def _call(self, method: int, build, response_type, grpc_call, timeout: float | None = None):
-        """`build()`'s request over the local lane when there is one, else over gRPC;
-        once more after registering again when the agent lost our registration (calls
-        are idempotent). `build` runs per attempt: the region id may change."""
+        """`build(deadline)`'s request over the local lane when there is one, else over
+        gRPC; once more after registering again when the agent lost our registration
+        (calls are idempotent). `build` runs per attempt: the region id may change.
+        `deadline`: the call's, on time.monotonic()'s clock."""
         deadline = self._deadline(timeout)
         if self._stale and self._shm is not None:
             self._reregister(deadline)
         try:
-            return self._attempt(method, build(), response_type, grpc_call, deadline)
+            return self._attempt(method, build(deadline), response_type, grpc_call, deadline)
         except _Stale:
             self._reregister(deadline)
         try:
-            return self._attempt(method, build(), response_type, grpc_call, deadline)
+            return self._attempt(method, build(deadline), response_type, grpc_call, deadline)
         except _Stale as exc:
             raise exc.error from None
 
@@ -406,9 +407,10 @@ class KVClient:
         except LaneBroken as exc:  # e.g. the agent restarted
             self._drop_lane()
             raise _Stale(KVClientError(grpc.StatusCode.UNAVAILABLE, str(exc))) from None
-        except DeadlineExceeded:
-            self._drop_lane()  # out of step; reconnect on the next call
-            self._stale = True
+        except DeadlineExceeded as exc:
+            if not isinstance(exc, LaneDeadline):  # no answer came: out of step
+                self._drop_lane()  # reconnect on the next call
+                self._stale = True
             raise
         except KVClientError as exc:
             if exc.unknown_region:
@@ -472,7 +474,7 @@ class KVClient:
         )
         return LookupResult.from_proto(
             self._call(
-                lane.LOOKUP, lambda: req, agent_pb2.LookupResponse, self.stub.Lookup, timeout
+                lane.LOOKUP, lambda _: req, agent_pb2.LookupResponse, self.stub.Lookup, timeout
             )
         )
 
@@ -572,7 +574,8 @@ class KVClient:
         if lane_ch is not None:
             try:
                 with self._lane_errors():
-                    sent = lane_ch.start(lane.GET, build(), self._timeout_of(timeout))
+                    wait = self._timeout_of(timeout)
+                    sent = lane_ch.start(lane.GET, build(time.monotonic() + wait), wait)
             except (_Stale, KVClientError, AnswerGone):
                 lane_ch = None
         return PendingGet(ns, ids, parent, timeout, request_id, first_slot, lane_ch, sent)
@@ -646,7 +649,7 @@ class KVClient:
         request_id: str,
         first_slot: int,
         device: bool = False,
-    ) -> Callable[[], agent_pb2.GetRequest]:
+    ) -> Callable[[float], agent_pb2.GetRequest]:
         """The builder of a Get into staging slots first_slot.. (of the device staging area
         with `device`) for the zero-copy call `what`: it needs the shared-memory path and
         those slots within the staging area."""
@@ -662,17 +665,26 @@ class KVClient:
         start = first_slot * ns.block_bytes
         offsets = range(start, start + len(ids) * ns.block_bytes, ns.block_bytes)
         packed = pack_ids(ids)
+
         # Built per attempt: the region id changes when the client registers again.
-        return lambda: agent_pb2.GetRequest(
-            ns=ns.ref,
-            block_ids=packed,
-            parent_id=parent,
-            shm=agent_pb2.ShmTarget(
-                region_id=self._device.region_id if device and self._device else self._region_id,
-                offsets=offsets,
-            ),
-            request_id=request_id,
-        )
+        def build(deadline: float) -> agent_pb2.GetRequest:
+            until, sent = staging_times(deadline)
+            return agent_pb2.GetRequest(
+                ns=ns.ref,
+                block_ids=packed,
+                parent_id=parent,
+                shm=agent_pb2.ShmTarget(
+                    region_id=(
+                        self._device.region_id if device and self._device else self._region_id
+                    ),
+                    offsets=offsets,
+                    deadline_ns=until,
+                    sent_ns=sent,
+                ),
+                request_id=request_id,
+            )
+
+        return build
 
     def _get_one(
         self, req: agent_pb2.GetRequest, metadata, timeout: float
@@ -761,8 +773,9 @@ class KVClient:
             return PutResult(0, 0)
         first = ns.root if parent is None else parent
 
-        def build() -> agent_pb2.PutRequest:
+        def build(deadline: float) -> agent_pb2.PutRequest:
             size = ns.block_bytes
+            until, sent = staging_times(deadline)
             if self._chain_puts:  # one packed field: no BlockPut per block to build, parse
                 return agent_pb2.PutRequest(
                     ns=ns.ref,
@@ -772,8 +785,16 @@ class KVClient:
                     chain_parent_id=first,
                     chain_first_offset=first_slot * size,
                     chain_stride=size,
+                    staging_deadline_ns=until,
+                    staging_sent_ns=sent,
                 )
-            req = agent_pb2.PutRequest(ns=ns.ref, shm_region_id=self._region_id, root=ns.root)
+            req = agent_pb2.PutRequest(
+                ns=ns.ref,
+                shm_region_id=self._region_id,
+                root=ns.root,
+                staging_deadline_ns=until,
+                staging_sent_ns=sent,
+            )
             # blocks.add builds each message in place; a list of BlockPut handed to the
             # constructor is copied message by message (about twice the time, 64 blocks)
             add, prev = req.blocks.add, first
@@ -967,3 +988,12 @@ def _blocks_view(cache: dict, ns: NamespaceHandle, cap: int, flat) -> torch.Tens
         t = flat(cap * ns.block_bytes).view(torch_dtype(ns.spec.kv_dtype)).view(cap, *key[1])
         cache[key] = t
     return t
+
+
+def staging_times(deadline: float) -> tuple[int, int]:
+    """A staging call's deadline (time.monotonic()'s clock, seconds) and the time it is
+    sent, in ns of CLOCK_MONOTONIC (PutRequest.staging_deadline_ns / ShmTarget): the
+    agent stores nothing from, and copies nothing into, staging past the deadline, after
+    which this client's caller is told the call failed and may use that staging again."""
+    until = int(deadline * 1e9)
+    return until, min(time.monotonic_ns(), until)

@@ -28,6 +28,13 @@ class LaneError(KVClientError):
     """An error status the agent answered over the lane."""
 
 
+class LaneDeadline(LaneError, DeadlineExceeded):
+    """DEADLINE_EXCEEDED answered by the agent: the connection is still in step."""
+
+    def __init__(self, details: str) -> None:
+        DeadlineExceeded.__init__(self, details)
+
+
 class LaneBroken(ConnectionError):
     """The socket failed mid-call; the connection is closed and must not be reused."""
 
@@ -129,6 +136,8 @@ class LaneChannel:
 
     def _read_answer(self, sent: Sent, response_type):
         status, body = self._guard(self._recv_answer, sent.deadline)
+        if status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]:  # the agent's own verdict
+            raise LaneDeadline(body.decode(errors="replace"))
         if status != lane.OK:
             raise LaneError(
                 _STATUS.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace")

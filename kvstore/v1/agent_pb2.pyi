@@ -63,12 +63,16 @@ class LookupResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., hbm: _Optional[int] = ..., nvme: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
-    __slots__ = ("region_id", "offsets")
+    __slots__ = ("region_id", "offsets", "deadline_ns", "sent_ns")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    deadline_ns: int
+    sent_ns: int
+    def __init__(self, region_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("ns", "block_ids", "parent_id", "shm", "request_id")
@@ -115,7 +119,7 @@ class BlockPut(_message.Message):
     def __init__(self, block_id: _Optional[bytes] = ..., parent_id: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("ns", "shm_region_id", "blocks", "root", "chain_ids", "chain_parent_id", "chain_first_offset", "chain_stride")
+    __slots__ = ("ns", "shm_region_id", "blocks", "root", "chain_ids", "chain_parent_id", "chain_first_offset", "chain_stride", "staging_deadline_ns", "staging_sent_ns")
     NS_FIELD_NUMBER: _ClassVar[int]
     SHM_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,8 @@ class PutRequest(_message.Message):
     CHAIN_PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHAIN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SENT_NS_FIELD_NUMBER: _ClassVar[int]
     ns: NamespaceRef
     shm_region_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockPut]
@@ -132,7 +138,9 @@ class PutRequest(_message.Message):
     chain_parent_id: bytes
     chain_first_offset: int
     chain_stride: int
-    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ..., chain_ids: _Optional[bytes] = ..., chain_parent_id: _Optional[bytes] = ..., chain_first_offset: _Optional[int] = ..., chain_stride: _Optional[int] = ...) -> None: ...
+    staging_deadline_ns: int
+    staging_sent_ns: int
+    def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ..., chain_ids: _Optional[bytes] = ..., chain_parent_id: _Optional[bytes] = ..., chain_first_offset: _Optional[int] = ..., chain_stride: _Optional[int] = ..., staging_deadline_ns: _Optional[int] = ..., staging_sent_ns: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "already_present")
