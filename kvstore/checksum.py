@@ -171,18 +171,21 @@ def copy_with_checksum_many(
     return py_copy_with_checksum_many(dsts, srcs, threads)
 
 
-def copy_with_checksum_start(dsts: Sequence[Any], srcs: Sequence[Any], threads: int = 1):
+def copy_with_checksum_start(
+    dsts: Sequence[Any], srcs: Sequence[Any], threads: int = 1, deadline_ns: int | None = None
+):
     """``copy_with_checksum_many`` in the background, on `threads` threads started for
     it (none of them the caller's), for a caller waiting on an event loop: returns a
     job at once, whose ``fileno()`` (an eventfd) turns readable when every copy is done
     and whose ``result()`` is the digests (it waits for the threads first, then lets go
     of the buffers). None without the native extension, or when no thread could be
     started: the caller copies in the foreground instead. Argument errors are raised
-    here, before anything is copied."""
+    here, before anything is copied. `deadline_ns` (CLOCK_MONOTONIC): a copy not begun
+    by then is not made, its destination left as it was and its digest None."""
     start = getattr(_native, "copy_checksum_start", None)
     if start is None:
         return None
-    return start(dsts, srcs, threads)
+    return start(dsts, srcs, threads, deadline_ns=deadline_ns or 0)
 
 
 def checksum_many(bufs: Sequence[Any], threads: int = 1) -> list[int]:

@@ -671,19 +671,22 @@ class PendingGet:
         store = self._store
         self._run = (store.pool, slots[:n], [m.nbytes for m in metas[:n]], dsts[:n])
         if background and n:
-            self._job = store._copier.read_start(*self._run)
+            self._job = store._copier.read_start(*self._run, self._deadline_ns)
 
     def _check_deadline(self) -> None:
         """Nothing is copied into the caller's buffers once its deadline has passed: a
-        caller told its call failed may be using them again (a copy already running is
-        not stopped)."""
+        caller told its call failed may be using them again (a copy already running
+        stops at its next block, BatchCopier.read_start)."""
         if self._past_deadline():
-            with self._store.lock:
-                self._store.counters["get_past_deadline"] += 1
-            raise DeadlineExceeded(
-                f"the caller's deadline passed before {len(self._metas)} blocks were copied "
-                "into its buffers: nothing written"
-            )
+            self._late("nothing written")
+
+    def _late(self, done: str) -> None:
+        with self._store.lock:
+            self._store.counters["get_past_deadline"] += 1
+        raise DeadlineExceeded(
+            f"the caller's deadline passed before {len(self._metas)} blocks were copied "
+            f"into its buffers: {done}"
+        )
 
     def _past_deadline(self) -> bool:
         return self._deadline_ns is not None and time.monotonic_ns() >= self._deadline_ns
@@ -709,6 +712,8 @@ class PendingGet:
         try:
             if self._job is not None:
                 digests = self._job.result()
+                if None in digests:  # copies not made, the deadline passed: serve none
+                    self._late("the copy stopped there, none served")
             else:
                 self._check_deadline()  # prepare's check, again: a thread may start late
                 digests = store._copier.read(*self._run)

@@ -58,12 +58,19 @@ class BatchCopier:
         return pool.write_start(slots, srcs, self._threads)
 
     def read_start(
-        self, pool: DevicePool, slots: list[int], sizes: list[int], dsts: list[Any]
+        self,
+        pool: DevicePool,
+        slots: list[int],
+        sizes: list[int],
+        dsts: list[Any],
+        deadline_ns: int | None = None,
     ) -> Any | None:
-        """`read` started in the background, like write_start (host destinations only)."""
+        """`read` started in the background, like write_start (host destinations only);
+        a block not begun by `deadline_ns` (CLOCK_MONOTONIC) is not copied, its digest
+        None."""
         if not pool.host or sum(sizes) < PARALLEL_MIN_BYTES or (dsts and is_tensor(dsts[0])):
             return None
-        return pool.read_start(slots, sizes, dsts, self._threads)
+        return pool.read_start(slots, sizes, dsts, self._threads, deadline_ns)
 
     def checksums(self, views: list[Any]) -> list[int]:
         """XXH64 of host buffers."""

@@ -20,7 +20,8 @@ typedef struct {
     uint64_t seed;
     uint64_t digest;    /* out */
     int pid;            /* > 0: read src from process pid (cross-memory attach) */
-    int err;            /* out, pid > 0: errno of the read that failed; 0 when none did */
+    int err;            /* out: errno of the read that failed (pid > 0), ETIMEDOUT when the
+                         * job was not run, its queue's deadline passed; 0 otherwise */
 } kv_job;
 
 /* Run every job (dst[0..n) = src[0..n) and digest = xxh64(src, seed); ranges of one
@@ -41,6 +42,7 @@ typedef struct {
     size_t count;
     size_t step;
     size_t next; /* first job not claimed yet (atomic) */
+    uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none. A job not begun by then is not run */
 } kv_queue;
 
 /* A batch run in the background, for a caller that waits on an event loop rather
@@ -59,7 +61,8 @@ typedef struct {
  * is written once, when every job is done.  0: no thread could be started, nothing
  * ran and `efd` stays unwritten (the caller runs the batch some other way).
  * kv_join_jobs must follow a start that returned more than 0. */
-int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd);
+int kv_start_jobs(kv_async *a, kv_job *jobs, size_t count, int threads, int efd,
+                  uint64_t deadline_ns);
 
 /* Wait for the threads kv_start_jobs started (after its write to efd, or to block
  * until then). */

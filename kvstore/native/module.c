@@ -586,7 +586,13 @@ static PyObject *job_result(CopyJobObject *self, PyObject *unused) {
             Py_DECREF(out);
         } else {
             for (Py_ssize_t i = 0; i < self->b.count; i++) {
-                PyObject *d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
+                PyObject *d;
+                if (self->b.jobs[i].err == ETIMEDOUT) { /* not run: the deadline passed */
+                    d = Py_None;
+                    Py_INCREF(d);
+                } else {
+                    d = PyLong_FromUnsignedLongLong(self->b.jobs[i].digest);
+                }
                 if (!d) {
                     Py_DECREF(out);
                     return NULL;
@@ -611,8 +617,9 @@ static PyMethodDef job_methods[] = {
      "fileno() -> int: an eventfd, readable once every job is done (until result())."},
     {"done", (PyCFunction)job_done, METH_NOARGS, "done() -> bool: every job has finished."},
     {"result", (PyCFunction)job_result, METH_NOARGS,
-     "result() -> list[int]: the digests, in order; waits for the threads (GIL released),\n"
-     "then releases the buffers and closes the descriptor. Later calls return the same."},
+     "result() -> list[int | None]: the digests, in order (None: a copy not made, its\n"
+     "deadline had passed); waits for the threads (GIL released), then releases the\n"
+     "buffers and closes the descriptor. Later calls return the same."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -627,19 +634,22 @@ static PyTypeObject CopyJobType = {
 };
 
 PyDoc_STRVAR(copy_checksum_start_doc,
-"copy_checksum_start(dsts, srcs, threads=1, seed=0) -> CopyJob\n\n"
+"copy_checksum_start(dsts, srcs, threads=1, seed=0, deadline_ns=0) -> CopyJob\n\n"
 "copy_checksum_many, run in the background on `threads` threads started for it (none\n"
 "of them the caller's): returns at once (None, nothing copied, when no thread could\n"
 "be started). The job's fileno() (an eventfd) becomes\n"
 "readable when every copy is done; result() then gives the digests. The buffers stay\n"
 "held (and must not be reused) until result() or the job's end, which wait for the\n"
-"threads. Argument errors are raised here, before anything is copied.");
+"threads. Argument errors are raised here, before anything is copied. `deadline_ns`\n"
+"(CLOCK_MONOTONIC, 0: none): a copy not begun by then is not made (its dst left as\n"
+"it was, its digest None); one under way runs to its end.");
 
 static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"dsts", "srcs", "threads", "seed", NULL};
+    static char *kwlist[] = {"dsts", "srcs", "threads", "seed", "deadline_ns", NULL};
     PyObject *dsts_o, *srcs_o, *threads_o = NULL, *seed_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OO:copy_checksum_start", kwlist,
-                                     &dsts_o, &srcs_o, &threads_o, &seed_o))
+    unsigned long long deadline_ns = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOK:copy_checksum_start", kwlist,
+                                     &dsts_o, &srcs_o, &threads_o, &seed_o, &deadline_ns))
         return NULL;
     CopyJobObject *job = PyObject_New(CopyJobObject, &CopyJobType);
     if (!job) return NULL;
@@ -664,7 +674,8 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     }
     int started;
     Py_BEGIN_ALLOW_THREADS
-    started = kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd);
+    started = kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd,
+                            (uint64_t)deadline_ns);
     Py_END_ALLOW_THREADS
     if (started == 0) { /* no thread to be had: the caller copies in the foreground */
         Py_DECREF(job);

@@ -315,11 +315,21 @@ class DevicePool:
             return [self.read_into(s, n, d) for s, n, d in zip(slots, sizes, dsts)]
         return cks.copy_with_checksum_many(dsts, self._read_views(slots, sizes), threads)
 
-    def read_start(self, slots: list[int], sizes: list[int], dsts: list, threads: int = 1):
-        """read_many of a host pool started in the background, like write_start."""
+    def read_start(
+        self,
+        slots: list[int],
+        sizes: list[int],
+        dsts: list,
+        threads: int = 1,
+        deadline_ns: int | None = None,
+    ):
+        """read_many of a host pool started in the background, like write_start; a block
+        not begun by `deadline_ns` is not copied (its digest None)."""
         if self._host is None:
             return None
-        return cks.copy_with_checksum_start(dsts, self._read_views(slots, sizes), threads)
+        return cks.copy_with_checksum_start(
+            dsts, self._read_views(slots, sizes), threads, deadline_ns
+        )
 
     def _read_views(self, slots: list[int], sizes: list[int]) -> list:
         """The host slots' first `sizes` bytes, each slot checked OCCUPIED."""
