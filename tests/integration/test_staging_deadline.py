@@ -199,3 +199,22 @@ def test_a_malformed_deadline_is_refused_before_any_work(agent, deadline, sent):
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "CLOCK_MONOTONIC" in exc.value.details()
         assert c.lookup(ns, ids).matched == 0
+
+
+def test_an_answered_deadline_keeps_the_lane_and_a_silent_one_drops_it(agent):
+    """DEADLINE_EXCEEDED answered by the agent (LaneDeadline) leaves the connection in
+    step: the client carries on over it. No answer by the deadline leaves it out of
+    step: the client drops it and registers again on its next call."""
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=16 * MiB) as c:
+        ns = c.open_namespace(SMALL)
+        ids = c.block_ids(ns, prompt_tokens(6, 2 * SMALL.block_size))
+        lane_before = c._lane
+        with pytest.raises(DeadlineExceeded), c._lane_errors():
+            raise LaneDeadline("the agent's verdict")
+        assert c._lane is lane_before and not c._stale
+        assert c.lookup(ns, ids).matched == 0 and c.reregistrations == 0
+        with pytest.raises(DeadlineExceeded), c._lane_errors():
+            raise DeadlineExceeded("no answer in time")
+        assert c._lane is None and c._stale
+        assert c.lookup(ns, ids).matched == 0 and c.reregistrations == 1
+        assert c.uses_local_lane
