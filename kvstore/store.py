@@ -36,6 +36,7 @@ from kvstore.errors import (
     NotFound,
     ResourceExhausted,
     StaleGeneration,
+    Unavailable,
 )
 from kvstore.eviction import EvictionPolicy, ValueAwarePolicy
 from kvstore.events import EventKind, EventQueue, Tier
@@ -351,6 +352,7 @@ class BlockStore:
         items: list[PutItem],
         root: bytes | None = None,
         deadline_ns: int | None = None,
+        gone: threading.Event | None = None,
     ) -> PutResult:
         """Store blocks (parent before child). Returns (stored, already_present).
 
@@ -359,8 +361,8 @@ class BlockStore:
         evicted meanwhile, or the client is wrong): the node then never holds a block
         without its whole prefix, which the router's binary searches rely on. `root=None`
         is for trusted in-process callers (peer transfer copies whole chains).
-        `deadline_ns`: see PendingPut.finish."""
-        return self.put_begin(ns_id, generation, items, root, False).finish(deadline_ns)
+        `deadline_ns`, `gone`: see PendingPut.finish."""
+        return self.put_begin(ns_id, generation, items, root, False).finish(deadline_ns, gone)
 
     def put_begin(
         self,
@@ -563,7 +565,9 @@ class PendingPut:
         (finish() copies, on the caller's thread)."""
         return self._job.fileno() if self._job is not None else None
 
-    def finish(self, deadline_ns: int | None = None) -> PutResult:
+    def finish(
+        self, deadline_ns: int | None = None, gone: threading.Event | None = None
+    ) -> PutResult:
         """Wait for the copy (or make it), check each block's checksum where the client
         sent one, commit what was written and return (stored, already_present).
 
@@ -571,7 +575,9 @@ class PendingPut:
         nothing (DeadlineExceeded): a caller told its call failed may have been writing
         its buffers again while they were read, and a block committed from those bytes
         would carry a checksum of them, served as valid. Checked once the copy is over:
-        one that ended before the deadline read nothing the caller wrote after it."""
+        one that ended before the deadline read nothing the caller wrote after it.
+        `gone`: set by a caller that gave up on this put while a worker thread finishes
+        it (its call was cancelled): checked at the same point, nothing stored either."""
         if self._done:
             raise RuntimeError("this put was finished already")
         written: list[Written] = []
@@ -587,6 +593,8 @@ class PendingPut:
                     f"the copy of {len(digests)} blocks ended past the caller's deadline: "
                     "nothing stored (the caller may be writing those buffers again)"
                 )
+            if gone is not None and gone.is_set():
+                raise Unavailable("the caller gave up on this put: nothing stored")
             for p, digest in zip(self._planned.slots, digests):
                 if p.item.checksum is not None and digest != p.item.checksum:
                     raise DataLoss(
@@ -719,8 +727,10 @@ class PendingGet:
                 digests = store._copier.read(*self._run)
             hbm = Tier.HBM  # read once: a member read through its class costs ~0.3 us
             for i, (m, slot) in enumerate(zip(metas, slots)):
-                if i >= n_pool and self._past_deadline():
-                    break  # read one by one past the pool's run: not into a late caller's
+                if i >= n_pool and self._past_deadline():  # read one by one past the pool
+                    served.clear()  # run: none into a late caller's buffers, none served
+                    promote.clear()
+                    self._late("the rest not read, none served")
                 dst = dsts[i]
                 data: bytes | None = None
                 if i < n_pool:

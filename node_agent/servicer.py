@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -114,12 +116,15 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         the batch to and back (0.1-0.5 ms each way on a 2-core host, per big Put). Its
         plan runs here too, unless it may write NVMe (evicting to make room, with an NVMe
         tier to demote to): that goes to a worker thread first. `deadline_ns`: a copy
-        out of the caller's staging that ends past it stores nothing (PendingPut.finish)."""
+        out of the caller's staging that ends past it stores nothing (PendingPut.finish),
+        and so does one finished on a worker thread after the call was cancelled."""
         nbytes = len(items) * st.spec.block_bytes
         if nbytes < _background_bytes():
-            return await self._run(
-                nbytes, self.store.put, st.ns_id, generation, items, root, deadline_ns
-            )
+            gone = threading.Event()
+            with _setting_when_cancelled(gone):
+                return await self._run(
+                    nbytes, self.store.put, st.ns_id, generation, items, root, deadline_ns, gone
+                )
         with self._counted():
             args = (st.ns_id, generation, items, root)
             pending: PendingPut | None
@@ -130,7 +135,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             if pending is None:  # planning may write or read NVMe: not on the loop
                 pending = await _begun_in_thread(functools.partial(self.store.put_begin, *args))
             if pending.fileno() is None:
-                return await asyncio.to_thread(pending.finish, deadline_ns)
+                gone = threading.Event()
+                with _setting_when_cancelled(gone):
+                    return await asyncio.to_thread(pending.finish, deadline_ns, gone)
             await _copied(pending)
             return pending.finish(deadline_ns)
 
@@ -298,6 +305,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 deadline = staging_deadline(
                     req.staging_deadline_ns, req.staging_sent_ns, "staging_deadline_ns"
                 )
+                if deadline is not None and time.monotonic_ns() >= deadline:
+                    with self.store.lock:
+                        self.store.counters["put_past_deadline"] += 1
+                    raise errors.DeadlineExceeded(
+                        "the caller's deadline passed before its Put began: nothing copied"
+                    )
             total += len(req.blocks) + len(req.chain_ids) // BLOCK_ID_BYTES
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")
@@ -465,6 +478,19 @@ def _abandon_off_loop(pending) -> None:
             pending.abandon()
         except Exception:  # noqa: BLE001 - nobody is left to tell but the log
             log.exception("a put or get cancelled mid-copy ended badly")
+
+
+@contextlib.contextmanager
+def _setting_when_cancelled(gone: threading.Event) -> Iterator[None]:
+    """Around awaiting a put a worker thread finishes: cancelled meanwhile (the agent gave
+    up on the call: a lane frame that timed out, a server stopping), `gone` is set, and
+    the put, once its copy is over, stores nothing (PendingPut.finish): the caller is
+    told its call failed once this call ends, and may write its staging again."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        gone.set()
+        raise
 
 
 async def _begun_in_thread(begin):

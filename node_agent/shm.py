@@ -56,17 +56,15 @@ shm_offer: contextvars.ContextVar[FdOffer | None] = contextvars.ContextVar(
 )
 
 
-# How far behind the agent's clock a caller's "sent" time may lie and still be read as
-# the same CLOCK_MONOTONIC (the caller on this host, not in a time namespace of its own).
-ONE_CLOCK_NS = 60 * 1_000_000_000
-
-
 def staging_deadline(deadline_ns: int, sent_ns: int, what: str) -> int | None:
     """The agent's CLOCK_MONOTONIC time (ns) by which a same-host call's copy to or from
     the caller's staging must end, from the deadline and sent time the caller gave on its
     own clock (PutRequest.staging_deadline_ns / ShmTarget.deadline_ns); None when it gave
-    none. Where the clocks plainly differ the deadline counts from now instead: the
-    call's arrival, a little after the caller's own count began."""
+    none. The earlier of the deadline as given and the time the caller had left counted
+    from now: on the clock the two share that is the deadline itself (now is past the
+    sent time), and a caller whose clock runs ahead of the agent's (a time namespace of
+    its own) gets no more than it had left. One whose clock runs behind gets a deadline
+    that has passed: refused, never a window the caller did not give."""
     if not deadline_ns and not sent_ns:
         return None
     if not deadline_ns or not sent_ns or sent_ns > deadline_ns:
@@ -74,10 +72,7 @@ def staging_deadline(deadline_ns: int, sent_ns: int, what: str) -> int | None:
             f"{what}: a deadline needs both times, in ns of CLOCK_MONOTONIC, the deadline "
             f"not before the sent time (got deadline {deadline_ns}, sent {sent_ns})"
         )
-    now = time.monotonic_ns()
-    if 0 <= now - sent_ns <= ONE_CLOCK_NS:
-        return deadline_ns
-    return now + (deadline_ns - sent_ns)
+    return min(deadline_ns, time.monotonic_ns() + (deadline_ns - sent_ns))
 
 
 @dataclass(slots=True, eq=False)

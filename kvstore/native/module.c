@@ -646,11 +646,12 @@ PyDoc_STRVAR(copy_checksum_start_doc,
 
 static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dsts", "srcs", "threads", "seed", "deadline_ns", NULL};
-    PyObject *dsts_o, *srcs_o, *threads_o = NULL, *seed_o = NULL;
-    unsigned long long deadline_ns = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOK:copy_checksum_start", kwlist,
-                                     &dsts_o, &srcs_o, &threads_o, &seed_o, &deadline_ns))
+    PyObject *dsts_o, *srcs_o, *threads_o = NULL, *seed_o = NULL, *deadline_o = NULL;
+    uint64_t deadline_ns = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOO:copy_checksum_start", kwlist,
+                                     &dsts_o, &srcs_o, &threads_o, &seed_o, &deadline_o))
         return NULL;
+    if (deadline_o != NULL && get_u64(deadline_o, &deadline_ns, "deadline_ns") < 0) return NULL;
     CopyJobObject *job = PyObject_New(CopyJobObject, &CopyJobType);
     if (!job) return NULL;
     memset(&job->b, 0, sizeof(job->b));
@@ -675,7 +676,7 @@ static PyObject *kv_copy_checksum_start(PyObject *self, PyObject *args, PyObject
     int started;
     Py_BEGIN_ALLOW_THREADS
     started = kv_start_jobs(&job->a, job->b.jobs, (size_t)job->b.count, threads, job->efd,
-                            (uint64_t)deadline_ns);
+                            deadline_ns);
     Py_END_ALLOW_THREADS
     if (started == 0) { /* no thread to be had: the caller copies in the foreground */
         Py_DECREF(job);

@@ -13,6 +13,7 @@ import threading
 import pytest
 from support.store import NB, NS, ROOT, SPEC, check_invariants, lookup, needs_native, prompt, put
 
+from kvstore.errors import Unavailable
 from kvstore.tiers.pool import SlotState
 from node_agent import servicer
 
@@ -102,4 +103,45 @@ def test_a_put_cancelled_while_its_plan_runs_on_a_thread_is_still_ended(make_sto
         await _slots_given_back(store)  # the put begun after the cancel is abandoned
 
     asyncio.run(main())
+    _nothing_kept(store, ids)
+
+
+def test_a_put_a_thread_finishes_after_its_call_was_cancelled_stores_nothing(make_store):
+    """A put whose copy runs on a worker thread (a batch too small for the background,
+    or no copy thread to be had) cannot be stopped by the cancel: it is told (`gone`)
+    and stores nothing once its copy is over. The caller hears of the failure when the
+    call ends, and may write its staging again from then on."""
+    store = make_store(n_slots=16, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 8)
+    copying, go_on = threading.Event(), threading.Event()
+    ended: list[BaseException | None] = []
+
+    def put_on_thread(gone: threading.Event) -> None:
+        copying.set()
+        go_on.wait(10)  # the call is cancelled while this thread still works on the put
+        try:
+            store.put(NS, 0, items, ROOT, None, gone)
+            ended.append(None)
+        except Exception as exc:  # noqa: BLE001 - what the put ended with, checked below
+            ended.append(exc)
+
+    async def main() -> None:
+        gone = threading.Event()
+
+        async def call() -> None:
+            with servicer._setting_when_cancelled(gone):
+                await asyncio.to_thread(put_on_thread, gone)
+
+        task = asyncio.ensure_future(call())
+        await asyncio.to_thread(copying.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gone.is_set()
+        go_on.set()
+
+    asyncio.run(main())  # waits for the worker thread at its end
+    assert len(ended) == 1 and isinstance(ended[0], Unavailable)
+    assert "gave up" in str(ended[0])
     _nothing_kept(store, ids)
