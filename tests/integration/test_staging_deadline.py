@@ -47,6 +47,35 @@ def past() -> tuple[int, int]:
     return now - 1_000_000_000, now - 2_000_000_000
 
 
+def chain_put(c: KVClient, ns, ids: list[bytes], deadline: int, sent: int):
+    """The Put put_staged sends for `ids` from staging slot 0 on, with these times."""
+    return agent_pb2.PutRequest(
+        ns=ns.ref,
+        shm_region_id=c._region_id,
+        root=ns.root,
+        chain_ids=b"".join(ids),
+        chain_parent_id=ns.root,
+        chain_stride=ns.block_bytes,
+        staging_deadline_ns=deadline,
+        staging_sent_ns=sent,
+    )
+
+
+def staged_get(c: KVClient, ns, ids: list[bytes], deadline: int, sent: int):
+    """A Get of `ids` into staging slots 0.., with these times."""
+    return agent_pb2.GetRequest(
+        ns=ns.ref,
+        block_ids=b"".join(ids),
+        parent_id=ns.root,
+        shm=agent_pb2.ShmTarget(
+            region_id=c._region_id,
+            offsets=[i * ns.block_bytes for i in range(len(ids))],
+            deadline_ns=deadline,
+            sent_ns=sent,
+        ),
+    )
+
+
 @pytest.fixture
 def agent(spawn_agent):
     return spawn_agent(pool_bytes="64MiB", slot_bytes="2MiB", nvme_bytes=0)
@@ -68,17 +97,7 @@ def test_a_put_past_its_deadline_stores_nothing(agent, spec, n, local_lane):
         blocks = blocks_for(spec, 1, n)
         for v, b in zip(c.staging_views(ns, n), blocks):
             v.copy_(b)
-        deadline, sent = past()
-        req = agent_pb2.PutRequest(
-            ns=ns.ref,
-            shm_region_id=c._region_id,
-            root=ns.root,
-            chain_ids=b"".join(ids),
-            chain_parent_id=ns.root,
-            chain_stride=ns.block_bytes,
-            staging_deadline_ns=deadline,
-            staging_sent_ns=sent,
-        )
+        req = chain_put(c, ns, ids, *past())
         if local_lane:
             with pytest.raises(LaneDeadline) as exc:
                 c._lane.call(lane.PUT, req, agent_pb2.PutResponse, 10.0)
@@ -109,18 +128,7 @@ def test_a_get_past_its_deadline_writes_nothing_into_staging(agent, spec, n):
         views = c.staging_views(ns, n)
         for v in views:
             v.fill_(7)  # what the caller wrote there after its Get failed
-        deadline, sent = past()
-        req = agent_pb2.GetRequest(
-            ns=ns.ref,
-            block_ids=b"".join(ids),
-            parent_id=ns.root,
-            shm=agent_pb2.ShmTarget(
-                region_id=c._region_id,
-                offsets=[i * ns.block_bytes for i in range(n)],
-                deadline_ns=deadline,
-                sent_ns=sent,
-            ),
-        )
+        req = staged_get(c, ns, ids, *past())
         with pytest.raises(DeadlineExceeded, match="nothing written"):
             c._lane.call(lane.GET, req, agent_pb2.GetResponse, 10.0)
         assert all(bool((v == 7).all()) for v in views)
@@ -173,27 +181,8 @@ def test_a_malformed_deadline_is_refused_before_any_work(agent, deadline, sent):
     with KVClient(agent.address, tenant_secret=TEST_SECRET, shm_bytes=16 * MiB) as c:
         ns = c.open_namespace(SMALL)
         ids = c.block_ids(ns, prompt_tokens(5, 2 * SMALL.block_size))
-        put = agent_pb2.PutRequest(
-            ns=ns.ref,
-            shm_region_id=c._region_id,
-            root=ns.root,
-            chain_ids=b"".join(ids),
-            chain_parent_id=ns.root,
-            chain_stride=ns.block_bytes,
-            staging_deadline_ns=deadline,
-            staging_sent_ns=sent,
-        )
-        get = agent_pb2.GetRequest(
-            ns=ns.ref,
-            block_ids=b"".join(ids),
-            parent_id=ns.root,
-            shm=agent_pb2.ShmTarget(
-                region_id=c._region_id,
-                offsets=[0, ns.block_bytes],
-                deadline_ns=deadline,
-                sent_ns=sent,
-            ),
-        )
+        put = chain_put(c, ns, ids, deadline, sent)
+        get = staged_get(c, ns, ids, deadline, sent)
         for method, req, resp in (
             (lane.PUT, put, agent_pb2.PutResponse),
             (lane.GET, get, agent_pb2.GetResponse),
