@@ -361,8 +361,8 @@ class BlockStore:
         evicted meanwhile, or the client is wrong): the node then never holds a block
         without its whole prefix, which the router's binary searches rely on. `root=None`
         is for trusted in-process callers (peer transfer copies whole chains).
-        `deadline_ns`, `gone`: see PendingPut.finish."""
-        return self.put_begin(ns_id, generation, items, root, False).finish(deadline_ns, gone)
+        `deadline_ns`: see put_begin; `gone`: see PendingPut.finish."""
+        return self.put_begin(ns_id, generation, items, root, False, deadline_ns).finish(gone)
 
     def put_begin(
         self,
@@ -371,20 +371,30 @@ class BlockStore:
         items: list[PutItem],
         root: bytes | None = None,
         background: bool = True,
+        deadline_ns: int | None = None,
     ) -> PendingPut:
         """`put` in two steps, for a caller on an event loop: the slots are planned now
         (under the lock; planning may touch NVMe, see put_begin_if_fits) and, with
         `background`, the copy is started on threads of its own where that can be had
         (BatchCopier.write_start); PendingPut.fileno() turns readable when it is done.
-        finish() checks and commits (and copies, where nothing ran in the background)."""
-        pending = self._put_plan(ns_id, generation, items, root, False)
+        finish() checks and commits (and copies, where nothing ran in the background).
+
+        `deadline_ns` (CLOCK_MONOTONIC): the caller's. Past it already, nothing is
+        planned (DeadlineExceeded); a copy that ends past it stores nothing (see
+        PendingPut.finish)."""
+        pending = self._put_plan(ns_id, generation, items, root, False, deadline_ns)
         assert pending is not None
         if background:
             pending.start()
         return pending
 
     def put_begin_if_fits(
-        self, ns_id: bytes, generation: int, items: list[PutItem], root: bytes | None = None
+        self,
+        ns_id: bytes,
+        generation: int,
+        items: list[PutItem],
+        root: bytes | None = None,
+        deadline_ns: int | None = None,
     ) -> PendingPut | None:
         """put_begin, only where planning touches no NVMe: the items fit in free pool
         slots within the tenant's quota (else it evicts, which may demote to NVMe) and
@@ -392,7 +402,7 @@ class BlockStore:
         first). None, nothing planned, otherwise: for the caller to plan on a thread of
         its own. Decided under the plan's own lock: no other writer takes the room in
         between."""
-        pending = self._put_plan(ns_id, generation, items, root, True)
+        pending = self._put_plan(ns_id, generation, items, root, True, deadline_ns)
         if pending is not None:
             pending.start()
         return pending
@@ -404,6 +414,7 @@ class BlockStore:
         items: list[PutItem],
         root: bytes | None,
         only_if_fits: bool,
+        deadline_ns: int | None = None,
     ) -> PendingPut | None:
         with self.lock:
             st = self.namespace(ns_id, generation)
@@ -412,10 +423,15 @@ class BlockStore:
                     "kill switch is on: writes are refused "
                     "(`kvctl killswitch off` to resume caching)"
                 )
+            if deadline_ns is not None and time.monotonic_ns() >= deadline_ns:
+                self.counters["put_past_deadline"] += 1
+                raise DeadlineExceeded(
+                    "the caller's deadline passed before its Put began: nothing copied"
+                )
             if only_if_fits and not self._writes.fits(st, items):
                 return None
             planned = self._writes.plan_put(st, items, root)
-        return PendingPut(self, st, generation, planned)
+        return PendingPut(self, st, generation, planned, deadline_ns)
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:
@@ -537,13 +553,21 @@ class BlockStore:
 class PendingPut:
     """A put between its plan and its commit (BlockStore.put_begin)."""
 
-    __slots__ = ("_store", "_st", "_generation", "_planned", "_job", "_done")
+    __slots__ = ("_store", "_st", "_generation", "_planned", "_deadline_ns", "_job", "_done")
 
-    def __init__(self, store: BlockStore, st: NsState, generation: int, planned) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        st: NsState,
+        generation: int,
+        planned,
+        deadline_ns: int | None = None,
+    ) -> None:
         self._store = store
         self._st = st
         self._generation = generation
         self._planned = planned
+        self._deadline_ns = deadline_ns
         self._job: Any = None
         self._done = False
 
@@ -565,13 +589,11 @@ class PendingPut:
         (finish() copies, on the caller's thread)."""
         return self._job.fileno() if self._job is not None else None
 
-    def finish(
-        self, deadline_ns: int | None = None, gone: threading.Event | None = None
-    ) -> PutResult:
+    def finish(self, gone: threading.Event | None = None) -> PutResult:
         """Wait for the copy (or make it), check each block's checksum where the client
         sent one, commit what was written and return (stored, already_present).
 
-        `deadline_ns` (CLOCK_MONOTONIC): the caller's. A copy that ended past it stores
+        The caller's deadline (put_begin's `deadline_ns`): a copy that ended past it stores
         nothing (DeadlineExceeded): a caller told its call failed may have been writing
         its buffers again while they were read, and a block committed from those bytes
         would carry a checksum of them, served as valid. Checked once the copy is over:
@@ -587,6 +609,7 @@ class PendingPut:
                 digests = self._job.result()
             else:
                 digests = self._store._copier.write(*self._batch())
+            deadline_ns = self._deadline_ns
             if deadline_ns is not None and time.monotonic_ns() >= deadline_ns:
                 late = True
                 raise DeadlineExceeded(

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -115,9 +114,10 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         native batch's own threads, waited for on the loop: no worker thread to wake, hand
         the batch to and back (0.1-0.5 ms each way on a 2-core host, per big Put). Its
         plan runs here too, unless it may write NVMe (evicting to make room, with an NVMe
-        tier to demote to): that goes to a worker thread first. `deadline_ns`: a copy
-        out of the caller's staging that ends past it stores nothing (PendingPut.finish),
-        and so does one finished on a worker thread after the call was cancelled."""
+        tier to demote to): that goes to a worker thread first. `deadline_ns`: a Put past
+        it is refused before any copy, and a copy out of the caller's staging that ends
+        past it stores nothing (BlockStore.put_begin); so does one finished on a worker
+        thread after the call was cancelled."""
         nbytes = len(items) * st.spec.block_bytes
         if nbytes < _background_bytes():
             gone = threading.Event()
@@ -129,17 +129,19 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             args = (st.ns_id, generation, items, root)
             pending: PendingPut | None
             if self.store.rocks is None:  # no NVMe tier: planning never touches one
-                pending = self.store.put_begin(*args)
+                pending = self.store.put_begin(*args, deadline_ns=deadline_ns)
             else:
-                pending = self.store.put_begin_if_fits(*args)
+                pending = self.store.put_begin_if_fits(*args, deadline_ns)
             if pending is None:  # planning may write or read NVMe: not on the loop
-                pending = await _begun_in_thread(functools.partial(self.store.put_begin, *args))
+                pending = await _begun_in_thread(
+                    functools.partial(self.store.put_begin, *args, deadline_ns=deadline_ns)
+                )
             if pending.fileno() is None:
                 gone = threading.Event()
                 with _setting_when_cancelled(gone):
-                    return await asyncio.to_thread(pending.finish, deadline_ns, gone)
+                    return await asyncio.to_thread(pending.finish, gone)
             await _copied(pending)
-            return pending.finish(deadline_ns)
+            return pending.finish()
 
     async def _store_get(
         self,
@@ -305,12 +307,6 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 deadline = staging_deadline(
                     req.staging_deadline_ns, req.staging_sent_ns, "staging_deadline_ns"
                 )
-                if deadline is not None and time.monotonic_ns() >= deadline:
-                    with self.store.lock:
-                        self.store.counters["put_past_deadline"] += 1
-                    raise errors.DeadlineExceeded(
-                        "the caller's deadline passed before its Put began: nothing copied"
-                    )
             total += len(req.blocks) + len(req.chain_ids) // BLOCK_ID_BYTES
             if total > self.max_blocks:
                 raise errors.InvalidArgument(f"Put carries more than {self.max_blocks} blocks")

@@ -140,17 +140,19 @@ def test_a_put_whose_copy_ended_past_the_deadline_stores_nothing(make_store, bac
     store = make_store(n_slots=8, nvme_bytes=0)
     store.open_namespace(SPEC)
     ids, items = prompt(1, 4)
-    pending = store.put_begin(NS, 0, items, ROOT, background=background)
+    deadline = time.monotonic_ns() + 50_000_000  # 50 ms: time enough to plan
+    pending = store.put_begin(NS, 0, items, ROOT, background, deadline)
     if background:
         _wait(pending)
+    time.sleep(max(0, deadline - time.monotonic_ns()) / 1e9 + 0.001)  # the copy ends late
     with pytest.raises(DeadlineExceeded, match="nothing stored"):
-        pending.finish(deadline_ns=time.monotonic_ns())
+        pending.finish()
     assert lookup(store, ids) == (0, 0, 0) and store.pool.free_slots == 8
     assert store.counters["put_past_deadline"] == 1
-    in_time = store.put_begin(NS, 0, items, ROOT, background=background)
+    in_time = store.put_begin(NS, 0, items, ROOT, background, time.monotonic_ns() + 60 * 10**9)
     if background:
         _wait(in_time)
-    assert in_time.finish(deadline_ns=time.monotonic_ns() + 60 * 10**9) == (4, 0)
+    assert in_time.finish() == (4, 0)
     check_invariants(store)
 
 
