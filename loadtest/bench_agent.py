@@ -2,9 +2,21 @@
 
 Measures in one run, on this machine, against real agent processes:
 - memcpy_gbps: one large host copy (1 GiB, one thread, best of 3), the limit the transfer
-  figures are set against (shm_put_ratio, shm_get_ratio); memcpy_batch_gbps: a one-thread
-  copy of one batch's size (128 MiB), timed in every round between the shared-memory
-  Put and Get (median), which shows how far the host's load moved while the run went on
+  figures are set against (shm_put_ratio, shm_get_ratio)
+- memcpy_block_gbps: the same 1 GiB copied in 2 MiB pieces, the block size the agent
+  copies. glibc copies one large call another way (4 pages at a time; here from 256 MiB,
+  a threshold it derives from the cache size); on some hosts that path runs ~1.7x its
+  path for smaller copies, and memcpy_gbps is then a figure one thread copying
+  block-sized pieces does not reach
+- memcpy_batch_gbps: a one-thread copy of one batch's size (128 MiB), timed in every round
+  between the shared-memory Put and Get (median), which shows how far the host's load
+  moved while the run went on
+- cpu_probe_us: a fixed piece of work that touches no memory beyond the core's own cache
+  (XXH64 of a 256 KiB buffer, 40 times: 10 MiB), timed just after every timed
+  shared-memory Put and Get (median); cpu_probe_spread: the slowest of those probes over
+  the fastest, how far the core itself slowed while the run went on (on a shared virtual
+  machine a core can run ~1.7x slower for stretches of a second, nothing else running in
+  the guest)
 - shm_put_gbps / shm_get_gbps: 2 MiB blocks (Llama-3-8B, 16 tokens, fp16) through a running
   agent over the same-host shared-memory path (put from, and get into, the staging area)
 - shm_put_copy_gbps / shm_get_copy_gbps: the same including the copy between caller-owned
@@ -69,6 +81,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import pages
+from kvstore.checksum import checksum
 from kvstore.client import KVClient
 from kvstore.config import TLSConfig
 from kvstore.hashing import NATIVE, hash_chain, hash_chain_packed
@@ -84,14 +97,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def memcpy_gbps(size: int = GiB, reps: int = 3) -> float:
+def memcpy_gbps(size: int = GiB, reps: int = 3, piece: int = GiB) -> float:
+    """One thread copying `size` bytes, `piece` bytes a call; best of `reps`."""
     src = np.ones(size, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     best = 0.0
     for _ in range(reps):
         t = time.perf_counter()
-        np.copyto(dst, src)
+        for o in range(0, size, piece):
+            np.copyto(dst[o : o + piece], src[o : o + piece])
         best = max(best, size / (time.perf_counter() - t) / 1e9)
     return best
 
@@ -202,6 +217,17 @@ def agent_pages(pid: int, pool_bytes: int) -> dict[str, object]:
     return out
 
 
+_PROBE = np.ones(256 << 10, dtype=np.uint8)  # stays in the core's L2
+
+
+def cpu_probe() -> float:
+    """Seconds a fixed in-cache task takes now (see cpu_probe_us in the docstring)."""
+    t = time.perf_counter()
+    for _ in range(40):
+        checksum(_PROBE)
+    return time.perf_counter() - t
+
+
 def _timed_memcpy(dst: np.ndarray, src: np.ndarray) -> float:
     t = time.perf_counter()
     np.copyto(dst, src)
@@ -227,7 +253,7 @@ def transfer(
         nbytes = batch * ns.block_bytes
         gen = torch.Generator().manual_seed(1)
         blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
-        put_t, put_copy_t, get_t, get_copy_t, memcpy_t = [], [], [], [], []
+        put_t, put_copy_t, get_t, get_copy_t, memcpy_t, probe_t = [], [], [], [], [], []
         got = None
         if shm:  # one batch's size, touched before the first round
             copy_src = np.ones(nbytes, dtype=np.uint8)
@@ -241,11 +267,13 @@ def transfer(
                 t = time.perf_counter()
                 assert c.put_staged(ns, ids).stored == batch
                 put_t.append(time.perf_counter() - t)
+                probe_t.append(cpu_probe())  # after: it would warm the caches for the call
                 memcpy_t.append(_timed_memcpy(copy_dst, copy_src))
                 got = None  # freed outside the timed region (see the docstring)
                 t = time.perf_counter()
                 got = c.get_views(ns, ids)
                 get_t.append(time.perf_counter() - t)
+                probe_t.append(cpu_probe())
                 assert len(got) == batch and torch.equal(got[-1], blocks[-1])
                 ids2 = c.block_ids(
                     ns,
@@ -275,6 +303,8 @@ def transfer(
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
             out["memcpy_batch_gbps"] = _rate(nbytes, memcpy_t)
+            out["cpu_probe_us"] = statistics.median(probe_t) * 1e6
+            out["cpu_probe_spread"] = max(probe_t) / min(probe_t)
             if agent is not None:  # while the client's region is still mapped there
                 out.update(agent_pages(agent.proc.pid, pool_bytes))
             out.update(control_cost(c, batch, float(statistics.median(put_t))))
@@ -528,6 +558,7 @@ def main(argv=None) -> int:
     }
     log("memcpy ...")
     res["memcpy_gbps"] = memcpy_gbps()
+    res["memcpy_block_gbps"] = memcpy_gbps(piece=2 * MiB)
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         if args.tls:  # the plaintext baseline first, in the same run
             from kvstore.tls_ca import make_dev_pki

@@ -53,6 +53,12 @@ def random_blocks(spec, n: int, seed: int) -> list[torch.Tensor]:
     return [r.view(torch_dtype(spec.kv_dtype)).view(block_shape(spec)) for r in raw]
 
 
+def ucx_lines(*agents) -> list[str]:
+    """The lines of the agents' logs that speak of UCX: why a fetch that should have gone
+    over UCX went over gRPC (a failure there is logged, then the next transport runs)."""
+    return [line for a in agents for line in a.log.splitlines() if "ucx" in line.lower()]
+
+
 def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     # Byte equality: random bytes viewed as floats include NaNs, which never compare equal.
     return len(a) == len(b) and all(
@@ -584,7 +590,10 @@ def test_large_blocks_move_between_slots_in_place_or_through_staging(
         blocks = random_blocks(MID, n, 51)
         assert cb.put(nb, ids, blocks).stored == n
         r = ca.prefetch(na, ids, b.address, f"127.0.0.1:{b_port}")
-        assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+        assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), (
+            r,
+            ucx_lines(a, b),
+        )
         assert same_bytes(ca.get(na, ids), blocks)
         sent, got = Counter(dict(cb.stats().counters)), Counter(dict(ca.stats().counters))
     moved = n if in_place == "1" else 0
