@@ -51,7 +51,8 @@ class RouterControl(ControlFollower):
         # check just missed us is in force here by then.
         self._presence.start()
         try:
-            await asyncio.wait_for(self._presence.live.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._presence.live.wait()
         except TimeoutError:
             await self.stop()
             raise errors.Unavailable(

@@ -158,7 +158,8 @@ class EngineSubscriber:
         try:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                    frames = await sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     return None
                 seq = int.from_bytes(frames[2], "big", signed=True)

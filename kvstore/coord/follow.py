@@ -219,7 +219,8 @@ class ControlFollower:
         while not self.ready.is_set():
             wait = 5.0 if deadline is None else min(5.0, max(0.0, deadline - loop.time()))
             try:
-                await asyncio.wait_for(self.ready.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self.ready.wait()
             except TimeoutError:
                 if deadline is not None and loop.time() >= deadline:
                     await self.stop()

@@ -172,7 +172,8 @@ async def run(
                     key = None
                     log.warning("engine %s stopped answering /health; deregistered", args.engine_id)
                 try:
-                    await asyncio.wait_for(stop.wait(), args.check_interval)
+                    async with asyncio.timeout(args.check_interval):
+                        await stop.wait()
                 except TimeoutError:
                     pass
         finally:

@@ -26,6 +26,7 @@ async def within(aw, deadline: float, io_timeout: float, what: str):
             aw.cancel()
         raise PeerTransportError(f"deadline passed before {what}")
     try:
-        return await asyncio.wait_for(aw, left)
+        async with asyncio.timeout(left):
+            return await aw
     except asyncio.TimeoutError:
         raise PeerTransportError(f"timed out after {left:.1f}s waiting for {what}") from None

@@ -159,9 +159,8 @@ class Prefetcher:
     async def _wait(self, job: FetchJob, run: ClaimRun) -> bool:
         left = job.deadline - time.monotonic()
         try:
-            done = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.shield(f) for f in run.futures)), max(left, 0.001)
-            )
+            async with asyncio.timeout(max(left, 0.001)):
+                done = await asyncio.gather(*(asyncio.shield(f) for f in run.futures))
         except asyncio.TimeoutError:
             job.stopped = "deadline passed waiting for a concurrent fetch of these blocks"
             return False
