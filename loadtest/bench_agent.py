@@ -257,7 +257,8 @@ def transfer(
         got = None
         if shm:  # one batch's size, touched before the first round
             copy_src = np.ones(nbytes, dtype=np.uint8)
-            copy_dst = np.zeros(nbytes, dtype=np.uint8)
+            copy_dst = np.zeros(nbytes, dtype=np.uint8)  # mapped lazily: touched next
+            np.copyto(copy_dst, copy_src)
         for r in range(rounds):
             ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
             if shm:
