@@ -8,6 +8,13 @@ Measures in one run, on this machine, against real agent processes:
   a threshold it derives from the cache size); on some hosts that path runs ~1.7x its
   path for smaller copies, and memcpy_gbps is then a figure one thread copying
   block-sized pieces does not reach
+- memcpy_round_gbps / shm_put_ratio_paired / shm_get_ratio_paired: memcpy_gbps's copy
+  (1 GiB, one call, one thread) measured again in every round, best of 2, just before
+  the round's staging area is filled; the paired ratios are the median over rounds of
+  that round's Put (Get) over that round's limit. On a shared host the speed of memory
+  and of the core drift by 10-20% within a run, and a limit measured once, at the start,
+  sets a figure against a host that may no longer be there (bench_peer pairs its ratios
+  the same way). shm_put_ratio / shm_get_ratio stay set against memcpy_gbps
 - memcpy_batch_gbps: a one-thread copy of one batch's size (128 MiB), timed in every round
   between the shared-memory Put and Get (median), which shows how far the host's load
   moved while the run went on
@@ -171,6 +178,11 @@ def _rate(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def _paired(nbytes: int, times: list[float], limit_times: list[float]) -> float:
+    """Median over rounds of (nbytes moved in times[r]) / (memcpy's rate in round r)."""
+    return statistics.median(nbytes * lim / (t * GiB) for t, lim in zip(times, limit_times))
+
+
 @dataclass(frozen=True, slots=True)
 class BenchTls:
     """--tls: what the agents present (`server`) and what the clients present (`client`)."""
@@ -258,14 +270,19 @@ def transfer(
         gen = torch.Generator().manual_seed(1)
         blocks = [torch.randn((32, 2, 16, 8, 128), generator=gen).half() for _ in range(batch)]
         put_t, put_copy_t, get_t, get_copy_t, memcpy_t, probe_t = [], [], [], [], [], []
+        limit_t: list[float] = []  # memcpy_gbps's copy, again in every round
         got = None
-        if shm:  # one batch's size, touched before the first round
+        if shm:  # one batch's size, and memcpy_gbps's 1 GiB, touched before the first round
             copy_src = np.ones(nbytes, dtype=np.uint8)
             copy_dst = np.zeros(nbytes, dtype=np.uint8)  # mapped lazily: touched next
             np.copyto(copy_dst, copy_src)
+            limit_src = np.ones(GiB, dtype=np.uint8)
+            limit_dst = np.zeros(GiB, dtype=np.uint8)
+            np.copyto(limit_dst, limit_src)
         for r in range(rounds):
             ids = c.block_ids(ns, np.arange(r * batch * 16, (r + 1) * batch * 16, dtype=np.int32))
             if shm:
+                limit_t.append(min(_timed_memcpy(limit_dst, limit_src) for _ in range(2)))
                 views = c.staging_views(ns, batch)
                 for v, b in zip(views, blocks):
                     v.copy_(b)
@@ -308,6 +325,9 @@ def transfer(
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
             out["memcpy_batch_gbps"] = _rate(nbytes, memcpy_t)
+            out["memcpy_round_gbps"] = _rate(GiB, limit_t)
+            out["shm_put_ratio_paired"] = _paired(nbytes, put_t, limit_t)
+            out["shm_get_ratio_paired"] = _paired(nbytes, get_t, limit_t)
             out["cpu_probe_us"] = statistics.median(probe_t) * 1e6
             out["cpu_probe_spread"] = max(probe_t) / min(probe_t)
             if agent is not None:  # while the client's region is still mapped there
@@ -393,9 +413,17 @@ def contended(workdir: Path, args) -> dict[str, object]:
         out["load_gbps"] = load.gbps
     finally:
         agent.stop()
-    for k in ("shm_put_gbps", "shm_get_gbps", "shm_put_copy_gbps", "shm_get_copy_gbps"):
+    for k in (
+        "shm_put_gbps",
+        "shm_get_gbps",
+        "shm_put_copy_gbps",
+        "shm_get_copy_gbps",
+        "memcpy_batch_gbps",
+        "memcpy_round_gbps",
+        "shm_put_ratio_paired",
+        "shm_get_ratio_paired",
+    ):
         out[k] = got[k]
-    out["memcpy_batch_gbps"] = got["memcpy_batch_gbps"]
     m = float(out["memcpy_gbps"])  # type: ignore[arg-type]
     out["shm_put_ratio"] = float(got["shm_put_gbps"]) / m  # type: ignore[arg-type]
     out["shm_get_ratio"] = float(got["shm_get_gbps"]) / m  # type: ignore[arg-type]
