@@ -58,12 +58,40 @@ class EtcdProc:
         self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log = data_dir.parent / "etcd.log"
+        self.started = False  # healthy once: a restart keeps the ports
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self) -> None:
+    def start(self, attempts: int = 5) -> None:
+        """Start etcd and wait until it is healthy. Its ports come from free_port(), and
+        another process may take one before etcd binds it (seen in the suite: "bind:
+        address already in use"); etcd then exits, and a first start is made again on
+        fresh ports. A restart (after stop(), the same data and the endpoint the agents
+        were given) keeps its ports. Any other exit is reported at once, with etcd's
+        own words."""
+        if self.started:
+            attempts = 1
+        for attempt in range(attempts):
+            offset = self.log.stat().st_size if self.log.exists() else 0
+            self.proc = subprocess.Popen(
+                self._argv(), stdout=open(self.log, "ab"), stderr=subprocess.STDOUT
+            )
+            proc = self.proc
+            wait_for(lambda p=proc: p.poll() is not None or self._healthy(), 30, what="etcd health")
+            if proc.poll() is None:
+                self.started = True
+                return
+            with open(self.log, "rb") as f:
+                f.seek(offset)
+                said = f.read().decode(errors="replace")
+            if "address already in use" not in said or attempt == attempts - 1:
+                raise RuntimeError(f"etcd exited with {proc.returncode}: {said[-2000:]}")
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.client_port, self.peer_port = free_port(), free_port()
+
+    def _argv(self) -> list[str]:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         scheme = "https" if self.tls is not None else "http"
         cu = f"{scheme}://127.0.0.1:{self.client_port}"
@@ -72,31 +100,26 @@ class EtcdProc:
             tls_flags = ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
             tls_flags += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         pu = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--name",
-                "test",
-                "--data-dir",
-                str(self.data_dir),
-                "--listen-client-urls",
-                cu,
-                "--advertise-client-urls",
-                cu,
-                "--listen-peer-urls",
-                pu,
-                "--initial-advertise-peer-urls",
-                pu,
-                "--initial-cluster",
-                f"test={pu}",
-                "--log-level",
-                "warn",
-                *tls_flags,
-            ],
-            stdout=open(self.log, "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        wait_for(self._healthy, 30, what="etcd health")
+        return [
+            binary,
+            "--name",
+            "test",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            cu,
+            "--advertise-client-urls",
+            cu,
+            "--listen-peer-urls",
+            pu,
+            "--initial-advertise-peer-urls",
+            pu,
+            "--initial-cluster",
+            f"test={pu}",
+            "--log-level",
+            "warn",
+            *tls_flags,
+        ]
 
     def _healthy(self) -> bool:
         from kvstore.devcluster import etcd_healthy
