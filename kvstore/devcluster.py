@@ -326,6 +326,33 @@ def _etcd_tls_flags(tls: TLSConfig | None) -> list[str]:
     ]
 
 
+def etcd_command(
+    binary: str, name: str, data_dir: Path, client_url: str, peer_url: str, tls=None
+) -> list[str]:
+    """etcd's command line for a one-member cluster (kvctl cluster up, the chaos harness,
+    the tests' fixture); `tls` (a TLSConfig) as _etcd_tls_flags."""
+    return [
+        binary,
+        "--name",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        f"{name}={peer_url}",
+        "--log-level",
+        "warn",
+        *_etcd_tls_flags(tls),
+    ]
+
+
 def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, str, Path]:
     binary = shutil.which("etcd") or "/usr/bin/etcd"
     if not os.access(binary, os.X_OK):
@@ -336,29 +363,7 @@ def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, s
     scheme = "https" if tls is not None else "http"
     cu, pu = f"{scheme}://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     log = state / "etcd.log"
-    proc = _spawn(
-        [
-            binary,
-            "--name",
-            "local",
-            "--data-dir",
-            str(data),
-            "--listen-client-urls",
-            cu,
-            "--advertise-client-urls",
-            cu,
-            "--listen-peer-urls",
-            pu,
-            "--initial-advertise-peer-urls",
-            pu,
-            "--initial-cluster",
-            f"local={pu}",
-            "--log-level",
-            "warn",
-            *_etcd_tls_flags(tls),
-        ],
-        log,
-    )
+    proc = _spawn(etcd_command(binary, "local", data, cu, pu, tls), log)
     return proc, f"127.0.0.1:{cport}", log
 
 

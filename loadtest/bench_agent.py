@@ -112,8 +112,8 @@ def log(msg: str) -> None:
 
 
 def memcpy_gbps(size: int = GiB, reps: int = 3, pieces: tuple[int, ...] = (GiB,)) -> list[float]:
-    """One thread copying `size` bytes, `piece` bytes a call, for each of `pieces`; best
-    of `reps` each, over one pair of buffers."""
+    """One thread copying `size` bytes, one piece of each size in `pieces` a call; best
+    of `reps` for each, over one pair of buffers."""
     src = np.ones(size, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -332,7 +332,7 @@ def transfer(
             out["shm_put_copy_gbps"] = _rate(nbytes, put_copy_t)
             out["shm_get_copy_gbps"] = _rate(nbytes, get_copy_t)
             out["memcpy_batch_gbps"] = _rate(nbytes, memcpy_t)
-            out.update(back_to_back(c, ns, batch, rounds))
+            out.update(back_to_back(c, ns, batch))
             out["memcpy_round_gbps"] = _rate(GiB, limit_t)
             out["shm_put_ratio_paired"] = _paired(nbytes, put_t, limit_t)
             out["shm_get_ratio_paired"] = _paired(nbytes, get_t, limit_t)
@@ -344,7 +344,7 @@ def transfer(
     return out
 
 
-def back_to_back(c: KVClient, ns, batch: int, rounds: int, calls: int = 5) -> dict[str, float]:
+def back_to_back(c: KVClient, ns, batch: int, calls: int = 5) -> dict[str, float]:
     """`calls` same-host Puts of `batch` blocks (the staging area as the last round left
     it, under fresh ids: every block really copied), then as many Gets, each call right
     after the one before."""
@@ -360,7 +360,6 @@ def back_to_back(c: KVClient, ns, batch: int, rounds: int, calls: int = 5) -> di
         t = time.perf_counter()
         assert c.put_staged(ns, ids).stored == batch
         put_t.append(time.perf_counter() - t)
-    got = None
     for ids in id_sets:
         got = None  # the previous call's views freed outside the timed region
         t = time.perf_counter()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.devcluster import ROOT, etcd_healthy, grpc_healthy, router_nodes
+from kvstore.devcluster import ROOT, etcd_command, etcd_healthy, grpc_healthy, router_nodes
 
 MiB = 1 << 20
 
@@ -181,25 +181,7 @@ class ChaosCluster:
         if not os.access(binary, os.X_OK):
             raise HarnessError("etcd is not installed (apt-get install etcd-server)")
         cu, pu = f"http://127.0.0.1:{self.free_port()}", f"http://127.0.0.1:{self.free_port()}"
-        cmd = [
-            binary,
-            "--name",
-            "chaos",
-            "--data-dir",
-            str(self.state / "etcd"),
-            "--listen-client-urls",
-            cu,
-            "--advertise-client-urls",
-            cu,
-            "--listen-peer-urls",
-            pu,
-            "--initial-advertise-peer-urls",
-            pu,
-            "--initial-cluster",
-            f"chaos={pu}",
-            "--log-level",
-            "warn",
-        ]
+        cmd = etcd_command(binary, "chaos", self.state / "etcd", cu, pu)
         return Managed("etcd", "etcd", cmd, self.state / "etcd.log", cu[len("http://") :])
 
     def _agent(self, i: int) -> Managed:

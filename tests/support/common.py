@@ -92,34 +92,13 @@ class EtcdProc:
             self.client_port, self.peer_port = free_port(), free_port()
 
     def _argv(self) -> list[str]:
-        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        from kvstore.devcluster import etcd_command
+
         scheme = "https" if self.tls is not None else "http"
         cu = f"{scheme}://127.0.0.1:{self.client_port}"
-        tls_flags = []
-        if self.tls is not None:
-            tls_flags = ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
-            tls_flags += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         pu = f"http://127.0.0.1:{self.peer_port}"
-        return [
-            binary,
-            "--name",
-            "test",
-            "--data-dir",
-            str(self.data_dir),
-            "--listen-client-urls",
-            cu,
-            "--advertise-client-urls",
-            cu,
-            "--listen-peer-urls",
-            pu,
-            "--initial-advertise-peer-urls",
-            pu,
-            "--initial-cluster",
-            f"test={pu}",
-            "--log-level",
-            "warn",
-            *tls_flags,
-        ]
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        return etcd_command(binary, "test", self.data_dir, cu, pu, self.tls)
 
     def _healthy(self) -> bool:
         from kvstore.devcluster import etcd_healthy
