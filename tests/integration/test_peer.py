@@ -317,29 +317,45 @@ def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(
 
 @needs_ucx
 def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
-    b3 = cluster.start(tmp_path, "b3", pool_bytes="1GiB")
-    # 640 MiB in 5 chunks: B3 is stopped while A still needs chunks B3 has not posted
-    # (CMA reads what B3 posted even from a stopped process).
-    n = 320
-    na, ids, blocks = cluster.seed(BIG, n, seed=12, src="b3")
-    da = Delta(cluster, "a")
-    call = cluster.peer_stub("a").Prefetch.future(
-        cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60
-    )
-    wait_for(
-        lambda: call.done() or da.now()["peer_blocks_received"] > 0,
-        timeout=60,
-        interval=0.01,
-        what="the transfer to start",
-    )
-    b3.proc.send_signal(signal.SIGSTOP)  # alive but silent: only timeouts can end this
-    try:
-        r = call.result(timeout=60)
-    finally:
-        b3.proc.send_signal(signal.SIGCONT)
-    assert r.present < n and r.transport == "ucx", r  # the deadline left no time for gRPC
+    """B3 is stopped (SIGSTOP) once the first blocks arrived: alive but silent, so only
+    the deadline can end the Prefetch, with the blocks that came before it.
+
+    The fetcher A3 asks for 8 MiB chunks (4 blocks): B3 announces at most two chunks
+    ahead of the fetcher's releases, so B3 must keep answering for 60 chunks, and a stop
+    that lands any time in the transfer leaves chunks unannounced (what the fetcher reads
+    of an announced chunk it reads from B3's memory itself, stopped or not). A stop can
+    still land after the last chunk on a host that deschedules this test long enough: that
+    try froze nothing, so it is made again with another prompt (at most 3 tries; the
+    pools hold all three, so no try evicts another's blocks)."""
+    b3 = cluster.start(tmp_path, "b3", pool_bytes="1600MiB")
+    cluster.start(tmp_path, "a3", pool_bytes="1600MiB", peer={"batch_bytes": "8MiB"})
+    n = 240  # 480 MiB
+    late = []
+    for attempt in range(3):
+        na, ids, blocks = cluster.seed(BIG, n, seed=12 + attempt, src="b3", dst="a3")
+        da = Delta(cluster, "a3")
+        call = cluster.peer_stub("a3").Prefetch.future(
+            cluster.request(na, ids, src="b3", timeout_ms=4_000), timeout=60
+        )
+        wait_for(
+            lambda call=call, da=da: call.done() or da.now()["peer_blocks_received"] > 0,
+            timeout=60,
+            interval=0.005,
+            what="the transfer to start",
+        )
+        b3.proc.send_signal(signal.SIGSTOP)
+        try:
+            r = call.result(timeout=60)
+        finally:
+            b3.proc.send_signal(signal.SIGCONT)
+        if r.present < n:
+            break
+        late.append(r)  # every block came before the stop: nothing was frozen
+    else:
+        pytest.fail(f"the stop landed after the transfer's end in 3 tries: {late}")
+    assert r.transport == "ucx", r  # the deadline left no time for gRPC
     assert "deadline" in r.stopped or "timed out" in r.stopped, r.stopped
-    got = cluster.clients["a"].get(na, ids)
+    got = cluster.clients["a3"].get(na, ids)
     assert len(got) == r.present and same_bytes(got, blocks[: r.present])
 
 
