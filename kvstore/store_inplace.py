@@ -102,10 +102,12 @@ class InPlaceTransfers:
                 raise self.killswitch.refuse_write("kill switch is on: writes are refused")
             res = Reservation(st, generation, [])
             parent = st.blocks.get(parent_id)
+            chained = False  # attached under `after`'s last block, not stored yet
             if parent is not None:
                 depth = parent.depth + 1
             elif after is not None and after.plan and after.plan[-1].item.block_id == parent_id:
                 depth = after.last_depth + 1
+                chained = True
             elif parent_id == root:
                 depth = 0
             else:
@@ -121,6 +123,8 @@ class InPlaceTransfers:
                 res.reason = "the parent block could not be brought into the pool"
                 return res
             self._plan_in_place(st, res, ids, parent_id, parent, depth)
+            if chained and res.plan and after is not None:
+                after.follower = res
             return res
 
     def _plan_in_place(
@@ -162,11 +166,14 @@ class InPlaceTransfers:
 
     def trim(self, res: Reservation, n: int) -> None:
         """Keep the first `n` slots of `res` and free the others (nothing wrote into them:
-        a transport reserved ahead for more blocks than the sender then announced)."""
+        a transport reserved ahead for more blocks than the sender then announced). Kept
+        to none, it has ended: a commit or abort of it after that changes nothing."""
         if n < len(res.plan):
             rest, res.plan = res.plan[n:], res.plan[:n]
             with self.lock:
                 self.writes.abort_plan(rest)
+                if not res.plan:  # nothing left to commit: it ends here
+                    self._end(res)
 
     def commit(
         self,
@@ -200,6 +207,7 @@ class InPlaceTransfers:
         except BaseException:
             with self.lock:
                 self.writes.abort_plan(plan)
+                self._end(res)
             raise
         written: list[Written] = []
         bad: PutItem | None = None
@@ -210,6 +218,7 @@ class InPlaceTransfers:
             written.append(Written(p, digest))
         with self.lock:
             stored = self.writes.commit(res.ns, res.generation, plan, written).stored
+            self._end(res)
         if bad is not None:
             raise DataLoss(f"block {bad.block_id.hex()[:12]} payload does not match its checksum")
         return stored
@@ -218,9 +227,27 @@ class InPlaceTransfers:
         """Free every slot of `res` (the transfer failed). Only once nothing writes into
         its views any more: the slots go straight back to the free list."""
         plan, res.plan = res.plan, []
-        if plan:
-            with self.lock:
-                self.writes.abort_plan(plan)
+        with self.lock:
+            self.writes.abort_plan(plan)
+            self._end(res)
+
+    def _end(self, res: Reservation) -> None:
+        """`res` is committed or aborted (under the lock): drop the parents held for it,
+        and hold its last block, if stored, for the run reserved after it (`follower`)
+        until that one ends too. Without the hold, making room for a later run could
+        evict that block, a leaf until the follower commits under it: the value policy
+        ranks the shallow, never-hit tail of a chain being written below the leaf of an
+        older, deeper chain, and a transfer into a full pool then evicted itself."""
+        res.ended = True
+        held, res.held = res.held, []
+        follower, res.follower = res.follower, None
+        if follower is not None and not follower.ended and follower.plan:
+            last = res.ns.blocks.get(follower.plan[0].item.parent_id)
+            if last is not None and last.slot >= 0:
+                last.readers += 1
+                follower.held.append(last)
+        for m in held:
+            self.residency.done_reading(m)
 
     # ------------------------------------------------------------------ reads
     def borrow(

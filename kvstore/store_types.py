@@ -164,6 +164,12 @@ class Reservation:
     generation: int
     plan: list[PlannedSlot]  # items are PutItems over the slot views
     reason: str = ""
+    # The next run of the chain, reserved (`after=` this one) before this one committed:
+    # this one's commit holds its last block for it, as plan_slot holds a parent that is
+    # already stored, so that making room meanwhile cannot evict what it will attach to.
+    follower: Reservation | None = None
+    held: list[BlockMeta] = field(default_factory=list)  # parents held for this one
+    ended: bool = False  # committed or aborted: nothing more may be held for it
 
     @property
     def views(self) -> list[Payload]:

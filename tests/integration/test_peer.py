@@ -359,6 +359,25 @@ def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
     assert len(got) == r.present and same_bytes(got, blocks[: r.present])
 
 
+def test_a_prefetch_into_a_full_pool_evicts_older_chains_not_its_own(cluster, tmp_path):
+    """A4's pool (128 slots) holds a 100-block chain when a second one of 100 blocks
+    comes, in 25 chunks of 4: room is made by evicting the older chain's tail. The
+    transfer reserves a chunk while the one before it is still landing, and the value
+    policy ranks the new chain's shallow, never-hit tail below the older chain's deeper
+    leaf: without the store holding each landed chunk's last block for the next one, the
+    new chain evicted itself: it stopped at 20 of 100, 'block 24 was not stored'."""
+    cluster.start(tmp_path, "b4", pool_bytes="512MiB")
+    cluster.start(tmp_path, "a4", pool_bytes="256MiB", peer={"batch_bytes": "8MiB"})
+    older, ids_old, _ = cluster.seed(BIG, 100, seed=40, src="b4", dst="a4")
+    r = cluster.prefetch(older, ids_old, dst="a4", src="b4")
+    assert (r.present, r.stopped) == (100, ""), r
+    na, ids, blocks = cluster.seed(BIG, 100, seed=41, src="b4", dst="a4")
+    r = cluster.prefetch(na, ids, dst="a4", src="b4")
+    assert (r.present, r.stopped) == (100, ""), r
+    assert same_bytes(cluster.clients["a4"].get(na, ids), blocks)
+    assert cluster.clients["a4"].lookup(older, ids_old).matched == 28  # its tail made room
+
+
 # ------------------------------------------------------------------- fault injection
 def run_fake_peer(tmp_path: Path, mode: str, blocks):
     """tests/support/peer_fault.py: a UCX listener speaking the peer protocol that corrupts a

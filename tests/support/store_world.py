@@ -208,8 +208,9 @@ def slot_of(pool, view) -> int:
 def check_slots(store: BlockStore, reserved: set[int], borrowed: set[int]) -> None:
     """Every pool slot is accounted for while reservations and borrows are open (when
     none is, tests/support/store.check_invariants says the same): RESERVED slots are
-    exactly the open reservations', OCCUPIED ones exactly the held blocks' plus borrowed
-    ones (a block removed during a borrow keeps its slot until release)."""
+    exactly the open reservations', OCCUPIED ones exactly the held blocks' plus `borrowed`
+    ones: slots lent to borrowers, or held as the parent of a write in flight (a block
+    removed meanwhile keeps its slot until the borrow or the write ends)."""
     held = [m.slot for st in store.namespaces() for m in st.blocks.values() if m.slot >= 0]
     assert len(held) == len(set(held)), "two blocks share a pool slot"
     pool = store.pool

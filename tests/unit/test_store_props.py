@@ -23,7 +23,7 @@ import gc
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -78,6 +78,10 @@ class OpenRes:
     res: object
     views: list
     filled: bool = False
+    # Slots of the parents the store holds for this write (the stored parent of its first
+    # block; a run reserved after another: that run's last block, once it committed). A
+    # parent removed meanwhile (flush, expiry) keeps its slot until the write ends.
+    parent_slots: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -228,6 +232,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         assert not self.killed
         r = OpenRes(ns, self.gen(ns), ids, start, res, res.views)
+        r.parent_slots = {p.parent.slot for p in res.plan if p.parent is not None}
         if not res.views:
             return
         if fill:
@@ -277,6 +282,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert stored <= n
         if r.gen != self.gen(r.ns):
             assert not stored, "a commit stored blocks of a flushed generation"
+        for o in self.reservations:  # the runs reserved after this one hold its last block
+            o.parent_slots |= {m.slot for m in o.res.held if m.slot >= 0}
         self.world.touch(ids[:n])
 
     @precondition(lambda self: self.reservations)
@@ -412,8 +419,16 @@ class StoreMachine(RuleBasedStateMachine):
     def bookkeeping(self):
         if not self.reservations and not self.borrows:
             check_invariants(self.store)
+            held = [
+                (m.block_id.hex()[:12], m.readers)
+                for st in self.store.namespaces()
+                for m in st.blocks.values()
+                if m.readers
+            ]
+            assert not held, f"blocks still held with no write or borrow open: {held}"
         reserved = {slot_of(self.store.pool, v) for r in self.reservations for v in r.views}
-        check_slots(self.store, reserved, self._borrowed_slots())
+        parents = {s for r in self.reservations for s in r.parent_slots}
+        check_slots(self.store, reserved, self._borrowed_slots() | parents)
         for st in self.store.namespaces():
             assert st.pinned_bytes == sum(m.nbytes for m in st.blocks.values() if m.pinned)
             assert st.pinned_bytes <= st.policy.pin_budget_bytes

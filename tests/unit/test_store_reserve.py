@@ -10,6 +10,7 @@ from support.store import NB, SPEC, check_invariants, events_of, get, lookup, po
 
 from kvstore import checksum as cks
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
+from kvstore.eviction import LRUPolicy, ValueAwarePolicy
 from kvstore.events import EventKind
 
 NS = SPEC.namespace_id
@@ -53,6 +54,62 @@ def test_pipelined_reservations_chain_through_an_uncommitted_one(make_store):
     assert store.commit(second, sums[3:]) == 2
     assert get(store, ids)[1] == [it.data for it in items]
     check_invariants(store)
+
+
+@pytest.mark.parametrize("eviction", [ValueAwarePolicy(), LRUPolicy()], ids=["value", "lru"])
+def test_pipelined_reservations_never_evict_their_own_chain(make_store, eviction):
+    """A transfer reserves run k+1 before run k commits, and run k+2 once k has: making
+    room for k+2 must not evict k's last block, the parent k+1 is about to be attached
+    under. The value policy ranks that block (shallow, never hit) below the leaf of an
+    older, deeper chain, so without the hold the new chain evicted itself and its commit
+    found no parent."""
+    store = make_store(n_slots=8, nvme_bytes=0, eviction=eviction)
+    store.open_namespace(SPEC)
+    old_ids, old_items = prompt(30, 4)
+    assert put(store, old_items).stored == 4  # a deeper chain fills half the pool
+    ids, items = prompt(31, 6)
+    res = [reserve(store, ids[:2])]
+    res.append(reserve(store, ids[2:4], parent=ids[1], after=res[0]))
+    sums = fill(res[0], items[:2]) + fill(res[1], items[2:4])
+    assert store.commit(res[0], sums[:2]) == 2
+    res.append(reserve(store, ids[4:], parent=ids[3], after=res[1]))  # evicts two blocks
+    assert len(res[2]) == 2
+    sums += fill(res[2], items[4:])
+    assert store.commit(res[1], sums[2:4]) == 2
+    assert store.commit(res[2], sums[4:]) == 2
+    assert lookup(store, ids)[0] == 6
+    assert get(store, ids)[1] == [it.data for it in items]
+    assert lookup(store, old_ids)[0] == 2  # the older chain's tail made the room
+    assert [m.readers for st in store.namespaces() for m in st.blocks.values()] == [0] * 8
+    check_invariants(store)
+
+
+def test_a_hold_for_the_next_run_ends_with_it(make_store):
+    """The last block held for a run reserved after it is let go when that run ends, by
+    commit, abort or a trim to nothing, and never held for a run that ended first."""
+    store = make_store(n_slots=8, nvme_bytes=0)
+    store.open_namespace(SPEC)
+    for seed, end in enumerate(("commit", "abort", "trim", "ended first")):
+        ids, items = prompt(32 + seed, 4)
+        first = reserve(store, ids[:2])
+        second = reserve(store, ids[2:], parent=ids[1], after=first)
+        if end == "ended first":  # nothing to hold for it
+            store.abort(second)
+        assert store.commit(first, fill(first, items[:2])) == 2
+        blocks = store.namespaces()[0].blocks
+        assert [blocks[b].readers for b in ids[:2]] == [0, 0 if end == "ended first" else 1]
+        if end == "commit":
+            assert store.commit(second, fill(second, items[2:])) == 2
+        elif end == "abort":
+            store.abort(second)
+        elif end == "trim":
+            store.trim(second, 0)
+            assert blocks[ids[1]].readers == 0  # kept to none, it has ended
+            store.abort(second)  # changes nothing now
+        present = [b for b in ids if b in blocks]
+        assert len(present) == (4 if end == "commit" else 2)
+        assert [blocks[b].readers for b in present] == [0] * len(present)
+        check_invariants(store)
 
 
 def test_a_child_reservation_is_not_stored_when_its_parent_never_was(make_store):
