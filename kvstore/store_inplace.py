@@ -241,8 +241,9 @@ class InPlaceTransfers:
         res.ended = True
         held, res.held = res.held, []
         follower, res.follower = res.follower, None
-        if follower is not None and not follower.ended and follower.plan:
-            last = res.ns.blocks.get(follower.plan[0].item.parent_id)
+        rest = follower.plan if follower is not None else []  # read once: its commit or
+        if follower is not None and not follower.ended and rest:  # abort may empty it
+            last = res.ns.blocks.get(rest[0].item.parent_id)
             if last is not None and last.slot >= 0:
                 last.readers += 1
                 follower.held.append(last)

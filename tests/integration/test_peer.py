@@ -359,6 +359,7 @@ def test_frozen_peer_is_a_miss_at_the_deadline(cluster, tmp_path):
     assert len(got) == r.present and same_bytes(got, blocks[: r.present])
 
 
+@needs_ucx
 def test_a_prefetch_into_a_full_pool_evicts_older_chains_not_its_own(cluster, tmp_path):
     """A4's pool (128 slots) holds a 100-block chain when a second one of 100 blocks
     comes, in 25 chunks of 4: room is made by evicting the older chain's tail. The
@@ -373,9 +374,9 @@ def test_a_prefetch_into_a_full_pool_evicts_older_chains_not_its_own(cluster, tm
     assert (r.present, r.stopped) == (100, ""), r
     na, ids, blocks = cluster.seed(BIG, 100, seed=41, src="b4", dst="a4")
     r = cluster.prefetch(na, ids, dst="a4", src="b4")
-    assert (r.present, r.stopped) == (100, ""), r
+    assert (r.present, r.stopped, r.transport) == (100, "", "ucx"), r
     assert same_bytes(cluster.clients["a4"].get(na, ids), blocks)
-    assert cluster.clients["a4"].lookup(older, ids_old).matched == 28  # its tail made room
+    assert 0 < cluster.clients["a4"].lookup(older, ids_old).matched <= 28  # its tail made room
 
 
 # ------------------------------------------------------------------- fault injection

@@ -282,14 +282,20 @@ class StoreMachine(RuleBasedStateMachine):
             assert stored <= n
         if r.gen != self.gen(r.ns):
             assert not stored, "a commit stored blocks of a flushed generation"
-        for o in self.reservations:  # the runs reserved after this one hold its last block
-            o.parent_slots |= {m.slot for m in o.res.held if m.slot >= 0}
+        self._note_holds()
         self.world.touch(ids[:n])
 
     @precondition(lambda self: self.reservations)
     @rule(pick=PICK)
     def abort(self, pick):
         self.store.abort(self.reservations.pop(pick % len(self.reservations)).res)
+        self._note_holds()
+
+    def _note_holds(self) -> None:
+        """A run that ended (commit, abort, trim to none) holds its last block, if stored,
+        for the run reserved after it: note that block's slot for the follower."""
+        for o in self.reservations:
+            o.parent_slots |= {m.slot for m in o.res.held if m.slot >= 0}
 
     @precondition(lambda self: self.reservations)
     @rule(pick=PICK, n=hs.integers(0, MAX_BLOCKS))
@@ -299,6 +305,7 @@ class StoreMachine(RuleBasedStateMachine):
         r.views = r.views[:n]
         if not r.views:
             self.reservations.remove(r)
+            self._note_holds()
 
     @rule(key=KEYS, s=SPAN)
     def borrow(self, key, s):

@@ -357,7 +357,12 @@ class UcxFetcher:
         if failed is not None:
             raise PeerTransportError(f"receiving a payload: {type(failed).__name__}: {failed}")
         posted.pop(0)
-        ok = await sink.land(ld)
+        try:
+            ok = await sink.land(ld)
+        except BaseException:  # not handed to a commit (land hands it over last): its
+            if ld.res is not None:  # slots, and what the store holds for it, go back
+                self._store.abort(ld.res)
+            raise
         if not ok and ld.res is not None:  # an earlier batch stopped the transfer: not
             self._store.abort(ld.res)  # committed, and nothing writes into it any more
         if ld.res is not None:  # its scratch only took payloads that are not stored
