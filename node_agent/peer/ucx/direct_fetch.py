@@ -19,6 +19,7 @@ from kvstore.store_types import Reservation
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
 from node_agent.peer.errors import PeerTransportError, within
+from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.ucx import direct, mapped
 from node_agent.peer.ucx.wire import packed
@@ -113,7 +114,9 @@ class DirectFetcher:
                 self._store.trim(ahead, hdr.count)
                 res = ahead
             elif self._store.pool.free_slots < hdr.count:  # making room may write NVMe
-                res = await asyncio.to_thread(sink.reserve, first, hdr.count, after)
+                res = await in_thread_owned(
+                    sink.reserve, self._store.abort, first, hdr.count, after
+                )
             else:
                 res = sink.reserve(first, hdr.count, after)
         except errors.KvError as exc:

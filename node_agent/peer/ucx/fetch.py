@@ -19,6 +19,7 @@ from kvstore.store import BlockStore
 from kvstore.store_types import Reservation
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
+from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
@@ -310,8 +311,9 @@ class UcxFetcher:
         args = (first, hdr.count, list(hdr.checksums), after, batch, runs, ahead, payload)
         try:
             if ahead is None and self._store.pool.free_slots < hdr.count:
-                # making room may write NVMe: off the event loop
-                ld = await asyncio.to_thread(self._destination, sink, *args)
+                # making room may write NVMe: off the event loop (and handed back if the
+                # Prefetch is cancelled meanwhile)
+                ld = await in_thread_owned(self._destination, self._orphaned(payload), sink, *args)
             else:
                 ld = self._destination(sink, *args)
         except errors.KvError as exc:
@@ -390,6 +392,19 @@ class UcxFetcher:
                     ld.recvs.add_done_callback(self._abort_when_done(ld.res))
         posted.clear()
 
+    def _orphaned(self, payload: "_EarlyPayload | None") -> Callable[[Landing], None]:
+        """What frees a destination made for a transfer that was cancelled meanwhile (the
+        early payload's staging set is the caller's to settle)."""
+
+        def free(ld: Landing) -> None:
+            if ld.res is not None:
+                self._store.abort(ld.res)
+            if payload is not None:
+                ld.scratch = []
+            self._give_back(ld)
+
+        return free
+
     def _abort_when_done(self, res: Reservation) -> Callable[[asyncio.Future], None]:
         def abort(_done: asyncio.Future) -> None:
             self._store.abort(res)
@@ -455,13 +470,32 @@ class UcxFetcher:
         not lie back to back, the batch lands in a staging set instead and the verifying
         pass copies it into the slots. Worker thread when it may have to evict."""
         store = self._store
-        size = sink.block_bytes
         res = None
         if ahead is not None:
             store.trim(ahead, count)
             res = ahead
         elif self._in_place:
             res = sink.reserve(first, count, after)
+        try:
+            return self._land_into(sink, first, count, checksums, res, batch, runs, payload)
+        except BaseException:
+            if res is not None:  # nothing was posted into it
+                store.abort(res)
+            raise
+
+    def _land_into(
+        self,
+        sink: BatchSink,
+        first: int,
+        count: int,
+        checksums: list[int],
+        res: Reservation | None,
+        batch: int,
+        runs: list[int] | None,
+        payload: "_EarlyPayload | None",
+    ) -> Landing:
+        """_destination's Landing over the slots of `res` (or staging sets)."""
+        size = sink.block_bytes
         if packed(size):  # a whole set (not `count` buffers): sets are reused across batches
             scratch = payload.scratch if payload is not None else self._staging.take(batch, size)
             return Landing(
