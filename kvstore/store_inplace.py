@@ -102,12 +102,12 @@ class InPlaceTransfers:
                 raise self.killswitch.refuse_write("kill switch is on: writes are refused")
             res = Reservation(st, generation, [])
             parent = st.blocks.get(parent_id)
-            chained = False  # attached under `after`'s last block, not stored yet
+            lead = None  # `after`, when the run attaches under its last block (not stored yet)
             if parent is not None:
                 depth = parent.depth + 1
             elif after is not None and after.plan and after.plan[-1].item.block_id == parent_id:
                 depth = after.last_depth + 1
-                chained = True
+                lead = after
             elif parent_id == root:
                 depth = 0
             else:
@@ -123,8 +123,8 @@ class InPlaceTransfers:
                 res.reason = "the parent block could not be brought into the pool"
                 return res
             self._plan_in_place(st, res, ids, parent_id, parent, depth)
-            if chained and res.plan and after is not None:
-                after.follower = res
+            if lead is not None and res.plan:
+                lead.follower = res
             return res
 
     def _plan_in_place(
@@ -238,15 +238,15 @@ class InPlaceTransfers:
         evict that block, a leaf until the follower commits under it: the value policy
         ranks the shallow, never-hit tail of a chain being written below the leaf of an
         older, deeper chain, and a transfer into a full pool then evicted itself."""
-        res.ended = True
         held, res.held = res.held, []
         follower, res.follower = res.follower, None
-        rest = follower.plan if follower is not None else []  # read once: its commit or
-        if follower is not None and not follower.ended and rest:  # abort may empty it
-            last = res.ns.blocks.get(rest[0].item.parent_id)
-            if last is not None and last.slot >= 0:
-                last.readers += 1
-                follower.held.append(last)
+        # Read once: the follower's commit or abort empties its plan (outside the lock)
+        # before it ends; an empty plan means it ended or is ending: nothing to hold.
+        rest = follower.plan if follower is not None else []
+        last = res.ns.blocks.get(rest[0].item.parent_id) if rest else None
+        if follower is not None and last is not None and last.slot >= 0:
+            last.readers += 1
+            follower.held.append(last)
         for m in held:
             self.residency.done_reading(m)
 

@@ -169,7 +169,6 @@ class Reservation:
     # already stored, so that making room meanwhile cannot evict what it will attach to.
     follower: Reservation | None = None
     held: list[BlockMeta] = field(default_factory=list)  # parents held for this one
-    ended: bool = False  # committed or aborted: nothing more may be held for it
 
     @property
     def views(self) -> list[Payload]:

@@ -19,8 +19,8 @@ from kvstore.store import BlockStore
 from kvstore.store_types import Reservation
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
-from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.errors import PeerRefused, PeerTransportError, within
+from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
 from node_agent.peer.ucx.auth import UcxAuth, connect_handshake
@@ -313,7 +313,9 @@ class UcxFetcher:
             if ahead is None and self._store.pool.free_slots < hdr.count:
                 # making room may write NVMe: off the event loop (and handed back if the
                 # Prefetch is cancelled meanwhile)
-                ld = await in_thread_owned(self._destination, self._orphaned(payload), sink, *args)
+                ld = await in_thread_owned(
+                    self._destination, lambda ld: self._free(ld, payload), sink, *args
+                )
             else:
                 ld = self._destination(sink, *args)
         except errors.KvError as exc:
@@ -321,9 +323,7 @@ class UcxFetcher:
             return False
         if ld.res is not None and not ld.res.plan:
             sink.stop_reason = sink.stop_reason or f"not stored here: {ld.res.reason}"
-            if payload is not None:  # still being received into: the caller settles it
-                ld.scratch = []
-            self._give_back(ld)
+            self._free(ld, payload)
             return False
         # return_exceptions: the future completes only once every receive has, so nothing
         # writes into the slots or buffers any more when it is done (see _settle).
@@ -392,18 +392,15 @@ class UcxFetcher:
                     ld.recvs.add_done_callback(self._abort_when_done(ld.res))
         posted.clear()
 
-    def _orphaned(self, payload: "_EarlyPayload | None") -> Callable[[Landing], None]:
-        """What frees a destination made for a transfer that was cancelled meanwhile (the
-        early payload's staging set is the caller's to settle)."""
-
-        def free(ld: Landing) -> None:
-            if ld.res is not None:
-                self._store.abort(ld.res)
-            if payload is not None:
-                ld.scratch = []
-            self._give_back(ld)
-
-        return free
+    def _free(self, ld: Landing, payload: "_EarlyPayload | None") -> None:
+        """Free a destination nothing was posted into (no slot reserved, or the transfer
+        was cancelled while it was made). The early payload's staging set is the caller's
+        to settle: it is still being received into."""
+        if ld.res is not None:
+            self._store.abort(ld.res)
+        if payload is not None:
+            ld.scratch = []
+        self._give_back(ld)
 
     def _abort_when_done(self, res: Reservation) -> Callable[[asyncio.Future], None]:
         def abort(_done: asyncio.Future) -> None:
