@@ -46,6 +46,20 @@ def ask_huge_pages(mm: mmap.mmap, collapse: bool) -> None:
             mm.madvise(advice)
         except (OSError, ValueError):
             pass  # not allowed here: small pages, which bench_agent reports
+    if collapse:
+        first_touch(np.frombuffer(mm, dtype=np.uint8))  # a view, gone on return
+
+
+def first_touch(arr: np.ndarray) -> None:
+    """Read one byte of every 2 MiB of `arr`, right after its pages were collapsed. In
+    some processes (2-3 of 8 here, never in the others) the first access to each huge
+    page of a fresh mapping cost 12-28 us, though smaps showed the whole mapping
+    PMD-mapped before it: 64 first writes into pool slots took 0.8-2.4 ms instead of
+    ~50 us, the same-host Put's control path ran ~3x slower in those agents, and a 2 MiB
+    block Put paid it on every slot it had not written yet. Reading once per huge page
+    here moves that to start-up (0-33 ms for 3 GiB; docs/benchmarks.md, 2026-12-05)."""
+    if arr.size:
+        int(arr[::HUGE_PAGE].max())
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +193,8 @@ def _map_aligned(fd: int, size: int, writable: bool = True) -> np.ndarray | None
     weakref.finalize(raw, libc.munmap, start, span)
     # Through a memoryview: it holds `raw` (so the mapping) for as long as any view does.
     arr = np.frombuffer(memoryview(raw), dtype=np.uint8)
+    if writable:
+        first_touch(arr)
     arr.flags.writeable = writable
     return arr
 

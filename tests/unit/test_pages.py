@@ -69,3 +69,23 @@ def test_map_shared_is_aligned_shared_and_lives_as_long_as_its_views():
         assert pages.mapping_of(where) is None
     finally:
         os.close(fd)
+
+
+def test_first_touch_only_reads():
+    """The start-up pass over a fresh mapping (one byte read per 2 MiB) writes nothing: it
+    runs on read-only memory, on sizes that are not a whole number of huge pages and on
+    nothing at all, and a memfd's bytes are those it held before it was mapped."""
+    data = np.arange(5 << 20, dtype=np.uint64).astype(np.uint8)
+    frozen = data.copy()
+    frozen.flags.writeable = False
+    pages.first_touch(frozen)
+    pages.first_touch(frozen[:0])
+    pages.first_touch(frozen[: pages.HUGE_PAGE + 1])
+    assert np.array_equal(frozen, data)
+    fd = os.memfd_create("kvstore-touch-test", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data.tobytes())
+        mapped = pages.map_shared(fd, data.size)  # populated, collapsed, touched
+        assert np.array_equal(mapped, data)
+    finally:
+        os.close(fd)
