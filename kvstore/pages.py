@@ -52,12 +52,13 @@ def ask_huge_pages(mm: mmap.mmap, collapse: bool) -> None:
 
 def first_touch(arr: np.ndarray) -> None:
     """Read one byte of every 2 MiB of `arr`, right after its pages were collapsed. In
-    some processes (2-3 of 8 here, never in the others) the first access to each huge
-    page of a fresh mapping cost 12-28 us, though smaps showed the whole mapping
-    PMD-mapped before it: 64 first writes into pool slots took 0.8-2.4 ms instead of
-    ~50 us, the same-host Put's control path ran ~3x slower in those agents, and a 2 MiB
-    block Put paid it on every slot it had not written yet. Reading once per huge page
-    here moves that to start-up (0-33 ms for 3 GiB; docs/benchmarks.md, 2026-12-05)."""
+    some processes (7 of 22 here, never in the others) the first access to each huge
+    page of a fresh mapping cost 12-38 us, though smaps showed the whole mapping
+    PMD-mapped before it: 64 first writes into pool slots took up to 2.5 ms instead of
+    ~50 us, and the same-host Put's control path ran 2-4x slower in those agents (a 2 MiB
+    block pays it once per slot not yet written: a small share of its ~100 us copy).
+    Reading once per huge page here moves that to start-up (0-23 ms for 3 GiB;
+    docs/benchmarks.md, 2026-12-05 21:30)."""
     if arr.size:
         int(arr[::HUGE_PAGE].max())
 
