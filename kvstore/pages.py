@@ -40,7 +40,8 @@ def ask_huge_pages(mm: mmap.mmap, collapse: bool) -> None:
     """Ask for transparent huge pages on `mm` (best effort: a kernel that refuses, EINVAL
     where THP is off for this kind of memory, leaves it on small pages). `collapse`: its
     pages are already there (touched or populated), so also ask the kernel to move them
-    onto huge pages now (MADV_COLLAPSE; on failure, ENOMEM or EAGAIN, they stay small)."""
+    onto huge pages now (MADV_COLLAPSE; on failure, ENOMEM or EAGAIN, they stay small),
+    then read once per huge page (first_touch)."""
     for advice in (MADV_HUGEPAGE, MADV_COLLAPSE) if collapse else (MADV_HUGEPAGE,):
         try:
             mm.madvise(advice)

@@ -25,14 +25,17 @@ def cancelled_while_running(outcome) -> list:
     """Await in_thread_owned(fn, release) where fn waits at a gate and then returns or
     raises `outcome`; cancel the waiter while fn is held, then open the gate. What
     release got (nothing may reach it before the thread returns)."""
-    gate = threading.Event()
+    gate, returned = threading.Event(), threading.Event()
     released: list = []
 
     def fn():
-        gate.wait(10)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+        try:
+            gate.wait(10)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        finally:
+            returned.set()
 
     async def main():
         task = asyncio.ensure_future(in_thread_owned(fn, released.append))
@@ -42,7 +45,8 @@ def cancelled_while_running(outcome) -> list:
             await task
         assert released == []  # the thread has not returned yet
         gate.set()
-        for _ in range(50):
+        await asyncio.to_thread(returned.wait, 10)
+        for _ in range(100):  # the hand-off: a few turns of the loop after fn returned
             await asyncio.sleep(0.01)
             if released:
                 break
