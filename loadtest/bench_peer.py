@@ -13,6 +13,12 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   and endpoints that handle peer failure (-e) as theirs do (limit_method), or a raw Python
   socket loopback when ucx_perftest is not found; limit_transport: what UCX selected for
   it (beside ucx_transport, what it selected for the agents)
+- limit_uncached_gbps / ucx_ratio_uncached: context, not the goal: the goal's perftest
+  (TCP, the agents' settings and lanes) with messages of limit_uncached_bytes, twice the
+  largest CPU cache (64 MiB with a 32 MiB L3), so that each message's bytes come from and
+  go to memory, not the cache, as the agents' distinct 2 MiB blocks do; one message that
+  large carries fewer per-message costs than as many 2 MiB ones, so it is the transport's
+  limit for memory out of the cache, not a figure below it
 - limit_shm_gbps: the same perftest over shared memory (UCX_TLS=sm,self), the limit of the
   path between agents of one host (the default run), limit_shm_transport
 - limit_free_gbps / ucx_ratio_free: context, not the goal: perftest over TCP as it picks
@@ -149,6 +155,25 @@ class Perftest:
     transport: str
 
 
+def cache_bytes() -> int:
+    """The largest CPU cache of this host (sysfs), 32 MiB where sysfs does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            continue
+    return max(sizes, default=32 * MiB)
+
+
+def uncached_message_bytes() -> int:
+    """A message twice the largest cache, in whole 2 MiB blocks: perftest's buffers on
+    both sides then stream from and to memory (limit_uncached_gbps)."""
+    return max(BLOCK, -(-2 * cache_bytes() // BLOCK) * BLOCK)
+
+
 def perftest_gbps(
     binary: str,
     env: dict,
@@ -156,8 +181,11 @@ def perftest_gbps(
     iters: int,
     as_agents: bool | None = None,
     devices: str = "",
+    size: int = BLOCK,
 ) -> Perftest:
-    """tag_bw of 2 MiB messages between two processes; perftest prints MB/s = MiB/s.
+    """tag_bw of `size` messages (2 MiB, a block) between two processes; `iters` counts
+    2 MiB messages (larger ones are as many bytes in fewer messages, and the warm-up
+    shrinks alike); perftest prints MB/s = MiB/s.
     `as_agents` (the agents' shared_memory setting): with the agents' UCX settings
     (node_agent/peer/ucx/wire.ucx_env) and, given, on the network `devices` UCX put the
     agents' lanes on (their endpoints handle peer failure, and UCX keeps such a
@@ -189,11 +217,11 @@ def perftest_gbps(
                     "-t",
                     "tag_bw",
                     "-s",
-                    str(BLOCK),
+                    str(size),
                     "-n",
-                    str(iters),
+                    str(max(8, iters * BLOCK // size)),
                     "-w",
-                    "20",
+                    str(max(2, 20 * BLOCK // size)),
                 ],
                 env=env,
                 capture_output=True,
@@ -355,13 +383,15 @@ def footprint_cma_gbps(footprint: int, passes: int = 3) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How the transport limits are measured (transport_limit): `tcp()` the goal's limit,
-    `shm()` the same over shared memory, `free()` TCP as perftest chooses by itself
-    (context); the last two None where they cannot be measured."""
+    `shm()` the same over shared memory, `free()` TCP as perftest chooses by itself,
+    `uncached()` the goal's limit with messages larger than the CPU cache (context);
+    the last three None where they cannot be measured."""
 
     method: str
     tcp: Callable[[str], Perftest]  # on these devices ('' for UCX's choice)
     shm: Callable[[], Perftest | None] | None
     free: Callable[[], Perftest | None] | None
+    uncached: Callable[[str], Perftest | None] | None = None
 
 
 def transport_limit(iters: int) -> Limits:
@@ -393,11 +423,20 @@ def transport_limit(iters: int) -> Limits:
 
         return run
 
+    def uncached(devices: str) -> Perftest | None:
+        size = uncached_message_bytes()
+        try:
+            return perftest_gbps(binary, env, "tcp", iters, False, devices, size)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log(f"perftest over tcp with {size} B messages failed: {exc}")
+            return None
+
     return Limits(
         "ucx_perftest tcp, the agents' UCX settings and lanes",
         lambda devices: perftest_gbps(binary, env, "tcp", iters, False, devices),
         maybe("sm,self", True),
         maybe("tcp", None),
+        uncached,
     )
 
 
@@ -471,6 +510,7 @@ KEYS = (
     "limit",
     "limit_shm",
     "limit_free",
+    "limit_uncached",
     "limit_footprint",
     "limit_shm_footprint",
     "ucx",
@@ -493,7 +533,13 @@ def round_limits(
     limit on `devices`, those of the agents' TCP lanes; `cma`: the agents move payloads
     with CMA reads (not --tcp), and the CMA footprint figure is measured."""
     tcp = lambda: limits.tcp(devices)  # noqa: E731
-    for key, fn in (("limit", tcp), ("limit_shm", limits.shm), ("limit_free", limits.free)):
+    uncached = (lambda: limits.uncached(devices)) if limits.uncached else None  # noqa: E731
+    for key, fn in (
+        ("limit", tcp),
+        ("limit_shm", limits.shm),
+        ("limit_free", limits.free),
+        ("limit_uncached", uncached),
+    ):
         got = fn() if fn is not None else None
         if got is not None:
             out[key].append(got.gbps)
@@ -543,6 +589,7 @@ def measure(
                 "limit",
                 "limit_shm",
                 "limit_free",
+                "limit_uncached",
                 "limit_footprint",
                 "limit_shm_footprint",
             ):
@@ -552,7 +599,8 @@ def measure(
             now = {k: f"{v[-1]:.2f}" if len(v) > had[k] else "-" for k, v in out.items()}
             log(
                 f"  round {r}: limit tcp {now['limit']}  shm {now['limit_shm']}  tcp as "
-                f"perftest picks {now['limit_free']}  socket over the footprint "
+                f"perftest picks {now['limit_free']}  tcp uncached {now['limit_uncached']}  "
+                f"socket over the footprint "
                 f"{now['limit_footprint']}  CMA over the footprint {now['limit_shm_footprint']}"
                 f"  ucx {now['ucx']} (first call {now['ucx_cold']})"
                 f"  grpc {now['grpc']} GB/s"
@@ -687,6 +735,8 @@ def main(argv=None) -> int:
         limit_shm_transport=protocols.get("limit_shm"),
         limit_free_gbps=med["limit_free"],
         limit_free_transport=protocols.get("limit_free"),
+        limit_uncached_gbps=med["limit_uncached"],
+        limit_uncached_bytes=uncached_message_bytes() if limits.uncached else None,
         limit_footprint_gbps=med["limit_footprint"],
         limit_shm_footprint_gbps=med["limit_shm_footprint"],
         ucx_gbps=med["ucx"],
@@ -695,6 +745,7 @@ def main(argv=None) -> int:
         ucx_ratio=med.get("ratio"),
         ucx_ratio_shm=med.get("ratio_shm"),
         ucx_ratio_free=med.get("ratio_free"),
+        ucx_ratio_uncached=med.get("ratio_uncached"),
         ucx_ratio_footprint=med["ratio_footprint"],
         ucx_ratio_shm_footprint=med.get("ratio_shm_footprint"),
         ucx_best_gbps=round(max(m["ucx"]), 3),
