@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 
 ENV = {
@@ -157,9 +158,19 @@ def release_process_state() -> None:
 
 
 def main() -> None:
+    # vLLM's file store and IPC sockets in a directory of this run's, removed at its end
+    # (kvstore/integrations/engine_tmp.py); tempfile caches the directory it first found
+    from kvstore.integrations.engine_tmp import engine_env, engine_tmpdir
+
+    with engine_tmpdir() as tmp:
+        os.environ.update(engine_env(tmp))
+        tempfile.tempdir = tmp or tempfile.tempdir
+        run(json.loads(open(sys.argv[1]).read()))
+
+
+def run(plan: dict) -> None:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
-    plan = json.loads(open(sys.argv[1]).read())
     if plan.get("tiny") is not None:  # build the model first (kept when already there)
         from loadtest.vllm_model import write_tiny_llama
 

@@ -42,6 +42,7 @@ from kvstore.config import TLSConfig
 from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.etcd import EtcdClient, parse_endpoints
 from kvstore.coord.follow import LeasedKey
+from kvstore.integrations.engine_tmp import engine_env, engine_tmpdir
 from kvstore.tls import files_in, read_files
 
 log = logging.getLogger("kvstore.vllm_serve")
@@ -204,8 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"vllm_serve: bad arguments: {exc}", file=sys.stderr)
         return 2
-    child = subprocess.Popen(cmd) if cmd else None
-    return asyncio.run(run(args, child, tls))
+    if not cmd:
+        return asyncio.run(run(args, None, tls))
+    # the engine's IPC sockets and file store in a directory of its own, removed once it
+    # has exited (engine_tmp.py: vLLM leaves them in /tmp when it is stopped by a signal)
+    with engine_tmpdir() as tmp:
+        child = subprocess.Popen(cmd, env=engine_env(tmp))
+        return asyncio.run(run(args, child, tls))
 
 
 if __name__ == "__main__":

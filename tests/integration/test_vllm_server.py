@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -72,16 +74,35 @@ def _vllm_counter(url: str, name: str) -> float:
     )
 
 
+class Engines:
+    """engines(name, agent, ...) -> (launch, log path); stop_all(); `tmpdir`: the TMPDIR
+    the engines (and everything else this test starts) were given."""
+
+    def __init__(self, start, procs: list, tmpdir: Path) -> None:
+        self._start, self._procs, self.tmpdir = start, procs, tmpdir
+
+    def __call__(self, *args, **kwargs) -> tuple[EngineLaunch, Path]:
+        return self._start(*args, **kwargs)
+
+    def stop_all(self) -> None:
+        while self._procs:
+            stop_engine(self._procs.pop().pid)
+
+
 @pytest.fixture
-def engines(tmp_path, etcd):
-    """start(name, **EngineLaunch fields) -> (launch, log path); all stopped at the end."""
+def engines(tmp_path, etcd, monkeypatch):
+    """Engines that are all stopped at the end."""
     model = tmp_path / "tiny-llama"
     subprocess.run(
         [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model), "--seed", "1"],
         check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.getcwd()),
     )  # fmt: skip
     (tmp_path / "kv.secret").write_text("vllm-server-secret")
-    procs = []
+    # the engines' temporary directory, not the host's /tmp; short (under the host's):
+    # vLLM's socket paths in it must fit 107 bytes, and tmp_path is too long for that
+    tmpdir = Path(tempfile.mkdtemp(prefix="kvs-"))
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    procs: list = []
 
     def start(
         name: str, agent, tenant: str = TENANT, prefix_caching: bool = False
@@ -105,9 +126,10 @@ def engines(tmp_path, etcd):
         wait_for(healthy, 400, 0.5, what=f"engine {name} answering /health")
         return launch, log
 
-    yield start
-    for proc in procs:
-        stop_engine(proc.pid)
+    running = Engines(start, procs, tmpdir)
+    yield running
+    running.stop_all()
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_served_tokens_show_in_usage_vllm_counters_agent_metrics_and_kvctl_stats(
@@ -175,3 +197,13 @@ def test_served_tokens_show_in_usage_vllm_counters_agent_metrics_and_kvctl_stats
     (t,) = kvctl_json("stats", "--tenant", TENANT, etcd=etcd)["tenants"]
     assert (t["lookups"], t["lookup_hits"]) == (4, 3)
     assert (t["lookup_blocks"], t["lookup_hit_blocks"]) == (4 * 6, 6 + 3 + 6)
+
+    # Each engine's IPC sockets and torch.distributed file store lie in a directory of
+    # its own under TMPDIR while it runs (kvstore/integrations/engine_tmp.py), and go
+    # with it: stopped, the three engines leave nothing in the temporary directory (vLLM
+    # left ~7 files per engine in /tmp when it was stopped by a signal).
+    made = sorted(engines.tmpdir.iterdir())
+    assert [d.name.startswith("kvstore-vllm-") for d in made] == [True] * 3, made
+    assert all(any(d.iterdir()) for d in made), made  # vLLM put its files there
+    engines.stop_all()
+    assert sorted(engines.tmpdir.iterdir()) == []
