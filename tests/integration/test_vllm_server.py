@@ -201,7 +201,7 @@ def test_served_tokens_show_in_usage_vllm_counters_agent_metrics_and_kvctl_stats
     # Each engine's IPC sockets and torch.distributed file store lie in a directory of
     # its own under TMPDIR while it runs (kvstore/integrations/engine_tmp.py), and go
     # with it: stopped, the three engines leave nothing in the temporary directory (vLLM
-    # left ~7 files per engine in /tmp when it was stopped by a signal).
+    # left ~8 files per engine in /tmp when it was stopped by a signal).
     made = sorted(engines.tmpdir.iterdir())
     assert [d.name.startswith("kvstore-vllm-") for d in made] == [True] * 3, made
     assert all(any(d.iterdir()) for d in made), made  # vLLM put its files there
