@@ -124,13 +124,13 @@ class RouterTelemetry(ServiceTelemetry):
         self.metrics = RouterMetrics(meter, core) if meter is not None else None
         self.interceptors: list = []
         if meter is not None or tracing_enabled():
-            self.interceptors.append(
-                RpcTelemetry(
-                    meter, {"kvstore.router": cfg.router_id}, {"Route": self._observe_route}
-                )
-            )
+            # Route's decision terms are observed by the servicer (observe_route) before
+            # it withholds the load terms from a tenant's answer (router/server.py)
+            self.interceptors.append(RpcTelemetry(meter, {"kvstore.router": cfg.router_id}))
 
-    def _observe_route(self, request, response, seconds: float) -> None:
+    def observe_route(self, request, response) -> None:
+        """A Route's decision (the whole RouteResponse, load terms included) in the
+        metrics and, inside the call's span, as its attributes."""
         if not response.candidates:
             return
         chosen = response.candidates[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -75,10 +76,39 @@ def decision_to_proto(d, core: RouterCore) -> router_pb2.RouteResponse:
     )
 
 
+# What a tenant's Route answer leaves out: every node's load is the sum of all tenants'
+# requests, so these terms would show a tenant the others' traffic from one dry run to
+# the next (and `cost` sums them). The cluster identity sees them; so do the router's
+# metrics and traces (RouterServicer.observe).
+LOAD_TERMS = (
+    "in_flight",
+    "utilization",
+    "queued_blocks",
+    "cost",
+    "recompute_cost",
+    "peer_cost",
+    "space_cost",
+    "load_cost",
+    "utilization_cost",
+)
+
+
+def withhold_load(resp: router_pb2.RouteResponse) -> None:
+    """Clear the candidates' load and cost terms (LOAD_TERMS): a tenant keeps which nodes,
+    in the router's order, and what each holds of its prompt."""
+    for c in resp.candidates:
+        for name in LOAD_TERMS:
+            c.ClearField(name)
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, core: RouterCore, access: RouterAccess) -> None:
         self.core = core
         self.access = access
+        # Sees every Route's whole answer (RouterTelemetry.observe_route), before
+        # withhold_load; None: nothing observes them.
+        self.observe: Callable[[router_pb2.RouteRequest, router_pb2.RouteResponse], None] | None
+        self.observe = None
         # Generation fence (router/control.py): raises StaleGeneration for a flushed one.
         self.fence = lambda namespace_id, generation: None
 
@@ -116,6 +146,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(code, str(exc))
         resp = decision_to_proto(d, self.core)
         resp.decide_us = decide_s * 1e6
+        if self.observe is not None:
+            self.observe(request, resp)
+        if not caller.trusted:
+            withhold_load(resp)
         return resp
 
     async def Release(self, request, context):
@@ -193,6 +227,7 @@ class RouterServer:
             options=[("grpc.so_reuseport", 0)],
         )
         self.servicer = RouterServicer(self.core, access)
+        self.servicer.observe = self.telemetry.observe_route
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

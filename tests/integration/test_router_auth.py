@@ -224,3 +224,37 @@ def test_per_tenant_in_flight_cap(etcd, spawn_agent, start_router):
     b.release(rids[0])
     b.route(B_SPEC.namespace_id, ids, spec=spec_b)
     assert in_flight(cluster, B_SPEC.namespace_id) == {"agent-0": 4}
+
+
+def test_a_tenants_route_answer_shows_no_load_to_watch_others_by(etcd, spawn_agent, start_router):
+    """Every node's load is all tenants' requests: B, dry-running its own prompt while A
+    routes 5 of 64 blocks, would watch A's traffic come and go (in_flight, queued blocks,
+    and the costs that sum them). B's answer names the nodes and what they hold of B's
+    prompt; the load terms are the cluster identity's (and the router's metrics')."""
+    from router.server import LOAD_TERMS
+
+    router, cluster = start(etcd, spawn_agent, start_router)
+    a, b = Caller(router.address, "acme"), Caller(router.address, "globex")
+    spec_a = common_pb2.Namespace(**A_SPEC.to_dict())
+    spec_b = common_pb2.Namespace(**B_SPEC.to_dict())
+    a_ids = [bytes([1, i]) * 8 for i in range(64)]
+    b_ids = [bytes([2, i]) * 8 for i in range(4)]
+
+    def terms(who: Caller, ns_id: bytes, **kw) -> dict[str, dict[str, float]]:
+        resp = who.route(ns_id, b_ids, dry_run=True, **kw)
+        assert all(c.address for c in resp.candidates), resp
+        return {c.node_id: {n: getattr(c, n) for n in LOAD_TERMS} for c in resp.candidates}
+
+    zero = dict.fromkeys(LOAD_TERMS, 0)
+    quiet = terms(b, B_SPEC.namespace_id, spec=spec_b)
+    assert quiet == {"agent-0": zero, "agent-1": zero}
+    rids = [a.route(A_SPEC.namespace_id, a_ids, spec=spec_a).request_id for _ in range(5)]
+    # The cluster sees A's five requests and their blocks queued, and what they cost...
+    seen = terms(cluster, B_SPEC.namespace_id)
+    assert sum(t["in_flight"] for t in seen.values()) == 5
+    assert sum(t["queued_blocks"] for t in seen.values()) > 0
+    assert all(t["cost"] > 0 for t in seen.values())
+    # ...B sees none of it: the same nodes, no load.
+    assert terms(b, B_SPEC.namespace_id, spec=spec_b) == quiet
+    for rid in rids:
+        a.release(rid)
