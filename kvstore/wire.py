@@ -41,6 +41,19 @@ def check_id(value: bytes, what: str = "block id") -> bytes:
     return value
 
 
+MAX_REQUEST_ID = 256  # characters of a request_id (agents' Lookup / Get, the router's Route)
+
+
+def check_request_id(rid: str) -> str:
+    """A caller's request id, refused when longer than MAX_REQUEST_ID: agents and routers
+    keep ids (the request tally, the router's in-flight table) until they expire."""
+    if len(rid) > MAX_REQUEST_ID:
+        raise InvalidArgument(
+            f"request_id has {len(rid)} characters; the limit is {MAX_REQUEST_ID}"
+        )
+    return rid
+
+
 def unpack_ids(packed: bytes, max_blocks: int, what: str = "block_ids") -> list[bytes]:
     """Packed ids off the wire (16 bytes each, prefix order), at most `max_blocks`."""
     if len(packed) % BLOCK_ID_BYTES:

@@ -19,6 +19,7 @@ from kvstore.store import BlockStore, NsState, PackedIds, PendingPut, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from kvstore.wire import (
     check_id,
+    check_request_id,
     namespace_from_proto,
     policy_to_proto,
     tier_to_proto,
@@ -41,16 +42,10 @@ log = logging.getLogger("kvstore.agent")
 # Copies above this many bytes run in a worker thread so the event loop keeps serving.
 _OFFLOAD_BYTES = 4 << 20
 _GRPC_CHUNK_BLOCKS = 2
-_MAX_REQUEST_ID = 256  # characters of a Lookup's / Get's request_id
 
 
 def _request_id(request) -> str:
-    rid = request.request_id
-    if len(rid) > _MAX_REQUEST_ID:
-        raise errors.InvalidArgument(
-            f"request_id has {len(rid)} characters; the limit is {_MAX_REQUEST_ID}"
-        )
-    return rid
+    return check_request_id(request.request_id)
 
 
 class AgentServicer(agent_pb2_grpc.NodeAgentServicer):

@@ -18,6 +18,7 @@ from kvstore import errors
 from kvstore.process import StartupError, bind_port, run_until_signalled, write_ready_file
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
+from kvstore.wire import check_id, check_request_id
 from router.access import AuthEdge, NamespaceOwners, RouterAccess, current_caller
 from router.engine_feed import EngineFeed
 from router.follower import ClusterFollower
@@ -116,6 +117,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             if len(request.block_ids) > MAX_ROUTE_BLOCKS * 16:
                 raise errors.InvalidArgument(f"block_ids names more than {MAX_ROUTE_BLOCKS} blocks")
+            check_id(request.namespace_id, "namespace_id")  # what any caller may be told
+            check_request_id(request.request_id)  # kept in the in-flight table until released
             caller = current_caller.get()
             self.access.check_route(caller, request)  # before the fence: it tells gens
             if request.block_ids:  # no ids (a client picking a node to open on): none stale
@@ -155,6 +158,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Release(self, request, context):
         # Another tenant's id is one this tenant never routed: the same empty answer as an
         # unknown or expired id, and nothing changes.
+        try:
+            check_request_id(request.request_id)
+        except errors.KvError as exc:
+            await context.abort(status_for(exc), str(exc))
         self.core.release(request.request_id, request.prefill_done, current_caller.get().scope)
         return router_pb2.ReleaseResponse()
 

@@ -332,6 +332,8 @@ def test_router_rejects_malformed_requests(etcd, start_router):
         ({"block_ids": b"y" * 17}, "multiple of 16"),
         ({"weights": router_pb2.RouteWeights(load=-1)}, "load"),
         ({"weights": router_pb2.RouteWeights(queue=-2)}, "queue"),
+        # kept in the in-flight table until released or expired: bounded as on the agents
+        ({"request_id": "r" * 257}, "request_id has 257 characters; the limit is 256"),
     ):
         req = {"namespace_id": NS_ID, "block_ids": b"", **bad}
         with pytest.raises(grpc.RpcError) as ei:
@@ -339,6 +341,9 @@ def test_router_rejects_malformed_requests(etcd, start_router):
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
         assert what in ei.value.details()
     router.release("never-routed")  # releasing an unknown id is harmless
+    with pytest.raises(grpc.RpcError) as ei:
+        router.stub.Release(router_pb2.ReleaseRequest(request_id="r" * 257), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
 
     # A flushed namespace: routes for its old generation are fenced off.
     async def flush():

@@ -154,6 +154,13 @@ def test_tenant_cannot_reach_another_tenants_namespace_or_requests(etcd, spawn_a
             err = refused(b.route, ns_id, ids, dry_run=True)
             answers.add((err.code(), err.details()))
         assert answers == {(grpc.StatusCode.PERMISSION_DENIED, NOT_YOURS)}
+        # A malformed id is no namespace at all: told so, whoever asks (the agents do too).
+        err = refused(b.route, b"abc", a_ids, dry_run=True)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details() == "namespace_id must be 16 bytes, got 3"
+        # Request ids stay in the router's in-flight table: their length is bounded.
+        err = refused(a.route, A_SPEC.namespace_id, a_ids, request_id="x" * 3_000_000)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
         # Nor with a spec naming A (of a namespace the router knows, or of one it does
         # not), nor with B's own spec sent along an id that is A's or nobody's.
         unopened = make_namespace(tenant="acme", name="not-opened")
