@@ -61,6 +61,21 @@ class TokenTable:
         return tenant
 
 
+def check_creates(caller: str | None, spec: Namespace, exists: bool) -> None:
+    """Raise FailedPrecondition when `caller`, another tenant than the owner of the public
+    namespace `spec`, would create it (`exists`: registered in the cluster, or open on this
+    node). A reader opens what the owner created: creating it would count against the
+    owner's namespace cap, so another tenant could fill that cap with public names and
+    lock the owner out. The owner, the agent identity (peer pulls for the owner's
+    requests) and unauthenticated development callers create."""
+    if exists or caller is None or caller == AGENT_TENANT or caller == spec.tenant:
+        return
+    raise errors.FailedPrecondition(
+        f"public namespace {spec.name!r} of tenant {spec.tenant!r} is not open yet: only "
+        f"{spec.tenant!r} creates it; open it after it has"
+    )
+
+
 def check_namespace(
     caller: str | None, spec: Namespace | None, write: bool, peer: bool = False
 ) -> None:

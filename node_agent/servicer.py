@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvstore import errors, native, store_copy
-from kvstore.auth import CLUSTER_TENANT, check_namespace
+from kvstore.auth import CLUSTER_TENANT, check_creates, check_namespace
 from kvstore.events import Tier
 from kvstore.hashing import BLOCK_ID_BYTES
 from kvstore.store import BlockStore, NsState, PackedIds, PendingPut, PutItem
@@ -80,6 +80,12 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         check_id(ref.namespace_id, "namespace_id")
         check_namespace(current_tenant.get(), self.store.spec_of(ref.namespace_id), write)
         return self.store.namespace(ref.namespace_id, ref.generation)
+
+    def _exists(self, ns_id: bytes) -> bool:
+        """Whether a namespace is open here or registered in the cluster (etcd)."""
+        if self.store.spec_of(ns_id) is not None:
+            return True
+        return self.control is not None and self.control.known_generation(ns_id) is not None
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
@@ -179,6 +185,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 f"tenant {tenant!r} may not open namespaces of tenant {spec.tenant!r}"
             )
         check_namespace(tenant, spec, write=False)
+        check_creates(tenant, spec, self._exists(spec.namespace_id))
         if self.control is not None:  # registers it in etcd, the cap checked there
             st = await self.control.open_namespace(spec)
         else:

@@ -209,3 +209,55 @@ def _rpcs(b0: As, b1: As, w: World) -> dict:
         "FetchBlocks+spec": lambda spec, ids, gen: b0.fetch(spec, ids, w.root, gen),
         "Prefetch": lambda spec, ids, gen: b1.prefetch(spec, ids, w.root, w.agents[0].address, gen),
     }
+
+
+def test_public_names_of_a_tenant_cannot_be_squatted_to_fill_its_namespace_cap(
+    etcd, spawn_agent, start_router
+):
+    """B opening A's public namespaces that A never opened would create them, counted
+    against A's cap (3 here): B could lock A out of its own namespaces, and read A's count
+    in the refusal. Only A creates its namespaces; B opens those A opened."""
+    cfg = agent_config(
+        etcd, tenants=tenants(), allow_unauthenticated=False, max_namespaces_per_tenant=3
+    )
+    agents = [spawn_agent(**cfg), spawn_agent(**cfg)]
+    squats = [make_namespace(tenant="acme", name=f"squat{i}", public=True) for i in range(4)]
+    b = As(agents[0].address, "globex")
+    before = etcd_items(etcd.endpoint)
+    for spec in squats:  # by OpenNamespace, and by FetchBlocks with the spec on the other
+        code, details = refusal(b.call, b.agent.OpenNamespace, _open(spec))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert details == (
+            f"public namespace '{spec.name}' of tenant 'acme' is not open yet: only 'acme' "
+            "creates it; open it after it has"
+        )
+        ids = hash_chain(spec.root(0, None), prompt_tokens(3, BS), BS)
+        other = As(agents[1].address, "globex")
+        code, _ = refusal(other.fetch, spec, ids, spec.root(0, None))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert etcd_items(etcd.endpoint) == before  # nothing registered, nothing counted
+    # A still has its whole cap: three namespaces of its own...
+    with KVClient(agents[0].address, token=TOKENS["acme"], use_shm=False) as a:
+        for spec in squats[:3]:
+            a.open_namespace(spec)
+        a_raw = As(agents[0].address, "acme")
+        code, details = refusal(a_raw.call, a_raw.agent.OpenNamespace, _open(squats[3]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    # ...and B opens and reads the ones A opened, on either agent (registered in etcd).
+    for address in (agents[0].address, agents[1].address):
+        with KVClient(address, token=TOKENS["globex"], use_shm=False) as bc:
+            wait_for(lambda bc=bc: _opens(bc, squats[0]), 15, what="B to open A's public namespace")
+
+
+def _opens(client: KVClient, spec) -> bool:
+    try:
+        client.open_namespace(spec)
+    except Exception as exc:  # noqa: BLE001 - the other agent may not have seen etcd yet
+        if "not open yet" in str(exc):
+            return False
+        raise
+    return True
+
+
+def _open(spec) -> agent_pb2.OpenNamespaceRequest:
+    return agent_pb2.OpenNamespaceRequest(spec=ns_msg(spec))
