@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from router.gateway.body import BadBody, check_fields, read_json
 from router.gateway.config import ApiKeys, GatewayConfig, Grant, ReloadingApiKeys
 from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
@@ -303,12 +304,9 @@ class Gateway:
                 break
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
-            body = json.loads(raw)
-        except ValueError:
-            raise HTTPFailure(400, "body is not JSON", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise HTTPFailure(400, "body must be a JSON object", "invalid_request_error")
-        return body, size
+            return read_json(raw), size
+        except BadBody as exc:
+            raise HTTPFailure(400, str(exc), "invalid_request_error") from None
 
     async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> tuple[str, list[int]]:
         model = body.get("model")
@@ -317,22 +315,10 @@ class Gateway:
         codec = self.codecs.get(model)
         if codec is None:
             raise HTTPFailure(404, f"model {model!r} is not served here", "not_found_error")
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise HTTPFailure(400, "stream must be true or false", "invalid_request_error")
-        for name in ("n", "best_of"):
-            value = body.get(name)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise HTTPFailure(
-                    400, f"{name} must be a whole number >= 1", "invalid_request_error"
-                )
-            if value > self.cfg.max_choices:
-                raise HTTPFailure(
-                    400,
-                    f"{name} over {self.cfg.max_choices} (the gateway's max_choices)",
-                    "invalid_request_error",
-                )
+        try:
+            check_fields(body, self.cfg.max_choices)
+        except BadBody as exc:
+            raise HTTPFailure(400, str(exc), "invalid_request_error") from None
         if chat:
             gen = bool(body.get("add_generation_prompt", True))
             messages = body.get("messages")

@@ -30,6 +30,34 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+# Roles whose content may be null or left out: an assistant's turn that only calls tools,
+# and the deprecated function role's result (OpenAI's schema).
+_NO_CONTENT_ROLES = frozenset(("assistant", "function"))
+
+
+def _ids_only(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _check_content(i: int, message: dict[str, Any]) -> None:
+    """A message's content as OpenAI takes it: text, or a list of content parts (objects
+    with a string type); null or absent for an assistant's (function's) turn only."""
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and message["role"] in _NO_CONTENT_ROLES):
+        return
+    if not isinstance(content, list):
+        raise BadPrompt(
+            f"messages[{i}].content must be a string or a list of content parts, "
+            f"not {type(content).__name__ if content is not None else 'null'}"
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise BadPrompt(f"messages[{i}].content[{j}] must be a content part (an object "
+                            "with a string type)")  # fmt: skip
+
+
 @dataclass(slots=True)
 class PromptCodec:
     tokenizer: Tokenizer
@@ -80,16 +108,19 @@ class PromptCodec:
             if prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
                 raise BadPrompt(f"token ids must be between 0 and {vocab - 1}")
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) == 1:
-            return self.completion_ids(prompt[0])
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], list):
+            return self.completion_ids(prompt[0])  # ["text"]
+        if isinstance(prompt, list) and len(prompt) == 1 and _ids_only(prompt[0]):
+            return self.completion_ids(prompt[0])  # [[ids]]; no deeper: OpenAI's shapes
         raise BadPrompt("prompt must be one string or one list of token ids")
 
     def chat_ids(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise BadPrompt("messages must be a non-empty list")
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadPrompt("each message needs a string role")
+            _check_content(i, m)
         if self.template is None:
             raise BadPrompt("this model has no chat template; use /v1/completions")
         try:

@@ -364,3 +364,87 @@ def test_a_client_that_leaves_before_the_engine_answers_is_released_at_once(worl
             what="the request released",
         )
     assert httpx.post(url, json=_chat(), headers=ACME).status_code == 200
+
+
+def _raw(body: str) -> bytes:
+    return body.encode("utf-8", "surrogatepass")
+
+
+def test_malformed_bodies_are_400_with_a_precise_message_before_any_work(world):
+    """Before the fix each of these was a 500 with a traceback in the router's log (a lone
+    surrogate reached the tokenizer, deep nesting overflowed the JSON decoder's
+    recursion), a misleading "body is not JSON" (a 5000-digit number), or reached the
+    engine unchecked (max_tokens, a non-finite temperature re-sent as NaN/Infinity,
+    content that is neither text nor content parts)."""
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    tiny = '{"model": "tiny", '
+    user = '"messages": [{"role": "user", "content": "w5 w6"}]'
+    deep = 3000
+    cases = [
+        (chat, tiny + '"messages": [{"role": "user", "content": "w5 \\ud800"}]}',
+         "messages[0].content is not valid Unicode"),
+        (completions, tiny + '"prompt": "w1 \udc80"}', "prompt is not valid Unicode"),
+        (chat, tiny + '"messages": [{"role": "\\ud800", "content": "w5"}]}',
+         "messages[0].role is not valid Unicode"),
+        (chat, tiny + user + ', "user": "\\udfff"}', "user is not valid Unicode"),
+        (chat, tiny + '"x": ' + "[" * deep + "]" * deep + "}", "nested deeper than 64"),
+        (completions, tiny + '"prompt": ' + "[" * 990 + '"w1"' + "]" * 990 + "}",
+         "nested deeper than 64"),
+        (completions, tiny + '"prompt": ' + "[" * 80 + '"w1"' + "]" * 80 + "}",
+         "nested deeper than 64"),
+        (completions, tiny + '"prompt": [["w1"]]}', "prompt must be one string"),
+        (chat, tiny + user + ', "max_tokens": ' + "9" * 5000 + "}", "a number over 4300 digits"),
+        (chat, tiny + user + ', "max_tokens": 1000000000000000000000000000000}',
+         "max_tokens over 2147483647"),
+        (chat, tiny + user + ', "max_tokens": -5}', "max_tokens must be a whole number >= 0"),
+        (chat, tiny + user + ', "max_tokens": "lots"}', "max_tokens must be a whole number"),
+        (chat, tiny + user + ', "max_tokens": 16.5}', "max_tokens must be a whole number"),
+        (chat, tiny + user + ', "max_tokens": true}', "max_tokens must be a whole number"),
+        (chat, tiny + user + ', "max_completion_tokens": -1}',
+         "max_completion_tokens must be a whole number >= 0"),
+        (chat, tiny + user + ', "temperature": NaN}', "NaN and Infinity are not JSON"),
+        (chat, tiny + user + ', "temperature": -Infinity}', "NaN and Infinity are not JSON"),
+        (chat, tiny + user + ', "temperature": 1e999}', "too large a number"),
+        (chat, tiny + user + ', "temperature": "hot"}', "temperature must be a number"),
+        (chat, tiny + '"messages": [{"role": "user", "content": 5}]}',
+         "messages[0].content must be a string or a list of content parts"),
+        (chat, tiny + '"messages": [{"role": "user", "content": null}]}',
+         "messages[0].content must be a string or a list of content parts"),
+        (chat, tiny + '"messages": [{"role": "user", "content": {"text": "w5"}}]}',
+         "messages[0].content must be a string or a list of content parts"),
+        (chat, tiny + '"messages": [{"role": "user", "content": ["w5"]}]}',
+         "messages[0].content[0] must be a content part"),
+    ]  # fmt: skip
+    before = world.state()
+    wrong = []
+    for path, body, said in cases:
+        r = httpx.post(
+            world.gw.url + path,
+            content=_raw(body),
+            headers=ACME | {"content-type": "application/json"},
+            timeout=30,
+        )
+        error = r.json().get("error", {}) if "json" in r.headers["content-type"] else {}
+        if r.status_code != 400 or said not in error.get("message", ""):
+            wrong.append((body[:70], said, r.status_code, r.text[:120]))
+        elif error["type"] != "invalid_request_error":
+            wrong.append((body[:70], said, r.status_code, error))
+    assert not wrong, "\n".join(map(repr, wrong))
+    assert world.state() == before
+    log = world.gw.log
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
+    # The positive control: the shapes OpenAI allows still reach the engine.
+    fine = [
+        _chat(max_tokens=16, max_completion_tokens=0, temperature=0.5, top_p=1),
+        {"model": MODEL, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "w5 w6 🙂"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+            {"role": "assistant"},
+        ]},
+        _chat("w5 \U0001f642 w6 \ud55c"),  # sent as a surrogate pair's escapes, Hangul
+    ]  # fmt: skip
+    for body in fine:
+        raw = json.dumps(body).encode()  # ensure_ascii: 🙂 as "\\ud83d\\ude42"
+        r = httpx.post(world.gw.url + "/v1/chat/completions", content=raw, headers=ACME, timeout=30)
+        assert r.status_code == 200, (body, r.text)
+    assert [s["path"] for s in world.w.seen()] == ["/v1/chat/completions"] * len(fine)

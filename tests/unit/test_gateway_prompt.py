@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from router.gateway.prompt import PromptCodec
+from router.gateway.prompt import BadPrompt, PromptCodec
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -61,3 +61,36 @@ def test_chat_ids_are_the_rendered_templates_ids_without_added_specials(
     want = codec.tokenizer.encode(text, add_special_tokens=False).ids
     assert codec.chat_ids(messages) == want
     assert want[-1] == codec.tokenizer.token_to_id("<|assistant|>")
+
+
+def test_message_content_is_text_or_content_parts_and_null_only_for_an_assistant(
+    codec: PromptCodec,
+):
+    """Before the fix any content went into the template (an int, null, an object), and
+    on to the engine; OpenAI's shapes still pass."""
+    for content in ("abc", [{"type": "text", "text": "abc"}], []):
+        assert codec.chat_ids([{"role": "user", "content": content}])
+    tools = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
+    assert codec.chat_ids([{"role": "user", "content": "abc"}, tools, {"role": "assistant"}])
+    for message, said in (
+        ({"role": "user", "content": 5}, "must be a string or a list of content parts, not int"),
+        ({"role": "user", "content": None}, "list of content parts, not null"),
+        ({"role": "user"}, "list of content parts, not null"),
+        ({"role": "tool", "content": {"text": "abc"}}, "content parts, not dict"),
+        ({"role": "user", "content": ["abc"]}, "content[0] must be a content part"),
+        ({"role": "user", "content": [{"text": "abc"}]}, "content[0] must be a content part"),
+    ):
+        with pytest.raises(BadPrompt, match=r"messages\[1\]\.content") as exc:
+            codec.chat_ids([{"role": "user", "content": "abc"}, message])
+        assert said in str(exc.value)
+
+
+def test_a_completion_prompt_is_unwrapped_once_at_most(codec: PromptCodec):
+    """A prompt in single-element lists was unwrapped recursively (a Python frame a
+    level, up to the recursion limit); OpenAI's shapes are a string, ids, or a list of
+    either."""
+    assert codec.completion_ids(["abc"]) == codec.completion_ids("abc")
+    assert codec.completion_ids([[5, 6]]) == [5, 6]
+    for prompt in ([["abc"]], [[[5, 6]]], [[["abc"]]], [[5, "x"]]):
+        with pytest.raises(BadPrompt, match="prompt must be one string"):
+            codec.completion_ids(prompt)

@@ -1,0 +1,147 @@
+"""A request body as the gateway reads it (HTTP 400 on BadBody, before any work): JSON
+that the gateway can re-send as standard JSON, and the fields it passes to the engine that
+an engine must not get wrong (counts and sampling numbers).
+
+Each of these was a 500 with a traceback, or reached the engine as sent: a lone UTF-16
+surrogate ("\\ud800") fails the tokenizer; nesting near Python's recursion limit fails the
+decoder, or later the encoder that re-sends the body a few frames deeper; NaN, Infinity
+and 1e999 come back out of json.dumps as NaN/Infinity, which is not JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from typing import Any
+
+__all__ = ["BadBody", "MAX_DEPTH", "MAX_TOKENS", "read_json", "check_fields"]
+
+# The deepest nesting a body may have. OpenAI's own shapes go a few levels deep, a tool's
+# JSON schema a few more; Python's decoder and encoder fail at ~1000 (less the stack's
+# depth where they run), a limit a body would otherwise find in the middle of a forward.
+MAX_DEPTH = 64
+# max_tokens and max_completion_tokens above this are refused: the gateway does not know
+# the model's length, and no model's reaches it (vLLM keeps token counts in int32).
+MAX_TOKENS = 2**31 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_COUNTS = ("max_tokens", "max_completion_tokens")
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+class BadBody(ValueError):
+    """The request's body cannot be served as it is (HTTP 400)."""
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _constant(name: str) -> float:
+    raise _NotFinite("NaN and Infinity are not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _NotFinite(f"too large a number: {text[:20]}")
+    return value
+
+
+# One decoder: json.loads with hooks builds one per call (~2 us a request on this host).
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float)
+
+
+def read_json(raw: bytes) -> dict[str, Any]:
+    """The body's JSON object; BadBody says what is wrong with it."""
+    try:  # json.loads(raw), with the hooks
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except _NotFinite as exc:
+        raise BadBody(f"body is not JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadBody("body is not JSON: not UTF-8") from None
+    except json.JSONDecodeError:
+        raise BadBody("body is not JSON") from None
+    except ValueError:  # int(): Python's limit on digits (sys.set_int_max_str_digits)
+        digits = sys.get_int_max_str_digits()
+        raise BadBody(
+            f"body is not JSON the gateway reads: a number over {digits} digits"
+        ) from None
+    except RecursionError:
+        raise BadBody(f"body nested deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(body, dict):
+        raise BadBody("body must be a JSON object")
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_DEPTH  # else it cannot be as deep
+    if deep or _may_hold_surrogates(raw):
+        _walk(body)
+    return body
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """False when json.loads(raw) cannot have made a lone surrogate: UTF-8 (what it reads
+    unless a BOM or NUL bytes say UTF-16 or 32) with no "\\uD..." escape and no 0xED byte
+    (the lead byte of U+D000-U+DFFF, Hangul included, which the walk then clears)."""
+    return (
+        b"\\ud" in raw
+        or b"\\uD" in raw
+        or b"\xed" in raw
+        or b"\x00" in raw[:4]
+        or raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+    )
+
+
+def _walk(body: dict[str, Any]) -> None:
+    """BadBody for nesting over MAX_DEPTH or a string (a key too) with a lone surrogate."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if len(path) >= MAX_DEPTH:
+            raise BadBody(f"body nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise BadBody(f"{_name(path)} is not valid Unicode (a lone UTF-16 surrogate)")
+        elif isinstance(value, dict):
+            for key in value:
+                if _SURROGATE.search(key):
+                    where = f"a key in {_name(path)}" if path else "a key"
+                    raise BadBody(f"{where} is not valid Unicode (a lone UTF-16 surrogate)")
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+
+
+def _name(path: tuple[str | int, ...]) -> str:
+    """A field's path as the message names it: messages[0].content ("body" for the whole)."""
+    out = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+    return out.removeprefix(".") or "body"
+
+
+def check_fields(body: dict[str, Any], max_choices: int) -> None:
+    """BadBody for a field passed to the engine with a type or value it must not get."""
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadBody("stream must be true or false")
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _whole(value) or value < 1:
+            raise BadBody(f"{name} must be a whole number >= 1")
+        if value > max_choices:
+            raise BadBody(f"{name} over {max_choices} (the gateway's max_choices)")
+    for name in _COUNTS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _whole(value) or value < 0:
+            raise BadBody(f"{name} must be a whole number >= 0")
+        if value > MAX_TOKENS:
+            raise BadBody(f"{name} over {MAX_TOKENS}")
+    for name in _NUMBERS:  # finite already (read_json)
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise BadBody(f"{name} must be a number")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
