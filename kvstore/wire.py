@@ -5,6 +5,8 @@ to be mapped and every edge refuses a malformed id list with the same INVALID_AR
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import cast
 
 from kvstore.errors import InvalidArgument
@@ -52,6 +54,28 @@ def check_request_id(rid: str) -> str:
             f"request_id has {len(rid)} characters; the limit is {MAX_REQUEST_ID}"
         )
     return rid
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+
+
+def check_host_port(address: str, what: str) -> str:
+    """`address` as host:port (a name, an IPv4 address or a [bracketed] IPv6 one, and a
+    port in 1..65535), refused before any connection is tried: gRPC takes other targets
+    too (unix:, dns:, ...) and wraps a port over 65535 round to another one."""
+    host, sep, port = address.rpartition(":")
+    if len(address) > 261 or not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(
+            f"{what} must be host:port with a port in 1..65535, got {address[:80]!r}"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise InvalidArgument(f"{what}: {host[:80]!r} is not an IPv6 address") from None
+    elif not _HOSTNAME.fullmatch(host):
+        raise InvalidArgument(f"{what}: {host[:80]!r} is not a host name or IPv4 address")
+    return address
 
 
 def unpack_ids(packed: bytes, max_blocks: int, what: str = "block_ids") -> list[bytes]:

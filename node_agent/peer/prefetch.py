@@ -18,7 +18,7 @@ from kvstore.hashing import pack_ids
 from kvstore.pullcost import PullCostEstimator
 from kvstore.store import BlockStore, NsState
 from kvstore.v1 import agent_pb2, peer_pb2
-from kvstore.wire import namespace_to_proto
+from kvstore.wire import check_host_port, namespace_to_proto
 from node_agent.peer.claims import ClaimRun, Claims
 from node_agent.peer.counters import Counters
 from node_agent.peer.credential import PeerCredential
@@ -94,6 +94,10 @@ class Prefetcher:
     ) -> peer_pb2.PrefetchResponse:
         """Make the leading blocks of `req.block_ids` present here, pulling the missing
         ones from the peer. Never raises for transfer trouble: that is a shorter result."""
+        for address, what in ((req.peer_address, "peer_address"),
+                              (req.peer_ucx_address, "peer_ucx_address")):  # fmt: skip
+            if address:
+                check_host_port(address, what)
         spec = req.spec if req.HasField("spec") else None
         st = await self._requests.namespace(req.ns, spec, tenant, write=True)
         gen = req.ns.generation

@@ -903,3 +903,38 @@ def test_a_mismatch_in_one_direct_chunk_leaves_no_slot_reserved(
         got = Counter(dict(ca.stats().counters))
         assert got["peer_blocks_direct"] >= 15 and got["peer_checksum_mismatch"] == 1, got
         assert free_slots(ca) == free - 11
+
+
+def test_a_peer_address_that_is_not_host_port_is_refused_before_any_pull(cluster):
+    """gRPC takes other targets too (unix:..., dns:...), and wraps a port over 65535 round
+    to another one: 127.0.0.1:(port + 65536) reached the real peer. Each is refused,
+    INVALID_ARGUMENT naming the field, before anything is opened or pulled."""
+    na, ids, _ = cluster.seed(SMALL, 2, seed=31)
+    port = int(cluster.procs["b"].address.rsplit(":", 1)[1])
+    before = cluster.counters("a")
+    stub = cluster.peer_stub("a")
+    for field, bad in (
+        ("peer_address", f"127.0.0.1:{port + 65536}"),
+        ("peer_address", "127.0.0.1:0"),
+        ("peer_address", "unix:/tmp/agent.sock"),
+        ("peer_address", "ipv4:127.0.0.1:80"),
+        ("peer_address", "::::"),
+        ("peer_address", "h" * 5000 + ":80"),
+        ("peer_address", "[not-v6]:80"),
+        ("peer_ucx_address", "not-an-address"),
+        ("peer_ucx_address", "127.0.0.1:99999"),
+    ):
+        req = cluster.request(na, ids)
+        setattr(req, field, bad)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Prefetch(req, timeout=30)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, ei.value.details())
+        assert ei.value.details().startswith(field), ei.value.details()
+        assert len(ei.value.details()) < 200
+    assert cluster.counters("a") == before  # nothing pulled, nothing opened
+    # Names and bracketed IPv6 addresses are addresses (nothing listens on these).
+    for good in ("localhost:1", "[::1]:1", "agent-0.kvstore-headless.ns.svc:50051"):
+        req = cluster.request(na, ids, ucx="")
+        req.peer_address = good
+        r = stub.Prefetch(req, timeout=60)
+        assert r.present == 0 and r.stopped, (good, r)

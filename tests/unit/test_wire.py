@@ -45,3 +45,20 @@ def test_unpack_ids_checks_length_and_the_limit():
         wire.unpack_ids(b"".join(ids), 2)
     with pytest.raises(InvalidArgument, match="parent_id must be 16 bytes"):
         wire.check_id(b"short", "parent_id")
+
+
+def test_host_port_takes_names_and_ip_addresses_with_a_port_in_range():
+    for good in ("127.0.0.1:1", "[::1]:65535", "localhost:50051", "a_b.c-d.svc:2379"):
+        assert wire.check_host_port(good, "peer_address") == good
+    for bad, said in (
+        ("127.0.0.1:65536", "port in 1..65535"),
+        ("127.0.0.1:0", "port in 1..65535"),
+        ("127.0.0.1", "port in 1..65535"),
+        ("unix:/tmp/x.sock", "port in 1..65535"),
+        ("dns:///etcd:2379", "not a host name"),
+        ("-leading.dash:80", "not a host name"),
+        ("[12345::]:80", "not an IPv6 address"),
+        ("x" * 300 + ":80", "port in 1..65535"),
+    ):
+        with pytest.raises(InvalidArgument, match=said):
+            wire.check_host_port(bad, "peer_address")
