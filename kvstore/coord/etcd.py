@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import ipaddress
 import json
 import logging
 import math
@@ -98,10 +99,45 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
             host, sep, port = item.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"etcd endpoint {item!r} is not host:port")
-            out.append(item.replace("localhost", "127.0.0.1"))
+            if not 0 < int(port) < 65536:
+                raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")
+            out.append(f"127.0.0.1:{port}" if host == "localhost" else item)
     if not out:
         raise ValueError("no etcd endpoints given")
     return out
+
+
+def _ip_family(host: str) -> int | None:
+    """4 or 6 for an IP address literal ([bracketed] for IPv6), None for a name."""
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).version
+    except ValueError:
+        return None
+
+
+def channel_target(endpoints: list[str]) -> str:
+    """The gRPC target of one channel over `endpoints` (parse_endpoints). IP addresses of
+    one family: all of them (gRPC spreads calls and fails over among them). One name:
+    `dns:///name:port`, which gRPC resolves, and re-resolves when connections fail, to
+    every address it has (a name for every member, e.g. a headless Service, fails over
+    the same way). Several names, or IPv4 beside IPv6, cannot share one channel: the
+    first endpoint only, with a warning saying what to give instead."""
+    families = {_ip_family(e.rsplit(":", 1)[0]) for e in endpoints}
+    if families == {4}:
+        return "ipv4:" + ",".join(endpoints)
+    if families == {6}:
+        return "ipv6:" + ",".join(endpoints)
+    if len(endpoints) > 1:
+        log.warning(
+            "etcd endpoints %s: one connection balances over IP addresses of one family or "
+            "over the addresses of one name, not over several names; using %s only. For "
+            "failover give IP addresses, or one name that resolves to every member (e.g. "
+            "etcd's headless Service)",
+            ",".join(endpoints),
+            endpoints[0],
+        )
+    first = endpoints[0]
+    return first if _ip_family(first.rsplit(":", 1)[0]) else f"dns:///{first}"
 
 
 # ------------------------------------------------------------------------- records
@@ -243,7 +279,7 @@ class EtcdClient:
             raise ValueError(f"etcd prefix must end with '/', got {prefix!r}")
         self.prefix = prefix
         self.timeout = timeout
-        target = "ipv4:" + ",".join(self.endpoints)
+        target = channel_target(self.endpoints)
         etcd_tls = tls.for_etcd() if tls is not None else None
         if etcd_tls is not None and etcd_tls.enabled:
             host = self.endpoints[0].rsplit(":", 1)[0]

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from kvstore.config import AgentConfig, PeerConfig, RouterConfig, load_config
+from kvstore.coord.etcd import channel_target, parse_endpoints
 from kvstore.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -575,7 +576,21 @@ def test_bundled_etcd_members_match_endpoints(helm):
         for m in cluster.split(",")
     ]
     agent = yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
-    assert agent["etcd_endpoints"].split(",") == members
+    # One name for every member: the headless Service, which resolves to all of them (a
+    # gRPC channel balances over the addresses of one name, not over several names).
+    (endpoint,) = agent["etcd_endpoints"].split(",")
+    service, port = endpoint.rsplit(":", 1)
+    assert port == "2379" and all(m == f"{m.split('.')[0]}.{service}:2379" for m in members)
+    assert channel_target(parse_endpoints(endpoint)) == f"dns:///{endpoint}"
+    # The etcd client checks etcd's certificate against that name.
+    with_cert = render(
+        helm,
+        "production-values.yaml",
+        "tls.enabled=true",
+        "tls.certManager.enabled=true",
+        "tls.certManager.issuerRef.name=ca",
+    )
+    assert service in one(with_cert, "Certificate")["spec"]["dnsNames"]
     headless = one(docs, "Service", "-etcd-headless")
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True

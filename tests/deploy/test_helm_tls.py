@@ -82,8 +82,9 @@ def test_tls_values_configure_every_process(helm, values, tmp_path, monkeypatch)
     assert any(a.startswith("--listen-client-urls=https://") for a in args)
     assert _volume_secret(etcd, "tls") == secret
     first = rcfg.etcd_endpoints.split(",")[0].rsplit(":", 1)[0]
-    wildcard = "*." + first.split(".", 1)[1]
-    assert wildcard in cert["spec"]["dnsNames"]  # EtcdClient checks the first endpoint
+    assert first in cert["spec"]["dnsNames"]  # EtcdClient checks the first endpoint
+    # and each member its own name (their peers and advertised client URLs)
+    assert "*." + first in cert["spec"]["dnsNames"]
 
 
 def test_without_tls_nothing_changes_and_bad_tls_values_are_refused(helm, tmp_path):  # noqa: F811

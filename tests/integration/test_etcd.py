@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvstore.coord.etcd import EtcdClient, NodeRecord, parse_endpoints
+from kvstore.coord.etcd import EtcdClient, NodeRecord, channel_target, parse_endpoints
 from kvstore import errors
 from node_agent.registration import Registration
 
@@ -43,9 +43,11 @@ def test_parse_endpoints_and_record_validation():
         "127.0.0.1:2379",
         "10.0.0.1:2380",
     ]
-    for bad in ("", "nohost", "host:port"):
+    for bad in ("", "nohost", "host:port", "127.0.0.1:99999", "127.0.0.1:0"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
+    # only a host that is localhost is rewritten, never a name containing it
+    assert parse_endpoints("mylocalhost.example:2379") == ["mylocalhost.example:2379"]
     with pytest.raises(ValueError):
         NodeRecord("a/b", "x:1")
     with pytest.raises(ValueError):
@@ -59,6 +61,38 @@ def test_parse_endpoints_and_record_validation():
         ).node_id
         == "a"
     )
+
+
+def test_one_channel_over_addresses_or_one_name(caplog):
+    assert channel_target(["10.0.0.1:2379", "10.0.0.2:2379"]) == "ipv4:10.0.0.1:2379,10.0.0.2:2379"
+    assert channel_target(["[::1]:2379", "[fd00::2]:2379"]) == "ipv6:[::1]:2379,[fd00::2]:2379"
+    # A name: gRPC resolves it (and again when connections fail) to every address it has.
+    assert channel_target(["etcd-headless.kv.svc:2379"]) == "dns:///etcd-headless.kv.svc:2379"
+    assert not caplog.records
+    # Several names cannot share one channel: the first one, and a warning that says so.
+    with caplog.at_level("WARNING", logger="kvstore.etcd"):
+        assert channel_target(["etcd-a:2379", "etcd-b:2379"]) == "dns:///etcd-a:2379"
+        assert channel_target(["10.0.0.1:2379", "[::1]:2379"]) == "10.0.0.1:2379"
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "etcd endpoints etcd-a",
+        "etcd endpoints 10.0.0.1",
+    ]
+    assert "one name that resolves to every member" in caplog.records[0].getMessage()
+
+
+def test_endpoints_by_name_reach_etcd(etcd):
+    """Names, not only IP addresses (the Helm chart names etcd by its Services): the
+    client once made them an ipv4: target, which gRPC refuses ("the target uri is not
+    valid"), and waited for etcd forever. LOCALHOST: a name /etc/hosts resolves that
+    parse_endpoints leaves as it is (it rewrites only `localhost`)."""
+    port = etcd.endpoint.rsplit(":", 1)[1]
+
+    async def main():
+        async with EtcdClient(f"LOCALHOST:{port}", timeout=10) as c:
+            await c.put("by-name", b"1")
+            assert (await c.get("by-name")).value == b"1"
+
+    run(main())
 
 
 def test_compare_and_create_registration(etcd):

@@ -60,12 +60,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 {{- join "," .Values.etcd.external.endpoints -}}
 {{- else -}}
+{{- /* One name for every member: the headless Service resolves to all of their
+     addresses, and gRPC re-resolves it when connections fail (kvstore/coord/etcd.py
+     channel_target; one channel cannot balance over several names). */ -}}
 {{- $name := include "kvstore.etcdName" . -}}
-{{- $eps := list -}}
-{{- range $i := until (int .Values.etcd.bundled.replicas) -}}
-{{- $eps = append $eps (printf "%s-%d.%s-headless.%s.svc:2379" $name $i $name $.Release.Namespace) -}}
-{{- end -}}
-{{- join "," $eps -}}
+{{- printf "%s-headless.%s.svc:2379" $name .Release.Namespace -}}
 {{- end -}}
 {{- end -}}
 
