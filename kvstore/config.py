@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import typing
@@ -257,8 +258,13 @@ class AgentConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.nvme_bytes < 0 or self.metrics_port < 0:
-            raise ValueError("nvme_bytes and metrics_port must be >= 0")
+        if self.nvme_bytes < 0:
+            raise ValueError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
+        _check_listen("listen", self.listen)
+        for name in ("metrics_port", "peer_port"):
+            _check_port(name, getattr(self, name))
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_namespaces_per_tenant < 0:
             raise ValueError(
                 f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
@@ -329,10 +335,28 @@ class RouterConfig:
             "weight_utilization",
             "weight_queue",
         ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.prefill_tokens_per_s <= 0 or self.peer_gbps <= 0:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.prefill_tokens_per_s > 0 or not self.peer_gbps > 0:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
+        _check_listen("listen", self.listen)
+        _check_port("metrics_port", self.metrics_port)
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be in 0..65535 (0: none, or a free one), got {port}")
+
+
+def _check_listen(name: str, address: str) -> None:
+    """host:port with a port in 0..65535 (0: a free one); gRPC binds 99999 as 34463."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{name} must be host:port with a port in 0..65535, got {address!r}")
 
 
 def _coerce(tp, value, name: str):

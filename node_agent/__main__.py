@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from pathlib import Path
 
 from kvstore.config import AgentConfig, load_config, tls_fields
+from kvstore.units import format_size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,6 +45,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def host_memory_bytes() -> int:
+    """This host's memory, or the cgroup's limit when lower (a container's)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def check_device_and_memory(cfg: AgentConfig) -> None:
+    """ValueError for a device this host does not have, or a host pool larger than its
+    memory: found at start, as a message, not a traceback or the kernel's OOM killer
+    (which picks its victims among every process of the host) once the pool is touched."""
+    from kvstore.tiers.pool import resolve_device
+
+    try:
+        device = resolve_device(cfg.device)
+    except RuntimeError as exc:  # torch's own, for a string it does not parse
+        raise ValueError(f"device {cfg.device!r}: {exc}") from None
+    memory = host_memory_bytes()
+    if device.type == "cpu" and cfg.pool_bytes > memory:
+        raise ValueError(
+            f"pool_bytes ({format_size(cfg.pool_bytes)}) is more than this host's memory "
+            f"({format_size(memory)})"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -71,6 +102,11 @@ def main(argv=None) -> int:
             read_files(cfg.tls)
             if cfg.tls.for_etcd().enabled:
                 read_files(cfg.tls.for_etcd())
+        if cfg.etcd_endpoints:
+            from kvstore.coord.etcd import parse_endpoints
+
+            parse_endpoints(cfg.etcd_endpoints)
+        check_device_and_memory(cfg)
     except (ValueError, OSError) as exc:
         print(f"kvstore-agent: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -80,6 +80,8 @@ def main(argv=None) -> int:
         from kvstore.coord.etcd import parse_endpoints
 
         parse_endpoints(cfg.etcd_endpoints)
+        if args.etcd_prefix is not None and not args.etcd_prefix.endswith("/"):
+            raise ValueError(f"--etcd-prefix must end with '/', got {args.etcd_prefix!r}")
         from router.routing import read_secret_files
 
         read_secret_files(cfg.tenant_secret_files)  # unreadable or empty: refused here

@@ -53,6 +53,58 @@ def test_agent_with_a_bad_size_exits_2_naming_the_field():
     assert "pool_bytes: invalid size unit 'XB'" in r.stderr and "Traceback" not in r.stderr
 
 
+AGENT = ("-m", "node_agent", "--pool-bytes", "4MiB", "--slot-bytes", "64KiB",
+         "--nvme-bytes", "0", "--allow-unauthenticated")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [  # each was a traceback (rc 1), or a port gRPC wrapped round (99999 bound 34463)
+        (("--device", "gpu"), "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (("--device", "cuda:abc"), "device must be auto, cpu, cuda or cuda:N, got 'cuda:abc'"),
+        (("--etcd-endpoints", "garbage"), "etcd endpoint 'garbage' is not host:port"),
+        (("--etcd-endpoints", "127.0.0.1:99999"), "the port must be in 1..65535"),
+        (("--listen", "127.0.0.1:99999"), "listen must be host:port with a port in 0..65535"),
+        (("--listen", "notaport"), "listen must be host:port"),
+        (("--pool-bytes", "100TiB"), "pool_bytes (100.0 TiB) is more than this host's memory"),
+    ],
+)
+def test_agent_refuses_what_it_cannot_run_with_before_starting(tmp_path, args, said):
+    r = _run(*AGENT, "--data-dir", str(tmp_path / "d"), *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "d").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({"KVSTORE_AGENT_METRICS_PORT": "70000"}, "metrics_port must be in 0..65535"),
+        ({"KVSTORE_AGENT_PEER_PORT": "-1"}, "peer_port must be in 0..65535"),
+    ],
+)
+def test_agent_refuses_ports_out_of_range(tmp_path, env, said):
+    r = subprocess.run(
+        [PY, *AGENT, "--data-dir", str(tmp_path / "d")], cwd=ROOT, capture_output=True,
+        text=True, timeout=120, env=dict(os.environ, **env),
+    )  # fmt: skip
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_router_refuses_bad_settings_before_starting(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    for argv, config, said in (
+        (("--etcd-prefix", "nokv"), "", "--etcd-prefix must end with '/', got 'nokv'"),
+        ((), "weight_recompute: .nan\n", "weight_recompute must be a finite number >= 0"),
+        ((), "metrics_port: 70000\n", "metrics_port must be in 0..65535"),
+        (("--listen", "127.0.0.1:99999"), "", "listen must be host:port"),
+    ):
+        cfg.write_text(config or "{}\n")
+        r = _run("-m", "router", "--config", str(cfg), "--etcd-endpoints", "127.0.0.1:1", *argv)
+        assert r.returncode == 2, (argv, r.stderr[-2000:])
+        assert said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private read-only mount")
 def test_agent_on_a_read_only_filesystem_names_its_data_dir(tmp_path):
     """What a container with a read-only root and no volume on /var/lib/kvstore sees."""
