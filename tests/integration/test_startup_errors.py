@@ -3,12 +3,15 @@ the operator to decode (docs/runbook.md, 'A node agent that will not start')."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import signal
+import socket
 import subprocess
 
 import pytest
 
-from support.common import PY, ROOT
+from support.common import PY, ROOT, wait_for
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
@@ -149,3 +152,32 @@ def test_a_router_whose_gateway_files_are_bad_says_so_before_waiting_for_etcd(tm
     assert r.returncode == 1, r.stderr
     assert "kvstore-router: cannot start: gateway:" in r.stderr
     assert "no-such-tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
+def test_an_agent_whose_ucx_listener_cannot_bind_serves_and_still_stops_on_sigterm(tmp_path):
+    """A taken peer_port: UCX is down, peers use gRPC, and SIGTERM ends the process (ucxx's
+    notifier thread, started before the listener failed, kept it alive after 'stopped')."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ready = tmp_path / "ready"
+        proc = subprocess.Popen(
+            [PY, *AGENT, "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
+             "--ready-file", str(ready)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, KVSTORE_AGENT_PEER_PORT=str(taken.getsockname()[1])),
+        )  # fmt: skip
+        try:
+            wait_for(ready.exists, 60, 0.1, what="the agent serving")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the agent did not exit after SIGTERM")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert "UCX unavailable" in err and "peers use the gRPC fallback" in err, err[-2000:]

@@ -68,6 +68,7 @@ class UcxTransport:
 
     async def start(self, host: str) -> None:
         """Initialise ucxx (inside the running loop) and listen; on failure stay down."""
+        ucx = None
         try:
             ucx = init_ucx(self._pcfg.shared_memory)
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
@@ -93,6 +94,8 @@ class UcxTransport:
             log.error(
                 "UCX unavailable (%s: %s): peers use the gRPC fallback", type(exc).__name__, exc
             )
+            if ucx is not None:  # its notifier thread would keep the process from exiting
+                ucx.stop_notifier_thread()
             return
         self._ucx, self._server, self._listener = ucx, server, listener
         # direct reads land only in reserved slots of host memory: a GPU pool, or one that
