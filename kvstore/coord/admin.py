@@ -56,6 +56,7 @@ from kvstore.coord.etcd import (
     ns_count_key,
 )
 from kvstore import errors
+from kvstore.auth import RESERVED_TENANTS
 from kvstore.units import format_size
 
 ACKS = "acks/"
@@ -153,6 +154,9 @@ class SwitchAck:
         return cls(bool(d["enabled"]), int(d["revision"]))
 
 
+MAX_QUOTA_BYTES = 2**64 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class Quota:
     """Per-node byte limits of one tenant; None: not set here (the agent's configured
@@ -166,6 +170,8 @@ class Quota:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"quota {name} must be a byte count >= 0, got {v!r}")
+            if v is not None and v > MAX_QUOTA_BYTES:  # the agents report limits as uint64
+                raise ValueError(f"quota {name} must be at most {MAX_QUOTA_BYTES} bytes, got {v}")
 
     def merged(self, other: "Quota") -> "Quota":
         """`other`'s fields where set, ours elsewhere."""
@@ -636,6 +642,8 @@ class ControlPlane:
         """Merge `quota` into the tenant's record (unset fields keep their value)."""
         if not tenant or "/" in tenant:
             raise errors.InvalidArgument(f"tenant name {tenant!r} is empty or contains '/'")
+        if tenant in RESERVED_TENANTS:  # they hold no blocks: a limit would mean nothing
+            raise errors.InvalidArgument(f"{tenant!r} is a reserved identity, not a tenant")
         key = TENANTS + tenant
         for _ in range(_CAS_ATTEMPTS):
             kv = await self.etcd.get(key)

@@ -66,6 +66,8 @@ def test_quota_commands_in_both_formats(etcd, capsys):
         ("quota", "set", "acme"),
         ("quota", "set", "acme", "--hbm", "lots"),
         ("quota", "set", "a/b", "--hbm", "1GiB"),
+        ("quota", "set", "acme", "--hbm", "20000000TB"),  # over uint64: broke every Stats
+        ("quota", "set", "_cluster", "--hbm", "1GiB"),
         ("flush", "noslash"),
         ("status", "--output", "xml"),
     ):
