@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
+from kvstore.cli.control_cmd import seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
@@ -50,7 +51,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=180.0,
         help="seconds to wait for everything to come up (default 180)",
     )

@@ -40,6 +40,18 @@ class Usage(Exception):
 
 
 # ------------------------------------------------------------------------ plumbing
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (0, negative or NaN timeouts made
+    every call time out at once, reported as an unreachable etcd or agent)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _endpoints(args) -> discover.Found:
     from kvstore.devcluster import ClusterError
 
@@ -577,7 +589,7 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     p.add_argument("--output", "-o", choices=["table", "json"], default="table")
     p.add_argument(
         "--etcd-timeout",
-        type=float,
+        type=seconds,
         default=3.0,
         metavar="S",
         help="seconds per etcd call (default 3)",
@@ -592,7 +604,7 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
         )
         p.add_argument(
             "--node-timeout",
-            type=float,
+            type=seconds,
             default=3.0,
             metavar="S",
             help="seconds to wait for each agent (default 3)",
@@ -618,7 +630,7 @@ def _register_actions(sub) -> None:
     p.add_argument("target", metavar="TENANT/NAMESPACE")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="how long to wait for acknowledgements (default 30; exit 5 after)",
@@ -634,7 +646,7 @@ def _register_actions(sub) -> None:
     )
     p.add_argument("state", choices=["on", "off", "status"])
     p.add_argument("--reason", default="", help="recorded with the switch and in the audit log")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--timeout", type=seconds, default=30.0, metavar="S")
     _common(p)
     p.set_defaults(func=cmd_killswitch, kvctl_command="killswitch")
 

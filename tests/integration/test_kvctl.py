@@ -68,6 +68,11 @@ def test_quota_commands_in_both_formats(etcd, capsys):
         ("quota", "set", "a/b", "--hbm", "1GiB"),
         ("quota", "set", "acme", "--hbm", "20000000TB"),  # over uint64: broke every Stats
         ("quota", "set", "_cluster", "--hbm", "1GiB"),
+        # timeouts that made every call fail at once, reported as an unreachable etcd
+        ("status", "--etcd-timeout", "0"),
+        ("status", "--etcd-timeout", "nan"),
+        ("nodes", "--node-timeout", "-1"),
+        ("flush", "acme/chat", "--timeout", "-5"),
         ("flush", "noslash"),
         ("status", "--output", "xml"),
     ):
