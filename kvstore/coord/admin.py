@@ -512,7 +512,10 @@ class ControlPlane:
         if not flushed and state.done and not state.unregistered:
             msg = (
                 f"no namespace named {target} in etcd (an agent creates the record when "
-                "a client opens it), nor unregistered on any agent"
+                "a client opens it), nor unregistered on any agent. The flush by name "
+                f"stays recorded (flushes/{target}, etcd revision {revision}) with its "
+                "audit record: copies of the name an agent opened while etcd was out of "
+                "reach are flushed when they register"
             )
             await self.audit("flush", target, False, msg, key=akey)
             raise errors.NotFound(msg)

@@ -247,6 +247,9 @@ def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     assert audit["params"]["missing"] == ["ghost"]
     r = kvctl("flush", "acme/nope", etcd=etcd)
     assert r.returncode == 1 and "no namespace named acme/nope" in r.stderr
+    # what it did write is said, not left to "no change was made"
+    assert "no namespace record in etcd: the name only" in r.stderr
+    assert "The flush by name stays recorded (flushes/acme/nope, etcd revision" in r.stderr
     audit = kvctl_json("audit", etcd=etcd)[-1]
     assert (audit["action"], audit["target"], audit["ok"]) == ("flush", "acme/nope", False)
 
