@@ -52,11 +52,36 @@ def read_pem(path: str, what: str, who: str = "tls") -> bytes:
 
 
 def read_files(tls: TLSConfig) -> PemFiles:
-    return PemFiles(
+    files = PemFiles(
         read_pem(tls.ca_file, "CA file (tls.ca_file)"),
         read_pem(tls.cert_file, "certificate (tls.cert_file)"),
         read_pem(tls.key_file, "private key (tls.key_file)"),
     )
+    check_pair(files, tls)
+    return files
+
+
+def check_pair(files: PemFiles, tls: TLSConfig) -> None:
+    """TLSFilesError unless the private key is the certificate's (its first, the leaf's):
+    gRPC takes such a pair and fails every handshake, which a client reports as an
+    unreachable server. Also met mid-rotation, one file replaced before the other: the
+    caller keeps what it had (ReloadingServerCredentials)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(files.cert)
+    except ValueError as exc:
+        raise TLSFilesError(f"tls: the certificate {tls.cert_file} does not parse: {exc}") from None
+    try:
+        key = serialization.load_pem_private_key(files.key, password=None)
+    except (ValueError, TypeError) as exc:  # TypeError: a key that needs a password
+        raise TLSFilesError(f"tls: the private key {tls.key_file} does not load: {exc}") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise TLSFilesError(
+            f"tls: the private key {tls.key_file} is not the key of the certificate {tls.cert_file}"
+        )
 
 
 def files_stamp(tls: TLSConfig) -> tuple:

@@ -163,9 +163,12 @@ def cmd_flush(args) -> int:
         cp = ControlPlane(etcd)
 
         def committed(flushed, revision: int) -> None:
-            gens = ", ".join(
-                f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}" for f in flushed
-            ) or "no namespace record in etcd: the name only, for unregistered copies"
+            gens = (
+                ", ".join(
+                    f"{f.ns_hex[:12]} {f.old_generation}->{f.new_generation}" for f in flushed
+                )
+                or "no namespace record in etcd: the name only, for unregistered copies"
+            )
             print(
                 f"flush: committed at etcd revision {revision} ({gens}); waiting for "
                 "acknowledgements",

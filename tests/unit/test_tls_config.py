@@ -67,6 +67,28 @@ def test_unreadable_or_non_pem_files_are_named(tmp_path):
         read_files(TLSConfig(t.ca_file, t.cert_file, str(tmp_path / "junk.key")))
 
 
+def test_a_key_that_is_not_the_certificates_is_named_before_any_handshake(tmp_path):
+    """gRPC takes such a pair and fails every handshake ('Invalid private key'), which
+    kvctl reported as an unreachable etcd."""
+    ca = trustme.CA()
+    t, other = pair(ca, tmp_path / "a"), pair(ca, tmp_path / "b")
+    mixed = TLSConfig(t.ca_file, t.cert_file, other.key_file)
+    with pytest.raises(TLSFilesError, match="is not the key of the certificate") as ei:
+        read_files(mixed)
+    assert other.key_file in str(ei.value) and t.cert_file in str(ei.value)
+    (tmp_path / "bad.crt").write_text(
+        "-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n"
+    )
+    with pytest.raises(TLSFilesError, match="does not parse"):
+        read_files(TLSConfig(t.ca_file, str(tmp_path / "bad.crt"), t.key_file))
+    assert read_files(t).key.startswith(b"-----BEGIN")  # a pair: read as before
+    # Mid-rotation (the certificate replaced, the key not yet): the server keeps its pair.
+    creds = ReloadingServerCredentials(t)
+    pair(ca, tmp_path / "c")
+    os.replace(tmp_path / "c" / "server.crt", t.cert_file)
+    assert creds.fetch() is None and creds.reloads == 0
+
+
 def test_server_credentials_reload_only_when_a_file_changed(tmp_path):
     t = pair(trustme.CA(), tmp_path)
     creds = ReloadingServerCredentials(t)
