@@ -440,6 +440,13 @@ def load_config(
     from_env: dict[str, str] = {}  # field -> the variable that set it
     if env_prefix:
         hints = typing.get_type_hints(cls)
+        known = {f"{env_prefix}{f.name.upper()}" for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in os.environ if k.startswith(env_prefix) and k not in known)
+        if unknown:  # as in the sections: a misspelt variable is not ignored without a word
+            raise ValueError(
+                f"unknown {cls.__name__} settings in the environment: {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
         env = {}
         for f in dataclasses.fields(cls):
             var = f"{env_prefix}{f.name.upper()}"

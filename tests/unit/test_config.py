@@ -89,6 +89,18 @@ def test_env(monkeypatch):
     assert cfg.tenants["acme"].hbm_limit_bytes == MiB
 
 
+def test_a_misspelt_variable_is_an_error_naming_it(monkeypatch):
+    """It was ignored without a word (a config file's unknown key is refused)."""
+    monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTS", "1")
+    with pytest.raises(ValueError, match="unknown AgentConfig settings in the environment: "
+                       "KVSTORE_AGENT_POOL_BYTS .known: .*KVSTORE_AGENT_POOL_BYTES"):  # fmt: skip
+        load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
+    monkeypatch.setenv("KVSTORE_ROUTER_WEIGHT_LOD", "3")
+    with pytest.raises(ValueError, match="KVSTORE_ROUTER_WEIGHT_LOD"):
+        load_config(RouterConfig, env_prefix="KVSTORE_ROUTER_")
+    assert load_config(AgentConfig).pool_bytes  # no prefix given: the environment unread
+
+
 def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
     path = write(tmp_path, "pool_bytes: 16MiB\nnode_id: from-file\ndevice: cpu\n")
     monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTES", "32MiB")
