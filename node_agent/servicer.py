@@ -30,7 +30,7 @@ from node_agent.interceptors import current_tenant
 from node_agent.metrics import AgentMetrics
 from node_agent.ns_registry import check_cap
 from node_agent.shm import DeviceRegion, ShmRegistry, shm_offer, staging_deadline
-from node_agent.stats import build_stats
+from node_agent.stats import build_stats, withhold_occupancy
 
 if TYPE_CHECKING:  # imported by node_agent/server.py only when configured
     from node_agent.control import AgentControl
@@ -81,11 +81,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         check_namespace(current_tenant.get(), self.store.spec_of(ref.namespace_id), write)
         return self.store.namespace(ref.namespace_id, ref.generation)
 
-    def _exists(self, ns_id: bytes) -> bool:
+    async def _exists(self, spec) -> bool:
         """Whether a namespace is open here or registered in the cluster (etcd)."""
-        if self.store.spec_of(ns_id) is not None:
+        if self.store.spec_of(spec.namespace_id) is not None:
             return True
-        return self.control is not None and self.control.known_generation(ns_id) is not None
+        return self.control is not None and await self.control.registered(spec)
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
@@ -185,7 +185,8 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 f"tenant {tenant!r} may not open namespaces of tenant {spec.tenant!r}"
             )
         check_namespace(tenant, spec, write=False)
-        check_creates(tenant, spec, self._exists(spec.namespace_id))
+        if tenant is not None and tenant != spec.tenant:  # a reader: it opens what exists
+            check_creates(tenant, spec, await self._exists(spec))
         if self.control is not None:  # registers it in etcd, the cap checked there
             st = await self.control.open_namespace(spec)
         else:
@@ -442,6 +443,8 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         resp.native_accel = native.active()  # "python (...)": the slow fallback is in use
         if self.lane is not None and not (request.tenant or tenant):  # node-wide counters
             resp.counters.update(self.lane.counters.as_stats())
+        if tenant is not None:
+            withhold_occupancy(resp)
         return resp
 
     async def Subscribe(self, request, context):

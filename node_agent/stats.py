@@ -76,3 +76,14 @@ def build_stats(
             in_flight=in_flight,
             utilization=1.0 - pool.free_slots / pool.n_slots,
         )
+
+
+def withhold_occupancy(resp: agent_pb2.StatsResponse) -> None:
+    """A tenant's Stats: the node's occupancy is every tenant's (requests in flight, pool
+    utilization, each tier's used bytes, blocks and free slots), so it is left at 0; the
+    tenant's own usage is in its TenantStats, and capacities stay."""
+    resp.in_flight = 0
+    resp.utilization = 0.0
+    for t in resp.tiers:
+        for name in ("used_bytes", "blocks", "slots_free"):
+            t.ClearField(name)

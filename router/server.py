@@ -95,11 +95,22 @@ LOAD_TERMS = (
 
 
 def withhold_load(resp: router_pb2.RouteResponse) -> None:
-    """Clear the candidates' load and cost terms (LOAD_TERMS): a tenant keeps which nodes,
-    in the router's order, and what each holds of its prompt."""
-    for c in resp.candidates:
+    """Clear the candidates' load and cost terms (LOAD_TERMS) and put the fallbacks in
+    node order (the router ranks them by cost, load included): a tenant keeps the chosen
+    node first, the others, and what each holds of its prompt. Which node is chosen still
+    depends on load, as with any balancer: that much a tenant learns by being routed."""
+    if not resp.candidates:
+        return
+    chosen, *rest = resp.candidates
+    ordered = [chosen, *sorted(rest, key=lambda c: c.node_id)]
+    for c in ordered:
         for name in LOAD_TERMS:
             c.ClearField(name)
+    copies = [router_pb2.Candidate() for _ in ordered]
+    for copy, c in zip(copies, ordered):
+        copy.CopyFrom(c)
+    del resp.candidates[:]
+    resp.candidates.extend(copies)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -577,7 +577,20 @@ def test_tenant_auth_and_isolation(spawn_agent):
         assert same(a.get(ns_priv, ids_priv), blocks_priv)
         b_stats = b.stats()
         assert all(t.tenant == "beta" for t in b_stats.tenants) and not b_stats.counters
-        assert [t.tenant for t in a.stats().tenants] == ["acme"]
+        a_stats = a.stats()
+        assert [t.tenant for t in a_stats.tenants] == ["acme"]
+        assert a_stats.tenants[0].hbm_bytes > 0  # its own usage, as before
+        # The node's occupancy is every tenant's: a tenant sees capacities, not usage.
+        node = a.stub.Stats(agent_pb2.StatsRequest(), metadata=router_md)
+        assert node.utilization > 0 and node.tiers[0].blocks == 6 and node.tiers[0].used_bytes
+        for st in (a_stats, b_stats):
+            assert (st.in_flight, st.utilization) == (0, 0)
+            t = st.tiers[0]
+            assert (t.used_bytes, t.blocks, t.slots_free) == (0, 0, 0), t
+            assert (t.capacity_bytes, t.slots_total) == (
+                node.tiers[0].capacity_bytes,
+                node.tiers[0].slots_total,
+            )
         # Health checking needs no token.
         health = health_pb2_grpc.HealthStub(anon.channel)
         assert (
