@@ -26,6 +26,7 @@ MAX_DEPTH = 64
 # the model's length, and no model's reaches it (vLLM keeps token counts in int32).
 MAX_TOKENS = 2**31 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_NESTED = frozenset((str, dict, list))  # what json.loads makes that can hold a string
 _COUNTS = ("max_tokens", "max_completion_tokens")
 _NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
@@ -92,23 +93,52 @@ def _may_hold_surrogates(raw: bytes) -> bool:
 
 
 def _walk(body: dict[str, Any]) -> None:
-    """BadBody for nesting over MAX_DEPTH or a string (a key too) with a lone surrogate."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
-    while stack:
-        path, value = stack.pop()
-        if len(path) >= MAX_DEPTH:
-            raise BadBody(f"body nested deeper than {MAX_DEPTH} levels")
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise BadBody(f"{_name(path)} is not valid Unicode (a lone UTF-16 surrogate)")
-        elif isinstance(value, dict):
-            for key in value:
-                if _SURROGATE.search(key):
-                    where = f"a key in {_name(path)}" if path else "a key"
-                    raise BadBody(f"{where} is not valid Unicode (a lone UTF-16 surrogate)")
-            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+    """BadBody for nesting over MAX_DEPTH or a string (a key too) with a lone surrogate.
+    The path of the field is put together only for the message, on the way out."""
+    try:
+        _visit(body, 0)
+    except _Bad as bad:
+        path = tuple(reversed(bad.path))
+        if bad.why == "deep":
+            raise BadBody(f"body nested deeper than {MAX_DEPTH} levels") from None
+        where = (
+            _name(path) if bad.why == "value" else (f"a key in {_name(path)}" if path else "a key")
+        )
+        raise BadBody(f"{where} is not valid Unicode (a lone UTF-16 surrogate)") from None
+
+
+class _Bad(Exception):
+    def __init__(self, why: str) -> None:
+        self.why = why
+        self.path: list[str | int] = []  # innermost first
+
+
+def _visit(value: Any, depth: int) -> None:
+    """`value` at `depth` (its path's length). Only strings, objects and arrays are
+    looked into: a long array of numbers costs one pass in a comprehension."""
+    if depth >= MAX_DEPTH:
+        raise _Bad("deep")
+    if value.__class__ is str:
+        if _SURROGATE.search(value):
+            raise _Bad("value")
+        return
+    if value.__class__ is dict:
+        for key in value:
+            if _SURROGATE.search(key):
+                raise _Bad("key")
+        items = [(k, v) for k, v in value.items() if v.__class__ in _NESTED]
+    elif value.__class__ is list:
+        items = [(i, v) for i, v in enumerate(value) if v.__class__ in _NESTED]
+    else:
+        return
+    if value and depth + 1 >= MAX_DEPTH:  # its members lie deeper than the limit
+        raise _Bad("deep")
+    for where, child in items:
+        try:
+            _visit(child, depth + 1)
+        except _Bad as bad:
+            bad.path.append(where)
+            raise
 
 
 def _name(path: tuple[str | int, ...]) -> str:
