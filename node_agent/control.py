@@ -129,6 +129,19 @@ class AgentControl(ControlFollower):
         return result
 
     # -------------------------------------------------------------- namespaces
+    async def registered(self, spec: Namespace) -> bool:
+        """Whether `spec` is registered in the cluster: known to this node's watch, held
+        here while etcd was out of reach (pending), or in etcd itself, read directly (the
+        watch may not have caught up with an owner who opened it a moment ago on another
+        node). False when etcd cannot answer."""
+        ns_id = spec.namespace_id
+        if self.known_generation(ns_id) is not None or self.namespaces.is_pending(ns_id):
+            return True
+        try:
+            return await self.etcd.get_namespace(spec.tenant, ns_id) is not None
+        except errors.KvError:
+            return False
+
     async def open_namespace(self, spec: Namespace) -> NsState:
         """OpenNamespace with etcd: at the generation in etcd when its record is known,
         else registered now (node_agent/ns_registry.py: created at this node's

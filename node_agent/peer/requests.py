@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvstore import errors
 from kvstore.store import BlockStore, NsState
 from kvstore.wire import namespace_from_proto, unpack_ids
-from kvstore.auth import check_creates, check_namespace
+from kvstore.auth import AGENT_TENANT, check_creates, check_namespace
 
 
 class PeerRequests:
@@ -37,10 +37,9 @@ class PeerRequests:
         known = self._store.spec_of(ref.namespace_id)
         check_namespace(tenant, known or spec, write, peer=True)
         if known is None and spec is not None:
-            registered = self._control is not None and (
-                self._control.known_generation(spec.namespace_id) is not None
-            )
-            check_creates(tenant, spec, registered)
+            if tenant not in (None, AGENT_TENANT, spec.tenant):  # a reader
+                registered = self._control is not None and await self._control.registered(spec)
+                check_creates(tenant, spec, registered)
             if self._control is not None:
                 await self._control.open_namespace(spec)
             else:
