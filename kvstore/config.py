@@ -355,7 +355,7 @@ def _check_port(name: str, port: int) -> None:
 def _check_listen(name: str, address: str) -> None:
     """host:port with a port in 0..65535 (0: a free one); gRPC binds 99999 as 34463."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"{name} must be host:port with a port in 0..65535, got {address!r}")
 
 
@@ -441,7 +441,11 @@ def load_config(
     if env_prefix:
         hints = typing.get_type_hints(cls)
         known = {f"{env_prefix}{f.name.upper()}" for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in os.environ if k.startswith(env_prefix) and k not in known)
+        unknown = sorted(
+            k
+            for k, v in os.environ.items()
+            if k.startswith(env_prefix) and k not in known and not _service_link(k, v)
+        )
         if unknown:  # as in the sections: a misspelt variable is not ignored without a word
             raise ValueError(
                 f"unknown {cls.__name__} settings in the environment: {', '.join(unknown)} "
@@ -465,6 +469,27 @@ def load_config(
         if not named:
             raise
         raise ValueError(f"{exc} (set by {', '.join(named)})") from None
+
+
+# What Kubernetes puts in a pod's environment for each Service (service links): a Service
+# named kvstore-agent gives KVSTORE_AGENT_SERVICE_HOST=10.96.0.12, KVSTORE_AGENT_PORT=
+# tcp://10.96.0.12:50051, KVSTORE_AGENT_PORT_50051_TCP_PROTO=tcp, ... (suffix: value shape)
+_IP = r"[0-9a-fA-F.:]+"
+_URL = rf"(tcp|udp|sctp)://(\[{_IP}\]|{_IP}):[0-9]+"
+_SERVICE_LINKS = [
+    (re.compile(r"_SERVICE_HOST$"), re.compile(_IP)),
+    (re.compile(r"_SERVICE_PORT(_[A-Z0-9_]+)?$"), re.compile(r"[0-9]+")),
+    (re.compile(r"_PORT(_[0-9]+_(TCP|UDP|SCTP))?$"), re.compile(_URL)),
+    (re.compile(r"_PORT_[0-9]+_(TCP|UDP|SCTP)_PROTO$"), re.compile(r"tcp|udp|sctp")),
+    (re.compile(r"_PORT_[0-9]+_(TCP|UDP|SCTP)_PORT$"), re.compile(r"[0-9]+")),
+    (re.compile(r"_PORT_[0-9]+_(TCP|UDP|SCTP)_ADDR$"), re.compile(_IP)),
+]
+
+
+def _service_link(name: str, value: str) -> bool:
+    """Whether `name`=`value` is one of Kubernetes' service-link variables (a name and a
+    value of their shapes), not a misspelt setting."""
+    return any(n.search(name) and v.fullmatch(value) for n, v in _SERVICE_LINKS)
 
 
 def _sections(cls) -> dict[str, str]:

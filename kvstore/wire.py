@@ -56,7 +56,7 @@ def check_request_id(rid: str) -> str:
     return rid
 
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?\.?")  # FQDN dot
 
 
 def check_host_port(address: str, what: str) -> str:
@@ -64,7 +64,8 @@ def check_host_port(address: str, what: str) -> str:
     port in 1..65535), refused before any connection is tried: gRPC takes other targets
     too (unix:, dns:, ...) and wraps a port over 65535 round to another one."""
     host, sep, port = address.rpartition(":")
-    if len(address) > 261 or not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit()
+    if len(address) > 261 or not sep or not digits or not 0 < int(port) < 65536:
         raise InvalidArgument(
             f"{what} must be host:port with a port in 1..65535, got {address[:80]!r}"
         )

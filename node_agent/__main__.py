@@ -46,13 +46,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def host_memory_bytes() -> int:
-    """This host's memory, or the cgroup's limit when lower (a container's)."""
+    """This host's memory, or the lowest cgroup v2 limit above this process when lower
+    (a container's, a systemd slice's); cgroup v1 limits are not read."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        own = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return total
-    return min(total, int(limit)) if limit.isdigit() else total
+    rel = next((line[3:] for line in own if line.startswith("0::")), None)
+    if rel is None:
+        return total
+    d = Path("/sys/fs/cgroup") / rel.strip().lstrip("/")
+    for c in (d, *d.parents):
+        try:
+            limit = (c / "memory.max").read_text().strip()
+        except OSError:
+            limit = ""
+        if limit.isascii() and limit.isdigit():
+            total = min(total, int(limit))
+        if c == Path("/sys/fs/cgroup"):
+            break
+    return total
 
 
 def check_device_and_memory(cfg: AgentConfig) -> None:
@@ -65,6 +79,12 @@ def check_device_and_memory(cfg: AgentConfig) -> None:
         device = resolve_device(cfg.device)
     except RuntimeError as exc:  # torch's own, for a string it does not parse
         raise ValueError(f"device {cfg.device!r}: {exc}") from None
+    if device.type == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {cfg.device!r}: this host has {count} CUDA device(s)")
     memory = host_memory_bytes()
     if device.type == "cpu" and cfg.pool_bytes > memory:
         raise ValueError(

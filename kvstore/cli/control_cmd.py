@@ -47,8 +47,10 @@ def seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    if not 0.001 <= value <= 86400:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0.001 to 86400, got {text!r}"
+        )
     return value
 
 

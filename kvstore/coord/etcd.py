@@ -97,7 +97,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
         item = item.rstrip("/")
         if item:
             host, sep, port = item.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not sep or not host or not (port.isascii() and port.isdigit()):
                 raise ValueError(f"etcd endpoint {item!r} is not host:port")
             if not 0 < int(port) < 65536:
                 raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")

@@ -211,7 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     # has exited (engine_tmp.py: vLLM leaves them in /tmp when it is stopped by a signal)
     with engine_tmpdir() as tmp:
         child = subprocess.Popen(cmd, env=engine_env(tmp))
-        return asyncio.run(run(args, child, tls))
+        try:
+            return asyncio.run(run(args, child, tls))
+        finally:  # run() failed: vLLM must not outlive us, nor its directory go under it
+            if child.poll() is None:
+                child.terminate()
+                try:
+                    child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
 
 
 if __name__ == "__main__":

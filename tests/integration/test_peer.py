@@ -909,7 +909,7 @@ def test_a_peer_address_that_is_not_host_port_is_refused_before_any_pull(cluster
     """gRPC takes other targets too (unix:..., dns:...), and wraps a port over 65535 round
     to another one: 127.0.0.1:(port + 65536) reached the real peer. Each is refused,
     INVALID_ARGUMENT naming the field, before anything is opened or pulled."""
-    na, ids, _ = cluster.seed(SMALL, 2, seed=31)
+    na, ids, _ = cluster.seed(SMALL, 2, seed=91)
     port = int(cluster.procs["b"].address.rsplit(":", 1)[1])
     before = cluster.counters("a")
     stub = cluster.peer_stub("a")

@@ -101,6 +101,28 @@ def test_a_misspelt_variable_is_an_error_naming_it(monkeypatch):
     assert load_config(AgentConfig).pool_bytes  # no prefix given: the environment unread
 
 
+def test_kubernetes_service_links_are_not_settings(monkeypatch):
+    """A Service named kvstore-agent puts these in every pod of its namespace (service
+    links on); they share the prefix and are not misspelt settings."""
+    links = {
+        "KVSTORE_AGENT_SERVICE_HOST": "10.96.0.12",
+        "KVSTORE_AGENT_SERVICE_PORT": "50051",
+        "KVSTORE_AGENT_SERVICE_PORT_GRPC": "50051",
+        "KVSTORE_AGENT_PORT": "tcp://10.96.0.12:50051",
+        "KVSTORE_AGENT_PORT_50051_TCP": "tcp://10.96.0.12:50051",
+        "KVSTORE_AGENT_PORT_50051_TCP_PROTO": "tcp",
+        "KVSTORE_AGENT_PORT_50051_TCP_PORT": "50051",
+        "KVSTORE_AGENT_PORT_50051_TCP_ADDR": "10.96.0.12",
+    }
+    for k, v in links.items():
+        monkeypatch.setenv(k, v)
+    assert load_config(AgentConfig, env_prefix="KVSTORE_AGENT_").listen == AgentConfig().listen
+    # A setting misspelt into a link's name, but not of a link's value, is still refused.
+    monkeypatch.setenv("KVSTORE_AGENT_METRIC_PORT", "9090")
+    with pytest.raises(ValueError, match="KVSTORE_AGENT_METRIC_PORT"):
+        load_config(AgentConfig, env_prefix="KVSTORE_AGENT_")
+
+
 def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
     path = write(tmp_path, "pool_bytes: 16MiB\nnode_id: from-file\ndevice: cpu\n")
     monkeypatch.setenv("KVSTORE_AGENT_POOL_BYTES", "32MiB")

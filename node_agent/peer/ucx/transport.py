@@ -95,7 +95,10 @@ class UcxTransport:
                 "UCX unavailable (%s: %s): peers use the gRPC fallback", type(exc).__name__, exc
             )
             if ucx is not None:  # its notifier thread would keep the process from exiting
-                ucx.stop_notifier_thread()
+                try:
+                    ucx.stop_notifier_thread()
+                except Exception:  # noqa: BLE001 - down either way; the log says why
+                    log.exception("stopping ucxx's notifier thread failed")
             return
         self._ucx, self._server, self._listener = ucx, server, listener
         # direct reads land only in reserved slots of host memory: a GPU pool, or one that
