@@ -183,6 +183,11 @@ async def run(
             await etcd.close()
     if child is None:
         return 0
+    return _stop(child)
+
+
+def _stop(child: subprocess.Popen) -> int:
+    """SIGTERM the engine if it still runs, SIGKILL after 30 s; its exit status."""
     if child.poll() is None:
         child.terminate()
         try:
@@ -214,13 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return asyncio.run(run(args, child, tls))
         finally:  # run() failed: vLLM must not outlive us, nor its directory go under it
-            if child.poll() is None:
-                child.terminate()
-                try:
-                    child.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+            _stop(child)
 
 
 if __name__ == "__main__":

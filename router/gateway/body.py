@@ -151,22 +151,19 @@ def check_fields(body: dict[str, Any], max_choices: int) -> None:
     """BadBody for a field passed to the engine with a type or value it must not get."""
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadBody("stream must be true or false")
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _whole(value) or value < 1:
-            raise BadBody(f"{name} must be a whole number >= 1")
-        if value > max_choices:
-            raise BadBody(f"{name} over {max_choices} (the gateway's max_choices)")
-    for name in _COUNTS:
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _whole(value) or value < 0:
-            raise BadBody(f"{name} must be a whole number >= 0")
-        if value > MAX_TOKENS:
-            raise BadBody(f"{name} over {MAX_TOKENS}")
+    choices = f"{max_choices} (the gateway's max_choices)"
+    for names, least, most, over in (
+        (("n", "best_of"), 1, max_choices, choices),
+        (_COUNTS, 0, MAX_TOKENS, str(MAX_TOKENS)),
+    ):
+        for name in names:
+            value = body.get(name)
+            if value is None:
+                continue
+            if not _whole(value) or value < least:
+                raise BadBody(f"{name} must be a whole number >= {least}")
+            if value > most:
+                raise BadBody(f"{name} over {over}")
     for name in _NUMBERS:  # finite already (read_json)
         value = body.get(name)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
