@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -58,7 +60,12 @@ def _cached(resp: httpx.Response) -> int:
 
 
 @pytest.fixture
-def world(tmp_path, etcd, spawn_agent, start_gateway):
+def world(tmp_path, etcd, spawn_agent, start_gateway, monkeypatch):
+    # The engines' temporary directory (kvstore/integrations/engine_tmp.py): step 4 kills
+    # one engine's registrar with SIGKILL, which leaves its directory behind; here, not in
+    # the host's /tmp. Short: vLLM's socket paths in it must fit 107 bytes.
+    engines_tmp = tempfile.mkdtemp(prefix="kvs-")
+    monkeypatch.setenv("TMPDIR", engines_tmp)
     model = tmp_path / "tiny-llama"
     subprocess.run(
         [str(VLLM_PY), "-m", "loadtest.vllm_model", str(model), "--seed", "3"],
@@ -89,6 +96,7 @@ def world(tmp_path, etcd, spawn_agent, start_gateway):
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(engines_tmp, ignore_errors=True)
 
 
 def _priced(resp: httpx.Response) -> dict[str, int]:
