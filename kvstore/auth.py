@@ -61,6 +61,12 @@ class TokenTable:
         return tenant
 
 
+def is_reader(caller: str | None, spec: Namespace) -> bool:
+    """Whether `caller` uses `spec` as another tenant than its owner (the agent identity
+    and unauthenticated development callers act for the owner)."""
+    return caller not in (None, AGENT_TENANT, spec.tenant)
+
+
 def check_creates(caller: str | None, spec: Namespace, exists: bool) -> None:
     """Raise FailedPrecondition when `caller`, another tenant than the owner of the public
     namespace `spec`, would create it (`exists`: registered in the cluster, or open on this
@@ -68,7 +74,7 @@ def check_creates(caller: str | None, spec: Namespace, exists: bool) -> None:
     owner's namespace cap, so another tenant could fill that cap with public names and
     lock the owner out. The owner, the agent identity (peer pulls for the owner's
     requests) and unauthenticated development callers create."""
-    if exists or caller is None or caller == AGENT_TENANT or caller == spec.tenant:
+    if exists or not is_reader(caller, spec):
         return
     raise errors.FailedPrecondition(
         f"public namespace {spec.name!r} of tenant {spec.tenant!r} is not open yet: only "

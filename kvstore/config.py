@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from kvstore.policy import NamespacePolicy
-from kvstore.units import parse_size
+from kvstore.units import parse_size, split_port
 
 MiB = 1 << 20
 
@@ -354,8 +354,8 @@ def _check_port(name: str, port: int) -> None:
 
 def _check_listen(name: str, address: str) -> None:
     """host:port with a port in 0..65535 (0: a free one); gRPC binds 99999 as 34463."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+    parts = split_port(address)
+    if parts is None or parts[1] > 65535:
         raise ValueError(f"{name} must be host:port with a port in 0..65535, got {address!r}")
 
 

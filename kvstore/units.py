@@ -50,3 +50,12 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def split_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of "host:port" (the port in ASCII digits, the host non-empty); None
+    for anything else. Ranges are the callers': agents and routers may listen on port 0."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        return None
+    return host, int(port)

@@ -14,6 +14,7 @@ from kvstore.events import EventKind, Tier
 from kvstore.hashing import BLOCK_ID_BYTES, split_ids
 from kvstore.namespace import Namespace
 from kvstore.policy import NamespacePolicy
+from kvstore.units import split_port
 from kvstore.v1 import agent_pb2, common_pb2
 
 _NS_FIELDS = tuple(f.name for f in common_pb2.Namespace.DESCRIPTOR.fields)
@@ -63,12 +64,12 @@ def check_host_port(address: str, what: str) -> str:
     """`address` as host:port (a name, an IPv4 address or a [bracketed] IPv6 one, and a
     port in 1..65535), refused before any connection is tried: gRPC takes other targets
     too (unix:, dns:, ...) and wraps a port over 65535 round to another one."""
-    host, sep, port = address.rpartition(":")
-    digits = port.isascii() and port.isdigit()
-    if len(address) > 261 or not sep or not digits or not 0 < int(port) < 65536:
+    parts = split_port(address)
+    if len(address) > 261 or parts is None or not 0 < parts[1] < 65536:
         raise InvalidArgument(
             f"{what} must be host:port with a port in 1..65535, got {address[:80]!r}"
         )
+    host = parts[0]
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])

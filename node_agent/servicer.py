@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvstore import errors, native, store_copy
-from kvstore.auth import CLUSTER_TENANT, check_creates, check_namespace
+from kvstore.auth import CLUSTER_TENANT, check_creates, check_namespace, is_reader
 from kvstore.events import Tier
 from kvstore.hashing import BLOCK_ID_BYTES
 from kvstore.store import BlockStore, NsState, PackedIds, PendingPut, PutItem
@@ -185,7 +185,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 f"tenant {tenant!r} may not open namespaces of tenant {spec.tenant!r}"
             )
         check_namespace(tenant, spec, write=False)
-        if tenant is not None and tenant != spec.tenant:  # a reader: it opens what exists
+        if is_reader(tenant, spec):  # it opens what exists (etcd is read for readers only)
             check_creates(tenant, spec, await self._exists(spec))
         if self.control is not None:  # registers it in etcd, the cap checked there
             st = await self.control.open_namespace(spec)

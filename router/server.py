@@ -101,16 +101,12 @@ def withhold_load(resp: router_pb2.RouteResponse) -> None:
     depends on load, as with any balancer: that much a tenant learns by being routed."""
     if not resp.candidates:
         return
-    chosen, *rest = resp.candidates
-    ordered = [chosen, *sorted(rest, key=lambda c: c.node_id)]
-    for c in ordered:
+    rest = sorted(resp.candidates[1:], key=lambda c: c.node_id)
+    del resp.candidates[1:]
+    resp.candidates.extend(rest)
+    for c in resp.candidates:
         for name in LOAD_TERMS:
             c.ClearField(name)
-    copies = [router_pb2.Candidate() for _ in ordered]
-    for copy, c in zip(copies, ordered):
-        copy.CopyFrom(c)
-    del resp.candidates[:]
-    resp.candidates.extend(copies)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

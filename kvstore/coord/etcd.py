@@ -62,6 +62,7 @@ from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.records import record_from_json
 from kvstore.config import TLSConfig
 from kvstore.tls import channel_credentials
+from kvstore.units import split_port
 
 log = logging.getLogger("kvstore.etcd")
 
@@ -96,10 +97,11 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
                 item = item[len(scheme) :]
         item = item.rstrip("/")
         if item:
-            host, sep, port = item.rpartition(":")
-            if not sep or not host or not (port.isascii() and port.isdigit()):
+            parts = split_port(item)
+            if parts is None:
                 raise ValueError(f"etcd endpoint {item!r} is not host:port")
-            if not 0 < int(port) < 65536:
+            host, port = parts
+            if not 0 < port < 65536:
                 raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")
             out.append(f"127.0.0.1:{port}" if host == "localhost" else item)
     if not out:

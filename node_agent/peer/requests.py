@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvstore import errors
 from kvstore.store import BlockStore, NsState
 from kvstore.wire import namespace_from_proto, unpack_ids
-from kvstore.auth import AGENT_TENANT, check_creates, check_namespace
+from kvstore.auth import check_creates, check_namespace, is_reader
 
 
 class PeerRequests:
@@ -37,7 +37,7 @@ class PeerRequests:
         known = self._store.spec_of(ref.namespace_id)
         check_namespace(tenant, known or spec, write, peer=True)
         if known is None and spec is not None:
-            if tenant not in (None, AGENT_TENANT, spec.tenant):  # a reader
+            if is_reader(tenant, spec):  # etcd is read for readers only
                 registered = self._control is not None and await self._control.registered(spec)
                 check_creates(tenant, spec, registered)
             if self._control is not None:
