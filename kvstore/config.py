@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from kvstore.namespace import tenant_name_problem
 from kvstore.policy import NamespacePolicy
 from kvstore.units import parse_size, split_port
 
@@ -33,6 +34,14 @@ class TenantConfig:
     hbm_limit_bytes: int = 0  # 0: no limit
     nvme_limit_bytes: int = 0
     max_inflight: int = 0  # router: routed requests in flight at once; 0: router default
+
+
+def check_tenants(tenants: dict[str, TenantConfig]) -> None:
+    """tenants.json's names follow the namespaces' rule (ValueError naming the first
+    that does not): a tenant named otherwise could never open a namespace."""
+    for name in tenants:
+        if tenant_name_problem(name):
+            raise ValueError(f"tenants: the name {name!r} {tenant_name_problem(name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +255,7 @@ class AgentConfig:
             raise ValueError(f"eviction must be 'value' or 'lru', got {self.eviction!r}")
         if not self.node_id or "/" in self.node_id:
             raise ValueError("node_id must be non-empty and contain no '/'")
+        check_tenants(self.tenants)
         # Zero or negative here would mean a busy maintenance loop, a lease that expires at
         # once, or a server that refuses every message.
         for name in (
@@ -325,6 +335,7 @@ class RouterConfig:
             raise ValueError("engine_local_price must be in [0, 1)")
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0")
+        check_tenants(self.tenants)
         for name, t in self.tenants.items():
             if t.max_inflight < 0:
                 raise ValueError(f"tenants.{name}.max_inflight must be >= 0")

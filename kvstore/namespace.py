@@ -27,6 +27,19 @@ from kvstore.errors import InvalidArgument
 
 NamespaceId = NewType("NamespaceId", bytes)
 
+
+def tenant_name_problem(tenant: str) -> str:
+    """Why `tenant` cannot name a tenant ("" when it can): the one rule for namespaces,
+    tenants.json and `kvctl quota` (a name with a space is a typo there, not a tenant)."""
+    if not tenant:
+        return "is empty"
+    if "/" in tenant:
+        return "contains '/'"
+    if not tenant.isprintable() or any(c.isspace() for c in tenant):
+        return "contains whitespace or control characters"
+    return ""
+
+
 _MAGIC = b"kvns1"
 _ROOT_PERSON = b"kvstore-root-v1"
 _TENANT_PERSON = b"kvstore-tenant"
@@ -112,6 +125,10 @@ class Namespace:
             )
         if "/" in self.tenant or "/" in self.name:
             raise InvalidArgument("namespace tenant and name must not contain '/'")
+        if tenant_name_problem(self.tenant):
+            raise InvalidArgument(
+                f"namespace tenant {self.tenant!r} {tenant_name_problem(self.tenant)}"
+            )
         if not _is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(
                 f"namespace tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"

@@ -173,10 +173,18 @@ def _check_text(line: int, record: dict, key: str) -> str:
     return value
 
 
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    names = {bool: "true/false", int: "a number", float: "a number", str: "a string"}
+    return names.get(type(value), "an array" if isinstance(value, list) else type(value).__name__)
+
+
 def parse_record(line: int, record: object) -> Request:
     """Validate one decoded trace record; errors name the line and the problem."""
     if not isinstance(record, dict):
-        raise _fail(line, f"expected a JSON object, got {type(record).__name__}")
+        raise _fail(line, f"expected a JSON object, got {_json_kind(record)}")
     for key in ("t", "tenant", "namespace", "tokens"):
         if key not in record:
             raise _fail(line, f"missing required key '{key}'")
@@ -200,12 +208,15 @@ def parse_record(line: int, record: object) -> Request:
     )
 
 
-def _decode(line: int, raw: str | bytes | dict) -> object | None:
+_BLANK = object()  # a blank line: skipped (a `null` line is a record, and refused)
+
+
+def _decode(line: int, raw: str | bytes | dict) -> object:
     if isinstance(raw, dict):
         return raw
     text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     if not text.strip():
-        return None
+        return _BLANK
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -228,7 +239,7 @@ def iter_requests(source: str | os.PathLike | Iterable) -> Iterator[Request]:
     last_t = -math.inf
     for line, raw in enumerate(_lines(source), start=1):
         record = _decode(line, raw)
-        if record is None:
+        if record is _BLANK:
             continue
         request = parse_record(line, record)
         if request.t < last_t:

@@ -57,6 +57,7 @@ from kvstore.coord.etcd import (
 )
 from kvstore import errors
 from kvstore.auth import RESERVED_TENANTS
+from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size
 
 ACKS = "acks/"
@@ -643,8 +644,8 @@ class ControlPlane:
     # ------------------------------------------------------------------- quotas
     async def set_quota(self, tenant: str, quota: Quota) -> Quota:
         """Merge `quota` into the tenant's record (unset fields keep their value)."""
-        if not tenant or "/" in tenant:
-            raise errors.InvalidArgument(f"tenant name {tenant!r} is empty or contains '/'")
+        if tenant_name_problem(tenant):
+            raise errors.InvalidArgument(f"tenant name {tenant!r} {tenant_name_problem(tenant)}")
         if tenant in RESERVED_TENANTS:  # they hold no blocks: a limit would mean nothing
             raise errors.InvalidArgument(f"{tenant!r} is a reserved identity, not a tenant")
         key = TENANTS + tenant

@@ -68,6 +68,8 @@ def test_quota_commands_in_both_formats(etcd, capsys):
         ("quota", "set", "a/b", "--hbm", "1GiB"),
         ("quota", "set", "acme", "--hbm", "20000000TB"),  # over uint64: broke every Stats
         ("quota", "set", "_cluster", "--hbm", "1GiB"),
+        ("quota", "set", "ac me", "--hbm", "1GiB"),  # a typo, not a tenant
+        ("quota", "set", "acme\n", "--hbm", "1GiB"),
         # timeouts that made every call fail at once, reported as an unreachable etcd
         ("status", "--etcd-timeout", "0"),
         ("status", "--etcd-timeout", "nan"),

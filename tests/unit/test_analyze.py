@@ -146,7 +146,8 @@ def test_streams_lazily():
     ("line", "problem"),
     [
         ("{not json", "line 2: invalid JSON"),
-        ("[1, 2]", "line 2: expected a JSON object"),
+        ("[1, 2]", "line 2: expected a JSON object, got an array"),
+        ("null", "line 2: expected a JSON object, got null"),
         ('{"tenant": "a", "namespace": "m", "tokens": []}', "line 2: missing required key 't'"),
         ('{"t": 1, "tenant": "a", "namespace": "m"}', "missing required key 'tokens'"),
         ('{"t": "1", "tenant": "a", "namespace": "m", "tokens": []}', "'t' must be a finite"),

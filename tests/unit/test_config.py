@@ -152,6 +152,8 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         ("tenants", {"acme": {"hbm_limit_bytes": "x"}}, r"tenants\.acme\.hbm_limit_bytes"),
         ("tenants", {"acme": {"colour": 1}}, r"unknown tenants\.acme fields: colour"),
         ("tenants", "[1, 2]", "tenants"),
+        ("tenants", {"ac me": {}}, "tenants: the name 'ac me' contains whitespace"),
+        ("tenants", {"": {}}, "tenants: the name '' is empty"),
         ("default_policy", {"ttl_seconds": -1}, "ttl_seconds"),
         ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
         ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
@@ -163,6 +165,11 @@ def test_bad_values_name_the_field(field, value, match):
         load_config(
             AgentConfig, overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB", field: value}
         )
+
+
+def test_router_tenant_names_follow_the_same_rule():
+    with pytest.raises(ValueError, match="contains '/'"):
+        RouterConfig(tenants={"a/b": TenantConfig()})
 
 
 def test_pool_must_hold_a_slot():

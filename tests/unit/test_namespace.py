@@ -166,6 +166,8 @@ def test_block_size_limit_and_slashes():
         ns(block_size=4097)
     with pytest.raises(InvalidArgument, match="'/'"):
         ns(tenant="a/b")
+    with pytest.raises(InvalidArgument, match="tenant 'ac me' contains whitespace"):
+        ns(tenant="ac me")
     with pytest.raises(InvalidArgument, match="public"):
         ns(public=1)
 
