@@ -71,6 +71,12 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
     if not cfg.nvme_bytes:
         return None
     sealer = load_sealer(cfg)
+    if os.path.exists(cfg.data_dir) and not os.path.isdir(cfg.data_dir):
+        raise StartupError(
+            f"data_dir {cfg.data_dir} is a file, not a directory: point data_dir at a "
+            "directory (it is created if missing), or set nvme_bytes: 0 to run without "
+            "the NVMe tier"
+        )
     try:
         os.makedirs(cfg.data_dir, exist_ok=True)
     except OSError as exc:  # e.g. a read-only root filesystem with no volume mounted

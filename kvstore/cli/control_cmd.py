@@ -54,6 +54,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def nonempty(text: str) -> str:
+    """An argparse type for --etcd and --state-dir: an empty value is a mistake (a
+    variable that did not expand), not "look for a cluster elsewhere"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset shell variable?)")
+    return text
+
+
 def _endpoints(args) -> discover.Found:
     from kvstore.devcluster import ClusterError
 
@@ -584,11 +592,13 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     p.add_argument(
         "--etcd",
         metavar="ENDPOINTS",
+        type=nonempty,
         help=f"etcd host:port[,host:port] (default ${ETCD_ENV}, else the local "
         f"cluster of ${STATE_ENV} or of .state/cluster here or in a parent)",
     )
     p.add_argument(
         "--state-dir",
+        type=nonempty,
         help="a local cluster's state directory (kvctl cluster up, make run): use its etcd",
     )
     p.add_argument("--output", "-o", choices=["table", "json"], default="table")

@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
+from kvstore.namespace import MAX_BLOCK_SIZE
 from kvstore.units import parse_size  # noqa: F401 (kvctl plan's size parser, re-exported)
 
 # Bits rather than bytes per element so that sub-byte dtypes stay integral:
@@ -137,13 +138,16 @@ def resolve_model(name: str) -> ModelShape:
     return shape
 
 
-def _check_count(name: str, value: object, minimum: int) -> None:
+def _check_count(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
 
 
 def _validate(block_size: int, context_len: int, concurrency: int, sizes: dict) -> None:
-    _check_count("block_size", block_size, 1)
+    # a namespace refuses larger blocks: a plan for them could never be deployed
+    _check_count("block_size", block_size, 1, MAX_BLOCK_SIZE)
     _check_count("context_len", context_len, 1)
     _check_count("concurrency", concurrency, 0)
     for name, value in sizes.items():

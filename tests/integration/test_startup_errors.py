@@ -133,6 +133,20 @@ def test_agent_on_a_read_only_filesystem_names_its_data_dir(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_an_agent_whose_data_dir_is_a_file_says_so(tmp_path):
+    """It said "cannot be created (File exists)", which sends an operator looking for a
+    directory that is not there."""
+    (tmp_path / "data").write_text("not a directory")
+    r = _run(
+        "-m", "node_agent", "--listen", "127.0.0.1:0", "--device", "cpu", "--pool-bytes",
+        "4MiB", "--slot-bytes", "64KiB", "--data-dir", str(tmp_path / "data"),
+        "--allow-unauthenticated",
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"data_dir {tmp_path}/data is a file, not a directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_a_router_whose_gateway_files_are_bad_says_so_before_waiting_for_etcd(tmp_path):
     """A missing tokenizer directory (or key file) stops the router at once, naming it,
     even with no etcd to reach: the files are read before anything waits for etcd."""

@@ -70,3 +70,14 @@ def test_search_stops_at_the_repository_root(tmp_path):
         f"${STATE_ENV}",
     ):
         assert hint in msg, hint
+
+
+@pytest.mark.parametrize("argv", [["--etcd", ""], ["--etcd", " "], ["--state-dir", ""]])
+def test_an_empty_flag_is_a_usage_error_not_a_search(argv, capsys):
+    """`kvctl status --etcd "$UNSET"` talked to whatever local cluster it found instead."""
+    from kvstore.cli.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["status", *argv])
+    assert exc.value.code == 2
+    assert f"argument {argv[0]}: is empty" in capsys.readouterr().err

@@ -150,6 +150,7 @@ def test_gpu_headroom_and_overcommit_warning():
         ("concurrency", -2),
         ("hbm_bytes", -1),
         ("block_size", 1.5),
+        ("block_size", 4097),  # more than a namespace takes
         ("concurrency", True),
     ],
 )
