@@ -571,6 +571,11 @@ class PendingPut:
         self._job: Any = None
         self._done = False
 
+    @property
+    def not_stored(self) -> str:
+        """Why blocks of this put are neither stored nor held ("" when none is left out)."""
+        return self._planned.not_stored
+
     def _batch(self) -> tuple[DevicePool, list[int], list[Any]]:
         """What the copy moves: into these slots of the pool, from these payloads."""
         plan = self._planned.slots

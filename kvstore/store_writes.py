@@ -31,6 +31,9 @@ from kvstore.tiers.pool import DevicePool
 class PutPlan:
     slots: list[PlannedSlot] = field(default_factory=list)
     already: int = 0  # blocks held before (or earlier in the same put)
+    # Why blocks of the put are neither planned nor held ("" when none is left out): the
+    # first reason, for the caller (PutResponse.not_stored)
+    not_stored: str = ""
 
 
 @dataclass(slots=True)
@@ -95,7 +98,11 @@ class Writes:
             depths[it.block_id] = parent.depth + 1 if parent else depths.get(it.parent_id, -1) + 1
         if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
             self.counters["below_min_prefix"] += 1
-            return PutPlan()
+            return PutPlan(
+                not_stored=f"the chain is {max(depths.values()) + 1} blocks deep, shorter "
+                f"than namespace {st.spec.key}'s min_prefix_blocks "
+                f"({st.policy.min_prefix_blocks}): nothing stored"
+            )
         out = PutPlan()
         try:
             self._plan_items(st, items, root, depths, out)
@@ -114,7 +121,7 @@ class Writes:
     ) -> None:
         skipped: set[bytes] = set()
         planned: set[bytes] = set()
-        for it in items:
+        for i, it in enumerate(items):
             known = st.blocks.get(it.block_id)
             if known is not None or it.block_id in planned:
                 out.already += 1
@@ -130,17 +137,32 @@ class Writes:
             ):
                 skipped.add(it.block_id)
                 self.counters["put_orphan"] += 1
+                out.not_stored = out.not_stored or (
+                    f"block {i}: its parent {it.parent_id.hex()[:12]} is not held here "
+                    "(evicted meanwhile, or not this chain's): not stored, nor what hangs "
+                    "under it"
+                )
                 continue
-            if it.parent_id in skipped or (
-                parent is not None and parent.slot < 0 and not self.residency.promote_chain(parent)
-            ):
+            if it.parent_id in skipped:
+                skipped.add(it.block_id)  # its parent was refused: so is it
+                self.counters["put_parent_cold"] += 1
+                continue
+            if parent is not None and parent.slot < 0 and not self.residency.promote_chain(parent):
                 skipped.add(it.block_id)  # keep the pool prefix-closed: not cached
                 self.counters["put_parent_cold"] += 1
+                out.not_stored = out.not_stored or (
+                    f"block {i}: its parent could not be brought back into the pool: not "
+                    "stored, nor what hangs under it"
+                )
                 continue
             planned_slot = self.plan_slot(st, it, depths[it.block_id], parent)
             if planned_slot is None:
                 if out.slots:  # keep the leading blocks that fit; the rest would be orphans
                     self.counters["put_truncated"] += 1
+                    out.not_stored = out.not_stored or (
+                        f"the pool has no room for block {i} within tenant {st.tenant}'s "
+                        f"quota: the {len(out.slots)} new blocks before it stored, not the rest"
+                    )
                     break
                 raise ResourceExhausted(
                     f"device pool cannot take more blocks for tenant {st.tenant}: "

@@ -110,7 +110,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         items: list[PutItem],
         root,
         deadline_ns: int | None = None,
-    ):
+    ) -> tuple[int, int, str]:
         """store.put of a Put's items. A big batch's copy runs in the background on the
         native batch's own threads, waited for on the loop: no worker thread to wake, hand
         the batch to and back (0.1-0.5 ms each way on a 2-core host, per big Put). Its
@@ -118,14 +118,20 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
         tier to demote to): that goes to a worker thread first. `deadline_ns`: a Put past
         it is refused before any copy, and a copy out of the caller's staging that ends
         past it stores nothing (BlockStore.put_begin); so does one finished on a worker
-        thread after the call was cancelled."""
+        thread after the call was cancelled. (stored, already present, why blocks were
+        left out: PendingPut.not_stored)."""
         nbytes = len(items) * st.spec.block_bytes
         if nbytes < _background_bytes():
             gone = threading.Event()
-            with _setting_when_cancelled(gone):
-                return await self._run(
-                    nbytes, self.store.put, st.ns_id, generation, items, root, deadline_ns, gone
+
+            def put() -> tuple[int, int, str]:
+                pending = self.store.put_begin(
+                    st.ns_id, generation, items, root, False, deadline_ns
                 )
+                return (*pending.finish(gone), pending.not_stored)
+
+            with _setting_when_cancelled(gone):
+                return await self._run(nbytes, put)
         with self._counted():
             args = (st.ns_id, generation, items, root)
             pending: PendingPut | None
@@ -140,9 +146,11 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             if pending.fileno() is None:
                 gone = threading.Event()
                 with _setting_when_cancelled(gone):
-                    return await asyncio.to_thread(pending.finish, gone)
-            await _copied(pending)
-            return pending.finish()
+                    done = await asyncio.to_thread(pending.finish, gone)
+            else:
+                await _copied(pending)
+                done = pending.finish()
+            return (*done, pending.not_stored)
 
     async def _store_get(
         self,
@@ -297,6 +305,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
     async def Put(self, request_iterator, context):
         st = None
         stored = already = total = 0
+        not_stored = ""
         pending: list[PutItem] = []
         async for req in request_iterator:
             if st is None:
@@ -318,14 +327,16 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             # stream until the chain is long enough (later ones extend a cached prefix).
             if len(pending) < st.policy.min_prefix_blocks:
                 continue
-            s, a = await self._store_put(st, generation, pending, root, deadline)
+            s, a, why = await self._store_put(st, generation, pending, root, deadline)
             stored, already, pending = stored + s, already + a, []
+            not_stored = not_stored or why
         if st is None:
             raise errors.InvalidArgument("empty Put stream")
         if pending:
-            s, a = await self._store_put(st, generation, pending, root, deadline)
+            s, a, why = await self._store_put(st, generation, pending, root, deadline)
             stored, already = stored + s, already + a
-        return agent_pb2.PutResponse(stored=stored, already_present=already)
+            not_stored = not_stored or why
+        return agent_pb2.PutResponse(stored=stored, already_present=already, not_stored=not_stored)
 
     def _put_items(self, st: NsState, req) -> list[PutItem]:
         if not req.chain_ids and (

@@ -834,6 +834,7 @@ class KVClient:
             return PutResult(0, 0)
         if self._staging is not None:
             stored = already = 0
+            not_stored = ""
             cap = self.staging_capacity(ns)
             for start in range(0, len(ids), cap):
                 views = self.staging_views(ns, min(cap, len(ids) - start))
@@ -847,7 +848,8 @@ class KVClient:
                 )
                 stored += r.stored
                 already += r.already_present
-            return PutResult(stored, already)
+                not_stored = not_stored or r.not_stored
+            return PutResult(stored, already, not_stored)
         return PutResult.from_proto(
             self._grpc(
                 self.stub.Put,

@@ -22,10 +22,13 @@ class LookupResult:
 class PutResult:
     stored: int  # blocks newly stored
     already_present: int  # blocks the node held already (skipped)
+    # why the other blocks of the call were not stored ("" when every block is stored
+    # or present): an orphan, a chain shorter than min_prefix_blocks, a full pool/quota
+    not_stored: str = ""
 
     @classmethod
     def from_proto(cls, msg) -> PutResult:
-        return cls(msg.stored, msg.already_present)
+        return cls(msg.stored, msg.already_present, msg.not_stored)
 
 
 @dataclass(frozen=True, slots=True)

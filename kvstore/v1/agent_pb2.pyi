@@ -143,12 +143,14 @@ class PutRequest(_message.Message):
     def __init__(self, ns: _Optional[_Union[NamespaceRef, _Mapping]] = ..., shm_region_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockPut, _Mapping]]] = ..., root: _Optional[bytes] = ..., chain_ids: _Optional[bytes] = ..., chain_parent_id: _Optional[bytes] = ..., chain_first_offset: _Optional[int] = ..., chain_stride: _Optional[int] = ..., staging_deadline_ns: _Optional[int] = ..., staging_sent_ns: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "already_present")
+    __slots__ = ("stored", "already_present", "not_stored")
     STORED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
     stored: int
     already_present: int
-    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
+    not_stored: str
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., not_stored: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("ns", "block_ids")

@@ -680,8 +680,9 @@ def test_orphan_blocks_are_refused(spawn_agent):
         blocks = [block_payload(b, ns.block_bytes) for b in ids]
         r = c.stub.Put(iter([_put_req(ns, ids[2:], blocks[2:], ids[1])]))
         assert r.stored == 0
+        assert r.not_stored.startswith(f"block 0: its parent {ids[1].hex()[:12]} is not held")
         assert c.lookup(ns, ids).matched == 0
         assert dict(c.stats().counters)["put_orphan"] == 2
         r = c.stub.Put(iter([_put_req(ns, ids, blocks, ns.root)]))
-        assert r.stored == 4
+        assert r.stored == 4 and r.not_stored == ""
         assert c.lookup(ns, ids).matched == 4

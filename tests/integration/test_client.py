@@ -86,6 +86,10 @@ def test_min_prefix_blocks_over_either_transport(agent):
         assert ns.min_prefix_blocks == 10
         short = prompt_tokens(100 * k + 1, 9 * BS)
         assert c.store(ns, short, prompt_kv(LONG, 9 * BS, seed=1)).cache_write_tokens == 0
+        # put says why, over either transport (the staging lane and gRPC)
+        put = c.put(ns, c.block_ids(ns, short), kv_to_blocks(prompt_kv(LONG, 9 * BS, seed=1), BS))
+        assert (put.stored, put.already_present) == (0, 0)
+        assert "9 blocks deep, shorter than namespace" in put.not_stored
         assert c.fetch(ns, short).cached_tokens == 0
         # 12 blocks: more than one gRPC message, every block is kept.
         long = prompt_tokens(100 * k + 2, 12 * BS)

@@ -83,7 +83,7 @@ def test_without_an_nvme_tier_even_a_plan_that_evicts_runs_on_the_loop(make_stor
     put(store, prompt(1, 4)[1])  # the pool is full: the next put evicts (drops)
     seen = Seen(monkeypatch, store)
     ids, items = prompt(2, 3)
-    assert _put(_servicer(store), items) == (3, 0)
+    assert _put(_servicer(store), items) == (3, 0, "")
     assert seen.on_loop("put_begin") and seen.in_background("put_begin")
     assert seen.on_loop("PendingPut.finish")
     assert lookup(store, ids) == (3, 3, 0)
@@ -95,7 +95,7 @@ def test_with_an_nvme_tier_a_plan_with_room_runs_on_the_loop(make_store, monkeyp
     store.open_namespace(SPEC)
     seen = Seen(monkeypatch, store)
     ids, items = prompt(1, 3)
-    assert _put(_servicer(store), items) == (3, 0)
+    assert _put(_servicer(store), items) == (3, 0, "")
     assert seen.on_loop("put_begin_if_fits") and seen.in_background("put_begin_if_fits")
     assert "put_begin" not in [c[0] for c in seen.calls]
     assert lookup(store, ids) == (3, 3, 0)
@@ -117,7 +117,7 @@ def test_with_an_nvme_tier_a_plan_that_may_touch_it_runs_on_a_thread(make_store,
         store.set_generation(other.namespace_id, 1)  # room again; the parent stays there
         todo = items[2:]
     seen = Seen(monkeypatch, store)
-    assert _put(_servicer(store), todo) == (len(todo), 0)
+    assert _put(_servicer(store), todo) == (len(todo), 0, "")
     assert seen.calls[0] == ("put_begin_if_fits", True, None)  # asked on the loop: no
     assert not seen.on_loop("put_begin") and seen.in_background("put_begin")
     assert seen.on_loop("PendingPut.finish")  # the commit touches no NVMe
@@ -157,12 +157,12 @@ def test_a_get_that_reaches_nvme_finishes_on_a_thread(make_store, monkeypatch):
     check_invariants(store)
 
 
-def test_a_batch_below_the_background_size_goes_through_store_put(make_store, monkeypatch):
+def test_a_batch_below_the_background_size_begins_and_finishes_at_once(make_store, monkeypatch):
     monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 10 * NB)
     store = make_store(n_slots=8)
     store.open_namespace(SPEC)
     seen = Seen(monkeypatch, store)
     ids, items = prompt(1, 3)
-    assert _put(_servicer(store), items) == (3, 0)
+    assert _put(_servicer(store), items) == (3, 0, "")
     assert [c[0] for c in seen.calls] == ["put_begin", "PendingPut.finish"]
-    assert not seen.in_background("put_begin")  # store.put: begin and finish at once
+    assert not seen.in_background("put_begin")  # as store.put does: begin, then finish

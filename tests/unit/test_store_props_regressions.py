@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from support.common import TEST_SECRET
-from support.store import NB, SPEC, check_invariants, get, lookup, prompt, put
+from support.store import NB, SPEC, check_invariants, get, lookup, policy, prompt, put
 
 from kvstore import checksum as cks
 from kvstore.events import Tier
@@ -117,3 +117,37 @@ def test_a_corrupt_read_does_not_drop_the_block_put_again_meanwhile(make_store):
     assert get(store, ids)[1] == [items[0].data]
     assert store.counters["corrupt_dropped"] == 1
     check_invariants(store)
+
+
+def test_a_put_says_why_blocks_were_left_out(make_store):
+    """PendingPut.not_stored (PutResponse.not_stored): an orphan, a chain shorter than
+    min_prefix_blocks, a quota with no room for the rest; "" when nothing is left out."""
+
+    def why(store, items) -> tuple[int, int, str]:
+        pending = store.put_begin(NS, 0, items, ROOT, False)
+        return (*pending.finish(), pending.not_stored)
+
+    store = make_store(n_slots=10)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 5)
+    stored, _, reason = why(store, items[2:])  # blocks 2..4: block 1 is not held
+    assert stored == 0
+    assert reason.startswith(f"block 0: its parent {ids[1].hex()[:12]} is not held here")
+    assert why(store, items[:3]) == (3, 0, "")
+    store.set_tenant_limits(SPEC.tenant, 4 * NB, None)
+    stored, already, reason = why(store, items)  # room for one more block, not two
+    assert (stored, already) == (1, 3)
+    assert reason == (
+        f"the pool has no room for block 4 within tenant {SPEC.tenant}'s quota: the "
+        "1 new blocks before it stored, not the rest"
+    )
+    check_invariants(store)
+
+
+def test_a_put_below_min_prefix_says_so(make_store):
+    store = make_store(policy_for=policy(min_prefix_blocks=3))
+    store.open_namespace(SPEC)
+    pending = store.put_begin(NS, 0, prompt(1, 2)[1], ROOT, False)
+    assert pending.finish() == (0, 0)
+    assert "2 blocks deep, shorter than namespace" in pending.not_stored
+    assert "min_prefix_blocks (3): nothing stored" in pending.not_stored
