@@ -30,6 +30,7 @@ from support.common import (
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
 from kvstore.hashing import pack_ids
+from kvstore.tiers.pool import POOL_MEMFD
 from kvstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 # Without ucxx the agents run gRPC-only; the transport-agnostic tests still run.
@@ -380,13 +381,14 @@ def test_a_prefetch_into_a_full_pool_evicts_older_chains_not_its_own(cluster, tm
 
 
 # ------------------------------------------------------------------- fault injection
-def run_fake_peer(tmp_path: Path, mode: str, blocks):
+def run_fake_peer(tmp_path: Path, mode: str, blocks, env: dict[str, str] | None = None):
     """tests/support/peer_fault.py: a UCX listener speaking the peer protocol that corrupts a
-    payload ('corrupt') or dies after the first chunk ('die')."""
+    payload ('corrupt') or dies after the first chunk ('die'); `env`: more of its
+    environment."""
     data = tmp_path / f"fake-{mode}.npy"
     np.save(data, np.stack([b.view(torch.uint8).reshape(-1).numpy() for b in blocks]))
     port_file = tmp_path / f"fake-{mode}.port"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, str(FAULT_SCRIPT), mode, str(data), str(port_file)],
         cwd=ROOT,
@@ -439,10 +441,10 @@ def test_checksum_mismatch_over_ucx_is_a_miss_from_that_block_on(cluster, fake_p
 
 @needs_ucx
 def test_a_peer_the_kernel_will_not_let_us_read_gets_payload_messages_after(cluster, fake_peer):
-    """Direct reads the kernel refuses (here: a process that does not exist; across PID
-    namespaces, or without the right to ptrace the peer, likewise) fail that transfer,
-    which the Prefetch finishes over gRPC; the fetcher then stops offering direct reads
-    to that peer, whose next answer comes as UCX payload messages."""
+    """Direct reads from a process that is not the peer's (here: one that does not
+    exist) are not made: that transfer fails, and the Prefetch finishes it over gRPC;
+    the fetcher then stops offering direct reads to that peer, whose next answer comes
+    as UCX payload messages."""
     na, ids, blocks = cluster.seed(MID, 20, seed=44)
     fake = fake_peer("direct-gone", blocks)
     da = Delta(cluster, "a")
@@ -450,7 +452,8 @@ def test_a_peer_the_kernel_will_not_let_us_read_gets_payload_messages_after(clus
     assert (r.present, r.fetched, r.transport, r.stopped) == (20, 20, "ucx+grpc", ""), r
     assert same_bytes(cluster.clients["a"].get(na, ids), blocks)
     d = da.now()
-    assert d["peer_direct_refused"] == 1 and d["peer_ucx_failures"] == 1, d
+    assert d["peer_direct_not_owner"] == 1 and d["peer_ucx_failures"] == 1, d
+    assert d["peer_blocks_direct"] == 0, d
     # The fake serves its rows whatever ids are asked: they arrive under these ones.
     na2, ids2, _ = cluster.seed(MID, 20, seed=45)
     da = Delta(cluster, "a")
@@ -459,6 +462,56 @@ def test_a_peer_the_kernel_will_not_let_us_read_gets_payload_messages_after(clus
     assert same_bytes(cluster.clients["a"].get(na2, ids2), blocks)
     d = da.now()
     assert d["peer_blocks_direct"] == 0 and d["peer_direct_refused"] == 0, d
+
+
+def _pool_address_of(pid: int, payload: bytes, slot_bytes: int) -> int | None:
+    """Where `payload` lies in process `pid`'s host pool (its kvstore-pool mapping),
+    read through /proc/PID/mem; None when it is not there."""
+    with open(f"/proc/{pid}/maps") as f:
+        pools = [line.split() for line in f if POOL_MEMFD in line]
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for cols in pools:
+            lo, hi = (int(x, 16) for x in cols[0].split("-"))
+            for addr in range(lo, hi, slot_bytes):
+                mem.seek(addr)
+                if mem.read(len(payload)) == payload:
+                    return addr
+    return None
+
+
+@needs_ucx
+def test_a_peer_a_caller_names_cannot_have_the_agent_read_another_process(cluster, tmp_path):
+    """Whoever answers a Prefetch's peer address writes the chunk header that names the
+    process to read from. A listener a caller named (its own, here the fault injector)
+    names agent B, and where B holds a block it must not get (a block of another
+    namespace: another tenant's, the caller guessing its checksum). A reads nothing from
+    B: it reads only from the process that holds the listener it reached."""
+    blocks = cluster.seed(MID, 1, seed=46)[2]  # B holds it, in another namespace
+    payload = blocks[0].view(torch.uint8).reshape(-1).numpy().tobytes()
+    b = cluster.procs["b"]
+    addr = _pool_address_of(b.proc.pid, payload, MID.block_bytes)
+    if addr is None:
+        pytest.skip("B's pool is not a kvstore-pool mapping on this host")
+    liar, address = run_fake_peer(
+        tmp_path,
+        "direct-other",
+        blocks,
+        env={"FAKE_OTHER_PID": str(b.proc.pid), "FAKE_OTHER_ADDRS": str(addr)},
+    )
+    try:
+        other = make_namespace(name="mine", num_layers=4, num_kv_heads=8, head_dim=128)
+        na = cluster.clients["a"].open_namespace(other)
+        ids = cluster.clients["a"].block_ids(na, prompt_tokens(47, MID.block_size))
+        da = Delta(cluster, "a")
+        r = cluster.prefetch(na, ids, ucx=address)  # gRPC: B, which holds none of them
+        assert r.present == 0, r
+        assert "named a process that does not hold its listener" in r.stopped, r
+        d = da.now()
+        assert d["peer_direct_not_owner"] == 1 and d["peer_blocks_direct"] == 0, d
+        assert cluster.clients["a"].lookup(na, ids).matched == 0
+    finally:
+        liar.kill()
+        liar.wait(10)
 
 
 @needs_ucx

@@ -7,8 +7,13 @@ answers the i-th requested block), and misbehaves on purpose:
 - direct-corrupt: offered direct reads (same host), announces its blocks for the fetcher
   to read from its memory (node_agent/peer/ucx/direct.py), block 11 flipped after its
   checksum was taken;
-- direct-gone: announces direct reads from a process that does not exist (the kernel
-  refuses them); a later connection that offers none is served with payload messages;
+- direct-gone: announces direct reads from a process that does not exist (it does not
+  hold this listener: the fetcher reads nothing); a later connection that offers none is
+  served with payload messages;
+- direct-other: announces direct reads of its rows at the addresses in $FAKE_OTHER_ADDRS
+  (comma-separated) of process $FAKE_OTHER_PID, another process of the host (an agent
+  holding those bytes): what a listener a caller named would answer to have the fetcher
+  read another process's memory for it;
 - mapped-corrupt: direct reads of blocks kept in a sealed memfd, announced for mapping
   (node_agent/peer/ucx/mapped.py) as an agent's host pool is, block 11 flipped after its
   checksum was taken;
@@ -77,7 +82,12 @@ async def serve(mode: str, data: np.ndarray, port_file: str) -> None:
             if direct:
                 held.extend(rows)
                 hdr.direct_pid = gone_pid() if mode == "direct-gone" else os.getpid()
-                hdr.addresses.extend(r.ctypes.data for r in rows)
+                if mode == "direct-other":
+                    hdr.direct_pid = int(os.environ["FAKE_OTHER_PID"])
+                    other = [int(a) for a in os.environ["FAKE_OTHER_ADDRS"].split(",")]
+                    hdr.addresses.extend(other[start : start + len(rows)])
+                else:
+                    hdr.addresses.extend(r.ctypes.data for r in rows)
                 if pool is not None:
                     fd, arr = pool
                     hdr.direct_fd, hdr.direct_bytes = fd, arr.nbytes
@@ -141,6 +151,7 @@ def main() -> None:
         "die",
         "direct-corrupt",
         "direct-gone",
+        "direct-other",
         "mapped-corrupt",
         "mapped-unsealed",
         "mapped-outside",

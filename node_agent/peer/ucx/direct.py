@@ -106,6 +106,50 @@ def pool_may_be_mapped() -> bool:
     return _yama_scope() in (None, 0)
 
 
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp for a listening socket
+
+
+def owns_listener(pid: int, port: int) -> bool:
+    """Whether process `pid` (a process, not one of its threads) holds the TCP socket
+    that listens on `port` in this agent's network namespace: the UCX listener this
+    agent connected to. A chunk header names the process to read from, and whoever
+    answers a Prefetch's peer address writes that header: a listener of a caller's
+    choosing could name any process of the host (another agent, this agent's own
+    threads) and have this agent read its memory for the caller, a block at a time,
+    into the caller's namespace wherever the caller guessed its checksum. Reading only
+    from the process behind the listener reads only what that peer could send anyway.
+    False when it cannot be told (no /proc, another network namespace)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            tgid = next((line.split()[1] for line in f if line.startswith("Tgid:")), "")
+        if tgid != str(pid):
+            return False
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    next(f, None)
+                    for line in f:
+                        col = line.split()
+                        if len(col) > 9 and col[3] == _TCP_LISTEN:
+                            if int(col[1].rpartition(":")[2], 16) == port:
+                                inodes.add(f"socket:[{col[9]}]")
+            except FileNotFoundError:  # no IPv6
+                continue
+        if not inodes:
+            return False
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) in inodes:
+                        return True
+                except OSError:  # closed meanwhile
+                    continue
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def addresses(views: list) -> list[int] | None:
     """The address of each of `views` (host slot views or staging buffers: 1-D uint8
     arrays), or None when any is not host memory (a device tensor, a strided view). One

@@ -22,12 +22,15 @@ from node_agent.peer.errors import PeerTransportError, within
 from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.ucx import direct, mapped
-from node_agent.peer.ucx.wire import packed
+from node_agent.peer.ucx.wire import packed, split_host_port
 
 log = logging.getLogger("kvstore.agent.peer")
 # A peer whose memory the kernel would not let us read is asked for payload messages for
 # this long, then offered direct reads again (it may have restarted in our PID namespace).
 NO_DIRECT_S = 300.0
+# How long a peer process found holding the listener a connection reached stays trusted
+# to be that peer (direct.owns_listener: a few /proc reads, off the event loop)
+OWNER_CHECKED_S = 60.0
 
 
 class DirectFetcher:
@@ -54,6 +57,8 @@ class DirectFetcher:
         # process_vm_readv instead
         self._unmapped: dict[int, float] = {}
         self._sweeper: asyncio.Future | None = None  # _sweep, while pools are mapped
+        # (peer address, pid) found to hold that address's listener -> until when trusted
+        self._owners: dict[tuple[str, int], float] = {}
 
     def offer(self, address: str) -> str:
         """What a FetchRequest to `address` offers in `same_host`."""
@@ -137,7 +142,6 @@ class DirectFetcher:
         ld.digests = [asyncio.ensure_future(_digests_of(read))]
         prev = releases[-1] if releases else None
         releases.append(self._spawn(self._release(ep, prev, read)))
-        self._counters.add("peer_blocks_direct", len(views))
         posted.append(ld)
         return True
 
@@ -145,6 +149,8 @@ class DirectFetcher:
         self, address: str, hdr: peer_pb2.FetchChunk, views, addrs, threads: int
     ) -> list[int]:
         pid = hdr.direct_pid
+        await self._check_owner(address, pid)
+        self._counters.add("peer_blocks_direct", len(views))
         try:
             if hdr.direct_bytes and self._unmapped.get(pid, 0.0) < time.monotonic():
                 got = await asyncio.to_thread(self._read_mapped, hdr, views, addrs, threads)
@@ -162,6 +168,32 @@ class DirectFetcher:
                     exc,
                 )
             raise
+
+    async def _check_owner(self, address: str, pid: int) -> None:
+        """Read only from the process that holds the listener at `address` (the one this
+        connection reached): see direct.owns_listener. Otherwise the transfer fails and
+        this address is not offered direct reads for NO_DIRECT_S."""
+        now = time.monotonic()
+        if self._owners.get((address, pid), 0.0) >= now:
+            return
+        port = split_host_port(address)[1]
+        if await asyncio.to_thread(direct.owns_listener, pid, port):
+            if len(self._owners) > 1024:  # peers come and go: forget the expired ones
+                self._owners = {k: t for k, t in self._owners.items() if t >= now}
+            self._owners[(address, pid)] = now + OWNER_CHECKED_S
+            return
+        self._refused[address] = now + NO_DIRECT_S
+        self._counters.add("peer_direct_not_owner")
+        log.warning(
+            "peer %s named process %d for direct reads, which does not hold its listener: "
+            "nothing read (its payloads go over UCX messages from now on)",
+            address,
+            pid,
+        )
+        raise PeerTransportError(
+            f"direct reads: the peer at {address} named a process that does not hold its "
+            "listener; nothing was read"
+        )
 
     def _read_mapped(self, hdr: peer_pb2.FetchChunk, views, addrs, threads: int) -> list[int]:
         """Worker thread: the chunk through a mapping of the peer's pool (mapped.py), or,
