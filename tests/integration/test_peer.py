@@ -905,6 +905,14 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     wire.data = (MAX_CONTROL_BYTES + 1).to_bytes(4, "little") + b"x"
     with pytest.raises(PeerTransportError, match="claiming"):
         asyncio.run(recv_control(wire, buf))
+    # A frame shorter than the length it claims reads zeros past its end, not the bytes
+    # of the message before it (the receive does not say how many bytes came): a peer
+    # sent a request, then only a length, and was served the first request again.
+    secret = b"Bearer someone-elses-token" * 4
+    assert asyncio.run(round_trip(wire, secret)) == secret
+    wire.data = len(secret).to_bytes(4, "little")
+    assert asyncio.run(recv_control(wire, buf)) == bytes(len(secret))
+    assert not buf.any()  # and nothing of either is left
 
 
 @needs_ucx

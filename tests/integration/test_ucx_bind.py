@@ -35,9 +35,13 @@ def other_address() -> str:
     return ""
 
 
-def dial(host: str, port: int) -> dict:
+def dial(host: str, port: int, linger: float = 0.0) -> dict:
     r = subprocess.run(
-        [PY, str(DIAL), host, str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [PY, str(DIAL), host, str(port), str(linger)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert lines, (r.returncode, r.stdout, r.stderr[-3000:])
@@ -67,3 +71,20 @@ def test_ucx_listener_serves_only_the_configured_interface(spawn_agent):
     away = dial(there, port)
     assert "closed" in away, away
     assert counter(agent.address, "peer_ucx_wrong_interface") == 1
+
+
+def test_a_refused_request_ends_its_connection(spawn_agent):
+    """A request without a valid token (or for a namespace it may not read) is answered
+    with the refusal, and the connection ends there, even when the caller acknowledges
+    the answer as a fetcher does before its next request: a stranger keeps no connection,
+    nor the memory of its request, on an agent (a refused request used to count as
+    served, and the connection then waited idle_endpoint_s for the next one)."""
+    port = free_port()
+    spawn_agent(
+        peer_port=port,
+        allow_unauthenticated=False,
+        peer={"io_timeout_s": 2, "idle_endpoint_s": 600},
+    )
+    got = dial("127.0.0.1", port, linger=30)
+    assert "authorization" in got["answer"], got
+    assert "closed_after_s" in got, got  # before: still open 30 s on (for 600)

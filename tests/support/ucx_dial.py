@@ -3,7 +3,12 @@ FetchRequest (for a namespace the agent does not know); print one JSON line: {"a
 error text} when the agent answered, {"closed": why} when it dropped the connection
 first. For tests/integration/test_ucx_bind.py (a subprocess: ucxx stays out of pytest).
 
-Usage: python tests/support/ucx_dial.py HOST PORT
+With LINGER (seconds), it then acknowledges the answer as a fetcher ends a request
+it means to follow with another (wire.ACK), keeps its end open that long, and adds
+{"closed_after_s": t} when the agent closed the connection meanwhile, else
+{"open_after_s": LINGER}.
+
+Usage: python tests/support/ucx_dial.py HOST PORT [LINGER]
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
-from node_agent.peer.ucx.wire import init_ucx
+from node_agent.peer.ucx.wire import ACK, init_ucx
 from kvstore.v1 import agent_pb2, peer_pb2
 
 
-async def dial(host: str, port: int) -> dict:
+async def dial(host: str, port: int, linger: float = 0.0) -> dict:
     # The agents' own UCX settings: two processes of one host only connect when they
     # agree on which transports may carry peer endpoints.
     ucx = init_ucx()
@@ -36,7 +42,17 @@ async def dial(host: str, port: int) -> dict:
         await asyncio.wait_for(ep.recv(buf), 10)
         n = int.from_bytes(buf[:4].tobytes(), "little")
         chunk = peer_pb2.FetchChunk.FromString(buf[4 : 4 + n].tobytes())
-        return {"answer": chunk.error or "ok"}
+        out: dict = {"answer": chunk.error or "ok"}
+        if linger:
+            await asyncio.wait_for(ep.send(np.frombuffer(ACK, dtype=np.uint8)), 10)
+            t0 = time.monotonic()
+            try:  # nothing more is sent to us: this ends when the agent closes
+                await asyncio.wait_for(ep.recv(np.empty(8, dtype=np.uint8)), linger)
+            except asyncio.TimeoutError:
+                out["open_after_s"] = linger
+            except Exception:  # noqa: BLE001 - closed by the agent
+                out["closed_after_s"] = round(time.monotonic() - t0, 2)
+        return out
     except Exception as exc:  # noqa: BLE001 - the refusal is what is looked for
         return {"closed": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -45,7 +61,8 @@ async def dial(host: str, port: int) -> dict:
 
 def main() -> None:
     host, port = sys.argv[1], int(sys.argv[2])
-    print(json.dumps(asyncio.run(dial(host, port))), flush=True)
+    linger = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    print(json.dumps(asyncio.run(dial(host, port, linger))), flush=True)
     os._exit(0)  # ucxx's threads may linger after a refused endpoint
 
 

@@ -5,6 +5,7 @@ node_agent/peer/__init__.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -106,7 +107,13 @@ class UcxServer:
                         log.debug("UCX peer connection ends after %d requests", served)
                         return
                     raise PeerTransportError(f"no request: {exc}") from exc
-                await self._serve_request(ep, peer_pb2.FetchRequest.FromString(bytes(raw)))
+                if not await self._serve_request(ep, peer_pb2.FetchRequest.FromString(raw)):
+                    # Refused: the fetcher closes its end once it has read why, and a
+                    # caller without a valid token keeps no connection here (nor the
+                    # io_timeout_s it may take to notice that it is gone)
+                    with contextlib.suppress(Exception):
+                        await within(ep.recv(np.empty(len(ACK), np.uint8)), far, io, "close")
+                    return
                 ack = np.empty(len(ACK), dtype=np.uint8)
                 await within(ep.recv(ack), far, io, "acknowledgement")
                 served += 1
@@ -118,7 +125,8 @@ class UcxServer:
             self._serving.discard(ep)
             ep.abort()
 
-    async def _serve_request(self, ep, req: peer_pb2.FetchRequest) -> None:
+    async def _serve_request(self, ep, req: peer_pb2.FetchRequest) -> bool:
+        """Answer one request; False when it was refused (the connection ends)."""
         far = time.monotonic() + 1e9
         try:
             tenant = self._tokens.tenant(req.authorization)
@@ -128,10 +136,11 @@ class UcxServer:
             await within(
                 post_control(ep, err.SerializeToString()), far, self._pcfg.io_timeout_s, "refusal"
             )
-            return
+            return False
         same_host = bool(self._same_host) and req.same_host == self._same_host
         async with self._source.slots:
             await self._send_batches(ep, src, same_host)
+        return True
 
     async def _send_batches(self, ep, src: ServeRequest, same_host: bool = False) -> None:
         """Header then payloads per batch, all posted at once (one completion wait per
@@ -160,6 +169,7 @@ class UcxServer:
                 lease.clean = False
                 for fut, rb in inflight:
                     fut.cancel()
+                    fut.add_done_callback(_retrieved)  # a send failed: said above already
                     self._source.done_with(rb)
             lease.release()
 
@@ -214,6 +224,13 @@ class UcxServer:
         await within(asyncio.shield(fut), far, io, "header and payload sends")
         inflight.pop(0)
         self._source.done_with(rb)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved, with
+    its traceback, at ERROR)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _released(ep) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import mmap
 import os
 import struct
 
@@ -78,24 +79,51 @@ def post_control(ep, payload: bytes) -> asyncio.Future:
     return asyncio.ensure_future(ep.send(frame))
 
 
+# Past this many bytes, a control message's pages go back to the kernel once it is read
+# (_clear): a connection kept after one large request holds no more than this.
+KEEP_CONTROL_BYTES = 64 << 10
+
+
 def control_buffer() -> np.ndarray:
-    """A receive buffer for recv_control, for one endpoint's control messages in turn
-    (only the bytes a message brings are ever touched)."""
-    return np.empty(4 + MAX_CONTROL_BYTES, dtype=np.uint8)
+    """A receive buffer for recv_control, for one endpoint's control messages in turn:
+    pages of its own (a private anonymous mapping, untouched until a message comes), not
+    the allocator's, and zeroed again after each message. A UCX receive does not say how
+    many bytes came, so a message shorter than the length it claims reads zeros past its
+    end, never what an earlier message, or another connection's in memory the allocator
+    handed out again, left there."""
+    mm = mmap.mmap(-1, 4 + MAX_CONTROL_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def _clear(buf: np.ndarray, used: int) -> None:
+    """Zero the first `used` bytes of a control_buffer; a large message's pages are
+    handed back to the kernel instead (they read as zeros again)."""
+    mm = getattr(buf.base, "obj", None)
+    if used > KEEP_CONTROL_BYTES and isinstance(mm, mmap.mmap):
+        mm.madvise(mmap.MADV_DONTNEED)
+    else:
+        buf[:used] = 0
 
 
 async def recv_control(ep, buf: np.ndarray) -> bytes:
-    """Receive one post_control message into `buf` (control_buffer); its bytes. A message
-    larger than the buffer fails in UCX (truncated); a length that does not fit what a
-    message can hold is a protocol error."""
-    buf[:4] = 0
-    await ep.recv(buf)
+    """Receive one post_control message into `buf` (control_buffer); its bytes, after
+    which the bytes it claimed are zeroed again. A message larger than the buffer fails
+    in UCX (truncated); a length that does not fit what a message can hold is a protocol
+    error (then, as after a failed receive, the whole buffer is zeroed)."""
+    try:
+        await ep.recv(buf)
+    except BaseException:
+        _clear(buf, buf.nbytes)
+        raise
     n = int.from_bytes(buf[:4].tobytes(), "little")
     if n > buf.nbytes - 4:
+        _clear(buf, buf.nbytes)
         raise PeerTransportError(
             f"peer sent a control message claiming {n} bytes (limit {MAX_CONTROL_BYTES})"
         )
-    return buf[4 : 4 + n].tobytes()
+    out = buf[4 : 4 + n].tobytes()
+    _clear(buf, 4 + n)
+    return out
 
 
 def split_host_port(address: str) -> tuple[str, int]:
