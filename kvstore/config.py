@@ -36,12 +36,33 @@ class TenantConfig:
     max_inflight: int = 0  # router: routed requests in flight at once; 0: router default
 
 
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
 def check_tenants(tenants: dict[str, TenantConfig]) -> None:
-    """tenants.json's names follow the namespaces' rule (ValueError naming the first
-    that does not): a tenant named otherwise could never open a namespace."""
-    for name in tenants:
+    """tenants.json (ValueError naming the first problem): names follow the namespaces'
+    rule (a tenant named otherwise could never open a namespace); a token hash is 64 hex
+    digits (anything else matches no token: that tenant could never authenticate), and
+    no two tenants share one (a token would then authenticate as whichever came last:
+    one tenant's callers acting as the other)."""
+    owner: dict[str, str] = {}
+    for name, t in tenants.items():
         if tenant_name_problem(name):
             raise ValueError(f"tenants: the name {name!r} {tenant_name_problem(name)}")
+        digest = t.token_sha256
+        if not digest:
+            continue
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+            raise ValueError(
+                f"tenants.{name}.token_sha256 must be the 64 hex digits of the SHA-256 of "
+                f"the tenant's token, got {digest!r}"
+            )
+        other = owner.setdefault(digest.lower(), name)
+        if other != name:
+            raise ValueError(
+                f"tenants.{other} and tenants.{name} have the same token_sha256: one token "
+                "would authenticate as both (give each tenant a token of its own)"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,6 +154,12 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         ("tenants", "[1, 2]", "tenants"),
         ("tenants", {"ac me": {}}, "tenants: the name 'ac me' contains whitespace"),
         ("tenants", {"": {}}, "tenants: the name '' is empty"),
+        ("tenants", {"a": {"token_sha256": "zz"}}, r"tenants\.a\.token_sha256 must be the 64 hex"),
+        (
+            "tenants",
+            {"acme": {"token_sha256": "ab" * 32}, "globex": {"token_sha256": "AB" * 32}},
+            "tenants.acme and tenants.globex have the same token_sha256",
+        ),
         ("default_policy", {"ttl_seconds": -1}, "ttl_seconds"),
         ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
         ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
