@@ -21,7 +21,15 @@ from kvstore.pullcost import PullCost
 from kvstore.events import Tier
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
-from kvstore.tiers.rocks import Quarantine, RocksTier, TierCorrupt, TierUnavailable, quarantine
+from kvstore.tiers.rocks import (
+    Quarantine,
+    RocksTier,
+    TierCorrupt,
+    TierInUse,
+    TierUnavailable,
+    lock_held_elsewhere,
+    quarantine,
+)
 from kvstore.tiers.sealing import KeyFileError, Sealer
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
@@ -85,8 +93,16 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
             "volume there (in a container: a volume on /var/lib/kvstore), or set "
             "nvme_bytes: 0 to run without the NVMe tier"
         ) from exc
+    in_use = (
+        f"data_dir {cfg.data_dir} is in use by another process (another agent?): its "
+        "RocksDB LOCK is held; give each agent a data_dir of its own"
+    )
+    if lock_held_elsewhere(cfg.data_dir):
+        raise StartupError(in_use)
     try:
         return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes, sealer=sealer)
+    except TierInUse as exc:  # taken meanwhile; not damage: its files stay where they are
+        raise StartupError(in_use) from exc
     except TierCorrupt as exc:
         return quarantine_nvme(cfg, str(exc), sealer)
     except TierUnavailable as exc:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import glob
 import logging
+import fcntl
 import os
 import shutil
 import threading
@@ -60,6 +61,11 @@ class TierRefused(TierUnavailable):
 
 class TierCorrupt(DataLoss):
     """RocksDB's files cannot be read (damaged or missing SST, MANIFEST, CURRENT)."""
+
+
+class TierInUse(Unavailable):
+    """Another process holds the directory's RocksDB LOCK: its files are fine, and not
+    ours to open (nor to move aside)."""
 
 
 @dataclass(slots=True)
@@ -146,10 +152,33 @@ def _options(write_buffer_bytes: int = SMALL_MEMTABLE) -> Options:
     return o
 
 
+def lock_held_elsewhere(path: str) -> bool:
+    """Whether another process holds the RocksDB LOCK of directory `path` (RocksDB takes
+    a POSIX record lock on it while the DB is open). Asked before opening: RocksDB's own
+    refusal comes after it has rotated the info LOG and rocksdict has rewritten its
+    config file, under the other process's feet. Never for a directory this process has
+    open: closing a descriptor of the file drops all of this process's locks on it."""
+    try:
+        fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR)
+    except OSError:  # none yet, or not ours to open: RocksDB says what is wrong
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # EAGAIN / EACCES: held
+        return True
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def _open_error(path: str, exc: Exception) -> Exception:
     msg = str(exc)
     if "No space left" in msg:
         return TierUnavailable(f"RocksDB at {path} cannot open: {msg}")
+    if "While lock file" in msg:  # flock(LOCK) refused: a live process has it open
+        return TierInUse(f"RocksDB at {path} is open in another process ({msg})")
     return TierCorrupt(f"RocksDB at {path} is unreadable: {msg}")
 
 

@@ -133,6 +133,25 @@ def test_agent_on_a_read_only_filesystem_names_its_data_dir(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_second_agent_on_a_data_dir_in_use_refuses_to_start_and_moves_nothing(spawn_agent):
+    """The second agent took RocksDB's held LOCK for damage: it moved the running agent's
+    files to a quarantine directory (two are kept, older ones deleted) and served with
+    an empty tier."""
+    first = spawn_agent()
+    data_dir = first.config["data_dir"]
+    before = sorted(os.listdir(data_dir))
+    r = _run(
+        "-m", "node_agent", "--listen", "127.0.0.1:0", "--device", "cpu", "--pool-bytes",
+        "4MiB", "--slot-bytes", "64KiB", "--data-dir", data_dir, "--allow-unauthenticated",
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"data_dir {data_dir} is in use by another process" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert sorted(os.listdir(data_dir)) == before
+    parent = os.path.dirname(data_dir.rstrip("/"))
+    assert not [d for d in os.listdir(parent) if ".quarantine" in d]
+
+
 def test_an_agent_whose_data_dir_is_a_file_says_so(tmp_path):
     """It said "cannot be created (File exists)", which sends an operator looking for a
     directory that is not there."""
