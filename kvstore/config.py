@@ -23,7 +23,7 @@ import yaml
 
 from kvstore.namespace import tenant_name_problem
 from kvstore.policy import NamespacePolicy
-from kvstore.units import parse_size, split_port
+from kvstore.units import host_problem, parse_size, split_port
 
 MiB = 1 << 20
 
@@ -389,6 +389,8 @@ def _check_listen(name: str, address: str) -> None:
     parts = split_port(address)
     if parts is None or parts[1] > 65535:
         raise ValueError(f"{name} must be host:port with a port in 0..65535, got {address!r}")
+    if host_problem(parts[0]):
+        raise ValueError(f"{name}: {host_problem(parts[0])}")
 
 
 def _coerce(tp, value, name: str):

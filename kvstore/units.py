@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from decimal import Decimal
 
@@ -50,6 +51,27 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?\.?")  # FQDN dot
+
+
+def host_problem(host: str) -> str:
+    """Why `host` (of split_port) is not a host name, IPv4 address or [bracketed] IPv6
+    address ("" when it is one): a bare "2001:db8::5:2379" splits as host "2001:db8::5"
+    (is that port 2379, or is "2001:db8::5:2379" an address with no port?), and
+    "grpc://x:1" or "a b:2379" are no hosts at all."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host[:80]!r} is not an IPv6 address"
+        return ""
+    if ":" in host:
+        return f"{host[:80]!r} is not a host name (an IPv6 address goes in brackets: [addr]:port)"
+    if not _HOSTNAME.fullmatch(host):
+        return f"{host[:80]!r} is not a host name or IPv4 address"
+    return ""
 
 
 def split_port(address: str) -> tuple[str, int] | None:

@@ -5,8 +5,6 @@ to be mapped and every edge refuses a malformed id list with the same INVALID_AR
 
 from __future__ import annotations
 
-import ipaddress
-import re
 from typing import cast
 
 from kvstore.errors import InvalidArgument
@@ -14,7 +12,7 @@ from kvstore.events import EventKind, Tier
 from kvstore.hashing import BLOCK_ID_BYTES, split_ids
 from kvstore.namespace import Namespace
 from kvstore.policy import NamespacePolicy
-from kvstore.units import split_port
+from kvstore.units import host_problem, split_port
 from kvstore.v1 import agent_pb2, common_pb2
 
 _NS_FIELDS = tuple(f.name for f in common_pb2.Namespace.DESCRIPTOR.fields)
@@ -57,9 +55,6 @@ def check_request_id(rid: str) -> str:
     return rid
 
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?\.?")  # FQDN dot
-
-
 def check_host_port(address: str, what: str) -> str:
     """`address` as host:port (a name, an IPv4 address or a [bracketed] IPv6 one, and a
     port in 1..65535), refused before any connection is tried: gRPC takes other targets
@@ -69,14 +64,9 @@ def check_host_port(address: str, what: str) -> str:
         raise InvalidArgument(
             f"{what} must be host:port with a port in 1..65535, got {address[:80]!r}"
         )
-    host = parts[0]
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise InvalidArgument(f"{what}: {host[:80]!r} is not an IPv6 address") from None
-    elif not _HOSTNAME.fullmatch(host):
-        raise InvalidArgument(f"{what}: {host[:80]!r} is not a host name or IPv4 address")
+    problem = host_problem(parts[0])
+    if problem:
+        raise InvalidArgument(f"{what}: {problem}")
     return address
 
 

@@ -62,7 +62,7 @@ from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.records import record_from_json
 from kvstore.config import TLSConfig
 from kvstore.tls import channel_credentials
-from kvstore.units import split_port
+from kvstore.units import host_problem, split_port
 
 log = logging.getLogger("kvstore.etcd")
 
@@ -103,6 +103,8 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
             host, port = parts
             if not 0 < port < 65536:
                 raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")
+            if host_problem(host):
+                raise ValueError(f"etcd endpoint {item!r}: {host_problem(host)}")
             out.append(f"127.0.0.1:{port}" if host == "localhost" else item)
     if not out:
         raise ValueError("no etcd endpoints given")

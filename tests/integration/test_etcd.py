@@ -46,6 +46,17 @@ def test_parse_endpoints_and_record_validation():
     for bad in ("", "nohost", "host:port", "127.0.0.1:99999", "127.0.0.1:0"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
+    # a bare IPv6 address read as host "2001:db8:" and port 5, then waited for etcd
+    # forever; a scheme gRPC takes or a space were dialled as host names
+    for bad, said in (
+        ("2001:db8::5", "an IPv6 address goes in brackets"),
+        ("grpc://x:1", "is not a host name"),
+        ("a b:2379", "is not a host name"),
+        ("[zz]:2379", "is not an IPv6 address"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            parse_endpoints(bad)
+    assert parse_endpoints("[2001:db8::5]:2379") == ["[2001:db8::5]:2379"]
     # only a host that is localhost is rewritten, never a name containing it
     assert parse_endpoints("mylocalhost.example:2379") == ["mylocalhost.example:2379"]
     with pytest.raises(ValueError):
