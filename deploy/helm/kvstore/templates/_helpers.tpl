@@ -213,3 +213,32 @@ httpGet:
   scheme: {{ ternary "HTTPS" "HTTP" $g.https }}
 {{- end }}
 {{- end }}
+
+{{/* Fails when two ports one pod listens on are equal (two processes of one network
+     namespace cannot bind one port; hostPorts of one node neither). dict: pod (where the
+     ports meet, for the message), ports (a list of [value name, port]; port 0: none). */}}
+{{- define "kvstore.distinctPorts" -}}
+{{- $seen := dict -}}
+{{- range .ports -}}
+{{- $name := index . 0 -}}
+{{- $port := int (index . 1) -}}
+{{- if $port -}}
+{{- $key := toString $port -}}
+{{- if hasKey $seen $key -}}
+{{- fail (printf "ports overlap in the %s: %s and %s are both port %d; change one of them" $.pod (get $seen $key) $name $port) -}}
+{{- end -}}
+{{- $_ := set $seen $key $name -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* [value name, port] pairs for the ports base + i, i < count: "name" for i = 0, then
+     "name + i". dict: name, base, count. */}}
+{{- define "kvstore.portRange" -}}
+{{- $out := list -}}
+{{- range $i := until (int .count) -}}
+{{- $name := ternary $.name (printf "%s + %d" $.name $i) (eq $i 0) -}}
+{{- $out = append $out (list $name (add (int $.base) $i)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
