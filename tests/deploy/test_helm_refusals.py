@@ -5,9 +5,12 @@ values schema), or renders what a Kubernetes operator would expect instead."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
+    CHART,
     helm,
+    one,
     render,
     render_error,
 )
@@ -53,3 +56,36 @@ def test_ports_of_one_pod_that_collide_are_refused(helm, values, sets, names):  
 def test_distinct_ports_next_to_each_other_render(helm):  # noqa: F811
     render(helm, MINIMAL, "agent.gpusPerNode=2", "agent.metricsBasePort=50053")
     render(helm, GATEWAY, "gateway.port=50061", "router.grpcPort=9401")
+
+
+# ---- the gateway's tokenizers ---------------------------------------------------------------
+
+
+def test_gateway_without_the_volume_its_tokenizers_are_on_is_refused(helm, tmp_path):  # noqa: F811
+    # /models is not mounted, and the gateway would crashloop on "cannot load
+    # tokenizer.json": the key dropped (null), or an empty volume source.
+    err = render_error(helm, GATEWAY, "gateway.modelVolume=null")
+    assert "gateway.modelVolume is empty" in err and "gateway.tokenizers.llama-3-8b" in err, err
+    values = yaml.safe_load((CHART / "ci" / GATEWAY).read_text())
+    values["gateway"]["modelVolume"] = {}
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    assert "gateway.modelVolume is empty" in render_error(helm, str(tmp_path / "values.yaml"))
+
+
+def test_tokenizers_the_gateway_image_holds_need_no_volume(helm):  # noqa: F811
+    docs = render(
+        helm,
+        GATEWAY,
+        "gateway.modelVolume=null",
+        "gateway.tokenizers.llama-3-8b=/opt/tokenizers/llama-3-8b",
+    )
+    spec = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert "models" not in {v["name"] for v in spec["volumes"]}
+
+
+def test_engines_model_without_a_gateway_tokenizer_is_refused(helm):  # noqa: F811
+    err = render_error(helm, GATEWAY, "engines.servedModelName=llama-3-70b")
+    assert 'engines.servedModelName "llama-3-70b" is not a key of gateway.tokenizers' in err
+    assert "(llama-3-8b)" in err, err
+    # Without the gateway nothing tokenizes: the engines alone are fine.
+    render(helm, GATEWAY, "engines.servedModelName=llama-3-70b", "gateway.enabled=false")
