@@ -89,3 +89,22 @@ def test_engines_model_without_a_gateway_tokenizer_is_refused(helm):  # noqa: F8
     assert "(llama-3-8b)" in err, err
     # Without the gateway nothing tokenizes: the engines alone are fine.
     render(helm, GATEWAY, "engines.servedModelName=llama-3-70b", "gateway.enabled=false")
+
+
+# ---- the engines' tenant ----------------------------------------------------------------------
+
+
+def test_engines_tenant_missing_from_inline_tenants_is_refused(helm):  # noqa: F811
+    err = render_error(helm, GATEWAY, "engines.kvTenant=acme")
+    assert 'engines.kvTenant "acme" is not in auth.tenants (engines)' in err, err
+    assert "auth.tenants.acme" in err
+    err = render_error(helm, GATEWAY, "auth.tenants=null", "auth.allowUnauthenticated=true")
+    assert 'engines.kvTenant "engines" is not in auth.tenants (none)' in err, err
+    # Tenants from an existing Secret are the operator's: the chart cannot see them.
+    render(
+        helm,
+        GATEWAY,
+        "engines.kvTenant=acme",
+        "auth.existingSecret=kvstore-tenants",
+        "auth.existingClusterTokenSecret=kvstore-cluster-token",
+    )
