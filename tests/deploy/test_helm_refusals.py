@@ -108,3 +108,62 @@ def test_engines_tenant_missing_from_inline_tenants_is_refused(helm):  # noqa: F
         "auth.existingSecret=kvstore-tenants",
         "auth.existingClusterTokenSecret=kvstore-cluster-token",
     )
+
+
+# ---- disruption budgets that would block every drain ------------------------------------------
+
+
+def _pdbs(docs) -> dict[str, dict]:
+    return {
+        d["metadata"]["name"].rsplit("-", 1)[1]: d["spec"]
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+    }
+
+
+def test_one_replica_gets_no_disruption_budget(helm):  # noqa: F811
+    # The default budget (minAvailable 1) on one pod would block every eviction of it.
+    docs = render(
+        helm,
+        GATEWAY,
+        "router.autoscaling.enabled=false",
+        "router.replicas=1",
+        "gateway.autoscaling.minReplicas=1",
+    )
+    assert set(_pdbs(docs)) == {"etcd"}
+    assert _pdbs(render(helm, GATEWAY))["router"]["minAvailable"] == 1  # two replicas
+
+
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (
+            ("router.autoscaling.enabled=false", "router.podDisruptionBudget.minAvailable=5"),
+            "router.podDisruptionBudget.minAvailable (5) is not below router.replicas (2)",
+        ),
+        (
+            ("router.podDisruptionBudget.minAvailable=2",),  # the HPA keeps 2
+            "router.podDisruptionBudget.minAvailable (2) is not below "
+            "router.autoscaling.minReplicas (2)",
+        ),
+        (
+            ("gateway.autoscaling.minReplicas=3", "gateway.podDisruptionBudget.minAvailable=70%"),
+            "gateway.podDisruptionBudget.minAvailable (70%, 3 pods) is not below "
+            "gateway.autoscaling.minReplicas (3)",
+        ),
+    ],
+)
+def test_budgets_that_keep_every_replica_are_refused(helm, sets, message):  # noqa: F811
+    assert message in render_error(helm, GATEWAY, *sets)
+
+
+def test_budgets_that_let_one_pod_go_render(helm):  # noqa: F811
+    docs = render(
+        helm,
+        GATEWAY,
+        "gateway.autoscaling.minReplicas=3",
+        "gateway.podDisruptionBudget.minAvailable=60%",  # 1.8, rounded up: 2 of 3
+    )
+    assert _pdbs(docs)["gateway"]["minAvailable"] == "60%"
+    err = render_error(helm, GATEWAY, "gateway.podDisruptionBudget.minAvailable=150%")
+    assert "schema" in err and "minAvailable" in err, err

@@ -242,3 +242,45 @@ httpGet:
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
+
+{{/* The PodDisruptionBudget of the router or gateway Deployment. The replicas it guards
+     are the fewest the Deployment runs: replicas, or autoscaling.minReplicas under an
+     HPA. A budget that keeps every one of them (minAvailable >= that count; a
+     percentage rounds up, as Kubernetes rounds it) blocks every eviction, so no node
+     that runs one could be drained: with one replica no budget is rendered (none for
+     one pod could allow its eviction), with more the chart refuses, naming the values.
+     dict: root, component ("router" or "gateway"). */}}
+{{- define "kvstore.podDisruptionBudget" -}}
+{{- $v := index .root.Values .component -}}
+{{- $pdb := $v.podDisruptionBudget -}}
+{{- if $pdb.enabled -}}
+{{- $hpa := $v.autoscaling.enabled -}}
+{{- $replicas := int (ternary $v.autoscaling.minReplicas $v.replicas $hpa) -}}
+{{- $replicasName := printf "%s.%s" .component (ternary "autoscaling.minReplicas" "replicas" $hpa) -}}
+{{- $min := $pdb.minAvailable -}}
+{{- $keep := 0 -}}
+{{- $shown := toString $min -}}
+{{- if typeIs "string" $min -}}
+{{- $keep = div (add (mul $replicas (int (trimSuffix "%" $min))) 99) 100 -}}
+{{- $shown = printf "%s, %d pods" $min (int $keep) -}}
+{{- else -}}
+{{- $keep = int $min -}}
+{{- end -}}
+{{- if lt (int $keep) $replicas -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvstore.fullname" .root }}-{{ .component }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvstore.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  minAvailable: {{ $min }}
+  selector:
+    matchLabels:
+      {{- include "kvstore.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+{{- else if gt $replicas 1 -}}
+{{- fail (printf "%s.podDisruptionBudget.minAvailable (%s) is not below %s (%d): the budget would block every eviction, so no node running a %s pod could be drained; lower minAvailable, raise %s, or set %s.podDisruptionBudget.enabled=false" .component $shown $replicasName $replicas .component $replicasName .component) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
