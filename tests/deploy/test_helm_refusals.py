@@ -4,6 +4,8 @@ values schema), or renders what a Kubernetes operator would expect instead."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -13,6 +15,7 @@ from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     one,
     render,
     render_error,
+    run_helm,
 )
 
 GATEWAY = "gateway-values.yaml"
@@ -167,3 +170,35 @@ def test_budgets_that_let_one_pod_go_render(helm):  # noqa: F811
     assert _pdbs(docs)["gateway"]["minAvailable"] == "60%"
     err = render_error(helm, GATEWAY, "gateway.podDisruptionBudget.minAvailable=150%")
     assert "schema" in err and "minAvailable" in err, err
+
+
+# ---- image references -------------------------------------------------------------------------
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+@pytest.mark.parametrize(
+    "setting,where",
+    [
+        ("image.tag=v2 #canary", "image.tag"),  # rendered unquoted: deployed ...:v2
+        ("image.tag=:::", "image.tag"),  # rendered unquoted: a YAML parse error
+        ("image.tag=" + "v" * 129, "image.tag"),
+        ("engines.image.tag=v1 #x", "engines.image.tag"),
+        ("etcd.bundled.image.tag=-v3", "etcd.bundled.image.tag"),
+        ("image.digest=sha256:abc #x", "image.digest"),
+    ],
+)
+def test_image_tags_outside_the_oci_grammar_are_refused(helm, setting, where):  # noqa: F811
+    err = render_error(helm, MINIMAL, setting)
+    assert "schema" in err and (where in err or "/" + where.replace(".", "/") in err), err
+
+
+def test_image_references_are_quoted_and_take_a_digest(helm):  # noqa: F811
+    proc = run_helm(helm, "template", "-f", str(CHART / "ci" / GATEWAY), "--set",
+                    f"image.digest={DIGEST}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    refs = re.findall(r"^\s*image: (.*)$", proc.stdout, re.MULTILINE)
+    assert len(refs) >= 4 and all(r.startswith('"') and r.endswith('"') for r in refs), refs
+    docs = render(helm, GATEWAY, f"image.digest={DIGEST}")
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["image"] == f"ghcr.io/kvstore/kvstore:0.1.0@{DIGEST}"

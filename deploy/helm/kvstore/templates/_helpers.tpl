@@ -36,7 +36,21 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 
 {{- define "kvstore.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- include "kvstore.imageRef" (dict "image" .Values.image "tag" .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* repository[:tag][@digest] of an image section; dict: image, tag (the default tag).
+     The schema holds tags and digests to the OCI grammar; the templates quote the result,
+     so nothing in it can end or comment out the YAML value. */}}
+{{- define "kvstore.imageRef" -}}
+{{- $ref := .image.repository -}}
+{{- with (.image.tag | default .tag) -}}
+{{- $ref = printf "%s:%s" $ref . -}}
+{{- end -}}
+{{- with .image.digest -}}
+{{- $ref = printf "%s@%s" $ref . -}}
+{{- end -}}
+{{- $ref -}}
 {{- end -}}
 
 {{- define "kvstore.serviceAccountName" -}}
