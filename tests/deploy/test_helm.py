@@ -562,7 +562,7 @@ def test_local_volume_sized_for_all_gpus(helm):
     assert "smaller than nvmeGiB x gpusPerNode (4000)" in err
     hostpath = one(render(helm, "minimal-values.yaml"), "DaemonSet", "-agent")
     (vol,) = [v for v in hostpath["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"]
-    assert vol["hostPath"]["path"] == f"/mnt/nvme/kvstore/{RELEASE}-kvstore"
+    assert vol["hostPath"]["path"] == f"/mnt/nvme/kvstore/{NAMESPACE}/{RELEASE}-kvstore"
 
 
 def test_bundled_etcd_members_match_endpoints(helm):

@@ -5,12 +5,14 @@ values schema), or renders what a Kubernetes operator would expect instead."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import yaml
 
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     CHART,
+    NAMESPACE,
     helm,
     one,
     render,
@@ -202,3 +204,42 @@ def test_image_references_are_quoted_and_take_a_digest(helm):  # noqa: F811
     docs = render(helm, GATEWAY, f"image.digest={DIGEST}")
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["image"] == f"ghcr.io/kvstore/kvstore:0.1.0@{DIGEST}"
+
+
+# ---- the agents' data dir on the node ---------------------------------------------------------
+
+
+def _data_host_path(helm: str, namespace: str) -> str:  # noqa: F811
+    proc = run_helm(helm, "template", "-f", str(CHART / "ci" / MINIMAL), "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    spec = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "data"]
+    return vol["hostPath"]["path"]
+
+
+def test_releases_of_one_name_in_two_namespaces_keep_apart_on_a_node(helm):  # noqa: F811
+    team_a, team_b = _data_host_path(helm, "team-a"), _data_host_path(helm, "team-b")
+    assert team_a == "/mnt/nvme/kvstore/team-a/kv-kvstore"
+    assert team_b == "/mnt/nvme/kvstore/team-b/kv-kvstore"
+
+
+def test_upgrade_notes_name_the_old_and_new_data_dirs(helm, tmp_path):  # noqa: F811
+    # NOTES.txt renders only at install/upgrade: include it from an extra template.
+    chart = tmp_path / "kvstore"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
+    )
+
+    def notes(*args: str) -> str:
+        proc = run_helm(helm, "template", "-f", str(CHART / "ci" / MINIMAL), *args,
+                        "--show-only", "templates/zz-notes.yaml", chart=chart)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return yaml.safe_load(proc.stdout)["data"]["notes"]
+
+    upgrade = notes("--is-upgrade")
+    assert f"/mnt/nvme/kvstore/{NAMESPACE}/kv-kvstore" in upgrade
+    assert "/mnt/nvme/kvstore/kv-kvstore" in upgrade
+    assert "/mnt/nvme/kvstore/kv-kvstore" not in notes()  # a fresh install has no old dir

@@ -134,6 +134,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 {{- end -}}
 
+{{/* The agents' data dir on the node (storage.type hostPath). */}}
+{{- define "kvstore.agentHostPath" -}}
+{{- printf "%s/%s/%s" (trimSuffix "/" .Values.agent.storage.hostPath.path) .Release.Namespace (include "kvstore.fullname" .) -}}
+{{- end -}}
+
 {{- define "kvstore.localVolumeGiB" -}}
 {{- $v := .Values.agent -}}
 {{- $need := mul (int $v.nvmeGiB) (int $v.gpusPerNode) -}}
