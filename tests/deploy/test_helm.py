@@ -640,6 +640,9 @@ BAD_VALUES = [
     ("encryption.keys.acme\\.1\\.key=c2hvcnQ=", "encryption.keys"),  # not 32 bytes
     ("encryption.keys.acme\\.one\\.key=" + "A" * 43 + "=", "encryption.keys"),
     ("encryption.active.acme=0", "encryption.active.acme"),
+    # a bare IPv6 address reads as host and port wrongly (kvstore.units.host_problem)
+    ("etcd.external.endpoints[0]=2001:db8::5", "etcd.external.endpoints"),
+    ("etcd.external.endpoints[0]=grpc://x:1", "etcd.external.endpoints"),
 ]
 
 
@@ -864,3 +867,26 @@ def test_dashboard_uses_only_exported_metrics():
         if var["type"] == "query":
             assert metric_names(var["definition"]) <= METRICS
     assert used == METRICS, f"not shown: {METRICS - used}"
+
+
+def test_two_tenants_with_one_token_hash_are_refused(helm):
+    """The agents refuse such a tenants.json at start (one token would authenticate as
+    whichever tenant came last); the chart says so before anything is deployed."""
+    digest = "ab" * 32
+    err = render_error(
+        helm,
+        "minimal-values.yaml",
+        f"auth.tenants.acme.tokenSha256={digest}",
+        f"auth.tenants.globex.tokenSha256={digest}",
+    )
+    assert "auth.tenants.acme and auth.tenants.globex have the same tokenSha256" in err, err
+
+
+def test_bracketed_ipv6_etcd_endpoints_render(helm):
+    docs = render(
+        helm,
+        "minimal-values.yaml",
+        "etcd.mode=external",
+        "etcd.external.endpoints[0]=[2001:db8::5]:2379",
+    )
+    assert "[2001:db8::5]:2379" in json.dumps(docs)
