@@ -45,11 +45,36 @@ def write_ready_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-async def run_until_signalled(server, ready_file: str | None = None) -> None:
-    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT."""
+def check_ready_file(path: str | None, what: str = "--ready-file") -> None:
+    """StartupError unless `path` can be written once serving (its directory exists and
+    is writable): checked before anything starts, not found out after the listeners are
+    up (the process then held its ports and served no one)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise StartupError(f"{what} {path} is a directory; name a file in one")
+    if not os.path.isdir(folder):
+        raise StartupError(f"{what} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise StartupError(f"{what} {path}: directory {folder} is not writable")
+
+
+async def run_until_signalled(
+    server, ready_file: str | None = None, more_ready_files: tuple[str | None, ...] = ()
+) -> None:
+    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT.
+    `more_ready_files`: others the server writes itself, checked before it starts."""
+    check_ready_file(ready_file)
+    for other in more_ready_files:
+        check_ready_file(other, "ready file")
     await server.start()
     if ready_file:
-        write_ready_file(ready_file, server.address)
+        try:
+            write_ready_file(ready_file, server.address)
+        except OSError as exc:
+            await server.stop()
+            raise StartupError(f"cannot write --ready-file {ready_file}: {exc}") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -326,4 +326,4 @@ async def serve(
 ) -> None:
     server = RouterServer(cfg, token, etcd_prefix, with_control=True, gateway=gateway)
     server.gateway_ready_file = gateway_ready_file
-    await run_until_signalled(server, ready_file)
+    await run_until_signalled(server, ready_file, (gateway_ready_file,))

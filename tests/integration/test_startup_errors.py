@@ -152,6 +152,20 @@ def test_a_second_agent_on_a_data_dir_in_use_refuses_to_start_and_moves_nothing(
     assert not [d for d in os.listdir(parent) if ".quarantine" in d]
 
 
+def test_a_ready_file_in_a_missing_directory_stops_the_start(tmp_path):
+    """It was found out after the listeners were up: a FileNotFoundError traceback, and
+    the process kept its ports with no working event loop until killed."""
+    ready = tmp_path / "nonexist" / "ready"
+    r = _run(
+        "-m", "node_agent", "--listen", "127.0.0.1:0", "--device", "cpu", "--pool-bytes",
+        "4MiB", "--slot-bytes", "64KiB", "--data-dir", str(tmp_path / "data"),
+        "--allow-unauthenticated", "--ready-file", str(ready),
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"--ready-file {ready}: directory {ready.parent} does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_an_agent_whose_data_dir_is_a_file_says_so(tmp_path):
     """It said "cannot be created (File exists)", which sends an operator looking for a
     directory that is not there."""
