@@ -458,10 +458,17 @@ def load_config(
     data: dict = {}
     if path:
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-        is_yaml = path.endswith((".yaml", ".yml"))
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{path}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+            ) from None
+        # .json is JSON; anything else (.yaml, .YML, .conf ...) YAML, which reads JSON too
+        is_yaml = not path.lower().endswith(".json")
         try:
             loaded = yaml.safe_load(text) if is_yaml else json.loads(text)
         except (ValueError, yaml.YAMLError) as exc:

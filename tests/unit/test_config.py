@@ -202,6 +202,19 @@ def test_an_unreadable_or_unparsable_file_is_named(tmp_path):
     missing = tmp_path / "none.yaml"
     with pytest.raises(ValueError, match=rf"{missing}: cannot read: No such file"):
         load_config(AgentConfig, str(missing))
+    latin = tmp_path / "agent.yaml"
+    latin.write_bytes(b"node_id: gr\xfcn\n")  # was a codec error naming no file
+    with pytest.raises(ValueError, match=rf"{latin}: not UTF-8 text \(byte 11"):
+        load_config(AgentConfig, str(latin))
+
+
+@pytest.mark.parametrize("name", ["agent.YAML", "agent.Yml", "agent.conf"])
+def test_yaml_files_of_any_other_name_are_read_as_yaml(tmp_path, name):
+    """Only .json is JSON: an upper-case .YAML or a .conf file was parsed as JSON
+    ("not valid JSON")."""
+    f = tmp_path / name
+    f.write_text("node_id: gpu-7\n")
+    assert load_config(AgentConfig, str(f)).node_id == "gpu-7"
 
 
 def test_router_config_validation():
