@@ -54,6 +54,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def nonempty(text: str) -> str:
     """An argparse type for --etcd and --state-dir: an empty value is a mistake (a
     variable that did not expand), not "look for a cluster elsewhere"."""
@@ -718,6 +729,6 @@ def _register_views(sub) -> None:
     p.set_defaults(func=cmd_namespaces, kvctl_command="namespaces")
 
     p = sub.add_parser("audit", help="admin actions recorded in etcd (who, what, when, result)")
-    p.add_argument("--limit", type=int, default=50, help="newest N records (0: all)")
+    p.add_argument("--limit", type=count, default=50, help="newest N records (0: all)")
     _common(p)
     p.set_defaults(func=cmd_audit, kvctl_command="audit")

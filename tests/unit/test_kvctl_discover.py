@@ -72,12 +72,20 @@ def test_search_stops_at_the_repository_root(tmp_path):
         assert hint in msg, hint
 
 
-@pytest.mark.parametrize("argv", [["--etcd", ""], ["--etcd", " "], ["--state-dir", ""]])
-def test_an_empty_flag_is_a_usage_error_not_a_search(argv, capsys):
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["status", "--etcd", ""], "argument --etcd: is empty"),
+        (["status", "--etcd", " "], "argument --etcd: is empty"),
+        (["status", "--state-dir", ""], "argument --state-dir: is empty"),
+        (["audit", "--limit", "-3"], "argument --limit: must be 0 or more"),  # was exit 0
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_before_any_search(argv, said, capsys):
     """`kvctl status --etcd "$UNSET"` talked to whatever local cluster it found instead."""
     from kvstore.cli.__main__ import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["status", *argv])
+        main(argv)
     assert exc.value.code == 2
-    assert f"argument {argv[0]}: is empty" in capsys.readouterr().err
+    assert said in capsys.readouterr().err
