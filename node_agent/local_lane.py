@@ -112,7 +112,9 @@ class _Conn:
     regions: set[int] = field(default_factory=set)
 
 
-def _gid(group: str) -> int | None:
+def lane_gid(group: str) -> int | None:
+    """The gid of `local_lane_group` (a name or a number; None: none); StartupError
+    naming a group this host lacks."""
     if not group:
         return None
     if group.isdigit():
@@ -141,7 +143,7 @@ class LocalLane:
         self._interceptors = list(interceptors)
         self._tokens = tokens
         self._limits = limits
-        self._gid = _gid(limits.group)
+        self._gid = lane_gid(limits.group)
         self._shm = servicer.shm
         self._handlers = {
             name: fn(getattr(servicer, name), req.FromString, _serialize)

@@ -35,7 +35,7 @@ from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
 from node_agent.interceptors import EdgeInterceptor
-from node_agent.local_lane import LaneLimits, LocalLane
+from node_agent.local_lane import LaneLimits, LocalLane, lane_gid
 from node_agent.metrics import AgentTelemetry
 from node_agent.peer.service import PeerTransfer
 from node_agent.peer.ucx import direct
@@ -189,6 +189,8 @@ class AgentServer:
         return self.peer.peer_address
 
     async def start(self) -> None:
+        if self.cfg.local_lane:  # a host setting, read before recovery (minutes, at worst)
+            lane_gid(self.cfg.local_lane_group)
         self.telemetry = AgentTelemetry(self)
         rec = self._recover()
         log.info(

@@ -166,6 +166,22 @@ def test_a_ready_file_in_a_missing_directory_stops_the_start(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_missing_local_lane_group_is_named_before_recovery(tmp_path):
+    """It was found after recovering the NVMe tier (up to minutes), followed by an
+    'Exception ignored in Server.__del__' traceback."""
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("local_lane_group: no-such-group-here\n")
+    r = _run(
+        "-m", "node_agent", "--config", str(cfg), "--listen", "127.0.0.1:0", "--device",
+        "cpu", "--pool-bytes", "4MiB", "--slot-bytes", "64KiB", "--data-dir",
+        str(tmp_path / "data"), "--allow-unauthenticated",
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "local_lane_group 'no-such-group-here': no such group on this host" in r.stderr
+    assert "recovered" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
 def test_an_agent_whose_data_dir_is_a_file_says_so(tmp_path):
     """It said "cannot be created (File exists)", which sends an operator looking for a
     directory that is not there."""
