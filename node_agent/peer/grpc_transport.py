@@ -55,7 +55,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         # Keep every chunk well inside the message size limit.
         batch = max(1, min(src.batch, (self.max_message_bytes // 2) // size))
         chunks = self._chunks(replace(src, batch=batch))
-        async with self.source.slots, aclosing(chunks) as it:
+        async with self.source.slots.hold(src.share), aclosing(chunks) as it:
             async for chunk in it:
                 yield chunk
 

@@ -6,9 +6,11 @@ node_agent/peer/__init__.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from kvstore import errors
+from kvstore.auth import AGENT_TENANT
 from kvstore.config import PeerConfig
 from kvstore.store import BlockStore, NsState, ServedBlock
 from kvstore.store_types import Borrowed
@@ -20,13 +22,47 @@ from node_agent.peer.staging import OFFLOAD_BYTES, StagingLease, StagingPool, co
 
 @dataclass(frozen=True, slots=True)
 class ServeRequest:
-    """A validated FetchRequest: what to read, and how many blocks per batch."""
+    """A validated FetchRequest: what to read, and how many blocks per batch; `share`:
+    whose share of the transfer slots it takes (TransferSlots): the calling tenant's, or,
+    for the agent identity (and unauthenticated development callers), the namespace
+    owner's."""
 
     st: NsState
     generation: int
     ids: list[bytes]
     parent_id: bytes
     batch: int
+    share: str = ""
+
+
+class TransferSlots:
+    """Concurrent transfers served, all transports together (each holds staging sets
+    and CPU), `total` of them, of which one tenant's take at most `total - 1` (all of
+    them when total is 1): a tenant whose transfers stall, a receiver that posts no
+    receives and sends no release, holds its share until the io timeouts end them, and
+    every other tenant's pulls are still served meanwhile."""
+
+    def __init__(self, total: int) -> None:
+        self._all = asyncio.Semaphore(total)
+        self.per_share = max(1, total - 1)
+        self._shares: dict[str, asyncio.Semaphore] = {}
+        self._users: dict[str, int] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, share: str):
+        """One transfer of `share` (its own slot first, then one of all: a share that
+        waits for itself holds nothing of the others')."""
+        sem = self._shares.get(share)
+        if sem is None:
+            sem = self._shares[share] = asyncio.Semaphore(self.per_share)
+        self._users[share] = self._users.get(share, 0) + 1
+        try:
+            async with sem, self._all:
+                yield
+        finally:
+            self._users[share] -= 1
+            if not self._users[share]:  # forget idle shares: tenants come and go
+                del self._users[share], self._shares[share]
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +97,7 @@ class BlockSource:
         self._pcfg = pcfg
         self._counters = counters
         # Concurrent transfers served, all transports together: each holds staging sets.
-        self.slots = asyncio.Semaphore(pcfg.max_transfers)
+        self.slots = TransferSlots(pcfg.max_transfers)
 
     async def request(self, req: peer_pb2.FetchRequest, tenant: str | None) -> ServeRequest:
         """Validate a FetchRequest of `tenant` (KvError: the refusal to send back)."""
@@ -73,7 +109,8 @@ class BlockSource:
             req.batch_blocks or self._pcfg.batch_for(st.spec.block_bytes),
             self._pcfg.max_batch_blocks,
         )
-        return ServeRequest(st, req.ns.generation, ids, parent, batch)
+        share = st.tenant if tenant in (None, AGENT_TENANT) else tenant
+        return ServeRequest(st, req.ns.generation, ids, parent, batch, share)
 
     def lease(self, n_sets: int, batch: int, block_bytes: int) -> StagingLease:
         """Staging sets for one transfer's batches (read_batches' `lease`)."""

@@ -138,7 +138,7 @@ class UcxServer:
             )
             return False
         same_host = bool(self._same_host) and req.same_host == self._same_host
-        async with self._source.slots:
+        async with self._source.slots.hold(src.share):
             await self._send_batches(ep, src, same_host)
         return True
 
