@@ -291,7 +291,7 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.nvme_bytes < 0:
             raise ValueError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
-        _check_listen("listen", self.listen)
+        check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))
         if not _DEVICE.fullmatch(self.device):
@@ -372,7 +372,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not self.prefill_tokens_per_s > 0 or not self.peer_gbps > 0:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
-        _check_listen("listen", self.listen)
+        check_listen("listen", self.listen)
         _check_port("metrics_port", self.metrics_port)
 
 
@@ -384,7 +384,7 @@ def _check_port(name: str, port: int) -> None:
         raise ValueError(f"{name} must be in 0..65535 (0: none, or a free one), got {port}")
 
 
-def _check_listen(name: str, address: str) -> None:
+def check_listen(name: str, address: str) -> None:
     """host:port with a port in 0..65535 (0: a free one); gRPC binds 99999 as 34463."""
     parts = split_port(address)
     if parts is None or parts[1] > 65535:

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from kvstore.config import check_listen
+
 __all__ = ["GatewayConfig", "ApiKeys", "Grant", "POLICIES", "ReloadingApiKeys", "read_secret"]
 
 log = logging.getLogger("kvstore.gateway")
@@ -67,6 +69,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.listen:
+            # Here, before anything starts (not at bind time, after joining etcd); named
+            # "gateway listen", apart from the router's own gRPC listen.
+            check_listen("gateway listen", self.listen)
         for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes", "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

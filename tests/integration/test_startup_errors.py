@@ -217,6 +217,28 @@ def test_a_router_whose_gateway_files_are_bad_says_so_before_waiting_for_etcd(tm
     assert "no-such-tokenizer" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "nohost"])
+def test_a_bad_gateway_listen_exits_2_with_one_line_before_anything_starts(etcd, tmp_path, listen):
+    """Before the fix 127.0.0.1:99999 was an OverflowError traceback once the router had
+    joined etcd, and nohost "cannot start: ... invalid literal for int()" (exit 1)."""
+    from loadtest.vllm_model import write_word_tokenizer
+
+    (tmp_path / "keys.json").write_text('{"key-acme": "acme"}')
+    (tmp_path / "salt").write_text("s" * 32)
+    cfg = tmp_path / "gateway.json"
+    cfg.write_text(
+        '{"tokenizers": {"tiny": "%s"}, "api_keys_file": "%s", "salt_key_file": "%s"}'
+        % (write_word_tokenizer(tmp_path / "tok"), tmp_path / "keys.json", tmp_path / "salt")
+    )
+    r = _run("-m", "router", "--listen", "127.0.0.1:0", "--etcd-endpoints", etcd.endpoint,
+             "--gateway-listen", listen, "--gateway-config", str(cfg))  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == (
+        "kvstore-router: bad configuration: gateway listen must be host:port with a port in "
+        f"0..65535, got {listen!r}"
+    )
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
 def test_an_agent_whose_ucx_listener_cannot_bind_serves_and_still_stops_on_sigterm(tmp_path):
     """A taken peer_port: UCX is down, peers use gRPC, and SIGTERM ends the process (ucxx's

@@ -92,3 +92,12 @@ def test_a_value_from_the_environment_is_read_as_its_type(monkeypatch, tmp_path)
 def test_max_choices_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_choices must be >= 1"):
         GatewayConfig(listen="127.0.0.1:1", tokenizers={"m": str(tmp_path)}, max_choices=0)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "nohost", "127.0.0.1:", ":8080", "h:8x"])
+def test_a_bad_gateway_listen_is_refused_by_the_config(tmp_path, listen):
+    """Before the fix 127.0.0.1:99999 was an OverflowError traceback at bind time, after
+    joining etcd, and nohost "invalid literal for int()"."""
+    with pytest.raises(ValueError, match=r"^gateway listen must be host:port with a port in 0"):
+        GatewayConfig(listen=listen, tokenizers={"m": str(tmp_path)}, api_keys_file="/k")
+    GatewayConfig(listen="[::1]:0", tokenizers={"m": str(tmp_path)}, api_keys_file="/k")
