@@ -143,9 +143,13 @@ _METRICS_ELSEWHERE = (
 )
 
 
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    """An error as OpenAI's API words it (what its clients parse)."""
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def _error(exc: HTTPFailure) -> JSONResponse:
-    body = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
-    return JSONResponse(body, exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc.status, exc.message, exc.kind), exc.status, exc.headers)
 
 
 def _header(scope: Scope, name: bytes) -> str:

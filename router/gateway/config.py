@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,16 @@ class GatewayConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20
+    # Clients that send slowly or stall (anyone, without a key: they are cut off before
+    # the API key is read). The request line and headers must arrive within
+    # header_timeout_s of the connection opening, or on a keep-alive connection of the
+    # next request's first byte (an idle one closes after 30 s); the body within
+    # body_timeout_s of the headers. Late: 408 and the connection closed (a connection
+    # that sent nothing is closed without a word).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_header_bytes: int = 64 << 10  # request line and headers; more: 431, connection closed
+    max_connections: int = 1024  # open client connections; beyond, each request gets 503
     max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
     # The most completions one request may ask of the engine (`n`, `best_of`); more is
     # refused (400): a request's n choices weigh on the engine like n requests, while the
@@ -73,7 +84,14 @@ class GatewayConfig:
             # Here, before anything starts (not at bind time, after joining etcd); named
             # "gateway listen", apart from the router's own gRPC listen.
             check_listen("gateway listen", self.listen)
-        for name in ("max_inflight_per_engine", "retry_after_s", "max_body_bytes", "max_choices"):
+        for name in (
+            "max_inflight_per_engine",
+            "retry_after_s",
+            "max_body_bytes",
+            "max_choices",
+            "max_header_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens < 1:  # 0 would refuse every prompt, not lift the cap
@@ -83,9 +101,16 @@ class GatewayConfig:
             )
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0 (0: no cap)")
-        for name in ("engine_suspend_s", "connect_timeout_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        for name in (
+            "engine_suspend_s",
+            "connect_timeout_s",
+            "request_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # nan > 0 is False, inf > 0 True
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_ca_file and not self.tls_cert_file:

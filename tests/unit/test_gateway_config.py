@@ -101,3 +101,28 @@ def test_a_bad_gateway_listen_is_refused_by_the_config(tmp_path, listen):
     with pytest.raises(ValueError, match=r"^gateway listen must be host:port with a port in 0"):
         GatewayConfig(listen=listen, tokenizers={"m": str(tmp_path)}, api_keys_file="/k")
     GatewayConfig(listen="[::1]:0", tokenizers={"m": str(tmp_path)}, api_keys_file="/k")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("header_timeout_s", 0),
+        ("header_timeout_s", float("nan")),
+        ("body_timeout_s", -1),
+        ("body_timeout_s", float("inf")),
+        ("request_timeout_s", float("nan")),
+        ("max_header_bytes", 0),
+        ("max_connections", 0),
+    ],
+)
+def test_connection_limits_must_be_positive_and_finite(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be (a positive finite number|>= 1)"):
+        GatewayConfig(**{field: value})
+
+
+def test_connection_limits_load_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSTORE_GATEWAY_MAX_HEADER_BYTES", "32KiB")
+    monkeypatch.setenv("KVSTORE_GATEWAY_HEADER_TIMEOUT_S", "2.5")
+    cfg = load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
+    assert (cfg.max_header_bytes, cfg.header_timeout_s) == (32 << 10, 2.5)
+    assert (cfg.body_timeout_s, cfg.max_connections) == (60.0, 1024)
