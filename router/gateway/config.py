@@ -154,16 +154,22 @@ class ApiKeys:
             self._by_digest[hashlib.sha256(key.encode()).digest()] = _grant(key, value)
 
     @classmethod
-    def load(cls, path: str) -> "ApiKeys":
+    def load(cls, path: str, allow_empty: bool = False) -> "ApiKeys":
+        """`allow_empty`: an empty mapping (`{}`) loads, with no keys (every request 401);
+        at start-up it is refused, a gateway nobody can use being a mistake. An empty
+        file (or only YAML comments) is never a mapping: a file being rewritten in place
+        is empty for a moment."""
         try:
             text = Path(path).read_text()
         except OSError as exc:
             raise ValueError(f"api_keys_file: cannot read {path}: {exc.strerror}") from None
+        if not text.strip():
+            raise ValueError(f"api_keys_file {path} is empty")
         try:
             data = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
         except (ValueError, yaml.YAMLError) as exc:
             raise ValueError(f"api_keys_file {path}: not YAML/JSON: {type(exc).__name__}") from None
-        if not isinstance(data, dict) or not data:
+        if not isinstance(data, dict) or not (data or allow_empty):
             raise ValueError(f"api_keys_file {path}: expected a mapping of key -> tenant")
         return cls({str(k): v for k, v in data.items()})
 
@@ -181,9 +187,12 @@ class ApiKeys:
 class ReloadingApiKeys:
     """The api_keys_file, read again when it changes (checked at most once per
     `interval_s`, by its stat: a rewrite, or a Kubernetes Secret's symlink swap), so a
-    leaked key is revoked by editing the file, without a restart. A file that no longer
-    loads (half written, bad entry) keeps the keys in force and is logged, never locking
-    every tenant out."""
+    leaked key is revoked by editing the file, without a restart, and every key by
+    writing an empty mapping, `{}` (then every request is 401). A file that does not load
+    keeps the keys in force, with a warning, never locking every tenant out: one half
+    written or with a bad entry, an empty file (what a rewrite in place shows for a
+    moment) and a missing one (a replace by delete and create, an unmounted volume) alike.
+    Revoking takes `{}`, not deleting the file."""
 
     def __init__(self, path: str, interval_s: float = 1.0) -> None:
         self.path, self.interval_s = path, interval_s
@@ -207,14 +216,25 @@ class ReloadingApiKeys:
         if seen == self._seen:
             return
         self._seen = seen
+        if seen is None:
+            log.warning(
+                "api_keys_file %s is missing; keeping the %d keys in force until it is back "
+                "(to revoke every key, write {} to it)",
+                self.path,
+                len(self._keys),
+            )
+            return
         try:
-            self._keys = ApiKeys.load(self.path)
+            self._keys = ApiKeys.load(self.path, allow_empty=True)
         except ValueError as exc:
             log.warning(
                 "api_keys_file changed but does not load; keeping the keys in force: %s", exc
             )
             return
-        log.info("api_keys_file reloaded: %d keys", len(self._keys))
+        if len(self._keys):
+            log.info("api_keys_file reloaded: %d keys", len(self._keys))
+        else:
+            log.warning("api_keys_file reloaded: no keys; every request is refused (401)")
 
     def grant(self, key: str) -> Grant | None:
         self._refresh()

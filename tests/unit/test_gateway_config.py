@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.config import TLSConfig, load_config
-from router.gateway.config import ApiKeys, GatewayConfig
+from router.gateway.config import ApiKeys, GatewayConfig, ReloadingApiKeys
 from router.gateway.tls import GatewayTLS
 
 
@@ -126,3 +126,38 @@ def test_connection_limits_load_from_the_environment(monkeypatch, tmp_path):
     cfg = load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
     assert (cfg.max_header_bytes, cfg.header_timeout_s) == (32 << 10, 2.5)
     assert (cfg.body_timeout_s, cfg.max_connections) == (60.0, 1024)
+
+
+def test_an_empty_key_mapping_revokes_every_key_on_reload_not_at_start_up(tmp_path):
+    """Before the fix `{}` "did not load" and every old key kept working. At start-up it
+    is still refused: a gateway nobody can use is a mistake."""
+    path = tmp_path / "keys.json"
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="expected a mapping of key -> tenant"):
+        ReloadingApiKeys(str(path), interval_s=0)
+    path.write_text('{"key-acme": "acme"}')
+    keys = ReloadingApiKeys(str(path), interval_s=0)
+    assert keys.tenant("key-acme") == "acme"
+    path.write_text("{}")
+    assert keys.grant("key-acme") is None and len(keys) == 0
+    path.write_text('{"key-acme": "acme", "key-new": "globex"}')
+    assert keys.tenant("key-new") == "globex"
+
+
+def test_an_emptied_or_deleted_key_file_keeps_the_keys_with_a_warning(tmp_path, caplog):
+    """What a rewrite in place shows for a moment (an empty file) and a file gone (a
+    replace by delete and create, a volume unmounted) revoke nothing: the keys in force
+    stay, and the log says so and how to revoke every key."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("key-acme: acme\n")
+    keys = ReloadingApiKeys(str(path), interval_s=0)
+    caplog.set_level("WARNING", logger="kvstore.gateway")
+    for change in (lambda: path.write_text(""), lambda: path.write_text("# soon\n"), path.unlink):
+        change()
+        assert keys.tenant("key-acme") == "acme"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "is empty" in said[0] and "keeping the keys in force" in said[0]
+    assert "is missing; keeping the 1 keys in force" in said[2] and "write {}" in said[2]
+    path.write_text("{}\n")
+    assert keys.grant("key-acme") is None
