@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -152,6 +153,16 @@ def _error(exc: HTTPFailure) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.kind), exc.status, exc.headers)
 
 
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path: 404; another method: 405, with its Allow
+    header) in the same JSON as the gateway's other errors, not Starlette's plain text."""
+    if not isinstance(exc, HTTPException):  # registered for HTTPException only
+        raise exc
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error(HTTPFailure(exc.status_code, message, kind, dict(exc.headers or {})))
+
+
 def _header(scope: Scope, name: bytes) -> str:
     """The first `name` header of the request (lower case, as the server gives them), as
     Starlette's Headers.get reads it; "" when absent."""
@@ -241,7 +252,8 @@ class Gateway:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_page, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={HTTPException: _no_route},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

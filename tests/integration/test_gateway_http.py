@@ -74,6 +74,26 @@ def test_bad_requests_get_precise_statuses_before_any_forward(
     assert w.seen() == []
 
 
+def test_unknown_paths_and_methods_are_openai_style_json_errors(start_gateway, tokenizer_dir):
+    """Before the fix these were Starlette's plain text ("Not Found", "Method Not
+    Allowed"), unlike the gateway's other errors."""
+    gw = start_gateway({MODEL: tokenizer_dir})
+    cases = [
+        ("GET", "/v1/nope", 404, "not_found_error"),
+        ("POST", "/", 404, "not_found_error"),
+        ("GET", "/v1/chat/completions", 405, "invalid_request_error"),
+        ("DELETE", "/v1/models", 405, "invalid_request_error"),
+    ]
+    for method, path, status, kind in cases:
+        r = httpx.request(method, gw.url + path, headers=ACME)
+        assert r.status_code == status and r.headers["content-type"] == "application/json"
+        error = r.json()["error"]
+        assert (error["code"], error["type"]) == (status, kind), error
+        assert error["message"].startswith(f"{method} {path}: "), error
+    r = httpx.get(gw.url + "/v1/completions")
+    assert r.headers["allow"] == "POST"
+
+
 def test_cache_salt_is_the_tenants_whatever_the_caller_sends(
     start_gateway, start_standin, tokenizer_dir
 ):
