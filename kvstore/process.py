@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import logging
 import os
 import signal
 
@@ -13,6 +15,17 @@ from kvstore.tls import TLSFilesError, add_port
 class StartupError(Exception):
     """A server cannot start for a reason the operator must fix (the message says which);
     the process entry points print it as one line and exit 1, without a traceback."""
+
+
+def log_level(text: str) -> str:
+    """An argparse type for --log-level: a logging level name, any case (a bad one made
+    logging.basicConfig raise "Unknown level" as a traceback once the process started)."""
+    level = text.strip().upper()
+    if level == "NOTSET" or level not in logging.getLevelNamesMapping():
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}: one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        )
+    return level
 
 
 def bind_port(server, address: str, tls: TLSConfig | None = None) -> int:

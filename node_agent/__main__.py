@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kvstore.config import AgentConfig, load_config, tls_fields
+from kvstore.process import log_level
 from kvstore.units import format_size
 
 
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-cert", help="mTLS: this process's certificate (tls.cert_file)")
     p.add_argument("--tls-key", help="mTLS: its private key (tls.key_file)")
     p.add_argument("--ready-file", help="write the bound address here once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=log_level)
     return p.parse_args(argv)
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 from kvstore.config import RouterConfig, load_config, tls_fields
+from kvstore.process import log_level
 
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
 
@@ -49,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--log-level",
         default="INFO",
+        type=log_level,
         help="DEBUG logs every routing decision's terms (block counts only)",
     )
     return p.parse_args(argv)

@@ -9,6 +9,7 @@ import sys
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
 from kvstore.cli.control_cmd import seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
+from kvstore.process import log_level
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
 
@@ -58,6 +59,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--router-log-level",
         default="INFO",
+        type=log_level,
         help="DEBUG logs every routing decision (default INFO)",
     )
     p.add_argument(
