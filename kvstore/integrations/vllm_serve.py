@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import ssl
 import subprocess
@@ -48,13 +49,27 @@ from kvstore.tls import files_in, read_files
 log = logging.getLogger("kvstore.vllm_serve")
 
 
+def interval(text: str) -> float:
+    """An argparse type for --check-interval: finite seconds > 0 (0 or less made the
+    health loop spin at full CPU without a line of log)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 < value <= 3600):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0 and at most 3600, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, cmd = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="vllm_serve", description=__doc__.splitlines()[0])
+    # The module doc's first paragraph, whole (its first line ended mid-sentence).
+    summary = " ".join((__doc__ or "").split("\n\n")[0].split())
+    p = argparse.ArgumentParser(prog="vllm_serve", description=summary)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--url", required=True, help="the engine's HTTP base, as the gateway sees it")
     p.add_argument("--node-id", required=True, help="the agent the engine's connector uses")
@@ -71,7 +86,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "the same device share it, and the router adds up their queued work",
     )
     p.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds")
-    p.add_argument("--check-interval", type=float, default=1.0)
+    p.add_argument(
+        "--check-interval",
+        type=interval,
+        default=1.0,
+        help="seconds between /health checks of the engine (default 1)",
+    )
     p.add_argument("--unhealthy-after", type=int, default=2)
     p.add_argument("--tls-ca", help="etcd's TLS: the CA its certificate chains to")
     p.add_argument("--tls-cert", help="etcd's TLS: the client certificate to present")
