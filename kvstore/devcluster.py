@@ -187,11 +187,15 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
 
 
 def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own session, logging to a fresh `log_path` (the previous run's
+    log becomes <log>.prev: an error tail quotes this run only)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
     )
-    with open(log_path, "ab") as log:
+    if log_path.exists():
+        os.replace(log_path, log_path.with_name(log_path.name + ".prev"))
+    with open(log_path, "wb") as log:
         return subprocess.Popen(
             cmd,
             stdout=log,
@@ -309,6 +313,30 @@ class UpOptions:
             raise ValueError(f"--agents must be between 1 and 64, got {self.agents}")
         if self.lease_ttl_s < 2:
             raise ValueError("lease TTL must be >= 2 s (etcd's minimum)")
+        self.sizes()  # before anything starts: a bad size failed in the agents' logs
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(pool, slot, nvme) bytes per agent; ValueError naming the flag. The slot is
+        the agents' (agent_slot_bytes), which must fit in the pool."""
+        parsed = []
+        for flag, text in (("--pool-bytes", self.pool_bytes), ("--slot-bytes", self.slot_bytes),
+                           ("--nvme-bytes", self.nvme_bytes)):  # fmt: skip
+            try:
+                parsed.append(parse_size(text))
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+        pool, slot, nvme = parsed
+        if slot <= 0:
+            raise ValueError(f"--slot-bytes must be > 0, got {self.slot_bytes!r}")
+        if self.engines:
+            slot = max(slot, model_block_bytes())
+        if pool < slot:
+            why = " or one KV block of the engines' model" if self.engines else ""
+            raise ValueError(
+                f"--pool-bytes {self.pool_bytes} must hold at least one slot of {slot} "
+                f"bytes (--slot-bytes {self.slot_bytes}{why})"
+            )
+        return pool, slot, nvme
 
 
 def _etcd_tls_flags(tls: TLSConfig | None) -> list[str]:
@@ -388,8 +416,7 @@ def _tls_section(tls: TLSConfig | None) -> dict:
 def agent_slot_bytes(opts: UpOptions) -> int:
     """The pool's slot size: with engines, at least one KV block of their model (the
     default 64 KiB slots refused every block of the tiny model's 128 KiB)."""
-    slot = parse_size(opts.slot_bytes)
-    return max(slot, model_block_bytes()) if opts.engines else slot
+    return opts.sizes()[1]
 
 
 def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig | None):

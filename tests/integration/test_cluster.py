@@ -103,6 +103,22 @@ def test_kvctl_usage_errors(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)
 
 
+def test_a_failed_up_quotes_this_runs_log_and_keeps_the_last_one(tmp_path):
+    log = tmp_path / "agent-0" / "agent.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("kvstore-agent: bad configuration: AN ERROR OF THE RUN BEFORE\n")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KVSTORE_AGENT_EVICTION="bogus")
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "cluster", "up", "--agents", "1",
+         "--state-dir", str(tmp_path), "--timeout", "60"],
+        cwd=ROOT, timeout=120, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "eviction must be 'value' or 'lru', got 'bogus'" in r.stderr
+    assert "RUN BEFORE" not in r.stderr and "RUN BEFORE" not in log.read_text()
+    assert "RUN BEFORE" in (tmp_path / "agent-0" / "agent.log.prev").read_text()
+
+
 def test_local_cluster_up_demo_status_down(local_cluster):
     r = kvctl(
         "cluster", "up", "--agents", "2", "--state-dir", str(local_cluster), "--pool-bytes", "32MiB"

@@ -30,3 +30,33 @@ def test_tls_with_engines_is_accepted():
 def test_bad_counts_with_tls_are_refused_with_the_reason(kwargs, message):
     with pytest.raises(ValueError, match=message):
         UpOptions(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pool_bytes": "lots"}, "--pool-bytes: invalid size 'lots'"),
+        ({"slot_bytes": "64 bananas"}, "--slot-bytes: invalid size unit 'bananas'"),
+        ({"nvme_bytes": "-1"}, "--nvme-bytes: invalid size '-1'"),
+        ({"slot_bytes": "0"}, "--slot-bytes must be > 0"),
+        ({"pool_bytes": "1KiB"}, "--pool-bytes 1KiB must hold at least one slot of 65536"),
+        ({"pool_bytes": "64KiB", "engines": 1}, "one KV block of the engines' model"),
+    ],
+)
+def test_bad_sizes_are_refused_when_the_options_are_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UpOptions(**kwargs)
+
+
+def test_kvctl_cluster_up_refuses_a_bad_size_before_starting_anything(tmp_path, capsys):
+    from kvstore.cli.__main__ import main
+
+    state = tmp_path / "cluster"
+    rc = main(["cluster", "up", "--agents", "1", "--state-dir", str(state), "--pool-bytes", "lots"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "kvctl cluster up: --pool-bytes: invalid size 'lots': expected a number and a unit "
+        "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    )
+    assert not state.exists()  # no etcd, no agent, not even the state directory
