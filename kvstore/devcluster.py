@@ -73,6 +73,21 @@ class NodeUnreachable(ClusterError):
     exit_code = 4
 
 
+class BadStateDir(ClusterError):
+    """The state directory, or its cluster.json, is not what kvctl can use (a file for a
+    directory, a directory for a file, unreadable, corrupt): bad usage, exit 2."""
+
+    exit_code = 2
+
+
+def check_state_dir(state_dir: str | os.PathLike) -> Path:
+    """`state_dir` as a Path; BadStateDir when it exists and is not a directory."""
+    path = Path(state_dir)
+    if path.exists() and not path.is_dir():
+        raise BadStateDir(f"{state_dir} is not a directory (the state directory to use)")
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class Proc:
     name: str  # etcd, agent-0, ..., router
@@ -113,7 +128,7 @@ class ClusterState:
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike) -> "ClusterState":
-        path = Path(state_dir) / STATE_FILE
+        path = check_state_dir(state_dir) / STATE_FILE
         try:
             data = json.loads(path.read_text())
             data["procs"] = tuple(Proc(**p) for p in data["procs"])
@@ -124,8 +139,15 @@ class ClusterState:
                 "one with: kvctl cluster up --state-dir "
                 f"{state_dir}"
             ) from None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ClusterError(
+        except IsADirectoryError:
+            raise BadStateDir(
+                f"{path} is a directory, not a cluster record; remove it and run "
+                "kvctl cluster up again"
+            ) from None
+        except OSError as exc:
+            raise BadStateDir(f"cannot read {path}: {exc.strerror}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BadStateDir(
                 f"{path} is unreadable ({exc}); remove it and run kvctl cluster up again"
             ) from None
 
@@ -556,8 +578,11 @@ def _read(path: Path) -> str:
 
 
 def up(state_dir: str | os.PathLike, opts: UpOptions = UpOptions(), say=print) -> ClusterState:
-    state = Path(state_dir).resolve()
-    state.mkdir(parents=True, exist_ok=True)
+    state = check_state_dir(state_dir).resolve()
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the way, no permission, read-only
+        raise BadStateDir(f"cannot create the state directory {state}: {exc.strerror}") from None
     _refuse_if_running(state, state_dir)
     started: list[Proc] = []
     try:

@@ -91,7 +91,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "address; per agent whether it is registered in etcd and "
         "how many blocks the router indexed for it. Exit status: 0 "
         "all healthy, 3 etcd unreachable, 4 an agent or the router "
-        "unreachable, 1 no cluster.",
+        "unreachable, 1 no cluster, 2 a state directory or cluster.json that cannot be "
+        "used (not a directory, unreadable, corrupt).",
     )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument("--output", choices=("table", "json"), default="table")
@@ -137,11 +138,10 @@ def _up(args) -> int:
 
 
 def _down(args) -> int:
-    from kvstore.devcluster import STATE_FILE, down
-    from pathlib import Path
+    from kvstore.devcluster import STATE_FILE, check_state_dir, down
 
     state = state_dir(args.state_dir)
-    if not (Path(state.value) / STATE_FILE).exists():
+    if not (check_state_dir(state.value) / STATE_FILE).exists():
         print(f"no local cluster in {state.value} ({state.source}); nothing to stop")
         return EXIT_OK
     stopped = down(state.value, args.grace)
@@ -177,8 +177,8 @@ def _status(args) -> int:
     state = state_dir(args.state_dir)
     try:
         report = status(state.value)
-    except ClusterError as exc:
-        raise ClusterError(f"{exc} [{state.source}]") from None
+    except ClusterError as exc:  # the same kind (its exit status), naming the source
+        raise type(exc)(f"{exc} [{state.source}]") from None
     print(json.dumps(report, indent=2) if args.output == "json" else render_status(report))
     comps = report["components"]
     if any(c["kind"] == "etcd" and not c["healthy"] for c in comps):

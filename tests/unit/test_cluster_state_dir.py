@@ -1,0 +1,69 @@
+"""A --state-dir kvctl cannot use (a file, a cluster.json that is a directory or is
+corrupt) is one line on stderr and exit 2 (bad usage) from every command that reads it:
+kvctl status, kvctl cluster status|up|down. Nothing is started."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.cli.__main__ import main
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0::/root:/bin/sh\n")
+    return path
+
+
+@pytest.fixture
+def json_is_a_dir(tmp_path):
+    (tmp_path / "state" / "cluster.json").mkdir(parents=True)
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def corrupt(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "cluster.json").write_text("{nope")
+    return tmp_path / "state"
+
+
+COMMANDS = [
+    ["status"],
+    ["cluster", "status"],
+    ["cluster", "down"],
+]
+CASES = [
+    ("a_file", "is not a directory"),
+    ("json_is_a_dir", "cluster.json is a directory, not a cluster record"),
+    ("corrupt", "cluster.json is unreadable (Expecting property name"),
+]
+
+
+def _run(capsys, argv) -> tuple[int, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert out == ""
+    return rc, err
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(("case", "message"), CASES, ids=[c for c, _ in CASES])
+def test_a_state_dir_that_cannot_be_used_is_exit_2_in_one_line(
+    argv, case, message, request, capsys
+):
+    state = request.getfixturevalue(case)
+    rc, err = _run(capsys, [*argv, "--state-dir", str(state)])
+    assert rc == 2, err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_cluster_up_in_a_file_is_exit_2_in_one_line(a_file, under, capsys):
+    state = a_file / under if under else a_file
+    rc, err = _run(capsys, ["cluster", "up", "--agents", "1", "--state-dir", str(state)])
+    assert rc == 2
+    assert err.startswith("kvctl cluster up: ") and err.count("\n") == 1
+    assert "Not a directory" in err or "is not a directory" in err
+    assert a_file.read_text().startswith("root:")
