@@ -4,6 +4,10 @@ router on 127.0.0.1, detached from the shell that started them.
 Everything lives under a state directory::
 
     cluster.json          what runs where (pids, addresses, logs)
+    up.lock               flock-ed by `up` for its whole run (its pid): a second `up`
+                          is refused, `down` stops a starting one
+    starting.json         while `up` runs: what it has started (a killed `up`'s are
+                          stopped by `down`)
     etcd/  etcd.log       etcd data (fresh on every `up`) and log
     agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
     router/               router.log
@@ -22,6 +26,8 @@ after a grace period. `status` reports each process and what the router has inde
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +38,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -55,6 +62,8 @@ from kvstore.units import parse_size
 from kvstore.tls import channel, files_in
 
 STATE_FILE = "cluster.json"
+LOCK_FILE = "up.lock"  # flock-ed by `up` from before it starts anything to its end; its pid
+STARTING_FILE = "starting.json"  # what a starting `up` has launched so far (for `down`)
 ROOT = Path(__file__).resolve().parent.parent
 _MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router", "engine": "vllm_serve"}
 
@@ -295,6 +304,11 @@ def router_nodes(address: str, timeout: float = 2.0, tls: TLSConfig | None = Non
 def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, Path]]):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if _stop_requested.is_set():
+            raise ClusterError(
+                f"stopped (SIGTERM: kvctl cluster down?) while waiting for {what}; "
+                "stopped what this up had started"
+            )
         for proc, log in procs:
             if proc.poll() is not None:
                 raise ClusterError(
@@ -583,13 +597,93 @@ def up(state_dir: str | os.PathLike, opts: UpOptions = UpOptions(), say=print) -
         state.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file on the way, no permission, read-only
         raise BadStateDir(f"cannot create the state directory {state}: {exc.strerror}") from None
-    _refuse_if_running(state, state_dir)
-    started: list[Proc] = []
+    lock = _try_lock(state)
+    if lock is None:  # another up is starting here: two etcds on one data dir, otherwise
+        raise ClusterError(
+            f"kvctl cluster up (pid {_holder(state) or '?'}) is already starting a cluster in "
+            f"{state}; wait for it, or stop it: kvctl cluster down --state-dir {state_dir}"
+        )
     try:
-        return _up(state, opts, say, started)
-    except BaseException:
-        stop_procs(started, grace_s=5.0)
-        raise
+        _refuse_if_running(state, state_dir)
+        started = _Launched(state)
+        try:
+            with _sigterm_stops():
+                return _up(state, opts, say, started)
+        except BaseException:
+            stop_procs(started, grace_s=5.0)
+            raise
+        finally:
+            (state / STARTING_FILE).unlink(missing_ok=True)
+    finally:
+        os.close(lock)  # releases the lock
+
+
+class _Launched(list):
+    """The processes this `up` started, also written to <state>/starting.json at once:
+    `down` stops them should this `up` die before it records a cluster."""
+
+    def __init__(self, state: Path) -> None:
+        super().__init__()
+        self._path = state / STARTING_FILE
+
+    def append(self, proc: Proc) -> None:
+        super().append(proc)
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"up_pid": os.getpid(), "procs": [asdict(p) for p in self]}))
+        os.replace(tmp, self._path)
+
+
+def _try_lock(state: Path) -> int | None:
+    """The up lock (a file descriptor, our pid written in it), or None while another
+    process holds it. The descriptor is not inherited by the processes `up` starts."""
+    fd = os.open(state / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _holder(state: Path) -> int | None:
+    """The pid written in the lock file (that of the `up` holding it, if one does)."""
+    try:
+        return int((state / LOCK_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def starting(state_dir: str | os.PathLike) -> int | None:
+    """The pid of a `kvctl cluster up` still starting a cluster in `state_dir`, if any."""
+    state = Path(state_dir)
+    if not state.is_dir():
+        return None
+    lock = _try_lock(state)
+    if lock is not None:
+        os.close(lock)
+        return None
+    return _holder(state) or 0  # 0: it has not written its pid yet
+
+
+_stop_requested = threading.Event()
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    """While `up` runs in the main thread: SIGTERM (what `down` sends a starting `up`)
+    makes its next wait raise, so that it stops what it started and releases the lock;
+    the previous handler is restored after."""
+    _stop_requested.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: _stop_requested.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
@@ -680,17 +774,76 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
 
 # ------------------------------------------------------------------ down, status
 def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
-    """Stop the engines, router and agents (they revoke their leases), then etcd."""
-    st = ClusterState.load(state_dir)
-    engines = [p for p in st.procs if p.kind == "engine"]
-    first = [p for p in st.procs if p.kind not in ("etcd", "engine")]
-    stopped = (
+    """Stop the engines, router and agents (they revoke their leases), then etcd. An `up`
+    still starting there is stopped first (SIGTERM; it stops what it started), and
+    whatever a dead `up` left in starting.json is stopped too. Holds the up lock, so no
+    `up` starts in the middle."""
+    state = check_state_dir(state_dir)
+    if not state.is_dir():
+        raise ClusterError(f"no local cluster in {state_dir} (no such directory)")
+    lock = _try_lock(state)
+    by_up: list[str] = []
+    if lock is None:
+        lock, by_up = _stop_starting_up(state, grace_s)
+    try:
+        leftovers = _stop_starting_leftovers(state, grace_s)
+        return [*by_up, *(n for n in leftovers if n not in by_up), *_stop_recorded(state, grace_s)]
+    finally:
+        os.close(lock)
+
+
+def _stop_starting_up(state: Path, grace_s: float) -> tuple[int, list[str]]:
+    """SIGTERM the `up` holding the lock, wait for it to let go (SIGKILL after
+    `grace_s` + its own 5 s of stopping); returns the lock and what that `up` had
+    started (by the last starting.json seen; it stops them itself)."""
+    pid = _holder(state)
+    seen: list[str] = []
+    for sig, wait_s in ((signal.SIGTERM, grace_s + 10), (signal.SIGKILL, 5.0)):
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                procs = json.loads((state / STARTING_FILE).read_text())["procs"]
+                seen = [p["name"] for p in procs]
+            lock = _try_lock(state)
+            if lock is not None:
+                return lock, seen
+            time.sleep(0.1)
+            pid = pid or _holder(state)
+    raise ClusterError(f"kvctl cluster up (pid {pid or '?'}) in {state} did not stop")
+
+
+def _stop_starting_leftovers(state: Path, grace_s: float) -> list[str]:
+    path = state / STARTING_FILE
+    try:
+        procs = [Proc(**p) for p in json.loads(path.read_text())["procs"]]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadStateDir(f"{path} is unreadable ({exc})") from None
+    stopped = _stop_in_order(procs, grace_s)
+    path.unlink(missing_ok=True)
+    return stopped
+
+
+def _stop_recorded(state: Path, grace_s: float) -> list[str]:
+    if not (state / STATE_FILE).exists():
+        return []
+    stopped = _stop_in_order(list(ClusterState.load(state).procs), grace_s)
+    (state / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def _stop_in_order(procs: list[Proc], grace_s: float) -> list[str]:
+    engines = [p for p in procs if p.kind == "engine"]
+    first = [p for p in procs if p.kind not in ("etcd", "engine")]
+    return (
         stop_procs(engines, grace_s)
         + stop_procs(first, grace_s)
-        + stop_procs([p for p in st.procs if p.kind == "etcd"], grace_s)
+        + stop_procs([p for p in procs if p.kind == "etcd"], grace_s)
     )
-    (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
-    return stopped
 
 
 async def _registered(endpoint: str, tls: TLSConfig | None) -> set[str]:

@@ -75,7 +75,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop the cluster (SIGTERM, then SIGKILL)",
         description="Stop the router and agents (SIGTERM; they leave etcd "
         "cleanly), then etcd; SIGKILL whatever is left after the "
-        "grace period. Data and logs stay in the state directory.",
+        "grace period. A cluster still starting is stopped too (its kvctl cluster up "
+        "is told to stop and exits 1). Data and logs stay in the state directory.",
     )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument(
@@ -138,12 +139,17 @@ def _up(args) -> int:
 
 
 def _down(args) -> int:
-    from kvstore.devcluster import STATE_FILE, check_state_dir, down
+    from kvstore.devcluster import STARTING_FILE, STATE_FILE, check_state_dir, down, starting
 
     state = state_dir(args.state_dir)
-    if not (check_state_dir(state.value) / STATE_FILE).exists():
+    path = check_state_dir(state.value)
+    up_pid = starting(path)
+    if up_pid is None and not any((path / f).exists() for f in (STATE_FILE, STARTING_FILE)):
         print(f"no local cluster in {state.value} ({state.source}); nothing to stop")
         return EXIT_OK
+    if up_pid is not None:  # what an operator means by down: nothing left running
+        print(f"kvctl cluster up (pid {up_pid or '?'}) is still starting a cluster in "
+              f"{state.value}; stopping it and what it started")  # fmt: skip
     stopped = down(state.value, args.grace)
     print(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
     return EXIT_OK

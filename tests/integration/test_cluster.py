@@ -119,6 +119,73 @@ def test_a_failed_up_quotes_this_runs_log_and_keeps_the_last_one(tmp_path):
     assert "RUN BEFORE" in (tmp_path / "agent-0" / "agent.log.prev").read_text()
 
 
+def _start_up(state, *, after: float = 0.0) -> subprocess.Popen:
+    """`kvctl cluster up --agents 1` in the background, once `state` shows it started
+    (its etcd.log exists), or after `after` seconds."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "cluster", "up", "--agents", "1",
+         "--engines", "0", "--state-dir", str(state), "--timeout", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (state / "etcd.log").exists() or proc.poll() is not None, 30,
+             what="cluster up to start etcd")  # fmt: skip
+    return proc
+
+
+def _ours(state) -> list[str]:
+    """Live processes whose command line names `state` (etcd, agents, router)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                with open(f"/proc/{d}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                continue
+            if str(state) in cmd and "kvstore.cli" not in cmd and not zombie:
+                found.append(cmd)
+    return found
+
+
+def test_a_second_up_while_the_first_is_starting_is_refused(local_cluster):
+    first = _start_up(local_cluster)
+    second = kvctl("cluster", "up", "--agents", "1", "--state-dir", str(local_cluster))
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"(pid {first.pid}) is already starting a cluster" in second.stderr
+    assert "Traceback" not in second.stderr
+    st = ClusterState.load(local_cluster)  # the first one's, and only it runs there
+    assert all(alive(p.pid, p.kind) for p in st.procs) and len(_ours(local_cluster)) == 3
+    r = kvctl("cluster", "down", "--state-dir", str(local_cluster))
+    assert r.returncode == 0 and not _ours(local_cluster)
+
+
+def test_down_while_up_is_starting_stops_it(local_cluster):
+    starting = _start_up(local_cluster)
+    r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "5")
+    assert r.returncode == 0, r.stderr
+    assert f"kvctl cluster up (pid {starting.pid}) is still starting" in r.stdout
+    assert "stopped etcd" in r.stdout
+    _, err = starting.communicate(timeout=60)
+    assert starting.returncode == 1 and "stopped (SIGTERM" in err
+    assert not (local_cluster / "cluster.json").exists()
+    assert not _ours(local_cluster)
+
+
+def test_down_stops_what_a_killed_up_had_started(local_cluster):
+    starting = _start_up(local_cluster)
+    wait_for(lambda: (local_cluster / "agent-0" / "agent.log").exists(), 30, what="an agent")
+    starting.kill()
+    starting.wait(timeout=10)
+    assert _ours(local_cluster)  # etcd and an agent at least, recorded nowhere but there
+    r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "5")
+    assert r.returncode == 0 and "agent-0" in r.stdout, r.stdout + r.stderr
+    assert not _ours(local_cluster)
+
+
 def test_local_cluster_up_demo_status_down(local_cluster):
     r = kvctl(
         "cluster", "up", "--agents", "2", "--state-dir", str(local_cluster), "--pool-bytes", "32MiB"
