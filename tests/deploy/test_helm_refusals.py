@@ -77,6 +77,12 @@ def test_gateway_without_the_volume_its_tokenizers_are_on_is_refused(helm, tmp_p
     assert "gateway.modelVolume is empty" in render_error(helm, str(tmp_path / "values.yaml"))
 
 
+def test_engines_without_the_volume_their_model_is_on_are_refused(helm):  # noqa: F811
+    # /models fell back to an empty emptyDir: vLLM would find no model there
+    err = render_error(helm, GATEWAY, "engines.modelVolume=null")
+    assert "engines.modelVolume is empty" in err and "engines.modelPath is /models" in err, err
+
+
 def test_tokenizers_the_gateway_image_holds_need_no_volume(helm):  # noqa: F811
     docs = render(
         helm,
