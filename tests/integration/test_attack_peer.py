@@ -17,6 +17,7 @@ from support.common import (
     PY,
     ROOT,
     TEST_SECRET,
+    free_port,
     block_payload,
     make_namespace,
     prompt_tokens,
@@ -24,7 +25,7 @@ from support.common import (
 )
 
 from kvstore.hashing import hash_chain, pack_ids
-from kvstore.v1 import agent_pb2
+from kvstore.v1 import agent_pb2, peer_pb2
 
 SPEC = make_namespace(tenant="acme", name="pulled")
 BS = SPEC.block_size
@@ -115,3 +116,72 @@ def test_agent_with_an_unusable_agent_token_file_exits_1_naming_it(tmp_path, con
     assert r.returncode == 1, r.stderr
     assert f"kvstore-agent: cannot start: agent_token_file {path}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _put_as(agent: As, spec, ids: list[bytes], root: bytes) -> None:
+    agent.call(agent.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(spec)))
+    put = agent_pb2.PutRequest(ns=ref(spec), root=root)
+    for k, bid in enumerate(ids):
+        put.blocks.add(
+            block_id=bid,
+            parent_id=ids[k - 1] if k else root,
+            data=block_payload(bid, spec.block_bytes),
+        )
+    assert agent.call(agent.agent.Put, iter([put])).stored == len(ids)
+
+
+def test_one_tenants_stalled_transfers_leave_slots_for_the_others(spawn_agent):
+    """acme connects to B's UCX listener itself and asks for its own blocks, one per
+    chunk, on 2 connections, reading each first header and then no payload: each
+    transfer holds one of B's transfer slots until io_timeout_s. With B's 2 slots both
+    held, globex's pull from B waited past its deadline (present 0); one tenant now
+    takes at most all but one slot, so globex's pull is served meanwhile."""
+    big = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB blocks: rendezvous
+    mine = make_namespace(tenant="acme", name="stall", **big)
+    theirs = make_namespace(tenant="globex", name="pulled", **big)
+    cfg = dict(
+        allow_unauthenticated=False,
+        tenants=tenants(),
+        slot_bytes="2MiB",
+        pool_bytes="64MiB",
+        nvme_bytes=0,
+        peer={"max_transfers": 2, "io_timeout_s": 60},
+    )
+    b_port = free_port()
+    b = spawn_agent(peer_port=b_port, **cfg)
+    a = spawn_agent(peer_port=free_port(), **cfg)
+    acme_b, globex_b = As(b.address, "acme"), As(b.address, "globex")
+    acme_root, globex_root = mine.root(0, TEST_SECRET), theirs.root(0, TEST_SECRET)
+    acme_ids = hash_chain(acme_root, prompt_tokens(21, 8 * BS), BS)
+    globex_ids = hash_chain(globex_root, prompt_tokens(22, N * BS), BS)
+    _put_as(acme_b, mine, acme_ids, acme_root)
+    _put_as(globex_b, theirs, globex_ids, globex_root)
+    req = peer_pb2.FetchRequest(
+        ns=ref(mine),
+        block_ids=pack_ids(acme_ids),
+        parent_id=acme_root,
+        batch_blocks=1,
+        authorization=f"Bearer {TOKENS['acme']}",
+    )
+    dial = ROOT / "tests" / "support" / "ucx_dial.py"
+    stall = subprocess.Popen(
+        [PY, str(dial), "127.0.0.1", str(b_port), "hold", "2", req.SerializeToString().hex()],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert stall.stdout is not None
+        line = stall.stdout.readline()
+        held = json.loads(line)["held"]  # transfers served, then stalled
+        assert held >= 1, line
+        globex_a = As(a.address, "globex")
+        globex_a.call(
+            globex_a.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(theirs))
+        )
+        r = globex_a.prefetch(theirs, globex_ids, globex_root, b.address)  # 5 s deadline
+        assert r.present == N, r
+    finally:
+        stall.kill()
+        stall.wait(10)

@@ -9,6 +9,11 @@ it means to follow with another (wire.ACK), keeps its end open that long, and ad
 {"open_after_s": LINGER}.
 
 Usage: python tests/support/ucx_dial.py HOST PORT [LINGER]
+
+Or `ucx_dial.py HOST PORT hold N REQUEST_HEX`: N connections each send the FetchRequest
+REQUEST_HEX (its serialized bytes in hex) and read its first chunk header, then never
+receive a payload (a stalled receiver); prints {"held": K}, the number of them served a
+header within 5 s, and waits to be killed.
 """
 
 from __future__ import annotations
@@ -59,8 +64,25 @@ async def dial(host: str, port: int, linger: float = 0.0) -> dict:
         ucx.stop_notifier_thread()
 
 
+async def hold(host: str, port: int, n: int, raw: bytes) -> None:
+    ucx = init_ucx()
+    eps, headers = [], []
+    frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
+    for _ in range(n):
+        ep = await ucx.create_endpoint(host, port, endpoint_error_handling=True)
+        await asyncio.wait_for(ep.send(frame), 10)
+        eps.append(ep)
+        headers.append(asyncio.ensure_future(ep.recv(np.zeros(1 << 16, dtype=np.uint8))))
+    await asyncio.wait(headers, timeout=5)  # a first header: that transfer is served
+    print(json.dumps({"held": sum(h.done() and not h.exception() for h in headers)}), flush=True)
+    await asyncio.sleep(3600)
+
+
 def main() -> None:
     host, port = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[3] == "hold":
+        asyncio.run(hold(host, port, int(sys.argv[4]), bytes.fromhex(sys.argv[5])))
+        return
     linger = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     print(json.dumps(asyncio.run(dial(host, port, linger))), flush=True)
     os._exit(0)  # ucxx's threads may linger after a refused endpoint
