@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import errno
 import functools
+import ipaddress
 import os
+import sys
 import struct
 
 import numpy as np
@@ -106,48 +108,76 @@ def pool_may_be_mapped() -> bool:
     return _yama_scope() in (None, 0)
 
 
-_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp for a listening socket
+_TCP_ESTABLISHED = "01"  # the state column of /proc/net/tcp{,6}
 
 
-def owns_listener(pid: int, port: int) -> bool:
-    """Whether process `pid` (a process, not one of its threads) holds the TCP socket
-    that listens on `port` in this agent's network namespace: the UCX listener this
-    agent connected to. A chunk header names the process to read from, and whoever
-    answers a Prefetch's peer address writes that header: a listener of a caller's
-    choosing could name any process of the host (another agent, this agent's own
-    threads) and have this agent read its memory for the caller, a block at a time,
-    into the caller's namespace wherever the caller guessed its checksum. Reading only
-    from the process behind the listener reads only what that peer could send anyway.
-    False when it cannot be told (no /proc, another network namespace)."""
+def _proc_address(ip: str, port: int) -> set[str]:
+    """How /proc/net/tcp{,6} write `ip`:`port` (each 32-bit word of the address in host
+    byte order, in hex): the IPv4 form and its IPv4-mapped IPv6 form, or the IPv6 form."""
+
+    def words(raw: bytes) -> str:
+        return "".join(
+            f"{int.from_bytes(raw[k : k + 4], sys.byteorder):08X}" for k in range(0, len(raw), 4)
+        )
+
+    addr = ipaddress.ip_address(ip)
+    forms = {words(addr.packed)}
+    if addr.version == 4:
+        forms.add(words(ipaddress.IPv6Address(f"::ffff:{ip}").packed))
+    return {f"{f}:{port:04X}" for f in forms}
+
+
+def _sockets(pid: str) -> set[str]:
+    """The socket inodes process `pid` ("self" for this one) holds."""
+    out = set()
+    with os.scandir(f"/proc/{pid}/fd") as fds:
+        for fd in fds:
+            try:
+                link = os.readlink(fd.path)
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    return out
+
+
+def serves_connection(pid: int, ips: list[str], port: int) -> bool:
+    """Whether process `pid` (a process, not one of its threads) holds the far end of one
+    of this process's TCP connections to `ips` (the peer address's addresses) at `port`:
+    the UCX connection whose answer named `pid`. Whoever answers a Prefetch's peer
+    address writes the chunk header that names the process to read, so a listener of a
+    caller's choosing could name any process of the host (another agent, one of this
+    agent's own threads) and have this agent read its memory for the caller into the
+    caller's namespace, a block wherever the caller guessed its checksum. Reading only
+    from the process at the other end of this agent's own connection reads only what that
+    peer could send anyway (a listener on the same port at another address, or a
+    process that merely listens on that port, does not pass). Both ends of a connection
+    between two processes of one network namespace are in /proc/net/tcp; False when it
+    cannot be told (no /proc, another network namespace)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             tgid = next((line.split()[1] for line in f if line.startswith("Tgid:")), "")
         if tgid != str(pid):
             return False
-        inodes = set()
+        far = set().union(*(_proc_address(ip, port) for ip in ips))
+        rows = []
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             try:
                 with open(table) as f:
                     next(f, None)
-                    for line in f:
-                        col = line.split()
-                        if len(col) > 9 and col[3] == _TCP_LISTEN:
-                            if int(col[1].rpartition(":")[2], 16) == port:
-                                inodes.add(f"socket:[{col[9]}]")
+                    rows += [c for c in (line.split() for line in f) if len(c) > 9]
             except FileNotFoundError:  # no IPv6
                 continue
-        if not inodes:
-            return False
-        with os.scandir(f"/proc/{pid}/fd") as fds:
-            for fd in fds:
-                try:
-                    if os.readlink(fd.path) in inodes:
-                        return True
-                except OSError:  # closed meanwhile
-                    continue
+        mine = _sockets("self")
+        # this process's ends of its established connections to that address
+        near = {
+            (c[1], c[2]) for c in rows if c[3] == _TCP_ESTABLISHED and c[2] in far and c[9] in mine
+        }
+        # the other ends of those connections: accepted there, pointing back here
+        theirs = {c[9] for c in rows if c[3] == _TCP_ESTABLISHED and (c[2], c[1]) in near}
+        return bool(theirs) and not theirs.isdisjoint(_sockets(str(pid)))
     except (OSError, ValueError):
         return False
-    return False
 
 
 def addresses(views: list) -> list[int] | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -22,14 +23,14 @@ from node_agent.peer.errors import PeerTransportError, within
 from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.ucx import direct, mapped
-from node_agent.peer.ucx.wire import packed, split_host_port
+from node_agent.peer.ucx.wire import is_ip, packed, split_host_port
 
 log = logging.getLogger("kvstore.agent.peer")
 # A peer whose memory the kernel would not let us read is asked for payload messages for
 # this long, then offered direct reads again (it may have restarted in our PID namespace).
 NO_DIRECT_S = 300.0
 # How long a peer process found holding the listener a connection reached stays trusted
-# to be that peer (direct.owns_listener: a few /proc reads, off the event loop)
+# to be that peer (direct.serves_connection: a few /proc reads, off the event loop)
 OWNER_CHECKED_S = 60.0
 
 
@@ -171,13 +172,13 @@ class DirectFetcher:
 
     async def _check_owner(self, address: str, pid: int) -> None:
         """Read only from the process that holds the listener at `address` (the one this
-        connection reached): see direct.owns_listener. Otherwise the transfer fails and
+        connection reached): see direct.serves_connection. Otherwise the transfer fails and
         this address is not offered direct reads for NO_DIRECT_S."""
         now = time.monotonic()
         if self._owners.get((address, pid), 0.0) >= now:
             return
-        port = split_host_port(address)[1]
-        if await asyncio.to_thread(direct.owns_listener, pid, port):
+        host, port = split_host_port(address)
+        if await asyncio.to_thread(_serves, pid, host, port):
             if len(self._owners) > 1024:  # peers come and go: forget the expired ones
                 self._owners = {k: t for k, t in self._owners.items() if t >= now}
             self._owners[(address, pid)] = now + OWNER_CHECKED_S
@@ -237,6 +238,15 @@ class DirectFetcher:
             log.debug("sending a release failed: %s: %s", type(exc).__name__, exc)
             return False
         return True
+
+
+def _serves(pid: int, host: str, port: int) -> bool:
+    """direct.serves_connection for a peer address (a name: every address it has)."""
+    try:
+        ips = [host] if is_ip(host) else [str(i[4][0]) for i in socket.getaddrinfo(host, port)]
+    except OSError:
+        return False
+    return direct.serves_connection(pid, ips, port)
 
 
 async def _digests_of(read: asyncio.Future) -> list[int] | None:
