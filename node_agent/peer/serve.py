@@ -37,10 +37,13 @@ class ServeRequest:
 
 class TransferSlots:
     """Concurrent transfers served, all transports together (each holds staging sets
-    and CPU), `total` of them, of which one tenant's take at most `total - 1` (all of
-    them when total is 1): a tenant whose transfers stall, a receiver that posts no
-    receives and sends no release, holds its share until the io timeouts end them, and
-    every other tenant's pulls are still served meanwhile."""
+    and CPU), `total` of them, of which one share takes at most `total - 1` (all of
+    them when total is 1). A share is the calling tenant's, or, for the agent identity,
+    the namespace owner's (ServeRequest.share). What it guarantees: one tenant whose
+    transfers stall (a receiver that posts no receives and sends no release, held until
+    the io timeouts end them) cannot take every slot, so another tenant is still
+    served. Two tenants stalling together can take them all, and readers of a public
+    namespace through agents share its owner's slots."""
 
     def __init__(self, total: int) -> None:
         self._all = asyncio.Semaphore(total)

@@ -913,6 +913,11 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     wire.data = len(secret).to_bytes(4, "little")
     assert asyncio.run(recv_control(wire, buf)) == bytes(len(secret))
     assert not buf.any()  # and nothing of either is left
+    # Nor bytes a frame brought past the length it claimed.
+    wire.data = (2).to_bytes(4, "little") + b"ok" + b"LEFTOVER-REQUEST-BYTES"
+    assert asyncio.run(recv_control(wire, buf)) == b"ok"
+    wire.data = (26).to_bytes(4, "little")
+    assert asyncio.run(recv_control(wire, buf)) == bytes(26)
 
 
 @needs_ucx

@@ -21,6 +21,7 @@ LISTEN = (
     "s.listen()\n"
     "print('ready', flush=True)\n"
     "c, _ = s.accept()\n"
+    "print('accepted', flush=True)\n"
     "sys.stdin.read()\n"
 )
 
@@ -51,7 +52,9 @@ def test_only_the_far_end_of_our_own_connection_passes():
         pytest.skip("127.0.0.2 is not usable on this host")
     conn = socket.create_connection(("127.0.0.2", port), timeout=10)
     try:
-        conn.send(b"x")
+        assert liar.stdout is not None
+        # accepted: the connection's far end is in its fds now, not in the accept queue
+        assert liar.stdout.readline().strip() == "accepted"
         assert serves_connection(liar.pid, ["127.0.0.2"], port)
         assert not serves_connection(agent.pid, ["127.0.0.2"], port)  # same port, not ours
         assert not serves_connection(agent.pid, ["127.0.0.1"], port)  # not connected to it

@@ -151,14 +151,15 @@ class DirectFetcher:
     ) -> list[int]:
         pid = hdr.direct_pid
         await self._check_owner(address, pid)
-        self._counters.add("peer_blocks_direct", len(views))
         try:
             if hdr.direct_bytes and self._unmapped.get(pid, 0.0) < time.monotonic():
                 got = await asyncio.to_thread(self._read_mapped, hdr, views, addrs, threads)
                 if self._sweeper is None and len(self._mappings):
                     self._sweeper = self._spawn(self._sweep())
-                return got
-            return await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
+            else:
+                got = await asyncio.to_thread(direct.read_into, pid, views, addrs, threads)
+            self._counters.add("peer_blocks_direct", len(views))  # read (not yet verified)
+            return got
         except direct.DirectReadError as exc:
             if exc.refused:  # requests to this peer ask for payload messages for a while
                 self._refused[address] = time.monotonic() + NO_DIRECT_S

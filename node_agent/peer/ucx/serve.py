@@ -37,6 +37,9 @@ from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent.peer")
 _EMPTY = np.empty(0, dtype=np.uint8)  # the payload message of a packed chunk of no blocks
+# After a refusal: how long the connection stays for the fetcher to close its end (it
+# does once it has read the refusal; a stranger that does not is cut off then)
+REFUSED_CLOSE_S = 1.0
 
 
 class UcxServer:
@@ -108,11 +111,14 @@ class UcxServer:
                         return
                     raise PeerTransportError(f"no request: {exc}") from exc
                 if not await self._serve_request(ep, peer_pb2.FetchRequest.FromString(raw)):
-                    # Refused: the fetcher closes its end once it has read why, and a
-                    # caller without a valid token keeps no connection here (nor the
-                    # io_timeout_s it may take to notice that it is gone)
+                    # Refused: the fetcher closes its end once it has read why (at once),
+                    # and a caller without a valid token keeps no connection here: a
+                    # moment for the refusal to arrive, holding nothing of the request
+                    raw = b""
                     with contextlib.suppress(Exception):
-                        await within(ep.recv(np.empty(len(ACK), np.uint8)), far, io, "close")
+                        await within(
+                            ep.recv(np.empty(len(ACK), np.uint8)), far, REFUSED_CLOSE_S, "close"
+                        )
                     return
                 ack = np.empty(len(ACK), dtype=np.uint8)
                 await within(ep.recv(ack), far, io, "acknowledgement")

@@ -79,11 +79,6 @@ def post_control(ep, payload: bytes) -> asyncio.Future:
     return asyncio.ensure_future(ep.send(frame))
 
 
-# Past this many bytes, a control message's pages go back to the kernel once it is read
-# (_clear): a connection kept after one large request holds no more than this.
-KEEP_CONTROL_BYTES = 64 << 10
-
-
 def control_buffer() -> np.ndarray:
     """A receive buffer for recv_control, for one endpoint's control messages in turn:
     pages of its own (a private anonymous mapping, untouched until a message comes), not
@@ -95,34 +90,36 @@ def control_buffer() -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def _clear(buf: np.ndarray, used: int) -> None:
-    """Zero the first `used` bytes of a control_buffer; a large message's pages are
-    handed back to the kernel instead (they read as zeros again)."""
+def _clear(buf: np.ndarray) -> None:
+    """Zero a control_buffer after a message, all of it: a receive does not say how many
+    bytes came (a frame longer than the length it claims leaves bytes past it). Its pages
+    go back to the kernel (they read as zeros again, and a connection kept after a large
+    request holds none of it): one madvise over the few pages a message touched."""
     mm = getattr(buf.base, "obj", None)
-    if used > KEEP_CONTROL_BYTES and isinstance(mm, mmap.mmap):
+    if isinstance(mm, mmap.mmap):
         mm.madvise(mmap.MADV_DONTNEED)
-    else:
-        buf[:used] = 0
+    else:  # a buffer of the caller's own (tests)
+        buf[:] = 0
 
 
 async def recv_control(ep, buf: np.ndarray) -> bytes:
     """Receive one post_control message into `buf` (control_buffer); its bytes, after
-    which the bytes it claimed are zeroed again. A message larger than the buffer fails
+    which the buffer is zeroed again. A message larger than the buffer fails
     in UCX (truncated); a length that does not fit what a message can hold is a protocol
-    error (then, as after a failed receive, the whole buffer is zeroed)."""
+    error."""
     try:
         await ep.recv(buf)
     except BaseException:
-        _clear(buf, buf.nbytes)
+        _clear(buf)
         raise
     n = int.from_bytes(buf[:4].tobytes(), "little")
     if n > buf.nbytes - 4:
-        _clear(buf, buf.nbytes)
+        _clear(buf)
         raise PeerTransportError(
             f"peer sent a control message claiming {n} bytes (limit {MAX_CONTROL_BYTES})"
         )
     out = buf[4 : 4 + n].tobytes()
-    _clear(buf, 4 + n)
+    _clear(buf)
     return out
 
 
