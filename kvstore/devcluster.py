@@ -597,7 +597,7 @@ def up(state_dir: str | os.PathLike, opts: UpOptions = UpOptions(), say=print) -
         state.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file on the way, no permission, read-only
         raise BadStateDir(f"cannot create the state directory {state}: {exc.strerror}") from None
-    lock = _try_lock(state)
+    lock = _try_lock(state, as_up=True)
     if lock is None:  # another up is starting here: two etcds on one data dir, otherwise
         raise ClusterError(
             f"kvctl cluster up (pid {_holder(state) or '?'}) is already starting a cluster in "
@@ -633,17 +633,29 @@ class _Launched(list):
         os.replace(tmp, self._path)
 
 
-def _try_lock(state: Path) -> int | None:
-    """The up lock (a file descriptor, our pid written in it), or None while another
-    process holds it. The descriptor is not inherited by the processes `up` starts."""
-    fd = os.open(state / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def _try_lock(state: Path, as_up: bool = False, create: bool = True) -> int | None:
+    """The up lock (a file descriptor), or None while another process holds it (or,
+    not `create`, when there is no lock file: no `up` ever ran here). `as_up`: our pid is
+    written in it, for a refused `up` or `down` to name; a probe or `down` writes
+    nothing (an `up` refused meanwhile would name the wrong process). The descriptor is
+    not inherited by the processes `up` starts. BadStateDir when it cannot be opened."""
+    path = state / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    except FileNotFoundError:
+        if create:
+            raise BadStateDir(f"{path} cannot be created (no such directory)") from None
+        return None
+    except OSError as exc:
+        raise BadStateDir(f"{path} cannot be opened: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    if as_up:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
     return fd
 
 
@@ -660,7 +672,9 @@ def starting(state_dir: str | os.PathLike) -> int | None:
     state = Path(state_dir)
     if not state.is_dir():
         return None
-    lock = _try_lock(state)
+    if not (state / LOCK_FILE).exists():
+        return None
+    lock = _try_lock(state, create=False)
     if lock is not None:
         os.close(lock)
         return None

@@ -67,3 +67,16 @@ def test_cluster_up_in_a_file_is_exit_2_in_one_line(a_file, under, capsys):
     assert err.startswith("kvctl cluster up: ") and err.count("\n") == 1
     assert "Not a directory" in err or "is not a directory" in err
     assert a_file.read_text().startswith("root:")
+
+
+def test_probing_for_a_starting_up_creates_and_writes_nothing(tmp_path):
+    """`kvctl cluster down` asks whether an `up` is starting: that probe took the lock
+    itself and wrote its own pid in it (an `up` refused at that moment named the probe),
+    and it created the lock file in a directory no `up` had used."""
+    from kvstore import devcluster
+
+    assert devcluster.starting(tmp_path) is None
+    assert not (tmp_path / devcluster.LOCK_FILE).exists()
+    (tmp_path / devcluster.LOCK_FILE).write_text("999\n")  # a finished up's
+    assert devcluster.starting(tmp_path) is None
+    assert (tmp_path / devcluster.LOCK_FILE).read_text() == "999\n"
