@@ -316,7 +316,7 @@ class AgentLink:
             ns = self._handle(client, salt)
             r = client.put(ns, ids, list(blocks.unbind(0)), ns.root if parent is None else parent)
             if r.not_stored:
-                log.info("kvstore %s: blocks not saved: %s", self.role, r.not_stored)
+                log.debug("kvstore %s: blocks not saved: %s", self.role, r.not_stored)
             return int(r.stored)
 
         return self._call("put", run, 0)
