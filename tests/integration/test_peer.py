@@ -293,21 +293,29 @@ def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cl
 
 @needs_ucx
 def test_peer_killed_mid_transfer_is_a_bounded_miss_and_nothing_wrong_is_stored(cluster, tmp_path):
-    cluster.start(tmp_path, "b2", pool_bytes="1GiB")
+    """B2 is killed once the first blocks arrived. Mapped reads move 640 MiB in tens of
+    ms on a quick host, so the kill can land after the last block (make test saw it
+    once): that try killed nothing mid-transfer, so it is made again with another source
+    and prompt (at most 3 tries; A's pool holds all three)."""
     n = 320  # 640 MiB: long enough to kill B2 in the middle
-    na, ids, blocks = cluster.seed(BIG, n, seed=8, src="b2")
-    da = Delta(cluster, "a")
-    call = cluster.peer_stub("a").Prefetch.future(
-        cluster.request(na, ids, src="b2", timeout_ms=20_000), timeout=60
-    )
-    wait_for(
-        lambda: call.done() or da.now()["peer_blocks_received"] > 0,
-        timeout=60,
-        interval=0.01,
-        what="the transfer to start",
-    )
-    cluster.procs["b2"].kill()
-    r = call.result(timeout=60)  # returns (within the 20 s bound), never hangs
+    for attempt in range(3):
+        src = f"b2-{attempt}"
+        cluster.start(tmp_path, src, pool_bytes="1GiB")
+        na, ids, blocks = cluster.seed(BIG, n, seed=8 + 20 * attempt, src=src)
+        da = Delta(cluster, "a")
+        call = cluster.peer_stub("a").Prefetch.future(
+            cluster.request(na, ids, src=src, timeout_ms=20_000), timeout=60
+        )
+        wait_for(
+            lambda call=call, da=da: call.done() or da.now()["peer_blocks_received"] > 0,
+            timeout=60,
+            interval=0.01,
+            what="the transfer to start",
+        )
+        cluster.procs[src].kill()
+        r = call.result(timeout=60)  # returns (within the 20 s bound), never hangs
+        if r.present < n:
+            break
     assert r.present < n and r.fetched == r.present, r
     assert r.stopped and r.transport.startswith("ucx")
     # Whatever A stored is exactly B2's data, and A keeps serving.
