@@ -47,8 +47,8 @@ def check_tenants(tenants: dict[str, TenantConfig]) -> None:
     one tenant's callers acting as the other)."""
     owner: dict[str, str] = {}
     for name, t in tenants.items():
-        if tenant_name_problem(name):
-            raise ValueError(f"tenants: the name {name!r} {tenant_name_problem(name)}")
+        if problem := tenant_name_problem(name):
+            raise ValueError(f"tenants: the name {name!r} {problem}")
         digest = t.token_sha256
         if not digest:
             continue
@@ -389,8 +389,8 @@ def check_listen(name: str, address: str) -> None:
     parts = split_port(address)
     if parts is None or parts[1] > 65535:
         raise ValueError(f"{name} must be host:port with a port in 0..65535, got {address!r}")
-    if host_problem(parts[0]):
-        raise ValueError(f"{name}: {host_problem(parts[0])}")
+    if problem := host_problem(parts[0]):
+        raise ValueError(f"{name}: {problem}")
 
 
 def _coerce(tp, value, name: str):

@@ -125,10 +125,8 @@ class Namespace:
             )
         if "/" in self.tenant or "/" in self.name:
             raise InvalidArgument("namespace tenant and name must not contain '/'")
-        if tenant_name_problem(self.tenant):
-            raise InvalidArgument(
-                f"namespace tenant {self.tenant!r} {tenant_name_problem(self.tenant)}"
-            )
+        if problem := tenant_name_problem(self.tenant):
+            raise InvalidArgument(f"namespace tenant {self.tenant!r} {problem}")
         if not _is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(
                 f"namespace tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"

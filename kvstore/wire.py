@@ -64,8 +64,7 @@ def check_host_port(address: str, what: str) -> str:
         raise InvalidArgument(
             f"{what} must be host:port with a port in 1..65535, got {address[:80]!r}"
         )
-    problem = host_problem(parts[0])
-    if problem:
+    if problem := host_problem(parts[0]):
         raise InvalidArgument(f"{what}: {problem}")
     return address
 

@@ -644,8 +644,8 @@ class ControlPlane:
     # ------------------------------------------------------------------- quotas
     async def set_quota(self, tenant: str, quota: Quota) -> Quota:
         """Merge `quota` into the tenant's record (unset fields keep their value)."""
-        if tenant_name_problem(tenant):
-            raise errors.InvalidArgument(f"tenant name {tenant!r} {tenant_name_problem(tenant)}")
+        if problem := tenant_name_problem(tenant):
+            raise errors.InvalidArgument(f"tenant name {tenant!r} {problem}")
         if tenant in RESERVED_TENANTS:  # they hold no blocks: a limit would mean nothing
             raise errors.InvalidArgument(f"{tenant!r} is a reserved identity, not a tenant")
         key = TENANTS + tenant

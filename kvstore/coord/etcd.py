@@ -103,8 +103,8 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
             host, port = parts
             if not 0 < port < 65536:
                 raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")
-            if host_problem(host):
-                raise ValueError(f"etcd endpoint {item!r}: {host_problem(host)}")
+            if problem := host_problem(host):
+                raise ValueError(f"etcd endpoint {item!r}: {problem}")
             out.append(f"127.0.0.1:{port}" if host == "localhost" else item)
     if not out:
         raise ValueError("no etcd endpoints given")

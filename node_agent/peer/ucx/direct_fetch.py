@@ -29,8 +29,8 @@ log = logging.getLogger("kvstore.agent.peer")
 # A peer whose memory the kernel would not let us read is asked for payload messages for
 # this long, then offered direct reads again (it may have restarted in our PID namespace).
 NO_DIRECT_S = 300.0
-# How long a peer process found holding the listener a connection reached stays trusted
-# to be that peer (direct.serves_connection: a few /proc reads, off the event loop)
+# How long a process found at the far end of this agent's connection to a peer address
+# stays trusted to be that peer (direct.serves_connection: a few /proc reads, off the loop)
 OWNER_CHECKED_S = 60.0
 
 
@@ -58,7 +58,7 @@ class DirectFetcher:
         # process_vm_readv instead
         self._unmapped: dict[int, float] = {}
         self._sweeper: asyncio.Future | None = None  # _sweep, while pools are mapped
-        # (peer address, pid) found to hold that address's listener -> until when trusted
+        # (peer address, pid) found at the far end of our connection there -> until when
         self._owners: dict[tuple[str, int], float] = {}
 
     def offer(self, address: str) -> str:
@@ -172,9 +172,9 @@ class DirectFetcher:
             raise
 
     async def _check_owner(self, address: str, pid: int) -> None:
-        """Read only from the process that holds the listener at `address` (the one this
-        connection reached): see direct.serves_connection. Otherwise the transfer fails and
-        this address is not offered direct reads for NO_DIRECT_S."""
+        """Read only from the process at the far end of this agent's connection to
+        `address` (direct.serves_connection). Otherwise the transfer fails and this address
+        is not offered direct reads for NO_DIRECT_S."""
         now = time.monotonic()
         if self._owners.get((address, pid), 0.0) >= now:
             return

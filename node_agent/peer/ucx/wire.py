@@ -109,18 +109,14 @@ async def recv_control(ep, buf: np.ndarray) -> bytes:
     error."""
     try:
         await ep.recv(buf)
-    except BaseException:
+        n = int.from_bytes(buf[:4].tobytes(), "little")
+        if n > buf.nbytes - 4:
+            raise PeerTransportError(
+                f"peer sent a control message claiming {n} bytes (limit {MAX_CONTROL_BYTES})"
+            )
+        return buf[4 : 4 + n].tobytes()
+    finally:
         _clear(buf)
-        raise
-    n = int.from_bytes(buf[:4].tobytes(), "little")
-    if n > buf.nbytes - 4:
-        _clear(buf)
-        raise PeerTransportError(
-            f"peer sent a control message claiming {n} bytes (limit {MAX_CONTROL_BYTES})"
-        )
-    out = buf[4 : 4 + n].tobytes()
-    _clear(buf)
-    return out
 
 
 def split_host_port(address: str) -> tuple[str, int]:
