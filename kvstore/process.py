@@ -73,14 +73,9 @@ def check_ready_file(path: str | None, what: str = "--ready-file") -> None:
         raise StartupError(f"{what} {path}: directory {folder} is not writable")
 
 
-async def run_until_signalled(
-    server, ready_file: str | None = None, more_ready_files: tuple[str | None, ...] = ()
-) -> None:
-    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT.
-    `more_ready_files`: others the server writes itself, checked before it starts."""
+async def run_until_signalled(server, ready_file: str | None = None) -> None:
+    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT."""
     check_ready_file(ready_file)
-    for other in more_ready_files:
-        check_ready_file(other, "ready file")
     await server.start()
     if ready_file:
         try:

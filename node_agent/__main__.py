@@ -86,8 +86,7 @@ def check_device_and_memory(cfg: AgentConfig) -> None:
         count = torch.cuda.device_count()
         if (device.index or 0) >= count:
             raise ValueError(f"device {cfg.device!r}: this host has {count} CUDA device(s)")
-    memory = host_memory_bytes()
-    if device.type == "cpu" and cfg.pool_bytes > memory:
+    if device.type == "cpu" and cfg.pool_bytes > (memory := host_memory_bytes()):
         raise ValueError(
             f"pool_bytes ({format_size(cfg.pool_bytes)}) is more than this host's memory "
             f"({format_size(memory)})"
@@ -97,7 +96,7 @@ def check_device_and_memory(cfg: AgentConfig) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     overrides = {
         k: getattr(args, k)

@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     overrides = {
         "router_id": args.router_id,

@@ -15,7 +15,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
 from kvstore.grpc_edge import status_for
 from kvstore import errors
-from kvstore.process import StartupError, bind_port, run_until_signalled, write_ready_file
+from kvstore.process import (
+    StartupError,
+    bind_port,
+    check_ready_file,
+    run_until_signalled,
+    write_ready_file,
+)
 from kvstore.config import RouterConfig
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from kvstore.wire import check_id, check_request_id
@@ -326,4 +332,5 @@ async def serve(
 ) -> None:
     server = RouterServer(cfg, token, etcd_prefix, with_control=True, gateway=gateway)
     server.gateway_ready_file = gateway_ready_file
-    await run_until_signalled(server, ready_file, (gateway_ready_file,))
+    check_ready_file(gateway_ready_file, "--gateway-ready-file")
+    await run_until_signalled(server, ready_file)
