@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -156,11 +156,11 @@ def _error(exc: HTTPFailure) -> JSONResponse:
 async def _no_route(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such path: 404; another method: 405, with its Allow
     header) in the same JSON as the gateway's other errors, not Starlette's plain text."""
-    if not isinstance(exc, HTTPException):  # registered for HTTPException only
-        raise exc
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error(HTTPFailure(exc.status_code, message, kind, dict(exc.headers or {})))
+    http = cast(HTTPException, exc)  # registered for HTTPException only
+    kind = "not_found_error" if http.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {http.detail}"
+    body = error_body(http.status_code, message, kind)
+    return JSONResponse(body, http.status_code, dict(http.headers or {}))
 
 
 def _header(scope: Scope, name: bytes) -> str:

@@ -115,9 +115,8 @@ class _Bad(Exception):
 
 def _visit(value: Any, depth: int) -> None:
     """`value` at `depth` (its path's length). Only strings, objects and arrays are
-    looked into: a long array of numbers costs one pass in a comprehension."""
-    if depth >= MAX_DEPTH:
-        raise _Bad("deep")
+    looked into: a long array of numbers costs one pass in a comprehension. A member is
+    visited only while its depth is under MAX_DEPTH (checked by its container)."""
     if value.__class__ is str:
         if _SURROGATE.search(value):
             raise _Bad("value")

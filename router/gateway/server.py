@@ -12,7 +12,6 @@ import json
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import uvicorn
@@ -84,15 +83,6 @@ class _HeadWithBody(asyncio.Transport):
         return self._transport.get_extra_info(name, default)
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """What one client connection may take (GatewayConfig's fields of the same names)."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    max_header_bytes: int = 64 << 10
-
-
 class _OneSendProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, each request's cycle writing through _HeadWithBody.
     Measured with a bare proxy (uvicorn, plain ASGI, aiohttp) against one stand-in, 400
@@ -108,7 +98,8 @@ class _OneSendProtocol(HttpToolsProtocol):
     reading the body, sees the client gone. One timer at most per connection, and none
     for a request whose head and body come in one read."""
 
-    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    # header_timeout_s, body_timeout_s, max_header_bytes: set by _protocol
+    limits: ClassVar[GatewayConfig]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -247,9 +238,10 @@ class _OneSendProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def _protocol(limits: ConnectionLimits) -> type[_OneSendProtocol]:
-    """_OneSendProtocol held to `limits` (uvicorn makes one per connection, from a class)."""
-    return type("_LimitedProtocol", (_OneSendProtocol,), {"limits": limits})
+def _protocol(cfg: GatewayConfig) -> type[_OneSendProtocol]:
+    """_OneSendProtocol held to `cfg`'s connection limits (uvicorn makes one per
+    connection, from a class)."""
+    return type("_LimitedProtocol", (_OneSendProtocol,), {"limits": cfg})
 
 
 def build_gateway(
@@ -311,11 +303,7 @@ class GatewayServer:
         # No access log: a URL is harmless, but nothing per request is logged by default.
         return uvicorn.Config(
             self.gateway,
-            http=_protocol(
-                ConnectionLimits(
-                    self.cfg.header_timeout_s, self.cfg.body_timeout_s, self.cfg.max_header_bytes
-                )
-            ),
+            http=_protocol(self.cfg),
             log_level="warning",
             access_log=False,
             lifespan="off",
