@@ -100,8 +100,48 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
     async def _run(self, nbytes: int, fn, *args):
         with self._counted():
             if nbytes >= _OFFLOAD_BYTES:
-                return await asyncio.to_thread(fn, *args)
+                return await self._thread(fn, *args)
             return fn(*args)
+
+    async def _thread(self, fn, *args):
+        """fn(*args) on a worker thread. A call cancelled meanwhile (its client gone, a
+        deadline) ends at once, but nothing stops the thread: it keeps an `in_flight` count
+        of its own until it ends, so the load the router balances by stays in the gauge."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                self.in_flight += 1
+                fut.add_done_callback(self._thread_ended)
+            raise
+
+    def _thread_ended(self, fut: asyncio.Future) -> None:
+        self.in_flight -= 1
+        if not fut.cancelled():
+            fut.exception()  # its caller is gone: retrieved here, or asyncio logs it
+        self.hub.publish_pending()
+
+    async def _begun_in_thread(self, begin):
+        """`begin()` (BlockStore.put_begin) on a worker thread, as _thread. Cancelled
+        meanwhile, the put it begins is still ended, once begun (_abandon_off_loop), or
+        its reserved slots would never be given back."""
+        began = asyncio.ensure_future(asyncio.to_thread(begin))
+        try:
+            return await asyncio.shield(began)
+        except asyncio.CancelledError:
+            counted = not began.done()
+            if counted:
+                self.in_flight += 1
+
+            def end(fut: asyncio.Future) -> None:
+                if counted:
+                    self._thread_ended(fut)
+                if not fut.cancelled() and fut.exception() is None:  # begun: end it
+                    _abandon_off_loop(fut.result())
+
+            began.add_done_callback(end)
+            raise
 
     async def _store_put(
         self,
@@ -140,13 +180,13 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             else:
                 pending = self.store.put_begin_if_fits(*args, deadline_ns)
             if pending is None:  # planning may write or read NVMe: not on the loop
-                pending = await _begun_in_thread(
+                pending = await self._begun_in_thread(
                     functools.partial(self.store.put_begin, *args, deadline_ns=deadline_ns)
                 )
             if pending.fileno() is None:
                 gone = threading.Event()
                 with _setting_when_cancelled(gone):
-                    done = await asyncio.to_thread(pending.finish, gone)
+                    done = await self._thread(pending.finish, gone)
             else:
                 await _copied(pending)
                 done = pending.finish()
@@ -177,7 +217,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             if background:
                 await _copied(pending)
             if pending.reads_beyond_pool or not background:
-                return await asyncio.to_thread(pending.finish)
+                return await self._thread(pending.finish)
             return pending.finish()
 
     # --------------------------------------------------------------------- RPCs
@@ -502,26 +542,6 @@ def _setting_when_cancelled(gone: threading.Event) -> Iterator[None]:
         yield
     except asyncio.CancelledError:
         gone.set()
-        raise
-
-
-async def _begun_in_thread(begin):
-    """`begin()` (BlockStore.put_begin) on a worker thread. Cancelled meanwhile, the
-    put it begins is still ended, once begun (_abandon_off_loop), or its reserved
-    slots would never be given back."""
-    began = asyncio.ensure_future(asyncio.to_thread(begin))
-    try:
-        return await asyncio.shield(began)
-    except asyncio.CancelledError:
-
-        def end(fut: asyncio.Future) -> None:
-            if fut.cancelled():
-                return
-            if fut.exception() is not None:  # nothing was begun: nothing to end
-                return
-            _abandon_off_loop(fut.result())
-
-        began.add_done_callback(end)
         raise
 
 

@@ -166,3 +166,52 @@ def test_a_batch_below_the_background_size_begins_and_finishes_at_once(make_stor
     assert _put(_servicer(store), items) == (3, 0, "")
     assert [c[0] for c in seen.calls] == ["put_begin", "PendingPut.finish"]
     assert not seen.in_background("put_begin")  # as store.put does: begin, then finish
+
+
+@pytest.mark.parametrize("path", ["whole-on-a-thread", "finish-on-a-thread"])
+def test_a_cancelled_get_stays_in_flight_until_its_worker_thread_ends(
+    make_store, monkeypatch, path
+):
+    """The router balances by `in_flight`: a Get cancelled while a worker thread copies
+    for it still loads the node until that thread ends."""
+    store = make_store(n_slots=4)
+    store.open_namespace(SPEC)
+    ids, items = prompt(1, 3)
+    put(store, items)
+    if path == "whole-on-a-thread":  # below the background size: store.get via _run
+        monkeypatch.setattr(store_copy, "PARALLEL_MIN_BYTES", 10 * NB)
+        owner, name = store, "get"
+    else:  # the chain on NVMe: PendingGet.finish on a thread
+        put(store, prompt(9, 4)[1])
+        owner, name = store_mod.PendingGet, "finish"
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held(*args, **kwargs):  # a slow copy, injected
+        entered.set()
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    svc = _servicer(store)
+    bufs = [bytearray(NB) for _ in ids]
+
+    async def cancelled_mid_copy() -> tuple[int, int, int]:
+        st = store.namespace(NS, 0)
+        call = asyncio.ensure_future(svc._store_get(st, 0, ids, ROOT, lambda i, n: bufs[i]))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        during = svc.in_flight
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        after_cancel = svc.in_flight
+        release.set()
+        for _ in range(6000):  # the thread ends; its callback runs on the loop
+            if not svc.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        return during, after_cancel, svc.in_flight
+
+    assert asyncio.run(cancelled_mid_copy()) == (1, 1, 0)
+    check_invariants(store)
