@@ -51,6 +51,7 @@ from kvstore.devengines import (
     KV_TENANT,
     MODEL_NAME,
     EngineLaunch,
+    fresh_log,
     gateway_files,
     model_block_bytes,
     start_engine,
@@ -218,15 +219,12 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
 
 
 def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own session, logging to a fresh `log_path` (the previous run's
-    log becomes <log>.prev: an error tail quotes this run only)."""
+    """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
     )
-    if log_path.exists():
-        os.replace(log_path, log_path.with_name(log_path.name + ".prev"))
-    with open(log_path, "wb") as log:
+    with fresh_log(log_path) as log:
         return subprocess.Popen(
             cmd,
             stdout=log,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "gateway_files", "start_engine", "stop_engine"]
 
@@ -143,21 +144,30 @@ class EngineLaunch:
         ]  # fmt: skip
 
 
+def fresh_log(path: Path) -> BinaryIO:
+    """`path` opened for a new run's log: the previous run's becomes <path>.prev, so an
+    error tail (or a test reading the log) quotes this run only."""
+    if path.exists():
+        os.replace(path, path.with_name(path.name + ".prev"))
+    return open(path, "wb")
+
+
 def start_engine(launch: EngineLaunch, new_session: bool = False) -> subprocess.Popen:
-    """Start the registrar (which starts vLLM); its log is <workdir>/engine.log."""
+    """Start the registrar (which starts vLLM); its log is <workdir>/engine.log (fresh_log)."""
     d = Path(launch.workdir)
     d.mkdir(parents=True, exist_ok=True)
     (d / "namespace.json").unlink(missing_ok=True)  # the connector writes it afresh
     env = dict(os.environ, **VLLM_ENV, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        launch.command(),
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=open(d / "engine.log", "ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=new_session,
-    )
+    with fresh_log(d / "engine.log") as log:
+        return subprocess.Popen(
+            launch.command(),
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
 
 
 # API keys of the dev cluster's gateway (dev only: they are in its state directory).

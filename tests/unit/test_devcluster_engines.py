@@ -126,3 +126,20 @@ def test_the_device_an_engine_computes_on_reaches_its_record(tmp_path):
     assert "--device" not in _launch().command()  # none named: a device of its own
     with pytest.raises(ValueError, match="device must be a string"):
         replace(rec, device="x" * 257)
+
+
+def test_an_engine_restarted_in_its_workdir_logs_this_run_only(tmp_path, monkeypatch):
+    """engine.log starts fresh on every start (it appended, so an error tail or a test
+    reading it could quote an earlier run); the previous run's is engine.log.prev."""
+    import sys
+
+    from kvstore import devengines
+
+    launch = replace(_launch(), workdir=str(tmp_path / "e0"))
+    for run in ("first", "second"):  # the engine's command: a process printing its run
+        monkeypatch.setattr(
+            EngineLaunch, "command", lambda self, run=run: [sys.executable, "-c", f"print({run!r})"]
+        )
+        assert devengines.start_engine(launch).wait(60) == 0
+    assert (tmp_path / "e0" / "engine.log").read_text() == "second\n"
+    assert (tmp_path / "e0" / "engine.log.prev").read_text() == "first\n"
