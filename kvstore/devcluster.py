@@ -35,7 +35,6 @@ import secrets
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -45,13 +44,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.devengines import (
     KV_TENANT,
     MODEL_NAME,
     EngineLaunch,
-    fresh_log,
     gateway_files,
     model_block_bytes,
     start_engine,
@@ -59,14 +56,24 @@ from kvstore.devengines import (
     write_model,
 )
 from kvstore.config import TLSConfig
+from kvstore.devprocs import (
+    alive,
+    client_context,
+    etcd_healthy,
+    free_port,
+    grpc_healthy,
+    http_ok,
+    reap,
+    router_nodes,
+    spawn,
+    tail,
+)
 from kvstore.units import parse_size
-from kvstore.tls import channel, files_in
+from kvstore.tls import files_in
 
 STATE_FILE = "cluster.json"
 LOCK_FILE = "up.lock"  # flock-ed by `up` from before it starts anything to its end; its pid
 STARTING_FILE = "starting.json"  # what a starting `up` has launched so far (for `down`)
-ROOT = Path(__file__).resolve().parent.parent
-_MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router", "engine": "vllm_serve"}
 
 
 class ClusterError(Exception):
@@ -162,33 +169,6 @@ class ClusterState:
             ) from None
 
 
-# ----------------------------------------------------------------- process helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int, kind: str) -> bool:
-    """The process exists, is not a zombie, and is the kind we started (a recycled pid
-    running something else does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
-    return state != "Z" and _MARKERS[kind] in cmdline
-
-
-def _reap(pid: int) -> None:
-    try:  # only our own children can be reaped; others are reaped by init
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
     """SIGTERM every live one, wait up to `grace_s`, SIGKILL the rest. Returns names."""
     engines = [p for p in procs if p.kind == "engine" and alive(p.pid, p.kind)]
@@ -203,7 +183,7 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         for p in live:
-            _reap(p.pid)
+            reap(p.pid)
         if not any(alive(p.pid, p.kind) for p in live):
             break
         time.sleep(0.1)
@@ -214,89 +194,8 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
             except ProcessLookupError:
                 pass
             time.sleep(0.1)
-        _reap(p.pid)
+        reap(p.pid)
     return [p.name for p in engines + live]
-
-
-def _spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(ROOT) + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
-    )
-    with fresh_log(log_path) as log:
-        return subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=cwd or ROOT,
-            env=env,
-            start_new_session=True,
-        )
-
-
-def _tail(path: str | Path, n: int = 1500) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no log)"
-
-
-# ------------------------------------------------------------------ health checks
-def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: TLSConfig | None = None) -> bool:
-    ctx = None
-    if tls is not None:  # etcd checks the client certificate on /health too
-        ctx = ssl.create_default_context(cafile=tls.ca_file)
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
-    scheme = "https" if ctx else "http"
-    try:
-        with urllib.request.urlopen(
-            f"{scheme}://{endpoint}/health", timeout=timeout, context=ctx
-        ) as r:
-            return b"true" in r.read()
-    except OSError:
-        return False
-
-
-def _client_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
-    """For the gateway and the engines over HTTPS: the CA, presenting the client pair
-    (engines require one)."""
-    if tls is None:
-        return None
-    ctx = ssl.create_default_context(cafile=tls.ca_file)
-    ctx.load_cert_chain(tls.cert_file, tls.key_file)
-    return ctx
-
-
-def _http_ok(url: str, tls: TLSConfig | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0, context=_client_context(tls)) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def grpc_healthy(address: str, timeout: float = 1.0, tls: TLSConfig | None = None) -> bool:
-    try:
-        with channel(address, tls) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
-            )
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def router_nodes(address: str, timeout: float = 2.0, tls: TLSConfig | None = None) -> list:
-    from kvstore.v1 import router_pb2, router_pb2_grpc
-
-    with channel(address, tls) as ch:
-        return list(
-            router_pb2_grpc.RouterStub(ch)
-            .ListNodes(router_pb2.ListNodesRequest(), timeout=timeout)
-            .nodes
-        )
 
 
 def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, Path]]):
@@ -311,7 +210,7 @@ def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, P
             if proc.poll() is not None:
                 raise ClusterError(
                     f"{what}: a process exited with status {proc.returncode}; "
-                    f"end of {log}:\n{_tail(log)}"
+                    f"end of {log}:\n{tail(log)}"
                 )
         value = pred()
         if value:
@@ -425,7 +324,7 @@ def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, s
     scheme = "https" if tls is not None else "http"
     cu, pu = f"{scheme}://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     log = state / "etcd.log"
-    proc = _spawn(etcd_command(binary, "local", data, cu, pu, tls), log)
+    proc = spawn(etcd_command(binary, "local", data, cu, pu, tls), log)
     return proc, f"127.0.0.1:{cport}", log
 
 
@@ -478,7 +377,7 @@ def _start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig
     ready = d / "ready"
     ready.unlink(missing_ok=True)
     log = d / "agent.log"
-    proc = _spawn(
+    proc = spawn(
         [
             sys.executable,
             "-m",
@@ -515,7 +414,7 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
     if opts.engines:  # to name the engines' cached blocks from their KV events
         rcfg["tenant_secret_files"] = {KV_TENANT: str(d / "kv.secret")}
     (d / "router.json").write_text(json.dumps(rcfg, indent=2) + "\n")
-    proc = _spawn(
+    proc = spawn(
         [
             sys.executable,
             "-m",
@@ -542,7 +441,7 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
 
 def _gateway_engines(url: str, tls: TLSConfig | None) -> int:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2, context=_client_context(tls)) as r:
+        with urllib.request.urlopen(url + "/health", timeout=2, context=client_context(tls)) as r:
             return int(json.loads(r.read())["engines"])
     except (OSError, ValueError, KeyError):
         return -1
@@ -894,7 +793,7 @@ def status(state_dir: str | os.PathLike) -> dict:
         elif p.kind == "router":
             healthy = up_ and router_ok
         elif p.kind == "engine":
-            healthy = up_ and _http_ok(p.address + "/health", tls)
+            healthy = up_ and http_ok(p.address + "/health", tls)
         else:
             healthy = up_ and grpc_healthy(p.address, tls=tls)
         row = {

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+
+from kvstore.devprocs import fresh_log
 
 __all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "gateway_files", "start_engine", "stop_engine"]
 
@@ -142,14 +143,6 @@ class EngineLaunch:
             *self._registrar_tls_args(), *(["--device", self.device] if self.device else []),
             "--", *self.vllm_command(),
         ]  # fmt: skip
-
-
-def fresh_log(path: Path) -> BinaryIO:
-    """`path` opened for a new run's log: the previous run's becomes <path>.prev, so an
-    error tail (or a test reading the log) quotes this run only."""
-    if path.exists():
-        os.replace(path, path.with_name(path.name + ".prev"))
-    return open(path, "wb")
 
 
 def start_engine(launch: EngineLaunch, new_session: bool = False) -> subprocess.Popen:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from kvstore.devcluster import ROOT, etcd_command, etcd_healthy, grpc_healthy, router_nodes
+from kvstore.devcluster import etcd_command
+from kvstore.devprocs import ROOT, etcd_healthy, grpc_healthy, router_nodes
 
 MiB = 1 << 20
 

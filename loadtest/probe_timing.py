@@ -314,7 +314,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def start_etcd(workdir: Path) -> tuple[subprocess.Popen, str]:
     """A real etcd (Debian's etcd-server) on free ports; (process, client endpoint)."""
-    from kvstore.devcluster import etcd_healthy
+    from kvstore.devprocs import etcd_healthy
 
     client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(

@@ -14,7 +14,8 @@ import torch
 from support.cluster import agent_config, settle, spawn_many
 from support.common import ROOT, TEST_SECRET, make_namespace, prompt_tokens, wait_for
 
-from kvstore.devcluster import ClusterState, alive
+from kvstore.devcluster import STARTING_FILE, ClusterState
+from kvstore.devprocs import alive
 from kvstore.client import KVClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.hashing import hash_chain, pack_ids
@@ -175,9 +176,19 @@ def test_down_while_up_is_starting_stops_it(local_cluster):
     assert not _ours(local_cluster)
 
 
+def _launched(state, name: str) -> bool:
+    """`up` recorded `name` as started (starting.json; its log appears a moment before,
+    when the process is not yet started: a kill then leaves nothing for `down` to know)."""
+    try:
+        record = json.loads((state / STARTING_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return name in [p["name"] for p in record["procs"]]
+
+
 def test_down_stops_what_a_killed_up_had_started(local_cluster):
     starting = _start_up(local_cluster)
-    wait_for(lambda: (local_cluster / "agent-0" / "agent.log").exists(), 30, what="an agent")
+    wait_for(lambda: _launched(local_cluster, "agent-0"), 30, what="an agent, recorded")
     starting.kill()
     starting.wait(timeout=10)
     assert _ours(local_cluster)  # etcd and an agent at least, recorded nowhere but there

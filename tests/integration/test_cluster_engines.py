@@ -19,7 +19,8 @@ import pytest
 from support.common import ROOT
 
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
-from kvstore.devcluster import ClusterState, alive
+from kvstore.devcluster import ClusterState
+from kvstore.devprocs import alive
 from kvstore.devengines import VLLM_PY
 
 pytestmark = [

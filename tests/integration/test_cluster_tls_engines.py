@@ -22,7 +22,8 @@ import pytest
 from support.common import PY, ROOT, wait_for
 
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
-from kvstore.devcluster import ClusterState, alive
+from kvstore.devcluster import ClusterState
+from kvstore.devprocs import alive
 from kvstore.devengines import DEMO_KEYS, MODEL_NAME, VLLM_PY
 
 pytestmark = [

@@ -26,7 +26,7 @@ from support.common import wait_for
 from support.control import agent_cfg
 from support.gateway import KV_SECRET, KV_TENANT, indexed_blocks, sse_events
 
-from kvstore.devcluster import free_port
+from kvstore.devprocs import free_port
 from kvstore.devengines import VLLM_PY, EngineLaunch, start_engine
 from router.gateway.plan import Planner
 from router.gateway.prompt import PromptCodec

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.devcluster import ClusterError, alive, down
+from kvstore.devcluster import ClusterError, down
+from kvstore.devprocs import alive
 from loadtest import report
 from loadtest.replay_sim import HashRing, LinearPrefill, TraceRequest, nocache_ttft
 

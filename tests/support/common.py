@@ -101,7 +101,7 @@ class EtcdProc:
         return etcd_command(binary, "test", self.data_dir, cu, pu, self.tls)
 
     def _healthy(self) -> bool:
-        from kvstore.devcluster import etcd_healthy
+        from kvstore.devprocs import etcd_healthy
 
         return etcd_healthy(self.endpoint, tls=self.tls)
 
