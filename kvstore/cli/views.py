@@ -49,7 +49,7 @@ class TierView:
     capacity_bytes: int
     used_bytes: int
     blocks: int
-    condition: str = ""  # '' when healthy; else e.g. NVMe writes failing, files quarantined
+    condition: str = ""  # '' when healthy; else e.g. "writes failing since 12s: …"
 
 
 @dataclass(frozen=True, slots=True)

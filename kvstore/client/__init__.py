@@ -4,7 +4,7 @@
     ns = client.open_namespace(spec)            # validates, returns ids and generation
     hit = client.fetch(ns, prompt_tokens)       # longest cached prefix as KV tensors
     ... prefill prompt_tokens[hit.cached_tokens:] ...
-    usage = client.store(ns, prompt_tokens, kv, cached_blocks=hit.blocks)
+    usage = client.store(ns, prompt_tokens, kv, cached_blocks=hit.cached_blocks)
 
 Block tensors are shaped (layers, 2 [K, V], block_size, kv_heads, head_dim) in the
 namespace's KV dtype. When the agent runs on the same host, payloads move through a

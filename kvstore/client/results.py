@@ -62,7 +62,7 @@ class TierUsage:
     blocks: int
     slots_total: int
     slots_free: int
-    condition: str = ""  # '' when healthy; else e.g. NVMe writes failing, files quarantined
+    condition: str = ""  # '' when healthy; else e.g. "writes failing since 12s: …"
 
 
 @dataclass(frozen=True, slots=True)

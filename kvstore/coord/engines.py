@@ -6,7 +6,7 @@ gateway (router/gateway/) routes OpenAI requests to these; the KV-events subscri
 `kv_events_endpoint` / `kv_events_replay_endpoint`. JSON fields, agreed between both::
 
     {"engine_id", "url", "models": [...], "node_id", "namespace", "block_size",
-     "kv_events_endpoint", "kv_events_replay_endpoint"}
+     "kv_events_endpoint", "kv_events_replay_endpoint", "device"}
 
 `namespace` is the connector's namespace spec (kvstore.namespace.Namespace.to_dict(),
 before any `cache_salt`): with it the gateway computes the same chain ids as the engine.

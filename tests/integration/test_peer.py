@@ -513,7 +513,7 @@ def test_a_peer_a_caller_names_cannot_have_the_agent_read_another_process(cluste
         da = Delta(cluster, "a")
         r = cluster.prefetch(na, ids, ucx=address)  # gRPC: B, which holds none of them
         assert r.present == 0, r
-        assert "named a process that does not hold its listener" in r.stopped, r
+        assert "named a process that is not the far end" in r.stopped, r
         d = da.now()
         assert d["peer_direct_not_owner"] == 1 and d["peer_blocks_direct"] == 0, d
         assert cluster.clients["a"].lookup(na, ids).matched == 0

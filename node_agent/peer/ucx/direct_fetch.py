@@ -187,14 +187,15 @@ class DirectFetcher:
         self._refused[address] = now + NO_DIRECT_S
         self._counters.add("peer_direct_not_owner")
         log.warning(
-            "peer %s named process %d for direct reads, which does not hold its listener: "
-            "nothing read (its payloads go over UCX messages from now on)",
+            "peer %s named process %d for direct reads, which is not the far end of this "
+            "agent's connection to it: nothing read (its payloads go over UCX messages from "
+            "now on)",
             address,
             pid,
         )
         raise PeerTransportError(
-            f"direct reads: the peer at {address} named a process that does not hold its "
-            "listener; nothing was read"
+            f"direct reads: the peer at {address} named a process that is not the far end "
+            "of this agent's connection to it; nothing was read"
         )
 
     def _read_mapped(self, hdr: peer_pb2.FetchChunk, views, addrs, threads: int) -> list[int]:
