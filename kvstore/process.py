@@ -28,6 +28,25 @@ def log_level(text: str) -> str:
     return level
 
 
+def seconds(low: float, high: float):
+    """An argparse type: a number of seconds from `low` to `high` (0, negative, NaN or
+    infinite values made a timeout fire at once or a loop spin at full CPU, reported as
+    something else or not at all)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not low <= value <= high:  # NaN fails both
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds from {low:g} to {high:g}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
 def bind_port(server, address: str, tls: TLSConfig | None = None) -> int:
     """`server.add_insecure_port(address)` (mTLS with `tls` on: kvstore/tls.py), with
     grpc's RuntimeError (port taken, address not on this host) and unreadable TLS files

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from kvstore.coord.admin import AckProgress, ControlPlane, Quota
 from kvstore.config import TLSConfig, tls_fields
 from kvstore.coord.etcd import EtcdClient
+from kvstore.process import seconds as process_seconds
 from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
 from kvstore.units import format_size, parse_size
@@ -40,18 +41,9 @@ class Usage(Exception):
 
 
 # ------------------------------------------------------------------------ plumbing
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0 (0, negative or NaN timeouts made
-    every call time out at once, reported as an unreachable etcd or agent)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.001 <= value <= 86400:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds from 0.001 to 86400, got {text!r}"
-        )
-    return value
+# Timeouts and waits: 0, negative or NaN ones made every call time out at once,
+# reported as an unreachable etcd or agent.
+seconds = process_seconds(0.001, 86400)
 
 
 def count(text: str) -> int:

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import signal
 import ssl
 import subprocess
@@ -44,21 +43,14 @@ from kvstore.coord.engines import ENGINES, EngineRecord
 from kvstore.coord.etcd import EtcdClient, parse_endpoints
 from kvstore.coord.follow import LeasedKey
 from kvstore.integrations.engine_tmp import engine_env, engine_tmpdir
+from kvstore.process import seconds
 from kvstore.tls import files_in, read_files
 
 log = logging.getLogger("kvstore.vllm_serve")
 
 
-def interval(text: str) -> float:
-    """An argparse type for --check-interval: finite seconds > 0 (0 or less made the
-    health loop spin at full CPU without a line of log)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and 0 < value <= 3600):
-        raise argparse.ArgumentTypeError(f"must be seconds > 0 and at most 3600, got {text!r}")
-    return value
+# --check-interval: 0 or less made the health loop spin at full CPU without a line of log.
+interval = seconds(0.001, 3600)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
