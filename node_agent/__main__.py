@@ -80,12 +80,6 @@ def check_device_and_memory(cfg: AgentConfig) -> None:
         device = resolve_device(cfg.device)
     except RuntimeError as exc:  # torch's own, for a string it does not parse
         raise ValueError(f"device {cfg.device!r}: {exc}") from None
-    if device.type == "cuda":
-        import torch
-
-        count = torch.cuda.device_count()
-        if (device.index or 0) >= count:
-            raise ValueError(f"device {cfg.device!r}: this host has {count} CUDA device(s)")
     if device.type == "cpu" and cfg.pool_bytes > (memory := host_memory_bytes()):
         raise ValueError(
             f"pool_bytes ({format_size(cfg.pool_bytes)}) is more than this host's memory "

@@ -48,12 +48,15 @@ class SlotStateError(KvError):
 
 
 def resolve_device(device: str) -> torch.device:
-    """`auto` picks cuda:0 when CUDA is usable, else the CPU."""
+    """`auto` picks cuda:0 when CUDA is usable, else the CPU. InvalidArgument for a device
+    this host does not have."""
     if device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and (dev.index or 0) >= (count := torch.cuda.device_count()):
+        raise InvalidArgument(f"device {device!r}: this host has {count} CUDA device(s)")
     if dev.type not in ("cuda", "cpu"):
         raise InvalidArgument(f"device {device!r}: only cuda:N and cpu are supported")
     return dev

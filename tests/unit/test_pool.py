@@ -137,3 +137,15 @@ def test_resolve_device():
         with pytest.raises(InvalidArgument, match="CUDA is not available"):
             resolve_device("cuda:0")
         assert resolve_device("auto").type == "cpu"
+
+
+def test_a_cuda_device_beyond_the_hosts_count_is_refused(monkeypatch):
+    """On a host with one GPU (injected: CPU-only hosts have none), cuda:3 is refused by
+    the pool itself, as the agent's start check refuses it; cuda:0 is taken."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidArgument, match=r"'cuda:3': this host has 1 CUDA device"):
+        resolve_device("cuda:3")
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
