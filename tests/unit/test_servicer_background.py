@@ -16,6 +16,8 @@ from support.store import NB, NS, ROOT, SPEC, check_invariants, lookup, needs_na
 from kvstore.errors import Unavailable
 from kvstore.tiers.pool import SlotState
 from node_agent import servicer
+from node_agent.events import EventHub
+from node_agent.shm import ShmRegistry
 
 
 pytestmark = [needs_native, pytest.mark.usefixtures("small_background_batches")]
@@ -92,15 +94,23 @@ def test_a_put_cancelled_while_its_plan_runs_on_a_thread_is_still_ended(make_sto
         begun.set()
         return pending
 
+    svc = servicer.AgentServicer(store, EventHub(store, "n1"), ShmRegistry(), "n1", 64)
+
     async def main() -> None:
-        task = asyncio.ensure_future(servicer._begun_in_thread(begin))
+        task = asyncio.ensure_future(svc._begun_in_thread(begin))
         await asyncio.to_thread(planning.wait, 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert svc.in_flight == 1  # the plan's thread still runs: it still loads the node
         go_on.set()
         assert await asyncio.to_thread(begun.wait, 10)
         await _slots_given_back(store)  # the put begun after the cancel is abandoned
+        for _ in range(1000):  # its done callback runs on the loop
+            if not svc.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.in_flight == 0
 
     asyncio.run(main())
     _nothing_kept(store, ids)
