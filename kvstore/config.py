@@ -11,6 +11,7 @@ KVSTORE_PEER_IN_PLACE=0 both apply.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
 import os
@@ -238,6 +239,11 @@ class AgentConfig:
     peer_port: int = 0  # UCX peer-transfer listener port (0: pick a free one)
     ucx_enabled: bool = True  # False: peers move blocks over the gRPC fallback only
     metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
+    # The Prometheus page holds every tenant's counts (hits, tokens, blocks per tenant):
+    # a file holding the bearer token a scraper must present, or metrics_open: true to
+    # serve it without one beyond loopback (check_metrics).
+    metrics_token_file: str = ""
+    metrics_open: bool = False
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     copy_threads: int = 0  # threads for bulk copies of a batch; 0: min(4, CPUs)
     local_lane: bool = True  # same-host clients call Lookup/Get/Put over a Unix socket
@@ -294,6 +300,7 @@ class AgentConfig:
         check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))
+        check_metrics(self)
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_namespaces_per_tenant < 0:
@@ -334,6 +341,8 @@ class RouterConfig:
     inflight_timeout_s: float = 120.0  # forget a routed request never released
     metrics_port: int = 0
     metrics_host: str = ""  # Prometheus endpoint host; "": the host of `listen`
+    metrics_token_file: str = ""  # as the agent's (the page has every tenant's counts)
+    metrics_open: bool = False
     otlp_endpoint: str = ""  # OTLP/gRPC traces; "": $OTEL_EXPORTER_OTLP_ENDPOINT, else off
     # Callers authenticate as the agents' tenants do (bearer token, SHA-256 listed here; the
     # same tenants.json the agents load). "_cluster" (routers, agents, kvctl) may list node
@@ -374,6 +383,42 @@ class RouterConfig:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
         check_listen("listen", self.listen)
         _check_port("metrics_port", self.metrics_port)
+        check_metrics(self)
+
+
+def metrics_bind_host(metrics_host: str, listen: str) -> str:
+    """The metrics host: the configured one, else the host the gRPC server listens on (so
+    a pod listening on 0.0.0.0 is scrapeable and a dev agent on 127.0.0.1 stays local)."""
+    if metrics_host:
+        return metrics_host
+    host = listen.rsplit(":", 1)[0].strip("[]") if ":" in listen else ""
+    return host or "127.0.0.1"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
+def check_metrics(cfg) -> None:
+    """A Prometheus page beyond loopback needs a token (metrics_token_file) or an explicit
+    metrics_open: its per-tenant series (requests, hits, tokens, blocks, each tenant
+    labelled) tell whoever reaches the port what every tenant does, which Stats and
+    Route withhold from tenants."""
+    if not cfg.metrics_port or cfg.metrics_token_file or cfg.metrics_open:
+        return
+    host = metrics_bind_host(cfg.metrics_host, cfg.listen)
+    if not _loopback(host):
+        raise ValueError(
+            f"metrics_port {cfg.metrics_port} on {host} would show every tenant's counts to "
+            "whoever reaches it: set metrics_token_file (a file holding the bearer token "
+            "Prometheus presents), a loopback metrics_host, or metrics_open: true (served "
+            "without a token; limit who reaches the port)"
+        )
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")

@@ -61,3 +61,8 @@ class DataLoss(KvError):
     """Checksum mismatch or a corrupt record."""
 
     code = "DATA_LOSS"
+
+
+class StartupError(Exception):
+    """A server cannot start for a reason the operator must fix (the message says which);
+    the process entry points print it as one line and exit 1, without a traceback."""

@@ -9,12 +9,8 @@ import os
 import signal
 
 from kvstore.config import TLSConfig
+from kvstore.errors import StartupError
 from kvstore.tls import TLSFilesError, add_port
-
-
-class StartupError(Exception):
-    """A server cannot start for a reason the operator must fix (the message says which);
-    the process entry points print it as one line and exit 1, without a traceback."""
 
 
 def log_level(text: str) -> str:

@@ -21,15 +21,23 @@ token ids (block ids neither: they name prefixes).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from opentelemetry import propagate, trace
+
+from kvstore.config import metrics_bind_host
+from kvstore.errors import StartupError
 
 log = logging.getLogger("kvstore.telemetry")
 
@@ -65,26 +73,22 @@ _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _pending: ContextVar[dict | None] = ContextVar("kvstore_span_pending", default=None)
 
 
-def metrics_bind_host(metrics_host: str, listen: str) -> str:
-    """The metrics host: the configured one, else the host the gRPC server listens on (so
-    a pod listening on 0.0.0.0 is scrapeable and a dev agent on 127.0.0.1 stays local)."""
-    if metrics_host:
-        return metrics_host
-    host = listen.rsplit(":", 1)[0].strip("[]") if ":" in listen else ""
-    return host or "127.0.0.1"
-
-
 class MetricsEndpoint:
     """OpenTelemetry metrics in a Prometheus registry of their own, served over HTTP.
 
     A private registry (not prometheus_client's global one) keeps two servers in one
-    process (tests, the local cluster supervisor) from exposing each other's series."""
+    process (tests, the local cluster supervisor) from exposing each other's series.
+    With `token`, a scrape must present `Authorization: Bearer <token>` (401 otherwise):
+    the page holds every tenant's counts."""
 
-    def __init__(self, host: str, port: int, resource: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, resource: dict[str, str] | None = None, token: str = ""
+    ) -> None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.resources import Resource
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
 
         if not 0 < port < 65536:
             raise ValueError(f"metrics port must be in 1..65535, got {port}")
@@ -99,19 +103,73 @@ class MetricsEndpoint:
             shutdown_on_exit=False,
         )
         self.meter = self.provider.get_meter("kvstore")
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _bearer_only(app, hashlib.sha256(token.encode()).digest())
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
         try:
-            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+            self._server = make_server(host, port, app, Server, handler_class=_QuietHandler)
         except OSError as exc:
             self.provider.shutdown()
             raise RuntimeError(f"could not serve metrics on {host}:{port}: {exc}") from None
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics", daemon=True
+        )
+        self._thread.start()
         self.host, self.port = host, self._server.server_port
-        log.info("metrics at http://%s:%d/metrics", host, self.port)
+        log.info(
+            "metrics at http://%s:%d/metrics%s", host, self.port, " (bearer token)" if token else ""
+        )
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
         self.provider.shutdown()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # no line per scrape on stderr
+        pass
+
+
+def _bearer_only(app, token_sha256: bytes):
+    """`app` for requests presenting the bearer token (its SHA-256 compared in constant
+    time); 401 for any other."""
+
+    def guarded(environ, start_response):
+        scheme, _, credential = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        presented = hashlib.sha256(credential.strip().encode()).digest()
+        if scheme.lower() == "bearer" and hmac.compare_digest(presented, token_sha256):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="metrics"')],
+        )
+        return [b"this metrics page needs its bearer token (metrics_token_file)\n"]
+
+    return guarded
+
+
+def read_metrics_token(path: str) -> str:
+    """The scrape token in `path` ('' when none is configured); StartupError when the file
+    cannot be read or is empty (a page meant to be guarded is never served open)."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(
+            f"metrics_token_file {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    if not token:
+        raise StartupError(f"metrics_token_file {path} is empty")
+    return token
 
 
 def otlp_endpoint(configured: str = "") -> str:
@@ -192,6 +250,7 @@ class ServiceTelemetry:
                 metrics_bind_host(cfg.metrics_host, cfg.listen),
                 cfg.metrics_port,
                 {"service.name": service, "service.instance.id": instance},
+                read_metrics_token(cfg.metrics_token_file),
             )
             self.meter = self.endpoint.meter
 

@@ -193,11 +193,26 @@ def check_service_monitor(sm: dict, docs: list[dict]) -> list[str]:
     for ep in spec.get("endpoints") or [None]:
         if ep is None or ep.get("port") not in ports:
             errs.append(f"endpoint {ep} names no port of the selected Services {sorted(ports)}")
-        elif set(ep) - {"port", "path", "interval", "scrapeTimeout"}:
+        elif set(ep) - {"port", "path", "interval", "scrapeTimeout", "authorization"}:
             errs.append(f"unknown endpoint fields in {ep}")
+        elif "authorization" in ep and not _bearer_from_a_rendered_secret(ep, docs):
+            errs.append(f"authorization of {ep} is not a Bearer token of a rendered Secret")
         elif not all(re.fullmatch(r"\d+(ms|s|m|h)", ep[k]) for k in ("interval", "scrapeTimeout")):
             errs.append(f"bad durations in {ep}")
     return errs
+
+
+def _bearer_from_a_rendered_secret(ep: dict, docs: list[dict]) -> bool:
+    """A ServiceMonitor endpoint's SafeAuthorization: Bearer, from a key of a Secret the
+    chart renders (the Operator reads it in the ServiceMonitor's namespace)."""
+    auth = ep["authorization"]
+    cred = auth.get("credentials") or {}
+    if set(auth) - {"type", "credentials"} or auth.get("type", "Bearer") != "Bearer":
+        return False
+    return any(
+        d["metadata"]["name"] == cred.get("name") and cred.get("key") in d.get("data", {})
+        for d in of_kind(docs, "Secret")
+    )
 
 
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
@@ -607,6 +622,76 @@ def test_service_monitor_only_when_enabled(helm):
     ]
     assert agent_sm["metadata"]["labels"]["release"] == "prometheus"
     one(docs, "ServiceMonitor", "-router")
+
+
+def _metrics_containers(docs) -> list[tuple[dict, dict]]:
+    """(container, its pod spec) of every process with a Prometheus page."""
+    pods = [one(docs, "DaemonSet", "-agent"), one(docs, "Deployment", "-router")]
+    pods += [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-gateway")]
+    return [
+        (c, p["spec"]["template"]["spec"])
+        for p in pods
+        for c in p["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def test_metrics_pages_need_a_bearer_token_by_default(helm):
+    """The pages hold every tenant's counts: agents, routers and gateways read a token
+    file from a Secret the chart generates, and the ServiceMonitors present it."""
+    docs = render(helm, "gateway-values.yaml", "metrics.serviceMonitor.enabled=true")
+    secret = one(docs, "Secret", "-metrics-token")
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    cm = one(docs, "ConfigMap", "-config")["data"]
+    for name in ("agent.yaml", "router.yaml"):
+        cfg = yaml.safe_load(cm[name])
+        assert cfg["metrics_port"] > 0 and "metrics_open" not in cfg
+        assert cfg["metrics_token_file"] == "/etc/kvstore/metrics-token/token"
+    containers = _metrics_containers(docs)
+    gpus = len(agent_containers(docs))
+    assert len(containers) == gpus + 2  # an agent per GPU, the router, the gateway
+    for c, pod in containers:
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "metrics-token"]
+        assert mount["mountPath"] == "/etc/kvstore/metrics-token" and mount["readOnly"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "metrics-token"]
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    endpoints = [e for sm in of_kind(docs, "ServiceMonitor") for e in sm["spec"]["endpoints"]]
+    assert len(endpoints) == gpus + 2
+    assert all(
+        e["authorization"] == {
+            "type": "Bearer", "credentials": {"name": secret["metadata"]["name"], "key": "token"}
+        }
+        for e in endpoints
+    )  # fmt: skip
+
+
+def test_metrics_open_serves_the_pages_without_a_token(helm):
+    docs = render(helm, "production-values.yaml", "metrics.open=true")
+    assert not [
+        d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-metrics-token")
+    ]
+    cm = one(docs, "ConfigMap", "-config")["data"]
+    assert all(yaml.safe_load(cm[n])["metrics_open"] is True for n in ("agent.yaml", "router.yaml"))
+    for c, pod in _metrics_containers(docs):
+        assert "metrics-token" not in {m["name"] for m in c["volumeMounts"]}
+        assert "metrics-token" not in {v["name"] for v in pod["volumes"]}
+    assert not [
+        e
+        for sm in of_kind(docs, "ServiceMonitor")
+        for e in sm["spec"]["endpoints"]
+        if "authorization" in e
+    ]
+
+
+def test_an_existing_metrics_token_secret_is_used_not_rendered(helm):
+    docs = render(helm, "production-values.yaml", "metrics.existingTokenSecret=scrape")
+    assert not [
+        d for d in of_kind(docs, "Secret") if d["metadata"]["name"].endswith("-metrics-token")
+    ]
+    for _, pod in _metrics_containers(docs):
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "metrics-token"]
+        assert vol["secret"]["secretName"] == "scrape"
+    sm = one(docs, "ServiceMonitor", "-router")
+    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == "scrape"
 
 
 def test_network_policies(helm):

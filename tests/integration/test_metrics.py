@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -144,6 +145,7 @@ def test_metrics_host_follows_listen_unless_set():
         {
             "metrics_port": "9400",
             "metrics_host": "0.0.0.0",
+            "metrics_open": "true",
             "otlp_endpoint": "http://collector:4317",
         },
     )
@@ -153,6 +155,73 @@ def test_metrics_host_follows_listen_unless_set():
         "http://collector:4317",
     )
     assert RouterConfig().metrics_host == "" and RouterConfig().otlp_endpoint == ""
+
+
+@pytest.mark.parametrize("config", [AgentConfig, RouterConfig])
+def test_a_metrics_page_beyond_loopback_needs_a_token_or_metrics_open(config, tmp_path):
+    """The page holds every tenant's counts: beyond loopback it is refused at start
+    without a token file, unless metrics_open says so; loopback stays open (development)."""
+    with pytest.raises(ValueError, match="would show every tenant's counts"):
+        load_config(config, None, None, {"metrics_port": "9400", "listen": "0.0.0.0:50051"})
+    with pytest.raises(ValueError, match="on 10.0.0.5 would show"):
+        load_config(config, None, None, {"metrics_port": "9400", "metrics_host": "10.0.0.5"})
+    for ok in (
+        {"metrics_token_file": str(tmp_path / "token")},
+        {"metrics_open": "true"},
+        {"metrics_host": "127.0.0.1"},
+        {"metrics_host": "::1"},
+        {"metrics_port": "0"},
+    ):
+        load_config(config, None, None, {"metrics_port": "9400", "listen": "0.0.0.0:1", **ok})
+
+
+def _get(port: int, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_an_agent_with_a_metrics_token_serves_its_page_to_that_token_only(spawn_agent, tmp_path):
+    """A real agent (metrics_token_file): no header, another token, a Basic header, the
+    token without its scheme: 401 and nothing of the page; the token: the page."""
+    (tmp_path / "metrics-token").write_text("scrape-secret\n")
+    port = free_port()
+    agent = spawn_agent(metrics_port=port, metrics_token_file=str(tmp_path / "metrics-token"))
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as client:
+        store(client, client.open_namespace(ACME), 1, 2)
+    for headers in (
+        None,
+        {"Authorization": "Bearer not-the-token"},
+        {"Authorization": "Basic c2NyYXBlLXNlY3JldA=="},
+        {"Authorization": "scrape-secret"},
+    ):
+        status, body = _get(port, headers)
+        assert status == 401 and "kvstore_" not in body and "acme" not in body, (headers, body)
+    status, body = _get(port, {"Authorization": "Bearer scrape-secret"})
+    assert status == 200 and 'tenant="acme"' in body
+
+
+def test_an_unreadable_metrics_token_file_stops_the_agent_at_start(tmp_path):
+    """A page meant to be guarded is never served open: a missing or empty token file is
+    one line and exit 1."""
+    (tmp_path / "empty").write_text("\n")
+    for path, said in ((tmp_path / "missing", "No such file"), (tmp_path / "empty", "is empty")):
+        cfg = {
+            "listen": "127.0.0.1:0", "data_dir": str(tmp_path / "data"), "device": "cpu",
+            "pool_bytes": "4MiB", "slot_bytes": "64KiB", "nvme_bytes": 0,
+            "allow_unauthenticated": True, "metrics_port": free_port(),
+            "metrics_token_file": str(path),
+        }  # fmt: skip
+        (tmp_path / "agent.json").write_text(json.dumps(cfg))
+        r = subprocess.run(
+            [PY, "-m", "node_agent", "--config", str(tmp_path / "agent.json")],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert r.returncode == 1 and f"metrics_token_file {path}" in r.stderr, r.stderr
+        assert said in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_busy_metrics_port_is_a_clear_error():

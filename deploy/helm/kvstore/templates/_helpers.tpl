@@ -303,3 +303,51 @@ spec:
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Prometheus pages hold every tenant's counts: scrapers present a bearer token
+     (metrics.token, a Secret of its own) unless metrics.open. */}}
+{{- define "kvstore.metricsTokenSecretName" -}}
+{{- default (printf "%s-metrics-token" (include "kvstore.fullname" .)) .Values.metrics.existingTokenSecret -}}
+{{- end -}}
+
+{{- define "kvstore.metricsGuarded" -}}
+{{- if not .Values.metrics.open -}}true{{- end -}}
+{{- end -}}
+
+{{/* agent.yaml / router.yaml: how the page is guarded (the file alone is complete). */}}
+{{- define "kvstore.metricsConfig" -}}
+{{- if include "kvstore.metricsGuarded" . -}}
+metrics_token_file: /etc/kvstore/metrics-token/token
+{{- else -}}
+metrics_open: true
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.metricsMount" -}}
+{{- if include "kvstore.metricsGuarded" . }}
+- name: metrics-token
+  mountPath: /etc/kvstore/metrics-token
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kvstore.metricsVolume" -}}
+{{- if include "kvstore.metricsGuarded" . }}
+- name: metrics-token
+  secret:
+    secretName: {{ include "kvstore.metricsTokenSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* A ServiceMonitor endpoint's authorization (Prometheus Operator). */}}
+{{- define "kvstore.metricsAuthorization" -}}
+{{- if include "kvstore.metricsGuarded" . }}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ include "kvstore.metricsTokenSecretName" . }}
+    key: token
+{{- end }}
+{{- end -}}
+
