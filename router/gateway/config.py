@@ -57,7 +57,20 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 << 10  # request line and headers; more: 431, connection closed
-    max_connections: int = 1024  # open client connections; beyond, each request gets 503
+    # Open client connections. A new one beyond it makes room by closing the connection
+    # that matters least: one with no request being served (idle keep-alive, silent since
+    # it opened, or its request's head or body still arriving: that one is answered 503),
+    # the one waiting longest first. Only when every other connection has a request in
+    # flight is the new connection's request refused (503, Retry-After).
+    max_connections: int = 1024
+    # The same, counted per client address (0: no cap): over it, the client's own waiting
+    # connection that has waited longest is closed, or, all of them being served, its new
+    # request is 503. Off by default: behind a Kubernetes Service (externalTrafficPolicy
+    # Cluster), an ingress or a load balancer that does not keep the source address, every
+    # client arrives from the same few addresses, and any cap would be max_connections
+    # under another name, refusing everyone. Set it where the gateway sees its clients'
+    # own addresses, well above what one client's connection pool holds.
+    max_connections_per_client: int = 0
     max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
     # The most completions one request may ask of the engine (`n`, `best_of`); more is
     # refused (400): a request's n choices weigh on the engine like n requests, while the
@@ -101,6 +114,11 @@ class GatewayConfig:
             )
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0 (0: no cap)")
+        if self.max_connections_per_client < 0:
+            raise ValueError(
+                "max_connections_per_client must be >= 0 (0: no cap), "
+                f"got {self.max_connections_per_client}"
+            )
         for name in (
             "engine_suspend_s",
             "connect_timeout_s",

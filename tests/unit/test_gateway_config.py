@@ -161,3 +161,14 @@ def test_an_emptied_or_deleted_key_file_keeps_the_keys_with_a_warning(tmp_path, 
     assert "is missing; keeping the 1 keys in force" in said[2] and "write {}" in said[2]
     path.write_text("{}\n")
     assert keys.grant("key-acme") is None
+
+
+def test_max_connections_per_client_is_off_by_default_and_never_negative(monkeypatch, tmp_path):
+    assert GatewayConfig().max_connections_per_client == 0
+    with pytest.raises(
+        ValueError, match=r"^max_connections_per_client must be >= 0 \(0: no cap\), got -1$"
+    ):
+        GatewayConfig(max_connections_per_client=-1)
+    monkeypatch.setenv("KVSTORE_GATEWAY_MAX_CONNECTIONS_PER_CLIENT", "64")
+    cfg = load_config(GatewayConfig, None, "KVSTORE_GATEWAY_", {"tokenizers": {"m": str(tmp_path)}})
+    assert cfg.max_connections_per_client == 64
