@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, in their own registry: on the router's Prometheus
 port (metrics_port, the operator's) and, with public_metrics, at the gateway's /metrics.
-Labels carry engine ids, routes and status codes only: never keys, tenants' prompts or
-text; the counts are every tenant's, so they are not on the tenants' port by default."""
+Labels carry engine ids, routes, status codes and reasons only: never keys, client
+addresses, tenants' prompts or text; the counts are every tenant's, so they are not on
+the tenants' port by default."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ class GatewayMetrics:
         self.saturated = Counter(
             "kvstore_gateway_saturated",
             "Requests refused with 429 (every engine full)",
+            registry=r,
+        )
+        # Client connections closed to keep within max_connections or
+        # max_connections_per_client (`limit`): `reason` idle (nothing of a request
+        # received: a keep-alive connection between requests, or one silent since it
+        # opened) or incomplete_request (its head or body still arriving; answered 503).
+        self.connections_shed = Counter(
+            "kvstore_gateway_connections_shed",
+            "Client connections closed to make room for a new one, by limit and reason",
+            ["limit", "reason"],
+            registry=r,
+        )
+        # Requests refused with 503 because every connection counted against the limit
+        # (`reason`: max_connections or max_connections_per_client) had a request in flight.
+        self.connections_refused = Counter(
+            "kvstore_gateway_connections_refused",
+            "Requests refused with 503 at a connection limit, by limit",
+            ["reason"],
             registry=r,
         )
         self.inflight = Gauge(
