@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ from kvstore.process import StartupError
 from router.gateway.app import Gateway, error_body
 from router.gateway.config import GatewayConfig, ReloadingApiKeys, read_secret
 from router.gateway.engines import EngineSet
+from router.gateway.metrics import GatewayMetrics
 from router.gateway.plan import Planner
 from router.gateway.prompt import PromptCodec
 from router.gateway.tls import GatewayTLS, ReloadingServerContext, engine_client_context
@@ -83,6 +85,80 @@ class _HeadWithBody(asyncio.Transport):
         return self._transport.get_extra_info(name, default)
 
 
+class _Connections:
+    """A gateway's open client connections, held to max_connections and
+    max_connections_per_client (one per server, shared by its connections).
+
+    A connection over a limit does not wait for a free place: it takes the place of a
+    connection that is `waiting` (no request being served: nothing received since it
+    opened, idle between keep-alive requests, or a request's head or body still arriving),
+    the one waiting longest, which is closed (`_OneSendProtocol._shed`). Only when every
+    other connection counted against the limit is serving a request (received whole, its
+    answer not yet complete: with an engine, or streaming) does the newcomer stay over the
+    limit, and its request is refused with 503. So silent or idle connections, however
+    many a stranger opens, cannot keep a client out, nor can one client's own idle pool."""
+
+    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.cap, self.per_client = cfg.max_connections, cfg.max_connections_per_client
+        self.metrics = metrics
+        self.open: dict[_OneSendProtocol, None] = {}  # not closed by us
+        self.waiting: dict[_OneSendProtocol, None] = {}  # longest waiting first
+        self.clients: Counter[str] = Counter()  # client address -> its open connections
+
+    def add(self, conn: _OneSendProtocol) -> None:
+        self.open[conn] = self.waiting[conn] = None
+        self.clients[conn.peer] += 1
+
+    def drop(self, conn: _OneSendProtocol) -> None:
+        """`conn` is closing or closed (idempotent)."""
+        self.waiting.pop(conn, None)
+        if self.open.pop(conn, 0) is None:
+            self.clients[conn.peer] -= 1
+            if not self.clients[conn.peer]:
+                del self.clients[conn.peer]
+
+    def wait(self, conn: _OneSendProtocol) -> None:
+        """`conn` serves no request from now (last among the waiting)."""
+        if conn in self.open:
+            self.waiting.pop(conn, None)
+            self.waiting[conn] = None
+
+    def serve(self, conn: _OneSendProtocol) -> None:
+        self.waiting.pop(conn, None)
+
+    def admit(self, conn: _OneSendProtocol) -> str | None:
+        """Make room for `conn` (counted already) within both limits by shedding waiting
+        connections; the limit it stays over, if any."""
+        if self.per_client and self.clients[conn.peer] > self.per_client:
+            self._prune()
+            if self.clients[conn.peer] > self.per_client and not self._shed(
+                conn, "max_connections_per_client", conn.peer
+            ):
+                return "max_connections_per_client"
+        if len(self.open) > self.cap:
+            self._prune()
+            if len(self.open) > self.cap and not self._shed(conn, "max_connections"):
+                return "max_connections"
+        return None
+
+    def _prune(self) -> None:
+        """Forget connections closed other than by us (uvicorn's keep-alive timeout, an
+        answer with connection: close) whose connection_lost is still to come: a TLS
+        connection's closing handshake can take a while."""
+        for conn in [c for c in self.open if c.transport.is_closing()]:
+            self.drop(conn)
+
+    def _shed(self, asking: _OneSendProtocol, limit: str, peer: str | None = None) -> bool:
+        for conn in self.waiting:
+            if conn is not asking and (peer is None or conn.peer == peer):
+                break
+        else:
+            return False
+        self.drop(conn)
+        self.metrics.connections_shed.labels(limit, conn._shed()).inc()
+        return True
+
+
 class _OneSendProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, each request's cycle writing through _HeadWithBody.
     Measured with a bare proxy (uvicorn, plain ASGI, aiohttp) against one stand-in, 400
@@ -96,10 +172,21 @@ class _OneSendProtocol(HttpToolsProtocol):
     body_timeout_s of the head, else 408; a head over max_header_bytes is 431, counted
     as it arrives. Either way the connection is closed; the application, if it was
     reading the body, sees the client gone. One timer at most per connection, and none
-    for a request whose head and body come in one read."""
+    for a request whose head and body come in one read.
 
-    # header_timeout_s, body_timeout_s, max_header_bytes: set by _protocol
+    And it keeps the server to max_connections and max_connections_per_client (_Connections):
+    a connection over either is admitted by closing a waiting one, or its requests are
+    503 while it stays over. A connection closed to make room that had nothing of a
+    request is closed without a word (an idle keep-alive connection's close is ordinary
+    HTTP: clients retry on a new one); one whose request's head or body was arriving is
+    answered 503 with Retry-After, and the application, if it was reading the body, sees
+    the client gone. 503 rather than 408: the request was not late by its deadline, the
+    gateway is full and the client may retry."""
+
+    # header_timeout_s, body_timeout_s, max_header_bytes, the connection limits and
+    # retry_after_s: set by _protocol, as is `book`, the server's open connections
     limits: ClassVar[GatewayConfig]
+    book: ClassVar[_Connections]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,14 +197,21 @@ class _OneSendProtocol(HttpToolsProtocol):
         self._head_size = 0  # its URL and headers, as parsed
         self._heads = 0  # requests whose head has been parsed, on this connection
         self._timer: asyncio.TimerHandle | None = None
-        self._cut = False  # refused or timed out: the connection is closing
+        self._cut = False  # refused, timed out or shed: the connection is closing
+        self.peer = ""  # the client's address (host), for max_connections_per_client
+        self._admitted = False  # within the connection limits (once, for good)
+        self._served: list[Any] = []  # cycles of requests received whole, answers unfinished
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.peer = self.client[0] if self.client else ""
+        self.book.add(self)
+        self._admitted = self.book.admit(self) is None
         self._arm(self.limits.header_timeout_s)  # from the connection opening
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.book.drop(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -160,6 +254,8 @@ class _OneSendProtocol(HttpToolsProtocol):
         if self._head_size > self.limits.max_header_bytes:  # it came in one read
             self._refuse(431, "the request's headers are too large")
             return
+        if self._over_limit():
+            return
         self._body_open = True
         before = self.cycle
         super().on_headers_complete()
@@ -175,9 +271,15 @@ class _OneSendProtocol(HttpToolsProtocol):
         self._disarm()
         if not self._cut:
             super().on_message_complete()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._served.append(self.cycle)  # received whole: in flight, not shed
+                self.book.serve(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts a pipelined request, if any
+        self._served = [c for c in self._served if not c.response_complete]
+        if not self._served and not self.transport.is_closing():
+            self.book.wait(self)
         if self._timer is not None or self.transport.is_closing():
             return
         # The next request's head, or body, came in part while this one was served: the
@@ -187,7 +289,41 @@ class _OneSendProtocol(HttpToolsProtocol):
         elif self._body_open and not self.pipeline:
             self._arm(self.limits.body_timeout_s)
 
-    # Deadlines and refusals
+    # Connection limits, deadlines and refusals
+    def _over_limit(self) -> bool:
+        """At a request's head: refuse it (503) if this connection is over a connection
+        limit still (every other connection serving a request), or if the server has
+        max_connections requests running (as uvicorn's limit_concurrency did: requests
+        whose clients have left and whose application has not finished yet)."""
+        if not self._idle():  # pipelined behind a request in flight: admitted already
+            return False
+        reason = None
+        if not self._admitted:
+            reason = self.book.admit(self)
+            self._admitted = reason is None
+        if reason is None and len(self.tasks) > self.limits.max_connections:
+            reason = "max_connections"
+        if reason is None:
+            return False
+        self.book.metrics.connections_refused.labels(reason).inc()
+        if reason == "max_connections_per_client":
+            why = f"this client has {self.limits.max_connections_per_client} connections"
+        else:
+            why = f"the gateway has {self.limits.max_connections} connections"
+        self._refuse(503, f"{why} open, each with a request in flight; retry later")
+        return True
+
+    def _shed(self) -> str:
+        """Close this waiting connection to make room for another (_Connections._shed):
+        why, for the metrics."""
+        if self._head_open and not self._begun:  # nothing of a request: nobody to answer
+            self._cut = True
+            self._disarm()
+            self.transport.close()
+            return "idle"
+        self._refuse(503, "the gateway is at its connection limit; this request was the slowest")
+        return "incomplete_request"
+
     def _idle(self) -> bool:
         """No request is being answered (so a refusal can be this connection's answer)."""
         return self.cycle is None or self.cycle.response_complete
@@ -206,6 +342,7 @@ class _OneSendProtocol(HttpToolsProtocol):
             return
         if self._head_open and not self._begun:  # nothing sent: nobody to answer
             self._cut = True
+            self.book.drop(self)
             self.transport.close()
         elif self._head_open:
             self._refuse(408, f"the request's headers took over {self.limits.header_timeout_s} s")
@@ -218,6 +355,7 @@ class _OneSendProtocol(HttpToolsProtocol):
         when one leaves)."""
         self._cut = True
         self._disarm()
+        self.book.drop(self)
         cycle = self.cycle
         if self._body_open:  # the answer to this request, unless the application began one
             if cycle.response_started or self.pipeline:
@@ -228,20 +366,23 @@ class _OneSendProtocol(HttpToolsProtocol):
         elif not self._idle():  # an earlier request's answer is on its way: not in its midst
             self.transport.close()
             return
-        kind = "timeout_error" if status == 408 else "invalid_request_error"
+        kind = {408: "timeout_error", 503: "api_error"}.get(status, "invalid_request_error")
         body = json.dumps(error_body(status, message, kind)).encode()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
+        if status == 503:
+            head.append(b"retry-after: %d\r\n" % self.limits.retry_after_s)
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
         self.transport.write(b"".join(head) + b"connection: close\r\n\r\n" + body)
         self.transport.close()
 
 
-def _protocol(cfg: GatewayConfig) -> type[_OneSendProtocol]:
+def _protocol(cfg: GatewayConfig, metrics: GatewayMetrics) -> type[_OneSendProtocol]:
     """_OneSendProtocol held to `cfg`'s connection limits (uvicorn makes one per
-    connection, from a class)."""
-    return type("_LimitedProtocol", (_OneSendProtocol,), {"limits": cfg})
+    connection, from a class), all sharing one _Connections."""
+    book = _Connections(cfg, metrics)
+    return type("_LimitedProtocol", (_OneSendProtocol,), {"limits": cfg, "book": book})
 
 
 def build_gateway(
@@ -303,13 +444,13 @@ class GatewayServer:
         # No access log: a URL is harmless, but nothing per request is logged by default.
         return uvicorn.Config(
             self.gateway,
-            http=_protocol(self.cfg),
+            # max_connections and max_connections_per_client are _OneSendProtocol's (not
+            # uvicorn's limit_concurrency, which would refuse while idle ones are open).
+            http=_protocol(self.cfg, self.gateway.metrics),
             log_level="warning",
             access_log=False,
             lifespan="off",
             timeout_keep_alive=30,
-            # uvicorn counts the connection asking among them: max_connections are served.
-            limit_concurrency=self.cfg.max_connections + 1,
             **tls,
         )
 

@@ -1,9 +1,10 @@
 """Attacks on the gateway's connections, by callers that need no API key: a client that
 sends slowly or stalls (nothing, half a head, half a body, a chunked body that never
-ends), more connections than max_connections, a head of any size. Each is cut off at
-its limit (router/gateway/server.py, _OneSendProtocol) and the gateway goes on serving.
-Real processes: etcd and the router serving the gateway (no engine: every request here
-is refused or answered before one is needed)."""
+ends), more connections than max_connections (or max_connections_per_client), a head of
+any size. Each is cut off at its limit (router/gateway/server.py, _OneSendProtocol) and
+the gateway goes on serving. Real processes: etcd and the router serving the gateway,
+and, where requests must be in flight, a stand-in engine that holds them
+(standin_delay_s)."""
 
 from __future__ import annotations
 
@@ -83,23 +84,164 @@ def test_slow_or_stalled_clients_are_cut_off_at_their_deadlines(start_gateway, t
     assert httpx.get(gw.url + "/health", timeout=10).status_code == 200
 
 
-def test_connections_beyond_max_connections_get_503(start_gateway, tokenizer_dir):
-    """Before the fix there was no cap on connections."""
-    gw = start_gateway({MODEL: tokenizer_dir}, {"max_connections": 3})
-    held = [_connect(gw.address) for _ in range(3)]
+def _open(s: socket.socket) -> bool:
+    """`s` is not closed by the gateway: nothing to read yet, and no end of stream (asked
+    without waiting: a socket with a timeout would wait for something to read first)."""
+    timeout = s.gettimeout()
+    s.setblocking(False)
     try:
-        for s in held:  # served, then kept open (keep-alive)
-            assert _get(s).startswith(b"HTTP/1.1 200 ")
+        s.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        s.settimeout(timeout)
+    return False
+
+
+def _metric(gw, line: str) -> float:
+    """The value of the gateway's metric `line` (name and labels), 0 when absent."""
+    for got in gw.metrics().splitlines():
+        if got.startswith(line + " "):
+            return float(got.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _held_request(body: dict) -> bytes:
+    """A whole POST /v1/completions of key-acme with `body`."""
+    data = json.dumps(body).encode()
+    head = POST + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data)
+    return head + data
+
+
+def _503(got: bytes) -> dict:
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), got[:200]
+    assert b"retry-after: 1\r\n" in head.lower() + b"\r\n", head
+    error = json.loads(body)["error"]
+    assert error["code"] == 503, error
+    return error
+
+
+SHED = 'kvstore_gateway_connections_shed_total{limit="%s",reason="%s"}'
+REFUSED = 'kvstore_gateway_connections_refused_total{reason="%s"}'
+OTHER = "127.0.0.2"  # another client address (the gateway listens on 127.0.0.1)
+
+
+def test_at_max_connections_a_new_client_takes_the_longest_waiting_connections_place(
+    start_gateway, tokenizer_dir
+):
+    """Before the fix, with max_connections connections open, every new client's request
+    was 503, whatever those held: a stranger keeping that many silent or idle connections
+    open (opening new ones as the header deadline cut them) kept every client out. Now
+    the newcomer is served and the connection waiting longest with no request being
+    served is closed: an idle keep-alive one or a silent one without a word, one whose
+    head or body is still arriving with a 503. One per newcomer, the others untouched."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"max_connections": 4})
+    idle = _connect(gw.address)
+    assert _get(idle).startswith(b"HTTP/1.1 200 ")  # then idle (keep-alive)
+    silent = _connect(gw.address)
+    half_head = _connect(gw.address)
+    half_head.sendall(POST)
+    half_body = _connect(gw.address)
+    half_body.sendall(POST + b"content-length: 1000\r\n\r\n" + b'{"model"')
+    waiting = [idle, silent, half_head, half_body]  # longest waiting first
+    served: list[socket.socket] = []  # the newcomers, kept open (idle from their answers)
+    try:
+        for i, answer in enumerate((b"", b"", b"HTTP/1.1 503 ", b"HTTP/1.1 503 ")):
+            served.append(_connect(gw.address))
+            assert _get(served[-1]).startswith(b"HTTP/1.1 200 "), i
+            got = _until_closed(waiting[i])
+            assert got.startswith(answer) and (answer or not got), (i, got[:200])
+            if answer:
+                assert "connection limit" in _503(got)["message"]
+            assert all(_open(s) for s in waiting[i + 1 :] + served), i
+        assert _metric(gw, SHED % ("max_connections", "idle")) == 2
+        assert _metric(gw, SHED % ("max_connections", "incomplete_request")) == 2
+        assert _metric(gw, REFUSED % "max_connections") == 0
+    finally:
+        for s in waiting + served:
+            s.close()
+
+
+def test_at_max_connections_all_serving_a_new_request_is_503_and_none_is_shed(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """Connections whose requests are in flight (with the engine) are never closed to
+    make room: with max_connections of them, a new connection's request is refused, 503
+    with Retry-After in the gateway's JSON error shape (before the fix: uvicorn's plain
+    text, no Retry-After, and not counted), and is served once one of them is gone."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"max_connections": 4})
+    start_standin("w0", MODEL)
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+    held = [_connect(gw.address) for _ in range(4)]
+    try:
+        hold = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 1, "standin_delay_s": 300}
+        for s in held:
+            s.sendall(_held_request(hold))
+        wait_for(
+            lambda: _metric(gw, "kvstore_gateway_inflight") == 4,
+            30,
+            0.05,
+            what="four requests in flight",
+        )
         with _connect(gw.address) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-            assert _until_closed(extra).startswith(b"HTTP/1.1 503 ")
-        held.pop().close()
+            error = _503(_until_closed(extra))
+        assert "4 connections open, each with a request in flight" in error["message"]
+        assert all(_open(s) for s in held)
+        assert _metric(gw, REFUSED % "max_connections") == 1
+        held.pop().close()  # its request is dropped; its place is free
         wait_for(
             lambda: httpx.get(gw.url + "/health", timeout=10).status_code == 200,
             10,
             0.1,
             what="a connection served once one closed",
         )
+        assert all(_open(s) for s in held)
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_max_connections_per_client_sheds_that_clients_own_or_refuses_it_alone(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """max_connections_per_client (before the fix no such cap: one address could hold
+    every place): over it, a client's new connection takes the place of that client's own
+    longest waiting one; with all of its connections serving, its new request is 503,
+    while another address is served."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"max_connections_per_client": 2})
+    start_standin("w0", MODEL)
+    host, port = gw.address.rsplit(":", 1)
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=OTHER)) as elsewhere:
+        wait_for(  # from another address: none of 127.0.0.1's connections
+            lambda: elsewhere.get(gw.url + "/health", timeout=5).json()["engines"] == 1,
+            30,
+            0.1,
+            what="the engine in the gateway",
+        )
+    first, second = _connect(gw.address), _connect(gw.address)  # silent, from 127.0.0.1
+    held = [first, second]
+    try:
+        assert httpx.get(gw.url + "/health", timeout=10).status_code == 200
+        assert _until_closed(first) == b"" and _open(second)
+        assert _metric(gw, SHED % ("max_connections_per_client", "idle")) == 1
+        # Two requests in flight from 127.0.0.1: its third connection is refused.
+        hold = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 1, "standin_delay_s": 300}
+        second.sendall(_held_request(hold))
+        wait_for(lambda: _metric(gw, "kvstore_gateway_inflight") == 1, 30, 0.05, what="one")
+        held.append(_connect(gw.address))
+        held[-1].sendall(_held_request(hold))
+        wait_for(lambda: _metric(gw, "kvstore_gateway_inflight") == 2, 30, 0.05, what="two")
+        with _connect(gw.address) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            error = _503(_until_closed(extra))
+        assert "this client has 2 connections open" in error["message"], error
+        assert _open(second) and _open(held[-1])
+        assert _metric(gw, REFUSED % "max_connections_per_client") == 1
+        other = socket.create_connection((host, int(port)), 15, source_address=(OTHER, 0))
+        with other:
+            assert _get(other).startswith(b"HTTP/1.1 200 ")
     finally:
         for s in held:
             s.close()
