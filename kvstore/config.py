@@ -300,6 +300,7 @@ class AgentConfig:
         check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))
+        _distinct_ports(self, "metrics_port", "peer_port")
         check_metrics(self)
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -381,8 +382,15 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not self.prefill_tokens_per_s > 0 or not self.peer_gbps > 0:
             raise ValueError("prefill_tokens_per_s and peer_gbps must be > 0")
+        if not (math.isfinite(self.inflight_timeout_s) and self.inflight_timeout_s > 0):
+            # 0 forgot every routed request at once: no load was ever counted
+            raise ValueError(
+                "inflight_timeout_s must be a number of seconds > 0, "
+                f"got {self.inflight_timeout_s!r}"
+            )
         check_listen("listen", self.listen)
         _check_port("metrics_port", self.metrics_port)
+        _distinct_ports(self, "metrics_port")
         check_metrics(self)
 
 
@@ -424,6 +432,19 @@ def check_metrics(cfg) -> None:
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
+def _distinct_ports(cfg, *names: str) -> None:
+    """The listen port and these port fields name different ports (0s aside): the second
+    to bind failed as if another process held the port, or a UCX listener went down."""
+    ports = {"listen": split_port(cfg.listen)[1]} | {n: getattr(cfg, n) for n in names}
+    taken: dict[int, str] = {}
+    for name, port in ports.items():
+        if port and port in taken:
+            raise ValueError(
+                f"{taken[port]} and {name} both name port {port}: each needs a port of its own"
+            )
+        taken[port] = name
+
+
 def _check_port(name: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{name} must be in 0..65535 (0: none, or a free one), got {port}")
@@ -460,10 +481,19 @@ def _coerce_value(tp, value, name: str):
             return False
         raise ValueError(f"{name}: expected a boolean, got {value!r}")
     if tp is int:
-        return parse_size(value) if name.lower().endswith("bytes") else int(value)
+        if name.lower().endswith("bytes"):
+            return parse_size(value)
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{name}: expected a whole number, got {value!r}")
+        return int(value)
     if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
         return float(value)
     if tp is str:
+        if isinstance(value, (list, dict)):
+            kind = "a list" if isinstance(value, list) else "a mapping"
+            raise ValueError(f"{name}: expected a string, got {kind} ({value!r})")
         return str(value)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -495,6 +525,31 @@ def _build(cls, data: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all distinct (a repeated key silently took the last)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} is given twice")
+        out[k] = v
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(
     cls, path: str | None = None, env_prefix: str | None = None, overrides: dict | None = None
 ):
@@ -515,10 +570,19 @@ def load_config(
         # .json is JSON; anything else (.yaml, .YML, .conf ...) YAML, which reads JSON too
         is_yaml = not path.lower().endswith(".json")
         try:
-            loaded = yaml.safe_load(text) if is_yaml else json.loads(text)
+            loaded = (
+                yaml.load(text, Loader=_UniqueKeyLoader)
+                if is_yaml
+                else json.loads(text, object_pairs_hook=_unique_keys)
+            )
         except (ValueError, yaml.YAMLError) as exc:
             raise ValueError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
+        if loaded is None:  # an empty ConfigMap mount would otherwise run on every default
+            raise ValueError(
+                f"{path}: holds no settings (empty, or only comments); give the settings, "
+                "or leave out --config to run on the defaults"
+            )
+        if not isinstance(loaded, dict):
             raise ValueError(
                 f"{path}: expected a mapping of {cls.__name__} fields, got {type(loaded).__name__}"
             )

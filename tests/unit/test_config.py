@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 
 import pytest
 
@@ -186,7 +188,71 @@ def test_pool_must_hold_a_slot():
 def test_bad_file_contents(tmp_path):
     with pytest.raises(ValueError, match="mapping"):
         load_config(AgentConfig, write(tmp_path, "- a\n- b\n"))
-    assert load_config(AgentConfig, write(tmp_path, "")) == AgentConfig()
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_a_file_with_no_settings_is_refused(tmp_path, text):
+    """An empty (or broken) ConfigMap mount ran the agent on every default, its data in
+    ./kvstore-data under whatever directory it started in, without a word."""
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=rf"{path}: holds no settings"):
+        load_config(AgentConfig, path)
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [("agent.yaml", "pool_bytes: 1GiB\npool_bytes: 2GiB\n"),
+     ("agent.json", '{"pool_bytes": "1GiB", "pool_bytes": "2GiB"}'),
+     ("agent.yaml", "peer:\n  max_transfers: 2\n  max_transfers: 3\n")],
+)  # fmt: skip
+def test_a_key_given_twice_is_refused(tmp_path, name, text):
+    """The parsers kept the last of two, so an edit above a forgotten line did nothing."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"not valid (YAML|JSON).*given twice"):
+        load_config(AgentConfig, str(path))
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [({"lease_ttl_s": 2.5}, "lease_ttl_s: expected a whole number, got 2.5"),
+     ({"lease_ttl_s": True}, "lease_ttl_s: expected a whole number, got True"),
+     ({"etcd_endpoints": ["a:1", "b:2"]}, "etcd_endpoints: expected a string, got a list"),
+     ({"node_id": {"a": 1}}, "node_id: expected a string, got a mapping"),
+     ({"expire_interval_s": False}, "expire_interval_s: expected a number, got False")],
+)  # fmt: skip
+def test_values_of_the_wrong_kind_are_refused_not_converted(tmp_path, override, said):
+    """2.5 became 2, a list of endpoints became its Python repr ("['a:1'")."""
+    path = tmp_path / "agent.json"
+    path.write_text(json.dumps(override))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_config(AgentConfig, str(path))
+
+
+@pytest.mark.parametrize(
+    "cls, settings, said",
+    [(AgentConfig, {"listen": "127.0.0.1:47111", "metrics_port": 47111},
+      "listen and metrics_port both name port 47111"),
+     (AgentConfig, {"listen": "127.0.0.1:47112", "peer_port": 47112},
+      "listen and peer_port both name port 47112"),
+     (AgentConfig, {"metrics_port": 47113, "peer_port": 47113},
+      "metrics_port and peer_port both name port 47113"),
+     (RouterConfig, {"listen": "127.0.0.1:47114", "metrics_port": 47114},
+      "listen and metrics_port both name port 47114")],
+)  # fmt: skip
+def test_one_process_cannot_name_one_port_twice(cls, settings, said):
+    """The second bind failed as if another process held the port (the metrics server
+    binds first), or the UCX listener went down saying 'Device is busy'."""
+    with pytest.raises(ValueError, match=said):
+        load_config(cls, None, None, settings)
+    load_config(cls, None, None, {**settings, "metrics_port": 0, "peer_port": 0}
+                if cls is AgentConfig else {**settings, "metrics_port": 0})  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan")])
+def test_a_router_inflight_timeout_must_be_positive(value):
+    with pytest.raises(ValueError, match="inflight_timeout_s must be a number of seconds > 0"):
+        RouterConfig(inflight_timeout_s=value)
 
 
 def test_an_unreadable_or_unparsable_file_is_named(tmp_path):
