@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from kvstore.config import TLSConfig
 from kvstore.coord.etcd import EtcdClient
 from kvstore.hashing import pack_ids
+from kvstore.tls import channel
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 TOKENS = {
@@ -43,10 +45,11 @@ def ref(spec, generation: int = 0) -> agent_pb2.NamespaceRef:
 
 
 class As:
-    """Raw NodeAgent and Peer stubs of one agent, every call with `who`'s token."""
+    """Raw NodeAgent and Peer stubs of one agent, every call with `who`'s token (over
+    mTLS with `tls`)."""
 
-    def __init__(self, address: str, who: str | None) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, who: str | None, tls: TLSConfig | None = None) -> None:
+        self.channel = channel(address, tls)
         self.agent = agent_pb2_grpc.NodeAgentStub(self.channel)
         self.peer = peer_pb2_grpc.PeerStub(self.channel)
         self.md = auth(who)
@@ -86,15 +89,25 @@ def refusal(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
     return ei.value.code(), ei.value.details()
 
 
-def etcd_items(endpoint: str) -> dict[str, bytes]:
+def etcd_items(endpoint: str, tls: TLSConfig | None = None) -> dict[str, bytes]:
     """Every key under the cluster's prefix and its value, read from etcd itself."""
 
     async def main() -> dict[str, bytes]:
-        async with EtcdClient(endpoint) as client:
+        async with EtcdClient(endpoint, tls=tls) as client:
             _, items = await client.list("")
             return {kv.key: kv.value for kv in items}
 
     return asyncio.run(main())
+
+
+def etcd_put(endpoint: str, key: str, value: bytes, tls: TLSConfig | None = None) -> None:
+    """Write one key under the cluster's prefix, as anyone with etcd access can."""
+
+    async def main() -> None:
+        async with EtcdClient(endpoint, tls=tls) as client:
+            await client.put(key, value)
+
+    asyncio.run(main())
 
 
 @dataclass(frozen=True)
@@ -128,15 +141,22 @@ def agent_view(address: str) -> AgentView:
 
 class TokenTrap(grpc.GenericRpcHandler):
     """A gRPC listener an attacker names as a 'peer': it records the authorization each
-    call presents and refuses the call (UNAVAILABLE)."""
+    call presents and refuses the call (UNAVAILABLE). With `tls`, it serves TLS with that
+    pair (an attacker holding a certificate of the cluster's CA)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig | None = None) -> None:
         from concurrent import futures
 
         self.seen: list[str] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         self._server.add_generic_rpc_handlers((self,))
-        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        if tls is None:
+            port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            with open(tls.key_file, "rb") as k, open(tls.cert_file, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            port = self._server.add_secure_port("127.0.0.1:0", creds)
+        self.address = f"127.0.0.1:{port}"
         self._server.start()
 
     def close(self) -> None:
