@@ -319,7 +319,7 @@ class AgentServer:
         pool = self.store.pool
         with self.store.lock:
             blocks = self.store.block_count()
-        return NodeRecord(
+        record = NodeRecord(
             self.cfg.node_id,
             self.address,
             self.peer_address,
@@ -331,6 +331,7 @@ class AgentServer:
             self.hub.epoch,
             *_pull_fields(self.peer.pull_cost()),
         )
+        return self.peer.sign(record)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.registration is not None:  # leave the cluster before we stop serving

@@ -164,6 +164,11 @@ class NodeRecord:
     pull_fixed_ms: float = 0.0
     pull_ms_per_mib: float = 0.0
     pull_samples: int = 0
+    # The agent's proof that an agent wrote node_id and its addresses: HMAC-SHA256 under a
+    # key derived from the agent token (node_agent/peer/credential.py). Only agents check
+    # it, to decide where a pull may show the agent credential; every other reader
+    # (router, kvctl) ignores it. "": an agent without an agent token.
+    signature: str = ""
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:

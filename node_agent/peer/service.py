@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from kvstore.config import AgentConfig
+from kvstore.coord.etcd import NodeRecord
 from kvstore.store import BlockStore
 from node_agent.peer.counters import Counters
 from node_agent.peer.credential import PeerCredential, read_token
@@ -53,6 +54,7 @@ class PeerTransfer:
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
         self._credential = PeerCredential(read_token(cfg.agent_token_file))
         self._etcd_endpoints = cfg.etcd_endpoints
+        self._tls = cfg.tls
         self._prefetcher = prefetcher = Prefetcher(
             store,
             self._requests,
@@ -68,6 +70,11 @@ class PeerTransfer:
         borrow = pcfg.in_place and store.supports_in_place and not store.pool.is_cuda
         self.servicer = PeerServicer(source, prefetcher, cfg.max_message_bytes, borrow)
 
+    def sign(self, record: NodeRecord) -> NodeRecord:
+        """This agent's etcd record, signed so that peers holding the same agent token
+        trust its addresses with the agent credential (credential.py)."""
+        return self._credential.sign(record)
+
     def pull_cost(self) -> PullCost | None:
         """The fitted cost of this agent's pulls so far (kvstore/pullcost.py)."""
         return self._prefetcher.pull_cost.estimate()
@@ -81,7 +88,7 @@ class PeerTransfer:
         (etcd generations) when given; follow the registered agents that pulls may show
         the agent credential to."""
         self._requests.use_control(control)
-        self._credential.start(self._etcd_endpoints)
+        self._credential.start(self._etcd_endpoints, self._tls)
         if self._ucx is None:
             log.info("UCX disabled by configuration: peers use the gRPC fallback")
             return

@@ -1,7 +1,10 @@
 """Peers prove they are agents (issue 18, item 4): an agent configured with the agent
 credential (`agent_token_file`, identity "_agent") presents it when it pulls from a
 registered agent, and never to a listener a caller named in its Prefetch; the router's
-cluster token moves no blocks (test_attack_tenant.py). Real etcd and agent processes."""
+cluster token moves no blocks (test_attack_tenant.py). "Registered" means a `nodes/`
+record signed with the agent token: anyone who can write etcd can put a record there, and
+a forged or replayed one earns its listener nothing (node_agent/peer/credential.py). Real
+etcd (plaintext and mTLS) and agent processes."""
 
 from __future__ import annotations
 
@@ -9,9 +12,20 @@ import hashlib
 import json
 import subprocess
 
+import grpc
 import pytest
 
-from support.attack import TOKENS, As, TokenTrap, etcd_items, ns_msg, ref, tenants
+from support.attack import (
+    TOKENS,
+    As,
+    TokenTrap,
+    etcd_items,
+    etcd_put,
+    ns_msg,
+    ref,
+    refusal,
+    tenants,
+)
 from support.cluster import agent_config
 from support.common import (
     PY,
@@ -24,12 +38,90 @@ from support.common import (
     wait_for,
 )
 
+from kvstore.coord.etcd import NodeRecord
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.v1 import agent_pb2, peer_pb2
 
 SPEC = make_namespace(tenant="acme", name="pulled")
+MINE = make_namespace(tenant="globex", name="mine")
 BS = SPEC.block_size
 N = 4
+
+
+def _agent_token(tmp_path) -> dict:
+    """The config of an agent holding the agent credential, authenticating everyone."""
+    token_file = tmp_path / "agent-token"
+    token_file.write_text(TOKENS["_agent"] + "\n")
+    return dict(allow_unauthenticated=False, agent_token_file=str(token_file))
+
+
+def _holder_tenants() -> dict:
+    """The tenants of an agent that knows acme by another token than the puller does: a
+    pull that forwarded acme's token is UNAUTHENTICATED there, one with the agent
+    credential is served."""
+    t = tenants()
+    t["acme"] = {"token_sha256": hashlib.sha256(b"acme-on-holder").hexdigest()}
+    return t
+
+
+def _acme_blocks_on(holder, tls=None) -> tuple[list[bytes], bytes, list[bytes]]:
+    """acme's N private blocks put on `holder`: (ids, root, payloads)."""
+    root = SPEC.root(0, TEST_SECRET)
+    ids = hash_chain(root, prompt_tokens(9, N * BS), BS)
+    blocks = [block_payload(i, SPEC.block_bytes) for i in ids]
+    owner = As(holder.address, None, tls)
+    owner.md = (("authorization", "Bearer acme-on-holder"),)
+    owner.call(owner.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(SPEC)))
+    put = agent_pb2.PutRequest(ns=ref(SPEC), root=root)
+    for k, (bid, data) in enumerate(zip(ids, blocks)):
+        put.blocks.add(block_id=bid, parent_id=ids[k - 1] if k else root, data=data)
+    assert owner.call(owner.agent.Put, iter([put])).stored == N
+    owner.close()
+    return ids, root, blocks
+
+
+def _pulls_as_an_agent(puller, holder, ids, root, blocks, tls=None) -> None:
+    """acme asks `puller` to pull its blocks from `holder`: served only when the puller
+    shows the agent credential (the holder knows acme by another token); waits until the
+    puller has followed nodes/ that far."""
+    acme = As(puller.address, "acme", tls)
+    acme.call(acme.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(SPEC)))
+    wait_for(
+        lambda: acme.prefetch(SPEC, ids, root, holder.address).present == N,
+        30,
+        what="the puller to pull as an agent",
+    )
+    got = acme.call(
+        acme.agent.Get,
+        agent_pb2.GetRequest(ns=ref(SPEC), block_ids=pack_ids(ids), parent_id=root),
+    )
+    assert [bytes(d) for m in got for d in m.data] == blocks
+    acme.close()
+
+
+def _globex_prefetches_from(puller, traps, tls=None) -> None:
+    """globex asks `puller` to fill its own namespace from each trap: every trap sees
+    globex's own token, never the agent's."""
+    g = As(puller.address, "globex", tls)
+    g.call(g.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(MINE)))
+    root = MINE.root(0, b"globex-secret")
+    ids = hash_chain(root, prompt_tokens(1, 2 * BS), BS)
+    for trap in traps:
+        assert g.prefetch(MINE, ids, root, trap.address).present == 0
+        assert trap.seen and set(trap.seen) == {f"Bearer {TOKENS['globex']}"}, trap.seen
+    g.close()
+
+
+def _captured_reads_nothing(holder, traps, ids, root, tls=None) -> None:
+    """What the traps captured reads none of acme's blocks on `holder` (the agent token
+    itself would: the control)."""
+    thief = As(holder.address, None, tls)
+    for stolen in {s for t in traps for s in t.seen}:
+        thief.md = (("authorization", stolen),)
+        assert refusal(thief.fetch, SPEC, ids, root)[0] == grpc.StatusCode.PERMISSION_DENIED
+    thief.md = (("authorization", f"Bearer {TOKENS['_agent']}"),)
+    assert sum(len(m.data) for m in thief.fetch(SPEC, ids, root)) == N
+    thief.close()
 
 
 def test_pulls_show_the_agent_credential_to_registered_agents_only(etcd, spawn_agent, tmp_path):
@@ -82,6 +174,61 @@ def test_pulls_show_the_agent_credential_to_registered_agents_only(etcd, spawn_a
         r = acme.prefetch(SPEC, other, root, trap.address)
         assert r.present == 0
         assert trap.seen and set(trap.seen) == {f"Bearer {TOKENS['acme']}"}
+    finally:
+        trap.close()
+
+
+def test_forged_node_records_earn_their_listener_no_agent_credential(etcd, spawn_agent, tmp_path):
+    """globex, able to write etcd (the dev cluster's client pair can; no RBAC), puts
+    `nodes/evil` naming a listener of its own, and replays a stopped agent's signed record
+    with the address changed to another listener of its own; then it asks an agent to
+    prefetch globex's OWN namespace from them. The listeners see globex's token, not the
+    agent's, and what they captured reads none of acme's blocks."""
+    common = _agent_token(tmp_path)
+    puller = spawn_agent(**agent_config(etcd, tenants=tenants(), **common))  # agent-0
+    gone = spawn_agent(**agent_config(etcd, tenants=tenants(), **common))  # agent-1
+    wait_for(lambda: "nodes/agent-1" in etcd_items(etcd.endpoint), 30, what="agent-1 in etcd")
+    signed = json.loads(etcd_items(etcd.endpoint)["nodes/agent-1"])
+    gone.stop()  # its lease is revoked: the record goes
+    wait_for(lambda: "nodes/agent-1" not in etcd_items(etcd.endpoint), 30, what="agent-1 gone")
+
+    forged, replayed = TokenTrap(), TokenTrap()
+    try:
+        etcd_put(etcd.endpoint, "nodes/evil", NodeRecord("evil", forged.address).to_json())
+        replay = {**signed, "address": replayed.address}
+        etcd_put(etcd.endpoint, "nodes/agent-1", json.dumps(replay).encode())
+        # An agent registering after the forgeries: once the puller shows it the agent
+        # credential, it has followed nodes/ past them (a watch delivers in order).
+        holder = spawn_agent(**agent_config(etcd, tenants=_holder_tenants(), **common))
+        ids, root, blocks = _acme_blocks_on(holder)
+        _pulls_as_an_agent(puller, holder, ids, root, blocks)
+        _globex_prefetches_from(puller, (forged, replayed))
+        _captured_reads_nothing(holder, (forged, replayed), ids, root)
+    finally:
+        forged.close()
+        replayed.close()
+
+
+def test_agents_on_a_tls_etcd_show_each_other_the_agent_credential_and_no_one_else(
+    spawn_agent, pki, tls_etcd, tmp_path
+):
+    """With etcd on mTLS the agents follow nodes/ over the agent's own TLS settings, so
+    pulls between them carry the agent credential; a record forged with the client pair
+    (which etcd lets write anything) earns a listener holding a certificate of the
+    cluster's CA nothing."""
+    common = dict(
+        _agent_token(tmp_path), etcd_endpoints=tls_etcd.endpoint, lease_ttl_s=2, **pki.section()
+    )
+    trap = TokenTrap(pki.server)
+    try:
+        record = NodeRecord("evil", trap.address).to_json()
+        etcd_put(tls_etcd.endpoint, "nodes/evil", record, pki.client)
+        puller = spawn_agent(tenants=tenants(), peer_port=free_port(), **common)
+        holder = spawn_agent(tenants=_holder_tenants(), peer_port=free_port(), **common)
+        ids, root, blocks = _acme_blocks_on(holder, pki.client)
+        _pulls_as_an_agent(puller, holder, ids, root, blocks, pki.client)
+        _globex_prefetches_from(puller, (trap,), pki.client)
+        _captured_reads_nothing(holder, (trap,), ids, root, pki.client)
     finally:
         trap.close()
 
