@@ -15,7 +15,10 @@ and the ledger remembers, per tenant, which requests it already counted:
 - blocks a Lookup says the caller holds itself (`caller_held`: vLLM's own prefix cache)
   are neither asked nor hit: the rates say what kvstore had beyond the engine's cache.
 
-The ledger keeps the last `capacity` request ids; one forgotten earlier is counted again.
+The ledger keeps, per tenant, that tenant's last `capacity` request ids (one forgotten
+earlier is counted again): one tenant's fresh ids push out only its own, never another
+tenant's. It remembers at most `max_tenants` tenants; past that the one whose requests
+were seen least recently is forgotten whole. Memory: at most capacity x max_tenants ids.
 """
 
 from __future__ import annotations
@@ -44,17 +47,31 @@ NOTHING = RequestDelta()
 
 
 class RequestLedger:
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = 16384, max_tenants: int = 64) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
-        self.capacity = capacity
-        # (tenant, request id) -> hit blocks counted so far; oldest first
-        self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
+        if max_tenants < 1:
+            raise ValueError("max_tenants must be at least 1")
+        self.capacity = capacity  # per tenant
+        self.max_tenants = max_tenants
+        # tenant -> (request id -> hit blocks counted so far; oldest first), the tenant
+        # seen least recently first
+        self._seen: OrderedDict[str, OrderedDict[str, int]] = OrderedDict()
 
-    def _first(self, key: tuple[str, str], asked: int, hit: int) -> RequestDelta:
-        self._seen[key] = hit
-        if len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+    def _ids(self, tenant: str) -> OrderedDict[str, int]:
+        ids = self._seen.get(tenant)
+        if ids is None:
+            ids = self._seen[tenant] = OrderedDict()
+            if len(self._seen) > self.max_tenants:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(tenant)
+        return ids
+
+    def _first(self, ids: OrderedDict[str, int], rid: str, asked: int, hit: int) -> RequestDelta:
+        ids[rid] = hit
+        if len(ids) > self.capacity:
+            ids.popitem(last=False)
         return RequestDelta(1, int(hit > 0), asked, hit)
 
     def lookup(
@@ -70,22 +87,22 @@ class RequestLedger:
             asked, matched = asked - caller_held, max(0, matched - caller_held)
         if not request_id:
             return RequestDelta(1, int(matched > 0), asked, matched)
-        key = (tenant, request_id)
-        before = self._seen.get(key)
+        ids = self._ids(tenant)
+        before = ids.get(request_id)
         if before is None:
-            return self._first(key, asked, matched)
-        self._seen.move_to_end(key)
+            return self._first(ids, request_id, asked, matched)
+        ids.move_to_end(request_id)
         if matched <= before:
             return NOTHING
-        self._seen[key] = matched
+        ids[request_id] = matched
         return RequestDelta(0, int(before == 0), 0, matched - before)
 
     def get(self, tenant: str, request_id: str, asked: int, served: int) -> RequestDelta:
         """A Get of `asked` blocks that served the leading `served`."""
         if not request_id:
             return NOTHING
-        key = (tenant, request_id)
-        if key in self._seen:
-            self._seen.move_to_end(key)
+        ids = self._ids(tenant)
+        if request_id in ids:
+            ids.move_to_end(request_id)
             return NOTHING
-        return self._first(key, asked, served)
+        return self._first(ids, request_id, asked, served)

@@ -66,6 +66,30 @@ def test_the_oldest_ids_are_forgotten_past_capacity():
     assert led.lookup("t", "r1", 1, 1) == RequestDelta(1, 1, 1, 1)  # forgotten: again
 
 
+def test_one_tenants_fresh_ids_do_not_push_out_another_tenants():
+    """The tester's flood (/tmp/probe1/ledger_flood.py): acme's fresh ids filled the one
+    shared ledger and globex's retried request counted again."""
+    led = RequestLedger(capacity=4)
+    assert led.lookup("globex", "req-1", 10, 10) == RequestDelta(1, 1, 10, 10)
+    for i in range(100):
+        led.lookup("acme", f"flood-{i}", 1, 0)
+    assert led.lookup("globex", "req-1", 10, 10) == RequestDelta()  # counted once
+    assert led.get("globex", "req-1", 10, 10) == RequestDelta()
+    assert led.lookup("acme", "flood-0", 1, 0) == RequestDelta(1, 0, 1, 0)  # its own: gone
+
+
+def test_the_tenant_seen_least_recently_is_forgotten_past_max_tenants():
+    led = RequestLedger(capacity=4, max_tenants=2)
+    led.lookup("a", "r", 1, 1)
+    led.lookup("b", "r", 1, 1)
+    assert led.lookup("a", "r", 1, 1) == RequestDelta()  # a seen again: b is the oldest
+    led.lookup("c", "r", 1, 1)  # a third tenant: b's ids go
+    assert led.lookup("a", "r", 1, 1) == RequestDelta()
+    assert led.lookup("b", "r", 1, 1) == RequestDelta(1, 1, 1, 1)
+
+
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity"):
         RequestLedger(capacity=0)
+    with pytest.raises(ValueError, match="max_tenants"):
+        RequestLedger(max_tenants=0)
