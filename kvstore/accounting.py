@@ -1,5 +1,8 @@
-"""Per-tenant byte accounting per tier, with limits (from configuration now, from etcd
-quotas later). Pure bookkeeping: the store decides what to evict."""
+"""Per-tenant byte accounting per tier, with limits (from configuration and etcd quotas),
+and the bytes each tenant has pinned. Pure bookkeeping: the store decides what to evict
+and what it charges. What it charges is what a block takes in the tier: a whole pool slot
+(the pool's slot_bytes, whatever the block's payload) in the pool, the payload's bytes on
+NVMe, and a whole pool slot for a pinned block (kvstore/store.py `pin`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ class TenantAccounts:
         self._used: dict[tuple[str, Tier], int] = defaultdict(int)
         self._blocks: dict[tuple[str, Tier], int] = defaultdict(int)
         self._limits: dict[tuple[str, Tier], int] = {}
+        self._pinned: dict[str, int] = defaultdict(int)  # tenant -> pinned bytes charged
         for tenant, per_tier in (limits or {}).items():
             for tier, limit in per_tier.items():
                 self.set_limit(tenant, tier, limit)
@@ -43,6 +47,17 @@ class TenantAccounts:
         self._blocks[key] -= 1
         if self._used[key] < 0 or self._blocks[key] < 0:
             raise AssertionError(f"accounting went negative for {tenant}/{tier.name}")
+
+    def pinned(self, tenant: str) -> int:
+        """Bytes `tenant` has pinned on this node, across all its namespaces."""
+        return self._pinned.get(tenant, 0)
+
+    def add_pinned(self, tenant: str, delta: int) -> None:
+        self._pinned[tenant] += delta
+        if self._pinned[tenant] < 0:
+            raise AssertionError(f"pinned bytes went negative for {tenant}")
+        if not self._pinned[tenant]:
+            del self._pinned[tenant]
 
     def overflow(self, tenant: str, tier: Tier, extra: int) -> int:
         """Bytes over the limit if `extra` more were added (0 when within it)."""

@@ -100,8 +100,13 @@ class BlockStore:
         policy_for: Callable[[Namespace], NamespacePolicy] | None = None,
         clock: Callable[[], float] = time.time,
         copy_threads: int = 1,
+        tenant_pin_bytes: int | None = None,
     ) -> None:
+        """`tenant_pin_bytes`: what one tenant may pin on this node across all its
+        namespaces (None: no cap but its HBM quota; the agent passes its config's
+        tenant_pin_fraction of the pool, AgentConfig.tenant_pin_bytes)."""
         self._pool = pool
+        self.tenant_pin_bytes = tenant_pin_bytes
         self._rocks = rocks
         self.accounts = accounts or TenantAccounts()
         self.policy_for = policy_for or (lambda ns: NamespacePolicy())
@@ -238,6 +243,7 @@ class BlockStore:
             for meta in list(st.blocks.values()):
                 self._residency.free_resources(meta)
             st.blocks.clear()
+            self.accounts.add_pinned(st.tenant, -st.pinned_bytes)
             st.pinned_bytes = 0
             st.generation = generation
             if self.rocks is not None:
@@ -435,21 +441,51 @@ class BlockStore:
 
     # --------------------------------------------------------------------- pinning
     def pin(self, ns_id: bytes, generation: int, ids: list[bytes], pin: bool) -> PinResult:
+        """Pin (or unpin) the leading held blocks of `ids`. Each pinned block is charged
+        a whole pool slot (what it keeps from every other block, however small its
+        payload) against two budgets: its namespace's policy pin_budget_bytes, and its
+        tenant's on this node across all its namespaces (tenant_pin_limit)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
             metas = [m for m in self._reads.leading(st, ids, b"") if m.pinned != pin]
-            delta = sum(m.nbytes for m in metas)
+            charge = self._residency.pin_charge
+            delta = len(metas) * charge
+            what = f"pinning {len(metas)} blocks ({delta} bytes: a {charge}-byte pool slot each)"
             if pin and st.pinned_bytes + delta > st.policy.pin_budget_bytes:
                 raise ResourceExhausted(
-                    f"pinning {len(metas)} blocks ({delta} bytes) exceeds namespace "
-                    f"{st.spec.key} pin budget of {st.policy.pin_budget_bytes} bytes "
-                    f"({st.pinned_bytes} already pinned)"
+                    f"{what} exceeds namespace {st.spec.key} pin budget of "
+                    f"{st.policy.pin_budget_bytes} bytes ({st.pinned_bytes} already pinned)"
                 )
+            if pin and delta:
+                limit, source = self.tenant_pin_limit(st.tenant)
+                held = self.accounts.pinned(st.tenant)
+                if limit is not None and held + delta > limit:
+                    raise ResourceExhausted(
+                        f"{what} exceeds tenant {st.tenant}'s pin limit on this node of "
+                        f"{limit} bytes ({source}; {held} already pinned across its "
+                        "namespaces)"
+                    )
             for m in metas:
                 m.pinned = pin
                 self._queue.refile(m)
-            st.pinned_bytes += delta if pin else -delta
+            if pin:
+                st.pinned_bytes += delta
+                self.accounts.add_pinned(st.tenant, delta)
+            else:
+                self._residency.unpinned(st, len(metas))
             return PinResult(len(metas), st.pinned_bytes)
+
+    def tenant_pin_limit(self, tenant: str) -> tuple[int | None, str]:
+        """The bytes `tenant` may pin on this node across all its namespaces, and where
+        that limit comes from: the node's tenant_pin_bytes, or the tenant's HBM quota
+        where that is lower (pinned blocks are never evicted for it). None: no limit."""
+        cap = self.tenant_pin_bytes
+        quota = self.accounts.limit(tenant, Tier.HBM)
+        if quota is not None and (cap is None or quota < cap):
+            return quota, "its HBM quota"
+        if cap is None:
+            return None, ""
+        return cap, "the agent's tenant_pin_fraction of the pool"
 
     # ------------------------------------------------------- in-place transfers
     @property

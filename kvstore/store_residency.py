@@ -2,7 +2,9 @@
 and given back, demotion to NVMe, promotion into the pool, eviction, removal.
 
 Owns the bytes held on NVMe and the slots parked under readers; the tier accounts
-(kvstore/accounting.py) it keeps in step are shared with the quotas. Every method runs
+(kvstore/accounting.py) it keeps in step are shared with the quotas: a block in the pool
+is charged a whole slot (pool.slot_bytes, what it keeps every other block out of,
+however small its payload), a block on NVMe the payload bytes stored there. Every method runs
 under the store's lock. Only leaves leave the node and only pool-leaves leave the pool
 (the eviction queue picks no other), so the store stays prefix-consistent.
 """
@@ -52,7 +54,8 @@ class Residency:
         self, tenant: str, extra: int = 0, protect: BlockMeta | None = None
     ) -> int | None:
         """A pool slot for `tenant`, evicting (its own blocks for its quota, anyone's for
-        capacity) to make room for `extra` bytes; None when no victim is left."""
+        capacity) to make room for `extra` bytes of its quota (default: the one slot);
+        None when no victim is left."""
         extra = extra or self.pool.slot_bytes
         kept: list[BlockMeta] = []  # victims that could not leave (NVMe full)
         try:
@@ -215,7 +218,7 @@ class Residency:
         if parent is not None:  # making room must not demote the parent from under m
             parent.readers += 1
         try:
-            slot = self.reserve_slot(m.ns.tenant, extra=m.nbytes, protect=m)
+            slot = self.reserve_slot(m.ns.tenant, protect=m)
         finally:
             if parent is not None:
                 self.done_reading(parent)
@@ -262,7 +265,7 @@ class Residency:
 
     def attach_slot(self, m: BlockMeta, slot: int) -> None:
         m.slot = slot
-        self.accounts.add(m.ns.tenant, _HBM, m.nbytes)
+        self.accounts.add(m.ns.tenant, _HBM, self.pool.slot_bytes)
         parent = m.ns.blocks.get(m.parent_id) if m.depth else None
         if parent is not None:
             parent.hbm_children += 1
@@ -290,7 +293,7 @@ class Residency:
 
     def detach_slot(self, m: BlockMeta) -> None:
         self._give_back_slot(m)
-        self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
+        self.accounts.sub(m.ns.tenant, Tier.HBM, self.pool.slot_bytes)
         parent = m.ns.blocks.get(m.parent_id) if m.depth else None
         if parent is not None:
             parent.hbm_children -= 1
@@ -301,7 +304,7 @@ class Residency:
         """Give back whatever `m` holds in each tier, for a namespace dropped whole (its
         NVMe records go with a prefix delete)."""
         if m.slot >= 0:
-            self.accounts.sub(m.ns.tenant, Tier.HBM, m.nbytes)
+            self.accounts.sub(m.ns.tenant, Tier.HBM, self.pool.slot_bytes)
             self._give_back_slot(m)
         if m.on_nvme:
             self.nvme_used -= m.nbytes
@@ -312,6 +315,20 @@ class Residency:
         """Count a block found on NVMe at recovery as held there."""
         self.nvme_used += m.nbytes
         self.accounts.add(m.ns.tenant, Tier.NVME, m.nbytes)
+
+    # ---------------------------------------------------------------- pins
+    @property
+    def pin_charge(self) -> int:
+        """What one pinned block is charged against its namespace's and its tenant's pin
+        budgets: a whole pool slot, which it keeps from every other block while pinned
+        (an NVMe-only pinned block takes one when it is read back)."""
+        return self.pool.slot_bytes
+
+    def unpinned(self, st: NsState, n: int) -> None:
+        """`n` pinned blocks of `st` left the node (or their pins went with a flush)."""
+        charge = n * self.pin_charge
+        st.pinned_bytes -= charge
+        self.accounts.add_pinned(st.tenant, -charge)
 
     # --------------------------------------------------------------- removal
     def _remove_one(self, m: BlockMeta) -> None:
@@ -328,7 +345,7 @@ class Residency:
         st = m.ns
         del st.blocks[m.block_id]
         if m.pinned:
-            st.pinned_bytes -= m.nbytes
+            self.unpinned(st, 1)
         parent = st.blocks.get(m.parent_id) if m.depth else None
         if parent is not None:
             parent.children -= 1

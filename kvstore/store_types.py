@@ -112,7 +112,7 @@ class PutResult(NamedTuple):
 
 class PinResult(NamedTuple):
     changed: int  # blocks whose pin state changed
-    pinned_bytes: int  # the namespace's pinned bytes afterwards
+    pinned_bytes: int  # the namespace's pinned bytes afterwards (a pool slot per block)
 
 
 class HeldBlock(NamedTuple):

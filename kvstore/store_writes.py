@@ -58,9 +58,10 @@ class Writes:
         self.counters = counters
         self.events = events
         self.clock = clock
-        # Bytes of pool slots reserved for writes in flight (planned, not yet committed or
-        # freed), per tenant: not in the accounts before commit, so each new reservation
-        # counts them, or writes open at once would together overshoot the tenant's quota.
+        # Bytes of pool slots (slot_bytes each) reserved for writes in flight (planned, not
+        # yet committed or freed), per tenant: not in the accounts before commit, so each
+        # new reservation counts them, or writes open at once would together overshoot
+        # the tenant's quota.
         self._inflight: Counter[str] = Counter()
 
     def fits(self, st: NsState, items: list[PutItem]) -> bool:
@@ -69,7 +70,7 @@ class Writes:
         and every parent held either in the pool or not at all (a parent on NVMe only is
         promoted by the plan)."""
         blocks = len(items)
-        extra = blocks * st.block_bytes + self._inflight[st.tenant]
+        extra = blocks * self.pool.slot_bytes + self._inflight[st.tenant]
         if self.pool.free_slots < blocks or self.residency.accounts.overflow(
             st.tenant, Tier.HBM, extra
         ):
@@ -176,8 +177,9 @@ class Writes:
     ) -> PlannedSlot | None:
         """Reserve a pool slot for one block of a write, within the tenant's quota counting
         every slot already in flight for it (this write's and concurrent ones'), and hold
-        the parent so making room later cannot evict it. None when no slot can be had."""
-        size = st.block_bytes
+        the parent so making room later cannot evict it. None when no slot can be had.
+        The quota is charged the whole slot (Residency.attach_slot does the same)."""
+        size = self.pool.slot_bytes
         if parent is not None:
             parent.readers += 1
         slot = self.residency.reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])

@@ -34,7 +34,7 @@ class PutResult:
 @dataclass(frozen=True, slots=True)
 class PinResult:
     blocks: int  # blocks whose pin state changed
-    pinned_bytes: int  # the namespace's pinned bytes after the call
+    pinned_bytes: int  # the namespace's pinned bytes after the call (a pool slot per block)
 
     @classmethod
     def from_proto(cls, msg) -> PinResult:

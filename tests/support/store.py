@@ -57,7 +57,7 @@ def lookup(store, ids, spec=SPEC, gen=0):
 def check_invariants(store: BlockStore) -> None:
     """Everything the store promises about its own bookkeeping, checked from outside."""
     in_pool = 0
-    nvme_bytes = 0
+    nvme_bytes = nvme_blocks = 0
     per_tenant: dict[tuple[str, Tier], int] = {}
     for st in store.namespaces():
         for m in st.blocks.values():
@@ -71,12 +71,13 @@ def check_invariants(store: BlockStore) -> None:
                 if m.slot >= 0:
                     assert parent.slot >= 0, "the pool is not prefix-closed"
             assert m.slot >= 0 or m.on_nvme, "a block held in no tier"
-            if m.slot >= 0:
+            if m.slot >= 0:  # a block in the pool is charged its whole slot
                 in_pool += 1
                 per_tenant[(st.tenant, Tier.HBM)] = (
-                    per_tenant.get((st.tenant, Tier.HBM), 0) + m.nbytes
+                    per_tenant.get((st.tenant, Tier.HBM), 0) + store.pool.slot_bytes
                 )
             if m.on_nvme:
+                nvme_blocks += 1
                 nvme_bytes += m.nbytes
                 per_tenant[(st.tenant, Tier.NVME)] = (
                     per_tenant.get((st.tenant, Tier.NVME), 0) + m.nbytes
@@ -86,10 +87,26 @@ def check_invariants(store: BlockStore) -> None:
     assert store.nvme_used == nvme_bytes
     if store.rocks is not None:
         assert nvme_bytes <= store.rocks.capacity_bytes
-        assert sum(1 for _ in store.rocks.scan()) == nvme_bytes // NB
+        assert sum(1 for _ in store.rocks.scan()) == nvme_blocks
     for t in store.accounts.tenants():
         for tier in Tier:
             assert store.accounts.used(t, tier) == per_tenant.get((t, tier), 0)
+    check_pins(store)
+
+
+def check_pins(store: BlockStore) -> None:
+    """Each pinned block is charged a whole pool slot, to its namespace and its tenant, and
+    neither goes past its budget (the tenant's: BlockStore.tenant_pin_limit)."""
+    pinned: dict[str, int] = {}
+    for st in store.namespaces():
+        n = sum(m.pinned for m in st.blocks.values())
+        assert st.pinned_bytes == n * store.pool.slot_bytes, "a namespace's pins drifted"
+        assert st.pinned_bytes <= st.policy.pin_budget_bytes
+        pinned[st.tenant] = pinned.get(st.tenant, 0) + st.pinned_bytes
+    for t in set(pinned) | {st.tenant for st in store.namespaces()}:
+        assert store.accounts.pinned(t) == pinned.get(t, 0), "a tenant's pins drifted"
+        if store.tenant_pin_bytes is not None:
+            assert store.accounts.pinned(t) <= store.tenant_pin_bytes
 
 
 def events_of(store, kind=None):

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from support.common import TEST_SECRET, ManualClock, block_payload, make_namespace, prompt_tokens
+from support.store import check_pins
 
 from kvstore import checksum as cks
 from kvstore.events import Tier
@@ -32,13 +33,18 @@ SPECS = {
 }
 NB = SPECS["keep"].block_bytes
 BS = SPECS["keep"].block_size
+# Pool slots are larger than the blocks: the pool's quota and pin accounting charge a
+# whole slot per block, and the NVMe tier's the payload bytes, so the two differ here.
+SLOT = 2 * NB
 # keep: spills to NVMe, never expires; drop: dropped on eviction, expires; beta: the other
 # tenant, spills, expires, caches only chains of two blocks or more.
 POLICIES = {
-    "keep": NamespacePolicy(pin_budget_bytes=3 * NB),
-    "drop": NamespacePolicy(persist=False, ttl_seconds=30.0, pin_budget_bytes=2 * NB),
-    "beta": NamespacePolicy(ttl_seconds=20.0, min_prefix_blocks=2, pin_budget_bytes=2 * NB),
+    "keep": NamespacePolicy(pin_budget_bytes=3 * SLOT),
+    "drop": NamespacePolicy(persist=False, ttl_seconds=30.0, pin_budget_bytes=2 * SLOT),
+    "beta": NamespacePolicy(ttl_seconds=20.0, min_prefix_blocks=2, pin_budget_bytes=2 * SLOT),
 }
+# What one tenant may pin across its namespaces: less than acme's two budgets together.
+TENANT_PIN_BYTES = 4 * SLOT
 TENANTS = ("acme", "beta")
 MAX_BLOCKS = 6
 N_SLOTS = 10
@@ -50,10 +56,16 @@ def policy_for(spec) -> NamespacePolicy:
 
 
 def build_store(path: str, clock, pool_wrapper=None) -> BlockStore:
-    pool = DevicePool(N_SLOTS, NB, "cpu")
+    pool = DevicePool(N_SLOTS, SLOT, "cpu")
     if pool_wrapper is not None:
         pool = pool_wrapper(pool)
-    return BlockStore(pool, RocksTier(path, NVME_BLOCKS * NB), policy_for=policy_for, clock=clock)
+    return BlockStore(
+        pool,
+        RocksTier(path, NVME_BLOCKS * NB),
+        policy_for=policy_for,
+        clock=clock,
+        tenant_pin_bytes=TENANT_PIN_BYTES,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +237,7 @@ def check_slots(store: BlockStore, reserved: set[int], borrowed: set[int]) -> No
 def check_structure(store: BlockStore) -> None:
     """What holds at any moment the store's lock is held, writes in flight or not (run
     under it by the threads test): every block's parent is held and, for a block in the
-    pool, in the pool; child counts and tenant accounts match the blocks held."""
+    pool, in the pool; child counts, tenant accounts and pins match the blocks held."""
     used: dict[tuple[str, Tier], int] = {}
     for st in store.namespaces():
         kids: dict[bytes, list] = {}
@@ -235,9 +247,13 @@ def check_structure(store: BlockStore) -> None:
                 parent = st.blocks.get(m.parent_id)
                 assert parent is not None, "a block stayed on the node without its parent"
                 assert m.slot < 0 or parent.slot >= 0, "the pool is not prefix-closed"
-            for tier, held in ((Tier.HBM, m.slot >= 0), (Tier.NVME, m.on_nvme)):
+            # a block in the pool is charged its whole slot, one on NVMe its payload
+            for tier, held, charge in (
+                (Tier.HBM, m.slot >= 0, store.pool.slot_bytes),
+                (Tier.NVME, m.on_nvme, m.nbytes),
+            ):
                 if held:
-                    used[(st.tenant, tier)] = used.get((st.tenant, tier), 0) + m.nbytes
+                    used[(st.tenant, tier)] = used.get((st.tenant, tier), 0) + charge
         for m in st.blocks.values():
             mine = kids.get(m.block_id, [])
             assert m.children == len(mine), "children count drifted"
@@ -245,6 +261,7 @@ def check_structure(store: BlockStore) -> None:
     for t in store.accounts.tenants():
         for tier in Tier:
             assert store.accounts.used(t, tier) == used.get((t, tier), 0)
+    check_pins(store)
 
 
 class JitterPool:

@@ -36,6 +36,7 @@ from support.store_world import (
     MAX_BLOCKS,
     NB,
     POLICIES,
+    SLOT,
     SPECS,
     TENANTS,
     ChainKey,
@@ -374,7 +375,7 @@ class StoreMachine(RuleBasedStateMachine):
         nvme=hs.sampled_from([None, 2, 4, 6]),
     )
     def quota(self, tenant, hbm, nvme):
-        self.limits.hbm[tenant] = hbm and hbm * NB
+        self.limits.hbm[tenant] = hbm and hbm * SLOT
         self.limits.nvme[tenant] = nvme and nvme * NB
         self.store.set_tenant_limits(tenant, self.limits.hbm[tenant], self.limits.nvme[tenant])
 
@@ -437,8 +438,10 @@ class StoreMachine(RuleBasedStateMachine):
         parents = {s for r in self.reservations for s in r.parent_slots}
         check_slots(self.store, reserved, self._borrowed_slots() | parents)
         for st in self.store.namespaces():
-            assert st.pinned_bytes == sum(m.nbytes for m in st.blocks.values() if m.pinned)
+            assert st.pinned_bytes == SLOT * sum(m.pinned for m in st.blocks.values())
             assert st.pinned_bytes <= st.policy.pin_budget_bytes
+        for t in TENANTS:
+            assert self.store.accounts.pinned(t) <= self.store.tenant_pin_bytes
 
     @invariant()
     def borrowed_views_hold_what_was_put(self):
@@ -455,7 +458,9 @@ class StoreMachine(RuleBasedStateMachine):
         write evicts, but never further over."""
         acc = self.store.accounts
         for t in TENANTS:
-            inflight = NB * sum(len(r.views) for r in self.reservations if SPECS[r.ns].tenant == t)
+            inflight = SLOT * sum(
+                len(r.views) for r in self.reservations if SPECS[r.ns].tenant == t
+            )
             for tier, limit in (
                 (Tier.HBM, self.limits.hbm.get(t)),
                 (Tier.NVME, self.limits.nvme.get(t)),

@@ -33,6 +33,7 @@ from support.store import check_invariants
 from support.store_world import (
     MAX_BLOCKS,
     NB,
+    SLOT,
     SPECS,
     TENANTS,
     ChainKey,
@@ -188,7 +189,7 @@ class Worker:
 
     def quota(self) -> None:
         t = self.rng.choice(TENANTS)
-        hbm = self.rng.choice([None, 3 * NB, 6 * NB])
+        hbm = self.rng.choice([None, 3 * SLOT, 6 * SLOT])
         nvme = self.rng.choice([None, 2 * NB, 5 * NB])
         with self.run.flush_lock:
             self.run.limits.hbm[t], self.run.limits.nvme[t] = hbm, nvme
