@@ -225,6 +225,10 @@ class AgentConfig:
     eviction: str = "value"  # value | lru
     default_policy: NamespacePolicy = field(default_factory=NamespacePolicy)
     policies: dict[str, NamespacePolicy] = field(default_factory=dict)  # "tenant/name"
+    # The share of the pool's slots one tenant may pin on this agent, across all its
+    # namespaces (each namespace's policy pin_budget_bytes applies as well, and so does
+    # the tenant's HBM quota where it is lower); 0: no tenant may pin.
+    tenant_pin_fraction: float = 0.5
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     allow_unauthenticated: bool = False  # dev only: accept requests without a token
     max_message_bytes: int = 64 * MiB
@@ -309,6 +313,15 @@ class AgentConfig:
                 f"max_namespaces_per_tenant must be >= 0 (0: no limit), got "
                 f"{self.max_namespaces_per_tenant!r}"
             )
+        if not (
+            isinstance(self.tenant_pin_fraction, int | float)
+            and not isinstance(self.tenant_pin_fraction, bool)
+            and 0 <= self.tenant_pin_fraction <= 1
+        ):
+            raise ValueError(
+                "tenant_pin_fraction must be a number from 0 to 1 (the share of the pool "
+                f"one tenant may pin), got {self.tenant_pin_fraction!r}"
+            )
         if self.nvme_flush_bytes < MiB:
             raise ValueError(
                 f"nvme_flush_bytes must be >= 1MiB (two RocksDB memtables of "
@@ -322,6 +335,12 @@ class AgentConfig:
     @property
     def pool_slots(self) -> int:
         return self.pool_bytes // self.slot_bytes
+
+    @property
+    def tenant_pin_bytes(self) -> int:
+        """What one tenant may pin on this agent across its namespaces: whole slots,
+        tenant_pin_fraction of the pool's (a pinned block is charged a slot)."""
+        return math.floor(self.pool_slots * self.tenant_pin_fraction) * self.slot_bytes
 
     def policy_for(self, tenant: str, name: str) -> NamespacePolicy:
         return self.policies.get(f"{tenant}/{name}", self.default_policy)

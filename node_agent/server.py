@@ -148,6 +148,7 @@ def build_store(cfg: AgentConfig) -> BlockStore:
         TenantAccounts(limits),
         policy_for=lambda ns: cfg.policy_for(ns.tenant, ns.name),
         copy_threads=threads,
+        tenant_pin_bytes=cfg.tenant_pin_bytes,
     )
     return store
 

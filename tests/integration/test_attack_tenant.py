@@ -7,6 +7,7 @@ index. The timing side of probes is measured by loadtest/probe_timing.py, not he
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -28,6 +29,7 @@ import torch
 from kvstore.auth import NOT_YOURS
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
+from kvstore.coord.etcd import EtcdClient
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.v1 import agent_pb2, router_pb2, router_pb2_grpc
 
@@ -257,3 +259,114 @@ def test_public_names_of_a_tenant_cannot_be_squatted_to_fill_its_namespace_cap(
 
 def _open(spec) -> agent_pb2.OpenNamespaceRequest:
     return agent_pb2.OpenNamespaceRequest(spec=ns_msg(spec))
+
+
+# ------------------------------------------------------------ capacity between tenants
+G_CHAT = make_namespace(tenant="globex", name="chat")
+SLOT = 64 << 10  # spawn_agent's slot_bytes
+
+
+def _put_chain(who: As, spec, ids: list[bytes], root: bytes) -> agent_pb2.PutResponse:
+    req = agent_pb2.PutRequest(ns=ref(spec), root=root)
+    for k, bid in enumerate(ids):
+        req.blocks.add(
+            block_id=bid,
+            parent_id=ids[k - 1] if k else root,
+            data=block_payload(bid, spec.block_bytes),
+        )
+    return who.call(who.agent.Put, iter([req]))
+
+
+def _globex_chain(g: As) -> list[bytes]:
+    """globex's 8-block prompt, stored: what the attacks below must leave in place."""
+    g.call(g.agent.OpenNamespace, _open(G_CHAT))
+    root = G_CHAT.root(0, TEST_SECRET)
+    ids = hash_chain(root, prompt_tokens(1, 8 * G_CHAT.block_size), G_CHAT.block_size)
+    assert _put_chain(g, G_CHAT, ids, root).stored == 8
+    return ids
+
+
+def test_tiny_blocks_cannot_take_more_of_the_pool_than_the_quota(etcd, spawn_agent):
+    """Quotas counted payload bytes, but every block takes a whole pool slot: acme, with a
+    4-slot (256 KiB) HBM quota, opened a namespace of 4-byte blocks and filled all 64
+    slots while 'using' a few hundred bytes, evicting globex's blocks. Each block in the
+    pool is charged its slot now: acme holds 4 slots, globex keeps its 8 blocks."""
+    asyncio.run(_set_quota(etcd, "acme", hbm=4 * SLOT))
+    agent = spawn_agent(
+        **agent_config(
+            etcd, tenants=tenants(), allow_unauthenticated=False, pool_bytes="4MiB", nvme_bytes=0
+        )
+    )
+    g, a, op = (As(agent.address, who) for who in ("globex", "acme", "_cluster"))
+
+    def tenant_stats(name: str):
+        resp = op.call(op.agent.Stats, agent_pb2.StatsRequest())
+        return next((t for t in resp.tenants if t.tenant == name), None), resp.tiers[0]
+
+    wait_for(
+        lambda: (tenant_stats("acme")[0] or agent_pb2.TenantStats()).hbm_limit_bytes == 4 * SLOT,
+        30,
+        what="the agent to apply acme's quota",
+    )
+    gids = _globex_chain(g)
+    tiny = make_namespace(
+        tenant="acme", name="tiny", num_layers=1, num_kv_heads=1, head_dim=1, block_size=1
+    )
+    assert tiny.block_bytes == 4
+    a.call(a.agent.OpenNamespace, _open(tiny))
+    for seed in range(4):  # 128 blocks of 4 bytes: 512 bytes of payload
+        root = tiny.root(0, TEST_SECRET)
+        ids = hash_chain(root, prompt_tokens(100 + seed, 32), 1)
+        _put_chain(a, tiny, ids, root)
+    acme, pool = tenant_stats("acme")
+    globex, _ = tenant_stats("globex")
+    assert acme is not None and globex is not None
+    assert (acme.hbm_bytes, acme.hbm_limit_bytes) == (4 * SLOT, 4 * SLOT)
+    assert globex.hbm_bytes == 8 * SLOT  # 4 KiB blocks, a 64 KiB slot each
+    assert (pool.slots_total, pool.slots_free) == (64, 64 - 8 - 4)
+    assert pool.used_bytes == acme.hbm_bytes + globex.hbm_bytes  # what the tenants are charged
+    lk = g.call(g.agent.Lookup, agent_pb2.LookupRequest(ns=ref(G_CHAT), block_ids=pack_ids(gids)))
+    assert (lk.matched, lk.hbm) == (8, 8)
+
+
+def test_one_tenants_pins_across_its_namespaces_leave_room_for_others(etcd, spawn_agent):
+    """The pin budget was per namespace: acme pinned 4 slots in each of 8 namespaces of
+    its own, every slot of a 32-slot pool, and globex's Put was refused ("every slot is
+    pinned"). One tenant pins at most tenant_pin_fraction (default half) of the pool, all
+    its namespaces together; the refusal names that limit."""
+    agent = spawn_agent(
+        **agent_config(
+            etcd,
+            tenants=tenants(),
+            allow_unauthenticated=False,
+            pool_bytes="2MiB",
+            nvme_bytes=0,
+            default_policy={"pin_budget_bytes": 4 * SLOT},
+        )
+    )
+    g, a = As(agent.address, "globex"), As(agent.address, "acme")
+    pinned, refused = 0, []
+    for k in range(8):
+        spec = make_namespace(tenant="acme", name=f"pin-{k}")
+        a.call(a.agent.OpenNamespace, _open(spec))
+        root = spec.root(0, TEST_SECRET)
+        ids = hash_chain(root, prompt_tokens(200 + k, 4 * spec.block_size), spec.block_size)
+        assert _put_chain(a, spec, ids, root).stored == 4
+        pin = agent_pb2.PinRequest(ns=ref(spec), block_ids=pack_ids(ids))
+        try:
+            pinned += a.call(a.agent.Pin, pin).blocks
+        except grpc.RpcError as exc:
+            refused.append((exc.code(), exc.details()))
+    assert pinned == 16  # half of the 32 slots
+    assert len(refused) == 4
+    code, details = refused[0]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"tenant acme's pin limit on this node of {16 * SLOT} bytes" in details, details
+    gids = _globex_chain(g)  # room for globex: acme's unpinned blocks make way
+    lk = g.call(g.agent.Lookup, agent_pb2.LookupRequest(ns=ref(G_CHAT), block_ids=pack_ids(gids)))
+    assert lk.matched == 8
+
+
+async def _set_quota(etcd, tenant: str, hbm: int) -> None:
+    async with EtcdClient(etcd.endpoint) as c:
+        await c.put_tenant(tenant, {"hbm_limit_bytes": hbm})

@@ -166,6 +166,10 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         ("default_policy", {"min_prefix_blocks": "two"}, r"default_policy\.min_prefix_blocks"),
         ("policies", {"acme/chat": {"persist": "sometimes"}}, r"policies\.acme/chat\.persist"),
         ("colour", "blue", "unknown AgentConfig fields: colour"),
+        ("tenant_pin_fraction", 1.5, r"tenant_pin_fraction must be a number from 0 to 1 .*1\.5"),
+        ("tenant_pin_fraction", -0.1, "tenant_pin_fraction must be a number from 0 to 1"),
+        ("tenant_pin_fraction", "nan", "tenant_pin_fraction must be a number from 0 to 1"),
+        ("tenant_pin_fraction", "half", "tenant_pin_fraction"),
     ],
 )
 def test_bad_values_name_the_field(field, value, match):
@@ -178,6 +182,15 @@ def test_bad_values_name_the_field(field, value, match):
 def test_router_tenant_names_follow_the_same_rule():
     with pytest.raises(ValueError, match="contains '/'"):
         RouterConfig(tenants={"a/b": TenantConfig()})
+
+
+def test_a_tenant_may_pin_half_the_pool_by_default_in_whole_slots():
+    assert AgentConfig(pool_bytes=MiB, slot_bytes=64 << 10).tenant_pin_bytes == MiB // 2
+    cfg = load_config(
+        AgentConfig,
+        overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB", "tenant_pin_fraction": "0.2"},
+    )
+    assert cfg.tenant_pin_bytes == 3 * (64 << 10)  # 16 slots x 0.2: 3 whole slots
 
 
 def test_pool_must_hold_a_slot():
