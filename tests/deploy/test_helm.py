@@ -422,6 +422,7 @@ def test_production_agents_one_gpu_each(helm, tmp_path, monkeypatch):
     assert set(cfgs[0].tenants) == {"acme", "globex", "_cluster", "_agent"}
     assert cfgs[0].tenants["acme"].hbm_limit_bytes == 100 << 30
     assert cfgs[0].policies["acme/chat"].pin_budget_bytes == 4096 << 20
+    assert cfgs[0].tenant_pin_fraction == 0.5  # the chart's default
     assert not cfgs[0].allow_unauthenticated
     # The token hashes live in the Secret, not in the ConfigMap.
     assert "token_sha256" not in one(docs, "ConfigMap", "-config")["data"]["agent.yaml"]
