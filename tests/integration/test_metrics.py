@@ -110,7 +110,8 @@ def test_agent_metrics_equal_the_workload(spawn_agent):
         assert val(m, "kvstore_tier_bytes", tier="hbm", tenant=tenant) == st.hbm_bytes
         assert val(m, "kvstore_tier_bytes", tier="nvme", tenant=tenant) == st.nvme_bytes
     hbm = sum(val(m, "kvstore_tier_blocks", tier="hbm", tenant=t) for t in stats)
-    assert hbm == hbm_blocks and sum(st.hbm_bytes for st in stats.values()) == hbm * NB
+    # A block in the pool is charged its whole slot (spawn_agent's 64 KiB), not its payload.
+    assert hbm == hbm_blocks and sum(st.hbm_bytes for st in stats.values()) == hbm * 64 * KiB
     assert sum(st.nvme_bytes for st in stats.values()) > 0  # the eviction demoted some
     assert val(m, "kvstore_tier_capacity_bytes", tier="hbm") == 8 * 64 * KiB
     assert val(m, "kvstore_tier_capacity_bytes", tier="nvme") == 64 * KiB * KiB
