@@ -454,7 +454,8 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 def _distinct_ports(cfg, *names: str) -> None:
     """The listen port and these port fields name different ports (0s aside): the second
     to bind failed as if another process held the port, or a UCX listener went down."""
-    ports = {"listen": split_port(cfg.listen)[1]} | {n: getattr(cfg, n) for n in names}
+    listen = split_port(cfg.listen)  # checked already (check_listen)
+    ports = {"listen": listen[1] if listen else 0} | {n: getattr(cfg, n) for n in names}
     taken: dict[int, str] = {}
     for name, port in ports.items():
         if port and port in taken:
