@@ -747,8 +747,19 @@ def test_schema_rejects_bad_values(helm, setting, where):
         (("tls.enabled=true",), "tls.enabled needs tls.existingSecret"),
         (("auth.existingSecret=mine",), "go together"),
         (("encryption.enabled=true",), "encryption.enabled needs encryption.existingSecret"),
+        # ports past 65535 for the last agents of a node (the schema caps the base only)
+        (("agent.gpusPerNode=2", "agent.grpcBasePort=65535"),
+         "agent.grpcBasePort + 1 is 65536, beyond the last port (65535)"),
+        (("agent.gpusPerNode=4", "agent.metricsBasePort=65534"),
+         "agent.metricsBasePort + 2 is 65536, beyond the last port"),
+        (("agent.cpu.request=4", "agent.cpu.limit=1"),
+         "agent.cpu.request (4) is more than agent.cpu.limit (1)"),
+        (("agent.cpu.request=1500m", "agent.cpu.limit=1.2"),
+         "agent.cpu.request (1500m) is more than agent.cpu.limit (1.2)"),
+        (("metrics.serviceMonitor.enabled=true", "agent.metricsBasePort=0"),
+         "the agents serve no metrics, so they would never be scraped"),
     ],
-)
+)  # fmt: skip
 def test_template_refuses_unusable_settings(helm, sets, message):
     values = None if not sets else "minimal-values.yaml"
     assert message in render_error(helm, values, *sets)

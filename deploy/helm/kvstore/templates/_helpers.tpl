@@ -257,7 +257,11 @@ httpGet:
 {{- $out := list -}}
 {{- range $i := until (int .count) -}}
 {{- $name := ternary $.name (printf "%s + %d" $.name $i) (eq $i 0) -}}
-{{- $out = append $out (list $name (add (int $.base) $i)) -}}
+{{- $port := add (int $.base) $i -}}
+{{- if gt $port 65535 -}}
+{{- fail (printf "%s is %d, beyond the last port (65535): lower %s (container %d of %d needs base + %d)" $name $port $.name $i (int $.count) $i) -}}
+{{- end -}}
+{{- $out = append $out (list $name $port) -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
@@ -349,5 +353,15 @@ authorization:
     name: {{ include "kvstore.metricsTokenSecretName" . }}
     key: token
 {{- end }}
+{{- end -}}
+
+{{/* A CPU quantity ("500m", "2", "1.5") in millicores, to compare a request with a limit. */}}
+{{- define "kvstore.milliCPU" -}}
+{{- $q := toString . -}}
+{{- if hasSuffix "m" $q -}}
+{{- trimSuffix "m" $q | int -}}
+{{- else -}}
+{{- mulf (float64 $q) 1000 | int -}}
+{{- end -}}
 {{- end -}}
 
