@@ -91,8 +91,14 @@ class UcxTransport:
                 guard.wrap(server.handle), port=self._port, endpoint_error_handling=True
             )
         except Exception as exc:  # import failure, no transport, port taken
+            taken = ""  # ucxx says "Device is busy" for a port another socket holds
+            if self._port and "Busy" in type(exc).__name__:
+                taken = f"; is peer_port {self._port} in use by another process?"
             log.error(
-                "UCX unavailable (%s: %s): peers use the gRPC fallback", type(exc).__name__, exc
+                "UCX unavailable (%s: %s%s): peers use the gRPC fallback",
+                type(exc).__name__,
+                exc,
+                taken,
             )
             if ucx is not None:  # its notifier thread would keep the process from exiting
                 try:
