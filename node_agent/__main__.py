@@ -22,16 +22,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Settings come from --config, then KVSTORE_AGENT_<FIELD> environment "
         "variables, then these flags.",
     )
+    d = AgentConfig()  # the defaults, as the help states them
     p.add_argument("--config", help="YAML or JSON file with AgentConfig fields")
-    p.add_argument("--node-id")
-    p.add_argument("--listen", help="gRPC listen address host:port (port 0 picks a free one)")
-    p.add_argument("--device", help="cuda:N, cpu or auto (default auto)")
-    p.add_argument("--pool-bytes", help="device pool size, e.g. 8GiB")
-    p.add_argument("--slot-bytes", help="largest block payload, e.g. 2MiB")
-    p.add_argument("--data-dir", help="RocksDB directory for the NVMe tier")
-    p.add_argument("--nvme-bytes", help="NVMe tier capacity, e.g. 200GiB (0 disables it)")
-    p.add_argument("--eviction", choices=["value", "lru"])
-    p.add_argument("--etcd-endpoints", help="etcd host:port[,host:port]")
+    p.add_argument("--node-id", help=f"this agent's name in the cluster (default {d.node_id})")
+    p.add_argument(
+        "--listen",
+        help=f"gRPC listen address host:port (port 0 picks a free one; default {d.listen})",
+    )
+    p.add_argument("--device", help=f"cuda:N, cpu or auto (default {d.device})")
+    p.add_argument(
+        "--pool-bytes", help=f"device pool size, e.g. 8GiB (default {format_size(d.pool_bytes)})"
+    )
+    p.add_argument(
+        "--slot-bytes",
+        help=f"largest block payload, e.g. 2MiB (default {format_size(d.slot_bytes)})",
+    )
+    p.add_argument(
+        "--data-dir",
+        help=f"RocksDB directory for the NVMe tier (default {d.data_dir}, under the "
+        "directory the agent starts in)",
+    )
+    p.add_argument(
+        "--nvme-bytes",
+        help=f"NVMe tier capacity, e.g. 200GiB; 0 disables it "
+        f"(default {format_size(d.nvme_bytes)})",
+    )
+    p.add_argument(
+        "--eviction",
+        choices=["value", "lru"],
+        help=f"which blocks leave a full tier first (default {d.eviction})",
+    )
+    p.add_argument(
+        "--etcd-endpoints", help="etcd host:port[,host:port] (default none: run without etcd)"
+    )
     p.add_argument(
         "--allow-unauthenticated",
         action="store_true",
