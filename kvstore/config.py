@@ -371,6 +371,13 @@ class RouterConfig:
     allow_unauthenticated: bool = False  # dev only: callers without a token act as the cluster
     # Routed requests in flight per tenant (TenantConfig.max_inflight overrides); 0: no cap
     max_inflight_per_tenant: int = 1024
+    # What a tenant's routes may queue as prefill work (blocks; 0: no cap), one request
+    # and all of its requests on one node: a Route's block ids are the caller's word, and
+    # queued work steers every tenant's routes away from a node. Work beyond is not
+    # counted (the request is still routed). 8192 blocks: a 128k-token prompt at 16
+    # tokens per block; 16384: two of them, ~33 s of prefill at 8000 tokens/s.
+    max_route_work_blocks: int = 8192
+    max_queued_blocks_per_tenant: int = 16384
     # Serving engines' own caches (router/engines.py, from their vLLM KV events): a file
     # per tenant holding its chain-root secret (the connector's tenant_secret_file), so
     # the router can name an engine's blocks by kvstore chain ids; an engine whose tenant
@@ -385,6 +392,9 @@ class RouterConfig:
             raise ValueError("engine_local_price must be in [0, 1)")
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0")
+        for name in ("max_route_work_blocks", "max_queued_blocks_per_tenant"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no cap)")
         check_tenants(self.tenants)
         for name, t in self.tenants.items():
             if t.max_inflight < 0:

@@ -17,7 +17,8 @@
   would steer its load onto the nodes other tenants' prefixes live on); from a tenant
   they are PERMISSION_DENIED.
 - Request ids are scoped to the tenant (router/routing.py InFlight); a tenant's requests
-  in flight are capped (RESOURCE_EXHAUSTED).
+  in flight are capped (RESOURCE_EXHAUSTED), and so is the prefill work they are counted
+  with, per request and per node (`work_caps`: work beyond is not counted).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class RouterAccess:
         self.owners = owners
         self._default_cap = cfg.max_inflight_per_tenant
         self._caps = {t: c.max_inflight for t, c in cfg.tenants.items() if c.max_inflight}
+        self._work_caps = (
+            float(cfg.max_route_work_blocks),
+            float(cfg.max_queued_blocks_per_tenant),
+        )
 
     def caller(self, context) -> Caller:
         md = dict(context.invocation_metadata() or ())
@@ -104,6 +109,12 @@ class RouterAccess:
         if caller.trusted:
             return 0
         return self._caps.get(caller.scope, self._default_cap)
+
+    def work_caps(self, caller: Caller) -> tuple[float, float]:
+        """(per request, per tenant and node) caps on the prefill work a tenant's routes
+        are counted with (router/routing.py RouterCore.route); 0: none. The cluster
+        identity and development callers are not capped."""
+        return (0.0, 0.0) if caller.trusted else self._work_caps
 
     @staticmethod
     def require_cluster(caller: Caller, what: str) -> None:

@@ -43,7 +43,12 @@ class InFlight:
     each brought. Entries expire after `timeout_s` so a client that never calls Release
     cannot pin load on a node forever. A request is named by (tenant, request id): a
     tenant's ids name its own requests only, so no tenant can release another's, and the
-    same id sent by two tenants names two requests."""
+    same id sent by two tenants names two requests.
+
+    The work a tenant's requests hold on one node can be capped (`add(..., cap=)`): a
+    Route names block ids nobody can verify, so without a cap one tenant's single request
+    could queue 65,536 made-up blocks on a node and push every other tenant's prefix off
+    it. Work beyond the cap is not counted (the request itself still is)."""
 
     def __init__(
         self,
@@ -60,17 +65,42 @@ class InFlight:
         self._per_node: dict[str, int] = {}
         self._per_tenant: dict[str, int] = {}
         self._work: dict[str, float] = {}
+        # (tenant, node) -> the work its requests hold there, kept only while above 0.
+        self._tenant_work: dict[tuple[str, str], float] = {}
 
-    def add(self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "") -> None:
+    def add(
+        self, request_id: str, node_id: str, work: float = 0.0, tenant: str = "", cap: float = 0.0
+    ) -> float:
+        """Count the request on `node_id` with `work` blocks of prefill; `cap` (> 0): the
+        most work this tenant's requests may hold on that node together, beyond which
+        work is not counted. Returns the work counted."""
         key = (tenant, request_id)
         if key in self._by_request:
             self.release(request_id, tenant)  # a retried request id moves, not double counts
+        if cap and work:
+            work = min(work, max(0.0, cap - self._tenant_work.get((tenant, node_id), 0.0)))
+        if work:
+            tk = (tenant, node_id)
+            self._tenant_work[tk] = self._tenant_work.get(tk, 0.0) + work
         self._by_request[key] = (node_id, self._clock() + self.timeout_s, work)
         per_node, per_tenant = self._per_node, self._per_tenant
         per_node[node_id] = per_node.get(node_id, 0) + 1
         per_tenant[tenant] = per_tenant.get(tenant, 0) + 1
         self._work[node_id] = self._work.get(node_id, 0.0) + work
         self._on_change(node_id)
+        return work
+
+    def _drop_tenant_work(self, tenant: str, node_id: str, work: float) -> None:
+        tk = (tenant, node_id)
+        left = self._tenant_work[tk] - work
+        if left > 1e-9:
+            self._tenant_work[tk] = left
+        else:
+            del self._tenant_work[tk]  # exactly 0 again, whatever float rounding left
+
+    def tenant_work(self, tenant: str, node_id: str) -> float:
+        """Prefill work (blocks) the tenant's requests hold on the node, as counted."""
+        return self._tenant_work.get((tenant, node_id), 0.0)
 
     def release(self, request_id: str, tenant: str = "") -> bool:
         entry = self._by_request.pop((tenant, request_id), None)
@@ -82,6 +112,8 @@ class InFlight:
         else:
             del per_tenant[tenant]
         node_id = entry[0]
+        if entry[2]:
+            self._drop_tenant_work(tenant, node_id, entry[2])
         if per_node[node_id] > 1:
             per_node[node_id] -= 1
             self._work[node_id] -= entry[2]
@@ -101,6 +133,7 @@ class InFlight:
         if work:
             self._by_request[(tenant, request_id)] = (node_id, deadline, 0.0)
             self._work[node_id] = max(0.0, self._work[node_id] - work)
+            self._drop_tenant_work(tenant, node_id, work)
             self._on_change(node_id)
         return True
 
@@ -440,9 +473,15 @@ class RouterCore:
         dry_run: bool = False,
         tenant: str = "",
         max_inflight: int = 0,
+        max_request_work: float = 0.0,
+        max_tenant_work: float = 0.0,
     ) -> Decision:
         """`tenant` scopes the request id (InFlight); `max_inflight` (0: none) caps the
-        tenant's requests in flight, checked before anything is counted."""
+        tenant's requests in flight, checked before anything is counted.
+        `max_request_work` and `max_tenant_work` (0: none) cap the prefill work (blocks)
+        the request is counted with, alone and with the tenant's others on the chosen
+        node: the ids are the caller's word, so what it could queue without doing the
+        work is bounded. The request is routed all the same; only its weight is capped."""
         if len(namespace_id) != 16:
             raise errors.InvalidArgument(f"namespace_id must be 16 bytes, got {len(namespace_id)}")
         if len(packed_ids) % BLOCK_ID_BYTES:
@@ -469,9 +508,10 @@ class RouterCore:
         rid = request_id or secrets.token_hex(16)
         if not dry_run:
             c = scores[0]  # the work it queues there: recompute, plus the pull
-            self.inflight.add(
-                rid, c.node_id, c.recompute_blocks + pricing.pull_blocks(c.peer_blocks), tenant
-            )
+            work = c.recompute_blocks + pricing.pull_blocks(c.peer_blocks)
+            if max_request_work and work > max_request_work:
+                work = max_request_work
+            self.inflight.add(rid, c.node_id, work, tenant, max_tenant_work)
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(rid, namespace_id, total, scores, pricing)
         return _new(Decision, (rid, total, scores, pricing))

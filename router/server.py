@@ -151,6 +151,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 request.dry_run,
                 caller.scope,
                 self.access.inflight_cap(caller),
+                *self.access.work_caps(caller),
             )
             decide_s = time.perf_counter() - t0  # no RPC encoding: as the gateway pays it
         except (errors.KvError, ValueError) as exc:  # ValueError: a negative weight override

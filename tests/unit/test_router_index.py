@@ -319,6 +319,42 @@ def test_core_counts_the_prefill_a_route_queues():
     assert core.inflight.work("a") == core.inflight.work("c") == 0
 
 
+def test_a_tenants_queued_work_on_a_node_is_capped_and_freed_with_its_requests():
+    """Route ids are the caller's word: a tenant's requests hold at most `cap` blocks of
+    work per node; beyond it they are counted, their work is not. Others are not capped
+    by it, and releasing (or prefill_done) frees the room again."""
+    inf = InFlight(10.0)
+    assert inf.add("r1", "a", 60.0, "acme", cap=100.0) == 60.0
+    assert inf.add("r2", "a", 60.0, "acme", cap=100.0) == 40.0  # 100 held: the rest dropped
+    assert inf.add("r3", "a", 60.0, "acme", cap=100.0) == 0.0
+    assert (inf.count("a"), inf.work("a"), inf.tenant_work("acme", "a")) == (3, 100.0, 100.0)
+    assert inf.add("r4", "b", 60.0, "acme", cap=100.0) == 60.0  # per node
+    assert inf.add("g1", "a", 60.0, "globex", cap=100.0) == 60.0  # per tenant
+    assert inf.work("a") == 160.0
+    inf.release("r1", "acme")
+    assert inf.tenant_work("acme", "a") == 40.0
+    assert inf.add("r5", "a", 500.0, "acme", cap=100.0) == 60.0
+    assert inf.prefill_done("r5", "acme") and inf.tenant_work("acme", "a") == 40.0
+    for rid in ("r2", "r3", "r5"):
+        inf.release(rid, "acme")
+    assert inf.tenant_work("acme", "a") == 0.0 and inf.work("a") == 60.0
+    assert inf.add("r6", "a", 500.0, "acme") == 500.0  # no cap given: counted whole
+
+
+def test_a_route_counts_at_most_the_callers_work_caps_and_is_still_routed():
+    core = make_core(nodes=("a",))
+    huge = pack_ids(chain(300, seed=7))
+    d = core.route(NS, huge, request_id="r0", tenant="acme", max_request_work=128.0)
+    assert d.chosen.node_id == "a" and d.chosen.recompute_blocks == 300
+    assert core.inflight.work("a") == 128.0 and core.inflight.count("a") == 1
+    core.route(NS, huge, request_id="r1", tenant="acme", max_request_work=128.0,
+               max_tenant_work=200.0)  # fmt: skip
+    assert core.inflight.work("a") == 200.0 and core.inflight.count("a") == 2
+    core.route(NS, huge, request_id="r2", tenant="")  # no caps (the cluster identity)
+    assert core.inflight.work("a") == 500.0
+    assert core.release("r0", tenant="acme") and core.inflight.work("a") == 372.0
+
+
 def test_ranked_scoring_equals_full_scoring():
     w = Weights(recompute=1, peer_fetch=0.5, load=3, utilization=2)
     pricing = Pricing(peer_gbps=50)
