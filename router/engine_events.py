@@ -32,11 +32,24 @@ some. A number below the expected one is a new publisher (engine restart): the e
 entries are cleared and the stream starts over. The first batch seen after subscribing
 with seq > 0 replays from 0 when it can; without that history the index only misses
 blocks (no removal of an entry it holds can have been missed).
+
+Noise. The live socket carries no authentication: where the router binds it, any process
+that can connect can send frames. A live frame that does not decode, or whose seq is out
+of range, is dropped and counted (`dropped`), never a reason to clear. A frame that does
+decode but does not follow on is checked against the engine's own replay socket (always
+bound by vLLM, so only the engine answers it): a gap whose batch the engine has not
+published (its replay ends before it), or a "restart" while the engine's replay still
+holds the last batch applied here, byte for byte, is dropped too. What cannot be checked
+(no replay socket, the ask failed) clears at most RESYNC_BURST times, then once every
+RESYNC_EVERY_S: frames that would clear beyond that are dropped, so garbage cannot keep the
+index empty. A well-formed frame with the next seq is indistinguishable from the engine's
+own: that much a process that reaches a bound socket can still do (docs/engine-events.md).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -49,6 +62,11 @@ from kvstore.salt import salt_secret, salted
 from router.engine_index import EngineIndex
 
 log = logging.getLogger("kvstore.router")
+
+MAX_SEQ = 1 << 48  # no publisher numbers this many batches (9 years at 1M per second)
+RESYNC_BURST = 2  # clears no replay could justify, at once ...
+RESYNC_EVERY_S = 30.0  # ... then one per this many seconds
+_GAP, _RESTART = "gap", "restart"
 
 VllmHash = Union[bytes, int]
 ENGINE_MEDIA = (None, "GPU")  # the engine's own paged cache (CPU backend reports "GPU" too)
@@ -302,6 +320,8 @@ class SeqTracker:
         self._replayed: tuple[int, int] | None = None  # [lo, hi) just replayed
 
     def live(self, seq: int) -> Verdict:
+        """`restart` leaves `expected` as it is: the stream decides (EngineStream) whether
+        the publisher is new, and then calls `restart`."""
         exp = self.expected
         if exp is None:
             return Verdict(True, 0 if seq > 0 else None)
@@ -311,8 +331,10 @@ class SeqTracker:
             return Verdict(True, exp)
         if self._replayed is not None and self._replayed[0] <= seq < self._replayed[1]:
             return Verdict(False)  # already applied through the replay
-        self.expected = None  # a new publisher: its stream starts over
         return Verdict(True, 0 if seq > 0 else None, restart=True)
+
+    def restart(self) -> None:
+        self.expected = None  # a new publisher: its stream starts over
 
     def applied(self, seq: int) -> None:
         self.expected = seq + 1
@@ -324,41 +346,88 @@ class SeqTracker:
 class EngineStream:
     """One engine's event stream: live batches in, replays when a gap shows, every batch
     applied once and in order. The feed (router/engine_feed.py) does the socket work:
-    when `live` returns a seq it asks the replay socket from there and hands the answer
-    (None when there is no replay socket or it failed) to `replayed`."""
+    when `live` (or `replayed`) returns a seq it asks the replay socket from there and
+    hands the answer (None when there is no replay socket or it failed) to `replayed`.
+    `verifiable`: the engine has a replay socket, which settles whether a live frame that
+    does not follow on is the engine's (module doc, "Noise")."""
 
-    def __init__(self, cache: EngineCache) -> None:
+    def __init__(
+        self,
+        cache: EngineCache,
+        verifiable: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cache = cache
+        self.verifiable = verifiable
         self.seq = SeqTracker()
         self.applied_events = 0
         self.resyncs = 0
         self.catch_ups = 0  # catch-up replays that brought batches the live socket lost
-        self._pending: tuple[int, bytes] | None = None
+        self.dropped = 0  # live frames dropped as noise (module doc)
+        self.drops: dict[str, int] = {}  # ... by reason
+        self._clock = clock
+        self._budget = float(RESYNC_BURST)  # clears no replay justified, left to spend
+        self._budget_at = clock()
+        self._last: tuple[int, int] | None = None  # (seq, hash of payload) last applied
+        self._pending: tuple[int, bytes, EventBatch, str] | None = None
 
     def live(self, seq: int, payload: bytes) -> int | None:
+        if not 0 <= seq < MAX_SEQ:
+            self.drop(seq, "sequence number out of range")
+            return None
+        try:
+            batch = decode_batch(seq, payload)
+        except ValueError:
+            self.drop(seq, "not a KV event batch")
+            return None
         v = self.seq.live(seq)
-        if v.restart:
-            log.info(
-                "engine %s: event seq went back to %d: restarted; resyncing",
-                self.cache.engine_id,
-                seq,
-            )
-            self._resync()
         if not v.apply:
             return None
+        if v.restart:
+            if self.verifiable and self._last is not None:
+                # Did the engine restart? Its replay socket still holds the last batch
+                # applied here, unchanged, if not.
+                self._pending = (seq, payload, batch, _RESTART)
+                return self._last[0]
+            return self._restart(seq, payload, batch, verified=False)
         if v.replay_from is not None and v.replay_from < seq:
-            self._pending = (seq, payload)
+            self._pending = (seq, payload, batch, _GAP)
             return v.replay_from
-        self._apply(seq, payload)
+        self._apply_live(seq, payload, batch)
         return None
 
-    def replayed(self, start: int, frames: list[tuple[int, bytes]] | None) -> None:
-        """The replay from `start` (seq, payload in order), or None: none to be had."""
+    def replayed(self, start: int, frames: list[tuple[int, bytes]] | None) -> int | None:
+        """The replay from `start` (seq, payload in order), or None: none to be had.
+        Returns where to ask the replay socket from next, if anywhere."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
-        got = {s: p for s, p in frames or () if s >= start}
-        got.setdefault(*pending)
+            return None
+        seq, payload, batch, kind = pending
+        if kind == _RESTART:
+            return self._restart_checked(seq, payload, batch, frames)
+        if frames is None:
+            if self.seq.expected is not None:
+                if not self._may_resync():
+                    self.drop(seq, "gap not replayable, resyncs spent")
+                    return None
+                log.info(
+                    "engine %s: events %d..%d lost and no replay to be had; resyncing",
+                    self.cache.engine_id,
+                    start,
+                    seq - 1,
+                )
+                self._resync()
+            self._apply_live(seq, payload, batch)
+            return None
+        got = {s: p for s, p in frames if s >= start}
+        if seq not in got and (not got or max(got) < seq - 1):
+            # The engine has not published up to this seq: not its batch.
+            self.drop(seq, "ahead of the engine's own stream")
+            if got:
+                self.caught_up(start, sorted(got.items()))
+            return None
+        if seq not in got:
+            got[seq] = payload
         if start not in got:
             # Missed events the replay cannot give back. Mid-stream they may have removed
             # blocks we index: start over. Before anything was applied nothing is stale.
@@ -367,20 +436,54 @@ class EngineStream:
                     "engine %s: events %d..%d lost and not replayable; resyncing",
                     self.cache.engine_id,
                     start,
-                    pending[0] - 1,
+                    seq - 1,
                 )
                 self._resync()
-            self._apply(*pending)
-            return
+            self._apply(seq, got[seq])
+            return None
         s = start
         while s in got:
             self._apply(s, got[s])
             s += 1
-        if s <= pending[0]:  # a hole inside the replay itself
+        if s <= seq:  # a hole inside the replay itself
             self._resync()
-            self._apply(*pending)
-            s = pending[0] + 1
+            self._apply(seq, got[seq])
+            s = seq + 1
         self.seq.replayed(start, s)
+        return None
+
+    def _restart_checked(
+        self, seq: int, payload: bytes, batch: EventBatch, frames: list[tuple[int, bytes]] | None
+    ) -> int | None:
+        if frames is None or self._last is None:
+            return self._restart(seq, payload, batch, verified=False)
+        last_seq, digest = self._last
+        held = dict(frames).get(last_seq)
+        if held is not None and hash(held) == digest:
+            # The engine's stream still holds what was applied here: no new publisher.
+            self.drop(seq, "behind the engine's own stream")
+            newer = sorted((s, p) for s, p in frames if s > last_seq)
+            if newer:
+                self.caught_up(last_seq + 1, newer)
+            return None
+        return self._restart(seq, payload, batch, verified=True)
+
+    def _restart(self, seq: int, payload: bytes, batch: EventBatch, verified: bool) -> int | None:
+        if not verified and not self._may_resync():
+            self.drop(seq, "restart not verifiable, resyncs spent")
+            return None
+        log.info(
+            "engine %s: event seq went back to %d: restarted; resyncing",
+            self.cache.engine_id,
+            seq,
+        )
+        self._resync()
+        self.seq.restart()
+        if seq > 0:  # its history, from 0, when the replay socket has it
+            self._pending = (seq, payload, batch, _GAP)
+            return 0
+        self._apply_live(seq, payload, batch)
+        return None
 
     def catch_up_from(self) -> int:
         """Where an idle catch-up asks the replay socket from: the next seq expected."""
@@ -413,11 +516,53 @@ class EngineStream:
             prev = s
         self.seq.replayed(first, prev + 1)
 
+    def drop(self, seq: int, why: str) -> None:
+        """Count a live frame dropped as noise; logged at the 1st, 10th, 100th, ... (the
+        seq and the reason: never the payload, which carries token ids)."""
+        self.dropped += 1
+        self.drops[why] = self.drops.get(why, 0) + 1
+        n = self.dropped
+        if n == 10 ** (len(str(n)) - 1):
+            log.warning(
+                "engine %s: dropped a KV event frame (seq %d): %s; %d dropped so far",
+                self.cache.engine_id,
+                seq,
+                why,
+                n,
+            )
+
+    def _may_resync(self) -> bool:
+        """A clear no replay justified: RESYNC_BURST at once, then one per
+        RESYNC_EVERY_S (a token bucket)."""
+        now = self._clock()
+        self._budget = min(
+            float(RESYNC_BURST), self._budget + (now - self._budget_at) / RESYNC_EVERY_S
+        )
+        self._budget_at = now
+        if self._budget < 1.0:
+            return False
+        self._budget -= 1.0
+        return True
+
     def _resync(self) -> None:
         self.resyncs += 1
         self.cache.clear()
 
+    def _apply_live(self, seq: int, payload: bytes, batch: EventBatch) -> None:
+        """A live batch, decoded already. One with an event that cannot be applied is
+        dropped, the seq not taken: were it the engine's, the next batch shows a gap and
+        the replay brings it again, and an unusable batch from the replay resyncs."""
+        try:
+            self.cache.apply(batch)
+        except (ValueError, TypeError):
+            self.drop(seq, "unusable event")
+            return
+        self.applied_events += len(batch.events)
+        self._last = (seq, hash(payload))
+        self.seq.applied(seq)
+
     def _apply(self, seq: int, payload: bytes) -> None:
+        """A batch from the engine's replay socket (only the engine answers it)."""
         try:
             batch = decode_batch(seq, payload)
             self.cache.apply(batch)
@@ -426,7 +571,7 @@ class EngineStream:
                 "engine %s: unusable batch %d: %s; resyncing", self.cache.engine_id, seq, exc
             )
             self._resync()
-            self.seq.applied(seq)
-            return
-        self.applied_events += len(batch.events)
+        else:
+            self.applied_events += len(batch.events)
+        self._last = (seq, hash(payload))
         self.seq.applied(seq)

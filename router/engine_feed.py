@@ -14,6 +14,13 @@ seq. And a live socket idle for `catch_up_s` asks from the next expected seq: a 
 what it sends before the subscription reaches it, so an engine's first batches after a
 (re)connect can be lost with no later batch to show the gap; the catch-up brings them
 within about `catch_up_s` (an empty answer, seq -1 alone, when nothing was lost).
+
+Where the subscriber binds, any process that can connect to that address can publish into
+it (ZMQ has no authentication here, and vLLM's publisher no CURVE): messages over
+MAX_FRAME_BYTES disconnect their sender (ZMQ_MAXMSGSIZE), and frames that are not
+(topic, 8-byte seq, payload) are dropped and counted like the stream's other noise
+(router/engine_events.py, "Noise"). Where the engine binds (wildcard or ipc endpoints) the
+router connects out, and nothing else can write into its socket.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ log = logging.getLogger("kvstore.router")
 END_SEQ = -1
 REPLAY_TIMEOUT_S = 2.0
 CATCH_UP_S = 1.0  # a live socket idle this long asks the replay socket what it missed
+# The most one ZMQ message (frame) may carry, live or replayed: a scheduler step's events,
+# token ids included, are far below (a 128k-token prefill is ~1 MiB of msgpack).
+MAX_FRAME_BYTES = 64 << 20
 _RETRY_S = (0.2, 3.0)
 
 
@@ -83,6 +93,7 @@ class EngineSubscriber:
         while True:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             # Watched before binding, so an accept right at bind is not missed.
             mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
@@ -117,14 +128,12 @@ class EngineSubscriber:
                 continue
             frames = await sock.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning(
-                    "engine %s: ignoring a %d-frame message", self.rec.engine_id, len(frames)
-                )
+                self.stream.drop(-1, f"a {len(frames)}-part message, not (topic, seq, batch)")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             start = self.stream.live(seq, frames[2])
-            if start is not None:
-                self.stream.replayed(start, await self._replay(start))
+            while start is not None:  # a gap, or a frame to check with the engine
+                start = self.stream.replayed(start, await self._replay(start))
 
     async def _catch_up(self) -> None:
         start = self.stream.catch_up_from()
@@ -151,6 +160,7 @@ class EngineSubscriber:
         if self._dealer is None:
             self._dealer = self.ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._dealer.connect(connectable(ep, self.rec.url))
         sock = self._dealer
         out: list[tuple[int, bytes]] = []

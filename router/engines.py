@@ -98,7 +98,10 @@ class EngineBoard:
             )
             return None
         roots = ChainRoots(spec, secret, self._generation_of)
-        return EngineStream(EngineCache(rec.engine_id, block_size, roots, self.index))
+        return EngineStream(
+            EngineCache(rec.engine_id, block_size, roots, self.index),
+            verifiable=bool(rec.kv_events_replay_endpoint),
+        )
 
     def remove(self, engine_id: str) -> None:
         if self.engines.pop(engine_id, None) is not None:

@@ -15,6 +15,9 @@ Exposed names:
   kvstore_router_engine_inflight{engine},
   kvstore_router_engine_queued_blocks{engine}  gauges read from RouterCore (the engine
                                          gauges: every tenant's requests, for operators)
+  kvstore_router_engine_events_dropped_total{engine}  KV event frames dropped as noise
+  kvstore_router_engine_resyncs_total{engine}         times an engine's entries were
+                                         cleared to start over (router/engine_events.py)
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 
@@ -72,6 +75,18 @@ class RouterMetrics:
             description="Prefill work of the engine's requests before their first token",
         )
 
+        meter.create_observable_counter(
+            "kvstore_router_engine_events_dropped",
+            [self._engine_dropped],
+            description="KV event frames dropped as noise (undecodable, out of sequence, "
+            "not the engine's by its replay socket, or past the resync budget)",
+        )
+        meter.create_observable_counter(
+            "kvstore_router_engine_resyncs",
+            [self._engine_resyncs],
+            description="Times the index of an engine's cache was cleared to start over",
+        )
+
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
         labels = self._labels.get(chosen.node_id)
@@ -105,6 +120,17 @@ class RouterMetrics:
     def _engine_queued(self, options: CallbackOptions):
         board = self.core.engines
         return [Observation(board.load(e)[1], {"engine": e}) for e in list(board.engines)]
+
+    def _engine_streams(self):
+        for e, st in list(self.core.engines.engines.items()):
+            if st.stream is not None:
+                yield e, st.stream
+
+    def _engine_dropped(self, options: CallbackOptions):
+        return [Observation(s.dropped, {"engine": e}) for e, s in self._engine_streams()]
+
+    def _engine_resyncs(self, options: CallbackOptions):
+        return [Observation(s.resyncs, {"engine": e}) for e, s in self._engine_streams()]
 
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from kvstore.coord.engines import ENGINES, EngineRecord
@@ -382,4 +383,57 @@ def test_a_catch_up_left_unanswered_asks_again_over_a_fresh_connection():
         assert p.answer_replay({}) == 0  # the next catch-up, from 0 still
         assert p.clients == [p.clients[0]] and p.clients[0] != first
     finally:
+        p.close()
+
+
+def test_frames_from_another_local_process_are_dropped_not_a_reason_to_clear():
+    """The tester's attack: in the layout where the router binds the event socket (vLLM
+    given tcp://127.0.0.1:PORT connects to it), a second PUB that connects there sends
+    garbage with seq 2**62, and well-formed batches that clear (AllBlocksCleared) with a
+    seq far ahead and one going back. Garbage is dropped at once; the others are checked
+    against the engine's replay socket (which vLLM binds: only the engine answers it)
+    and dropped; the engine's own next batch is applied. Before, one garbage frame
+    cleared the engine's entries, and each one after it again."""
+    import zmq
+
+    p = _Publisher(catch_up_s=None)
+    attacker = p.ctx.socket(zmq.PUB)
+    try:
+        frames = p.frames()
+        stream = p.subscribe().stream
+        p.send(0, frames[0])
+        wait_for(lambda: p.held() == {"e0": 5}, what="the engine's batch applied")
+        attacker.connect(p.rec.kv_events_endpoint or "")
+
+        def forge(seq: int, payload: bytes) -> None:
+            attacker.send_multipart((b"", seq.to_bytes(8, "big", signed=True), payload))
+
+        def dropped() -> int:
+            return p.router.call(lambda: stream.dropped)
+
+        def handled() -> int:  # dropped, or (before) a resync
+            return p.router.call(lambda: getattr(stream, "dropped", 0) + stream.resyncs)
+
+        # Until the attacker's PUB has the router's subscription, what it sends is lost.
+        wait_for(lambda: forge(2**62, b"garbage") or handled() > 0, what="garbage arrived")
+        assert p.held() == {"e0": 5}
+        n = dropped()
+        forge(1, b"\xc1not msgpack")
+        attacker.send_multipart((b"", b"\x00" * 4, b"short seq"))
+        attacker.send_multipart((b"just one part",))
+        wait_for(lambda: dropped() == n + 3, what="three more dropped")
+        assert p.held() == {"e0": 5}
+        clear = msgpack.packb([9.0, [{"type": "AllBlocksCleared"}], 0])
+        forge(1000, clear)  # ahead: the engine's replay (from 1) has nothing past 0
+        assert p.answer_replay({0: frames[0]}) == 1
+        wait_for(lambda: dropped() == n + 4, what="the batch from the future dropped")
+        forge(0, clear)  # going back: the engine's replay still has seq 0 as applied
+        assert p.answer_replay({0: frames[0]}) == 0
+        wait_for(lambda: dropped() == n + 5, what="the 'restart' dropped")
+        assert p.held() == {"e0": 5}
+        p.send(1, frames[1])  # the engine goes on
+        wait_for(lambda: p.held() == {"e0": 3}, what="the engine's next batch applied")
+        assert p.router.call(lambda: (stream.resyncs, stream.seq.expected)) == (0, 2)
+    finally:
+        attacker.close(0)
         p.close()

@@ -119,15 +119,36 @@ def test_malformed_payloads_are_value_errors(bad):
         decode_batch(0, bad)
 
 
-def test_an_undecodable_batch_resyncs_and_the_stream_goes_on():
+@pytest.mark.parametrize(
+    "seq, frame",
+    [(1, b"\xc1"), (1, b"garbage"), (2**62, b"garbage"), (-5, None), (1 << 48, None)],
+    ids=["not-msgpack", "garbage", "absurd-seq", "negative-seq", "seq-out-of-range"],
+)
+def test_a_live_frame_that_is_not_a_batch_is_dropped_and_counted_not_a_reason_to_clear(seq, frame):
+    """Anyone who reaches a socket the router binds can send frames: noise is dropped
+    (and counted), the index and the sequence stay as they were."""
+    index = EngineIndex()
+    s = make_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    assert s.live(0, payload(ev)) is None
+    for _ in range(3):
+        assert s.live(seq, frame if frame is not None else payload(removed(hashes))) is None
+    assert (index.engine_blocks("e1"), s.resyncs, s.dropped, s.seq.expected) == (5, 0, 3, 1)
+    assert s.live(1, payload(removed(hashes[4:]))) is None  # the engine's next: applied
+    assert index.engine_blocks("e1") == 4 and s.seq.expected == 2
+
+
+def test_an_undecodable_batch_from_the_replay_resyncs_and_the_stream_goes_on():
+    """The replay socket is the engine's own: a batch there that cannot be read may have
+    removed blocks, so the index starts over."""
     index = EngineIndex()
     s = make_stream(index)
     ev, _ = stored_events(TOKENS)
     assert s.live(0, payload(ev)) is None
-    assert s.live(1, b"\xc1") is None
-    assert index.engine_blocks("e1") == 0 and s.resyncs == 1
-    assert s.live(2, payload(ev)) is None
-    assert index.engine_blocks("e1") == 5
+    assert s.live(2, payload(ev)) == 1
+    s.replayed(1, [(1, b"\xc1"), (2, payload(ev))])
+    assert s.resyncs == 1 and s.seq.expected == 3
+    assert index.engine_blocks("e1") == 5  # seq 2 stored them again
 
 
 # ------------------------------------------------------------------------ chain ids
@@ -286,6 +307,82 @@ def test_engine_restart_seq_reset_resyncs():
     assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
 
 
+def checked_stream(index: EngineIndex, clock=lambda: 0.0) -> EngineStream:
+    """An engine with a replay socket: out-of-order frames are checked against it."""
+    roots = ChainRoots(NS, SECRET, lambda ns_id: 0)
+    return EngineStream(EngineCache("e1", BS, roots, index), verifiable=True, clock=clock)
+
+
+def test_a_gap_the_engine_never_published_is_dropped_and_what_it_missed_applied():
+    """A well-formed batch far ahead: the engine's replay ends before it, so it is not
+    the engine's. Dropped; the batches the replay did bring are applied; no clear."""
+    index = EngineIndex()
+    s = checked_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    frames = [payload(ev), payload(removed(hashes[4:]))]
+    assert s.live(0, frames[0]) is None
+    forged = payload({"type": "AllBlocksCleared"})
+    assert s.live(1000, forged) == 1
+    assert s.replayed(1, [(1, frames[1])]) is None  # the engine is at seq 1
+    assert (s.resyncs, s.dropped, s.seq.expected) == (0, 1, 2)
+    assert index.engine_blocks("e1") == 4
+    # A real gap still replays and applies: the engine's replay reaches the batch.
+    assert s.live(3, payload(removed(hashes[2:3]))) == 2
+    s.replayed(2, [(2, payload(removed(hashes[3:4]))), (3, payload(removed(hashes[2:3])))])
+    assert (s.resyncs, s.seq.expected, index.engine_blocks("e1")) == (0, 4, 2)
+
+
+def test_a_seq_going_back_is_a_restart_only_if_the_engines_replay_says_so():
+    index = EngineIndex()
+    s = checked_stream(index)
+    ev, hashes = stored_events(TOKENS)
+    frames = [payload(ev), payload(removed([])), payload(removed([]), ts=2.0)]
+    for seq, f in enumerate(frames):
+        assert s.live(seq, f) is None
+    # Forged: seq 0 again, clearing. The engine's replay still has seq 2 as applied.
+    assert s.live(0, payload({"type": "AllBlocksCleared"})) == 2
+    assert s.replayed(2, [(2, frames[2])]) is None
+    assert (s.resyncs, s.dropped, index.engine_blocks("e1")) == (0, 1, 5)
+    # The engine did restart: its replay's seq 2 (if any) is another batch.
+    fresh, _ = stored_events(list(range(300, 308)))
+    assert s.live(1, payload(fresh)) == 2
+    assert s.replayed(2, [(0, payload(removed([]), ts=9.0))]) == 0  # resynced; history
+    s.replayed(0, [(0, payload(removed([]), ts=9.0)), (1, payload(fresh))])
+    assert (s.resyncs, s.seq.expected) == (1, 2)
+    assert index.prefix_lengths(connector_ids(TOKENS)) == {}
+    assert index.prefix_lengths(connector_ids(list(range(300, 308)))) == {"e1": 2}
+
+
+def test_clears_no_replay_can_justify_are_rate_limited():
+    """Without a replay socket (or with one that fails) a seq going back, or a gap,
+    cannot be checked: it clears RESYNC_BURST times, then once per RESYNC_EVERY_S; the
+    frames in between are dropped, so forged ones cannot keep the index empty."""
+    from router.engine_events import RESYNC_BURST, RESYNC_EVERY_S
+
+    now = [0.0]
+    index = EngineIndex()
+    roots = ChainRoots(NS, SECRET, lambda ns_id: 0)
+    s = EngineStream(EngineCache("e1", BS, roots, index), clock=lambda: now[0])
+    ev, _ = stored_events(TOKENS)
+    clear = payload({"type": "AllBlocksCleared"})
+    for seq in range(3):
+        s.live(seq, payload(ev))
+    for _ in range(RESYNC_BURST + 3):
+        assert s.live(0, clear) is None  # a "restart" nobody can check
+    assert (s.resyncs, s.dropped) == (RESYNC_BURST, 3)
+    # The engine goes on at seq 3: a gap from 1 it cannot replay, and nothing left to
+    # clear with: dropped too, until the budget refills.
+    assert s.live(3, payload(ev)) == 1
+    assert s.replayed(1, None) is None
+    assert (s.resyncs, s.dropped, s.seq.expected) == (RESYNC_BURST, 4, 1)
+    now[0] += RESYNC_EVERY_S
+    assert s.live(4, payload(ev)) == 1
+    s.replayed(1, None)
+    assert (s.resyncs, s.seq.expected, index.engine_blocks("e1")) == (RESYNC_BURST + 1, 5, 5)
+    assert s.live(0, clear) is None  # spent again: dropped, the index stays
+    assert (s.dropped, index.engine_blocks("e1")) == (5, 5)
+
+
 # ----------------------------------------------------------------- engine routing
 def record(engine_id: str, node_id: str, spec=NS, events: str | None = "tcp://127.0.0.1:1"):
     return EngineRecord(
@@ -419,3 +516,30 @@ def test_chain_ids_match_hash_chain_of_the_connector_client():
     ids as hash_chain_packed, split."""
     root = NS.root(0, SECRET)
     assert b"".join(hash_chain(BlockId(root), TOKENS, BS)) == connector_ids(TOKENS)
+
+
+def test_dropped_frames_and_resyncs_are_in_the_routers_metrics():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from router.metrics import RouterMetrics
+
+    core = RouterCore(Weights(), tenant_secrets={"acme": SECRET})
+    core.engines.upsert(record("vllm-0", "n0"))
+    stream = core.engines.engines["vllm-0"].stream
+    assert stream is not None
+    ev, _ = stored_events(TOKENS)
+    stream.live(0, payload(ev))
+    stream.live(2**62, b"garbage")
+    stream.live(1, b"\xc1")
+    reader = InMemoryMetricReader()
+    RouterMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"), core)
+    seen = {
+        m.name: {p.attributes["engine"]: p.value for p in m.data.data_points}
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name.startswith("kvstore_router_engine_")
+    }
+    assert seen["kvstore_router_engine_events_dropped"] == {"vllm-0": 2}
+    assert seen["kvstore_router_engine_resyncs"] == {"vllm-0": 0}
