@@ -174,6 +174,17 @@ class BlockStore:
         self._killswitch.on = on
 
     @property
+    def fence(self) -> Callable[[], bool] | None:
+        """True while the agent's etcd lease may have lapsed (kvstore/coord/fence.py):
+        lookups, gets and borrows (peer serving) miss; writes go on (a write of an old
+        generation is dropped when the generations are re-read, before hits resume)."""
+        return self._killswitch.fence
+
+    @fence.setter
+    def fence(self, fence: Callable[[], bool] | None) -> None:
+        self._killswitch.fence = fence
+
+    @property
     def nvme_used(self) -> int:
         return self._residency.nvme_used
 
@@ -273,8 +284,8 @@ class BlockStore:
         (a parent never expires before its child), so both lengths are binary searches."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self._killswitch.on:
-                return self._killswitch.lookup_miss(st, len(ids))
+            if why := self._killswitch.refuses_hits():
+                return self._killswitch.lookup_miss(st, len(ids), why)
             now = self.clock()
             get = st.blocks.get
 
@@ -334,8 +345,8 @@ class BlockStore:
         finish() verifies and serves (and copies, where nothing ran in the background)."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self._killswitch.on:
-                self._killswitch.get_miss()
+            if why := self._killswitch.refuses_hits():
+                self._killswitch.get_miss(why)
                 metas: list[BlockMeta] = []
             else:
                 metas = self._reads.leading(st, ids, parent_id)

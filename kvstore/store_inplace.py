@@ -263,8 +263,10 @@ class InPlaceTransfers:
         fails there and is never stored, and this node finds it on its own next read."""
         with self.lock:
             st = self.namespace(ns_id, generation)
-            if self.killswitch.on or not self.supported:
-                self.counters["killswitch_gets"] += self.killswitch.on
+            why = self.killswitch.refuses_hits()
+            if why or not self.supported:
+                if why:
+                    self.killswitch.get_miss(why)
                 return Borrowed(st, [], [], [])
             metas = []
             for m in self.reads.leading(st, ids, parent_id):

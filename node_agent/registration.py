@@ -13,16 +13,25 @@ successful registration and before `registered` is set: it applies the namespace
 generations and kill switch as of a revision after our record, so a flush whose
 membership check just missed us is in force before we count as registered
 (kvstore/coord/follow.py, `ControlFollower.catch_up`, has the argument).
+
+Fencing (kvstore/coord/fence.py): `fence` says whether the lease may have lapsed. It is
+confirmed by each grant or keepalive, from the time that request was sent, so the agent
+stops serving hits before etcd could have expired the lease (a flush stops waiting for a
+member whose lease expired). Once it lapsed, a keepalive that still succeeds is not
+enough: the generations are re-read (`on_registered`) before the fence lifts, as after a
+re-registration. The agent starts fenced and serves hits once registered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from kvstore.config import TLSConfig
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient, NodeRecord
+from kvstore.coord.fence import LeaseFence
 from kvstore import errors
 
 log = logging.getLogger("kvstore.agent")
@@ -37,6 +46,7 @@ class Registration:
         prefix: str = DEFAULT_PREFIX,
         on_registered: Callable[[], Awaitable[object]] | None = None,
         tls: TLSConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be >= 1, got {ttl_s}")
@@ -50,6 +60,8 @@ class Registration:
         self.interval_s = max(ttl_s / 3.0, 0.2)
         self.lease = 0
         self.registered = asyncio.Event()
+        self._clock = clock
+        self.fence = LeaseFence(ttl_s, "agent", clock)
         self._etcd: EtcdClient | None = None
         self._task: asyncio.Task | None = None
 
@@ -102,7 +114,9 @@ class Registration:
                 self.lease = 0  # our lease expired while we waited: take a new one
             except errors.KvError as exc:
                 if not complained:
-                    log.warning("etcd registration failing (the data path keeps serving): %s", exc)
+                    log.warning(
+                        "etcd registration failing (lookups miss while unregistered): %s", exc
+                    )
                     complained = True
             except Exception:  # on_registered's hook failed: keep trying, never give up
                 log.exception("applying etcd state after registering failed; retrying")
@@ -112,8 +126,15 @@ class Registration:
 
     async def _register(self) -> bool:
         rec = self._record()
+        self.fence.what = f"agent {rec.node_id}"
+        sent = self._clock()
+        if self.lease:  # kept from before (a failed hook, a wait): is it still alive?
+            ttl = await self._client.keepalive(self.lease)
+            if ttl <= 0:
+                self.lease = 0
         if not self.lease:
-            self.lease = await self._client.grant(self.ttl_s)
+            sent = self._clock()
+            self.lease, ttl = await self._client.grant(self.ttl_s), self.ttl_s
         if not await self._client.register_node(rec, self.lease):
             log.warning(
                 "node id %s is held by another live agent in etcd; waiting for its lease to expire",
@@ -124,6 +145,7 @@ class Registration:
             # After our record is committed, not before: see the module docstring. A
             # failure here (etcd gone again) retries the whole registration.
             await self._on_registered()
+        self.fence.confirmed(sent, ttl)
         log.info(
             "registered %s at %s in etcd (lease %x, ttl %ds)",
             rec.node_id,
@@ -141,24 +163,39 @@ class Registration:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
+                sent = self._clock()
                 left = await self._client.keepalive(self.lease)
                 if left <= 0:
                     log.warning("etcd lease %x expired; registering again", self.lease)
+                    self.fence.lost()
                     self.lease = 0
                     return
+                if self.fence.lapsed_at(sent):
+                    # We may have missed a flush that stopped waiting for us (or the
+                    # lease lapsed and came back with etcd): re-read etcd before hits.
+                    if self._on_registered is not None:
+                        await self._on_registered()
+                    log.info("etcd lease %x confirmed again after a lapse", self.lease)
+                self.fence.confirmed(sent, left)
                 rec = self._record()
                 if rec != self._last:
                     if not await self._client.update_node(rec, self.lease):
                         log.warning("our etcd record disappeared; registering again")
+                        self.fence.lost()
                         return
                     self._last = rec
                 if failing:
                     log.info("etcd reachable again; lease %x kept", self.lease)
                     failing = False
             except errors.NotFound:
+                self.fence.lost()
                 self.lease = 0
                 return
             except errors.Unavailable as exc:
                 if not failing:
-                    log.warning("etcd heartbeat failing (still serving): %s", exc)
+                    log.warning(
+                        "etcd heartbeat failing (serving hits until the lease may have "
+                        "lapsed, then misses until etcd answers again): %s",
+                        exc,
+                    )
                     failing = True

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd cl
 log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
 KEY_CHECK_S = 1.0  # how often the at-rest key directory is checked for changes
+REGISTER_WAIT_S = 10.0  # start() waits this long for the first etcd registration
 
 
 def load_sealer(cfg: AgentConfig) -> Sealer | None:
@@ -258,7 +259,7 @@ class AgentServer:
             from node_agent.registration import Registration
 
             # After each (re-)registration, list generations again: a flush that read
-            # membership before our key existed did not wait for us (kvstore/coord/control_follow).
+            # membership before our key existed did not wait for us (kvstore/coord/follow.py).
             self.registration = Registration(
                 self.cfg.etcd_endpoints,
                 self.node_record,
@@ -266,7 +267,18 @@ class AgentServer:
                 on_registered=self.control.catch_up,
                 tls=self.cfg.tls,
             )
+            # Hits only while the lease is surely alive (kvstore/coord/fence.py): every
+            # lookup, get and peer read asks, from the first registration on.
+            self.store.fence = self.registration.fence.fenced
             await self.registration.start()
+            try:  # ready once registered (a duplicate node id waits: fenced, all misses)
+                async with asyncio.timeout(REGISTER_WAIT_S):
+                    await self.registration.registered.wait()
+            except TimeoutError:
+                log.warning(
+                    "agent %s is not registered in etcd yet: every lookup misses until it is",
+                    self.cfg.node_id,
+                )
         log.info(
             "agent %s serving on %s (device %s, %d slots of %d bytes)",
             self.cfg.node_id,
