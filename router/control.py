@@ -3,8 +3,14 @@ switch from etcd, fences Route by generation, and acknowledges as `router:<route
 
 The router announces itself under routers/<router_id> (its own lease), so a flush waits
 for its acknowledgement too; a router that stops (lease revoked or expired) stops
-counting. `start()` returns once the current generations and kill switch are loaded, the
-router is announced and has caught up again as of its announcement (`catch_up`): the
+counting. The key is claimed, not overwritten: a second router started with the same id
+waits until the first one's lease is gone (kvstore/coord/follow.py, LeasedKey). While the
+lease may have lapsed (frozen, cut off from etcd) the router routes by load only, as with
+the kill switch, until it has re-announced itself and re-read the generations
+(kvstore/coord/fence.py).
+
+`start()` returns once the current generations and kill switch are loaded, the router
+is announced and has caught up again as of its announcement (`catch_up`): the
 router should start serving after it.
 
 Wiring (router/server.py): create it next to the ClusterFollower with the RouterCore,
@@ -39,8 +45,18 @@ class RouterControl(ControlFollower):
         self.core = core
         value = json.dumps({"router_id": router_id, "address": address}).encode()
         self._presence = LeasedKey(
-            etcd, ROUTERS + router_id, value, lease_ttl_s, on_put=self.catch_up
+            etcd,
+            ROUTERS + router_id,
+            value,
+            lease_ttl_s,
+            on_put=self.catch_up,
+            what=f"router {router_id}",
         )
+        # Route by load only while the lease may have lapsed (kvstore/coord/fence.py): a
+        # flush that stopped waiting for us may not be in force here yet.
+        self.fence = self._presence.fence
+        if core is not None:
+            core.fence = self.fence.fenced
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
         what = what or f"router {self.router_id}"

@@ -280,6 +280,11 @@ class RouterCore:
         self.board = LoadBoard(weights)
         self.inflight = InFlight(inflight_timeout_s, clock, self._touch)
         self.killswitch = False
+        # True while this router's etcd lease may have lapsed (kvstore/coord/fence.py,
+        # set by router/control.py): it may have missed a flush that stopped waiting for
+        # it, so it routes by load only, as with the kill switch, until it re-joined.
+        self.fence: Callable[[], bool] | None = None
+        self.fenced_routes = 0
         self._prefill_tokens_per_s, self._peer_gbps = prefill_tokens_per_s, peer_gbps
         self._pull: tuple[float, float] | None = None  # (fixed s, s per byte), measured
         self._capacity_bytes = 0  # the agents' device pools and NVMe tiers together
@@ -501,7 +506,7 @@ class RouterCore:
                 f"{max_inflight} routed requests of this tenant are in flight; release some first"
             )
         total = len(packed_ids) // BLOCK_ID_BYTES
-        local = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
+        local = {} if self.cache_off() else self.index.prefix_lengths(packed_ids)
         pricing = self._pricing.get(namespace_id, self._default_pricing)  # self.pricing()
         scores = self._scores(total, local, weights or self.weights, pricing)
         # Unguessable (ids are capabilities within a tenant), ~1us on the hot path.
@@ -547,7 +552,8 @@ class RouterCore:
             raise errors.InvalidArgument(
                 f"block_ids is {len(packed_ids)} bytes, not a multiple of {BLOCK_ID_BYTES}"
             )
-        node_prefix = {} if self.killswitch else self.index.prefix_lengths(packed_ids)
+        off = self.cache_off()
+        node_prefix = {} if off else self.index.prefix_lengths(packed_ids)
         return self.engines.route(
             packed_ids,
             node_prefix,
@@ -556,8 +562,17 @@ class RouterCore:
             model,
             request_id,
             dry_run,
-            use_cache=not self.killswitch,
+            use_cache=not off,
         )
+
+    def cache_off(self) -> bool:
+        """Route by load only: the kill switch is on, or the lease fence is up."""
+        if self.killswitch:
+            return True
+        if self.fence is not None and self.fence():
+            self.fenced_routes += 1
+            return True
+        return False
 
     def hold(self, request_id: str, node_id: str, work: float, tenant: str = "") -> None:
         """Count a request routed elsewhere than `route` chose (the gateway's choice among

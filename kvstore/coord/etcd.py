@@ -385,6 +385,14 @@ class EtcdClient:
         )
         return await self._txn(f"replace {key}", cmp, key, value, lease)
 
+    async def claim(self, key: str, value: bytes, lease: int) -> bool:
+        """Put `key` under `lease` only where it is absent or already attached to
+        `lease`; False when another lease (or none) holds it. Never overwrites another
+        holder's key (a process started twice with one id waits for the first)."""
+        if await self.create(key, value, lease):
+            return True
+        return await self.put_if_lease(key, value, lease)
+
     async def put_if_lease(self, key: str, value: bytes, lease: int) -> bool:
         """Put only if the key exists and is attached to `lease` (we still own it)."""
         cmp = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=self._key(key), lease=lease)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from kvstore.coord.admin import (
@@ -45,6 +46,7 @@ from kvstore.coord.etcd import (
     WatchEvent,
     killswitch_enabled,
 )
+from kvstore.coord.fence import LeaseFence
 from kvstore import errors
 
 log = logging.getLogger("kvstore.control")
@@ -90,7 +92,16 @@ async def follow_revisions(
 class LeasedKey:
     """Keep one key alive under our own lease (routers under routers/<id>); re-grant and
     rewrite after the lease is lost, retry quietly while etcd is down. `on_put` runs after
-    every (re)write of the key and before `live` is set (routers: `catch_up`)."""
+    every (re)write of the key and before `live` is set (routers: `catch_up`).
+
+    The key is claimed, never overwritten: written only where it is absent or already
+    under our lease (one transaction), so a second process started with the same id
+    waits, saying so, until the holder's lease is gone, instead of taking the key over
+    and deleting it when it stops (revoking its lease). After each keepalive the holder
+    checks that the key is still there under its lease and claims it again otherwise.
+
+    `fence` (kvstore/coord/fence.py) is confirmed by each grant or keepalive from the time
+    it was sent; after a lapse only once `on_put` re-read etcd again."""
 
     def __init__(
         self,
@@ -99,11 +110,16 @@ class LeasedKey:
         value: bytes,
         ttl_s: int = 5,
         on_put: Callable[[], Awaitable[object]] | None = None,
+        what: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.etcd, self.key, self.value, self.ttl_s = etcd, key, value, ttl_s
         self.on_put = on_put
         self.lease = 0
         self.live = asyncio.Event()
+        self.what = what or key
+        self._clock = clock
+        self.fence = LeaseFence(ttl_s, self.what, clock)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -114,7 +130,7 @@ class LeasedKey:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self.lease:
+        if self.lease:  # deletes the key only where it is ours (claimed under this lease)
             try:
                 await self.etcd.revoke(self.lease)
             except errors.KvError as exc:
@@ -123,22 +139,54 @@ class LeasedKey:
                 )
             self.lease = 0
 
+    async def _claim(self) -> bool:
+        """Write the key under our lease where it is absent or ours already; False (and
+        a warning, once per wait) when another lease holds it."""
+        if await self.etcd.claim(self.key, self.value, self.lease):
+            self._waiting = False
+            return True
+        if not self._waiting:
+            log.warning(
+                "%s: %s is held by another live process in etcd (the same id started "
+                "twice?); waiting for its lease to expire",
+                self.what,
+                self.key,
+            )
+            self._waiting = True
+        return False
+
     async def _run(self) -> None:
         complained = False
+        self._waiting = False
         while True:
             try:
                 if not self.lease:
                     self.live.clear()
-                    lease = await self.etcd.grant(self.ttl_s)
-                    await self.etcd.put(self.key, self.value, lease=lease)
-                    self.lease = lease  # only once the key is written under it
-                    complained = False
+                    sent = self._clock()
+                    self.lease = await self.etcd.grant(self.ttl_s)
+                    self._sent = sent
                 if not self.live.is_set():
+                    if not await self._claim():
+                        await asyncio.sleep(max(self.ttl_s / 3.0, 0.2))
+                        await self._renew()  # our own lease stays alive meanwhile
+                        continue
+                    complained = False
                     await self._after_put()
                 await asyncio.sleep(max(self.ttl_s / 3.0, 0.2))
-                if await self.etcd.keepalive(self.lease) <= 0:
-                    self.lease = 0
+                await self._renew()
+                if self.lease and self.live.is_set():
+                    kv = await self.etcd.get(self.key)
+                    if kv is None or kv.lease != self.lease:
+                        log.warning(
+                            "%s: %s is %s; claiming it again",
+                            self.what,
+                            self.key,
+                            "gone from etcd" if kv is None else "held by another lease",
+                        )
+                        self.fence.lost()
+                        self.live.clear()
             except errors.NotFound:
+                self.fence.lost()
                 self.lease = 0
             except errors.KvError as exc:
                 if not complained:
@@ -146,13 +194,31 @@ class LeasedKey:
                     complained = True
                 await asyncio.sleep(0.5)
 
+    async def _renew(self) -> None:
+        """One keepalive; lease 0 when it is gone. Confirms the fence while the key is
+        ours and no lapse needs a re-read first (else `_after_put` confirms it)."""
+        sent = self._clock()
+        if await self.etcd.keepalive(self.lease) <= 0:
+            self.fence.lost()
+            self.lease = 0
+            return
+        self._sent = sent
+        if self.live.is_set():
+            if self.fence.lapsed_at(sent):  # re-read etcd before serving on the cache
+                self.live.clear()
+            else:
+                self.fence.confirmed(sent)
+
     async def _after_put(self) -> None:
-        """Run on_put, then set `live`; on failure `live` stays clear and the next round
+        """Run on_put, then set `live` and confirm the fence as of the last grant or
+        keepalive sent before it; on failure `live` stays clear and the next round
         (after the keepalive, so the key is kept meanwhile) tries again."""
+        sent = self._sent
         try:
             if self.on_put is not None:
                 await self.on_put()
             self.live.set()
+            self.fence.confirmed(sent)
         except errors.KvError as exc:
             log.warning("after writing %s to etcd (retrying): %s", self.key, exc)
         except Exception:  # a failing hook must not end the keepalive loop

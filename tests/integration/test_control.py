@@ -307,17 +307,17 @@ def test_router_announcing_after_a_flush_never_routes_the_old_generation(etcd):
             await admin.put_namespace("acme", SPEC.namespace_id, SPEC.to_dict())
             plane = ControlPlane(admin, who="test")
             release = lagging_watches(client)
-            real_put, reports = client.put, []
+            real_claim, reports = client.claim, []
 
-            async def put(key: str, value: bytes, lease: int = 0) -> int:
+            async def claim(key: str, value: bytes, lease: int) -> bool:
                 # The flush and the kill switch commit right before the router announces
-                # itself: their membership checks do not see it.
+                # itself (claims routers/<id>): their membership checks do not see it.
                 if key.startswith(ROUTERS) and not reports:
                     reports.append(await plane.flush("acme", "chat", 5.0))
                     reports.append(await plane.set_killswitch(True, "test", 5.0))
-                return await real_put(key, value, lease=lease)
+                return await real_claim(key, value, lease)
 
-            client.put = put
+            client.claim = claim
             control = RouterControl(client, "rj", lease_ttl_s=2)
             await control.start(timeout_s=15)  # the router serves from here on
             announced_before_serving = await admin.get(ROUTERS + "rj") is not None
