@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from kvstore.coord.admin import AckProgress, ControlPlane, Quota
+from kvstore.coord.admin import ROUTER_MEMBER, AckProgress, ControlPlane, Quota
 from kvstore.config import TLSConfig, tls_fields
 from kvstore.coord.etcd import EtcdClient
 from kvstore.process import seconds as process_seconds
@@ -191,6 +191,18 @@ def cmd_flush(args) -> int:
 
         rep = await cp.flush(tenant, name, args.timeout, _progress_printer("flush"), committed)
         p = rep.progress
+        for m in p.left:
+            print(
+                f"flush: {m} left (its lease expired or was revoked) without acknowledging: "
+                + (
+                    "it routes by load only until it re-announced itself and re-read the "
+                    "generations"
+                    if m.startswith(ROUTER_MEMBER)
+                    else "it fences itself and re-reads generations before serving again"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         if args.output == "json":
             _json(
                 {
@@ -202,6 +214,7 @@ def cmd_flush(args) -> int:
                     "members": list(p.members),
                     "acknowledged": list(p.acked),
                     "missing": list(p.missing),
+                    "left_without_ack": list(p.left),
                     "blocks_scheduled_for_deletion": p.dropped,
                     "unregistered_flushed": p.unregistered,
                     "elapsed_s": round(rep.elapsed_s, 3),

@@ -38,7 +38,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from etcd3aio import prefix_range_end
 from etcd3aio._protobuf import Compare
@@ -247,6 +247,11 @@ class AckProgress:
     missing: tuple[str, ...]
     dropped: int = 0
     unregistered: int = 0  # flush: namespaces without an etcd record flushed on agents
+    # Members live at some poll of this wait that left (lease expired or revoked) without
+    # acknowledging. They no longer count: each fences itself while its lease is not
+    # confirmed and re-reads the generations before it serves hits again
+    # (kvstore/coord/fence.py), so they cannot serve the old generation either.
+    left: tuple[str, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -537,6 +542,7 @@ class ControlPlane:
             "revision": revision,
             "acked": list(state.acked),
             "missing": list(state.missing),
+            "left": list(state.left),
             "unregistered": state.unregistered,
         }
         await self.audit("flush", target, state.done, result, params, key=akey)
@@ -546,8 +552,16 @@ class ControlPlane:
         """Poll until done or the deadline. Polling (not a watch) because both the acks
         and the membership change, and one listing of each answers the question."""
         last = None
+        seen: set[str] = set()
+        acked: set[str] = set()
         while True:
             state = await poll()
+            acked.update(state.acked)
+            gone = seen - set(state.members) - acked
+            seen.update(state.members)
+            if gone or (last is not None and last.left):
+                left = tuple(sorted(gone | set(last.left if last is not None else ())))
+                state = replace(state, left=tuple(m for m in left if m not in state.members))
             if progress is not None and state != last:
                 progress(state)
             last = state
