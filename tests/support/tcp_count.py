@@ -1,6 +1,8 @@
 """A TCP relay that counts the bytes it carries each way, for checking which traffic a
 path puts on a socket (tests/integration/test_tls_data_path.py): it relays TLS untouched,
-so the client's handshake is with the server behind it."""
+so the client's handshake is with the server behind it. `pause()` holds everything it
+would relay (both ways, connections stay open) until `resume()`: a network partition
+between a member and etcd (tests/integration/test_lease_fence.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ class CountingRelay:
         self._lock = threading.Lock()
         self._bytes = 0
         self._socks: list[socket.socket] = []
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -24,6 +28,12 @@ class CountingRelay:
         """Bytes relayed so far, both directions together."""
         with self._lock:
             return self._bytes
+
+    def pause(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def _accept(self) -> None:
         while True:
@@ -41,6 +51,7 @@ class CountingRelay:
             while data := src.recv(1 << 16):
                 with self._lock:
                     self._bytes += len(data)
+                self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
