@@ -426,7 +426,8 @@ def test_quotas_isolate_tenants(etcd, spawn_agent):
 
 # --------------------------------------------------------------------- etcd down
 def test_etcd_down_data_path_serves_last_known_generations(etcd, spawn_agent):
-    a = spawn_agent(**agent_cfg(etcd))
+    # Within its lease (kvstore/coord/fence.py): past it the agent would answer misses.
+    a = spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
     c = AgentClient(a.address)
     c.open(SPEC)
     c.put_chain(SPEC, 9, 3, 0)
