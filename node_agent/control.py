@@ -11,7 +11,8 @@ kill switch from etcd, applied to the BlockStore, acknowledged in etcd.
 - Quotas (tenants/<tenant>): set as the tenant's per-node limits; a tenant over its new
   limit has its own blocks evicted at once. A removed record restores the configured limit.
 - etcd down: the last applied state stays in force and the agent keeps serving hits for
-  as long as its lease is surely alive, misses after that (the lease fence,
+  as long as its lease is surely alive, then misses until etcd is found out of reach
+  (two failed calls), then the known generations again (the lease fence,
   kvstore/coord/fence.py, node_agent/registration.py); writes go on. A
   namespace opened meanwhile is served and registered once etcd is back; a flush of its
   name reaches it even before that (node_agent/ns_registry.py has the rule).

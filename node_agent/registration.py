@@ -113,9 +113,13 @@ class Registration:
             except errors.NotFound:
                 self.lease = 0  # our lease expired while we waited: take a new one
             except errors.KvError as exc:
+                if isinstance(exc, errors.Unavailable):
+                    self.fence.unreachable()
                 if not complained:
                     log.warning(
-                        "etcd registration failing (lookups miss while unregistered): %s", exc
+                        "etcd registration failing (hits only once registered, or with the "
+                        "generations known here while etcd is out of reach): %s",
+                        exc,
                     )
                     complained = True
             except Exception:  # on_registered's hook failed: keep trying, never give up
@@ -192,10 +196,11 @@ class Registration:
                 self.lease = 0
                 return
             except errors.Unavailable as exc:
+                self.fence.unreachable()
                 if not failing:
                     log.warning(
-                        "etcd heartbeat failing (serving hits until the lease may have "
-                        "lapsed, then misses until etcd answers again): %s",
+                        "etcd heartbeat failing (still serving: the known generations while "
+                        "etcd is out of reach; misses if it answers without our lease): %s",
                         exc,
                     )
                     failing = True

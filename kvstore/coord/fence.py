@@ -18,6 +18,16 @@ Once fenced, `fenced()` stays true until the owner re-joined: re-registered (or 
 the same lease) *and* re-read every namespace generation and the kill switch from etcd
 (`ControlFollower.catch_up`), then called `confirmed(S)`. A member starts fenced: it
 serves hits only once it is registered.
+
+Unless etcd is out of reach: once etcd calls failed for want of etcd twice in a row
+(`unreachable()`: refused, timed out), the member serves the generations it knows, as
+the design asks of an etcd outage ("the data path keeps serving with the last known
+generations"): no flush commits while etcd is down, so nothing it knows is stale. Frozen
+and woken up, a member finds etcd answering (its lease gone): fenced until it re-read
+etcd, so the window a frozen member had is closed. What stays open is a member cut off
+from etcd while `kvctl` still reaches it (a partition): it serves the generations it knew
+until it reaches etcd again, and a flush meanwhile returns 0 without it (flush names the
+members that left during it; docs/runbook.md).
 """
 
 from __future__ import annotations
@@ -56,11 +66,15 @@ class LeaseFence:
         self._joined = False  # registered at least once
         self._episode = False  # fenced, and said so in the log
         self.episodes = 0
+        self._failures = 0  # etcd calls failed for want of etcd, in a row
+        self._outage_said = False
 
     # ----------------------------------------------------------------- the check
     def fenced(self) -> bool:
         """True while the lease may have expired (or was never confirmed): answer a miss."""
         if self._clock() < self._valid_until:
+            return False
+        if self.out_of_reach:
             return False
         if not self._episode and self._joined:
             self._episode = True
@@ -75,6 +89,24 @@ class LeaseFence:
             )
         return True
 
+    @property
+    def out_of_reach(self) -> bool:
+        """etcd failed twice in a row for want of etcd (one failure can be a connection
+        reset by a frozen member's wake-up: still fenced)."""
+        return self._failures >= 2
+
+    def unreachable(self) -> None:
+        """An etcd call (grant, keepalive, registration) failed for want of etcd."""
+        self._failures += 1
+        if self.out_of_reach and not self._outage_said:
+            self._outage_said = True
+            log.warning(
+                "%s: etcd out of reach: serving the generations known here (no flush can "
+                "commit without etcd), past the lease too, until etcd answers; then they "
+                "are re-read before more hits",
+                self.what,
+            )
+
     def lapsed_at(self, t: float) -> bool:
         """Whether the fence was (or would have been) up at monotonic time `t`: a renewal
         sent then must re-read etcd before it lifts the fence."""
@@ -85,6 +117,7 @@ class LeaseFence:
         """A keepalive or grant sent at `sent_at` (monotonic) was answered with `ttl_s`
         (default: ours). Call it after a renewal whose send time was not `lapsed_at`,
         or after the re-registration and catch-up that follow a lapse."""
+        self._failures, self._outage_said = 0, False
         ttl = self.ttl_s if ttl_s is None else min(float(ttl_s), self.ttl_s)
         if sent_at + ttl - self.margin_s > self._valid_until:
             self._valid_until = sent_at + ttl - self.margin_s
@@ -100,7 +133,9 @@ class LeaseFence:
         self._joined = True
 
     def lost(self) -> None:
-        """The lease is gone (expired, revoked, our key taken): fenced at once."""
+        """The lease is gone (expired, revoked, our key taken): fenced at once (etcd
+        answered, so it is in reach)."""
         self._valid_until = -math.inf
+        self._failures, self._outage_said = 0, False
         if self._joined and not self._episode:
             self.fenced()  # logs the episode

@@ -8,8 +8,8 @@ subclass hooks, then acknowledged in etcd.
   nodes/<id>, router: routers/<id>), lists generations and the kill switch again and
   returns once they are in force, so no flush can slip between `start()`'s listing and the
   registration (see `catch_up` for the revision argument).
-- etcd down: the last applied state stays in force (hits only while the member's lease
-  is surely alive: kvstore/coord/fence.py); the
+- etcd down: the last applied state stays in force (past the member's lease, hits again
+  once etcd is found out of reach: kvstore/coord/fence.py); the
   watches resume from the next revision, acks still to write are retried.
 - Acks are written only after a hook returned, i.e. once the new state is in force here.
 - Flushes by name (flushes/<tenant>/<name>, written by every flush): `on_flush` gets each
@@ -190,6 +190,8 @@ class LeasedKey:
                 self.fence.lost()
                 self.lease = 0
             except errors.KvError as exc:
+                if isinstance(exc, errors.Unavailable):
+                    self.fence.unreachable()
                 if not complained:
                     log.warning("keeping %s alive in etcd failed (retrying): %s", self.key, exc)
                     complained = True
