@@ -44,6 +44,7 @@ from node_agent.shm import ShmRegistry
 
 if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd client)
     from node_agent.control import AgentControl
+    from kvstore.coord.seen import SeenWriter
     from node_agent.registration import Registration
 
 log = logging.getLogger("kvstore.agent")
@@ -172,6 +173,7 @@ class AgentServer:
         self.port = 0
         self._tasks: list[asyncio.Task] = []
         self.registration: Registration | None = None  # etcd membership, with etcd_endpoints
+        self.seen: SeenWriter | None = None  # seen/agent/<id> while registered
         # etcd generations, quotas, kill switch (node_agent/control.py)
         self.control: AgentControl | None = None
         self.peer = PeerTransfer(self.store, cfg, self.hub.publish_pending)  # node_agent/peer/
@@ -279,6 +281,18 @@ class AgentServer:
                     "agent %s is not registered in etcd yet: every lookup misses until it is",
                     self.cfg.node_id,
                 )
+            from kvstore.coord.seen import SeenWriter
+
+            # seen/agent/<id>, lease-less: `kvctl status` names this agent as missing
+            # once its lease is gone (kvstore/coord/seen.py).
+            self.seen = SeenWriter(
+                self.control.etcd,
+                "agent",
+                self.cfg.node_id,
+                self.registration.registered,
+                self.address,
+            )
+            self.seen.start()
         log.info(
             "agent %s serving on %s (device %s, %d slots of %d bytes)",
             self.cfg.node_id,
@@ -347,6 +361,8 @@ class AgentServer:
         return self.peer.sign(record)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.seen is not None:
+            await self.seen.stop()
         if self.registration is not None:  # leave the cluster before we stop serving
             await self.registration.stop()
         if self.control is not None:

@@ -26,6 +26,7 @@ import logging
 
 from kvstore.coord.admin import ROUTERS, router_member
 from kvstore.coord.follow import ControlFollower, LeasedKey
+from kvstore.coord.seen import SeenWriter
 from kvstore.coord.etcd import EtcdClient
 from kvstore import errors
 
@@ -57,6 +58,11 @@ class RouterControl(ControlFollower):
         self.fence = self._presence.fence
         if core is not None:
             core.fence = self.fence.fenced
+        # seen/router/<id>, lease-less, while announced: `kvctl status` names a router
+        # that vanished without leaving (kvstore/coord/seen.py); a clean stop deletes it.
+        self._seen = SeenWriter(
+            etcd, "router", router_id, self._presence.live, address, forget_on_stop=True
+        )
 
     async def start(self, timeout_s: float | None = None, what: str = "") -> None:
         what = what or f"router {self.router_id}"
@@ -66,6 +72,7 @@ class RouterControl(ControlFollower):
         # routers/<id>) before we return and the router serves: a flush whose membership
         # check just missed us is in force here by then.
         self._presence.start()
+        self._seen.start()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._presence.live.wait()
@@ -76,6 +83,7 @@ class RouterControl(ControlFollower):
             ) from None
 
     async def stop(self) -> None:
+        await self._seen.stop()
         await self._presence.stop()
         await super().stop()
 

@@ -30,7 +30,8 @@ from kvstore import errors
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
-from kvstore.cli.views import EVICTION_REASONS, ClusterView, cluster_view
+from kvstore.cli.views import EVICTION_REASONS, SEEN_WINDOW_S, ClusterView, cluster_view
+from kvstore.coord.seen import forget as forget_seen
 
 OK, FAILED, USAGE, ETCD_DOWN, NODE_DOWN, NOT_ACKED = 0, 1, 2, 3, 4, 5
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
@@ -54,6 +55,21 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def duration(text: str) -> float:
+    """An argparse type: seconds, or a number with s, m, h or d (24h, 90m)."""
+    t = text.strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], 0)
+    try:
+        value = float(t[:-1] if unit else t) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a duration like 24h or 90m, got {text!r}"
+        ) from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
     return value
 
 
@@ -441,6 +457,20 @@ def _nodes_table(view: ClusterView) -> str:
         ]
         for r in view.routers
     ]
+    rows += [
+        [
+            m.member_id if m.kind == "agent" else f"router:{m.member_id}",
+            m.address or "-",
+            "-",
+            f"MISSING (last seen {m.ago()})",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+        for m in view.missing
+    ]
     return table(
         [
             "node",
@@ -457,19 +487,68 @@ def _nodes_table(view: ClusterView) -> str:
     )
 
 
-def _unreachable_exit(view: ClusterView, command: str) -> int:
+async def _view(etcd, args, tenant: str | None = None) -> ClusterView:
+    return await cluster_view(
+        etcd,
+        _token(args),
+        args.node_timeout,
+        tenant,
+        tls=args.tls,
+        seen_window_s=args.seen_window,
+    )
+
+
+def _unreachable_exit(view: ClusterView, command: str, routers: bool = False) -> int:
+    """Name every unreachable or missing agent (and router) on stderr; 4 if any, or
+    (`routers`: status) if no router is registered while agents are expected."""
     for n in view.nodes:
         if not n.reachable:
             print(
                 f"kvctl {command}: node {n.node_id} at {n.address} is unreachable: {n.error}",
                 file=sys.stderr,
             )
-    return NODE_DOWN if view.unreachable else OK
+    for m in view.missing:
+        print(
+            f"kvctl {command}: {m.describe()}; if it was decommissioned: "
+            f"kvctl nodes forget {m.member_id}",
+            file=sys.stderr,
+        )
+    no_router = routers and not view.routers and (view.nodes or view.missing)
+    if no_router:
+        print(f"kvctl {command}: no router registered in etcd", file=sys.stderr)
+    return NODE_DOWN if view.unreachable or view.missing or no_router else OK
+
+
+async def _forget(etcd, args) -> int:
+    """`kvctl nodes forget ID`: delete a decommissioned member's seen record."""
+    if not args.member:
+        raise Usage("nodes forget needs the id of an agent or router")
+    mid = args.member
+    live = {n.node_id for n in await etcd.list_nodes()}
+    _, routers = await etcd.list("routers/")
+    live |= {"router:" + kv.key[len("routers/") :] for kv in routers}
+    if mid in live or f"router:{mid}" in live:
+        print(
+            f"kvctl nodes forget: {mid} is live (registered in etcd): stop it first, "
+            "or its record is written again",
+            file=sys.stderr,
+        )
+        return FAILED
+    gone = await forget_seen(etcd, mid)
+    if not gone:
+        print(f"kvctl nodes forget: no member {mid!r} was seen", file=sys.stderr)
+        return FAILED
+    await ControlPlane(etcd).audit("nodes-forget", mid, True, f"deleted {', '.join(gone)}")
+    if args.output == "json":
+        _json({"forgotten": mid, "deleted": gone})
+    else:
+        print(f"forgot {mid}: kvctl status no longer expects it")
+    return OK
 
 
 def cmd_status(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout, tls=args.tls)
+        view = await _view(etcd, args)
         if args.output == "json":
             d = view.to_dict()
             d.pop("tenants")
@@ -483,24 +562,43 @@ def cmd_status(args) -> int:
                 f"{e['revision']}, {format_size(e['db_size_bytes'])})"
             )
             print(f"kill switch: {'ON' if view.killswitch else 'off'}")
-            print(f"agents:      {up}/{len(view.nodes)} reachable")
-            print(f"routers:     {len(view.routers)}")
+            missing = view.missing_agents
+            print(
+                f"agents:      {up}/{view.expected_agents} reachable"
+                + (f" ({len(missing)} missing)" if missing else "")
+            )
+            print(
+                f"routers:     {len(view.routers)}"
+                + ("" if view.routers else " (none registered: engines cannot route)")
+            )
             print(f"namespaces:  {view.namespaces}")
             print(f"quotas:      {len(view.quotas)} tenants")
-            if view.nodes or view.routers:
+            for problem in view.members_down:
+                print(f"  - {problem}")
+            if view.nodes or view.routers or view.missing:
                 print()
                 print(_nodes_table(view))
-        return _unreachable_exit(view, "status")
+        return _unreachable_exit(view, "status", routers=True)
 
     return _run(args, body)
 
 
 def cmd_nodes(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout, tls=args.tls)
+        if args.action == "forget":
+            return await _forget(etcd, args)
+        if args.action is not None or args.member is not None:
+            raise Usage("usage: kvctl nodes [forget ID]")
+        view = await _view(etcd, args)
         if args.output == "json":
-            _json({"nodes": [n.to_dict() for n in view.nodes], "routers": list(view.routers)})
-        elif view.nodes or view.routers:
+            _json(
+                {
+                    "nodes": [n.to_dict() for n in view.nodes],
+                    "routers": list(view.routers),
+                    "missing": [m.to_dict() for m in view.missing],
+                }
+            )
+        elif view.nodes or view.routers or view.missing:
             print(_nodes_table(view))
         else:
             print("no agents or routers registered in etcd")
@@ -511,7 +609,7 @@ def cmd_nodes(args) -> int:
 
 def cmd_stats(args) -> int:
     async def body(etcd) -> int:
-        view = await cluster_view(etcd, _token(args), args.node_timeout, args.tenant, tls=args.tls)
+        view = await _view(etcd, args, args.tenant)
         tenants = view.tenants(args.tenant)
         ev = view.evictions()
         if args.output == "json":
@@ -519,6 +617,9 @@ def cmd_stats(args) -> int:
                 {
                     "tenants": [t.to_dict() for t in tenants],
                     "evictions": ev,
+                    "agents_summed": len(view.nodes) - len(view.unreachable),
+                    "agents_expected": view.expected_agents,
+                    "missing": [m.to_dict() for m in view.missing_agents],
                     "nodes": [
                         {
                             "node_id": n.node_id,
@@ -568,6 +669,13 @@ def cmd_stats(args) -> int:
                 )
                 if ev
                 else "no evictions"
+            )
+        summed = len(view.nodes) - len(view.unreachable)
+        if summed < view.expected_agents and args.output != "json":
+            short = view.unreachable + [m.member_id for m in view.missing_agents]
+            print(
+                f"\nPARTIAL: summed over {summed} of {view.expected_agents} agents "
+                f"({', '.join(short)} not counted)"
             )
         return _unreachable_exit(view, "stats")
 
@@ -639,6 +747,15 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
             default=3.0,
             metavar="S",
             help="seconds to wait for each agent (default 3)",
+        )
+        p.add_argument(
+            "--seen-window",
+            type=duration,
+            default=SEEN_WINDOW_S,
+            metavar="DURATION",
+            help="an agent or router seen within this long (e.g. 24h, 30m; default 24h) "
+            "but not registered now is reported missing (health degraded, exit 4); "
+            "`kvctl nodes forget ID` drops a decommissioned one",
         )
 
 
@@ -719,6 +836,15 @@ def _register_views(sub) -> None:
         p = sub.add_parser(name, help=helptext)
         if name == "stats":
             p.add_argument("--tenant", help="only this tenant")
+        if name == "nodes":
+            p.description = (
+                "Every agent and router: address, device, occupancy, state; agents and "
+                "routers seen recently but not registered now are listed as MISSING. "
+                "`kvctl nodes forget ID` deletes the record of a member decommissioned "
+                "for good (a live one is refused)."
+            )
+            p.add_argument("action", nargs="?", choices=["forget"], help="forget ID")
+            p.add_argument("member", nargs="?", metavar="ID", help="agent or router id")
         _common(p, nodes=True)
         p.set_defaults(func=fn, kvctl_command=name)
 

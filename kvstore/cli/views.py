@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -26,6 +27,7 @@ from kvstore.coord.etcd import (
     NodeRecord,
     killswitch_enabled,
 )
+from kvstore.coord.seen import list_seen
 from kvstore.config import TLSConfig
 from kvstore.events import Tier
 from kvstore.tls import aio_channel
@@ -113,6 +115,36 @@ class NodeView:
         return d
 
 
+SEEN_WINDOW_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MissingMember:
+    """An agent or router seen (seen/<kind>/<id>, kvstore/coord/seen.py) within the
+    window but not live now: dead, frozen, cut off, or stopped and not forgotten."""
+
+    kind: str  # agent | router
+    member_id: str
+    last_seen: float  # unix seconds
+    address: str = ""
+
+    def ago(self, now: float | None = None) -> str:
+        s = max(0, int((time.time() if now is None else now) - self.last_seen))
+        if s < 120:
+            return f"{s}s ago"
+        if s < 7200:
+            return f"{s // 60}m ago"
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m ago"
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.last_seen))
+        at = f" at {self.address}" if self.address else ""
+        return f"{self.kind} {self.member_id}{at} missing: last seen {self.ago()} ({when})"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "last_seen_ago_s": round(time.time() - self.last_seen, 1)}
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     etcd_endpoints: tuple[str, ...]
@@ -123,6 +155,7 @@ class ClusterView:
     routers: tuple[dict, ...]
     namespaces: int
     quotas: dict  # tenant -> Quota fields
+    missing: tuple[MissingMember, ...] = ()  # seen within the window, not live now
 
     @property
     def degraded_tiers(self) -> list[str]:
@@ -139,10 +172,29 @@ class ClusterView:
         return [n.node_id for n in self.nodes if not n.reachable]
 
     @property
+    def missing_agents(self) -> list[MissingMember]:
+        return [m for m in self.missing if m.kind == "agent"]
+
+    @property
+    def expected_agents(self) -> int:
+        """Agents live now plus agents seen within the window that are not."""
+        return len(self.nodes) + len(self.missing_agents)
+
+    @property
+    def members_down(self) -> list[str]:
+        """Why membership is short: unreachable or missing members, no router. Empty when
+        every member expected is here (status exits 4 otherwise)."""
+        out = [f"agent {n} unreachable" for n in self.unreachable]
+        out += [m.describe() for m in self.missing]
+        if not self.routers and (self.nodes or self.missing):
+            out.append("no router registered in etcd: engines cannot route")
+        return out
+
+    @property
     def health(self) -> str:
-        if not self.nodes:
+        if not self.nodes and not self.missing:
             return "no agents"
-        if self.unreachable or self.degraded_tiers:
+        if self.members_down or self.degraded_tiers:
             return "degraded"
         return "kill switch on" if self.killswitch else "healthy"
 
@@ -171,6 +223,8 @@ class ClusterView:
             "nodes": [n.to_dict() for n in self.nodes],
             "routers": list(self.routers),
             "unreachable": self.unreachable,
+            "missing": [m.to_dict() for m in self.missing],
+            "problems": self.members_down,
             "degraded_tiers": self.degraded_tiers,
             "namespaces": self.namespaces,
             "quotas": self.quotas,
@@ -263,12 +317,16 @@ async def cluster_view(
     tenant: str | None = None,
     with_stats: bool = True,
     tls: TLSConfig | None = None,
+    seen_window_s: float = SEEN_WINDOW_S,
 ) -> ClusterView:
     """Everything from etcd (raises kvstore.errors.Unavailable when it cannot be reached),
-    then every registered agent's Stats in parallel (unreachable agents are marked)."""
+    then every registered agent's Stats in parallel (unreachable agents are marked).
+    Members seen within `seen_window_s` (seen/, kvstore/coord/seen.py) without a live
+    membership key now are `missing`."""
     info = await etcd_status(etcd)
     nodes = await etcd.list_nodes()
     _, routers = await etcd.list(ROUTERS)
+    seen = await list_seen(etcd)
     switch = await etcd.get(KILLSWITCH)
     _, namespaces = await etcd.list(NAMESPACES)
     _, tenants = await etcd.list(TENANTS)
@@ -288,6 +346,20 @@ async def cluster_view(
         views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant, tls) for r in nodes))
     else:
         views = [NodeView(r.node_id, r.address, r.device, True) for r in nodes]
+    live = {("agent", r.node_id) for r in nodes} | {
+        ("router", kv.key[len(ROUTERS) :]) for kv in routers
+    }
+    since = time.time() - seen_window_s
+    missing = tuple(
+        sorted(
+            (
+                MissingMember(s.kind, s.member_id, s.at, s.address)
+                for s in seen
+                if (s.kind, s.member_id) not in live and s.at >= since
+            ),
+            key=lambda m: (m.kind, m.member_id),
+        )
+    )
     switch_info: dict = {}
     if switch is not None:
         try:
@@ -303,4 +375,5 @@ async def cluster_view(
         tuple(router_list),
         len(namespaces),
         quotas,
+        missing,
     )

@@ -109,8 +109,9 @@ def _traffic(client: AgentClient) -> None:
     assert client.lookup(BETA, beta, 0).matched == 2
 
 
-def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, capsys):
+def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, start_router, capsys):
     e = ("--etcd", etcd.endpoint)
+    start_router()  # without one, status says degraded (test_status_names_agents_…)
     agent = spawn_agent(**agent_cfg(etcd))
     _traffic(AgentClient(agent.address))
     assert run(capsys, "flush", "acme/chat", *e)[0] == 0
@@ -245,3 +246,72 @@ def test_stats_count_each_request_once_whichever_calls_it_made(etcd, spawn_agent
         4 + 0 + 4 + 4 + 2,
     )
     assert acme["request_hit_rate"] == 0.8
+
+
+def test_status_names_agents_and_routers_seen_but_gone(etcd, spawn_agent, start_router, capsys):
+    """An agent killed with -9 stays expected once its lease expired: status says degraded
+    (exit 4) and names it with when it was last seen, stats says it summed fewer agents;
+    `nodes forget` drops a decommissioned one. No router at all is degraded too."""
+    from support.common import wait_for
+
+    e = ("--etcd", etcd.endpoint)
+    router = start_router()
+    dead = spawn_agent(**agent_cfg(etcd))
+    spawn_agent(**agent_cfg(etcd))
+    wait_for(
+        lambda: (
+            run(capsys, "status", *e)[0] == 0 and "2/2 reachable" in run(capsys, "status", *e)[1]
+        ),
+        what="both agents and the router registered",
+    )
+    wait_for(lambda: _seen_ids(etcd) >= {"agent/agent-0", "agent/agent-1"}, what="seen records")
+    dead.kill()
+    wait_for(
+        lambda: [n["node_id"] for n in run_json(capsys, "nodes", *e, rc=4)["nodes"]] == ["agent-1"],
+        timeout=30,
+        what="agent-0's lease expired",
+    )
+    rc, out, err = run(capsys, "status", *e)
+    assert rc == 4, (out, err)
+    assert "health:      degraded" in out and "agents:      1/2 reachable (1 missing)" in out
+    assert "agent agent-0 at " in out and "missing: last seen" in out
+    assert "kvctl nodes forget agent-0" in err
+    st = run_json(capsys, "status", *e, rc=4)
+    assert st["health"] == "degraded"
+    assert [(m["kind"], m["member_id"]) for m in st["missing"]] == [("agent", "agent-0")]
+    rc, out, err = run(capsys, "nodes", *e)
+    assert rc == 4 and "MISSING (last seen" in out
+    rc, out, err = run(capsys, "stats", *e)
+    assert rc == 4 and "PARTIAL: summed over 1 of 2 agents (agent-0 not counted)" in out
+    stats = run_json(capsys, "stats", *e, rc=4)
+    assert (stats["agents_summed"], stats["agents_expected"]) == (1, 2)
+    # a window shorter than since it was seen: no longer expected
+    assert run(capsys, "status", "--seen-window", "0.001s", *e)[0] == 0
+
+    rc, _, err = run(capsys, "nodes", "forget", "agent-1", *e)
+    assert rc == 1 and "is live" in err
+    rc, out, err = run(capsys, "nodes", "forget", "agent-0", *e)
+    assert rc == 0 and "forgot agent-0" in out, err
+    rc, out, err = run(capsys, "status", *e)
+    assert rc == 0 and "health:      healthy" in out and "1/1 reachable" in out, (out, err)
+    assert run_json(capsys, "audit", *e)[-1]["action"] == "nodes-forget"
+
+    router.stop()  # a clean stop: the router leaves, its seen record with it
+    wait_for(lambda: run(capsys, "status", *e)[0] == 4, what="the router gone")
+    rc, out, err = run(capsys, "status", *e)
+    assert "health:      degraded" in out and "routers:     0 (none registered" in out
+    assert "no router registered" in err
+
+
+def _seen_ids(etcd) -> set[str]:
+    """The seen/ records the members wrote (raw etcd, no kvstore helper)."""
+    import asyncio
+
+    from kvstore.coord.etcd import EtcdClient
+
+    async def main():
+        async with EtcdClient(etcd.endpoint) as client:
+            _, items = await client.list("seen/")
+            return {kv.key.removeprefix("seen/") for kv in items}
+
+    return asyncio.run(main())

@@ -1,0 +1,127 @@
+"""Members seen: a lease-less record per agent and router, so `kvctl status` can tell a
+member that died (its leased nodes/ or routers/ key expired with it) from one that never
+existed.
+
+Keys under the EtcdClient prefix::
+
+    seen/agent/<node_id>      {"at": unix seconds, "address": ...}
+    seen/router/<router_id>   {"at": unix seconds, "address": ...}
+
+`SeenWriter` runs in the member's own process, next to its registration: it writes the
+record when the member's membership key is live (the `live` event: the agent's
+`Registration.registered`, the router's `LeasedKey.live`) and again every `interval_s`
+while it stays live, so `at` is never older than `interval_s` for a member that is
+alive. The record has no lease: it outlives the process. `kvctl nodes forget ID`
+deletes it for a member decommissioned for good. A router that stops cleanly deletes its
+own record (`forget_on_stop`): router ids are pod names, replaced by every rollout, while
+an agent's id (host and GPU) comes back when it restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from kvstore.coord.etcd import EtcdClient
+from kvstore import errors
+
+SEEN = "seen/"
+KINDS = ("agent", "router")
+INTERVAL_S = 60.0
+
+log = logging.getLogger("kvstore.seen")
+
+
+def seen_key(kind: str, member_id: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return f"{SEEN}{kind}/{member_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    kind: str  # agent | router
+    member_id: str
+    at: float  # unix seconds of the last write
+    address: str = ""
+
+
+async def list_seen(etcd: EtcdClient) -> list[Seen]:
+    """Every seen record (damaged ones skipped)."""
+    _, items = await etcd.list(SEEN)
+    out = []
+    for kv in items:
+        kind, _, member_id = kv.key[len(SEEN) :].partition("/")
+        try:
+            d = json.loads(kv.value)
+            out.append(Seen(kind, member_id, float(d["at"]), str(d.get("address", ""))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+async def forget(etcd: EtcdClient, member_id: str) -> list[str]:
+    """Delete the seen records of `member_id` (an agent's node id, or a router's id,
+    `router:` prefix optional); returns the keys deleted."""
+    ids = {member_id, member_id.removeprefix("router:")}
+    gone = []
+    for kind in KINDS:
+        for mid in ids:
+            key = seen_key(kind, mid)
+            if await etcd.delete(key):
+                gone.append(key)
+    return gone
+
+
+class SeenWriter:
+    """Write seen/<kind>/<id> whenever `live` is set, then every `interval_s` while it
+    stays set. Failures are retried quietly (etcd down: the data path keeps serving)."""
+
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        kind: str,
+        member_id: str,
+        live: asyncio.Event,
+        address: str = "",
+        interval_s: float = INTERVAL_S,
+        forget_on_stop: bool = False,
+    ) -> None:
+        self.etcd = etcd
+        self.key = seen_key(kind, member_id)
+        self.live = live
+        self.address = address
+        self.interval_s = interval_s
+        self.forget_on_stop = forget_on_stop
+        self.written = asyncio.Event()  # set after the first write (tests)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"seen-{self.key}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.forget_on_stop:
+            try:
+                await self.etcd.delete(self.key)
+            except errors.KvError as exc:
+                log.warning("could not delete %s from etcd: %s", self.key, exc)
+
+    async def _run(self) -> None:
+        while True:
+            await self.live.wait()
+            try:
+                value = json.dumps({"at": time.time(), "address": self.address}).encode()
+                await self.etcd.put(self.key, value)
+                self.written.set()
+            except errors.KvError as exc:
+                log.debug("writing %s to etcd failed (retrying): %s", self.key, exc)
+                await asyncio.sleep(min(self.interval_s, 1.0))
+                continue
+            await asyncio.sleep(self.interval_s)
