@@ -6,8 +6,9 @@ lines go to stderr either way) and finds etcd from `--etcd`, else `--state-dir` 
 cluster's cluster.json), else $KVSTORE_ETCD, else $KVSTORE_STATE_DIR, else the
 .state/cluster of `make run` in this directory or a parent (kvstore/cli/discover.py).
 
-Exit codes: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
-5 a flush or kill switch change was not acknowledged by every live member in time.
+Exit codes: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable (nothing changed), 4 node
+unreachable or missing, 5 a flush or kill switch change committed but not acknowledged by
+every live member in time (or etcd went away before that was confirmed).
 """
 
 from __future__ import annotations
@@ -182,6 +183,38 @@ def _progress_printer(what: str):
 
 
 # ----------------------------------------------------------------------- commands
+_COMMITTED = "_kvctl_committed_revision"
+
+
+def _committed_hook(args, show):
+    """Wrap an on_commit callback so that args remembers the change was committed."""
+
+    def hook(*a) -> None:
+        setattr(args, _COMMITTED, a[-1])  # the revision is the last argument
+        show(*a)
+
+    return hook
+
+
+def _unconfirmed(args, command: str, exc: Exception) -> int:
+    """etcd failed: before the commit nothing changed (re-raised: exit 3); after it the
+    change is in force and only its acknowledgements are unconfirmed (exit 5)."""
+    revision = getattr(args, _COMMITTED, None)
+    if revision is None:
+        raise exc
+    if args.output == "json":
+        _json({"ok": False, "committed": True, "revision": revision, "error": str(exc)})
+    print(
+        f"kvctl {command}: COMMITTED at etcd revision {revision}, but etcd became "
+        f"unreachable before every acknowledgement was seen, so they are unconfirmed "
+        f"({exc}). The change is in force: members refuse the old state as soon as they "
+        "see it. Once etcd answers, check `kvctl audit` and `kvctl nodes`; repeating the "
+        "command is safe.",
+        file=sys.stderr,
+    )
+    return NOT_ACKED
+
+
 def cmd_flush(args) -> int:
     tenant, sep, name = args.target.partition("/")
     if not sep or not tenant or not name or "/" in name:
@@ -205,7 +238,16 @@ def cmd_flush(args) -> int:
                 flush=True,
             )
 
-        rep = await cp.flush(tenant, name, args.timeout, _progress_printer("flush"), committed)
+        try:
+            rep = await cp.flush(
+                tenant,
+                name,
+                args.timeout,
+                _progress_printer("flush"),
+                _committed_hook(args, committed),
+            )
+        except errors.Unavailable as exc:
+            return _unconfirmed(args, "flush", exc)
         p = rep.progress
         for m in p.left:
             print(
@@ -286,18 +328,24 @@ def cmd_killswitch(args) -> int:
                 print(f"kill switch: {'ON' if on else 'off'}{extra}")
             return OK
         on = args.state == "on"
-        rep = await cp.set_killswitch(
-            on,
-            args.reason,
-            args.timeout,
-            _progress_printer(f"kill switch {args.state}"),
-            lambda rev: print(
-                f"kill switch {args.state}: set at etcd revision {rev}; "
-                "waiting for acknowledgements",
-                file=sys.stderr,
-                flush=True,
-            ),
-        )
+        try:
+            rep = await cp.set_killswitch(
+                on,
+                args.reason,
+                args.timeout,
+                _progress_printer(f"kill switch {args.state}"),
+                _committed_hook(
+                    args,
+                    lambda rev: print(
+                        f"kill switch {args.state}: set at etcd revision {rev}; "
+                        "waiting for acknowledgements",
+                        file=sys.stderr,
+                        flush=True,
+                    ),
+                ),
+            )
+        except errors.Unavailable as exc:
+            return _unconfirmed(args, "killswitch", exc)
         p = rep.progress
         if args.output == "json":
             _json(

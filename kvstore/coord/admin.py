@@ -69,6 +69,20 @@ ROUTER_MEMBER = "router:"
 _CAS_ATTEMPTS = 16
 _TXN_MAX_OPS = 100  # etcd's default --max-txn-ops is 128
 _POLL_S = 0.1
+# What the audit record of a flush or kill switch change says from its commit until kvctl
+# rewrites it with the outcome (it stays so when kvctl was killed or etcd went away).
+UNCONFIRMED = "committed; acknowledgements unconfirmed (kvctl has not reported them)"
+
+
+class CommittedUnconfirmed(errors.Unavailable):
+    """etcd became unreachable after a flush or kill switch change was committed: the
+    change is in force in etcd, its acknowledgements are unconfirmed. `last` is the last
+    progress seen (None: none was read)."""
+
+    def __init__(self, msg: str, revision: int, last: "AckProgress | None") -> None:
+        super().__init__(msg)
+        self.revision = revision
+        self.last = last
 
 
 def router_member(router_id: str) -> str:
@@ -440,8 +454,8 @@ class ControlPlane:
                     akey,
                     "flush",
                     target,
-                    True,
-                    "committed; waiting for acknowledgements",
+                    False,  # until kvctl saw every acknowledgement and rewrote it
+                    UNCONFIRMED,
                     params,
                     at,
                 )
@@ -511,8 +525,15 @@ class ControlPlane:
             raise
         if on_commit is not None:
             on_commit(flushed, revision)
-        state = await self._wait(
-            lambda: self.flush_progress(tenant, name, flushed, revision), t0 + timeout_s, progress
+        state = await self._wait_committed(
+            "flush",
+            target,
+            akey,
+            revision,
+            {"namespaces": [asdict(f) for f in flushed], "revision": revision},
+            lambda: self.flush_progress(tenant, name, flushed, revision),
+            t0 + timeout_s,
+            progress,
         )
         elapsed = time.monotonic() - t0
         if not flushed and state.done and not state.unregistered:
@@ -547,6 +568,33 @@ class ControlPlane:
         }
         await self.audit("flush", target, state.done, result, params, key=akey)
         return FlushReport(tenant, name, tuple(flushed), revision, state, elapsed, akey)
+
+    async def _wait_committed(
+        self, action, target, akey, revision, params, poll, deadline, progress
+    ) -> AckProgress:
+        """`_wait` after a commit: etcd failing now raises CommittedUnconfirmed (the change
+        is in force; its audit record is rewritten to say so if etcd answers once more)."""
+        seen: list[AckProgress] = []
+
+        def track(p: AckProgress) -> None:
+            seen.append(p)
+            if progress is not None:
+                progress(p)
+
+        try:
+            return await self._wait(poll, deadline, track)
+        except errors.Unavailable as exc:
+            last = seen[-1] if seen else None
+            acked = f"{len(last.acked)}/{len(last.members)}" if last else "none"
+            result = (
+                f"committed at etcd revision {revision}; acknowledgements unconfirmed: etcd "
+                f"became unreachable while waiting ({acked} acknowledged when last read)"
+            )
+            try:
+                await self.audit(action, target, False, result, params, key=akey)
+            except errors.Unavailable:
+                pass  # the record committed with the change already says unconfirmed
+            raise CommittedUnconfirmed(f"{result}: {exc}", revision, last) from exc
 
     async def _wait(self, poll, deadline: float, progress) -> AckProgress:
         """Poll until done or the deadline. Polling (not a watch) because both the acks
@@ -602,8 +650,8 @@ class ControlPlane:
                     akey,
                     "killswitch",
                     target,
-                    True,
-                    "set; waiting for acknowledgements",
+                    False,  # until kvctl saw every acknowledgement and rewrote it
+                    UNCONFIRMED,
                     params,
                     at,
                 ),
@@ -611,8 +659,15 @@ class ControlPlane:
         )
         if on_commit is not None:
             on_commit(revision)
-        state = await self._wait(
-            lambda: self.switch_progress(enabled, revision), t0 + timeout_s, progress
+        state = await self._wait_committed(
+            "killswitch",
+            target,
+            akey,
+            revision,
+            {**params, "revision": revision},
+            lambda: self.switch_progress(enabled, revision),
+            t0 + timeout_s,
+            progress,
         )
         elapsed = time.monotonic() - t0
         result = (

@@ -254,6 +254,45 @@ def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     assert (audit["action"], audit["target"], audit["ok"]) == ("flush", "acme/nope", False)
 
 
+def test_flush_committed_then_etcd_lost_exits_5_not_3(etcd, spawn_agent):
+    """etcd going away after the commit (a member still to acknowledge) is not "nothing
+    was changed": exit 5, the message says the flush is committed and its
+    acknowledgements unconfirmed, and so does the audit record."""
+    import subprocess
+
+    a = spawn_agent(**agent_cfg(etcd))
+    AgentClient(a.address).open(SPEC)
+
+    def flush_then_lose_etcd():
+        env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
+        argv = ["flush", "acme/chat", "--timeout", "60", "--etcd-timeout", "1"]
+        p = subprocess.Popen(
+            [PY, "-m", "kvstore.cli", *argv, "--etcd", etcd.endpoint],
+            cwd=ROOT,
+            env={**env, "KVSTORE_OPERATOR": "ops@test"},
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stderr is not None
+        first = p.stderr.readline()
+        assert "committed at etcd revision" in first, first
+        etcd.stop()
+        try:
+            out, err = p.communicate(timeout=60)
+        finally:
+            etcd.start()
+        return p.returncode, out, first + err
+
+    rc, out, err = with_fake_member(etcd.endpoint, "ghost", flush_then_lose_etcd)
+    assert rc == 5, (out, err)
+    assert "COMMITTED at etcd revision" in err and "unconfirmed" in err
+    assert "no change was made" not in err
+    audit = kvctl_json("audit", etcd=etcd)[-1]
+    assert (audit["action"], audit["ok"]) == ("flush", False), audit
+    assert "acknowledgements unconfirmed" in audit["result"], audit
+
+
 # ------------------------------------------------- joining right after a flush
 # A flush stops waiting for members its membership check did not see. A member that
 # registers just after that check gets the new generation from its watch a moment later;
