@@ -122,6 +122,8 @@ class BlockStore:
         self._residency = Residency(
             pool, rocks, self.accounts, self._queue, self.counters, self.events
         )
+        # evictions by reason of each tenant (the node's are in `counters`)
+        self.tenant_counters = self._residency.tenant_counters
         self._writes = Writes(pool, self._residency, self.counters, self.events, clock)
         self._reads = Reads(self._residency, self.counters, self.events, clock)
         self._killswitch = KillSwitch(self.counters)
@@ -260,7 +262,7 @@ class BlockStore:
             if self.rocks is not None:
                 self.rocks.delete_prefix(ns_id)
             self._save_ns(st)
-            self.counters["blocks_dropped_flush"] += dropped
+            self._residency.count(st.tenant, "blocks_dropped_flush", dropped)
             self.events.append(EventKind.NAMESPACE_CLEARED, ns_id, generation=generation)
             return dropped
 

@@ -12,7 +12,7 @@ under the store's lock. Only leaves leave the node and only pool-leaves leave th
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+from collections import Counter, defaultdict
 
 from kvstore.accounting import TenantAccounts
 from kvstore.errors import DataLoss
@@ -44,12 +44,21 @@ class Residency:
         self.queue = queue
         self.counters = counters
         self.events = events
+        # The eviction counters (evict_*, removed_*, blocks_dropped_flush) per tenant too:
+        # `kvctl stats --tenant T` shows the tenant's own (node_agent/stats.py).
+        self.tenant_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.nvme_used = 0
         # Slots of blocks removed while a get still copies out of them: freed by the last
         # reader, so a slot is never reused under a copy in flight.
         self._parked: dict[BlockMeta, int] = {}
 
     # ------------------------------------------------------------ making room
+
+    def count(self, tenant: str, name: str, n: int = 1) -> None:
+        """Count an eviction reason on the node and for its tenant."""
+        self.counters[name] += n
+        self.tenant_counters[tenant][name] += n
+
     def reserve_slot(
         self, tenant: str, extra: int = 0, protect: BlockMeta | None = None
     ) -> int | None:
@@ -89,7 +98,7 @@ class Residency:
 
     def evict_hbm(self, m: BlockMeta, reason: str) -> bool:
         """Demote or drop `m`; False when it has to stay (children, and NVMe is full)."""
-        self.counters[f"evict_hbm_{reason}"] += 1
+        self.count(m.ns.tenant, f"evict_hbm_{reason}")
         if m.children == 0 and not (m.ns.policy.persist and self.rocks is not None):
             self._remove_one(m)
             return True
@@ -177,9 +186,9 @@ class Residency:
     def evict_nvme(self, m: BlockMeta, quota: bool = False) -> None:
         """Drop a block's NVMe copy (and the block, if that was its only copy); `quota`:
         evicted for its tenant's NVMe quota, which is counted apart as well."""
-        self.counters["evict_nvme"] += 1
+        self.count(m.ns.tenant, "evict_nvme")
         if quota:
-            self.counters["evict_nvme_quota"] += 1
+            self.count(m.ns.tenant, "evict_nvme_quota")
         if m.slot >= 0:
             self._drop_nvme_copy(m)
         else:
@@ -362,5 +371,5 @@ class Residency:
             self.remove(m)
         if gone:
             self.events.append(EventKind.REMOVED, st.ns_id, tuple(m.block_id for m in gone))
-            self.counters[f"removed_{reason}"] += len(gone)
+            self.count(st.tenant, f"removed_{reason}", len(gone))
         return len(gone)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 
 from kvstore.events import Tier
 from kvstore.store import BlockStore
@@ -64,7 +65,14 @@ def build_stats(
                     lookup_hit_blocks=tc[HIT_BLOCKS],
                 )
             )
-        counters = {} if tenant is not None else {k: int(v) for k, v in store.counters.items()}
+        # A tenant's Stats: its own evictions by reason (the node's other counters are
+        # every tenant's); the node's: every counter.
+        counters = {
+            k: int(v)
+            for k, v in (
+                store.counters if tenant is None else store.tenant_counters.get(tenant, Counter())
+            ).items()
+        }
         if tenant is None and rocks is not None:
             counters.update(rocks.counters())
         return agent_pb2.StatsResponse(

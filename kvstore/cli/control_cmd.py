@@ -687,8 +687,8 @@ def cmd_stats(args) -> int:
                         "lookups",
                         "hit rate (requests)",
                         "hit rate (tokens)",
-                        "hbm used",
-                        "nvme used",
+                        "hbm used: all nodes (max/node)",
+                        "nvme used: all nodes (max/node)",
                         "hbm quota/node",
                         "nvme quota/node",
                     ],
@@ -698,8 +698,8 @@ def cmd_stats(args) -> int:
                             t.lookups,
                             _pct(t.request_hit_rate),
                             _pct(t.token_hit_rate),
-                            format_size(t.hbm_bytes),
-                            format_size(t.nvme_bytes),
+                            f"{format_size(t.hbm_bytes)} ({format_size(t.hbm_node_max_bytes)})",
+                            f"{format_size(t.nvme_bytes)} ({format_size(t.nvme_node_max_bytes)})",
                             format_size(t.hbm_limit_bytes) if t.hbm_limit_bytes else "-",
                             format_size(t.nvme_limit_bytes) if t.nvme_limit_bytes else "-",
                         ]
@@ -709,14 +709,22 @@ def cmd_stats(args) -> int:
                 if tenants
                 else "no tenant activity"
             )
+            if tenants:
+                n = max(t.nodes for t in tenants)
+                print(
+                    f"(used: summed over {n} node{'s' if n != 1 else ''}, the most on one "
+                    "node in brackets; quotas are per node)"
+                )
             print()
+            whose = f" of tenant {args.tenant}" if args.tenant else ""
             print(
                 table(
                     ["eviction reason", "blocks", "meaning"],
                     [[k, v, EVICTION_REASONS[k]] for k, v in ev.items()],
                 )
+                + (f"\n(evictions of {args.tenant}'s blocks only)" if args.tenant else "")
                 if ev
-                else "no evictions"
+                else f"no evictions{whose}"
             )
         summed = len(view.nodes) - len(view.unreachable)
         if summed < view.expected_agents and args.output != "json":

@@ -65,6 +65,11 @@ class TenantView:
     lookup_hits: int = 0
     lookup_blocks: int = 0
     lookup_hit_blocks: int = 0
+    # hbm_bytes/nvme_bytes are summed over nodes; these are the largest on one node
+    # (what a per-node quota compares with)
+    hbm_node_max_bytes: int = 0
+    nvme_node_max_bytes: int = 0
+    nodes: int = 1  # nodes summed
 
     @property
     def request_hit_rate(self) -> float | None:
@@ -92,6 +97,9 @@ class TenantView:
             self.lookup_hits + o.lookup_hits,
             self.lookup_blocks + o.lookup_blocks,
             self.lookup_hit_blocks + o.lookup_hit_blocks,
+            max(self.hbm_node_max_bytes, o.hbm_node_max_bytes),
+            max(self.nvme_node_max_bytes, o.nvme_node_max_bytes),
+            self.nodes + o.nodes,
         )
 
 
@@ -245,6 +253,8 @@ def _tenant(t: agent_pb2.TenantStats) -> TenantView:
         t.lookup_hits,
         t.lookup_blocks,
         t.lookup_hit_blocks,
+        t.hbm_bytes,
+        t.nvme_bytes,
     )
 
 

@@ -140,6 +140,15 @@ def test_status_nodes_stats_in_both_formats(etcd, spawn_agent, start_router, cap
     assert stats["evictions"] == {"blocks_dropped_flush": 4}
     only = run_json(capsys, "stats", "--tenant", "beta", *e)
     assert [t["tenant"] for t in only["tenants"]] == ["beta"]
+    assert only["evictions"] == {}  # acme's flush is not beta's
+    acme = run_json(capsys, "stats", "--tenant", "acme", *e)
+    assert acme["evictions"] == {"blocks_dropped_flush": 4}  # was always "no evictions"
+    rc, out, _ = run(capsys, "stats", "--tenant", "acme", *e)
+    assert "no evictions" not in out and "blocks_dropped_flush  4" in out, out
+    rc, out, _ = run(capsys, "stats", "--tenant", "beta", *e)
+    assert "no evictions of tenant beta" in out
+    # bytes summed over nodes are labelled so, next to the most on one node
+    assert "hbm used: all nodes (max/node)" in out and "quotas are per node" in out
     rc, out, _ = run(capsys, "stats", *e)
     acme_row = next(line for line in out.split("\n") if line.startswith("acme"))
     assert acme_row.split()[1:4] == ["2", "50.0%", "25.0%"]

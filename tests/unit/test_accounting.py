@@ -107,6 +107,9 @@ def test_tenant_over_hbm_quota_evicts_its_own_blocks(make_store):
         assert put(store, ACME, items) == (1, 0)
         assert store.accounts.used("acme", Tier.HBM) <= 2 * NB
     assert store.counters["evict_hbm_quota"] == 3
+    # ... and counted as acme's (kvctl stats --tenant acme), none as beta's
+    assert dict(store.tenant_counters["acme"]) == {"evict_hbm_quota": 3}
+    assert "beta" not in store.tenant_counters
     assert store.lookup(BETA.namespace_id, 0, b_ids).hbm == 3  # untouched
     assert usage(store, "beta") == (3, 3, 0, 0)
     assert usage(store, "acme") == (2, 2, 3, 3)  # spilled, still on the node
@@ -129,6 +132,14 @@ def test_tenant_over_nvme_quota_drops_its_own_blocks(make_store):
         assert store.accounts.used("acme", Tier.NVME) <= 2 * NB
     assert usage(store, "acme")[2] == 2
     assert usage(store, "beta") == (0, 0, 2, 2)  # spilled by capacity, never dropped
+    # per tenant: acme's NVMe quota drops, beta's capacity demotions
+    acme, beta = store.tenant_counters["acme"], store.tenant_counters["beta"]
+    assert dict(acme) == {"evict_hbm_capacity": 3, "evict_nvme": 1, "evict_nvme_quota": 1}
+    assert dict(beta) == {"evict_hbm_capacity": 2}  # they add up to the node's
+    assert store.counters["evict_hbm_capacity"] == 5 and store.counters["evict_nvme"] == 1
+    assert store.set_generation(BETA.namespace_id, 1) == 2
+    assert store.tenant_counters["beta"]["blocks_dropped_flush"] == 2
+    assert store.tenant_counters["acme"]["blocks_dropped_flush"] == 0
 
 
 def test_non_persist_tenant_quota_drops_own_blocks(make_store):
