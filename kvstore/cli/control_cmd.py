@@ -28,6 +28,7 @@ from kvstore.coord.etcd import EtcdClient
 from kvstore.process import seconds as process_seconds
 from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
+from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
@@ -398,7 +399,29 @@ def cmd_quota(args) -> int:
                 None if args.hbm is None else parse_size(args.hbm),
                 None if args.nvme is None else parse_size(args.nvme),
             )
+            if problem := tenant_name_problem(args.tenant):  # before any warning
+                raise Usage(f"tenant name {args.tenant!r} {problem}")
+            if not await etcd.list_namespaces(args.tenant):
+                unknown = (
+                    f"no namespace of tenant {args.tenant!r} is registered in etcd (a typo? "
+                    "`kvctl namespaces` lists the tenants)"
+                )
+                if args.strict:
+                    print(f"kvctl quota set: {unknown}; nothing set (--strict)", file=sys.stderr)
+                    return FAILED
+                print(
+                    f"kvctl quota set: warning: {unknown}; setting it anyway, for when the "
+                    "tenant first opens one",
+                    file=sys.stderr,
+                )
             quotas = {args.tenant: await cp.set_quota(args.tenant, quota)}
+            print(
+                "kvctl quota set: stored in etcd; each agent applies it when its quota "
+                "watch delivers it (normally within a second; an agent cut off from etcd "
+                "applies it once it reconnects). kvctl does not wait for the agents: "
+                f"`kvctl stats --tenant {args.tenant}` shows the limits they apply.",
+                file=sys.stderr,
+            )
         elif args.action == "get":
             q = await cp.get_quota(args.tenant)
             if q is None:
@@ -872,8 +895,28 @@ def _register_actions(sub) -> None:
         if action != "list":
             q.add_argument("tenant")
         if action == "set":
-            q.add_argument("--hbm", metavar="SIZE", help="device pool bytes, e.g. 10GiB")
-            q.add_argument("--nvme", metavar="SIZE", help="NVMe bytes, e.g. 200GiB")
+            q.add_argument(
+                "--hbm",
+                metavar="SIZE",
+                help="device pool bytes per node, e.g. 10GiB; 0 removes the limit "
+                "(unlimited, whatever the agents' config says)",
+            )
+            q.add_argument(
+                "--nvme",
+                metavar="SIZE",
+                help="NVMe bytes per node, e.g. 200GiB; 0 removes the limit",
+            )
+            q.add_argument(
+                "--strict",
+                action="store_true",
+                help="refuse (exit 1) a tenant with no namespace registered in etcd "
+                "(default: warn and set it, for a tenant yet to start)",
+            )
+            q.description = (
+                "Set or change a tenant's per-node limits; a tier not given keeps its "
+                "value. 0 removes a limit (unlimited); `kvctl quota clear` goes back to "
+                "the agents' configured limits. Agents apply it from their etcd watch."
+            )
         _common(q)
         q.set_defaults(func=cmd_quota, kvctl_command=f"quota {action}")
 

@@ -324,3 +324,17 @@ def _seen_ids(etcd) -> set[str]:
             return {kv.key.removeprefix("seen/") for kv in items}
 
     return asyncio.run(main())
+
+
+def test_quota_set_warns_of_a_tenant_never_seen_and_says_how_it_applies(etcd, capsys):
+    e = ("--etcd", etcd.endpoint)
+    rc, _, err = run(capsys, "quota", "set", "nosuchtenant", "--hbm", "1MiB", *e)
+    assert rc == 0, err  # a quota may be set before the tenant's first namespace
+    assert "warning: no namespace of tenant 'nosuchtenant' is registered in etcd" in err
+    assert "each agent applies it when its quota watch delivers it" in err
+    assert "does not wait for the agents" in err
+    rc, _, err = run(capsys, "quota", "set", "other", "--hbm", "1MiB", "--strict", *e)
+    assert rc == 1 and "nothing set (--strict)" in err
+    assert set(run_json(capsys, "quota", "list", *e)) == {"nosuchtenant"}
+    rc, out, _ = run(capsys, "quota", "set", "--help")
+    assert "0 removes the limit" in " ".join(out.split())
