@@ -7,6 +7,7 @@ Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachabl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvstore.cli.analyze import add_analyze_arguments, analyze_command
@@ -55,7 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()  # here, not at interpreter exit, where a failure is a traceback
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`kvctl status | head -5`): stop quietly, like other CLIs.
+        # stdout goes to /dev/null so the interpreter's flush at exit does not fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # no real stdout (in-process callers)
+            pass
+        return 1
 
 
 if __name__ == "__main__":

@@ -338,3 +338,29 @@ def test_quota_set_warns_of_a_tenant_never_seen_and_says_how_it_applies(etcd, ca
     assert set(run_json(capsys, "quota", "list", *e)) == {"nosuchtenant"}
     rc, out, _ = run(capsys, "quota", "set", "--help")
     assert "0 removes the limit" in " ".join(out.split())
+
+
+def test_output_to_a_closed_pipe_ends_quietly(etcd):
+    """`kvctl status | head -5`: the reader is gone before kvctl writes; no traceback."""
+    import os
+    import subprocess
+
+    from support.common import PY, ROOT
+
+    for argv in (("status",), ("audit",), ("killswitch", "status")):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader already left
+        try:
+            p = subprocess.run(
+                [PY, "-m", "kvstore.cli", *argv, "--etcd", etcd.endpoint],
+                cwd=ROOT,
+                env={k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"},
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(write_end)
+        assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
+        assert p.returncode == 1, (argv, p.stderr)
