@@ -224,6 +224,15 @@ def cmd_flush(args) -> int:
 
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
+        if not args.unregistered and (problem := await cp.flush_target_problem(tenant, name)):
+            print(
+                f"kvctl flush: {problem} Nothing was flushed or written (`kvctl namespaces "
+                f"--tenant {tenant.strip().lower() or tenant}` lists the names). To flush "
+                "copies of a name that agents opened while etcd was unreachable and have "
+                "not registered yet, pass --unregistered.",
+                file=sys.stderr,
+            )
+            return FAILED
 
         def committed(flushed, revision: int) -> None:
             gens = (
@@ -861,6 +870,14 @@ def _register_actions(sub) -> None:
         default=30.0,
         metavar="S",
         help="how long to wait for acknowledgements (default 30; exit 5 after)",
+    )
+    p.add_argument(
+        "--unregistered",
+        action="store_true",
+        help="flush the name even though no namespace of it is registered in etcd: "
+        "copies agents opened while etcd was unreachable, registration pending (writes "
+        "the name's flush marker, which stays; exit 1 if no agent held one). Without "
+        "it such a target is refused and nothing is written",
     )
     _common(p)
     p.set_defaults(func=cmd_flush, kvctl_command="flush")

@@ -409,6 +409,24 @@ class ControlPlane:
                 out.append((kv, ns_hex, spec_name, rec))
         return revision, out
 
+    async def flush_target_problem(self, tenant: str, name: str) -> str | None:
+        """Why `tenant/name` names no registered namespace (None: it does), with the
+        registered names it may have meant (case and spaces aside). Reads only."""
+        if (await self._matching(tenant, name))[1]:
+            return None
+        want = name.strip().lower()
+        near: set[str] = set()
+        for t in {tenant, tenant.strip().lower()}:
+            if not t or "/" in t:
+                continue
+            for r in await self.etcd.list_namespaces(t):
+                if r.name.lower() == want or r.ns_hex == want:
+                    near.add(f"{r.tenant}/{r.name}")
+        hint = f" Did you mean {' or '.join(sorted(near))}?" if near else ""
+        target = f"{tenant}/{name}"
+        shown = target if target == target.strip() and target.isprintable() else repr(target)
+        return f"no namespace named {shown} is registered in etcd.{hint}"
+
     async def commit_flush(self, tenant: str, name: str) -> tuple[list[FlushedNamespace], int, str]:
         """Raise the generation of every namespace record `tenant/name` (every spec and
         revision under that name, or one namespace id) by one and write the name's flush

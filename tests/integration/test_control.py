@@ -245,13 +245,41 @@ def test_flush_not_acknowledged_in_time_exits_5(etcd, spawn_agent):
     audit = kvctl_json("audit", etcd=etcd)[-1]
     assert (audit["action"], audit["ok"]) == ("flush", False)
     assert audit["params"]["missing"] == ["ghost"]
-    r = kvctl("flush", "acme/nope", etcd=etcd)
+    r = kvctl("flush", "acme/nope", "--unregistered", etcd=etcd)
     assert r.returncode == 1 and "no namespace named acme/nope" in r.stderr
     # what it did write is said, not left to "no change was made"
     assert "no namespace record in etcd: the name only" in r.stderr
     assert "The flush by name stays recorded (flushes/acme/nope, etcd revision" in r.stderr
     audit = kvctl_json("audit", etcd=etcd)[-1]
     assert (audit["action"], audit["target"], audit["ok"]) == ("flush", "acme/nope", False)
+
+
+def test_flush_of_a_name_not_registered_is_refused_and_writes_nothing(etcd, spawn_agent):
+    """A typo (case, a trailing space, a glob, an unknown name) named no record, yet its
+    flush marker was committed for good before the flush exited 1. Now it is refused
+    before anything is written, with the name it may have meant."""
+    a = spawn_agent(**agent_cfg(etcd))
+    AgentClient(a.address).open(SPEC)
+    for target, hint in (
+        ("ACME/chat", "Did you mean acme/chat?"),
+        ("acme/Chat", "Did you mean acme/chat?"),
+        ("acme/chat ", "Did you mean acme/chat?"),
+        ("acme/*", ""),
+        ("acme/nosuch", ""),
+    ):
+        r = kvctl("flush", target, etcd=etcd)
+        assert r.returncode == 1, (target, r.stdout, r.stderr)
+        assert "is registered in etcd" in r.stderr and hint in r.stderr, r.stderr
+        assert "Nothing was flushed or written" in r.stderr and "--unregistered" in r.stderr
+        assert "committed" not in r.stderr
+    assert kvctl_json("audit", etcd=etcd) == []
+
+    async def markers():
+        async with EtcdClient(etcd.endpoint) as client:
+            return [kv.key for kv in (await client.list("flushes/"))[1]]
+
+    assert asyncio.run(markers()) == []
+    assert kvctl("flush", "acme/chat", etcd=etcd).returncode == 0  # the real name works
 
 
 def test_flush_committed_then_etcd_lost_exits_5_not_3(etcd, spawn_agent):
