@@ -399,12 +399,16 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def analyze_command(args: argparse.Namespace) -> int:
-    """Run ``kvctl analyze``: print the report; 0 on success, 2 on bad input."""
+    """Run ``kvctl analyze``: print the report; 0 on success, 2 on a bad option, 1 when
+    the trace cannot be read or is malformed (kvctl's exit codes: 1 failure, 2 usage)."""
+    if type(args.block_size) is not int or args.block_size < 1:
+        print(f"kvctl analyze: --block-size must be >= 1, got {args.block_size}", file=sys.stderr)
+        return 2
     try:
         report = analyze(args.trace, block_size=args.block_size)
         text = render_analysis(report, getattr(args, "output", "table"))
     except (ValueError, OSError) as exc:
         print(f"kvctl analyze: {args.trace}: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(text)
     return 0

@@ -69,7 +69,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "the engines') from a throwaway CA written to <state>/tls (ca.crt, and "
         "client.crt/client.key for kvctl and clients); kvctl finds them there by itself",
     )
-    p.add_argument("--output", choices=("table", "json"), default="table")
+    p.add_argument(
+        "--output",
+        choices=("table", "json"),
+        default="table",
+        help="table: progress and addresses for people (default); json: one object "
+        "with the state dir, etcd, router, agent and gateway addresses, progress omitted",
+    )
     p = sub.add_parser(
         "down",
         help="stop the cluster (SIGTERM, then SIGKILL)",
@@ -96,7 +102,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "used (not a directory, unreadable, corrupt).",
     )
     p.add_argument("--state-dir", help=state_help)
-    p.add_argument("--output", choices=("table", "json"), default="table")
+    p.add_argument(
+        "--output", choices=("table", "json"), default="table", help="table (default) or json"
+    )
 
 
 def _up(args) -> int:
@@ -184,7 +192,7 @@ def _status(args) -> int:
     try:
         report = status(state.value)
     except ClusterError as exc:  # the same kind (its exit status), naming the source
-        raise type(exc)(f"{exc} [{state.source}]") from None
+        raise type(exc)(f"{exc} (state directory from {state.source})") from None
     print(json.dumps(report, indent=2) if args.output == "json" else render_status(report))
     comps = report["components"]
     if any(c["kind"] == "etcd" and not c["healthy"] for c in comps):

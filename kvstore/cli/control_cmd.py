@@ -133,9 +133,9 @@ def _run(args, body) -> int:
 
     try:
         return asyncio.run(main())
-    except discover.NoCluster as exc:
+    except discover.NoCluster as exc:  # nothing configured: usage, not an etcd outage
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
-        return ETCD_DOWN
+        return USAGE
     except Usage as exc:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
         return USAGE
@@ -338,6 +338,11 @@ def cmd_killswitch(args) -> int:
                 print(f"kill switch: {'ON' if on else 'off'}{extra}")
             return OK
         on = args.state == "on"
+        if on and not args.reason.strip():
+            raise Usage(
+                'killswitch on needs --reason "…" (recorded with the switch and in the '
+                "audit log: who reads it next needs to know why)"
+            )
         try:
             rep = await cp.set_killswitch(
                 on,
@@ -889,7 +894,11 @@ def _register_actions(sub) -> None:
         "refused, until off; the state lives in etcd and survives restarts.",
     )
     p.add_argument("state", choices=["on", "off", "status"])
-    p.add_argument("--reason", default="", help="recorded with the switch and in the audit log")
+    p.add_argument(
+        "--reason",
+        default="",
+        help="why (required with on): recorded with the switch and in the audit log",
+    )
     p.add_argument("--timeout", type=seconds, default=30.0, metavar="S")
     _common(p)
     p.set_defaults(func=cmd_killswitch, kvctl_command="killswitch")

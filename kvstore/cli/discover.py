@@ -120,7 +120,7 @@ def etcd(
         return _etcd_of(found.state_dir, f"found from {found.looked_in[0]}")
     looked = ", ".join(str(d) for d in found.looked_in)
     raise NoCluster(
-        f"no cluster to talk to: no --etcd or --state-dir, ${ETCD_ENV} and ${STATE_ENV} "
-        f"are not set, and no {DEFAULT_STATE}/{STATE_FILE} in {looked}.\n  To point kvctl "
-        f"at a cluster: {HOW_TO_POINT}."
+        "no cluster to talk to (none is configured): no --etcd or --state-dir, "
+        f"${ETCD_ENV} and ${STATE_ENV} are not set, and no {DEFAULT_STATE}/{STATE_FILE} "
+        f"in {looked}.\n  To point kvctl at a cluster: {HOW_TO_POINT}."
     )

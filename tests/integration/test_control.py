@@ -509,7 +509,7 @@ def test_etcd_down_data_path_serves_last_known_generations(etcd, spawn_agent):
         assert c.open(SPEC).generation == 1
         for args, what in (
             (("flush", "acme/chat"), "flush"),
-            (("killswitch", "on"), "killswitch"),
+            (("killswitch", "on", "--reason", "test"), "killswitch"),
             (("quota", "set", "acme", "--hbm", "1GiB"), "quota set"),
             (("status",), "status"),
             (("audit",), "audit"),

@@ -162,7 +162,7 @@ def test_vllm_engines_share_prefixes_through_kvstore(tmp_path, etcd, spawn_agent
             return
         argv = {
             "flush": ("flush", "acme/vllm"),
-            "killswitch-on": ("killswitch", "on"),
+            "killswitch-on": ("killswitch", "on", "--reason", "test"),
             "killswitch-off": ("killswitch", "off"),
         }[name]
         r = kvctl(*argv, etcd=etcd)

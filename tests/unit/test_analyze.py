@@ -220,17 +220,17 @@ def test_analyze_command_success_and_bad_input(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["overall"]["cached_tokens"] == 32
 
     bad = _write(tmp_path, _lines(_req(0, range(32))) + ['{"t": 1}\n'], name="bad.jsonl")
-    assert analyze_command(_parser().parse_args([str(bad)])) == 2
+    assert analyze_command(_parser().parse_args([str(bad)])) == 1  # a failure, not usage
     err = capsys.readouterr().err
     assert "line 2: missing required key 'tenant'" in err and "bad.jsonl" in err
 
     missing = tmp_path / "nope.jsonl"
-    assert analyze_command(_parser().parse_args([str(missing)])) == 2
+    assert analyze_command(_parser().parse_args([str(missing)])) == 1
     assert "No such file" in capsys.readouterr().err
 
     bs = _parser().parse_args([str(good), "--block-size", "0"])
     assert analyze_command(bs) == 2
-    assert "block_size" in capsys.readouterr().err
+    assert "block-size" in capsys.readouterr().err
 
 
 def test_output_tokens_are_optional_and_checked():

@@ -1,0 +1,55 @@
+"""kvctl's help texts and the messages and exit codes of mistakes that need no cluster:
+the kill switch needs a reason, no cluster configured is a usage problem (2), a cluster
+state directory named in an error reads as a source, not as a flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.cli.__main__ import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse: --help and usage errors
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_help_describes_every_option(capsys):
+    rc, out, _ = run(capsys, "cluster", "up", "--help")
+    assert rc == 0
+    flat = " ".join(out.split())
+    assert "--output {table,json} table: progress and addresses" in flat, out
+    rc, out, _ = run(capsys, "quota", "set", "--help")
+    assert rc == 0 and "0 removes the limit" in " ".join(out.split())
+    rc, out, _ = run(capsys, "killswitch", "--help")
+    assert "why (required with on)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("reason", [None, "", "   "])
+def test_killswitch_on_needs_a_reason(capsys, reason):
+    extra = [] if reason is None else ["--reason", reason]
+    # etcd is never reached: the refusal comes first (an unroutable endpoint)
+    rc, out, err = run(capsys, "killswitch", "on", *extra, "--etcd", "127.0.0.1:1")
+    assert rc == 2 and "killswitch on needs --reason" in err and out == ""
+
+
+def test_no_cluster_configured_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for var in ("KVSTORE_ETCD", "KVSTORE_STATE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    rc, out, err = run(capsys, "status")
+    assert rc == 2, err
+    assert "no cluster to talk to (none is configured)" in err and "etcd unreachable" not in err
+
+
+def test_cluster_status_names_where_the_state_dir_came_from(tmp_path, capsys):
+    state = tmp_path / "gone"
+    state.mkdir()
+    rc, _, err = run(capsys, "cluster", "status", "--state-dir", str(state))
+    assert rc == 1 and "start one with" in err, err
+    assert "[--state-dir]" not in err and "(state directory from --state-dir)" in err
