@@ -107,7 +107,9 @@ class SeenWriter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self.forget_on_stop:
+        # Only a record this process wrote: a router started twice under one id waits,
+        # never live, and must not delete the record of the one that runs.
+        if self.forget_on_stop and self.written.is_set():
             try:
                 await self.etcd.delete(self.key)
             except errors.KvError as exc:

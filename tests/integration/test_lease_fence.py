@@ -27,6 +27,7 @@ from support.tcp_count import CountingRelay
 
 from kvstore.coord.admin import ROUTERS
 from kvstore.coord.etcd import EtcdClient
+from kvstore.coord.seen import seen_key
 from kvstore.hashing import pack_ids
 from kvstore.v1 import agent_pb2, router_pb2
 
@@ -227,6 +228,8 @@ def test_second_router_with_the_same_id_waits_and_leaves_the_first_registered(
     first = start_router("router-0")
     kv = _etcd_get(etcd.endpoint, ROUTERS + "router-0")
     assert kv is not None and kv.lease
+    seen = seen_key("router", "router-0")  # what kvctl status misses a router by
+    wait_for(lambda: _etcd_get(etcd.endpoint, seen) is not None, 30, what="router-0 seen")
     dup = RouterProc(tmp_path / "dup", etcd.endpoint, "router-0")
     with pytest.raises(TimeoutError):
         dup.start(timeout=8)  # not ready: it waits for the id
@@ -238,6 +241,7 @@ def test_second_router_with_the_same_id_waits_and_leaves_the_first_registered(
     time.sleep(1.0)
     now = _etcd_get(etcd.endpoint, ROUTERS + "router-0")
     assert now is not None and now.lease == kv.lease, "the duplicate deregistered router-0"
+    assert _etcd_get(etcd.endpoint, seen) is not None, "the duplicate deleted router-0's record"
     status = kvctl_json("status", etcd=etcd)
     assert "router-0" in str(status), status
     assert first.proc.poll() is None
