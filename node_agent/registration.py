@@ -196,7 +196,7 @@ class Registration:
                 self.lease = 0
                 return
             except errors.Unavailable as exc:
-                self.fence.unreachable()
+                self.fence.unreachable(sent)  # the keepalive's send time
                 if not failing:
                     log.warning(
                         "etcd heartbeat failing (still serving: the known generations while "

@@ -16,7 +16,8 @@ and the ledger remembers, per tenant, which requests it already counted:
   are neither asked nor hit: the rates say what kvstore had beyond the engine's cache.
 
 The ledger keeps, per tenant, that tenant's last `capacity` request ids (one forgotten
-earlier is counted again): one tenant's fresh ids push out only its own, never another
+earlier is counted again): one tenant's fresh ids push out only its own (the ledger is the
+namespace owner's: readers of a public namespace share it), never another
 tenant's. It remembers at most `max_tenants` tenants; past that the one whose requests
 were seen least recently is forgotten whole. Memory: at most capacity x max_tenants ids.
 """

@@ -233,6 +233,11 @@ class AgentServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_pb2_grpc.add_PeerServicer_to_server(self.peer.servicer, self.server)
         self.port = bind_port(self.server, self.cfg.listen, self.cfg.tls)
+        if self.cfg.etcd_endpoints and self.control is not None:
+            # A member of an etcd cluster: no hit before its first registration (the
+            # registration's fence takes over below; kvstore/coord/fence.py). A flush that
+            # commits before our record exists does not wait for us.
+            self.store.fence = _always
         await self.server.start()
         if self.cfg.local_lane:  # the same interceptors: one auth, metrics and error path
             limits = LaneLimits(
@@ -364,6 +369,9 @@ class AgentServer:
         if self.seen is not None:
             await self.seen.stop()
         if self.registration is not None:  # leave the cluster before we stop serving
+            # Misses from here: once our lease is revoked a flush no longer waits for us,
+            # and our watch of the generations ends too.
+            self.store.fence = _always
             await self.registration.stop()
         if self.control is not None:
             await self.control.stop()
@@ -403,3 +411,8 @@ def _pull_fields(cost: PullCost | None) -> tuple[float, float, int]:
         float(f"{cost.s_per_byte * 1e3 * (1 << 20):.3g}"),
         cost.samples,
     )
+
+
+def _always() -> bool:
+    """The store's fence while the agent is not (or no longer) a registered member."""
+    return True

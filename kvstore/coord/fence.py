@@ -19,15 +19,16 @@ the same lease) *and* re-read every namespace generation and the kill switch fro
 (`ControlFollower.catch_up`), then called `confirmed(S)`. A member starts fenced: it
 serves hits only once it is registered.
 
-Unless etcd is out of reach: once etcd calls failed for want of etcd twice in a row
-(`unreachable()`: refused, timed out), the member serves the generations it knows, as
+Unless etcd went out of reach while the member was current: once etcd calls failed for
+want of etcd twice in a row (`unreachable()`: refused, timed out), the first of them sent
+while the lease was still surely alive, the member serves the generations it knows, as
 the design asks of an etcd outage ("the data path keeps serving with the last known
-generations"): no flush commits while etcd is down, so nothing it knows is stale. Frozen
-and woken up, a member finds etcd answering (its lease gone): fenced until it re-read
-etcd, so the window a frozen member had is closed. What stays open is a member cut off
-from etcd while `kvctl` still reaches it (a partition): it serves the generations it knew
-until it reaches etcd again, and a flush meanwhile returns 0 without it (flush names the
-members that left during it; docs/runbook.md).
+generations"): no flush commits while etcd is down, so nothing it knew then is stale. A
+member frozen past its lease stays fenced when it wakes up, whether etcd answers (its
+lease gone: it re-reads etcd) or not (its calls were sent after the lapse). What stays
+open is a member cut off from etcd while `kvctl` still reaches it (a partition): it
+serves the generations it knew until it reaches etcd again, and a flush meanwhile returns
+0 without it (flush names the members that left during it; docs/runbook.md).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class LeaseFence:
         self._episode = False  # fenced, and said so in the log
         self.episodes = 0
         self._failures = 0  # etcd calls failed for want of etcd, in a row
+        self._streak_sent = math.inf  # when the first of them was sent
         self._outage_said = False
 
     # ----------------------------------------------------------------- the check
@@ -92,11 +94,18 @@ class LeaseFence:
     @property
     def out_of_reach(self) -> bool:
         """etcd failed twice in a row for want of etcd (one failure can be a connection
-        reset by a frozen member's wake-up: still fenced)."""
-        return self._failures >= 2
+        reset by a frozen member's wake-up: still fenced), and the first of those calls
+        was sent while the lease was still surely alive: the member was current when etcd
+        went away, so no flush can have gone on without it. A member already past its
+        lease when etcd went away (frozen, then woken up to an etcd out of reach), or
+        never registered, stays fenced."""
+        return self._joined and self._failures >= 2 and self._streak_sent < self._valid_until
 
-    def unreachable(self) -> None:
-        """An etcd call (grant, keepalive, registration) failed for want of etcd."""
+    def unreachable(self, sent_at: float | None = None) -> None:
+        """An etcd call (grant, keepalive, registration) sent at `sent_at` (monotonic;
+        default: now, the cautious guess) failed for want of etcd."""
+        if not self._failures:
+            self._streak_sent = self._clock() if sent_at is None else sent_at
         self._failures += 1
         if self.out_of_reach and not self._outage_said:
             self._outage_said = True
@@ -117,7 +126,7 @@ class LeaseFence:
         """A keepalive or grant sent at `sent_at` (monotonic) was answered with `ttl_s`
         (default: ours). Call it after a renewal whose send time was not `lapsed_at`,
         or after the re-registration and catch-up that follow a lapse."""
-        self._failures, self._outage_said = 0, False
+        self._failures, self._streak_sent, self._outage_said = 0, math.inf, False
         ttl = self.ttl_s if ttl_s is None else min(float(ttl_s), self.ttl_s)
         if sent_at + ttl - self.margin_s > self._valid_until:
             self._valid_until = sent_at + ttl - self.margin_s
@@ -136,6 +145,6 @@ class LeaseFence:
         """The lease is gone (expired, revoked, our key taken): fenced at once (etcd
         answered, so it is in reach)."""
         self._valid_until = -math.inf
-        self._failures, self._outage_said = 0, False
+        self._failures, self._streak_sent, self._outage_said = 0, math.inf, False
         if self._joined and not self._episode:
             self.fenced()  # logs the episode

@@ -120,6 +120,7 @@ class LeasedKey:
         self.live = asyncio.Event()
         self.what = what or key
         self._clock = clock
+        self._attempt_sent: float | None = None  # the last keepalive's send time
         self.fence = LeaseFence(ttl_s, self.what, clock)
         self._task: asyncio.Task | None = None
 
@@ -191,7 +192,7 @@ class LeasedKey:
                 self.lease = 0
             except errors.KvError as exc:
                 if isinstance(exc, errors.Unavailable):
-                    self.fence.unreachable()
+                    self.fence.unreachable(self._attempt_sent)
                 if not complained:
                     log.warning("keeping %s alive in etcd failed (retrying): %s", self.key, exc)
                     complained = True
@@ -200,7 +201,7 @@ class LeasedKey:
     async def _renew(self) -> None:
         """One keepalive; lease 0 when it is gone. Confirms the fence while the key is
         ours and no lapse needs a re-read first (else `_after_put` confirms it)."""
-        sent = self._clock()
+        sent = self._attempt_sent = self._clock()
         if await self.etcd.keepalive(self.lease) <= 0:
             self.fence.lost()
             self.lease = 0

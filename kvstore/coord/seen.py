@@ -64,15 +64,17 @@ async def list_seen(etcd: EtcdClient) -> list[Seen]:
 
 
 async def forget(etcd: EtcdClient, member_id: str) -> list[str]:
-    """Delete the seen records of `member_id` (an agent's node id, or a router's id,
-    `router:` prefix optional); returns the keys deleted."""
-    ids = {member_id, member_id.removeprefix("router:")}
+    """Delete the seen records of `member_id`: `router:ID` a router's only, a bare id an
+    agent's or a router's of that id; returns the keys deleted."""
+    if member_id.startswith("router:"):
+        kinds, mid = ("router",), member_id.removeprefix("router:")
+    else:
+        kinds, mid = KINDS, member_id
     gone = []
-    for kind in KINDS:
-        for mid in ids:
-            key = seen_key(kind, mid)
-            if await etcd.delete(key):
-                gone.append(key)
+    for kind in kinds:
+        key = seen_key(kind, mid)
+        if await etcd.delete(key):
+            gone.append(key)
     return gone
 
 

@@ -32,13 +32,13 @@ def test_one_failed_call_keeps_the_fence_two_serve_the_known_generations(caplog)
     clock = Clock()
     fence = LeaseFence(4.0, "agent a", clock)
     fence.confirmed(sent_at=100.0)
+    fence.unreachable(sent_at=101.0)  # one failure can be a stale connection: still fenced
     clock.t = 110.0
-    fence.unreachable()  # a woken-up member's first call can fail on a stale connection
     assert fence.fenced() and not fence.out_of_reach
     with caplog.at_level(logging.WARNING, logger="kvstore.fence"):
-        fence.unreachable()
+        fence.unreachable(sent_at=104.0)
         assert not fence.fenced() and not fence.fenced()
-        fence.unreachable()
+        fence.unreachable(sent_at=107.0)
     assert sum("etcd out of reach" in r.message for r in caplog.records) == 1
 
 
@@ -46,9 +46,9 @@ def test_etcd_answering_ends_the_outage_mode():
     clock = Clock()
     fence = LeaseFence(4.0, "agent a", clock)
     fence.confirmed(sent_at=100.0)
+    fence.unreachable(sent_at=101.0)
+    fence.unreachable(sent_at=102.0)
     clock.t = 110.0
-    fence.unreachable()
-    fence.unreachable()
     assert not fence.fenced()
     fence.lost()  # etcd answered: our lease is gone; fenced until re-read
     assert fence.fenced()
@@ -56,4 +56,34 @@ def test_etcd_answering_ends_the_outage_mode():
     assert not fence.fenced()
     clock.t = 120.0
     fence.unreachable()  # failures counted afresh after a confirmation
+    assert fence.fenced()
+
+
+def test_a_member_past_its_lease_when_etcd_went_away_stays_fenced():
+    """Frozen past its lease, then woken up to an etcd out of reach: a flush may have gone
+    on without it before etcd went away, so failed calls sent after the lapse do not
+    count as an outage it was current for."""
+    clock = Clock()
+    fence = LeaseFence(4.0, "agent a", clock)
+    fence.confirmed(sent_at=100.0)
+    clock.t = 110.0
+    fence.unreachable(sent_at=110.0)
+    fence.unreachable(sent_at=111.5)
+    assert fence.fenced() and not fence.out_of_reach
+
+
+def test_an_outage_that_began_while_current_serves_past_the_lease():
+    clock = Clock()
+    fence = LeaseFence(4.0, "agent a", clock)
+    fence.confirmed(sent_at=100.0)
+    fence.unreachable(sent_at=101.3)  # the next keepalive, sent within the lease, failed
+    clock.t = 104.5
+    fence.unreachable(sent_at=103.0)
+    assert fence.out_of_reach and not fence.fenced()
+
+
+def test_never_registered_means_fenced_even_with_etcd_out_of_reach():
+    fence = LeaseFence(4.0, "agent a", Clock())
+    fence.unreachable()
+    fence.unreachable()
     assert fence.fenced()
