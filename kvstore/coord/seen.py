@@ -66,6 +66,7 @@ async def list_seen(etcd: EtcdClient) -> list[Seen]:
 async def forget(etcd: EtcdClient, member_id: str) -> list[str]:
     """Delete the seen records of `member_id`: `router:ID` a router's only, a bare id an
     agent's or a router's of that id; returns the keys deleted."""
+    kinds: tuple[str, ...]
     if member_id.startswith("router:"):
         kinds, mid = ("router",), member_id.removeprefix("router:")
     else:
