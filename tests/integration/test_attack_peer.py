@@ -22,6 +22,7 @@ from support.attack import (
     etcd_items,
     etcd_put,
     ns_msg,
+    put_chain,
     ref,
     refusal,
     tenants,
@@ -134,16 +135,7 @@ def test_pulls_show_the_agent_credential_to_registered_agents_only(etcd, spawn_a
     common = dict(allow_unauthenticated=False, agent_token_file=str(token_file))
     holder = spawn_agent(**agent_config(etcd, tenants=holder_tenants, **common))
     puller = spawn_agent(**agent_config(etcd, tenants=tenants(), **common))
-    root = SPEC.root(0, TEST_SECRET)
-    ids = hash_chain(root, prompt_tokens(9, N * BS), BS)
-    blocks = [block_payload(i, SPEC.block_bytes) for i in ids]
-    owner = As(holder.address, None)
-    owner.md = (("authorization", "Bearer acme-on-holder"),)
-    owner.call(owner.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(SPEC)))
-    put = agent_pb2.PutRequest(ns=ref(SPEC), root=root)
-    for k, (bid, data) in enumerate(zip(ids, blocks)):
-        put.blocks.add(block_id=bid, parent_id=ids[k - 1] if k else root, data=data)
-    assert owner.call(owner.agent.Put, iter([put])).stored == N
+    ids, root, blocks = _acme_blocks_on(holder)
     wait_for(
         lambda: sum(k.startswith("nodes/") for k in etcd_items(etcd.endpoint)) == 2,
         30,
@@ -267,14 +259,7 @@ def test_agent_with_an_unusable_agent_token_file_exits_1_naming_it(tmp_path, con
 
 def _put_as(agent: As, spec, ids: list[bytes], root: bytes) -> None:
     agent.call(agent.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(spec)))
-    put = agent_pb2.PutRequest(ns=ref(spec), root=root)
-    for k, bid in enumerate(ids):
-        put.blocks.add(
-            block_id=bid,
-            parent_id=ids[k - 1] if k else root,
-            data=block_payload(bid, spec.block_bytes),
-        )
-    assert agent.call(agent.agent.Put, iter([put])).stored == len(ids)
+    assert put_chain(agent, spec, ids, root).stored == len(ids)
 
 
 def test_one_tenants_stalled_transfers_leave_slots_for_the_others(spawn_agent):

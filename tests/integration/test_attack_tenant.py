@@ -17,6 +17,7 @@ from support.attack import (
     agent_view,
     etcd_items,
     ns_msg,
+    put_chain,
     ref,
     refusal,
     tenants,
@@ -266,23 +267,12 @@ G_CHAT = make_namespace(tenant="globex", name="chat")
 SLOT = 64 << 10  # spawn_agent's slot_bytes
 
 
-def _put_chain(who: As, spec, ids: list[bytes], root: bytes) -> agent_pb2.PutResponse:
-    req = agent_pb2.PutRequest(ns=ref(spec), root=root)
-    for k, bid in enumerate(ids):
-        req.blocks.add(
-            block_id=bid,
-            parent_id=ids[k - 1] if k else root,
-            data=block_payload(bid, spec.block_bytes),
-        )
-    return who.call(who.agent.Put, iter([req]))
-
-
 def _globex_chain(g: As) -> list[bytes]:
     """globex's 8-block prompt, stored: what the attacks below must leave in place."""
     g.call(g.agent.OpenNamespace, _open(G_CHAT))
     root = G_CHAT.root(0, TEST_SECRET)
     ids = hash_chain(root, prompt_tokens(1, 8 * G_CHAT.block_size), G_CHAT.block_size)
-    assert _put_chain(g, G_CHAT, ids, root).stored == 8
+    assert put_chain(g, G_CHAT, ids, root).stored == 8
     return ids
 
 
@@ -317,7 +307,7 @@ def test_tiny_blocks_cannot_take_more_of_the_pool_than_the_quota(etcd, spawn_age
     for seed in range(4):  # 128 blocks of 4 bytes: 512 bytes of payload
         root = tiny.root(0, TEST_SECRET)
         ids = hash_chain(root, prompt_tokens(100 + seed, 32), 1)
-        _put_chain(a, tiny, ids, root)
+        put_chain(a, tiny, ids, root)
     acme, pool = tenant_stats("acme")
     globex, _ = tenant_stats("globex")
     assert acme is not None and globex is not None
@@ -351,7 +341,7 @@ def test_one_tenants_pins_across_its_namespaces_leave_room_for_others(etcd, spaw
         a.call(a.agent.OpenNamespace, _open(spec))
         root = spec.root(0, TEST_SECRET)
         ids = hash_chain(root, prompt_tokens(200 + k, 4 * spec.block_size), spec.block_size)
-        assert _put_chain(a, spec, ids, root).stored == 4
+        assert put_chain(a, spec, ids, root).stored == 4
         pin = agent_pb2.PinRequest(ns=ref(spec), block_ids=pack_ids(ids))
         try:
             pinned += a.call(a.agent.Pin, pin).blocks

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from support.common import block_payload
+
 from kvstore.config import TLSConfig
 from kvstore.coord.etcd import EtcdClient
 from kvstore.hashing import pack_ids
@@ -80,6 +82,18 @@ class As:
             timeout_ms=5000,
         )
         return self.call(self.peer.Prefetch, req)
+
+
+def put_chain(who: "As", spec, ids: list[bytes], root: bytes) -> agent_pb2.PutResponse:
+    """Put the chain `ids` (payloads from block_payload) into `spec` as `who`."""
+    req = agent_pb2.PutRequest(ns=ref(spec), root=root)
+    for k, bid in enumerate(ids):
+        req.blocks.add(
+            block_id=bid,
+            parent_id=ids[k - 1] if k else root,
+            data=block_payload(bid, spec.block_bytes),
+        )
+    return who.call(who.agent.Put, iter([req]))
 
 
 def refusal(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
