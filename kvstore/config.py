@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from kvstore.errors import StartupError
 from kvstore.namespace import tenant_name_problem
 from kvstore.policy import NamespacePolicy
 from kvstore.units import host_problem, parse_size, split_port
@@ -421,6 +422,22 @@ class RouterConfig:
         _check_port("metrics_port", self.metrics_port)
         _distinct_ports(self, "metrics_port")
         check_metrics(self)
+
+
+def read_token_file(field: str, path: str) -> str:
+    """The token in the file `path` names (`field`: the setting that names it, for the
+    message); '' when no file is configured. StartupError when the file cannot be read or
+    is empty: a credential meant to be used is never silently missing."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(f"{field} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not token:
+        raise StartupError(f"{field} {path} is empty")
+    return token
 
 
 def metrics_bind_host(metrics_host: str, listen: str) -> str:

@@ -36,8 +36,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import grpc
 from opentelemetry import propagate, trace
 
-from kvstore.config import metrics_bind_host
-from kvstore.errors import StartupError
+from kvstore.config import metrics_bind_host, read_token_file
 
 log = logging.getLogger("kvstore.telemetry")
 
@@ -155,23 +154,6 @@ def _bearer_only(app, token_sha256: bytes):
     return guarded
 
 
-def read_metrics_token(path: str) -> str:
-    """The scrape token in `path` ('' when none is configured); StartupError when the file
-    cannot be read or is empty (a page meant to be guarded is never served open)."""
-    if not path:
-        return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StartupError(
-            f"metrics_token_file {path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from None
-    if not token:
-        raise StartupError(f"metrics_token_file {path} is empty")
-    return token
-
-
 def otlp_endpoint(configured: str = "") -> str:
     """The OTLP trace endpoint in force: the config field, else the standard env vars."""
     if configured:
@@ -250,7 +232,7 @@ class ServiceTelemetry:
                 metrics_bind_host(cfg.metrics_host, cfg.listen),
                 cfg.metrics_port,
                 {"service.name": service, "service.instance.id": instance},
-                read_metrics_token(cfg.metrics_token_file),
+                read_token_file("metrics_token_file", cfg.metrics_token_file),
             )
             self.meter = self.endpoint.meter
 

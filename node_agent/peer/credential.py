@@ -29,24 +29,9 @@ import logging
 
 from kvstore.config import TLSConfig
 from kvstore.coord.etcd import NODES, EtcdClient, KeyValue, NodeRecord, WatchEvent
-from kvstore.process import StartupError
 from node_agent.peer.transport import PeerRef
 
 log = logging.getLogger("kvstore.agent.peer")
-
-
-def read_token(path: str) -> str:
-    """The agent token in `path` ('' when no file is configured)."""
-    if not path:
-        return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise StartupError(f"agent_token_file {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise StartupError(f"agent_token_file {path} is empty")
-    return token
 
 
 # Domain separation: the record key is neither the token nor its SHA-256, which

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.config import AgentConfig
+from kvstore.config import AgentConfig, read_token_file
 from kvstore.coord.etcd import NodeRecord
 from kvstore.store import BlockStore
 from node_agent.peer.counters import Counters
-from node_agent.peer.credential import PeerCredential, read_token
+from node_agent.peer.credential import PeerCredential
 from node_agent.peer.grpc_transport import GrpcTransport, PeerServicer
 from node_agent.peer.prefetch import Prefetcher
 from kvstore.pullcost import PullCost
@@ -52,7 +52,7 @@ class PeerTransfer:
         grpc = GrpcTransport(cfg.max_message_bytes, pcfg.io_timeout_s, cfg.tls)
         # Order of preference: UCX, then gRPC for whatever UCX could not move.
         self._transports: list[Transport] = [t for t in (self._ucx, grpc) if t is not None]
-        self._credential = PeerCredential(read_token(cfg.agent_token_file))
+        self._credential = PeerCredential(read_token_file("agent_token_file", cfg.agent_token_file))
         self._etcd_endpoints = cfg.etcd_endpoints
         self._tls = cfg.tls
         self._prefetcher = prefetcher = Prefetcher(
