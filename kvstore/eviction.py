@@ -19,14 +19,17 @@ class EvictionMeta(Protocol):
     hits: int
     last_access: float
     depth: int
-    nbytes: int
 
 
 class EvictionPolicy(Protocol):
     @property
     def name(self) -> str: ...  # read-only: the strategies are frozen dataclasses
 
-    def priority(self, meta: EvictionMeta) -> float: ...
+    def priority(self, meta: EvictionMeta, charged: int) -> float:
+        """`charged`: the bytes holding the block costs in the tier it would leave, what
+        that tier's accounting charges: a whole slot in the pool (every block takes one,
+        whatever its payload), its payload bytes on NVMe."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +38,19 @@ class LRUPolicy:
 
     name: str = "lru"
 
-    def priority(self, meta: EvictionMeta) -> float:
+    def priority(self, meta: EvictionMeta, charged: int) -> float:
         return meta.last_access
 
 
 @dataclass(frozen=True, slots=True)
 class ValueAwarePolicy:
-    """Estimated prefill compute saved per byte held, decayed by age.
+    """Estimated prefill compute saved per byte charged, decayed by age.
 
-    value = (hits + 1) x prefill_cost(depth) / bytes x 2^(-age / half_life)
+    value = (hits + 1) x prefill_cost(depth) / charged x 2^(-age / half_life)
+
+    `charged` is what the tier charges for the block: in the pool a whole slot, so blocks
+    there compete by value per slot (a tiny block keeps out as much as a full one); on
+    NVMe its stored bytes, so value per byte there.
 
     prefill_cost(depth) is relative: every block pays its MLP/projection work (1) and
     attention over everything before it (depth x attention_weight), so a deep block that
@@ -56,9 +63,9 @@ class ValueAwarePolicy:
     attention_weight: float = 0.05
     name: str = "value"
 
-    def priority(self, meta: EvictionMeta) -> float:
+    def priority(self, meta: EvictionMeta, charged: int) -> float:
         cost = 1.0 + self.attention_weight * meta.depth
-        value = (meta.hits + 1) * cost / max(meta.nbytes, 1)
+        value = (meta.hits + 1) * cost / max(charged, 1)
         return math.log2(value) + meta.last_access / self.half_life_s
 
 

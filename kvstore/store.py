@@ -118,7 +118,7 @@ class BlockStore:
         spills = rocks is not None
         self._copier = BatchCopier(copy_threads)
         policy: EvictionPolicy = eviction or ValueAwarePolicy()
-        self._queue = EvictionQueue(policy, spills)
+        self._queue = EvictionQueue(policy, spills, pool.slot_bytes)
         self._residency = Residency(
             pool, rocks, self.accounts, self._queue, self.counters, self.events
         )

@@ -3,7 +3,9 @@
 Per (tenant, tier) heaps hold (priority, tick, version, block); an entry is valid while the
 block's version is unchanged and it is still evictable, so re-filing a block after any
 change is one push and stale entries are skipped when popped. Only leaves leave the node,
-and only pool-leaves leave the pool: the store stays prefix-consistent.
+and only pool-leaves leave the pool: the store stays prefix-consistent. A block's priority
+in each tier is its value for what that tier charges for it: a whole slot in the pool,
+its payload bytes on NVMe (kvstore/eviction.py).
 
 The queue changes no block and moves nothing: kvstore/store_residency.py evicts what it
 picks. It runs under the store's lock like everything the store's collaborators do.
@@ -31,8 +33,10 @@ class HeapKey(NamedTuple):
 
 
 class EvictionQueue:
-    def __init__(self, policy: EvictionPolicy, spills: bool) -> None:
+    def __init__(self, policy: EvictionPolicy, spills: bool, slot_bytes: int) -> None:
         self.policy = policy
+        # What a block in the pool is charged, whatever its payload: the pool's slot size.
+        self.slot_bytes = slot_bytes
         # Whether the node has an NVMe tier: a block with children may leave the pool only
         # by demotion, which needs one. Follows BlockStore.rocks.
         self.spills = spills
@@ -89,15 +93,15 @@ class EvictionQueue:
         hbm, nvme = self.hbm_evictable(m), self.nvme_evictable(m)
         if not (hbm or nvme):  # most blocks of a chain: they have children in the pool
             return
-        prio = self.policy.priority(m)
         tenant = m.ns.spec.tenant
-        for tier, ok in ((Tier.HBM, hbm), (Tier.NVME, nvme)):
+        for tier, ok, charged in ((Tier.HBM, hbm, self.slot_bytes), (Tier.NVME, nvme, m.nbytes)):
             if ok:
                 self._tick += 1
                 key = HeapKey(tenant, tier)
                 heap = self._heaps.get(key)
                 if heap is None:
                     heap = self._heaps[key] = []
+                prio = self.policy.priority(m, charged)
                 heapq.heappush(heap, (prio, self._tick, m.version, m))
                 if len(heap) > 4 * len(m.ns.blocks) + 4096:
                     self._compact(heap, tier)

@@ -1,5 +1,6 @@
-"""Eviction strategies: priority functions, removal from the heaps, and a workload where
-value-aware eviction keeps a hot shared prefix that LRU throws away."""
+"""Eviction strategies: priority functions, removal from the heaps, a workload where
+value-aware eviction keeps a hot shared prefix that LRU throws away, and value per slot in
+the pool (every block takes a whole slot) against value per byte on NVMe."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 from support.common import TEST_SECRET, ManualClock, chain_items, make_namespace, prompt_tokens
+from support.store import get, lookup, prompt, put
 
 from kvstore.eviction import LRUPolicy, ValueAwarePolicy, make_policy
 from kvstore.events import Tier
@@ -17,6 +19,9 @@ from kvstore.store_types import BlockMeta, NsState
 
 SPEC = make_namespace()
 BS = SPEC.block_size
+# Another tenant's namespace of a smaller model: its blocks are 1/8 of SPEC's, and of the
+# pool's slots in the tests below, which are sized for SPEC's blocks.
+TINY = make_namespace(tenant="tiny", name="small", num_layers=1, num_kv_heads=1, head_dim=8)
 
 
 @dataclass
@@ -24,32 +29,37 @@ class Meta:
     hits: int = 0
     last_access: float = 0.0
     depth: int = 0
-    nbytes: int = 4096
+
+
+SLOT = 4096  # the charge passed below: a block's slot, or its bytes on NVMe
 
 
 # ------------------------------------------------------------- priority functions
 def test_lru_priority_is_last_access():
     p = LRUPolicy()
-    assert p.priority(Meta(last_access=5.0)) < p.priority(Meta(last_access=6.0))
-    assert p.priority(Meta(hits=100, last_access=5.0)) == p.priority(Meta(last_access=5.0))
+    assert p.priority(Meta(last_access=5.0), SLOT) < p.priority(Meta(last_access=6.0), SLOT)
+    assert p.priority(Meta(hits=100, last_access=5.0), SLOT) == p.priority(
+        Meta(last_access=5.0), SLOT
+    )
+    assert p.priority(Meta(last_access=5.0), 64) == p.priority(Meta(last_access=5.0), SLOT)
 
 
-def test_value_aware_orders_by_value_per_byte():
+def test_value_aware_orders_by_value_per_byte_charged():
     p = ValueAwarePolicy()
-    base = p.priority(Meta())
-    assert p.priority(Meta(hits=3)) > base  # hit more often: keep
-    assert p.priority(Meta(depth=40)) > base  # deeper: more prefill saved per hit
-    assert p.priority(Meta(nbytes=8192)) < base  # bigger for the same saving: go first
-    assert p.priority(Meta(last_access=60)) > base  # recent: keep
+    base = p.priority(Meta(), SLOT)
+    assert p.priority(Meta(hits=3), SLOT) > base  # hit more often: keep
+    assert p.priority(Meta(depth=40), SLOT) > base  # deeper: more prefill saved per hit
+    assert p.priority(Meta(), 2 * SLOT) < base  # costs more for the same saving: go first
+    assert p.priority(Meta(last_access=60), SLOT) > base  # recent: keep
 
 
 def test_value_aware_exact_formula_and_half_life():
     p = ValueAwarePolicy(half_life_s=100.0, attention_weight=0.5)
-    m = Meta(hits=3, last_access=250.0, depth=2, nbytes=1024)
-    assert p.priority(m) == pytest.approx(math.log2(4 * 2.0 / 1024) + 2.5)
+    m = Meta(hits=3, last_access=250.0, depth=2)
+    assert p.priority(m, 1024) == pytest.approx(math.log2(4 * 2.0 / 1024) + 2.5)
     # One doubling of value is worth exactly one half-life of recency.
-    assert p.priority(Meta(hits=1, last_access=0.0)) == pytest.approx(
-        p.priority(Meta(hits=0, last_access=100.0))
+    assert p.priority(Meta(hits=1, last_access=0.0), SLOT) == pytest.approx(
+        p.priority(Meta(hits=0, last_access=100.0), SLOT)
     )
 
 
@@ -174,7 +184,7 @@ def test_deferred_refiles_push_each_block_once_at_the_end():
     """A commit refiles a chain's blocks inside EvictionQueue.deferred(): nothing is a
     victim before the end, each block's older entries are stale at once, and every block
     comes out once afterwards (an inner deferral leaves the push to the outer one)."""
-    queue = EvictionQueue(LRUPolicy(), spills=False)
+    queue = EvictionQueue(LRUPolicy(), spills=False, slot_bytes=SPEC.block_bytes)
     st = NsState(SPEC, SPEC.namespace_id, 0, NamespacePolicy())
     a, b = (
         BlockMeta(st, bytes([k]) * 16, bytes(16), 0, st.block_bytes, 0, slot=k, last_access=k)
@@ -193,3 +203,57 @@ def test_deferred_refiles_push_each_block_once_at_the_end():
     assert queue.victim(Tier.HBM, None) is a  # the older access first (LRU)
     assert queue.victim(Tier.HBM, None) is b
     assert queue.victim(Tier.HBM, None) is None
+
+
+# ------------------------------------------------------ value per slot in the pool
+def _tiny_and_normal_in_a_full_pool(make_store, tiny_hits: int):
+    """A pool of 8 slots: 4 one-block prompts of TINY, read `tiny_hits` times each, then a
+    minute later 4 of SPEC, read once each. Then, a minute on, a 4-block prompt of SPEC
+    needs 4 slots. No NVMe: an evicted block is gone. Returns which of the 8 stayed."""
+    assert TINY.block_bytes * 8 == SPEC.block_bytes
+    clock = ManualClock()
+    store = make_store(n_slots=8, nvme_bytes=0, slot_bytes=SPEC.block_bytes, clock=clock)
+    held = {}
+    for spec, seeds, hits in ((TINY, (1, 2, 3, 4), tiny_hits), (SPEC, (11, 12, 13, 14), 1)):
+        store.open_namespace(spec)
+        for s in seeds:
+            ids, items = prompt(s, 1, spec)
+            put(store, items, spec)
+            for _ in range(hits):
+                assert len(get(store, ids, spec=spec)[0]) == 1
+            held[s] = (spec, ids)
+        clock.advance(60)
+    ids, items = prompt(99, 4, SPEC)
+    assert put(store, items).stored == 4
+    assert lookup(store, ids)[1] == 4  # all 4 in the pool
+    return {s for s, (spec, ids) in held.items() if lookup(store, ids, spec=spec)[0] == 1}
+
+
+def test_pool_values_tiny_blocks_per_slot_not_per_byte(make_store):
+    """Same hits and depth, the tiny blocks a minute older: per slot they are worth less,
+    so they leave first. Per byte they looked 8 x as valuable, three half-lives of
+    recency, and pushed out the newer normal blocks."""
+    assert _tiny_and_normal_in_a_full_pool(make_store, tiny_hits=1) == {11, 12, 13, 14}
+
+
+def test_pool_keeps_tiny_blocks_worth_more_per_slot(make_store):
+    """Value still counts: tiny blocks read 3 times (4 x the value per slot, two
+    half-lives) outweigh normal blocks read once a minute later."""
+    assert _tiny_and_normal_in_a_full_pool(make_store, tiny_hits=3) == {1, 2, 3, 4}
+
+
+def test_pool_victim_per_slot_nvme_victim_per_byte():
+    """Two blocks held in both tiers, same hits and depth, the tiny one older: the pool
+    (a slot each) gives up the older one, NVMe (charged bytes stored) the bigger one."""
+    queue = EvictionQueue(ValueAwarePolicy(), spills=True, slot_bytes=SPEC.block_bytes)
+    metas = []
+    for spec, age in ((TINY, 0.0), (SPEC, 60.0)):
+        st = NsState(spec, spec.namespace_id, 0, NamespacePolicy())
+        m = BlockMeta(st, spec.namespace_id, bytes(16), 0, st.block_bytes, 0, slot=len(metas))
+        m.on_nvme, m.last_access = True, 1_000.0 + age
+        st.blocks[m.block_id] = m
+        queue.refile(m)
+        metas.append(m)
+    tiny, normal = metas
+    assert queue.victim(Tier.HBM, None) is tiny
+    assert queue.victim(Tier.NVME, None) is normal
