@@ -28,6 +28,8 @@ from kvstore.policy import NamespacePolicy
 from kvstore.units import host_problem, parse_size, split_port
 
 MiB = 1 << 20
+# An agent's pool slot size (AgentConfig.slot_bytes) unless configured; kvctl plan's too.
+DEFAULT_SLOT_BYTES = 2 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +216,7 @@ class AgentConfig:
     advertise: str = ""  # address others dial; default: the bound listen address
     device: str = "auto"  # cuda:N, cpu, or auto
     pool_bytes: int = 256 * MiB  # device pool size (slots = pool_bytes // slot_bytes)
-    slot_bytes: int = 2 * MiB  # largest block payload this node accepts
+    slot_bytes: int = DEFAULT_SLOT_BYTES  # largest block payload this node accepts
     data_dir: str = "./kvstore-data/agent-0"  # RocksDB directory (NVMe)
     nvme_bytes: int = 4096 * MiB  # NVMe tier capacity
     # What a crash (kill -9, OOM) can lose of the NVMe tier, whose WAL is off: at most

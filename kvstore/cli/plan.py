@@ -4,10 +4,13 @@ Pure arithmetic, no I/O. The model is deliberately simple and stated here so an
 operator can check it by hand:
 
 * KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element.
-* A block holds ``block_size`` tokens; device pool and NVMe tier hold whole blocks
-  (payload only; the per-block header is a few dozen bytes and is ignored).
+* A block holds ``block_size`` tokens. The device pool is cut into slots of
+  ``slot_bytes`` (the agents' setting, 2 MiB by default) and every block takes one
+  whole slot, whatever its payload; a block bigger than a slot is refused (an agent
+  refuses its namespace), so the plan is too. The NVMe tier stores payload bytes (the
+  per-block header is a few dozen bytes and is ignored).
 * The running requests (``concurrency`` sequences of ``context_len`` tokens) take
-  their KV from the device pool first, a partial last block occupying a whole slot;
+  their KV from the device pool first, a slot per block, a partial last block too;
   what is left of the pool holds cached prefixes.
 * The cacheable working set defaults to the full-block prefixes of the running
   requests; pass ``working_set_tokens`` (e.g. the distinct tokens that
@@ -22,6 +25,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
+from kvstore.config import DEFAULT_SLOT_BYTES
 from kvstore.namespace import MAX_BLOCK_SIZE
 from kvstore.units import parse_size  # noqa: F401 (kvctl plan's size parser, re-exported)
 
@@ -91,6 +95,7 @@ class PlanReport:
     concurrency: int
     bytes_per_token: int
     bytes_per_block: int
+    slot_bytes: int  # the pool's slot: every block takes one, whatever its payload
     hbm_bytes: int
     nvme_bytes: int
     hbm_blocks: int
@@ -150,9 +155,22 @@ def _validate(block_size: int, context_len: int, concurrency: int, sizes: dict) 
     _check_count("block_size", block_size, 1, MAX_BLOCK_SIZE)
     _check_count("context_len", context_len, 1)
     _check_count("concurrency", concurrency, 0)
+    _check_count("slot_bytes", sizes.pop("slot_bytes"), 1)
     for name, value in sizes.items():
         if value is not None:
             _check_count(name, value, 0)
+
+
+def _check_fits_slot(bytes_per_block: int, slot_bytes: int) -> None:
+    # An agent refuses a namespace whose blocks are bigger than its slots (a block never
+    # takes several): a plan for them could never be deployed either.
+    if bytes_per_block > slot_bytes:
+        raise ValueError(
+            f"blocks of {format_size(bytes_per_block)} do not fit {format_size(slot_bytes)} "
+            f"slots: agents refuse such a namespace; plan with --slot-bytes of at least "
+            f"{format_size(bytes_per_block)} and set the agents' slot_bytes (the chart's "
+            "agent.slotKiB) to it, or shrink the block size"
+        )
 
 
 def _tier_mix(working_set_blocks: int, cache_blocks: int, nvme_blocks: int) -> TierMix:
@@ -182,11 +200,19 @@ def _gpu_headroom(
 def _warnings(r: PlanReport) -> tuple[str, ...]:
     out: list[str] = []
     if r.hbm_blocks == 0:
-        out.append(f"device pool is smaller than one block ({format_size(r.bytes_per_block)})")
+        out.append(f"device pool is smaller than one slot ({format_size(r.slot_bytes)})")
+    if 2 * r.bytes_per_block <= r.slot_bytes:
+        fill = r.bytes_per_block / r.slot_bytes
+        out.append(
+            f"blocks of {format_size(r.bytes_per_block)} fill {fill:.0%} of a "
+            f"{format_size(r.slot_bytes)} slot: the pool holds {r.hbm_blocks:,} of them, "
+            f"slots of {format_size(r.bytes_per_block)} would hold "
+            f"{r.hbm_bytes // r.bytes_per_block:,}"
+        )
     if r.shortfall_blocks > 0:
         out.append(
             f"device pool cannot hold the running KV: short by {r.shortfall_blocks:,} blocks "
-            f"({format_size(r.shortfall_blocks * r.bytes_per_block)}); "
+            f"({format_size(r.shortfall_blocks * r.slot_bytes)}); "
             "no room is left for cached prefixes"
         )
     if r.gpu_headroom_bytes is not None and r.gpu_headroom_bytes < 0:
@@ -207,13 +233,16 @@ def plan(
     gpu_mem_bytes: int | None = None,
     weights_bytes: int | None = None,
     working_set_tokens: int | None = None,
+    slot_bytes: int = DEFAULT_SLOT_BYTES,
 ) -> PlanReport:
-    """Size the device pool and NVMe tier for ``model`` in blocks of ``block_size`` tokens."""
+    """Size the device pool (slots of ``slot_bytes``, one block each) and NVMe tier for
+    ``model`` in blocks of ``block_size`` tokens."""
     _validate(
         block_size,
         context_len,
         concurrency,
         {
+            "slot_bytes": slot_bytes,
             "hbm_bytes": hbm_bytes,
             "nvme_bytes": nvme_bytes,
             "gpu_mem_bytes": gpu_mem_bytes,
@@ -223,7 +252,8 @@ def plan(
     )
     bpt = kv_bytes_per_token(model, kv_dtype)
     bpb = bpt * block_size
-    hbm_blocks, nvme_blocks = hbm_bytes // bpb, nvme_bytes // bpb
+    _check_fits_slot(bpb, slot_bytes)
+    hbm_blocks, nvme_blocks = hbm_bytes // slot_bytes, nvme_bytes // bpb
     running_blocks = concurrency * -(-context_len // block_size)
     cache_blocks = max(0, hbm_blocks - running_blocks)
     if working_set_tokens is None:
@@ -238,6 +268,7 @@ def plan(
         concurrency=concurrency,
         bytes_per_token=bpt,
         bytes_per_block=bpb,
+        slot_bytes=slot_bytes,
         hbm_bytes=hbm_bytes,
         nvme_bytes=nvme_bytes,
         hbm_blocks=hbm_blocks,
@@ -275,9 +306,11 @@ def _table_rows(r: PlanReport) -> list[tuple[str, str]]:
         ("block size", f"{r.block_size} tokens"),
         ("KV per token", _size_cell(r.bytes_per_token)),
         ("KV per block", _size_cell(r.bytes_per_block)),
+        ("pool slot", f"{_size_cell(r.slot_bytes)}, one block each"),
         (
             "device pool",
-            f"{_size_cell(r.hbm_bytes)} = {r.hbm_blocks:,} blocks, {r.hbm_tokens:,} tokens",
+            f"{_size_cell(r.hbm_bytes)} = {r.hbm_blocks:,} blocks (a slot each), "
+            f"{r.hbm_tokens:,} tokens",
         ),
         (
             "NVMe tier",
@@ -286,7 +319,8 @@ def _table_rows(r: PlanReport) -> list[tuple[str, str]]:
         (
             "running KV",
             f"{r.concurrency} x {r.context_len:,} tokens = "
-            f"{format_size(r.running_bytes)}, {r.running_blocks:,} blocks",
+            f"{format_size(r.running_bytes)}, {r.running_blocks:,} blocks "
+            f"({format_size(r.running_blocks * r.slot_bytes)} of slots)",
         ),
         (
             "pool left for prefixes",
@@ -329,8 +363,9 @@ def _size_arg(text: str) -> int:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvctl plan`` arguments to ``parser``."""
     parser.description = (
-        "Capacity planning: KV bytes per token and per block, blocks per tier, the KV the "
-        "running requests need and what is left of the device pool for cached prefixes."
+        "Capacity planning: KV bytes per token and per block, blocks per tier (a pool slot "
+        "per block), the KV the running requests need and what is left of the device pool "
+        "for cached prefixes."
     )
     shape = parser.add_argument_group("model shape (a preset, or explicit numbers)")
     shape.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
@@ -354,6 +389,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nvme", type=_size_arg, default=0, help="NVMe tier size, e.g. 2TiB (default 0)"
+    )
+    parser.add_argument(
+        "--slot-bytes",
+        type=_size_arg,
+        default=DEFAULT_SLOT_BYTES,
+        help="the agents' pool slot size (slot_bytes; the chart's agent.slotKiB): every block "
+        f"takes a whole slot (default {format_size(DEFAULT_SLOT_BYTES).replace(' ', '')})",
     )
     parser.add_argument(
         "--gpu-mem",
@@ -410,6 +452,7 @@ def plan_command(args: argparse.Namespace) -> int:
             gpu_mem_bytes=args.gpu_mem,
             weights_bytes=args.weights,
             working_set_tokens=args.working_set_tokens,
+            slot_bytes=args.slot_bytes,
         )
         text = render_plan(report, getattr(args, "output", "table"))
     except ValueError as exc:

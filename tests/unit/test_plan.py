@@ -288,3 +288,60 @@ def test_bad_size_flag_is_a_usage_error(capsys):
         _parser().parse_args(["--model", "llama-3-8b", "--hbm", "lots"])
     assert exc.value.code == 2
     assert "invalid size 'lots'" in capsys.readouterr().err
+
+
+# ------------------------------------------------- the pool counts slots, not payload
+def test_small_blocks_take_a_whole_slot_each():
+    """The pool is cut into slots (2 MiB by default, the agents' slot_bytes) and every
+    block takes one, whatever its payload: 512 KiB blocks (int4) do not fit 4 x as many."""
+    report = _plan(kv_dtype="int4", concurrency=4, context_len=8192)
+    assert report.bytes_per_block == 512 * 2**10
+    assert report.slot_bytes == 2 * 2**20
+    assert report.hbm_blocks == 5120  # 10 GiB / 2 MiB slots, not 10 GiB / 512 KiB
+    assert report.hbm_tokens == 5120 * 16
+    assert report.cache_blocks == 5120 - 4 * 512  # the running blocks take a slot each too
+    assert report.nvme_blocks == 2**40 // (512 * 2**10)  # NVMe stores payload bytes
+    assert any("fill 25% of a 2 MiB slot" in w for w in report.warnings)
+
+
+def test_slots_sized_for_the_blocks_hold_more_of_them():
+    report = _plan(kv_dtype="int4", slot_bytes=512 * 2**10)
+    assert report.hbm_blocks == 20480
+    assert report.warnings == ()
+    # Qwen2.5-7B fp16: 896 KiB blocks, 2 in a 2 MiB slot's room but 1 per slot.
+    qwen = _plan(model=PRESETS["qwen2.5-7b"], concurrency=0)
+    assert qwen.bytes_per_block == 896 * 2**10
+    assert qwen.hbm_blocks == 5120
+
+
+def test_shortfall_counts_slots():
+    report = _plan(kv_dtype="int4", hbm_bytes=parse_size("2GiB"), concurrency=4)
+    assert report.hbm_blocks == 1024
+    assert report.shortfall_blocks == 2048 - 1024
+    assert any("short by 1,024 blocks (2 GiB)" in w for w in report.warnings)
+    assert "2,048 blocks (4 GiB of slots)" in render_plan(report)
+    tiny = _plan(kv_dtype="int4", hbm_bytes=2**20)  # room for two blocks, not one slot
+    assert tiny.hbm_blocks == 0
+    assert any("smaller than one slot (2 MiB)" in w for w in tiny.warnings)
+
+
+def test_block_bigger_than_a_slot_is_refused():
+    """An agent refuses a namespace whose blocks do not fit its slots (they never take
+    several), so a plan for them names the slot size to set."""
+    big = PRESETS["llama-3-70b"]  # 5 MiB blocks in fp16
+    with pytest.raises(ValueError, match="5 MiB.*2 MiB slots"):
+        _plan(model=big)
+    assert _plan(model=big, slot_bytes=5 * 2**20).hbm_blocks == 2048
+    with pytest.raises(ValueError, match="slot_bytes"):
+        _plan(slot_bytes=0)
+
+
+def test_plan_command_slot_bytes(capsys):
+    args = ["--model", "llama-3-8b", "--kv-dtype", "int4", "--hbm", "10GiB", "--output", "json"]
+    assert plan_command(_parser().parse_args(args)) == 0
+    assert json.loads(capsys.readouterr().out)["hbm_blocks"] == 5120
+    assert plan_command(_parser().parse_args([*args, "--slot-bytes", "512KiB"])) == 0
+    assert json.loads(capsys.readouterr().out)["hbm_blocks"] == 20480
+    big = _parser().parse_args(["--model", "llama-3-70b", "--hbm", "10GiB"])
+    assert plan_command(big) == 2
+    assert "--slot-bytes" in capsys.readouterr().err
