@@ -15,6 +15,8 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_removed_blocks_total{reason}, kvstore_tier_moves_total{to},
   kvstore_nvme_writable (1, or 0 while NVMe writes fail), kvstore_nvme_events_total{event}
   (write_outage, write_recovery, write_refused, flush, quarantined),
+  kvstore_fenced_calls_total{call} (lookup, get: answered as misses while the etcd lease
+  was not confirmed, kvstore/coord/fence.py; `fenced_lookups` / `fenced_gets` in Stats),
   kvstore_inflight_requests, kvstore_flush_duration_seconds (histogram),
   kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
   kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
@@ -120,6 +122,9 @@ _NVME_EVENTS = (
     ("seal_refused", "nvme_seal_refused"),
     *((f"open_failed_{f.value}", f"nvme_open_failed_{f.value}") for f in Failure),
 )
+# call label of kvstore_fenced_calls_total; store.counters counts fenced_<call>s
+# (kvstore/store_killswitch.py)
+_FENCED = ("lookup", "get")
 _REMOVED = (
     ("flush", "blocks_dropped_flush"),
     ("expired", "removed_expired"),
@@ -275,6 +280,12 @@ class _StoreGauges:
             [self.nvme_events],
             description="NVMe tier write outages, recoveries, refused writes, flushes, quarantines",
         )
+        meter.create_observable_counter(
+            "kvstore_fenced_calls",
+            [self.fenced],
+            description="Lookups and Gets answered as misses while the etcd lease was not "
+            "confirmed (the lease fence)",
+        )
         meter.create_observable_gauge(
             "kvstore_inflight_requests", [self.inflight], description="Data-path copies in progress"
         )
@@ -321,6 +332,10 @@ class _StoreGauges:
             Observation(c.get("promotions", 0), {"to": "hbm"}),
             Observation(c.get("demotions", 0), {"to": "nvme"}),
         ]
+
+    def fenced(self, options: CallbackOptions):
+        c = self._counters()
+        return [Observation(c.get(f"fenced_{call}s", 0), {"call": call}) for call in _FENCED]
 
     def nvme_writable(self, options: CallbackOptions):
         rocks = self.store.rocks

@@ -18,6 +18,9 @@ Exposed names:
   kvstore_router_engine_events_dropped_total{engine}  KV event frames dropped as noise
   kvstore_router_engine_resyncs_total{engine}         times an engine's entries were
                                          cleared to start over (router/engine_events.py)
+  kvstore_router_fenced_routes_total     routes answered by load only while the etcd lease
+                                         was not confirmed (the lease fence,
+                                         kvstore/coord/fence.py)
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 
@@ -87,6 +90,12 @@ class RouterMetrics:
             description="Times the index of an engine's cache was cleared to start over",
         )
 
+        meter.create_observable_counter(
+            "kvstore_router_fenced_routes",
+            [self._fenced_routes],
+            description="Routes answered by load only while the etcd lease was not confirmed",
+        )
+
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
         labels = self._labels.get(chosen.node_id)
@@ -131,6 +140,9 @@ class RouterMetrics:
 
     def _engine_resyncs(self, options: CallbackOptions):
         return [Observation(s.resyncs, {"engine": e}) for e, s in self._engine_streams()]
+
+    def _fenced_routes(self, options: CallbackOptions):
+        return [Observation(self.core.fenced_routes)]
 
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]

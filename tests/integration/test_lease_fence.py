@@ -3,9 +3,11 @@ with real etcd, real agent and router processes (the freeze is SIGSTOP / SIGCONT
 
 - an agent frozen past its lease drops out of the members a flush waits for; when it
   wakes up it must not answer a lookup or get from the old generation (the lease fence,
-  kvstore/coord/fence.py), and it counts and logs the fenced requests;
+  kvstore/coord/fence.py), and it counts and logs the fenced requests (Stats and its
+  Prometheus page);
 - a flush that a member leaves without acknowledging says so on stderr;
-- a router frozen past its lease must not route by a stale index when it wakes up;
+- a router frozen past its lease must not route by a stale index when it wakes up, and
+  counts those routes on its Prometheus page;
 - a second router with the same router_id waits instead of taking routers/<id> over, so
   stopping it does not deregister the real one; a holder whose key vanished claims it
   again."""
@@ -21,8 +23,9 @@ import time
 import grpc
 import pytest
 from support.cluster import RouterProc
-from support.common import make_namespace, wait_for
+from support.common import free_port, make_namespace, wait_for
 from support.control import AgentClient, agent_cfg, chain, kvctl, kvctl_json
+from support.metrics import scrape, val
 from support.tcp_count import CountingRelay
 
 from kvstore.coord.admin import ROUTERS
@@ -101,7 +104,8 @@ def test_agent_frozen_past_its_lease_serves_no_old_generation_after_a_flush(
     its own clock tells it a flush may have gone on without it. Its first call to etcd is
     still on its way (no failure yet: not out of reach), so it answers misses."""
     spawn_agent(**agent_cfg(etcd))
-    frozen = spawn_agent(**agent_cfg(etcd, etcd_endpoints=relay.address))
+    port = free_port()
+    frozen = spawn_agent(**agent_cfg(etcd, etcd_endpoints=relay.address, metrics_port=port))
     c = AgentClient(frozen.address)
     c.open(SPEC)
     ids = c.put_chain(SPEC, 5, 4, 0)
@@ -120,6 +124,11 @@ def test_agent_frozen_past_its_lease_serves_no_old_generation_after_a_flush(
     stats = c.stub.Stats(agent_pb2.StatsRequest(), timeout=10)
     assert stats.counters["fenced_lookups"] >= 5, dict(stats.counters)
     assert stats.counters["fenced_gets"] >= 2, dict(stats.counters)
+    page = scrape(port)  # the operator's view of the same counters
+    assert (
+        val(page, "kvstore_fenced_calls_total", call="lookup") == stats.counters["fenced_lookups"]
+    )
+    assert val(page, "kvstore_fenced_calls_total", call="get") == stats.counters["fenced_gets"]
 
     relay.resume()
     # Once re-registered it has re-read the generation: the old one is refused.
@@ -195,7 +204,10 @@ def test_router_frozen_past_its_lease_routes_by_no_stale_index(etcd, spawn_agent
     too (so no event of its own tells the router): when the router wakes up its index
     still names the old generation's blocks; it must not route by them."""
     a = spawn_agent(**agent_cfg(etcd))
-    router = RouterProc(tmp_path / "router", relay.address, "router-0").start()
+    port = free_port()
+    router = RouterProc(tmp_path / "router", relay.address, "router-0").start(
+        config={"metrics_port": port}
+    )
     try:
         c = AgentClient(a.address)
         c.open(SPEC)
@@ -217,6 +229,9 @@ def test_router_frozen_past_its_lease_routes_by_no_stale_index(etcd, spawn_agent
             os.kill(router.proc.pid, signal.SIGCONT)
             relay.resume()
         assert got == ["miss"] * 4, got
+        # Each of the four was fenced: the router could not reach etcd (relay paused)
+        # before it answered them.
+        assert val(scrape(port), "kvstore_router_fenced_routes_total") == 4
     finally:
         router.stop()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.cluster import agent_config
 from support.common import PY, ROOT, TEST_SECRET, free_port, make_namespace, prompt_tokens, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import scrape, val
 
 from kvstore.telemetry import MetricsEndpoint, metrics_bind_host
 from kvstore.client import KVClient
@@ -26,23 +26,6 @@ GLOBEX = make_namespace(tenant="globex")
 BS = ACME.block_size
 NB = ACME.block_bytes
 KiB = 1 << 10
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
-
-
-def val(m: dict, name: str, **labels) -> float:
-    """One sample; a missing series fails with its name (no silent zero)."""
-    key = (name, frozenset(labels.items()))
-    assert key in m, f"no sample {name}{labels}; have {sorted({k[0] for k in m})}"
-    return m[key]
 
 
 def blocks_for(seed: int, n: int, spec=ACME) -> list[torch.Tensor]:
