@@ -289,7 +289,8 @@ class AgentServer:
             from kvstore.coord.seen import SeenWriter
 
             # seen/agent/<id>, lease-less: `kvctl status` names this agent as missing
-            # once its lease is gone (kvstore/coord/seen.py).
+            # once its lease is gone, or as stopped after a clean stop (`stop` marks it;
+            # kvstore/coord/seen.py).
             self.seen = SeenWriter(
                 self.control.etcd,
                 "agent",

@@ -556,6 +556,20 @@ def _nodes_table(view: ClusterView) -> str:
         ]
         for m in view.missing
     ]
+    rows += [
+        [
+            m.member_id if m.kind == "agent" else f"router:{m.member_id}",
+            m.address or "-",
+            "-",
+            f"stopped ({m.ago()})",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+        for m in view.stopped
+    ]
     return table(
         [
             "node",
@@ -647,10 +661,12 @@ def cmd_status(args) -> int:
                 f"{e['revision']}, {format_size(e['db_size_bytes'])})"
             )
             print(f"kill switch: {'ON' if view.killswitch else 'off'}")
-            missing = view.missing_agents
+            absent = [f"{len(view.missing_agents)} missing"] if view.missing_agents else []
+            if view.stopped_agents:
+                absent.append(f"{len(view.stopped_agents)} stopped")
             print(
                 f"agents:      {up}/{view.expected_agents} reachable"
-                + (f" ({len(missing)} missing)" if missing else "")
+                + (f" ({', '.join(absent)})" if absent else "")
             )
             print(
                 f"routers:     {len(view.routers)}"
@@ -660,7 +676,9 @@ def cmd_status(args) -> int:
             print(f"quotas:      {len(view.quotas)} tenants")
             for problem in view.members_down:
                 print(f"  - {problem}")
-            if view.nodes or view.routers or view.missing:
+            for m in view.stopped:  # informational: it left etcd itself
+                print(f"  - {m.describe()}")
+            if view.nodes or view.routers or view.missing or view.stopped:
                 print()
                 print(_nodes_table(view))
         return _unreachable_exit(view, "status", routers=True)
@@ -681,9 +699,10 @@ def cmd_nodes(args) -> int:
                     "nodes": [n.to_dict() for n in view.nodes],
                     "routers": list(view.routers),
                     "missing": [m.to_dict() for m in view.missing],
+                    "stopped": [m.to_dict() for m in view.stopped],
                 }
             )
-        elif view.nodes or view.routers or view.missing:
+        elif view.nodes or view.routers or view.missing or view.stopped:
             print(_nodes_table(view))
         else:
             print("no agents or routers registered in etcd")
@@ -705,6 +724,7 @@ def cmd_stats(args) -> int:
                     "agents_summed": len(view.nodes) - len(view.unreachable),
                     "agents_expected": view.expected_agents,
                     "missing": [m.to_dict() for m in view.missing_agents],
+                    "stopped": [m.to_dict() for m in view.stopped_agents],
                     "nodes": [
                         {
                             "node_id": n.node_id,
@@ -847,7 +867,8 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
             default=SEEN_WINDOW_S,
             metavar="DURATION",
             help="an agent or router seen within this long (e.g. 24h, 30m; default 24h) "
-            "but not registered now is reported missing (health degraded, exit 4); "
+            "but not registered now is reported missing (health degraded, exit 4), or "
+            "stopped when it stopped cleanly (SIGTERM; informational, not exit 4); "
             "`kvctl nodes forget ID` drops a decommissioned one",
         )
 
@@ -964,7 +985,8 @@ def _register_views(sub) -> None:
         if name == "nodes":
             p.description = (
                 "Every agent and router: address, device, occupancy, state; agents and "
-                "routers seen recently but not registered now are listed as MISSING. "
+                "routers seen recently but not registered now are listed as MISSING "
+                "(exit 4), or as stopped when they stopped cleanly (exit 0). "
                 "`kvctl nodes forget ID` deletes the record of a member decommissioned "
                 "for good (a live one is refused)."
             )

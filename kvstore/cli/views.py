@@ -126,10 +126,24 @@ class NodeView:
 SEEN_WINDOW_S = 24 * 3600.0
 
 
+def ago(at: float, now: float | None = None) -> str:
+    """How long ago unix time `at` was, for people: 42s ago, 7m ago, 3h05m ago."""
+    s = max(0, int((time.time() if now is None else now) - at))
+    if s < 120:
+        return f"{s}s ago"
+    if s < 7200:
+        return f"{s // 60}m ago"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m ago"
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
 @dataclass(frozen=True, slots=True)
 class MissingMember:
     """An agent or router seen (seen/<kind>/<id>, kvstore/coord/seen.py) within the
-    window but not live now: dead, frozen, cut off, or stopped and not forgotten."""
+    window but not live now, that did not stop cleanly: dead, frozen, cut off."""
 
     kind: str  # agent | router
     member_id: str
@@ -137,20 +151,42 @@ class MissingMember:
     address: str = ""
 
     def ago(self, now: float | None = None) -> str:
-        s = max(0, int((time.time() if now is None else now) - self.last_seen))
-        if s < 120:
-            return f"{s}s ago"
-        if s < 7200:
-            return f"{s // 60}m ago"
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m ago"
+        return ago(self.last_seen, now)
 
     def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.last_seen))
         at = f" at {self.address}" if self.address else ""
-        return f"{self.kind} {self.member_id}{at} missing: last seen {self.ago()} ({when})"
+        return (
+            f"{self.kind} {self.member_id}{at} missing: last seen {self.ago()} "
+            f"({_utc(self.last_seen)})"
+        )
 
     def to_dict(self) -> dict:
         return {**asdict(self), "last_seen_ago_s": round(time.time() - self.last_seen, 1)}
+
+
+@dataclass(frozen=True, slots=True)
+class StoppedMember:
+    """An agent seen within the window that stopped cleanly (SIGTERM: it left etcd
+    itself and marked its seen record) and has not come back: not expected, not a
+    problem; listed so that an operator sees it went."""
+
+    kind: str  # agent | router
+    member_id: str
+    stopped_at: float  # unix seconds
+    address: str = ""
+
+    def ago(self, now: float | None = None) -> str:
+        return ago(self.stopped_at, now)
+
+    def describe(self) -> str:
+        at = f" at {self.address}" if self.address else ""
+        return (
+            f"{self.kind} {self.member_id}{at} stopped cleanly {self.ago()} "
+            f"({_utc(self.stopped_at)})"
+        )
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "stopped_ago_s": round(time.time() - self.stopped_at, 1)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +200,7 @@ class ClusterView:
     namespaces: int
     quotas: dict  # tenant -> Quota fields
     missing: tuple[MissingMember, ...] = ()  # seen within the window, not live now
+    stopped: tuple[StoppedMember, ...] = ()  # stopped cleanly within the window, not back
 
     @property
     def degraded_tiers(self) -> list[str]:
@@ -182,6 +219,10 @@ class ClusterView:
     @property
     def missing_agents(self) -> list[MissingMember]:
         return [m for m in self.missing if m.kind == "agent"]
+
+    @property
+    def stopped_agents(self) -> list[StoppedMember]:
+        return [m for m in self.stopped if m.kind == "agent"]
 
     @property
     def expected_agents(self) -> int:
@@ -232,6 +273,7 @@ class ClusterView:
             "routers": list(self.routers),
             "unreachable": self.unreachable,
             "missing": [m.to_dict() for m in self.missing],
+            "stopped": [m.to_dict() for m in self.stopped],
             "problems": self.members_down,
             "degraded_tiers": self.degraded_tiers,
             "namespaces": self.namespaces,
@@ -332,7 +374,8 @@ async def cluster_view(
     """Everything from etcd (raises kvstore.errors.Unavailable when it cannot be reached),
     then every registered agent's Stats in parallel (unreachable agents are marked).
     Members seen within `seen_window_s` (seen/, kvstore/coord/seen.py) without a live
-    membership key now are `missing`."""
+    membership key now are `stopped` when their record says they stopped cleanly,
+    `missing` otherwise."""
     info = await etcd_status(etcd)
     nodes = await etcd.list_nodes()
     _, routers = await etcd.list(ROUTERS)
@@ -360,15 +403,15 @@ async def cluster_view(
         ("router", kv.key[len(ROUTERS) :]) for kv in routers
     }
     since = time.time() - seen_window_s
+    gone = sorted(
+        (s for s in seen if (s.kind, s.member_id) not in live and s.at >= since),
+        key=lambda s: (s.kind, s.member_id),
+    )
     missing = tuple(
-        sorted(
-            (
-                MissingMember(s.kind, s.member_id, s.at, s.address)
-                for s in seen
-                if (s.kind, s.member_id) not in live and s.at >= since
-            ),
-            key=lambda m: (m.kind, m.member_id),
-        )
+        MissingMember(s.kind, s.member_id, s.at, s.address) for s in gone if not s.stopped_at
+    )
+    stopped = tuple(
+        StoppedMember(s.kind, s.member_id, s.stopped_at, s.address) for s in gone if s.stopped_at
     )
     switch_info: dict = {}
     if switch is not None:
@@ -386,4 +429,5 @@ async def cluster_view(
         len(namespaces),
         quotas,
         missing,
+        stopped,
     )

@@ -10,8 +10,9 @@ Key layout under a prefix (default ``/kvstore/``)::
     killswitch                      {"enabled": true, "reason": "..."}
     flushes/<tenant>/<name>         flush marker: its mod revision is the name's last flush
     ns-counts/<tenant>              {"count": N}: the tenant's records, bumped by each creation
-    seen/<agent|router>/<id>        {"at": ..., "address": ...}, no lease: last seen
-                                    (coord/seen.py; kvctl status names the missing)
+    seen/<agent|router>/<id>        {"at": ..., "address": ..., "stopped": ...}, no
+                                    lease: last seen, and a clean stop (coord/seen.py;
+                                    kvctl status names the missing and the stopped)
 
 A namespace record is created only by `claim_namespace`, one transaction that also checks
 the tenant's namespace cap and that no flush of the name committed after the claimer's

@@ -1,20 +1,25 @@
 """Members seen: a lease-less record per agent and router, so `kvctl status` can tell a
 member that died (its leased nodes/ or routers/ key expired with it) from one that never
-existed.
+existed, and from one that stopped cleanly.
 
 Keys under the EtcdClient prefix::
 
-    seen/agent/<node_id>      {"at": unix seconds, "address": ...}
+    seen/agent/<node_id>      {"at": unix seconds, "address": ..., "stopped": unix seconds}
     seen/router/<router_id>   {"at": unix seconds, "address": ...}
 
 `SeenWriter` runs in the member's own process, next to its registration: it writes the
 record when the member's membership key is live (the `live` event: the agent's
 `Registration.registered`, the router's `LeasedKey.live`) and again every `interval_s`
 while it stays live, so `at` is never older than `interval_s` for a member that is
-alive. The record has no lease: it outlives the process. `kvctl nodes forget ID`
-deletes it for a member decommissioned for good. A router that stops cleanly deletes its
-own record (`forget_on_stop`): router ids are pod names, replaced by every rollout, while
-an agent's id (host and GPU) comes back when it restarts.
+alive. The record has no lease: it outlives the process. A member that stops cleanly
+(SIGTERM: it leaves etcd itself) adds `stopped`, the time it stopped, so `kvctl status`
+shows it as stopped rather than missing; one that vanished (killed, frozen past its
+lease, cut off) keeps a record without `stopped`: missing. The member's next write, when
+it comes back, drops the mark. `kvctl nodes forget ID` deletes the record of a member
+decommissioned for good. A router that stops cleanly deletes its own record instead
+(`forget_on_stop`): router ids are pod names, replaced by every rollout, so a mark would
+list every old pod as stopped for a day, while an agent's id (host and GPU) comes back
+when it restarts.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Seen:
     member_id: str
     at: float  # unix seconds of the last write
     address: str = ""
+    stopped_at: float = 0.0  # unix seconds of a clean stop; 0: running, or vanished
 
 
 async def list_seen(etcd: EtcdClient) -> list[Seen]:
@@ -57,7 +63,8 @@ async def list_seen(etcd: EtcdClient) -> list[Seen]:
         kind, _, member_id = kv.key[len(SEEN) :].partition("/")
         try:
             d = json.loads(kv.value)
-            out.append(Seen(kind, member_id, float(d["at"]), str(d.get("address", ""))))
+            stopped = float(d.get("stopped") or 0.0)
+            out.append(Seen(kind, member_id, float(d["at"]), str(d.get("address", "")), stopped))
         except (ValueError, KeyError, TypeError):
             continue
     return out
@@ -81,7 +88,8 @@ async def forget(etcd: EtcdClient, member_id: str) -> list[str]:
 
 class SeenWriter:
     """Write seen/<kind>/<id> whenever `live` is set, then every `interval_s` while it
-    stays set. Failures are retried quietly (etcd down: the data path keeps serving)."""
+    stays set. Failures are retried quietly (etcd down: the data path keeps serving).
+    `stop` (a clean stop) marks the record stopped, or deletes it (`forget_on_stop`)."""
 
     def __init__(
         self,
@@ -110,20 +118,30 @@ class SeenWriter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        # Only a record this process wrote: a router started twice under one id waits,
-        # never live, and must not delete the record of the one that runs.
-        if self.forget_on_stop and self.written.is_set():
-            try:
+        # Only a record this process wrote: a member started twice under one id waits,
+        # never live, and must not delete or mark the record of the one that runs.
+        if not self.written.is_set():
+            return
+        try:
+            if self.forget_on_stop:
                 await self.etcd.delete(self.key)
-            except errors.KvError as exc:
-                log.warning("could not delete %s from etcd: %s", self.key, exc)
+            else:
+                await self.etcd.put(self.key, self._value(stopped=True))
+        except errors.KvError as exc:  # the record stays as it was: missing, not stopped
+            log.warning("could not record the stop in %s in etcd: %s", self.key, exc)
+
+    def _value(self, stopped: bool = False) -> bytes:
+        now = time.time()
+        record: dict = {"at": now, "address": self.address}
+        if stopped:
+            record["stopped"] = now
+        return json.dumps(record).encode()
 
     async def _run(self) -> None:
         while True:
             await self.live.wait()
             try:
-                value = json.dumps({"at": time.time(), "address": self.address}).encode()
-                await self.etcd.put(self.key, value)
+                await self.etcd.put(self.key, self._value())
                 self.written.set()
             except errors.KvError as exc:
                 log.debug("writing %s to etcd failed (retrying): %s", self.key, exc)

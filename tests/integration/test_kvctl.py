@@ -312,6 +312,62 @@ def test_status_names_agents_and_routers_seen_but_gone(etcd, spawn_agent, start_
     assert "no router registered" in err
 
 
+def test_an_agent_stopped_cleanly_is_stopped_not_missing(etcd, spawn_agent, start_router, capsys):
+    """An agent that stopped on SIGTERM (it left etcd itself) is listed as stopped, with
+    when, and does not make status, nodes or stats exit 4; one frozen past its lease at
+    the same time is missing (exit 4). Coming back under its id clears the mark; `nodes
+    forget` drops a stopped one's record."""
+    import os
+    import signal
+
+    from support.common import wait_for
+
+    e = ("--etcd", etcd.endpoint)
+    start_router()
+    spawn_agent(**agent_cfg(etcd))
+    leaver = spawn_agent(**agent_cfg(etcd))
+    frozen = spawn_agent(**agent_cfg(etcd))
+    wait_for(lambda: _seen_ids(etcd) >= {f"agent/agent-{i}" for i in range(3)}, what="seen")
+    wait_for(lambda: run(capsys, "status", *e)[0] == 0, what="every member registered")
+
+    leaver.stop()  # SIGTERM: revokes its lease, marks its seen record stopped
+    rc, out, err = run(capsys, "status", *e)
+    assert rc == 0, (out, err)
+    assert "health:      healthy" in out and "agents:      2/2 reachable (1 stopped)" in out
+    assert "agent agent-1 at " in out and "stopped cleanly" in out
+    st = run_json(capsys, "status", *e)
+    assert [(m["kind"], m["member_id"]) for m in st["stopped"]] == [("agent", "agent-1")]
+    assert st["missing"] == [] and st["problems"] == []
+    rc, out, err = run(capsys, "nodes", *e)
+    assert rc == 0 and "stopped (" in out, (out, err)
+    rc, out, err = run(capsys, "stats", *e)
+    assert rc == 0 and "PARTIAL" not in out, (out, err)
+    stats = run_json(capsys, "stats", *e)
+    assert (stats["agents_summed"], stats["agents_expected"]) == (2, 2)
+    assert [m["member_id"] for m in stats["stopped"]] == ["agent-1"]
+
+    os.kill(frozen.proc.pid, signal.SIGSTOP)  # vanishes without leaving: missing
+    try:
+        wait_for(lambda: run(capsys, "status", *e)[0] == 4, timeout=30, what="its lease gone")
+        st = run_json(capsys, "status", *e, rc=4)
+        assert [m["member_id"] for m in st["missing"]] == ["agent-2"]
+        assert [m["member_id"] for m in st["stopped"]] == ["agent-1"]
+        rc, out, _ = run(capsys, "nodes", *e)
+        assert rc == 4 and "MISSING (last seen" in out and "stopped (" in out
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    wait_for(lambda: run(capsys, "status", *e)[0] == 0, timeout=30, what="agent-2 back")
+
+    leaver.start()  # back under its id: its record is written afresh
+    wait_for(lambda: run_json(capsys, "status", *e)["stopped"] == [], what="agent-1 back")
+    leaver.stop()
+    wait_for(lambda: run_json(capsys, "status", *e)["stopped"] != [], what="stopped again")
+    rc, out, err = run(capsys, "nodes", "forget", "agent-1", *e)
+    assert rc == 0 and "forgot agent-1" in out, err
+    st = run_json(capsys, "status", *e)
+    assert st["stopped"] == [] and st["missing"] == []
+
+
 def _seen_ids(etcd) -> set[str]:
     """The seen/ records the members wrote (raw etcd, no kvstore helper)."""
     import asyncio
