@@ -57,6 +57,8 @@ from kvstore.devengines import (
 )
 from kvstore.config import TLSConfig
 from kvstore.devprocs import (
+    WaitFailed,
+    Watched,
     alive,
     client_context,
     etcd_healthy,
@@ -66,7 +68,7 @@ from kvstore.devprocs import (
     reap,
     router_nodes,
     spawn,
-    tail,
+    wait_until,
 )
 from kvstore.units import parse_size
 from kvstore.tls import files_in
@@ -198,25 +200,14 @@ def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
     return [p.name for p in engines + live]
 
 
-def _wait(pred, timeout: float, what: str, procs: list[tuple[subprocess.Popen, Path]]):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _stop_requested.is_set():
-            raise ClusterError(
-                f"stopped (SIGTERM: kvctl cluster down?) while waiting for {what}; "
-                "stopped what this up had started"
-            )
-        for proc, log in procs:
-            if proc.poll() is not None:
-                raise ClusterError(
-                    f"{what}: a process exited with status {proc.returncode}; "
-                    f"end of {log}:\n{tail(log)}"
-                )
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+def _wait(pending, timeout_s: float, what: str, watch: list[Watched], limit: str = "") -> None:
+    """devprocs.wait_until, stopped by a SIGTERM to this `up` (_sigterm_stops); its
+    failure (a component that exited or did not come up in time, named with what it
+    waited for and the end of its log) is a ClusterError."""
+    try:
+        wait_until(pending, max(0.0, timeout_s), what, watch, _stop_requested, limit)
+    except WaitFailed as exc:
+        raise ClusterError(str(exc)) from None
 
 
 # -------------------------------------------------------------------------- up
@@ -461,10 +452,10 @@ def engine_launch(
     )  # fmt: skip
 
 
-def _start_engines(state, opts, etcd, agents, gw_url, say, started, client) -> list[Proc]:
+def _start_engines(state, opts, etcd, agents, gw_url, say, started, client, watch) -> list[Proc]:
     """vLLM engines on the agents in turn, registered in etcd; waits until the gateway
-    has every one."""
-    procs, watch = [], []
+    has every one (`watch`: the cluster's other processes, for a death meanwhile)."""
+    procs, watch = [], list(watch)
     for i in range(opts.engines):
         d = state / f"engine-{i}"
         launch = engine_launch(state, opts, i, etcd, agents)
@@ -472,11 +463,27 @@ def _start_engines(state, opts, etcd, agents, gw_url, say, started, client) -> l
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))
         started.append(p)
         procs.append(p)
-        watch.append((proc, d / "engine.log"))
+        watch.append(Watched(p.name, proc, d / "engine.log"))
     if procs:
         say(f"starting {len(procs)} vLLM CPU engines (about 30 s each here)")
-        _wait(lambda: _gateway_engines(gw_url, client) == len(procs), opts.engine_timeout_s,
-              "every engine to register with the gateway", watch)  # fmt: skip
+
+        def pending() -> dict[str, str]:
+            listed = _gateway_engines(gw_url, client)
+            if listed == len(procs):
+                return {}
+            out = {
+                p.name: f"its health check {p.address}/health to answer 200 (vLLM loads "
+                "the model, then registers the engine in etcd)"
+                for p in procs
+                if not http_ok(p.address + "/health", client)
+            }
+            return out or {
+                "gateway": f"{gw_url}/health to list {len(procs)} engines (it lists "
+                f"{max(listed, 0)}; each engine's registrar puts it in etcd once healthy)"
+            }
+
+        _wait(pending, opts.engine_timeout_s, "every engine to register with the gateway",
+              watch, "the engines' limit")  # fmt: skip
         say(f"gateway   {gw_url} (API keys in {state / 'router' / 'keys.json'})")
     return procs
 
@@ -623,49 +630,61 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         write_model(state / "model")
     etcd, endpoint, elog = _start_etcd(state, server_tls)
     started.append(Proc("etcd", "etcd", etcd.pid, endpoint, str(elog)))
-    _wait(lambda: etcd_healthy(endpoint, tls=client), 30, "etcd to become healthy", [(etcd, elog)])
+    deadline = time.monotonic() + opts.timeout_s  # --timeout: etcd to the gateway
+    limit = f"--timeout {opts.timeout_s:g}s for the whole start"
+
+    def wait(pending, what: str, watch: list[Watched]) -> None:
+        _wait(pending, deadline - time.monotonic(), what, watch, limit)
+
+    scheme = "https" if opts.tls else "http"
+    etcd_w = Watched("etcd", etcd, elog)
+    wait(lambda: {} if etcd_healthy(endpoint, tls=client) else {
+        "etcd": f"its health check {scheme}://{endpoint}/health to say true"
+    }, "etcd to become healthy", [etcd_w])  # fmt: skip
     say(f"etcd      {endpoint}")
     agents = [_start_agent(state, i, endpoint, opts, server_tls) for i in range(opts.agents)]
     router, rready, rlog, metrics = _start_router(state, endpoint, opts, server_tls)
     for i, (proc, _, log) in enumerate(agents):
         started.append(Proc(f"agent-{i}", "agent", proc.pid, "", str(log)))
     started.append(Proc("router", "router", router.pid, "", str(rlog)))
-    watch = [(p, log) for p, _, log in agents] + [(router, rlog), (etcd, elog)]
-    readies = [r for _, r, _ in agents] + [rready]
-    _wait(
-        lambda: all(_read(r) for r in readies),
-        opts.timeout_s,
-        "every agent and the router to start",
-        watch,
-    )
-    addrs = [_read(r) for _, r, _ in agents]
+    watch = [Watched(f"agent-{i}", p, log) for i, (p, _, log) in enumerate(agents)]
+    watch += [Watched("router", router, rlog), etcd_w]
+    readies = {f"agent-{i}": r for i, (_, r, _) in enumerate(agents)} | {"router": rready}
+    gw_ready = state / "router" / "gw-ready"
+    if opts.gateway_tokenizers or opts.engines:  # the router's OpenAI gateway
+        readies["gateway"] = gw_ready
+        watch.append(Watched("gateway", router, rlog))
+    wait(lambda: {
+        name: f"its ready file {r} (written once it has started: listening, etcd read, "
+        "registered)"
+        for name, r in readies.items() if not _read(r)
+    }, "every agent and the router to start", watch)  # fmt: skip
+    addrs = {f"agent-{i}": _read(r) for i, (_, r, _) in enumerate(agents)}
     raddr = _read(rready)
-    _wait(
-        lambda: all(grpc_healthy(a, tls=client) for a in addrs + [raddr]),
-        30,
-        "gRPC health of every agent and the router",
-        watch,
-    )
+    wait(lambda: {
+        name: f"gRPC health at {a} to answer SERVING"
+        for name, a in (addrs | {"router": raddr}).items() if not grpc_healthy(a, tls=client)
+    }, "gRPC health of every agent and the router", watch)  # fmt: skip
 
-    def router_in_sync():
+    def router_behind() -> dict[str, str]:
         try:
-            nodes = router_nodes(raddr, tls=client)
-        except grpc.RpcError:
-            return False
-        return len(nodes) == opts.agents and all(n.synced for n in nodes)
+            nodes = {n.node_id: n.synced for n in router_nodes(raddr, tls=client)}
+        except grpc.RpcError as exc:
+            return {"router": f"ListNodes at {raddr} to answer ({exc.code().name})"}
+        behind = [a for a in addrs if not nodes.get(a)]
+        return {"router": f"to list and follow every agent's events at {raddr} (not yet: "
+                f"{', '.join(behind)})"} if behind else {}  # fmt: skip
 
-    _wait(router_in_sync, 60, "the router to follow every agent", watch)
+    wait(router_behind, "the router to follow every agent", watch)
     procs = [started[0]] + [
-        Proc(f"agent-{i}", "agent", p.pid, a, str(log))
-        for i, ((p, _, log), a) in enumerate(zip(agents, addrs))
+        Proc(f"agent-{i}", "agent", p.pid, addrs[f"agent-{i}"], str(log))
+        for i, (p, _, log) in enumerate(agents)
     ]
     procs.append(Proc("router", "router", router.pid, raddr, str(rlog)))
-    gw_url = (
-        f"{'https' if opts.tls else 'http'}://{_read(state / 'router' / 'gw-ready')}"
-        if opts.gateway_tokenizers or opts.engines
-        else ""
+    gw_url = f"{scheme}://{_read(gw_ready)}" if "gateway" in readies else ""
+    procs += _start_engines(
+        state, opts, endpoint, list(addrs.values()), gw_url, say, started, client, watch
     )
-    procs += _start_engines(state, opts, endpoint, addrs, gw_url, say, started, client)
     keys = str(state / "router" / "keys.json") if gw_url else ""
     tls_dir = str(state / "tls") if opts.tls else ""
     st = ClusterState(

@@ -1,6 +1,7 @@
 """Processes of the local development cluster (kvctl cluster up, kvstore/devcluster.py):
-starting one with a fresh log, telling whether a pid is still the process we started, and
-whether etcd, an agent, the router or the gateway answers."""
+starting one with a fresh log, telling whether a pid is still the process we started,
+whether etcd, an agent, the router or the gateway answers, and waiting for them with an
+error that names the one that did not come up, what it waited for, and its log."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import os
 import socket
 import ssl
 import subprocess
+import threading
+import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -75,11 +80,87 @@ def spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess
         )
 
 
-def tail(path: str | Path, n: int = 1500) -> str:
+def tail(path: str | Path, lines: int = 12, width: int = 300) -> str:
+    """The last `lines` lines of a log, each cut at `width` characters and indented, for
+    an error message; says so when the log is empty or unreadable."""
     try:
-        return Path(path).read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no log)"
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"    (cannot read it: {exc.strerror or exc})"
+    last = text.splitlines()[-lines:]
+    if not any(line.strip() for line in last):
+        return "    (empty)"
+    return "\n".join("    | " + (ln if len(ln) <= width else ln[:width] + " …") for ln in last)
+
+
+class WaitFailed(Exception):
+    """A wait_until that ended without its condition: the message names each component
+    still pending, what it waited for, and the end of its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """A component of the cluster being waited for: its name as the operator knows it
+    (etcd, agent-0, router, gateway, engine-1), its process and its log."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def describe(self, waiting_for: str) -> str:
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return (
+            f"  {self.name} (pid {self.proc.pid}, {state}): waiting for {waiting_for}; "
+            f"the end of its log {self.log}:\n{tail(self.log)}"
+        )
+
+
+def wait_until(
+    pending: Callable[[], dict[str, str]],
+    timeout_s: float,
+    what: str,
+    watch: list[Watched],
+    stop: threading.Event | None = None,
+    limit: str = "",
+) -> None:
+    """Poll `pending` (component name -> what it still waits for; empty when done) until
+    it is empty. WaitFailed when a watched process exits (naming it, its status and its
+    log), at `timeout_s` (naming every pending component, `limit` saying which setting
+    bounded the wait), or when `stop` is set."""
+    deadline = time.monotonic() + timeout_s
+    left: dict[str, str] = {}
+    while True:
+        if stop is not None and stop.is_set():
+            raise WaitFailed(
+                f"stopped (SIGTERM: kvctl cluster down?) while waiting for {what}; "
+                "stopped what this up had started"
+            )
+        for w in watch:
+            if w.proc.poll() is not None:
+                raise WaitFailed(
+                    f"{w.name} (pid {w.proc.pid}) exited with status {w.proc.returncode} "
+                    f"while waiting for {what}; the end of its log {w.log}:\n"
+                    f"{tail(w.log, lines=20)}"
+                )
+        left = pending()
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if not left:
+        return
+    by_name = {w.name: w for w in watch}
+    lines = [
+        by_name[n].describe(why) if n in by_name else f"  {n}: waiting for {why}"
+        for n, why in left.items()
+    ]
+    bound = f" ({limit})" if limit else ""
+    raise WaitFailed(
+        f"timed out after {timeout_s:.0f}s{bound} waiting for {what}; not ready:\n"
+        + "\n".join(lines)
+    )
 
 
 # ------------------------------------------------------------------ health checks

@@ -31,7 +31,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="start etcd, agents and a router; wait until healthy",
         description="Start etcd, N agents and a router, wait until every one "
         "answers gRPC health and the router follows every agent, "
-        "then print their addresses.",
+        "then print their addresses. Exit status: 0 up; 1 a component exited or "
+        "was not ready within --timeout (the error names it, what it waited for - ready "
+        "file, health check, the router's view - its log file and the log's last lines; "
+        "what this up started is stopped, logs stay in the state directory), or another "
+        "up is starting there, or a cluster already runs there; 2 bad usage or a state "
+        "directory that cannot be used.",
     )
     p.add_argument("--agents", type=int, default=2, help="number of node agents (default 2)")
     p.add_argument(
@@ -54,7 +59,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=seconds,
         default=180.0,
-        help="seconds to wait for everything to come up (default 180)",
+        help="seconds etcd, the agents, the router and the gateway have to come up, all "
+        "together (default 180; vLLM engines have 600 more of their own); past it, exit 1 "
+        "naming what was not ready",
     )
     p.add_argument(
         "--router-log-level",

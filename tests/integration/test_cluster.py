@@ -120,6 +120,30 @@ def test_a_failed_up_quotes_this_runs_log_and_keeps_the_last_one(tmp_path):
     assert "RUN BEFORE" in (tmp_path / "agent-0" / "agent.log.prev").read_text()
 
 
+def test_a_timed_out_up_names_the_component_what_it_awaited_and_its_log(tmp_path):
+    """An agent that never comes up (it waits for an etcd that is not there: the
+    environment overrides the endpoint up gave it): up exits 1 at --timeout, naming the
+    agent, what it waited for, its log's path and the log's last lines, and stops what it
+    had started."""
+    from support.common import free_port
+
+    nowhere = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KVSTORE_AGENT_ETCD_ENDPOINTS=nowhere)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "cluster", "up", "--agents", "1",
+         "--state-dir", str(tmp_path), "--timeout", "25"],
+        cwd=ROOT, timeout=120, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    err = r.stderr
+    assert "timed out" in err and "--timeout 25" in err, err
+    assert "agent-0 (pid " in err and f"{tmp_path / 'agent-0' / 'ready'}" in err, err
+    assert f"{tmp_path / 'agent-0' / 'agent.log'}" in err, err
+    assert f"waits for etcd at {nowhere}" in err, err  # the log's last lines, quoted
+    assert "router (pid" not in err, err  # the router came up: not named
+    assert not _ours(tmp_path)
+
+
 def _start_up(state, *, after: float = 0.0) -> subprocess.Popen:
     """`kvctl cluster up --agents 1` in the background, once `state` shows it started
     (its etcd.log exists), or after `after` seconds."""
