@@ -19,8 +19,9 @@ Everything lives under a state directory::
 
 `up` starts the processes in their own sessions (a Ctrl-C in the shell does not reach
 them), waits until each answers gRPC health and the router has every agent in sync, and
-writes cluster.json. `down` sends SIGTERM (agents revoke their etcd leases), then SIGKILL
-after a grace period. `status` reports each process and what the router has indexed.
+writes cluster.json. `down` sends SIGTERM and SIGCONT (agents revoke their etcd leases;
+a stopped process runs again to handle it), then SIGKILL after a grace period, saying
+whom it waits for and whom it killed. `status` reports each process and what the router has indexed.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from kvstore.devengines import (
 )
 from kvstore.config import TLSConfig
 from kvstore.devprocs import (
+    Ended,
     WaitFailed,
     Watched,
     alive,
@@ -65,9 +67,9 @@ from kvstore.devprocs import (
     free_port,
     grpc_healthy,
     http_ok,
-    reap,
     router_nodes,
     spawn,
+    terminate,
     wait_until,
 )
 from kvstore.units import parse_size
@@ -171,33 +173,21 @@ class ClusterState:
             ) from None
 
 
-def stop_procs(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
-    """SIGTERM every live one, wait up to `grace_s`, SIGKILL the rest. Returns names."""
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def stop_procs(procs: list[Proc], grace_s: float = 10.0, say=_quiet) -> list[Ended]:
+    """Stop the engines (each its session: SIGTERM, SIGKILL after `grace_s`), then the
+    rest (devprocs.terminate: SIGTERM and SIGCONT, SIGKILL after `grace_s`); `say` gets
+    progress. Returns what ended, and how."""
     engines = [p for p in procs if p.kind == "engine" and alive(p.pid, p.kind)]
     for p in engines:  # an engine is a session: registrar, vLLM, its engine core
+        say(f"stopping {p.name} (pid {p.pid}) and its vLLM processes: SIGTERM, SIGKILL "
+            f"after {grace_s:g}s")  # fmt: skip
         stop_engine(p.pid, grace_s)
-    live = [p for p in procs if p.kind != "engine" and alive(p.pid, p.kind)]
-    for p in live:
-        try:
-            os.kill(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for p in live:
-            reap(p.pid)
-        if not any(alive(p.pid, p.kind) for p in live):
-            break
-        time.sleep(0.1)
-    for p in live:
-        if alive(p.pid, p.kind):
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            time.sleep(0.1)
-        reap(p.pid)
-    return [p.name for p in engines + live]
+    ended = [Ended(p.name, p.pid) for p in engines]
+    return ended + terminate([p for p in procs if p.kind != "engine"], grace_s, say)
 
 
 def _wait(pending, timeout_s: float, what: str, watch: list[Watched], limit: str = "") -> None:
@@ -703,40 +693,45 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
 
 
 # ------------------------------------------------------------------ down, status
-def down(state_dir: str | os.PathLike, grace_s: float = 10.0) -> list[str]:
-    """Stop the engines, router and agents (they revoke their leases), then etcd. An `up`
-    still starting there is stopped first (SIGTERM; it stops what it started), and
-    whatever a dead `up` left in starting.json is stopped too. Holds the up lock, so no
-    `up` starts in the middle."""
+def down(state_dir: str | os.PathLike, grace_s: float = 10.0, say=_quiet) -> list[Ended]:
+    """Stop the engines, router and agents (they revoke their leases), then etcd: SIGTERM
+    (and SIGCONT, for a stopped process), SIGKILL after `grace_s`; `say` gets progress
+    (whom it waits for, whom it kills). An `up` still starting there is stopped first
+    (SIGTERM; it stops what it started), and whatever a dead `up` left in starting.json
+    is stopped too. Holds the up lock, so no `up` starts in the middle."""
     state = check_state_dir(state_dir)
     if not state.is_dir():
         raise ClusterError(f"no local cluster in {state_dir} (no such directory)")
     lock = _try_lock(state)
-    by_up: list[str] = []
+    by_up: list[Ended] = []
     if lock is None:
-        lock, by_up = _stop_starting_up(state, grace_s)
+        lock, by_up = _stop_starting_up(state, grace_s, say)
     try:
-        leftovers = _stop_starting_leftovers(state, grace_s)
-        return [*by_up, *(n for n in leftovers if n not in by_up), *_stop_recorded(state, grace_s)]
+        merged = {e.name: e for e in by_up}  # what up stopped itself, unless left over
+        merged.update((e.name, e) for e in _stop_starting_leftovers(state, grace_s, say))
+        return [*merged.values(), *_stop_recorded(state, grace_s, say)]
     finally:
         os.close(lock)
 
 
-def _stop_starting_up(state: Path, grace_s: float) -> tuple[int, list[str]]:
-    """SIGTERM the `up` holding the lock, wait for it to let go (SIGKILL after
-    `grace_s` + its own 5 s of stopping); returns the lock and what that `up` had
-    started (by the last starting.json seen; it stops them itself)."""
+def _stop_starting_up(state: Path, grace_s: float, say) -> tuple[int, list[Ended]]:
+    """SIGTERM the `up` holding the lock (and SIGCONT, should it be stopped), wait for it
+    to let go (SIGKILL after `grace_s` + its own 5 s of stopping); returns the lock and
+    what that `up` had started (by the last starting.json seen; it stops them itself)."""
     pid = _holder(state)
-    seen: list[str] = []
+    seen: list[Ended] = []
     for sig, wait_s in ((signal.SIGTERM, grace_s + 10), (signal.SIGKILL, 5.0)):
         if pid:
+            say(f"sending {sig.name} to kvctl cluster up (pid {pid})")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+                if sig == signal.SIGTERM:
+                    os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 procs = json.loads((state / STARTING_FILE).read_text())["procs"]
-                seen = [p["name"] for p in procs]
+                seen = [Ended(p["name"], int(p["pid"])) for p in procs]
             lock = _try_lock(state)
             if lock is not None:
                 return lock, seen
@@ -745,7 +740,7 @@ def _stop_starting_up(state: Path, grace_s: float) -> tuple[int, list[str]]:
     raise ClusterError(f"kvctl cluster up (pid {pid or '?'}) in {state} did not stop")
 
 
-def _stop_starting_leftovers(state: Path, grace_s: float) -> list[str]:
+def _stop_starting_leftovers(state: Path, grace_s: float, say) -> list[Ended]:
     path = state / STARTING_FILE
     try:
         procs = [Proc(**p) for p in json.loads(path.read_text())["procs"]]
@@ -753,26 +748,26 @@ def _stop_starting_leftovers(state: Path, grace_s: float) -> list[str]:
         return []
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadStateDir(f"{path} is unreadable ({exc})") from None
-    stopped = _stop_in_order(procs, grace_s)
+    stopped = _stop_in_order(procs, grace_s, say)
     path.unlink(missing_ok=True)
     return stopped
 
 
-def _stop_recorded(state: Path, grace_s: float) -> list[str]:
+def _stop_recorded(state: Path, grace_s: float, say) -> list[Ended]:
     if not (state / STATE_FILE).exists():
         return []
-    stopped = _stop_in_order(list(ClusterState.load(state).procs), grace_s)
+    stopped = _stop_in_order(list(ClusterState.load(state).procs), grace_s, say)
     (state / STATE_FILE).unlink(missing_ok=True)
     return stopped
 
 
-def _stop_in_order(procs: list[Proc], grace_s: float) -> list[str]:
+def _stop_in_order(procs: list[Proc], grace_s: float, say) -> list[Ended]:
     engines = [p for p in procs if p.kind == "engine"]
     first = [p for p in procs if p.kind not in ("etcd", "engine")]
     return (
-        stop_procs(engines, grace_s)
-        + stop_procs(first, grace_s)
-        + stop_procs([p for p in procs if p.kind == "etcd"], grace_s)
+        stop_procs(engines, grace_s, say)
+        + stop_procs(first, grace_s, say)
+        + stop_procs([p for p in procs if p.kind == "etcd"], grace_s, say)
     )
 
 

@@ -213,13 +213,16 @@ def gateway_files(d: Path, tokenizers: dict[str, str], extra: dict | None = None
 
 
 def stop_engine(pid: int, grace_s: float = 30.0) -> None:
-    """SIGTERM the engine's session (registrar, vLLM and its engine core), then SIGKILL."""
+    """SIGTERM the engine's session (registrar, vLLM and its engine core) and SIGCONT it
+    (a stopped process handles SIGTERM only once it runs), then SIGKILL."""
     import signal
     import time
 
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(pid, signal.SIGCONT)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait

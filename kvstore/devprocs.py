@@ -1,11 +1,13 @@
 """Processes of the local development cluster (kvctl cluster up, kvstore/devcluster.py):
 starting one with a fresh log, telling whether a pid is still the process we started,
-whether etcd, an agent, the router or the gateway answers, and waiting for them with an
-error that names the one that did not come up, what it waited for, and its log."""
+whether etcd, an agent, the router or the gateway answers, waiting for them with an
+error that names the one that did not come up, what it waited for, and its log, and
+stopping them (SIGTERM, SIGCONT, SIGKILL after a grace period, with progress)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -15,7 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,6 +54,119 @@ def reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+# /proc/<pid>/stat state letters, for people
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible I/O",
+    "T": "stopped",
+    "t": "stopped by a tracer",
+    "Z": "exited",
+    "I": "idle",
+}
+
+
+def proc_state(pid: int) -> str:
+    """What the process is doing (running, sleeping, stopped, …); '' when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return _STATES.get(letter, letter)
+
+
+class Target(Protocol):
+    """A process to stop: devcluster.Proc."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A process that `terminate` (or an engine's stop) ended."""
+
+    name: str
+    pid: int
+    killed: bool = False  # SIGKILL at the end of the grace period
+    state: str = ""  # what it was doing then (sleeping, running, in uninterruptible I/O)
+    survived: bool = False  # still there after SIGKILL (uninterruptible I/O: it dies after)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def terminate(
+    targets: list[Target],
+    grace_s: float,
+    say: Callable[[str], None] = lambda _msg: None,
+    every_s: float = 2.0,
+    kill_wait_s: float = 5.0,
+) -> list[Ended]:
+    """SIGTERM every live one, and SIGCONT after it: a stopped process (SIGSTOP, a
+    debugger's ^Z) handles no SIGTERM until it runs again, and then stops cleanly. Waits
+    up to `grace_s` (saying every `every_s` whom it waits for), then SIGKILLs the rest
+    (which works on a stopped process too) and waits up to `kill_wait_s` for them to
+    go. Returns what ended, and how."""
+    live = [t for t in targets if alive(t.pid, t.kind)]
+    if not live:
+        return []
+    stopped = {t.pid for t in live if proc_state(t.pid).startswith("stopped")}
+    for t in live:
+        _signal(t.pid, signal.SIGTERM)
+        _signal(t.pid, signal.SIGCONT)
+    names = ", ".join(f"{t.name} (pid {t.pid})" for t in live)
+    say(f"sent SIGTERM to {names}; SIGKILL after {grace_s:g}s")
+    for t in live:
+        if t.pid in stopped:
+            say(f"{t.name} (pid {t.pid}) was stopped (SIGSTOP?): sent SIGCONT so that it "
+                "handles SIGTERM")  # fmt: skip
+    left = _wait_gone(live, grace_s, every_s, say, "SIGTERM")
+    killed: dict[int, str] = {}
+    for t in left:
+        killed[t.pid] = proc_state(t.pid)
+        say(f"{t.name} (pid {t.pid}) still running {grace_s:g}s after SIGTERM "
+            f"({killed[t.pid]}): SIGKILL")  # fmt: skip
+        _signal(t.pid, signal.SIGKILL)
+    survivors = {t.pid for t in _wait_gone(left, kill_wait_s, every_s, say, "SIGKILL")}
+    for t in live:
+        if t.pid in survivors:
+            say(f"{t.name} (pid {t.pid}) is still there {kill_wait_s:g}s after SIGKILL "
+                f"({proc_state(t.pid)}): it ends when its I/O does")  # fmt: skip
+    return [
+        Ended(t.name, t.pid, t.pid in killed, killed.get(t.pid, ""), t.pid in survivors)
+        for t in live
+    ]
+
+
+def _wait_gone(procs: list[Target], wait_s: float, every_s: float, say, after: str) -> list:
+    """Up to `wait_s` for `procs` to exit (reaping our own children), saying every
+    `every_s` whom it still waits for; returns those still alive."""
+    t0 = time.monotonic()
+    next_say = t0 + every_s
+    while True:
+        for t in procs:
+            reap(t.pid)
+        procs = [t for t in procs if alive(t.pid, t.kind)]
+        waited = time.monotonic() - t0
+        if not procs or waited >= wait_s:
+            return procs
+        if waited >= next_say - t0:
+            who = ", ".join(f"{t.name} (pid {t.pid}, {proc_state(t.pid)})" for t in procs)
+            say(f"waiting for {who}: {waited:.0f}s of {wait_s:g}s after {after}")
+            next_say += every_s
+        time.sleep(0.1)
 
 
 def fresh_log(path: Path) -> BinaryIO:

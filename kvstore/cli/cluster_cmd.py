@@ -86,17 +86,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "down",
         help="stop the cluster (SIGTERM, then SIGKILL)",
-        description="Stop the router and agents (SIGTERM; they leave etcd "
-        "cleanly), then etcd; SIGKILL whatever is left after the "
-        "grace period. A cluster still starting is stopped too (its kvctl cluster up "
-        "is told to stop and exits 1). Data and logs stay in the state directory.",
+        description="Stop the engines, then the router and agents (SIGTERM; they "
+        "leave etcd cleanly), then etcd. Each also gets SIGCONT, so that a stopped "
+        "(SIGSTOP) one runs again and handles SIGTERM; whatever is still running --grace "
+        "seconds after SIGTERM is killed (SIGKILL). Progress on stderr: whom it waits "
+        "for (pid, state, for how long) and whom it kills; the last line names what "
+        "had to be killed. A cluster still starting is stopped too (its kvctl cluster up "
+        "is told to stop and exits 1). Data and logs stay in the state directory. "
+        "Exit status: 0 stopped (killed ones included), 1 a process still there after "
+        "SIGKILL (uninterruptible I/O), 2 a state directory that cannot be used.",
     )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument(
         "--grace",
         type=float,
         default=10.0,
-        help="seconds to wait after SIGTERM before SIGKILL (default 10)",
+        help="seconds each group (engines one by one, then the agents and the router, "
+        "then etcd) has after SIGTERM before SIGKILL (default 10)",
     )
     p = sub.add_parser(
         "status",
@@ -165,9 +171,22 @@ def _down(args) -> int:
     if up_pid is not None:  # what an operator means by down: nothing left running
         print(f"kvctl cluster up (pid {up_pid or '?'}) is still starting a cluster in "
               f"{state.value}; stopping it and what it started")  # fmt: skip
-    stopped = down(state.value, args.grace)
-    print(f"stopped {', '.join(stopped)}" if stopped else "nothing was running")
+    ended = down(state.value, args.grace, say=_progress)
+    print(f"stopped {', '.join(e.name for e in ended)}" if ended else "nothing was running")
+    killed = [e for e in ended if e.killed]
+    if killed:
+        who = ", ".join(f"{e.name} (pid {e.pid}, {e.state or 'gone'})" for e in killed)
+        print(f"killed with SIGKILL (still running {args.grace:g}s after SIGTERM): {who}")
+    survivors = [f"{e.name} (pid {e.pid})" for e in ended if e.survived]
+    if survivors:
+        print(f"kvctl cluster down: still there after SIGKILL (in uninterruptible I/O?): "
+              f"{', '.join(survivors)}", file=sys.stderr)  # fmt: skip
+        return EXIT_FAIL
     return EXIT_OK
+
+
+def _progress(message: str) -> None:
+    print(f"kvctl cluster down: {message}", file=sys.stderr, flush=True)
 
 
 def render_status(report: dict) -> str:

@@ -221,6 +221,47 @@ def test_down_stops_what_a_killed_up_had_started(local_cluster):
     assert not _ours(local_cluster)
 
 
+def _up_one(state) -> ClusterState:
+    r = kvctl("cluster", "up", "--agents", "1", "--state-dir", str(state), "--pool-bytes", "16MiB")
+    assert r.returncode == 0, r.stderr
+    return ClusterState.load(state)
+
+
+def test_down_wakes_a_frozen_agent_so_that_it_stops_cleanly(local_cluster):
+    """A SIGSTOPped agent handles no SIGTERM until it runs again: down sends SIGCONT after
+    it and says so, and the agent stops as it should (leaves etcd, writes its pool to
+    NVMe), not by SIGKILL at the end of the grace period."""
+    st = _up_one(local_cluster)
+    agent = st.agents[0]
+    os.kill(agent.pid, signal.SIGSTOP)
+    r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "20")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"agent-0 (pid {agent.pid}) was stopped (SIGSTOP?): sent SIGCONT" in r.stderr
+    assert "stopped" in r.stdout and "agent-0" in r.stdout and "SIGKILL" not in r.stdout
+    assert not _ours(local_cluster)
+    with open(agent.log) as f:
+        assert "agent agent-0 stopped" in f.read()  # its clean stop's last line
+
+
+def test_down_kills_what_hangs_past_the_grace_and_says_so(local_cluster):
+    """etcd frozen: every member's stop waits on it (leaving etcd), past a 1 s grace.
+    down says what it waits for, SIGKILLs them, reports whom it killed, leaves nothing."""
+    st = _up_one(local_cluster)
+    etcd = next(p for p in st.procs if p.kind == "etcd")
+    agent = st.agents[0]
+    os.kill(etcd.pid, signal.SIGSTOP)
+    try:
+        r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "1")
+    finally:
+        if alive(etcd.pid, "etcd"):
+            os.kill(etcd.pid, signal.SIGCONT)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"sent SIGTERM to agent-0 (pid {agent.pid})" in r.stderr, r.stderr
+    assert f"agent-0 (pid {agent.pid}) still running 1s after SIGTERM" in r.stderr, r.stderr
+    assert "killed with SIGKILL" in r.stdout and f"agent-0 (pid {agent.pid}, " in r.stdout
+    assert not _ours(local_cluster)
+
+
 def test_local_cluster_up_demo_status_down(local_cluster):
     r = kvctl(
         "cluster", "up", "--agents", "2", "--state-dir", str(local_cluster), "--pool-bytes", "32MiB"
