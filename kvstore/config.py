@@ -387,6 +387,11 @@ class RouterConfig:
     # is not listed is routed by load and agents only.
     tenant_secret_files: dict[str, str] = field(default_factory=dict)
     engine_local_price: float = 0.05  # a block loaded from the node's agent vs recomputed
+    # A file holding the engine record key, the one the engines' registrars sign their
+    # etcd records with (vllm_serve --record-key-file; docs/security.md, Engine records):
+    # the gateway forwards to, and the KV-event subscriber follows, only records that
+    # verify. "": every record is taken as it stands (a warning at start).
+    engine_record_key_file: str = ""
     # mTLS on the router's port, to the agents' event streams and to etcd.
     tls: TLSConfig = field(default_factory=TLSConfig, metadata={"env_prefix": "KVSTORE_TLS_"})
 

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.engines import ENGINES, EngineRecord, EngineRecordReader
 from kvstore.coord.etcd import EtcdClient, KeyValue, WatchEvent
 from router.engines import EngineBoard
 from router.engine_events import EngineStream
@@ -205,9 +205,13 @@ class EngineFeed:
         board: EngineBoard,
         etcd: EtcdClient | None = None,
         catch_up_s: float | None = CATCH_UP_S,
+        records: EngineRecordReader | None = None,
     ) -> None:
         self.board = board
         self.etcd = etcd
+        # decodes and, with the engine record key, verifies: no subscriber connects to
+        # (or binds for) the endpoints of a record that does not verify
+        self.records = records or EngineRecordReader()
         self.catch_up_s = catch_up_s
         self.ctx = zmq.asyncio.Context()
         self.subscribers: dict[str, EngineSubscriber] = {}
@@ -251,7 +255,7 @@ class EngineFeed:
     def _reset(self, items: list[KeyValue]) -> None:
         seen = set()
         for kv in items:
-            rec = _record(kv.key, kv.value)
+            rec = self.records.read(kv.key, kv.value)
             if rec is not None:
                 seen.add(rec.engine_id)
                 self.upsert(rec)
@@ -262,20 +266,11 @@ class EngineFeed:
     def _apply(self, events: list[WatchEvent]) -> None:
         for ev in events:
             if ev.deleted:
+                self.records.forget(ev.key)
                 self.remove(ev.key[len(ENGINES) :])
-            else:
-                rec = _record(ev.key, ev.value)
-                if rec is not None:
-                    self.upsert(rec)
-
-
-def _record(key: str, value: bytes) -> EngineRecord | None:
-    try:
-        rec = EngineRecord.from_json(value)
-    except (ValueError, TypeError) as exc:
-        log.warning("ignoring malformed etcd record %s: %s", key, exc)
-        return None
-    if key[len(ENGINES) :] != rec.engine_id:
-        log.warning("ignoring etcd record %s: it names engine %r", key, rec.engine_id)
-        return None
-    return rec
+                continue
+            rec = self.records.read(ev.key, ev.value)
+            if rec is not None:
+                self.upsert(rec)
+            else:  # what the key holds now is no engine to follow
+                self.remove(ev.key[len(ENGINES) :])

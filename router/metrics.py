@@ -21,12 +21,20 @@ Exposed names:
   kvstore_router_fenced_routes_total     routes answered by load only while the etcd lease
                                          was not confirmed (the lease fence,
                                          kvstore/coord/fence.py)
+  kvstore_router_engine_records_refused_total{reader} engines/ records taken for no engine
+                                         because they do not verify under the engine record
+                                         key (reader: router, the KV-event subscriber;
+                                         gateway, its forwards)
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from kvstore.coord.engines import EngineRecordReader
 
 from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 
@@ -35,8 +43,9 @@ COST_BUCKETS = (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 
 
 class RouterMetrics:
-    def __init__(self, meter, core) -> None:
+    def __init__(self, meter, core, records: Mapping[str, EngineRecordReader] = {}) -> None:
         self.core = core
+        self.records = records
         self._decisions = meter.create_counter(
             "kvstore_router_decisions", description="Routing decisions per chosen node"
         )
@@ -95,6 +104,12 @@ class RouterMetrics:
             [self._fenced_routes],
             description="Routes answered by load only while the etcd lease was not confirmed",
         )
+        meter.create_observable_counter(
+            "kvstore_router_engine_records_refused",
+            [self._records_refused],
+            description="Engine records in etcd ignored because they do not verify under "
+            "the engine record key (forged, copied and changed, or unsigned)",
+        )
 
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
@@ -144,6 +159,9 @@ class RouterMetrics:
     def _fenced_routes(self, options: CallbackOptions):
         return [Observation(self.core.fenced_routes)]
 
+    def _records_refused(self, options: CallbackOptions):
+        return [Observation(r.refused, {"reader": n}) for n, r in self.records.items()]
+
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]
         return [
@@ -156,10 +174,10 @@ class RouterTelemetry(ServiceTelemetry):
     """Prometheus endpoint, tracing and the RPC interceptor for one RouterServer; with
     metrics_port 0 and no OTLP endpoint nothing is installed."""
 
-    def __init__(self, cfg, core) -> None:
+    def __init__(self, cfg, core, records: Mapping[str, EngineRecordReader] = {}) -> None:
         super().__init__(cfg, "kvstore-router", cfg.router_id)
         meter = self.meter
-        self.metrics = RouterMetrics(meter, core) if meter is not None else None
+        self.metrics = RouterMetrics(meter, core, records) if meter is not None else None
         self.interceptors: list = []
         if meter is not None or tracing_enabled():
             # Route's decision terms are observed by the servicer (observe_route) before

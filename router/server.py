@@ -22,7 +22,8 @@ from kvstore.process import (
     run_until_signalled,
     write_ready_file,
 )
-from kvstore.config import RouterConfig
+from kvstore.config import RouterConfig, read_token_file
+from kvstore.coord.engines import EngineRecordReader, engine_record_key
 from kvstore.v1 import router_pb2, router_pb2_grpc
 from kvstore.wire import check_id, check_request_id
 from router.access import AuthEdge, NamespaceOwners, RouterAccess, current_caller
@@ -228,6 +229,8 @@ class RouterServer:
         self.gateway_cfg = gateway if gateway is not None and gateway.listen else None
         self.gateway: GatewayServer | None = None  # with --gateway-listen
         self.gateway_ready_file: str | None = None  # gets the gateway's host:port
+        # reader -> how it takes engines/ records (verified with the engine record key)
+        self.engine_records: dict[str, EngineRecordReader] = {}
 
     @property
     def address(self) -> str:
@@ -237,8 +240,9 @@ class RouterServer:
         Weights.from_config(self.cfg)  # validated once, before serving
         # The gateway's files (tokenizers, API keys, secrets, TLS) are read before anything
         # waits for etcd: a bad one stops the router at once, saying which.
+        self.engine_records = engine_record_readers(self.cfg)
         built = self._build_gateway(self.gateway_cfg) if self.gateway_cfg is not None else None
-        self.telemetry = RouterTelemetry(self.cfg, self.core)
+        self.telemetry = RouterTelemetry(self.cfg, self.core, self.engine_records)
         # The edge last: undecodable requests and unexpected errors get a precise status
         # on every method (kvstore/grpc_edge.py), callers are authenticated before the
         # servicer runs (router/access.py), and telemetry still times them.
@@ -260,7 +264,9 @@ class RouterServer:
             self.core, self._etcd, self.cfg.router_id, self.token, self.owners, self.cfg.tls
         )
         self.follower.start()
-        self.engine_feed = EngineFeed(self.core.engines, self._etcd)  # vLLM KV events
+        self.engine_feed = EngineFeed(  # vLLM KV events
+            self.core.engines, self._etcd, records=self.engine_records["router"]
+        )
         self.engine_feed.start()
         if self.with_control:  # generations and kill switch loaded before serving
             from router.control import RouterControl
@@ -289,7 +295,9 @@ class RouterServer:
             return self.control.generation(ns_id) if self.control is not None else None
 
         try:
-            return build_gateway(gcfg, self.core, generation, self.cfg.tls)
+            return build_gateway(
+                gcfg, self.core, generation, self.cfg.tls, self.engine_records["gateway"]
+            )
         except ValueError as exc:
             raise StartupError(f"gateway: {exc}") from None
 
@@ -321,6 +329,21 @@ class RouterServer:
         if self.telemetry is not None:
             self.telemetry.close()
         log.info("router %s stopped", self.cfg.router_id)
+
+
+def engine_record_readers(cfg: RouterConfig) -> dict[str, EngineRecordReader]:
+    """One reader of engines/ for the KV-event subscriber ("router") and one for the
+    gateway, with the key from engine_record_key_file (StartupError naming the file when
+    it cannot be read); without one, a warning: records are taken as they stand."""
+    secret = read_token_file("engine_record_key_file", cfg.engine_record_key_file)
+    if not secret:
+        log.warning(
+            "engine records are not authenticated (no engine_record_key_file): whoever can "
+            "write etcd can point the gateway's requests and the KV-event subscriber at a "
+            "server of theirs (docs/security.md, Engine records)"
+        )
+    key = engine_record_key(secret) if secret else b""
+    return {"router": EngineRecordReader(key), "gateway": EngineRecordReader(key)}
 
 
 async def serve(

@@ -24,7 +24,11 @@ def json_object(raw: bytes, what: str) -> dict[str, Any]:
 def record_from_json(cls: type[T], raw: bytes, what: str) -> T:
     """`cls` built from the JSON object `raw`; ValueError naming `what` when it is not
     one, or misses a required field."""
-    data = json_object(raw, what)
+    return record_from_dict(cls, json_object(raw, what), what)
+
+
+def record_from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
+    """`cls` built from the decoded object `data` (fields it does not know ignored)."""
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]  # cls is a dataclass
     kept: dict[str, Any] = {k: v for k, v in data.items() if k in known}
     try:

@@ -22,6 +22,12 @@ its certificate must chain to that CA, and the registrar presents that pair, so 
 engine requiring client certificates (`--ssl-cert-reqs 2`) answers it. One identity
 and one CA per cluster, as the gateway has for its clients and engines; without TLS
 files an https:// engine is checked against the system's trust store.
+
+`--record-key-file FILE`: the engine record key, which the gateway and the router hold too
+(their `engine_record_key_file`): the record is signed with it (HMAC-SHA256 over every
+field, kvstore/coord/engines.py), and a gateway holding the key forwards only to engines
+whose record verifies, so a record someone else wrote into etcd gets no prompt. Without
+it the record is unsigned (a warning at start), and gateways with a key ignore it.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ from pathlib import Path
 
 import httpx
 
-from kvstore.config import TLSConfig
-from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.config import TLSConfig, read_token_file
+from kvstore.coord.engines import ENGINES, EngineRecord, engine_record_key
 from kvstore.coord.etcd import EtcdClient, parse_endpoints
 from kvstore.coord.follow import LeasedKey
 from kvstore.integrations.engine_tmp import engine_env, engine_tmpdir
-from kvstore.process import seconds
+from kvstore.process import StartupError, seconds
 from kvstore.tls import files_in, read_files
 
 log = logging.getLogger("kvstore.vllm_serve")
@@ -85,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="seconds between /health checks of the engine (default 1)",
     )
     p.add_argument("--unhealthy-after", type=int, default=2)
+    p.add_argument(
+        "--record-key-file",
+        help="a file holding the engine record key (the gateway's and router's "
+        "engine_record_key_file): the record is signed with it, and gateways holding the "
+        "key ignore records that do not verify. Without it the record is unsigned",
+    )
     p.add_argument("--tls-ca", help="etcd's TLS: the CA its certificate chains to")
     p.add_argument("--tls-cert", help="etcd's TLS: the client certificate to present")
     p.add_argument("--tls-key", help="etcd's TLS: its private key")
@@ -105,6 +117,13 @@ def etcd_tls(args: argparse.Namespace) -> TLSConfig | None:
         return None
     read_files(tls)  # TLSFilesError (a ValueError) names the file
     return tls
+
+
+def record_key(args: argparse.Namespace) -> bytes:
+    """The engine record key from --record-key-file, b"" without one (StartupError, a
+    one-line exit 2, when the file cannot be read or is empty)."""
+    secret = read_token_file("--record-key-file", args.record_key_file or "")
+    return engine_record_key(secret) if secret else b""
 
 
 def engine_record(args: argparse.Namespace) -> EngineRecord | None:
@@ -146,7 +165,10 @@ async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
 
 
 async def run(
-    args: argparse.Namespace, child: subprocess.Popen | None, tls: TLSConfig | None = None
+    args: argparse.Namespace,
+    child: subprocess.Popen | None,
+    tls: TLSConfig | None = None,
+    key: bytes = b"",
 ) -> int:
     kwargs = {"prefix": args.etcd_prefix} if args.etcd_prefix else {}
     etcd = EtcdClient(args.etcd_endpoints, tls=tls, **kwargs)
@@ -154,7 +176,7 @@ async def run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    key: LeasedKey | None = None
+    leased: LeasedKey | None = None
     failures = 0
     unregistered_said = False  # the engine answers but has no namespace: said once
     verify = health_verify(args.url, tls)
@@ -164,7 +186,7 @@ async def run(
                 ok = await _healthy(http, args.url.rstrip("/"))
                 failures = 0 if ok else failures + 1
                 rec = engine_record(args) if ok else None
-                if ok and rec is None and key is None and not unregistered_said:
+                if ok and rec is None and leased is None and not unregistered_said:
                     unregistered_said = True
                     log.warning(
                         "engine %s answers /health but its connector has not written its "
@@ -174,15 +196,16 @@ async def run(
                         args.engine_id,
                         args.namespace_file,
                     )
-                if rec is not None and key is None:
-                    key = LeasedKey(etcd, ENGINES + rec.engine_id, rec.to_json(), args.ttl)
-                    key.start()
+                if rec is not None and leased is None:
+                    value = rec.to_json(key)  # signed with the engine record key, if given
+                    leased = LeasedKey(etcd, ENGINES + rec.engine_id, value, args.ttl)
+                    leased.start()
                     log.info(
                         "engine %s registered (%s, node %s)", rec.engine_id, rec.url, rec.node_id
                     )
-                elif key is not None and failures >= args.unhealthy_after:
-                    await key.stop()  # revokes the lease: the gateway drops it now
-                    key = None
+                elif leased is not None and failures >= args.unhealthy_after:
+                    await leased.stop()  # revokes the lease: the gateway drops it now
+                    leased = None
                     log.warning("engine %s stopped answering /health; deregistered", args.engine_id)
                 try:
                     async with asyncio.timeout(args.check_interval):
@@ -190,8 +213,8 @@ async def run(
                 except TimeoutError:
                     pass
         finally:
-            if key is not None:
-                await key.stop()
+            if leased is not None:
+                await leased.stop()
             await etcd.close()
     if child is None:
         return 0
@@ -219,17 +242,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.ttl < 1:
             raise ValueError("--ttl must be >= 1")
         tls = etcd_tls(args)
-    except ValueError as exc:
+        key = record_key(args)
+    except (ValueError, StartupError) as exc:
         print(f"vllm_serve: bad arguments: {exc}", file=sys.stderr)
         return 2
+    if not key:
+        log.warning(
+            "engine %s: no --record-key-file, so its etcd record is unsigned: gateways "
+            "holding the engine record key will not forward to it, and those without one "
+            "cannot tell it from a forged record",
+            args.engine_id,
+        )
     if not cmd:
-        return asyncio.run(run(args, None, tls))
+        return asyncio.run(run(args, None, tls, key))
     # the engine's IPC sockets and file store in a directory of its own, removed once it
     # has exited (engine_tmp.py: vLLM leaves them in /tmp when it is stopped by a signal)
     with engine_tmpdir() as tmp:
         child = subprocess.Popen(cmd, env=engine_env(tmp))
         try:
-            return asyncio.run(run(args, child, tls))
+            return asyncio.run(run(args, child, tls, key))
         finally:  # run() failed: vLLM must not outlive us, nor its directory go under it
             _stop(child)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.coord.engines import ENGINES, EngineRecord
+from kvstore.coord.engines import ENGINES, EngineRecord, EngineRecordReader
 from kvstore.coord.etcd import KeyValue, WatchEvent
 
 __all__ = ["EngineSet", "EngineState", "Pick"]
@@ -48,6 +48,9 @@ class EngineSet:
     max_inflight: int
     suspend_s: float
     clock: Callable[[], float] = time.monotonic
+    # How records are decoded and, with the engine record key, verified (kvstore/coord/
+    # engines.py): the gateway forwards prompts only to engines whose record verifies.
+    records: EngineRecordReader = field(default_factory=EngineRecordReader)
     engines: dict[str, EngineState] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
 
@@ -55,7 +58,7 @@ class EngineSet:
     def reset(self, items: list[KeyValue]) -> None:
         seen = set()
         for kv in items:
-            rec = self._record(kv.key, kv.value)
+            rec = self.records.read(kv.key, kv.value)
             if rec is not None:
                 seen.add(rec.engine_id)
                 self.upsert(rec)
@@ -66,23 +69,14 @@ class EngineSet:
         for ev in events:
             engine_id = ev.key[len(ENGINES) :]
             if ev.deleted:
+                self.records.forget(ev.key)
                 self.remove(engine_id)
                 continue
-            rec = self._record(ev.key, ev.value)
+            rec = self.records.read(ev.key, ev.value)
             if rec is not None:
                 self.upsert(rec)
-
-    @staticmethod
-    def _record(key: str, value: bytes) -> EngineRecord | None:
-        try:
-            rec = EngineRecord.from_json(value)
-        except ValueError as exc:
-            log.warning("ignoring engine record %s: %s", key, exc)
-            return None
-        if key != ENGINES + rec.engine_id:
-            log.warning("ignoring engine record %s: it names engine %s", key, rec.engine_id)
-            return None
-        return rec
+            else:  # what the key holds now is not an engine to forward to
+                self.remove(engine_id)
 
     def upsert(self, rec: EngineRecord) -> None:
         st = self.engines.get(rec.engine_id)

@@ -19,7 +19,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kvstore.config import TLSConfig
-from kvstore.coord.engines import ENGINES
+from kvstore.coord.engines import ENGINES, EngineRecordReader
 from kvstore.coord.etcd import EtcdClient
 from kvstore.process import StartupError
 from router.gateway.app import Gateway, error_body
@@ -390,10 +390,12 @@ def build_gateway(
     core: RouterCore,
     generation: Callable[[bytes], int | None] = lambda ns_id: None,
     router_tls: TLSConfig | None = None,
+    records: EngineRecordReader | None = None,
 ) -> Gateway:
     """Everything read and checked before serving: a bad file is a ValueError here.
     `router_tls`: the router's tls: section, what the gateway serves HTTPS with unless its
-    own tls_* files are set."""
+    own tls_* files are set; `records`: how engines/ records are read (with the router's
+    engine record key: only those that verify get requests)."""
     tls = GatewayTLS.resolve(cfg, router_tls or TLSConfig())
     if tls is not None:
         ReloadingServerContext(tls)  # unreadable or unusable files: refused here
@@ -406,7 +408,9 @@ def build_gateway(
         salt_key = next(iter(sorted(kv_secrets.items())))[1].encode()
     else:
         raise ValueError("salt_key_file or kv_secret_files is required (it keys cache_salt)")
-    engines = EngineSet(cfg.max_inflight_per_engine, cfg.engine_suspend_s)
+    engines = EngineSet(
+        cfg.max_inflight_per_engine, cfg.engine_suspend_s, records=records or EngineRecordReader()
+    )
     planner = Planner(core, kv_secrets, salt_key, generation)
     upstream = Upstream(
         cfg.connect_timeout_s,

@@ -124,6 +124,16 @@ def etcd_put(endpoint: str, key: str, value: bytes, tls: TLSConfig | None = None
     asyncio.run(main())
 
 
+def etcd_delete(endpoint: str, key: str) -> None:
+    """Delete one key under the cluster's prefix."""
+
+    async def main() -> None:
+        async with EtcdClient(endpoint) as client:
+            await client.delete(key)
+
+    asyncio.run(main())
+
+
 @dataclass(frozen=True)
 class AgentView:
     """What an agent holds and has counted, as the cluster identity sees it."""

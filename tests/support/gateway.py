@@ -259,13 +259,24 @@ def https_standin(workdir: Path, name: str, cert: str, key: str, ca: str) -> tup
     """A stand-in worker serving HTTPS with `cert`/`key` and requiring client
     certificates of `ca` (vLLM's --ssl-certfile/--ssl-keyfile/--ssl-ca-certs); returns
     (process, https URL). Stop it with stop_proc."""
+    tls = ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", ca]
+    proc, address = _worker(workdir, name, tls, "https stand-in")
+    return proc, "https://" + address
+
+
+def bare_standin(workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
+    """A stand-in worker with no registrar (a server of an attacker's, say): (process,
+    http URL); GET URL/seen lists what reached it. Stop it with stop_proc."""
+    proc, address = _worker(workdir, name, [], "stand-in")
+    return proc, "http://" + address
+
+
+def _worker(workdir: Path, name: str, extra: list[str], what: str) -> tuple:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "ready").unlink(missing_ok=True)
-    tls = ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", ca]
     cmd = [sys.executable, "-m", "loadtest.standin_openai", "--ready-file", str(workdir / "ready")]
-    proc = _proc([*cmd, "--name", name, *tls], workdir / "worker.log")
-    address = _ready(proc, workdir / "ready", workdir / "worker.log", "https stand-in")
-    return proc, "https://" + address
+    proc = _proc([*cmd, "--name", name, *extra], workdir / "worker.log")
+    return proc, _ready(proc, workdir / "ready", workdir / "worker.log", what)
 
 
 def stop_proc(proc: subprocess.Popen | None) -> None:

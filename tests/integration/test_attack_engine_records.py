@@ -1,0 +1,182 @@
+"""Engine records in etcd (docs/security.md, Engine records): whoever can write etcd can
+put `engines/<id>`, and the gateway forwards tenants' prompts wherever a record points
+and the router's KV-event subscriber follows the endpoints it names. With the engine
+record key configured (the router's `engine_record_key_file`, the registrar's
+`--record-key-file`), only records signed with it are taken. Real processes: etcd, the
+router serving the gateway, a stand-in engine with its real registrar, and a server of
+the attacker's (a stand-in with no registrar; a TCP listener for the event sockets)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from support.attack import etcd_delete, etcd_items, etcd_put
+from support.common import wait_for
+from support.gateway import MODEL, SPEC, bare_standin, stop_proc, write_word_tokenizer
+
+from kvstore.coord.engines import ENGINES, EngineRecord, engine_record_key
+
+ACME = {"authorization": "Bearer key-acme"}
+SECRET = "engine-record-key-of-the-test"
+
+
+class Bait:
+    """The attacker's server: a stand-in worker that lists what reached it."""
+
+    def __init__(self, workdir) -> None:
+        self.proc, self.url = bare_standin(workdir, "bait")
+
+    def seen(self) -> list[dict]:
+        return httpx.get(self.url + "/seen", timeout=5).json()
+
+
+class Listener:
+    """A TCP port that counts the connections made to it (where a forged record's KV
+    event endpoints point: the router's subscriber would connect there)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+
+@pytest.fixture
+def world(tmp_path, etcd, start_gateway, start_standin):
+    key_file = tmp_path / "engine-record-key"
+    key_file.write_text(SECRET + "\n")
+    tok = str(write_word_tokenizer(tmp_path / "tok"))
+    gw = start_gateway({MODEL: tok}, router={"engine_record_key_file": str(key_file)})
+    w0 = start_standin("w0", MODEL, registrar_args=["--record-key-file", str(key_file)])
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the signed engine in the gateway")
+    bait = Bait(tmp_path / "bait")
+    yield gw, w0, bait, etcd
+    stop_proc(bait.proc)
+
+
+def _chat() -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "w5 w6 w7 " * 4}]}
+
+
+def _send(gw, n: int) -> list[int]:
+    url = gw.url + "/v1/chat/completions"
+    return [httpx.post(url, json=_chat(), headers=ACME, timeout=30).status_code for _ in range(n)]
+
+
+def _models(gw) -> set[str]:
+    r = httpx.get(gw.url + "/v1/models", headers=ACME, timeout=5)
+    return {m["id"] for m in r.json()["data"]}
+
+
+def _router_engines(gw) -> set[str]:
+    return set(
+        re.findall(r'^kvstore_router_engine_inflight\{[^}]*engine="([^"]+)"', gw.metrics(), re.M)
+    )
+
+
+def _settled(gw, etcd) -> None:
+    """Every etcd write before this call has been applied by the gateway and by the
+    router's event feed: a record signed with the key, written after them, is seen by
+    both (etcd delivers a prefix's events in order), then deleted again."""
+    mark = EngineRecord("zz-mark", "http://127.0.0.1:9", ("mark",), "node-mark")
+    etcd_put(etcd.endpoint, ENGINES + "zz-mark", mark.to_json(engine_record_key(SECRET)))
+    wait_for(lambda: "mark" in _models(gw), 20, 0.1, what="the mark in the gateway")
+    wait_for(lambda: "zz-mark" in _router_engines(gw), 20, 0.1, what="the mark in the router")
+    etcd_delete(etcd.endpoint, ENGINES + "zz-mark")
+    wait_for(lambda: "mark" not in _models(gw), 20, 0.1, what="the mark gone")
+    wait_for(lambda: "zz-mark" not in _router_engines(gw), 20, 0.1, what="the mark gone")
+
+
+def _refused(gw, reader: str) -> float:
+    m = re.search(
+        rf'^kvstore_router_engine_records_refused_total\{{[^}}]*reader="{reader}"[^}}]*\}} (\S+)$',
+        gw.metrics(),
+        re.M,
+    )
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_forged_record_gets_no_request_and_the_signed_engine_still_routes(world):
+    """A record written straight into etcd, unsigned or with a made-up signature, names
+    the attacker's server under an engine id that sorts first (chosen first by load when
+    taken): no request reaches it, every one goes to the registered engine."""
+    gw, w0, bait, etcd = world
+    forged = EngineRecord("evil", bait.url, (MODEL,), "node-evil")
+    etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json())
+    data = json.loads(forged.to_json())
+    data["engine_id"], data["signature"] = "evil2", "00" * 32
+    etcd_put(etcd.endpoint, ENGINES + "evil2", json.dumps(data).encode())
+    _settled(gw, etcd)
+    assert _send(gw, 6) == [200] * 6
+    assert bait.seen() == []
+    assert len(w0.seen()) == 6
+    assert gw.engines() == 1
+    assert (_refused(gw, "gateway"), _refused(gw, "router")) == (2, 2)
+    # logged once per record, naming its key and never the key file's text
+    assert gw.log.count("ignoring engine record engines/evil:") == 2  # router, gateway
+    assert SECRET not in gw.log
+
+
+def test_a_copied_record_with_another_url_is_refused(world):
+    """The genuine record, copied and changed to point at the attacker's server (under
+    the engine's own key and lease, and under a key of its own) verifies no more: the
+    engine drops out (503) rather than send a prompt there; put back as it was, the
+    engine routes again."""
+    gw, w0, bait, etcd = world
+    key = ENGINES + "w0"
+    genuine = etcd_items(etcd.endpoint)[key]
+    assert json.loads(genuine)["signature"]  # the registrar signed it
+    changed = json.loads(genuine)
+    changed["url"] = bait.url
+    etcd_put(etcd.endpoint, key, json.dumps(changed).encode())
+    renamed = dict(changed, engine_id="w0b")
+    etcd_put(etcd.endpoint, ENGINES + "w0b", json.dumps(renamed).encode())
+    _settled(gw, etcd)
+    assert set(_send(gw, 3)) == {503}
+    assert bait.seen() == []
+    assert gw.engines() == 0
+    assert _refused(gw, "gateway") == 2
+    etcd_put(etcd.endpoint, key, genuine)  # the genuine record, as the registrar wrote it
+    wait_for(lambda: gw.engines() == 1, 20, 0.1, what="w0 back")
+    assert _send(gw, 2) == [200, 200]
+    assert bait.seen() == [] and len(w0.seen()) == 2
+
+
+def test_the_event_subscriber_follows_no_forged_record(world):
+    """A forged record naming KV-event endpoints at a listener of the attacker's (the
+    subscriber connects to `tcp://*:PORT` endpoints at the url's host): no connection is
+    made. The control: the same record signed with the key is followed at once."""
+    gw, w0, bait, etcd = world
+    pub, replay = Listener(), Listener()
+    forged = EngineRecord(
+        "evil",
+        bait.url,
+        (MODEL,),
+        "node-evil",
+        namespace=SPEC.to_dict(),
+        block_size=SPEC.block_size,
+        kv_events_endpoint=f"tcp://*:{pub.port}",
+        kv_events_replay_endpoint=f"tcp://*:{replay.port}",
+    )
+    etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json())
+    _settled(gw, etcd)
+    time.sleep(2.0)  # a subscriber connects as soon as it takes a record
+    assert (pub.accepted, replay.accepted) == (0, 0)
+    assert _refused(gw, "router") == 1
+    etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json(engine_record_key(SECRET)))
+    wait_for(lambda: pub.accepted > 0, 20, 0.1, what="the signed record followed")

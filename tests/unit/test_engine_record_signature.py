@@ -1,0 +1,131 @@
+"""Engine records are signed by their registrar (kvstore/coord/engines.py): with the
+engine record key, the gateway and the router's KV-event feed take a record only when its
+signature verifies over every field as written. A record changed in any field, with a
+field added or dropped, signed under another key (the node records' derivation of the
+same secret included) or not signed at all is refused, counted and logged once."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kvstore.coord.engines import (
+    ENGINES,
+    EngineRecord,
+    EngineRecordReader,
+    RecordNotSigned,
+    engine_record_key,
+    read_engine_record,
+)
+from kvstore.coord.etcd import KeyValue, WatchEvent
+from node_agent.peer.credential import record_key as node_record_key
+from router.gateway.engines import EngineSet
+
+SECRET = "engine-record-secret"
+KEY = engine_record_key(SECRET)
+REAL = EngineRecord(
+    "e0",
+    "http://10.0.0.5:8000",
+    ("tiny",),
+    "agent-0",
+    namespace={"tenant": "engines", "block_size": 16, "layers": [1, 2]},
+    block_size=16,
+    kv_events_endpoint="tcp://*:5557",
+    kv_events_replay_endpoint="tcp://*:5558",
+    device="cuda:GPU-1",
+)
+
+
+def changed(**fields) -> bytes:
+    """REAL's signed record with `fields` put over it (None: dropped), signature kept."""
+    data = json.loads(REAL.to_json(KEY))
+    for name, value in fields.items():
+        if value is None:
+            data.pop(name)
+        else:
+            data[name] = value
+    return json.dumps(data).encode()
+
+
+def test_a_signed_record_reads_back_as_written():
+    raw = REAL.to_json(KEY)
+    assert len(json.loads(raw)["signature"]) == 64
+    assert read_engine_record(raw, KEY) == REAL
+    # readers without a key, and older readers, take it as before (the field is ignored)
+    assert read_engine_record(raw) == REAL == EngineRecord.from_json(raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"url": "http://10.6.6.6:8000"},
+        {"engine_id": "e1"},
+        {"node_id": "agent-9"},
+        {"models": ["tiny", "big"]},
+        {"namespace": {"tenant": "engines", "block_size": 16, "layers": [1, 3]}},
+        {"block_size": 32},
+        {"kv_events_endpoint": "tcp://10.6.6.6:5557"},
+        {"kv_events_replay_endpoint": None},
+        {"device": ""},
+        {"added_by_a_forger": "x"},
+        {"signature": "0" * 64},
+        {"signature": ""},
+        {"signature": None},
+        {"signature": 7},
+    ],
+    ids=lambda c: f"{next(iter(c))}={next(iter(c.values()))!r}"[:40],
+)
+def test_a_record_changed_in_any_field_does_not_verify(change):
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(changed(**change), KEY)
+
+
+def test_other_keys_and_unsigned_records_do_not_verify():
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(REAL.to_json(), KEY)
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(REAL.to_json(engine_record_key("another secret")), KEY)
+    # the agents' node-record key from the same text signs no engine record
+    assert node_record_key(SECRET) != KEY
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(REAL.to_json(node_record_key(SECRET)), KEY)
+    # what JSON cannot carry, in a forged record, is a refusal, not an error
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(changed(device=float("nan")), KEY)
+
+
+def test_a_refused_record_is_counted_each_time_and_logged_once_per_key(caplog):
+    reader = EngineRecordReader(KEY)
+    forged = changed(url="http://10.6.6.6:8000")
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert reader.read(ENGINES + "e0", forged) is None
+        assert reader.read(ENGINES + "e0", forged) is None
+        assert reader.read(ENGINES + "e0", b"{not json") is None  # malformed: not counted
+    assert reader.refused == 2
+    said = [r.getMessage() for r in caplog.records if "not signed" in r.getMessage()]
+    assert len(said) == 1 and "engines/e0" in said[0]
+    assert SECRET not in caplog.text and KEY.hex() not in caplog.text
+    reader.forget(ENGINES + "e0")  # deleted: a later forgery is said again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert reader.read(ENGINES + "e0", forged) is None
+    assert "not signed" in caplog.text
+    # a genuine record under its own key reads; under another key it does not
+    assert reader.read(ENGINES + "e0", REAL.to_json(KEY)) == REAL
+    assert reader.read(ENGINES + "e9", REAL.to_json(KEY)) is None
+
+
+def test_the_gateway_drops_an_engine_whose_key_now_holds_a_forged_record():
+    engines = EngineSet(4, 5.0, records=EngineRecordReader(KEY))
+    engines.reset([KeyValue(ENGINES + "e0", REAL.to_json(KEY), 1)])
+    assert list(engines.engines) == ["e0"]
+    forged = changed(url="http://10.6.6.6:8000")
+    engines.apply([WatchEvent(ENGINES + "e0", forged, 2, False)])
+    assert engines.engines == {}  # never the forged url, nor the old one it replaced
+    engines.apply([WatchEvent(ENGINES + "e0", REAL.to_json(KEY), 3, False)])
+    assert engines.engines["e0"].record.url == REAL.url
+    unsigned = EngineSet(4, 5.0)  # no key: as before, every record is taken
+    unsigned.reset([KeyValue(ENGINES + "e0", REAL.to_json(), 1)])
+    assert list(unsigned.engines) == ["e0"]
