@@ -309,16 +309,29 @@ def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, s
     return proc, f"127.0.0.1:{cport}", log
 
 
-def _agent_token(state: Path) -> tuple[Path, str]:
-    """The agent credential ("_agent", docs/security.md) the agents present to each other
-    on peer pulls: made once per state directory, readable by its owner only; returns
-    the file and the token's SHA-256 (the agents' tenants entry)."""
-    path = state / "agent-token"
+def _secret_file(state: Path, name: str) -> Path:
+    """A random secret in `state/name`, made once per state directory, readable by its
+    owner only."""
+    path = state / name
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def _agent_token(state: Path) -> tuple[Path, str]:
+    """The agent credential ("_agent", docs/security.md) the agents present to each other
+    on peer pulls; returns the file and the token's SHA-256 (the agents' tenants entry)."""
+    path = _secret_file(state, "agent-token")
     return path, hashlib.sha256(path.read_text().strip().encode()).hexdigest()
+
+
+def engine_record_key_file(state: Path) -> Path:
+    """The engine record key (docs/security.md, Engine records): the router and its
+    gateway take only engines/ records signed with it, which the engines' registrars do
+    (`--record-key-file`); so does a registrar of your own started against this cluster."""
+    return _secret_file(state, "engine-record-key")
 
 
 def _tls_section(tls: TLSConfig | None) -> dict:
@@ -389,7 +402,11 @@ def _start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None
     ready.unlink(missing_ok=True)
     log = d / "router.log"
     # Like the agents: no tenants, callers without a token act as the cluster (dev only).
-    rcfg: dict = {"allow_unauthenticated": True, **_tls_section(tls)}
+    rcfg: dict = {
+        "allow_unauthenticated": True,
+        "engine_record_key_file": str(engine_record_key_file(state)),
+        **_tls_section(tls),
+    }
     if tokenizers:  # the gateway's metrics are on the router's Prometheus port
         rcfg["metrics_port"] = free_port()
     if opts.engines:  # to name the engines' cached blocks from their KV events
@@ -439,6 +456,7 @@ def engine_launch(
         str(state / f"engine-{i}"), ttl_s=opts.lease_ttl_s,
         kv_events_ports=(free_port(), free_port()),
         tls_dir=str(state / "tls") if opts.tls else "", device=f"cpu:{socket.gethostname()}",
+        record_key_file=str(engine_record_key_file(state)),
     )  # fmt: skip
 
 

@@ -62,6 +62,9 @@ class EngineLaunch:
     # The compute it runs on, as the router sees it (EngineRecord.device): the dev
     # cluster's CPU engines all share this host's cores.
     device: str = ""
+    # The engine record key the registrar signs its etcd record with (--record-key-file;
+    # the dev cluster's router holds it as engine_record_key_file). "": unsigned.
+    record_key_file: str = ""
 
     @property
     def url(self) -> str:
@@ -141,6 +144,7 @@ class EngineLaunch:
             "--namespace-file", str(Path(self.workdir) / "namespace.json"),
             "--ttl", str(self.ttl_s), "--check-interval", "0.5", *self._events_args(),
             *self._registrar_tls_args(), *(["--device", self.device] if self.device else []),
+            *(["--record-key-file", self.record_key_file] if self.record_key_file else []),
             "--", *self.vllm_command(),
         ]  # fmt: skip
 

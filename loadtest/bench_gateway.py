@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from kvstore import devcluster
-from kvstore.devcluster import UpOptions
+from kvstore.devcluster import UpOptions, engine_record_key_file
 from kvstore.devengines import KV_TENANT
 from kvstore.namespace import Namespace
 from loadtest.vllm_model import write_word_tokenizer
@@ -101,7 +101,8 @@ def _standins(state: Path, etcd: str, n: int) -> tuple[list[str], list[subproces
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvstore.integrations.vllm_serve", "--engine-id", f"w{i}",
              "--url", url, "--node-id", "agent-0", "--model", MODEL, "--etcd-endpoints", etcd,
-             "--namespace-file", str(ns_file)],
+             "--namespace-file", str(ns_file),
+             "--record-key-file", str(engine_record_key_file(state / "cluster"))],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
     return urls, procs
 

@@ -13,14 +13,17 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from support.attack import etcd_delete, etcd_items, etcd_put
 from support.common import wait_for
-from support.gateway import MODEL, SPEC, bare_standin, stop_proc, write_word_tokenizer
+from support.gateway import MODEL, SPEC, StandIn, bare_standin, stop_proc, write_word_tokenizer
 
+from kvstore import devcluster
 from kvstore.coord.engines import ENGINES, EngineRecord, engine_record_key
+from kvstore.devcluster import UpOptions, engine_record_key_file
 
 ACME = {"authorization": "Bearer key-acme"}
 SECRET = "engine-record-key-of-the-test"
@@ -180,3 +183,46 @@ def test_the_event_subscriber_follows_no_forged_record(world):
     assert _refused(gw, "router") == 1
     etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json(engine_record_key(SECRET)))
     wait_for(lambda: pub.accepted > 0, 20, 0.1, what="the signed record followed")
+
+
+@pytest.fixture
+def dev_cluster(tmp_path):
+    state = tmp_path / "cluster"
+    yield state
+    if (state / "cluster.json").exists():
+        devcluster.down(state, grace_s=5)
+
+
+def test_the_dev_cluster_takes_only_records_signed_with_its_key(tmp_path, dev_cluster):
+    """`kvctl cluster up` makes the key (0600) and gives it to its router: a registrar
+    started with `--record-key-file` of that file is routed to, a record written into its
+    etcd by anyone else is not, and the router does not warn that records are
+    unauthenticated."""
+    tok = write_word_tokenizer(tmp_path / "tok")
+    opts = UpOptions(agents=1, pool_bytes="16MiB", nvme_bytes="64MiB",
+                     gateway_tokenizers=((MODEL, str(tok)),))  # fmt: skip
+    st = devcluster.up(dev_cluster, opts, say=lambda _m: None)
+    key_file = engine_record_key_file(dev_cluster)
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    router = json.loads((dev_cluster / "router" / "router.json").read_text())
+    assert router["engine_record_key_file"] == str(key_file)
+    w0 = StandIn(tmp_path / "w0", st.etcd_endpoint, "w0")
+    bait = Bait(tmp_path / "bait")
+    try:
+        w0.start(MODEL, registrar_args=["--record-key-file", str(key_file)])
+        forged = EngineRecord("evil", bait.url, (MODEL,), "node-evil")
+        etcd_put(st.etcd_endpoint, ENGINES + "evil", forged.to_json())
+        health = st.gateway_url + "/health"
+        wait_for(lambda: httpx.get(health, timeout=5).json()["engines"] == 1, 30, 0.1,
+                 what="the signed engine in the dev cluster's gateway")  # fmt: skip
+        keys = json.loads(Path(st.gateway_keys).read_text())
+        auth = {"authorization": f"Bearer {next(iter(keys))}"}
+        url = st.gateway_url + "/v1/chat/completions"
+        codes = [httpx.post(url, json=_chat(), headers=auth, timeout=30).status_code]
+        assert codes == [200] and len(w0.seen()) == 1 and bait.seen() == []
+        log = (dev_cluster / "router" / "router.log").read_text()
+        assert "ignoring engine record engines/evil" in log
+        assert "not authenticated" not in log
+    finally:
+        w0.stop()
+        stop_proc(bait.proc)

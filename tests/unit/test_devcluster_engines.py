@@ -143,3 +143,16 @@ def test_an_engine_restarted_in_its_workdir_logs_this_run_only(tmp_path, monkeyp
         assert devengines.start_engine(launch).wait(60) == 0
     assert (tmp_path / "e0" / "engine.log").read_text() == "second\n"
     assert (tmp_path / "e0" / "engine.log.prev").read_text() == "first\n"
+
+
+def test_the_clusters_engines_sign_their_records_with_the_clusters_key(tmp_path):
+    """Every engine's registrar gets the state directory's engine record key, the one
+    the dev cluster's router verifies with (made once, owner-only)."""
+    opts = UpOptions(engines=2)
+    for i in range(opts.engines):
+        cmd = engine_launch(tmp_path, opts, i, "127.0.0.1:2379", ["127.0.0.1:50051"]).command()
+        assert _after(cmd[: cmd.index("--")], "--record-key-file") == str(
+            tmp_path / "engine-record-key"
+        )
+    assert (tmp_path / "engine-record-key").stat().st_mode & 0o777 == 0o600
+    assert "--record-key-file" not in _launch().command()  # none given: unsigned
