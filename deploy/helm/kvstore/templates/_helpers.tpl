@@ -105,6 +105,31 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- if or (not .Values.auth.existingSecret) .Values.auth.existingAgentTokenSecret -}}true{{- end -}}
 {{- end -}}
 
+{{/* The engine record key (docs/security.md, Engine records): engines' registrars sign
+     their etcd records with it, routers and gateways verify them. Key "key". */}}
+{{- define "kvstore.engineRecordKeySecretName" -}}
+{{- default (printf "%s-engine-record-key" (include "kvstore.fullname" .)) .Values.auth.existingEngineRecordKeySecret -}}
+{{- end -}}
+
+{{- define "kvstore.engineRecordKeyDir" -}}/etc/kvstore/engine-record-key{{- end -}}
+
+{{/* The volume and mount of the engine record key, for routers, gateways and engines. */}}
+{{- define "kvstore.engineRecordKeyVolume" -}}
+- name: engine-record-key
+  secret:
+    secretName: {{ include "kvstore.engineRecordKeySecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: key
+        path: key
+{{- end -}}
+
+{{- define "kvstore.engineRecordKeyMount" -}}
+- name: engine-record-key
+  mountPath: {{ include "kvstore.engineRecordKeyDir" . }}
+  readOnly: true
+{{- end -}}
+
 {{- define "kvstore.atRestSecretName" -}}
 {{- default (printf "%s-at-rest" (include "kvstore.fullname" .)) .Values.encryption.existingSecret -}}
 {{- end -}}
