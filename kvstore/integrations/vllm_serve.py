@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--record-key-file",
         help="a file holding the engine record key (the gateway's and router's "
         "engine_record_key_file): the record is signed with it, and gateways holding the "
-        "key ignore records that do not verify. Without it the record is unsigned",
+        "key ignore records that do not verify. Without it the record is unsigned (a warning "
+        "at start)",
     )
     p.add_argument("--tls-ca", help="etcd's TLS: the CA its certificate chains to")
     p.add_argument("--tls-cert", help="etcd's TLS: the client certificate to present")
