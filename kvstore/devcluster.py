@@ -7,7 +7,8 @@ Everything lives under a state directory::
     up.lock               flock-ed by `up` for its whole run (its pid): a second `up`
                           is refused, `down` stops a starting one
     starting.json         while `up` runs: what it has started (a killed `up`'s are
-                          stopped by `down`)
+                          stopped by `down`; while they run, `up` is refused and
+                          `status` names them)
     etcd/  etcd.log       etcd data (fresh on every `up`) and log
     agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
     router/               router.log
@@ -58,6 +59,7 @@ from kvstore.devengines import (
 )
 from kvstore.config import TLSConfig
 from kvstore.devprocs import (
+    KINDS,
     Ended,
     WaitFailed,
     Watched,
@@ -152,14 +154,10 @@ class ClusterState:
         path = check_state_dir(state_dir) / STATE_FILE
         try:
             data = json.loads(path.read_text())
-            data["procs"] = tuple(Proc(**p) for p in data["procs"])
+            data["procs"] = _procs(path, data["procs"])
             return cls(**data)
         except FileNotFoundError:
-            raise ClusterError(
-                f"no local cluster in {state_dir} (no {STATE_FILE}); start "
-                "one with: kvctl cluster up --state-dir "
-                f"{state_dir}"
-            ) from None
+            raise ClusterError(_no_cluster(path.parent, state_dir)) from None
         except IsADirectoryError:
             raise BadStateDir(
                 f"{path} is a directory, not a cluster record; remove it and run "
@@ -171,6 +169,63 @@ class ClusterState:
             raise BadStateDir(
                 f"{path} is unreadable ({exc}); remove it and run kvctl cluster up again"
             ) from None
+
+
+def _procs(path: Path, entries) -> tuple[Proc, ...]:
+    """The processes listed in `path` (cluster.json, starting.json); BadStateDir naming
+    the file and the entry for a kind this cluster never starts (a hand edit)."""
+    procs = tuple(Proc(**p) for p in entries)
+    for i, p in enumerate(procs):
+        if p.kind not in KINDS:
+            raise BadStateDir(
+                f"{path}: procs[{i}] ({p.name!r}, pid {p.pid}) has kind {p.kind!r}, which "
+                f"is none of {', '.join(KINDS)}; correct that entry"
+            )
+    return procs
+
+
+def _starting_procs(state: Path) -> tuple[Proc, ...]:
+    """What an `up` recorded in starting.json as started (nothing when there is none)."""
+    path = state / STARTING_FILE
+    try:
+        return _procs(path, json.loads(path.read_text())["procs"])
+    except (FileNotFoundError, NotADirectoryError):
+        return ()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadStateDir(f"{path} is unreadable ({exc})") from None
+
+
+def left_running(state_dir: str | os.PathLike) -> list[Proc]:
+    """What a `kvctl cluster up` that did not finish left running (killed: one that
+    fails stops what it started), by its starting.json; [] when nothing."""
+    return [p for p in _starting_procs(Path(state_dir)) if alive(p.pid, p.kind)]
+
+
+def named(procs) -> str:
+    return ", ".join(f"{p.name} (pid {p.pid})" for p in procs)
+
+
+def _no_cluster(state: Path, given: str | os.PathLike) -> str:
+    """Why `state` has no cluster.json, and what to do: an `up` is starting there, a
+    killed one left processes running (a new `up` would not know them), or nothing."""
+    down = f"kvctl cluster down --state-dir {given}"
+    pid = starting(state)
+    if pid is not None:
+        return (
+            f"kvctl cluster up (pid {pid or '?'}) is still starting a cluster in {given} "
+            f"(no {STATE_FILE} yet); wait for it, or stop it: {down}"
+        )
+    left = left_running(state)
+    if left:
+        return (
+            f"no cluster recorded in {given} (no {STATE_FILE}), but a kvctl cluster up "
+            f"that did not finish (killed?) left {named(left)} running (listed in "
+            f"{state / STARTING_FILE}); stop them with: {down}"
+        )
+    return (
+        f"no local cluster in {given} (no {STATE_FILE}); start one with: kvctl cluster up "
+        f"--state-dir {given}"
+    )
 
 
 def _quiet(_msg: str) -> None:
@@ -613,10 +668,21 @@ def _sigterm_stops():
 
 
 def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
+    """Before `up` touches anything (etcd's data dir, starting.json): refused while what
+    a killed `up` started, or a recorded cluster, still runs there."""
+    left = left_running(state)
+    if left:
+        raise ClusterError(
+            f"a kvctl cluster up that did not finish (killed?) left {named(left)} running "
+            f"in {state} (listed in {STARTING_FILE}; a new up would not know them); stop "
+            f"them first: kvctl cluster down --state-dir {given}"
+        )
+    if not (state / STATE_FILE).exists():
+        return
     try:
         old = ClusterState.load(state)
     except ClusterError:
-        return  # nothing recorded, or a record we are about to replace
+        return  # a record we are about to replace
     running = [p.name for p in old.procs if alive(p.pid, p.kind)]
     if running:
         raise ClusterError(
@@ -650,10 +716,11 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         "etcd": f"its health check {scheme}://{endpoint}/health to say true"
     }, "etcd to become healthy", [etcd_w])  # fmt: skip
     say(f"etcd      {endpoint}")
-    agents = [_start_agent(state, i, endpoint, opts, server_tls) for i in range(opts.agents)]
+    agents = []
+    for i in range(opts.agents):  # each recorded at once: a kill -9 of up leaves it to down
+        agents.append(_start_agent(state, i, endpoint, opts, server_tls))
+        started.append(Proc(f"agent-{i}", "agent", agents[-1][0].pid, "", str(agents[-1][2])))
     router, rready, rlog, metrics = _start_router(state, endpoint, opts, server_tls)
-    for i, (proc, _, log) in enumerate(agents):
-        started.append(Proc(f"agent-{i}", "agent", proc.pid, "", str(log)))
     started.append(Proc("router", "router", router.pid, "", str(rlog)))
     watch = [Watched(f"agent-{i}", p, log) for i, (p, _, log) in enumerate(agents)]
     watch += [Watched("router", router, rlog), etcd_w]
@@ -759,15 +826,8 @@ def _stop_starting_up(state: Path, grace_s: float, say) -> tuple[int, list[Ended
 
 
 def _stop_starting_leftovers(state: Path, grace_s: float, say) -> list[Ended]:
-    path = state / STARTING_FILE
-    try:
-        procs = [Proc(**p) for p in json.loads(path.read_text())["procs"]]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadStateDir(f"{path} is unreadable ({exc})") from None
-    stopped = _stop_in_order(procs, grace_s, say)
-    path.unlink(missing_ok=True)
+    stopped = _stop_in_order(list(_starting_procs(state)), grace_s, say)
+    (state / STARTING_FILE).unlink(missing_ok=True)
     return stopped
 
 

@@ -28,6 +28,7 @@ from kvstore.tls import channel
 ROOT = Path(__file__).resolve().parent.parent
 # What a live process of each kind has in its command line (alive: pids are recycled).
 _MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router", "engine": "vllm_serve"}
+KINDS = tuple(_MARKERS)  # the kinds of process a local cluster starts
 
 
 def free_port() -> int:

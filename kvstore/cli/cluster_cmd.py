@@ -10,6 +10,7 @@ from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, U
 from kvstore.cli.control_cmd import seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 from kvstore.process import log_level
+from kvstore.process import seconds as process_seconds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ETCD, EXIT_NODE = 0, 1, 2, 3, 4
 
@@ -31,12 +32,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="start etcd, agents and a router; wait until healthy",
         description="Start etcd, N agents and a router, wait until every one "
         "answers gRPC health and the router follows every agent, "
-        "then print their addresses. Exit status: 0 up; 1 a component exited or "
+        "then print their addresses. Every up starts a fresh etcd (its data dir is "
+        "emptied): the kill switch, quotas and audit log of a previous run are discarded; "
+        "namespaces and their generations are kept by the agents' NVMe tiers (their data "
+        "dirs; not with --nvme-bytes 0), which register them again. Exit status: 0 up; "
+        "1 a component exited or "
         "was not ready within --timeout (the error names it, what it waited for - ready "
         "file, health check, the router's view - its log file and the log's last lines; "
         "what this up started is stopped, logs stay in the state directory), or another "
-        "up is starting there, or a cluster already runs there; 2 bad usage or a state "
-        "directory that cannot be used.",
+        "up is starting there, or a cluster already runs there, or processes a killed up "
+        "started still run there (down stops them; nothing is touched); 2 bad usage or a "
+        "state directory that cannot be used.",
     )
     p.add_argument("--agents", type=int, default=2, help="number of node agents (default 2)")
     p.add_argument(
@@ -99,7 +105,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", help=state_help)
     p.add_argument(
         "--grace",
-        type=float,
+        type=process_seconds(0, 3600),
         default=10.0,
         help="seconds each group (engines one by one, then the agents and the router, "
         "then etcd) has after SIGTERM before SIGKILL (default 10)",

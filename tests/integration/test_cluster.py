@@ -221,6 +221,36 @@ def test_down_stops_what_a_killed_up_had_started(local_cluster):
     assert not _ours(local_cluster)
 
 
+def test_what_a_killed_up_left_is_named_and_kept_from_another_up(local_cluster):
+    """`up` killed mid-start: what it started runs on, recorded in starting.json only.
+    `cluster status` and `kvctl status` name it and say to run down (not to start a
+    cluster); another `up` is refused before it touches anything (etcd's data dir, the
+    record); down then stops all of it."""
+    starting = _start_up(local_cluster)
+    wait_for(lambda: _launched(local_cluster, "router"), 30, what="the router, recorded")
+    starting.kill()
+    starting.wait(timeout=10)
+    record = (local_cluster / STARTING_FILE).read_text()
+    etcd_pid = next(p["pid"] for p in json.loads(record)["procs"] if p["kind"] == "etcd")
+    down_cmd = f"kvctl cluster down --state-dir {local_cluster}"
+    try:
+        for command, code in ((("cluster", "status"), 1), (("status",), 2)):
+            r = kvctl(*command, "--state-dir", str(local_cluster))
+            assert r.returncode == code, (command, r.stdout, r.stderr)
+            assert f"etcd (pid {etcd_pid})" in r.stderr and down_cmd in r.stderr, r.stderr
+            assert "start one" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        again = kvctl("cluster", "up", "--agents", "1", "--state-dir", str(local_cluster))
+        assert again.returncode == 1, again.stdout + again.stderr
+        assert f"etcd (pid {etcd_pid})" in again.stderr and down_cmd in again.stderr
+        assert (local_cluster / STARTING_FILE).read_text() == record
+        assert alive(etcd_pid, "etcd") and (local_cluster / "etcd" / "member").is_dir()
+    finally:
+        r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(name in r.stdout for name in ("etcd", "agent-0", "router")), r.stdout
+    assert not _ours(local_cluster)
+
+
 def _up_one(state) -> ClusterState:
     r = kvctl("cluster", "up", "--agents", "1", "--state-dir", str(state), "--pool-bytes", "16MiB")
     assert r.returncode == 0, r.stderr

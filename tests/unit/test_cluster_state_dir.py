@@ -4,6 +4,8 @@ kvctl status, kvctl cluster status|up|down. Nothing is started."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvstore.cli.__main__ import main
@@ -29,6 +31,29 @@ def corrupt(tmp_path):
     return tmp_path / "state"
 
 
+def _record(kind: str) -> dict:
+    procs = [{"name": "etcd", "kind": "etcd", "pid": 1, "address": "127.0.0.1:1", "log": ""},
+             {"name": "agent-0", "kind": kind, "pid": 1, "address": "", "log": ""}]  # fmt: skip
+    return {"state_dir": "/s", "etcd_endpoint": "127.0.0.1:1", "router_address": "",
+            "procs": procs, "started_at": 0.0}  # fmt: skip
+
+
+@pytest.fixture
+def unknown_kind(tmp_path):
+    """A hand edit: a kind no cluster starts (alive() had no marker for it: KeyError)."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "cluster.json").write_text(json.dumps(_record("agnet")))
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def unknown_kind_starting(tmp_path):
+    """The same in what a killed `up` left (starting.json), with no cluster.json."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "starting.json").write_text(json.dumps(_record("agnet")))
+    return tmp_path / "state"
+
+
 COMMANDS = [
     ["status"],
     ["cluster", "status"],
@@ -38,6 +63,12 @@ CASES = [
     ("a_file", "is not a directory"),
     ("json_is_a_dir", "cluster.json is a directory, not a cluster record"),
     ("corrupt", "cluster.json is unreadable (Expecting property name"),
+    (
+        "unknown_kind",
+        "cluster.json: procs[1] ('agent-0', pid 1) has kind 'agnet', which is "
+        "none of etcd, agent, router, engine; correct that entry",
+    ),
+    ("unknown_kind_starting", "starting.json: procs[1] ('agent-0', pid 1) has kind 'agnet'"),
 ]
 
 
@@ -80,3 +111,17 @@ def test_probing_for_a_starting_up_creates_and_writes_nothing(tmp_path):
     (tmp_path / devcluster.LOCK_FILE).write_text("999\n")  # a finished up's
     assert devcluster.starting(tmp_path) is None
     assert (tmp_path / devcluster.LOCK_FILE).read_text() == "999\n"
+
+
+@pytest.mark.parametrize("grace", ["-1", "-0.5", "nan", "inf"])
+def test_down_refuses_a_grace_that_is_not_a_number_of_seconds(grace, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["cluster", "down", "--state-dir", str(tmp_path), f"--grace={grace}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert f"--grace: must be a number of seconds from 0 to 3600, got '{grace}'" in err, err
+
+
+def test_down_with_no_grace_is_accepted(tmp_path, capsys):
+    assert main(["cluster", "down", "--state-dir", str(tmp_path), "--grace", "0"]) == 0
+    assert "nothing to stop" in capsys.readouterr().out
