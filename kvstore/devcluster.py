@@ -881,22 +881,28 @@ def status(state_dir: str | os.PathLike) -> dict:
     for p in st.procs:
         up_ = alive(p.pid, p.kind)
         if p.kind == "etcd":
-            healthy = up_ and etcd_ok
+            answers = etcd_ok
         elif p.kind == "router":
-            healthy = up_ and router_ok
+            answers = router_ok
         elif p.kind == "engine":
-            healthy = up_ and http_ok(p.address + "/health", tls)
+            answers = http_ok(p.address + "/health", tls)
         else:
-            healthy = up_ and grpc_healthy(p.address, tls=tls)
+            answers = bool(p.address) and grpc_healthy(p.address, tls=tls)
         row = {
             "name": p.name,
             "kind": p.kind,
             "pid": p.pid,
             "address": p.address,
             "alive": up_,
-            "healthy": healthy,
+            # what answers health at the address: ours (alive), or another process
+            "healthy": answers,
             "log": p.log,
         }
+        if answers and not up_:  # restarted by hand, say: not ours to stop
+            row["stranger"] = (
+                f"pid {p.pid} gone; something else answers at {p.address} (not started "
+                "by this cluster; `kvctl cluster down` won't stop it)"
+            )
         if p.kind == "agent":
             blocks, synced = indexed.get(p.name, (0, False))
             row.update(registered=p.name in registered, indexed_blocks=blocks, synced=synced)

@@ -108,17 +108,22 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         type=process_seconds(0, 3600),
         default=10.0,
         help="seconds each group (engines one by one, then the agents and the router, "
-        "then etcd) has after SIGTERM before SIGKILL (default 10)",
+        "then etcd) has after SIGTERM before SIGKILL (default 10; 0: SIGKILL right after "
+        "SIGTERM, so nothing stops cleanly: the agents' etcd leases expire instead of "
+        "being revoked, and their pools are not written to NVMe)",
     )
     p = sub.add_parser(
         "status",
         help="show each process, its address and indexed blocks",
         description="Show etcd, every agent and the router: alive, healthy, "
         "address; per agent whether it is registered in etcd and "
-        "how many blocks the router indexed for it. Exit status: 0 "
+        "how many blocks the router indexed for it. A component whose process is gone "
+        "while something else answers at its address (restarted by hand) shows as "
+        "'not ours': it counts as healthy, and down does not stop it. Exit status: 0 "
         "all healthy, 3 etcd unreachable, 4 an agent or the router "
-        "unreachable, 1 no cluster, 2 a state directory or cluster.json that cannot be "
-        "used (not a directory, unreadable, corrupt).",
+        "unreachable, 1 no cluster (the error names what a killed up left running, or an "
+        "up still starting), 2 a state directory or cluster.json that cannot be "
+        "used (not a directory, unreadable, corrupt, an entry of an unknown kind).",
     )
     p.add_argument("--state-dir", help=state_help)
     p.add_argument(
@@ -199,13 +204,17 @@ def render_status(report: dict) -> str:
     rows = [("COMPONENT", "PID", "STATE", "ADDRESS", "DETAIL")]
     for c in report["components"]:
         state = "up" if c["healthy"] else ("unhealthy" if c["alive"] else "dead")
-        detail = ""
+        details = []
+        if c.get("stranger"):
+            state = "not ours"
+            details.append(c["stranger"])
         if c["kind"] == "agent":
-            detail = (
+            details.append(
                 f"{'registered' if c['registered'] else 'NOT registered'}, "
                 f"{'synced' if c['synced'] else 'not synced'}, "
                 f"{c['indexed_blocks']} blocks indexed"
             )
+        detail = "; ".join(details)
         rows.append((c["name"], str(c["pid"]), state, c["address"] or "-", detail))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"cluster in {report['state_dir']} (up {report['uptime_s']}s)"]

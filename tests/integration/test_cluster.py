@@ -292,6 +292,40 @@ def test_down_kills_what_hangs_past_the_grace_and_says_so(local_cluster):
     assert not _ours(local_cluster)
 
 
+def test_status_names_what_answers_in_place_of_a_dead_component(local_cluster):
+    """etcd killed and started again by hand on its address: status says that its pid is
+    gone and that something answers there which down will not stop (not just "dead")."""
+    etcd = next(p for p in _up_one(local_cluster).procs if p.kind == "etcd")
+    with open(f"/proc/{etcd.pid}/cmdline", "rb") as f:
+        command = [a.decode() for a in f.read().split(b"\0") if a]
+    os.kill(etcd.pid, signal.SIGKILL)
+    wait_for(lambda: not alive(etcd.pid, "etcd"), 10, what="etcd to die")
+    by_hand = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    try:
+
+        def etcd_row():
+            r = kvctl("cluster", "status", "--state-dir", str(local_cluster), "--output", "json")
+            rows = json.loads(r.stdout)["components"] if r.stdout else []
+            row = next((c for c in rows if c["kind"] == "etcd"), None)
+            return row if row and row["healthy"] else None
+
+        row = wait_for(etcd_row, 30, what="status to see an etcd answering")
+        assert not row["alive"], row
+        assert row["stranger"] == (
+            f"pid {etcd.pid} gone; something else answers at {etcd.address} (not started "
+            "by this cluster; `kvctl cluster down` won't stop it)"
+        )
+        table = kvctl("cluster", "status", "--state-dir", str(local_cluster)).stdout
+        assert "not ours" in table and f"something else answers at {etcd.address}" in table
+        r = kvctl("cluster", "down", "--state-dir", str(local_cluster), "--grace", "5")
+        assert r.returncode == 0 and by_hand.poll() is None  # not ours: left running
+    finally:
+        by_hand.terminate()
+        by_hand.wait(timeout=30)
+    assert not _ours(local_cluster)
+
+
 def test_local_cluster_up_demo_status_down(local_cluster):
     r = kvctl(
         "cluster", "up", "--agents", "2", "--state-dir", str(local_cluster), "--pool-bytes", "32MiB"
