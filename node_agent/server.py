@@ -114,8 +114,18 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
 
 def quarantine_nvme(cfg: AgentConfig, reason: str, sealer: Sealer | None) -> RocksTier:
     """Move the unreadable files aside (kvstore.tiers.rocks.quarantine) and open an empty
-    tier in their place: an agent that starts beats a crash loop over a damaged disk."""
-    moved_to = quarantine(cfg.data_dir)
+    tier in their place: an agent that starts beats a crash loop over a damaged disk.
+    Files that cannot be moved stop the start with one line saying why."""
+    try:
+        moved_to = quarantine(cfg.data_dir)
+    except OSError as exc:
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        raise StartupError(
+            f"NVMe tier unreadable ({reason}) and its files cannot be moved aside "
+            f"({exc.strerror}: {where}): "
+            f"make {cfg.data_dir} writable or move its files away by hand, or set "
+            "nvme_bytes: 0 to run without the NVMe tier"
+        ) from exc
     log.error(
         "NVMe tier unreadable (%s): moved its files to %s, starting with an empty NVMe tier",
         reason,

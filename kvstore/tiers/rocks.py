@@ -23,6 +23,7 @@ cause and logged once per cause. Such a tier never writes a plaintext record.
 
 from __future__ import annotations
 
+import errno
 import gc
 import glob
 import logging
@@ -48,6 +49,7 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 SMALL_MEMTABLE = 64 << 10  # the default and meta families (RocksDB's minimum)
 QUARANTINES_KEPT = 2  # the newest quarantined copies kept on disk (older ones deleted)
+QUARANTINE_PREFIX = "quarantine-"  # inside a data_dir that cannot be renamed (a mount)
 
 
 class TierUnavailable(Unavailable):
@@ -467,18 +469,47 @@ class RocksTier:
 
 def quarantine(path: str, now: Callable[[], float] = time.time) -> str:
     """Move an unreadable RocksDB directory aside to `<path>.quarantine-<UTC time>` (a
-    sibling on the same filesystem, so this is a rename) and leave `path` empty. Keeps
-    the QUARANTINES_KEPT newest copies: an agent restarted over and over on a damaged
-    disk must not fill it. Returns where the files went."""
+    sibling on the same filesystem, so this is a rename) and leave `path` empty. Where
+    `path` cannot be renamed (a mount point: EBUSY; EXDEV) its files are moved into
+    `<path>/quarantine-<UTC time>/` instead, still on its own filesystem (RocksDB ignores
+    a subdirectory). Keeps the QUARANTINES_KEPT newest copies: an agent restarted over
+    and over on a damaged disk must not fill it. Returns where the files went; OSError
+    when they could not be moved."""
     path = path.rstrip("/")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now()))
-    dest, n = f"{path}.quarantine-{stamp}", 1
-    while os.path.exists(dest):
-        n += 1
-        dest = f"{path}.quarantine-{stamp}-{n}"
-    older = sorted(glob.glob(glob.escape(path) + ".quarantine-*"), key=os.path.getmtime)
+    older = sorted(
+        glob.glob(glob.escape(path) + ".quarantine-*")
+        + glob.glob(os.path.join(glob.escape(path), QUARANTINE_PREFIX + "*")),
+        key=os.path.getmtime,
+    )
     for old in older[: max(0, len(older) - QUARANTINES_KEPT + 1)]:
         shutil.rmtree(old, ignore_errors=True)
-    os.rename(path, dest)
+    dest = _unused(f"{path}.quarantine-{stamp}")
+    try:
+        os.rename(path, dest)
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.EXDEV):
+            raise
+        return _quarantine_inside(path, _unused(os.path.join(path, QUARANTINE_PREFIX + stamp)))
     os.makedirs(path)
+    return dest
+
+
+def _unused(dest: str) -> str:
+    """`dest`, or `dest-2`, `dest-3`, ... if it exists (two quarantines in one second)."""
+    name, n = dest, 1
+    while os.path.exists(name):
+        n += 1
+        name = f"{dest}-{n}"
+    return name
+
+
+def _quarantine_inside(path: str, dest: str) -> str:
+    """Move every entry of `path` (but earlier quarantines and a filesystem's lost+found)
+    into the new directory `dest` inside it: renames within one filesystem."""
+    os.mkdir(dest)
+    for entry in os.listdir(path):
+        if entry.startswith(QUARANTINE_PREFIX) or entry == "lost+found":
+            continue
+        os.rename(os.path.join(path, entry), os.path.join(dest, entry))
     return dest

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
 import signal
+import subprocess
 
 import pytest
 import torch
 from support.common import TEST_SECRET, make_namespace, prompt_tokens, wait_for
-from support.nvme import BIG, DAMAGE, mount_small_fs
+from support.nvme import BIG, DAMAGE, flip_sst_byte, mount_small_fs
 
 from kvstore.coord.etcd import NodeRecord
 from kvstore.cli.control_cmd import _tier_cells
@@ -30,6 +32,13 @@ SPEC = make_namespace()
 @pytest.fixture
 def small_fs(tmp_path):
     yield from mount_small_fs(tmp_path)
+
+
+@pytest.fixture
+def mounted_data_dir(tmp_path):
+    """A data_dir that is a filesystem's mount point (a volume in a pod): it cannot be
+    renamed (EBUSY)."""
+    yield from mount_small_fs(tmp_path, size="32m", filler=False)
 
 
 def block_for(spec, seed: int) -> torch.Tensor:
@@ -124,6 +133,51 @@ def test_unreadable_rocksdb_is_quarantined_and_reported(tmp_path, spawn_agent, d
     (nvme,) = [t for t in view.tiers if t.tier == "nvme"]
     assert "started empty" in nvme.condition
     assert "started empty" in _tier_cells(view)[1]  # the `kvctl nodes` cell
+
+
+def test_unreadable_rocksdb_on_a_mount_point_is_quarantined_inside_it(
+    mounted_data_dir, spawn_agent
+):
+    """os.rename(data_dir, …) raised EBUSY on a mount point: a traceback and a crash loop.
+    The files now go to a quarantine directory inside it, on its own filesystem; RocksDB
+    starts empty beside it, and again at the next start."""
+    data_dir = str(mounted_data_dir)
+    assert os.path.ismount(data_dir)
+    write_stopped_agent_db(data_dir)
+    flip_sst_byte(data_dir)
+    agent = spawn_agent(data_dir=data_dir)
+    assert "NVMe tier unreadable" in agent.log and "starting with an empty" in agent.log
+    (moved,) = glob.glob(f"{data_dir}/quarantine-*")
+    assert glob.glob(f"{moved}/*.sst") and not glob.glob(f"{data_dir}.quarantine-*")
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        tier, counters = nvme_stats(c)
+        assert counters["nvme_quarantined"] == 1
+        assert tier.blocks == 0 and moved in tier.condition
+        ns = c.open_namespace(SPEC)
+        bid = put_one(c, ns, 7)
+    agent.restart()  # the quarantine directory inside does not trouble RocksDB
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        tier, counters = nvme_stats(c)
+        assert counters["nvme_quarantined"] == 0 and counters["recovered_blocks"] == 1
+        assert c.lookup(c.open_namespace(SPEC), [bid]).matched == 1
+    assert glob.glob(f"{moved}/*.sst")
+    assert "Traceback" not in agent.log
+
+
+def test_unreadable_rocksdb_that_cannot_be_moved_stops_the_start_in_one_line(
+    mounted_data_dir, spawn_agent
+):
+    """A read-only volume holding RocksDB files: RocksDB cannot open them and they cannot
+    be moved aside either. One line says so, exit 1, no traceback."""
+    data_dir = str(mounted_data_dir)
+    write_stopped_agent_db(data_dir)
+    subprocess.run(["mount", "-o", "remount,ro", data_dir], check=True)
+    with pytest.raises(RuntimeError, match="agent exited with 1") as err:
+        spawn_agent(data_dir=data_dir)
+    said = str(err.value)
+    assert "kvstore-agent: cannot start: NVMe tier unreadable (" in said
+    assert "its files cannot be moved aside (Read-only file system" in said
+    assert "Traceback" not in said
 
 
 # ---------------------------------------------------------------- what kill -9 loses

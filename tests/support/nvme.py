@@ -19,22 +19,23 @@ assert BIG.block_bytes == 64 << 10
 ENOSPC = "IO error: No space left on device: While appending to file: 000042.sst"
 
 
-def mount_small_fs(tmp_path):
-    """For a `small_fs` fixture: a real 4 MiB tmpfs mounted for the test (unmounted
+def mount_small_fs(tmp_path, size: str = "4m", filler: bool = True):
+    """For a `small_fs` fixture: a real tmpfs of `size` mounted for the test (unmounted
     afterwards), with a 1 MiB filler file the test may delete to give space back."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs (a real full disk) needs root")
     mnt = tmp_path / "small-fs"
     mnt.mkdir()
     r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
         check=False,
         capture_output=True,
         text=True,
     )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    (mnt / "filler").write_bytes(b"\0" * (1 << 20))
+    if filler:
+        (mnt / "filler").write_bytes(b"\0" * (1 << 20))
     try:
         yield mnt
     finally:
