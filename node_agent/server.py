@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 from typing import TYPE_CHECKING
 
 import grpc
@@ -20,6 +21,7 @@ from kvstore.eviction import make_policy
 from kvstore.pullcost import PullCost
 from kvstore.events import Tier
 from kvstore.store import BlockStore
+from kvstore.units import format_size
 from kvstore.tiers.pool import DevicePool
 from kvstore.tiers.rocks import (
     Quarantine,
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd cl
 log = logging.getLogger("kvstore.agent")
 SHUTDOWN_PERSIST_S = 10.0  # bound on the pool -> NVMe copy at a clean stop
 KEY_CHECK_S = 1.0  # how often the at-rest key directory is checked for changes
+NVME_PROBE_S = 0.5  # how often an NVMe write outage's back-off is checked for its end
 REGISTER_WAIT_S = 10.0  # start() waits this long for the first etcd registration
 
 
@@ -101,6 +104,7 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
     )
     if lock_held_elsewhere(cfg.data_dir):
         raise StartupError(in_use)
+    warn_if_larger_than_disk(cfg)
     try:
         return RocksTier(cfg.data_dir, cfg.nvme_bytes, cfg.nvme_flush_bytes, sealer=sealer)
     except TierInUse as exc:  # taken meanwhile; not damage: its files stay where they are
@@ -110,6 +114,25 @@ def open_nvme(cfg: AgentConfig) -> RocksTier | None:
     except TierUnavailable as exc:
         log.error("NVMe tier off for this run: %s", exc)
         return None
+
+
+def warn_if_larger_than_disk(cfg: AgentConfig) -> None:
+    """nvme_bytes larger than data_dir's whole filesystem: the tier would never evict,
+    it would fill the disk and spills would fail there. Worth one line, not a refusal
+    (a volume may grow)."""
+    try:
+        fs_bytes = shutil.disk_usage(cfg.data_dir).total
+    except OSError:
+        return
+    if cfg.nvme_bytes > fs_bytes:
+        log.warning(
+            "nvme_bytes (%s) is more than the whole filesystem of data_dir %s (%s): the "
+            "NVMe tier fills the disk before it evicts, and spills then fail; lower "
+            "nvme_bytes below the free space or grow the volume",
+            format_size(cfg.nvme_bytes),
+            cfg.data_dir,
+            format_size(fs_bytes),
+        )
 
 
 def quarantine_nvme(cfg: AgentConfig, reason: str, sealer: Sealer | None) -> RocksTier:
@@ -270,6 +293,7 @@ class AgentServer:
         self._tasks.append(asyncio.create_task(self._maintenance()))
         if self.store.rocks is not None:
             self._tasks.append(asyncio.create_task(self._flush_nvme()))
+            self._tasks.append(asyncio.create_task(self._probe_nvme()))
             if self.store.rocks.sealer is not None:
                 self._tasks.append(asyncio.create_task(self._watch_keys(self.store.rocks.sealer)))
         if self.cfg.etcd_endpoints and self.control is not None:  # control: started above
@@ -339,6 +363,17 @@ class AgentServer:
         while True:
             await asyncio.sleep(self.cfg.nvme_flush_interval_s)
             await asyncio.to_thread(rocks.flush)
+
+    async def _probe_nvme(self) -> None:
+        """End an NVMe write outage once RocksDB writes again (space came back), even
+        with no spill to find out: health and `kvctl nodes` clear on an idle agent too.
+        Off the event loop; RocksTier.probe tries only once each back-off is over."""
+        rocks = self.store.rocks
+        assert rocks is not None, "started only with an NVMe tier"
+        while True:
+            await asyncio.sleep(NVME_PROBE_S)
+            if rocks.health.due():
+                await asyncio.to_thread(rocks.probe)
 
     async def _watch_keys(self, sealer: Sealer) -> None:
         """Take changed at-rest key files into use without a restart (a rotation's new

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
@@ -49,6 +49,7 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 SMALL_MEMTABLE = 64 << 10  # the default and meta families (RocksDB's minimum)
 QUARANTINES_KEPT = 2  # the newest quarantined copies kept on disk (older ones deleted)
+PROBE_KEY = b"kvstore-write-probe"  # default family: never read, one record overwritten
 QUARANTINE_PREFIX = "quarantine-"  # inside a data_dir that cannot be renamed (a mount)
 
 
@@ -74,11 +75,14 @@ class TierInUse(Unavailable):
 class WriteHealth:
     """Whether the tier takes writes. One failure opens an outage, logged and counted
     once; during it writes are refused until `retry_at` (backing off 1 s, 2 s, ... 30 s),
-    and the first write that succeeds closes it. RocksDB itself, after a background
-    ENOSPC (a failed flush), refuses every write until its SstFileManager sees free space
-    again and resumes the DB; the retries here find out when that happened."""
+    and the first write that succeeds closes it (a spill, or RocksTier.probe when no
+    spill comes). RocksDB itself, after a background ENOSPC (a failed flush), refuses
+    every write until its SstFileManager sees `resume_free_bytes` free again (the largest
+    memtable: RocksDB's reserved disk buffer) and resumes the DB; the retries here find
+    out when that happened. Spills and probes run on different threads: `_lock`."""
 
     clock: Callable[[], float]
+    resume_free_bytes: int = 0  # free space RocksDB wants before it resumes writes
     down_since: float | None = None
     retry_at: float = 0.0
     backoff_s: float = 0.0
@@ -86,6 +90,7 @@ class WriteHealth:
     outages: int = 0  # times writes started failing
     recoveries: int = 0  # times they worked again
     refused: int = 0  # writes refused during outages (attempted or backed off)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def writable(self) -> bool:
@@ -97,42 +102,59 @@ class WriteHealth:
         self.refused += 1
         return False
 
-    def failed(self, path: str, err: str) -> None:
-        now = self.clock()
-        self.refused += 1
-        self.last_error = err
-        if self.down_since is None:
-            self.down_since = now
-            self.outages += 1
-            self.backoff_s = BACKOFF_FIRST_S
-            log.warning(
-                "NVMe tier %s cannot write (%s): spills drop leaf blocks or keep "
-                "them in the pool until it can; retrying with back-off",
-                path,
-                err,
-            )
-        else:
-            self.backoff_s = min(BACKOFF_MAX_S, 2 * self.backoff_s)
-        self.retry_at = now + self.backoff_s
+    def due(self) -> bool:
+        """Whether an outage's back-off is over (a probe may try), counting nothing."""
+        return self.down_since is not None and self.clock() >= self.retry_at
+
+    def failed(self, path: str, err: str, refused: bool = True) -> None:
+        """A write (or, `refused` False, a probe) that RocksDB refused."""
+        with self._lock:
+            now = self.clock()
+            self.refused += refused
+            self.last_error = err
+            if self.down_since is None:
+                self.down_since = now
+                self.outages += 1
+                self.backoff_s = BACKOFF_FIRST_S
+                log.warning(
+                    "NVMe tier %s cannot write (%s): spills drop leaf blocks or keep "
+                    "them in the pool until it can; retrying with back-off%s",
+                    path,
+                    err,
+                    self._resumes(),
+                )
+            else:
+                self.backoff_s = min(BACKOFF_MAX_S, 2 * self.backoff_s)
+            self.retry_at = now + self.backoff_s
 
     def succeeded(self, path: str) -> None:
-        if self.down_since is None:
-            return
-        log.warning(
-            "NVMe tier %s writes again after %.1f s (%d writes refused so far)",
-            path,
-            self.clock() - self.down_since,
-            self.refused,
-        )
-        self.down_since = None
-        self.recoveries += 1
-        self.backoff_s = 0.0
+        with self._lock:
+            if self.down_since is None:
+                return
+            log.warning(
+                "NVMe tier %s writes again after %.1f s (%d writes refused so far)",
+                path,
+                self.clock() - self.down_since,
+                self.refused,
+            )
+            self.down_since = None
+            self.recoveries += 1
+            self.backoff_s = 0.0
+
+    def _resumes(self) -> str:
+        if not self.resume_free_bytes:
+            return ""
+        return f"; resumes by itself once about {self.resume_free_bytes >> 10} KiB are free"
 
     def condition(self) -> str:
         """'' while writable, else why not (for Stats and `kvctl nodes`)."""
-        if self.down_since is None:
+        down_since = self.down_since
+        if down_since is None:
             return ""
-        return f"writes failing since {self.clock() - self.down_since:.0f}s: {self.last_error}"
+        return (
+            f"writes failing since {self.clock() - down_since:.0f}s: {self.last_error}"
+            + self._resumes()
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +221,11 @@ class RocksTier:
         self.seal_refused = 0  # spills refused: encryption on and the tenant has no key
         self._told: set[object] = set()  # causes (and keyless tenants) logged once
         self.capacity_bytes = capacity_bytes
-        self.health = WriteHealth(clock)
         self.flushes = 0
         self.stalls = 0  # writes refused while a flush catches up (not an outage)
         self._memtable_bytes = max(flush_bytes // 2, SMALL_MEMTABLE)
+        # RocksDB reserves its largest write buffer as free space to resume after ENOSPC
+        self.health = WriteHealth(clock, resume_free_bytes=self._memtable_bytes)
         # Set by whoever opened this tier over a quarantined directory: where the old
         # files went and why (node_agent/server.py; Stats and `kvctl nodes` show it).
         self.quarantined: Quarantine | None = None
@@ -280,6 +303,26 @@ class RocksTier:
                 self.health.failed(self.path, why)
             raise TierUnavailable(f"NVMe tier {self.path}: {why}") from None
         self.health.succeeded(self.path)
+
+    def probe(self) -> bool:
+        """Whether the tier writes again, asked once an outage's back-off is over: a
+        small record in the (otherwise unused) default family, which RocksDB refuses
+        like any other while it is stopped after a background error. The agent asks on
+        a timer, so an idle agent notices recovery without waiting for a spill."""
+        if not self.health.due():
+            return self.health.writable
+        wb = WriteBatch(raw_mode=True)
+        wb.put(PROBE_KEY, b"")
+        with self._io_lock:  # not under close()
+            if getattr(self, "_db", None) is None:
+                return False
+            try:
+                self._write(wb)
+            except Exception as exc:  # noqa: BLE001 - rocksdict raises Exception
+                self.health.failed(self.path, self._why(exc), refused=False)
+                return False
+        self.health.succeeded(self.path)
+        return True
 
     def _background_errors(self) -> int:
         """Flushes and compactions that failed since the DB was opened (RocksDB keeps

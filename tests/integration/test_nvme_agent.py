@@ -97,6 +97,46 @@ def test_full_disk_agent_serves_stops_cleanly_and_recovers(small_fs, spawn_agent
         assert torch.equal(got[0], block_for(BIG, hits[0]))
 
 
+def test_full_disk_idle_agent_notices_space_came_back(small_fs, spawn_agent):
+    """An agent that stops getting Puts once its disk is full: its health said "writes
+    failing" until the next spill, however long ago space came back. The agent now
+    re-probes at the end of each back-off. Its start warns that nvme_bytes is more than
+    the whole filesystem, and the outage says how much free space RocksDB waits for."""
+    data_dir = str(small_fs / "data")
+    agent = spawn_agent(
+        data_dir=data_dir,
+        pool_bytes="512KiB",
+        nvme_bytes="64MiB",
+        nvme_flush_bytes="1MiB",
+        nvme_flush_interval_s=3600,
+    )
+    assert (
+        f"nvme_bytes (64.0 MiB) is more than the whole filesystem of data_dir {data_dir} "
+        "(4.0 MiB)" in agent.log
+    )
+    with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+        ns = c.open_namespace(BIG)
+        seed = 0
+        while not nvme_stats(c)[0].condition:
+            put_one(c, ns, seed)
+            seed += 1
+            assert seed < 500, "a 4 MiB disk never filled"
+        tier, _ = nvme_stats(c)
+        assert "writes failing" in tier.condition
+        # RocksDB resumes once its largest memtable (nvme_flush_bytes / 2) fits
+        assert "resumes by itself once about 512 KiB are free" in tier.condition
+        (small_fs / "filler").unlink()  # space comes back; no Put from here on
+        wait_for(
+            lambda: not nvme_stats(c)[0].condition,
+            120,
+            interval=0.5,
+            what="the idle agent to notice that NVMe writes work again",
+        )
+        assert nvme_stats(c)[1]["nvme_write_recoveries"] == 1
+    assert agent.log.count("writes again") == 1
+    assert stop_exit_code(agent) == 0
+
+
 # ------------------------------------------------------------------ damaged files
 def write_stopped_agent_db(data_dir) -> int:
     """What a stopped agent leaves: 40 prompts of 4 blocks, all on NVMe."""

@@ -13,7 +13,7 @@ from support.store import SPEC, demote_all, lookup, prompt, put
 
 from kvstore.store import BlockStore
 from kvstore.tiers.pool import DevicePool
-from kvstore.tiers.rocks import BACKOFF_FIRST_S, RocksTier, TierCorrupt
+from kvstore.tiers.rocks import BACKOFF_FIRST_S, RocksTier, TierCorrupt, TierUnavailable
 
 
 @pytest.fixture
@@ -111,6 +111,30 @@ def test_full_disk_clean_close_keeps_what_was_flushed(small_fs, tmp_path):
 
 
 # ---------------------------------------------------------------- injected failures
+def test_probe_ends_an_outage_without_a_spill(tmp_path):
+    """The agent's timer calls probe(): it asks RocksDB only once each back-off is over,
+    backs off further while writes still fail, ends the outage once one works, and
+    counts no refused write of its own; its record is not a block record."""
+    clock = ManualClock()
+    tier = FailingTier(str(tmp_path / "db"), 1 << 30, flush_bytes=1 << 20, clock=clock)
+    tier.failing = True
+    with pytest.raises(TierUnavailable):
+        tier.put_batch([(b"k" * 32, b"v")])
+    h, writes = tier.health, tier.writes
+    refused = h.refused
+    assert "resumes by itself once about 512 KiB are free" in tier.condition()
+    assert not tier.probe() and tier.writes == writes  # backing off: RocksDB not asked
+    clock.advance(BACKOFF_FIRST_S)
+    assert not tier.probe() and tier.writes == writes + 1
+    assert h.backoff_s == 2 * BACKOFF_FIRST_S and not h.writable
+    tier.failing = False
+    clock.advance(2 * BACKOFF_FIRST_S)
+    assert tier.probe() and h.writable and h.recoveries == 1 and tier.condition() == ""
+    assert h.refused == refused and h.outages == 1
+    assert list(tier.scan()) == []
+    tier.close()
+
+
 def test_failing_tier_backs_off_and_victims_stay_evictable(tmp_path, caplog):
     """While writes fail, a spill victim with children stays in the pool and is filed
     again (it was popped from the heap before the write), leaves are dropped, RocksDB is
