@@ -44,6 +44,7 @@ def build_stats(
                     used_bytes=store.nvme_used,
                     blocks=nvme_blocks,
                     condition=rocks.condition(),
+                    unflushed_bytes=rocks.unflushed_bytes(),
                 )
             )
         tenants = []

@@ -509,7 +509,10 @@ def _tier_cells(node) -> list[str]:
             "-"
             if t is None
             else f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)} "
-            f"({t.blocks} blk)" + (f" [{t.condition}]" if t.condition else "")
+            f"({t.blocks} blk"
+            + (f", {format_size(t.unflushed_bytes)} unflushed" if t.unflushed_bytes else "")
+            + ")"
+            + (f" [{t.condition}]" if t.condition else "")
         )
     return out
 

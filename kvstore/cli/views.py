@@ -52,6 +52,7 @@ class TierView:
     used_bytes: int
     blocks: int
     condition: str = ""  # '' when healthy; else e.g. "writes failing since 12s: …"
+    unflushed_bytes: int = 0  # NVMe: of used_bytes, only in memory yet (kill -9 loses it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +329,7 @@ async def node_view(
             t.used_bytes,
             t.blocks,
             t.condition,
+            t.unflushed_bytes,
         )
         for t in resp.tiers
     )

@@ -63,6 +63,7 @@ class TierUsage:
     slots_total: int
     slots_free: int
     condition: str = ""  # '' when healthy; else e.g. "writes failing since 12s: …"
+    unflushed_bytes: int = 0  # NVMe: of used_bytes, only in memory yet (kill -9 loses it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class AgentStats:
                 t.slots_total,
                 t.slots_free,
                 t.condition,
+                t.unflushed_bytes,
             )
             for t in msg.tiers
         )

@@ -464,6 +464,19 @@ class RocksTier:
             **{f"nvme_open_failed_{f.value}": self.open_failures[f] for f in Failure},
         }
 
+    def unflushed_bytes(self) -> int:
+        """About how many bytes of block records are only in memtables, not yet in SST
+        files (what a kill -9 would lose); 0 when none, or when RocksDB cannot say."""
+        try:
+            cf = self._blocks
+            entries = cf.property_int_value("rocksdb.num-entries-active-mem-table") or 0
+            entries += cf.property_int_value("rocksdb.num-entries-imm-mem-tables") or 0
+            if not entries:  # an empty memtable still reports its arena
+                return 0
+            return cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+        except Exception:  # noqa: BLE001 - rocksdict raises Exception; closed: no _blocks
+            return 0
+
     def condition(self) -> str:
         """'' when healthy, else what an operator should know about this tier."""
         notes = [self.health.condition()]

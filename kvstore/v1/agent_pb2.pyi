@@ -175,7 +175,7 @@ class StatsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "slots_total", "slots_free", "condition")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "slots_total", "slots_free", "condition", "unflushed_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class TierStats(_message.Message):
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     CONDITION_FIELD_NUMBER: _ClassVar[int]
+    UNFLUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.Tier
     capacity_bytes: int
     used_bytes: int
@@ -190,7 +191,8 @@ class TierStats(_message.Message):
     slots_total: int
     slots_free: int
     condition: str
-    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., condition: _Optional[str] = ...) -> None: ...
+    unflushed_bytes: int
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., condition: _Optional[str] = ..., unflushed_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "hbm_bytes", "nvme_bytes", "hbm_limit_bytes", "nvme_limit_bytes", "lookups", "lookup_hits", "lookup_blocks", "lookup_hit_blocks")
