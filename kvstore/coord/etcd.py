@@ -440,9 +440,15 @@ class EtcdClient:
             key=key, range_end=prefix_range_end(key), start_revision=start_revision
         )
 
+        # The request side stays open until the watch ends. grpc's task that reads it is
+        # cancelled by call.cancel() only while the call runs: after etcd broke the call
+        # it would wait here for good, and be destroyed pending at shutdown (with the
+        # generator's traceback). Setting `ended` lets it finish.
+        ended = asyncio.Event()
+
         async def requests():
             yield WatchRequest(create_request=create)
-            await asyncio.Event().wait()  # keep the request side open
+            await ended.wait()
 
         call = self._watch_stub.Watch(requests())
         try:
@@ -474,6 +480,7 @@ class EtcdClient:
             ) from exc
         finally:
             call.cancel()
+            ended.set()
 
     async def follow(
         self,

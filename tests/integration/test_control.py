@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 
 import grpc
@@ -531,6 +532,26 @@ def test_etcd_down_data_path_serves_last_known_generations(etcd, spawn_agent):
     assert r["ok"] and r["acknowledged"] == ["agent-0"]
     assert _stale(c, SPEC, ids, 1)
     assert [x["ok"] for x in kvctl_json("audit", etcd=etcd)] == [True, True]
+
+
+def test_agent_stops_cleanly_after_etcd_restarted(etcd, spawn_agent):
+    """Each watch that etcd's restart broke left grpc's request task waiting for good on
+    the watch's request iterator: the agent's clean stop then logged "Task was destroyed
+    but it is pending!" and "cannot reuse already awaited coroutine" tracebacks."""
+    a = spawn_agent(**agent_cfg(etcd))
+    etcd.stop()
+    wait_for(lambda: a.log.count("broke") >= 4, 30, what="the agent's 4 watches to break")
+    etcd.start()
+    wait_for(lambda: "etcd reachable again" in a.log, 60, what="the agent to reach etcd again")
+    c = AgentClient(a.address)
+    c.open(SPEC)
+    assert kvctl("flush", "acme/chat", etcd=etcd).returncode == 0  # the watches work again
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(60) == 0
+    a.proc = None
+    log = a.log
+    assert f"agent {a.config['node_id']} stopped" in log
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
 
 
 @pytest.fixture(autouse=True)
