@@ -207,6 +207,36 @@ def tls_fields(ca: str | None, cert: str | None, key: str | None) -> dict | None
     return given or None
 
 
+# What a message holds beyond its payload: a block's or a request's framing and fields.
+_MESSAGE_HEADROOM = 64 * 1024
+# Bytes per id of the largest id list: 16 per id, and a shared-memory Get's offset each.
+_BYTES_PER_ID = 32
+# Block payload per gRPC message (the client's Put messages, the agent's Get responses;
+# kvstore.wire.blocks_per_message).
+MESSAGE_PAYLOAD_BYTES = 4 * MiB
+
+
+def _check_message_bytes(cfg: "AgentConfig") -> None:
+    """max_message_bytes holds one block and one request's ids; max_concurrent_rpcs >= 0."""
+    if not isinstance(cfg.max_concurrent_rpcs, int) or isinstance(cfg.max_concurrent_rpcs, bool):
+        raise ValueError(f"max_concurrent_rpcs must be an integer, got {cfg.max_concurrent_rpcs!r}")
+    if cfg.max_concurrent_rpcs < 0:
+        raise ValueError(
+            f"max_concurrent_rpcs must be >= 0 (0: no cap), got {cfg.max_concurrent_rpcs}"
+        )
+    # A client's Put message: up to 8 blocks and 4 MiB of them, or one larger block
+    # (kvstore.wire.blocks_per_message); the agent's Get responses are no larger.
+    put = max(cfg.slot_bytes, min(8 * cfg.slot_bytes, MESSAGE_PAYLOAD_BYTES))
+    need = max(put, _BYTES_PER_ID * cfg.max_blocks_per_request) + _MESSAGE_HEADROOM
+    if cfg.max_message_bytes < need:
+        raise ValueError(
+            f"max_message_bytes ({cfg.max_message_bytes}) must be at least {need}: a client's "
+            f"Put message ({put} bytes of blocks at slot_bytes {cfg.slot_bytes}) or the ids "
+            f"of max_blocks_per_request ({cfg.max_blocks_per_request}, {_BYTES_PER_ID} "
+            f"bytes each), whichever is larger, plus {_MESSAGE_HEADROOM} bytes of headroom"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Node agent. Sizes accept "2MiB"-style strings in files and env."""
@@ -234,7 +264,15 @@ class AgentConfig:
     tenant_pin_fraction: float = 0.5
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     allow_unauthenticated: bool = False  # dev only: accept requests without a token
-    max_message_bytes: int = 64 * MiB
+    # The largest gRPC message the agent receives or sends. The client sends Put blocks
+    # and the agent its Get responses in messages of at most 4 MiB of payload (or one
+    # block), so this needs one block (slot_bytes) or one request's ids, plus headroom
+    # (_check_message_bytes). Calls being received hold up to this much each: at most
+    # max_concurrent_rpcs of them (docs/security.md, "Memory before authentication").
+    max_message_bytes: int = 8 * MiB
+    # gRPC calls in progress at once on the agent's port (grpc.aio maximum_concurrent_rpcs;
+    # more are refused RESOURCE_EXHAUSTED at once, unread); 0: no cap.
+    max_concurrent_rpcs: int = 256
     max_blocks_per_request: int = 8192
     expire_interval_s: float = 5.0
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
@@ -304,6 +342,7 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.nvme_bytes < 0:
             raise ValueError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
+        _check_message_bytes(self)
         check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))

@@ -165,6 +165,28 @@ def wrap_handler(
     )
 
 
+def refusal(handler: grpc.RpcMethodHandler, method: str, exc: errors.KvError):
+    """A handler for `method` that answers `exc`'s status without reading the request.
+
+    grpc.aio hands a unary-request handler its message whole, so a call refused inside it
+    (authentication included) has already been received and held in memory, up to
+    max_receive_message_length per call. A request-streaming handler that never iterates
+    its requests leaves them unread: the transport's flow-control window (per stream) is
+    all that is taken off the wire before the status ends the call. Always stream-unary:
+    with no message sent, the status reads the same to every kind of caller."""
+    code, details = status_for(exc), str(exc)
+
+    async def refuse(requests, context):
+        await context.abort(code, details)
+
+    deser = handler.request_deserializer
+    return grpc.stream_unary_rpc_method_handler(
+        refuse,
+        None if deser is None else safe_deserializer(deser, method),
+        handler.response_serializer,
+    )
+
+
 class ErrorEdge(grpc.aio.ServerInterceptor):
     """wrap_handler on every method of a server (health checks included). Put it last
     in the interceptor list, so the ones before it see the statuses it answers."""

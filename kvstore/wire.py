@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import cast
 
+from kvstore.config import MESSAGE_PAYLOAD_BYTES
 from kvstore.errors import InvalidArgument
 from kvstore.events import EventKind, Tier
 from kvstore.hashing import BLOCK_ID_BYTES, split_ids
@@ -40,6 +41,14 @@ def check_id(value: bytes, what: str = "block id") -> bytes:
     if len(value) != BLOCK_ID_BYTES:
         raise InvalidArgument(f"{what} must be {BLOCK_ID_BYTES} bytes, got {len(value)}")
     return value
+
+
+def blocks_per_message(block_bytes: int, most: int) -> int:
+    """How many blocks of `block_bytes` one message carries: at most `most`, at most
+    MESSAGE_PAYLOAD_BYTES of payload, at least one. A Put message (the client) and a Get
+    response (the agent) carry no more, so an agent's max_message_bytes need not be more
+    than a few MiB however a caller batches its blocks (kvstore/config.py)."""
+    return max(1, min(most, MESSAGE_PAYLOAD_BYTES // max(1, block_bytes)))
 
 
 MAX_REQUEST_ID = 256  # characters of a request_id (agents' Lookup / Get, the router's Route)

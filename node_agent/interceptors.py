@@ -9,7 +9,8 @@ import logging
 
 import grpc
 
-from kvstore.grpc_edge import wrap_handler
+from kvstore import errors
+from kvstore.grpc_edge import refusal, wrap_handler
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent")
@@ -29,8 +30,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token_hashes: dict[str, str], allow_unauthenticated: bool) -> None:
         self._tokens = TokenTable(token_hashes, allow_unauthenticated)
 
-    def resolve(self, context) -> str | None:
-        md = dict(context.invocation_metadata() or ())
+    def resolve(self, metadata) -> str | None:
+        md = dict(metadata or ())
         return self._tokens.tenant(md.get("authorization", ""))
 
     async def intercept_service(self, continuation, details):
@@ -39,8 +40,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             return None
         # Health checks are open to all; every method gets the shared edge (bad bytes ->
         # INVALID_ARGUMENT, KvError -> its status, anything else INTERNAL, logged once).
-        before = None if details.method.startswith(_OPEN_METHODS) else self._authenticate
-        return wrap_handler(handler, details.method, log, before)
-
-    def _authenticate(self, context) -> None:
-        current_tenant.set(self.resolve(context))
+        if details.method.startswith(_OPEN_METHODS):
+            return wrap_handler(handler, details.method, log)
+        # The caller is resolved from the metadata alone, before its request is read: a
+        # refused caller's message is never received whole (grpc_edge.refusal).
+        try:
+            tenant = self.resolve(details.invocation_metadata)
+        except errors.Unauthenticated as exc:
+            return refusal(handler, details.method, exc)
+        return wrap_handler(handler, details.method, log, lambda _ctx: current_tenant.set(tenant))

@@ -260,7 +260,11 @@ class AgentServer:
             *self.telemetry.interceptors,
             EdgeInterceptor(tokens, self.cfg.allow_unauthenticated),
         ]
-        self.server = grpc.aio.server(interceptors=interceptors, options=opts)
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=opts,
+            maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs or None,
+        )
         agent_pb2_grpc.add_NodeAgentServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

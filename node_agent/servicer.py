@@ -18,6 +18,7 @@ from kvstore.hashing import BLOCK_ID_BYTES
 from kvstore.store import BlockStore, NsState, PackedIds, PendingPut, PutItem
 from kvstore.v1 import agent_pb2, agent_pb2_grpc
 from kvstore.wire import (
+    blocks_per_message,
     check_id,
     check_request_id,
     namespace_from_proto,
@@ -292,8 +293,9 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
             self.metrics.get_done(st, rid, len(ids), total)
 
     async def _get_stream(self, st: NsState, request, ids: list[bytes], parent: bytes):
-        for start in range(0, len(ids), _GRPC_CHUNK_BLOCKS):
-            chunk = ids[start : start + _GRPC_CHUNK_BLOCKS]
+        per = blocks_per_message(st.spec.block_bytes, _GRPC_CHUNK_BLOCKS)
+        for start in range(0, len(ids), per):
+            chunk = ids[start : start + per]
             served = await self._run(
                 len(chunk) * st.spec.block_bytes,
                 self.store.get,

@@ -32,7 +32,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, NOT_YOURS, TokenTable
-from kvstore.grpc_edge import wrap_handler
+from kvstore.grpc_edge import refusal, wrap_handler
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
@@ -100,8 +100,9 @@ class RouterAccess:
             float(cfg.max_queued_blocks_per_tenant),
         )
 
-    def caller(self, context) -> Caller:
-        md = dict(context.invocation_metadata() or ())
+    def caller(self, metadata) -> Caller:
+        """The caller an RPC's invocation metadata names (Unauthenticated when none)."""
+        md = dict(metadata or ())
         return Caller(self.tokens.tenant(md.get("authorization", "")))
 
     def inflight_cap(self, caller: Caller) -> int:
@@ -164,8 +165,14 @@ class AuthEdge(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        before = None if details.method.startswith(_OPEN_METHODS) else self._authenticate
-        return wrap_handler(handler, details.method, self._log, before)
-
-    def _authenticate(self, context) -> None:
-        current_caller.set(self.access.caller(context))
+        if details.method.startswith(_OPEN_METHODS):
+            return wrap_handler(handler, details.method, self._log)
+        # From the metadata, before the request is read: a refused caller's message is
+        # never received whole (kvstore.grpc_edge.refusal).
+        try:
+            caller = self.access.caller(details.invocation_metadata)
+        except errors.Unauthenticated as exc:
+            return refusal(handler, details.method, exc)
+        return wrap_handler(
+            handler, details.method, self._log, lambda _ctx: current_caller.set(caller)
+        )

@@ -59,7 +59,7 @@ from kvstore.errors import KvError
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvstore.wire import namespace_to_proto
+from kvstore.wire import blocks_per_message, namespace_to_proto
 
 __all__ = [
     "KVClient",
@@ -859,11 +859,12 @@ class KVClient:
         )
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
-        for start in range(0, len(ids), _GRPC_PUT_BLOCKS):
+        # Messages of at most MESSAGE_PAYLOAD_BYTES (or one block): agents receive a few
+        # MiB per message (AgentConfig.max_message_bytes), not 8 blocks of any size.
+        per = blocks_per_message(ns.block_bytes, _GRPC_PUT_BLOCKS)
+        for start in range(0, len(ids), per):
             msg = agent_pb2.PutRequest(ns=ns.ref, root=ns.root if start == 0 else b"")
-            for bid, blk in zip(
-                ids[start : start + _GRPC_PUT_BLOCKS], blocks[start : start + _GRPC_PUT_BLOCKS]
-            ):
+            for bid, blk in zip(ids[start : start + per], blocks[start : start + per]):
                 msg.blocks.append(
                     agent_pb2.BlockPut(
                         block_id=bid, parent_id=parent, data=tensor_bytes(blk, ns.block_bytes)
