@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from router.gateway.admission import Admission
 from router.gateway.body import BadBody, check_fields, read_json
 from router.gateway.config import ApiKeys, GatewayConfig, Grant, ReloadingApiKeys
 from router.gateway.engines import EngineSet, EngineState
@@ -244,6 +245,7 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.http = upstream or Upstream(cfg.connect_timeout_s, cfg.request_timeout_s)
         self.tenant_inflight: Counter[str] = Counter()  # requests forwarded, not yet released
+        self.admission = Admission(cfg.tokenize_threads, cfg.max_tokenizing_per_tenant)
         forwarding = _Plain(self.forwarding)
         self.routes = Starlette(
             routes=[
@@ -266,6 +268,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.http.aclose()
+        self.admission.close()
 
     # ------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
@@ -298,7 +301,9 @@ class Gateway:
             raise HTTPFailure(401, "missing or unknown API key", "authentication_error")
         return grant
 
-    async def _body(self, scope: Scope, receive: Receive) -> tuple[dict[str, Any], int] | None:
+    async def _body(
+        self, scope: Scope, receive: Receive, tenant: str
+    ) -> tuple[dict[str, Any], int] | None:
         """The request's JSON object and its size in bytes; None when the client went away
         before sending it."""
         limit = self.cfg.max_body_bytes
@@ -323,13 +328,14 @@ class Gateway:
             body = (
                 read_json(raw)
                 if size <= TOKENIZE_INLINE_BYTES
-                else await asyncio.to_thread(read_json, raw)
+                else await self.admission.run(tenant, lambda: read_json(raw))
             )
             return body, size
         except BadBody as exc:
             raise HTTPFailure(400, str(exc), "invalid_request_error") from None
 
-    async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> tuple[str, list[int]]:
+    def _codec(self, body: dict[str, Any]) -> tuple[str, PromptCodec]:
+        """The model and its codec, and the fields checked, before admission."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise HTTPFailure(400, "model is required", "invalid_request_error")
@@ -340,6 +346,11 @@ class Gateway:
             check_fields(body, self.cfg.max_choices)
         except BadBody as exc:
             raise HTTPFailure(400, str(exc), "invalid_request_error") from None
+        return model, codec
+
+    async def _tokens(
+        self, body: dict[str, Any], codec: PromptCodec, chat: bool, size: int, tenant: str
+    ) -> list[int]:
         if chat:
             gen = bool(body.get("add_generation_prompt", True))
             messages = body.get("messages")
@@ -348,7 +359,10 @@ class Gateway:
             prompt = body.get("prompt")
             work = lambda: codec.completion_ids(prompt)  # noqa: E731
         try:
-            ids = work() if size <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(work)
+            if size <= TOKENIZE_INLINE_BYTES:
+                ids = work()
+            else:
+                ids = await self.admission.run(tenant, work)
         except BadPrompt as exc:
             raise HTTPFailure(400, str(exc), "invalid_request_error") from None
         if not ids:
@@ -357,7 +371,7 @@ class Gateway:
             raise HTTPFailure(
                 400, f"prompt over {self.cfg.max_prompt_tokens} tokens", "invalid_request_error"
             )
-        return model, ids
+        return ids
 
     # ------------------------------------------------------------ the proxy
     async def forwarding(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -373,15 +387,19 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             grant = self._grant(_header(scope, b"authorization"))
-            read = await self._body(scope, receive)
-            if read is None:
-                return None  # nothing to answer: the client is gone
-            body, size = read
-            self._permit(grant, body.get("model"))
-            model, ids = await self._tokens(body, chat, size)
             tenant = grant.tenant
+            # Before the body is parsed or its prompt tokenized, and counted from here
+            # (router/gateway/admission.py).
             self._admit(tenant)
-            plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
+            with self.admission.prepare(tenant):
+                read = await self._body(scope, receive, tenant)
+                if read is None:
+                    return None  # nothing to answer: the client is gone
+                body, size = read
+                self._permit(grant, body.get("model"))
+                model, codec = self._codec(body)
+                ids = await self._tokens(body, codec, chat, size, tenant)
+                plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
             # talk to the connector directly.
             body["cache_salt"] = plan.salt
@@ -404,7 +422,7 @@ class Gateway:
 
     def _admit(self, tenant: str) -> None:
         cap = self.cfg.max_inflight_per_tenant
-        if cap and self.tenant_inflight[tenant] >= cap:
+        if cap and self.tenant_inflight[tenant] + self.admission.preparing[tenant] >= cap:
             raise HTTPFailure(
                 429,
                 f"this API key's tenant has {cap} requests in flight; retry later",

@@ -72,6 +72,12 @@ class GatewayConfig:
     # own addresses, well above what one client's connection pool holds.
     max_connections_per_client: int = 0
     max_prompt_tokens: int = 1 << 20  # longer prompts are refused (400)
+    # Large prompts (bodies over 8 KiB) are parsed and tokenized on this many threads, all
+    # tenants together, at most max_tokenizing_per_tenant of one tenant's at once (its
+    # others wait, counted in flight for max_inflight_per_tenant): one tenant's flood of
+    # large prompts keeps at most that many cores busy (router/gateway/admission.py).
+    tokenize_threads: int = 2
+    max_tokenizing_per_tenant: int = 1
     # The most completions one request may ask of the engine (`n`, `best_of`); more is
     # refused (400): a request's n choices weigh on the engine like n requests, while the
     # tenant's in-flight cap counts it once.
@@ -89,6 +95,11 @@ class GatewayConfig:
     https: bool = True  # False: plain HTTP although TLS files are there (a TLS proxy ahead)
     # Clients must present a certificate from the CA (mTLS); API keys still name tenants.
     require_client_cert: bool = False
+    # A gateway serving HTTPS forwards to https:// engines only: an engine record with an
+    # http:// URL is left out (logged, kvstore_gateway_engines_refused_total), since its
+    # prompts would cross the network in plaintext. True admits them (engines on the
+    # gateway's host, or a network encrypted below HTTP). Without HTTPS: no effect.
+    allow_plaintext_engines: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -107,6 +118,9 @@ class GatewayConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("tokenize_threads", "max_tokenizing_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_prompt_tokens < 1:  # 0 would refuse every prompt, not lift the cap
             raise ValueError(
                 "max_prompt_tokens must be >= 1 (the most tokens a prompt may have), "
