@@ -53,6 +53,12 @@ class EngineSet:
     records: EngineRecordReader = field(default_factory=EngineRecordReader)
     engines: dict[str, EngineState] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
+    # A gateway serving HTTPS forwards prompts to https:// engines only (GatewayConfig
+    # allow_plaintext_engines): an http:// record is left out, logged once per engine
+    # and address, and `on_refused` called for each one refused (the metric).
+    refuse_plaintext: bool = False
+    on_refused: Callable[[], None] = lambda: None
+    _warned: set[tuple[str, str]] = field(default_factory=set)
 
     # ------------------------------------------------------------ from etcd
     def reset(self, items: list[KeyValue]) -> None:
@@ -79,6 +85,9 @@ class EngineSet:
                 self.remove(engine_id)
 
     def upsert(self, rec: EngineRecord) -> None:
+        if self.refuse_plaintext and not rec.url.startswith("https://"):
+            self._refuse(rec)
+            return
         st = self.engines.get(rec.engine_id)
         if st is None:
             self.engines[rec.engine_id] = EngineState(rec)
@@ -87,6 +96,19 @@ class EngineSet:
             if st.record.url != rec.url:
                 st.suspended_until = 0.0  # restarted elsewhere: give it a chance at once
             st.record = rec
+
+    def _refuse(self, rec: EngineRecord) -> None:
+        self.on_refused()
+        if (rec.engine_id, rec.url) not in self._warned:
+            self._warned.add((rec.engine_id, rec.url))
+            log.warning(
+                "engine %s left out: its URL %s is not https:// and this gateway serves TLS "
+                "(prompts would cross the network in plaintext; allow_plaintext_engines: "
+                "true admits it)",
+                rec.engine_id,
+                rec.url,
+            )
+        self.remove(rec.engine_id)  # a record rewritten from https:// to http://
 
     def remove(self, engine_id: str) -> None:
         if self.engines.pop(engine_id, None) is not None:

@@ -52,6 +52,14 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # Engine records left out: `reason` plaintext (an http:// URL while the gateway
+        # serves HTTPS; GatewayConfig.allow_plaintext_engines).
+        self.engines_refused = Counter(
+            "kvstore_gateway_engines_refused",
+            "Engine records left out, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "kvstore_gateway_inflight", "Requests in flight through the gateway", registry=r
         )

@@ -408,8 +408,13 @@ def build_gateway(
         salt_key = next(iter(sorted(kv_secrets.items())))[1].encode()
     else:
         raise ValueError("salt_key_file or kv_secret_files is required (it keys cache_salt)")
+    metrics = GatewayMetrics()
     engines = EngineSet(
-        cfg.max_inflight_per_engine, cfg.engine_suspend_s, records=records or EngineRecordReader()
+        cfg.max_inflight_per_engine,
+        cfg.engine_suspend_s,
+        records=records or EngineRecordReader(),
+        refuse_plaintext=tls is not None and not cfg.allow_plaintext_engines,
+        on_refused=metrics.engines_refused.labels("plaintext").inc,
     )
     planner = Planner(core, kv_secrets, salt_key, generation)
     upstream = Upstream(
@@ -418,7 +423,7 @@ def build_gateway(
         engine_client_context(tls),
         tls.server_name if tls is not None else "",
     )
-    return Gateway(cfg, planner, engines, codecs, keys, upstream=upstream)
+    return Gateway(cfg, planner, engines, codecs, keys, metrics, upstream=upstream)
 
 
 class GatewayServer:

@@ -203,7 +203,7 @@ def tls_world(tmp_path, etcd, spawn_agent, start_gateway, start_standin, pki):
         start_gateway,
         start_standin,
         router=router,
-        config={"require_client_cert": True},
+        config={"require_client_cert": True, "allow_plaintext_engines": True},
         http={"verify": ctx},
     )
 

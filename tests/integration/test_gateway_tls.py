@@ -29,6 +29,11 @@ def tls_router(pki) -> dict:
     return {"tls": {**pki.section()["tls"], "etcd": False}}
 
 
+# The stand-ins serve plain HTTP on loopback: a gateway serving HTTPS leaves them out
+# unless told otherwise (test_plaintext_engines_are_left_out_when_the_gateway_serves_tls).
+PLAIN_OK = {"allow_plaintext_engines": True}
+
+
 def _chat(text: str = "w5 w6 w7") -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}]}
 
@@ -48,7 +53,7 @@ def _ctx(ca: str, cert=None):
 
 
 def test_https_from_the_routers_files(start_gateway, start_standin, tokenizer_dir, pki):
-    gw = start_gateway({MODEL: tokenizer_dir}, router=tls_router(pki))
+    gw = start_gateway({MODEL: tokenizer_dir}, PLAIN_OK, router=tls_router(pki))
     gw.http = {"verify": _ctx(pki.server.ca_file)}
     w = start_standin("w0", MODEL)
     wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
@@ -64,7 +69,7 @@ def test_client_certificates_required_with_the_switch(
     start_gateway, start_standin, tokenizer_dir, pki
 ):
     gw = start_gateway(
-        {MODEL: tokenizer_dir}, {"require_client_cert": True}, router=tls_router(pki)
+        {MODEL: tokenizer_dir}, {"require_client_cert": True, **PLAIN_OK}, router=tls_router(pki)
     )
     client = (pki.client.cert_file, pki.client.key_file)
     gw.http = {"verify": _ctx(pki.server.ca_file, client)}
@@ -79,7 +84,7 @@ def test_rewritten_files_apply_to_new_connections(
     start_gateway, start_standin, tokenizer_dir, pki, tmp_path
 ):
     gw = start_gateway(
-        {MODEL: tokenizer_dir}, {"require_client_cert": True}, router=tls_router(pki)
+        {MODEL: tokenizer_dir}, {"require_client_cert": True, **PLAIN_OK}, router=tls_router(pki)
     )
     old_client = (pki.client.cert_file, pki.client.key_file)
     gw.http = {"verify": _ctx(pki.server.ca_file, old_client)}
@@ -129,3 +134,31 @@ def test_engines_over_https_with_the_ca_and_the_pair(
             httpx.get(url + "/seen", verify=_ctx(s.ca_file))
     finally:
         stop_proc(proc)
+
+
+def test_plaintext_engines_are_left_out_when_the_gateway_serves_tls(
+    start_gateway, start_standin, etcd, tokenizer_dir, pki, tmp_path
+):
+    """A gateway serving HTTPS used to forward prompts to http:// engine records in
+    plaintext; now it forwards only to https:// ones unless allow_plaintext_engines."""
+    gw = start_gateway({MODEL: tokenizer_dir}, router=tls_router(pki))
+    gw.http = {"verify": _ctx(pki.server.ca_file)}
+    plain = start_standin("w0", MODEL)  # registers http://127.0.0.1:PORT
+    wait_for(
+        lambda: 'reason="plaintext"' in gw.metrics(), 30, 0.1, what="the http:// engine refused"
+    )
+    assert gw.engines() == 0
+    assert _post(gw, pki.server.ca_file).status_code == 503  # no engine serves the model
+    s = pki.server
+    proc, url = https_standin(tmp_path / "ws", "ws", s.cert_file, s.key_file, s.ca_file)
+    try:
+        register_engine(etcd.endpoint, EngineRecord("ws", url, (MODEL,), "node-ws"))
+        wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the https engine in the gateway")
+        for _ in range(4):
+            r = _post(gw, pki.server.ca_file)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvstore-engine"] == "ws"
+    finally:
+        stop_proc(proc)
+    assert plain.seen() == []  # no prompt reached the plaintext engine
+    assert gw.log.count("engine w0 left out: its URL http://") == 1  # logged once
