@@ -196,16 +196,27 @@ def write_model(model_dir: Path, timeout_s: float = 600.0) -> Path:
     return model_dir
 
 
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by its owner only (0600, a file that was there
+    included): API keys and secrets, which other users of the host must not read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def gateway_files(d: Path, tokenizers: dict[str, str], extra: dict | None = None) -> Path:
     """API keys, the engines' kv secret and the GatewayConfig file, in `d`; returns the
     config's path. The secret is fresh on every call."""
     import secrets as _secrets
 
     d.mkdir(parents=True, exist_ok=True)
-    (d / "keys.json").write_text(json.dumps(DEMO_KEYS, indent=2) + "\n")
+    write_private(d / "keys.json", json.dumps(DEMO_KEYS, indent=2) + "\n")
     secret = d / "kv.secret"
     if not secret.exists():
-        secret.write_text(_secrets.token_hex(16))
+        write_private(secret, _secrets.token_hex(16))
+    else:  # written 0644 by an older kvctl
+        secret.chmod(0o600)
     cfg = {
         "tokenizers": tokenizers,
         "api_keys_file": str(d / "keys.json"),

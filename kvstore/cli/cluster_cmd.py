@@ -78,9 +78,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls",
         action="store_true",
-        help="mTLS on every port (etcd, agents, router, peers, the gateway's HTTPS and "
-        "the engines') from a throwaway CA written to <state>/tls (ca.crt, and "
-        "client.crt/client.key for kvctl and clients); kvctl finds them there by itself",
+        help="TLS on every port from a throwaway CA written to <state>/tls (ca.crt, and "
+        "client.crt/client.key for kvctl and clients; kvctl finds them there by itself): "
+        "mTLS, a client certificate required, on etcd, agents, router, peers and the "
+        "engines; the gateway's HTTPS asks for none (its callers show API keys)",
     )
     p.add_argument(
         "--output",
