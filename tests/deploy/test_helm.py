@@ -376,6 +376,9 @@ def test_gateway_config_loads_and_engines_reach_their_agents(helm, tmp_path, mon
     path = tmp_path / "gateway.yaml"
     path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
     cfg = load_config(GatewayConfig, str(path))
+    # https engines only when serving HTTPS; large prompts on 2 threads, 1 per tenant.
+    assert cfg.allow_plaintext_engines is False
+    assert (cfg.tokenize_threads, cfg.max_tokenizing_per_tenant) == (2, 1)
     c = gw["containers"][0]
     assert c["command"][-1] in {m["mountPath"] for m in c["volumeMounts"]}
     assert cfg.listen.endswith(f":{c['ports'][0]['containerPort']}")
@@ -987,3 +990,16 @@ def test_bracketed_ipv6_etcd_endpoints_render(helm):
         "etcd.external.endpoints[0]=[2001:db8::5]:2379",
     )
     assert "[2001:db8::5]:2379" in json.dumps(docs)
+
+
+def test_agents_cap_message_size_and_concurrent_calls(helm, tmp_path):
+    """agent.maxMessageMiB and agent.maxConcurrentRpcs reach agent.yaml (docs/security.md,
+    "Memory before authentication"), and a slot over what 8 MiB holds is refused."""
+    cm = one(render(helm, "minimal-values.yaml"), "ConfigMap", "-config")
+    (tmp_path / "agent.yaml").write_text(cm["data"]["agent.yaml"])
+    cfg = load_config(AgentConfig, str(tmp_path / "agent.yaml"))
+    assert (cfg.max_message_bytes, cfg.max_concurrent_rpcs) == (8 << 20, 256)
+    docs = render(helm, "minimal-values.yaml", "agent.slotKiB=16384")
+    (tmp_path / "big.yaml").write_text(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        load_config(AgentConfig, str(tmp_path / "big.yaml"))
