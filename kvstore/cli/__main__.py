@@ -1,7 +1,8 @@
 """`python -m kvstore.cli` / `kvctl`: the operator CLI.
 
 Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
-5 a flush or kill switch change not acknowledged in time.
+5 a flush or kill switch change not acknowledged in time (or interrupted once committed),
+130 interrupted (Ctrl-C) before anything was written.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvctl",
         description="Operator CLI for kvstore, the distributed KV-cache store.",
         epilog="Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, "
-        "4 node unreachable, 5 not acknowledged in time. 'kvctl COMMAND --help' "
+        "4 node unreachable, 5 not acknowledged in time (or Ctrl-C once committed), "
+        "130 Ctrl-C before anything was written. 'kvctl COMMAND --help' "
         "describes each command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

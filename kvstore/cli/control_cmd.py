@@ -8,7 +8,8 @@ cluster's cluster.json), else $KVSTORE_ETCD, else $KVSTORE_STATE_DIR, else the
 
 Exit codes: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable (nothing changed), 4 node
 unreachable or missing, 5 a flush or kill switch change committed but not acknowledged by
-every live member in time (or etcd went away before that was confirmed).
+every live member in time (or etcd went away, or Ctrl-C, before that was confirmed),
+130 Ctrl-C before anything was written.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvstore.cli.views import EVICTION_REASONS, SEEN_WINDOW_S, ClusterView, clus
 from kvstore.coord.seen import forget as forget_seen
 
 OK, FAILED, USAGE, ETCD_DOWN, NODE_DOWN, NOT_ACKED = 0, 1, 2, 3, 4, 5
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
 
 
@@ -153,8 +155,30 @@ def _run(args, body) -> int:
     except errors.KvError as exc:
         print(f"kvctl {args.kvctl_command}: {exc}", file=sys.stderr)
         return FAILED
-    except KeyboardInterrupt:
-        return FAILED
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return _interrupted(args)
+
+
+def _interrupted(args) -> int:
+    """Ctrl-C. A flush or kill switch change committed (its transaction, once sent, is
+    awaited to its answer: kvstore/coord/admin.txn_response) is in force: exit 5, as when
+    etcd went away; before that nothing was written: 130, the shell's Ctrl-C status."""
+    command = args.kvctl_command
+    revision = getattr(args, _COMMITTED, None)
+    if revision is not None:
+        print(
+            f"kvctl {command}: interrupted: COMMITTED at etcd revision {revision}, "
+            "acknowledgements unconfirmed. The change is in force: members refuse the old "
+            "state as soon as they see it (`kvctl audit` records it as unconfirmed; "
+            "`kvctl nodes` shows the members; repeating the command is safe).",
+            file=sys.stderr,
+        )
+        return NOT_ACKED
+    if getattr(args, "commits", False):
+        print(f"kvctl {command}: interrupted; nothing changed", file=sys.stderr)
+    else:
+        print(f"kvctl {command}: interrupted", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _json(obj) -> None:
@@ -217,6 +241,7 @@ def _unconfirmed(args, command: str, exc: Exception) -> int:
 
 
 def cmd_flush(args) -> int:
+    args.commits = True  # Ctrl-C before its commit: "nothing changed" (_interrupted)
     tenant, sep, name = args.target.partition("/")
     if not sep or not tenant or not name or "/" in name:
         print(f"kvctl flush: target must be TENANT/NAMESPACE, got {args.target!r}", file=sys.stderr)
@@ -323,6 +348,8 @@ def cmd_flush(args) -> int:
 
 
 def cmd_killswitch(args) -> int:
+    args.commits = args.state != "status"  # see cmd_flush
+
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
         if args.state == "status":
@@ -362,11 +389,20 @@ def cmd_killswitch(args) -> int:
         except errors.Unavailable as exc:
             return _unconfirmed(args, "killswitch", exc)
         p = rep.progress
+        if rep.was_on is not None:
+            w = rep.was_on
+            print(
+                f"kill switch on: it was ON already (reason: {w.get('reason') or '-'}, by "
+                f"{w.get('by', '?')}); its reason is now yours",
+                file=sys.stderr,
+            )
         if args.output == "json":
             _json(
                 {
                     "ok": rep.ok,
                     "enabled": on,
+                    "changed": rep.changed,
+                    **({"was_on": rep.was_on} if rep.was_on is not None else {}),
                     "revision": rep.revision,
                     "members": list(p.members),
                     "acknowledged": list(p.acked),
@@ -379,6 +415,8 @@ def cmd_killswitch(args) -> int:
                 "kill switch ON: every lookup misses, writes are refused"
                 if on
                 else "kill switch off: caching resumes"
+                if rep.changed
+                else "kill switch already off: nothing changed"
             )
             print(
                 f"nodes acknowledged: {len(p.acked)}/{len(p.members)}; "
@@ -386,6 +424,14 @@ def cmd_killswitch(args) -> int:
             )
         if rep.ok:
             return OK
+        if not rep.changed:
+            print(
+                f"kvctl killswitch: the kill switch is off in etcd, but the last "
+                f"acknowledgement of {', '.join(p.missing)} still says on, and none came "
+                f"within {args.timeout:g}s. Check them with `kvctl nodes`.",
+                file=sys.stderr,
+            )
+            return NOT_ACKED
         print(
             f"kvctl killswitch: set in etcd, but {', '.join(p.missing)} did not "
             f"acknowledge within {args.timeout:g}s",

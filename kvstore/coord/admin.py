@@ -294,18 +294,49 @@ class SwitchReport:
     revision: int
     progress: AckProgress
     elapsed_s: float
+    changed: bool = True  # False: off when it was off already (nothing written)
+    was_on: dict | None = None  # on when it was on already: the record it replaced
 
     @property
     def ok(self) -> bool:
         return self.progress.done
 
 
+def _switch_info(raw: bytes) -> dict | None:
+    """The kill switch record `raw` when it says on (None: off or no record)."""
+    if not killswitch_enabled(raw):
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        info = None
+    return info if isinstance(info, dict) else {"raw": raw.decode(errors="replace")}
+
+
 # ----------------------------------------------------------------- etcd primitives
 async def txn(etcd: EtcdClient, what: str, compares: list[Compare], ops: list) -> tuple[bool, int]:
     """One etcd transaction over several keys (EtcdClient's own helpers take one key).
     Returns (succeeded, revision)."""
-    resp = await etcd._call(what, etcd._kv.txn(compares, ops))
+    resp = await txn_response(etcd, what, compares, ops)
     return resp.succeeded, resp.header.revision
+
+
+async def txn_response(etcd: EtcdClient, what: str, compares: list, success: list, failure=()):
+    """The etcd TxnResponse of one transaction. Once sent it is awaited to its answer even
+    when the caller is cancelled meanwhile (kvctl's Ctrl-C), so the caller learns whether
+    it took; the cancellation then takes effect at the caller's next await."""
+    sent = asyncio.ensure_future(etcd._call(what, etcd._kv.txn(compares, success, failure)))
+    try:
+        return await asyncio.shield(sent)
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is None or sent.cancelled():
+            raise
+        me.uncancel()  # one pending cancellation: re-requested below, not doubled
+        try:
+            return await sent
+        finally:
+            me.cancel()
 
 
 def put_op(etcd: EtcdClient, key: str, value: bytes, lease: int = 0):
@@ -644,56 +675,65 @@ class ControlPlane:
         progress: Callable[[AckProgress], None] | None = None,
         on_commit: Callable[[int], None] | None = None,
     ) -> SwitchReport:
+        """Turn the switch on (a put: every member sees it and acknowledges, also when it
+        was on already: its reason is replaced) or off (a delete, only of a key that is
+        there: deleting an absent key makes no watch event, so nothing would be
+        acknowledged). `off` when off changes nothing in etcd and waits only for members
+        whose last acknowledgement says on (one that missed the change)."""
         t0 = time.monotonic()
         at = time.time()
         akey = audit_key(at)
         target = "on" if enabled else "off"
-        params = {"reason": reason}
-        op = (
-            put_op(
+        params: dict = {"reason": reason}
+        pending = self._audit_op(akey, "killswitch", target, False, UNCONFIRMED, params, at)
+        key = self.etcd._key(KILLSWITCH)
+        if enabled:
+            value = {"enabled": True, "reason": reason, "by": self.who, "at": at}
+            put = KVService.txn_op_put(key, json.dumps(value).encode(), prev_kv=True)
+            resp = await txn_response(self.etcd, "kill switch on", [], [put, pending])
+            prev = resp.responses[0].response_put.prev_kv
+            before = _switch_info(prev.value) if prev.key else None
+            changed = True
+        else:
+            exists = KVService.txn_compare_create_revision(key, 0, result=Compare.GREATER)
+            resp = await txn_response(
                 self.etcd,
-                KILLSWITCH,
-                json.dumps({"enabled": True, "reason": reason, "by": self.who, "at": at}).encode(),
+                "kill switch off",
+                [exists],
+                [delete_op(self.etcd, KILLSWITCH), pending],
+                [pending],  # nothing to delete: only the audit record
             )
-            if enabled
-            else delete_op(self.etcd, KILLSWITCH)
-        )
-        _, revision = await txn(
-            self.etcd,
-            f"kill switch {target}",
-            [],
-            [
-                op,
-                self._audit_op(
-                    akey,
-                    "killswitch",
-                    target,
-                    False,  # until kvctl saw every acknowledgement and rewrote it
-                    UNCONFIRMED,
-                    params,
-                    at,
-                ),
-            ],
-        )
-        if on_commit is not None:
+            before, changed = None, resp.succeeded
+        revision = resp.header.revision
+        if changed and on_commit is not None:
             on_commit(revision)
+        if before is not None:
+            params["was_on"] = before
         state = await self._wait_committed(
             "killswitch",
             target,
             akey,
             revision,
             {**params, "revision": revision},
-            lambda: self.switch_progress(enabled, revision),
+            lambda: self.switch_progress(enabled, revision if changed else 0),
             t0 + timeout_s,
             progress,
         )
         elapsed = time.monotonic() - t0
-        result = (
-            f"in force on {len(state.acked)}/{len(state.members)} members after {elapsed:.2f}s"
-            if state.done
-            else f"set in etcd but not acknowledged within {timeout_s:g}s by: "
-            f"{', '.join(state.missing)}"
-        )
+        done = f"{len(state.acked)}/{len(state.members)} members"
+        if not changed:
+            what = "already off: nothing changed in etcd"
+            result = f"{what}; off on {done}" if state.done else f"{what}; still on at: "
+        elif state.done:
+            result = f"in force on {done} after {elapsed:.2f}s"
+        else:
+            result = f"set in etcd but not acknowledged within {timeout_s:g}s by: "
+        if not state.done:
+            result += ", ".join(state.missing)
+        if before is not None:
+            result += (
+                f" (was on already: {before.get('reason') or '-'}, by {before.get('by', '?')})"
+            )
         await self.audit(
             "killswitch",
             target,
@@ -702,7 +742,7 @@ class ControlPlane:
             {**params, "revision": revision, "missing": list(state.missing)},
             key=akey,
         )
-        return SwitchReport(enabled, reason, revision, state, elapsed)
+        return SwitchReport(enabled, reason, revision, state, elapsed, changed, before)
 
     async def switch_progress(self, enabled: bool, revision: int) -> AckProgress:
         members = await live_members(self.etcd)

@@ -1,0 +1,148 @@
+"""kvctl's flush and kill switch at their edges, against real etcd, agent and router
+processes: the switch turned off when it is off already (or on when on), and Ctrl-C
+(SIGINT to a real kvctl process) before and after the change was committed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+from concurrent import futures
+
+import grpc
+
+import pytest
+from support.common import PY, ROOT, make_namespace
+from support.control import AgentClient, agent_cfg, kvctl, kvctl_json
+
+SPEC = make_namespace()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_env(monkeypatch):
+    monkeypatch.delenv("KVSTORE_ETCD", raising=False)
+
+
+def test_killswitch_off_when_off_and_on_when_on(etcd, spawn_agent, start_router):
+    """Deleting an absent key makes no watch event, so `off` when off used to wait the
+    whole timeout for acknowledgements that never came and exit 5."""
+    spawn_agent(**agent_cfg(etcd))
+    spawn_agent(**agent_cfg(etcd))
+    router = start_router("r0")
+    router.wait_nodes({"agent-0", "agent-1"})
+
+    r = kvctl("killswitch", "off", "--timeout", "5", etcd=etcd)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "kill switch already off: nothing changed" in r.stdout
+    assert "nodes acknowledged: 3/3" in r.stdout, r.stdout
+    j = kvctl_json("killswitch", "off", "--timeout", "5", etcd=etcd)
+    assert j["ok"] and j["changed"] is False
+    audit = kvctl_json("audit", etcd=etcd)
+    assert [(a["target"], a["ok"]) for a in audit] == [("off", True), ("off", True)]
+    assert "already off: nothing changed in etcd" in audit[0]["result"], audit[0]
+
+    r = kvctl("killswitch", "on", "--reason", "INC-1", "--timeout", "10", etcd=etcd)
+    assert r.returncode == 0, r.stderr
+    assert "it was ON already" not in r.stderr
+    r = kvctl("killswitch", "on", "--reason", "INC-2", "--timeout", "10", etcd=etcd)
+    assert r.returncode == 0, r.stderr
+    assert "it was ON already (reason: INC-1, by test-operator)" in r.stderr, r.stderr
+    assert "nodes acknowledged: 3/3" in r.stdout
+    assert kvctl_json("killswitch", "status", etcd=etcd)["info"]["reason"] == "INC-2"
+    audit = kvctl_json("audit", etcd=etcd)[-1]
+    assert audit["ok"] and "was on already: INC-1" in audit["result"], audit
+
+    r = kvctl("killswitch", "off", "--timeout", "10", etcd=etcd)
+    assert r.returncode == 0 and "caching resumes" in r.stdout, r.stderr
+    assert kvctl_json("killswitch", "status", etcd=etcd) == {"enabled": False}
+
+
+def _kvctl_process(endpoint: str, *argv: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
+    return subprocess.Popen(
+        [PY, "-m", "kvstore.cli", *argv, "--etcd", endpoint],
+        cwd=ROOT,
+        env={**env, "KVSTORE_OPERATOR": "ops@test"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("flush", "acme/chat"), ("killswitch", "on", "--reason", "INC-3")],
+    ids=["flush", "killswitch"],
+)
+def test_ctrl_c_after_the_commit_exits_5_and_says_committed(etcd, spawn_agent, argv):
+    """One agent frozen (SIGSTOP): kvctl waits for its acknowledgement; Ctrl-C then
+    exited 1 without a word, though the change was in force."""
+    spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
+    frozen = spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
+    AgentClient(frozen.address).open(SPEC)
+    os.kill(_pid(frozen), signal.SIGSTOP)
+    try:
+        p = _kvctl_process(etcd.endpoint, *argv, "--timeout", "120")
+        assert p.stderr is not None
+        first = p.stderr.readline()
+        assert "at etcd revision" in first, first
+        revision = re.search(r"at etcd revision (\d+)", first).group(1)  # type: ignore[union-attr]
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        os.kill(_pid(frozen), signal.SIGCONT)
+    assert p.returncode == 5, (out, first + err)
+    assert f"interrupted: COMMITTED at etcd revision {revision}" in err, err
+    assert "acknowledgements unconfirmed" in err and "Traceback" not in err
+    audit = kvctl_json("audit", etcd=etcd)[-1]
+    assert audit["ok"] is False and "acknowledgements unconfirmed" in audit["result"]
+
+
+class _MuteEtcd(grpc.GenericRpcHandler):
+    """Fault injection: a gRPC server in place of etcd that takes every call and answers
+    none (an etcd that hangs); `methods` lists the calls it got."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+        self.called = threading.Event()
+        self._release = threading.Event()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[self])
+        self.endpoint = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def service(self, details):
+        def hang(request: bytes, context) -> bytes:
+            self.methods.append(details.method)
+            self.called.set()
+            self._release.wait(60)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "test: released")
+
+        return grpc.unary_unary_rpc_method_handler(hang)
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.stop(0)
+
+
+def test_ctrl_c_before_the_commit_exits_130_and_changes_nothing():
+    """etcd hangs: kvctl waits on its first call (flush lists the records before it
+    writes); Ctrl-C there changed nothing, and says so."""
+    mute = _MuteEtcd()
+    try:
+        p = _kvctl_process(mute.endpoint, "flush", "acme/chat", "--etcd-timeout", "120")
+        assert mute.called.wait(60), p.communicate()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        mute.close()
+    assert p.returncode == 130, (out, err)
+    assert "kvctl flush: interrupted; nothing changed" in err, err
+    assert "Traceback" not in err
+    assert mute.methods == ["/etcdserverpb.KV/Range"], mute.methods  # no Txn was sent
+
+
+def _pid(proc) -> int:
+    assert proc.proc is not None, "not running"
+    return proc.proc.pid
