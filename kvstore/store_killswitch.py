@@ -14,9 +14,22 @@ from kvstore.errors import FailedPrecondition
 from kvstore.store_types import LookupResult, NsState
 
 
+# What this gate counts (node-wide). Present from the start, at 0: a node-wide Stats
+# always carries them, so `kvctl stats` tells "none yet" from "not shown to this caller".
+COUNTERS = (
+    "killswitch_lookups",
+    "killswitch_gets",
+    "killswitch_puts",
+    "fenced_lookups",
+    "fenced_gets",
+)
+
+
 class KillSwitch:
     def __init__(self, counters: Counter[str]) -> None:
         self.counters = counters
+        for name in COUNTERS:
+            counters[name] += 0
         self.on = False
         # True while this member cannot be sure its etcd lease is alive (None: no etcd).
         self.fence: Callable[[], bool] | None = None

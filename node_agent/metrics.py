@@ -17,6 +17,8 @@ Exposed names (deploy/grafana and deploy/prometheus query them):
   (write_outage, write_recovery, write_refused, flush, quarantined),
   kvstore_fenced_calls_total{call} (lookup, get: answered as misses while the etcd lease
   was not confirmed, kvstore/coord/fence.py; `fenced_lookups` / `fenced_gets` in Stats),
+  kvstore_killswitch_calls_total{call} (lookup, get: answered as misses, put: refused,
+  while the kill switch was on; `killswitch_lookups` / `_gets` / `_puts` in Stats),
   kvstore_inflight_requests, kvstore_flush_duration_seconds (histogram),
   kvstore_peer_transfer_seconds{transport} (histogram), kvstore_peer_fetched_blocks_total,
   kvstore_rpc_duration_seconds{method} (kvstore/coord/telemetry.RpcTelemetry).
@@ -125,6 +127,8 @@ _NVME_EVENTS = (
 # call label of kvstore_fenced_calls_total; store.counters counts fenced_<call>s
 # (kvstore/store_killswitch.py)
 _FENCED = ("lookup", "get")
+# call label of kvstore_killswitch_calls_total; store.counters counts killswitch_<call>s
+_KILLSWITCH = ("lookup", "get", "put")
 _REMOVED = (
     ("flush", "blocks_dropped_flush"),
     ("expired", "removed_expired"),
@@ -286,6 +290,12 @@ class _StoreGauges:
             description="Lookups and Gets answered as misses while the etcd lease was not "
             "confirmed (the lease fence)",
         )
+        meter.create_observable_counter(
+            "kvstore_killswitch_calls",
+            [self.killswitch],
+            description="Lookups and Gets answered as misses, Puts refused, while the kill "
+            "switch was on",
+        )
         meter.create_observable_gauge(
             "kvstore_inflight_requests", [self.inflight], description="Data-path copies in progress"
         )
@@ -336,6 +346,12 @@ class _StoreGauges:
     def fenced(self, options: CallbackOptions):
         c = self._counters()
         return [Observation(c.get(f"fenced_{call}s", 0), {"call": call}) for call in _FENCED]
+
+    def killswitch(self, options: CallbackOptions):
+        c = self._counters()
+        return [
+            Observation(c.get(f"killswitch_{call}s", 0), {"call": call}) for call in _KILLSWITCH
+        ]
 
     def nvme_writable(self, options: CallbackOptions):
         rocks = self.store.rocks

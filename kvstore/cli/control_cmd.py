@@ -33,7 +33,13 @@ from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
-from kvstore.cli.views import EVICTION_REASONS, SEEN_WINDOW_S, ClusterView, cluster_view
+from kvstore.cli.views import (
+    EVICTION_REASONS,
+    SEEN_WINDOW_S,
+    ClusterView,
+    cluster_view,
+    node_counter_meaning,
+)
 from kvstore.coord.seen import forget as forget_seen
 
 OK, FAILED, USAGE, ETCD_DOWN, NODE_DOWN, NOT_ACKED = 0, 1, 2, 3, 4, 5
@@ -770,6 +776,7 @@ def cmd_stats(args) -> int:
                 {
                     "tenants": [t.to_dict() for t in tenants],
                     "evictions": ev,
+                    "node_counters": view.node_counters(),
                     "agents_summed": len(view.nodes) - len(view.unreachable),
                     "agents_expected": view.expected_agents,
                     "missing": [m.to_dict() for m in view.missing_agents],
@@ -779,6 +786,7 @@ def cmd_stats(args) -> int:
                             "node_id": n.node_id,
                             "reachable": n.reachable,
                             "evictions": n.evictions,
+                            "counters": n.counters,
                             "tenants": [t.to_dict() for t in n.tenants],
                         }
                         for n in view.nodes
@@ -832,6 +840,9 @@ def cmd_stats(args) -> int:
                 if ev
                 else f"no evictions{whose}"
             )
+            if not args.tenant:
+                print()
+                print(_node_counters_table(view))
         summed = len(view.nodes) - len(view.unreachable)
         if summed < view.expected_agents and args.output != "json":
             short = view.unreachable + [m.member_id for m in view.missing_agents]
@@ -842,6 +853,21 @@ def cmd_stats(args) -> int:
         return _unreachable_exit(view, "stats")
 
     return _run(args, body)
+
+
+def _node_counters_table(view: ClusterView) -> str:
+    """Node-wide counters summed over agents, with the agents that counted any."""
+    counters = view.node_counters()
+    if not counters:
+        return (
+            "node counters: none reported (the agents give them to the cluster identity "
+            "only: pass the cluster token, --token-file)"
+        )
+    rows = []
+    for k, v in counters.items():
+        on = [f"{n.node_id}: {n.counters[k]}" for n in view.nodes if n.counters.get(k)]
+        rows.append([k, v, ", ".join(on) or "-", node_counter_meaning(k)])
+    return table(["node counter", "total", "agents", "meaning"], rows)
 
 
 def cmd_audit(args) -> int:

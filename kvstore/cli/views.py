@@ -43,6 +43,28 @@ EVICTION_REASONS = {
     "removed_corrupt": "checksum mismatch",
     "blocks_dropped_flush": "namespace flushed",
 }
+# Node-wide counters of Stats that `kvctl stats` shows (every tenant's calls: an agent
+# gives them to the cluster identity only, in a Stats without a tenant); also every
+# nvme_open_failed_<why>.
+NODE_COUNTERS = {
+    "fenced_lookups": "lookups answered as misses: etcd lease not confirmed",
+    "fenced_gets": "gets answered as misses: etcd lease not confirmed",
+    "killswitch_lookups": "lookups answered as misses: kill switch on",
+    "killswitch_gets": "gets answered as misses: kill switch on",
+    "killswitch_puts": "puts refused: kill switch on",
+    "nvme_quarantined": "agents whose NVMe tier started empty (unreadable files moved aside)",
+    "nvme_write_outages": "NVMe write outages (disk full, I/O errors)",
+    "nvme_writes_refused": "spills refused while NVMe could not write",
+    "nvme_write_errors": "NVMe write errors",
+    "nvme_seal_refused": "spills refused for want of an encryption key",
+}
+_NODE_COUNTER_PREFIX = "nvme_open_failed_"  # records dropped at reading, by why
+
+
+def node_counter_meaning(name: str) -> str:
+    if name in NODE_COUNTERS:
+        return NODE_COUNTERS[name]
+    return f"NVMe records that did not open: {name.removeprefix(_NODE_COUNTER_PREFIX)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +139,7 @@ class NodeView:
     tenants: tuple[TenantView, ...] = ()
     evictions: dict = field(default_factory=dict)
     native_accel: str = ""  # Stats' native_accel: "python (...)" is the slow fallback
+    counters: dict = field(default_factory=dict)  # NODE_COUNTERS it reported
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -263,6 +286,15 @@ class ClusterView:
                 out[k] = out.get(k, 0) + v
         return dict(sorted(out.items()))
 
+    def node_counters(self) -> dict[str, int]:
+        """NODE_COUNTERS summed over the agents that reported them (none: a tenant's
+        view, or a Stats of one tenant)."""
+        out: dict[str, int] = {}
+        for n in self.nodes:
+            for k, v in n.counters.items():
+                out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
     def to_dict(self, tenant: str | None = None) -> dict:
         return {
             "health": self.health,
@@ -334,6 +366,11 @@ async def node_view(
         for t in resp.tiers
     )
     evictions = {k: int(v) for k, v in resp.counters.items() if k in EVICTION_REASONS}
+    counters = {
+        k: int(v)
+        for k, v in resp.counters.items()
+        if k in NODE_COUNTERS or k.startswith(_NODE_COUNTER_PREFIX)
+    }
     return NodeView(
         rec.node_id,
         rec.address,
@@ -346,6 +383,7 @@ async def node_view(
         tuple(_tenant(t) for t in resp.tenants),
         evictions,
         resp.native_accel,
+        counters,
     )
 
 
