@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstore.coord.admin import ROUTER_MEMBER, AckProgress, ControlPlane, Quota
-from kvstore.config import TLSConfig, tls_fields
+from kvstore.config import TLSConfig, read_token_file, tls_fields
 from kvstore.coord.etcd import EtcdClient
 from kvstore.process import seconds as process_seconds
 from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
+from kvstore.errors import StartupError
 from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
@@ -101,13 +102,17 @@ def _endpoints(args) -> discover.Found:
 
 
 def _token(args) -> str | None:
-    if getattr(args, "token_file", None):
+    """The cluster token, and (args.token_source) where it came from, for messages. An
+    empty or unreadable --token-file is bad usage, never "no token"."""
+    if getattr(args, "token_file", None) is not None:
+        args.token_source = f"--token-file {args.token_file}"
         try:
-            with open(args.token_file) as f:
-                return f.read().strip() or None
-        except OSError as exc:
-            raise Usage(f"cannot read --token-file: {exc}") from None
-    return os.environ.get(TOKEN_ENV) or None
+            return read_token_file("--token-file", args.token_file)
+        except StartupError as exc:
+            raise Usage(str(exc)) from None
+    token = os.environ.get(TOKEN_ENV) or None
+    args.token_source = f"${TOKEN_ENV}" if token else "no token"
+    return token
 
 
 def _tls(args, target: discover.Found) -> TLSConfig | None:
@@ -575,7 +580,7 @@ def _nodes_table(view: ClusterView) -> str:
             n.node_id,
             n.address,
             n.device or "-",
-            "up" if n.reachable else "UNREACHABLE",
+            "up" if n.reachable else "AUTH REFUSED" if n.auth_refused else "UNREACHABLE",
             *_tier_cells(n),
             f"{100 * n.utilization:.0f}%" if n.reachable else "-",
             n.in_flight if n.reachable else "-",
@@ -588,7 +593,7 @@ def _nodes_table(view: ClusterView) -> str:
             f"router:{r.get('router_id', '?')}",
             r.get("address") or "-",
             "-",
-            "up",
+            "UNREACHABLE" if r.get("reachable") is False else "up",
             "-",
             "-",
             "-",
@@ -652,15 +657,25 @@ async def _view(etcd, args, tenant: str | None = None) -> ClusterView:
     )
 
 
-def _unreachable_exit(view: ClusterView, command: str, routers: bool = False) -> int:
+def _unreachable_exit(view: ClusterView, args, routers: bool = False) -> int:
     """Name every unreachable or missing agent (and router) on stderr; 4 if any, or
-    (`routers`: status) if no router is registered while agents are expected."""
+    (`routers`: status, nodes) if a registered router does not answer its health check
+    or (status) no router is registered while agents are expected; else 1 if agents
+    refused kvctl's credential."""
+    command = args.kvctl_command
     for n in view.nodes:
-        if not n.reachable:
+        if not n.reachable and not n.auth_refused:
             print(
                 f"kvctl {command}: node {n.node_id} at {n.address} is unreachable: {n.error}",
                 file=sys.stderr,
             )
+    down = view.unreachable_routers if routers or command == "nodes" else []
+    for r in down:
+        print(
+            f"kvctl {command}: router {r.get('router_id', '?')} at {r.get('address')} is "
+            f"unreachable: {r.get('error')}",
+            file=sys.stderr,
+        )
     for m in view.missing:
         print(
             f"kvctl {command}: {m.describe()}; if it was decommissioned: "
@@ -670,7 +685,28 @@ def _unreachable_exit(view: ClusterView, command: str, routers: bool = False) ->
     no_router = routers and not view.routers and (view.nodes or view.missing)
     if no_router:
         print(f"kvctl {command}: no router registered in etcd", file=sys.stderr)
-    return NODE_DOWN if view.unreachable or view.missing or no_router else OK
+    if view.unreachable or down or view.missing or no_router:
+        return NODE_DOWN
+    return _auth_refused_exit(view, command, getattr(args, "token_source", ""))
+
+
+def _auth_refused_exit(view: ClusterView, command: str, source: str) -> int:
+    """1 when agents answered but refused kvctl's credential (they are up; what they hold
+    is unread), naming where the credential came from."""
+    if not view.auth_refused:
+        return OK
+    source = source or "no token"
+    hint = (
+        f"pass the cluster token with --token-file or ${TOKEN_ENV}"
+        if source == "no token"
+        else f"is {source} the cluster token (the agents' tenants._cluster)?"
+    )
+    print(
+        f"kvctl {command}: AUTH REFUSED: {', '.join(view.auth_refused)} answered but "
+        f"refused the credential ({source}): {hint}",
+        file=sys.stderr,
+    )
+    return FAILED
 
 
 async def _forget(etcd, args) -> int:
@@ -729,14 +765,14 @@ def cmd_status(args) -> int:
             )
             print(f"namespaces:  {view.namespaces}")
             print(f"quotas:      {len(view.quotas)} tenants")
-            for problem in view.members_down:
+            for problem in view.members_down + view.degraded_tiers:
                 print(f"  - {problem}")
             for m in view.stopped:  # informational: it left etcd itself
                 print(f"  - {m.describe()}")
             if view.nodes or view.routers or view.missing or view.stopped:
                 print()
                 print(_nodes_table(view))
-        return _unreachable_exit(view, "status", routers=True)
+        return _unreachable_exit(view, args, routers=True)
 
     return _run(args, body)
 
@@ -761,7 +797,7 @@ def cmd_nodes(args) -> int:
             print(_nodes_table(view))
         else:
             print("no agents or routers registered in etcd")
-        return _unreachable_exit(view, "nodes")
+        return _unreachable_exit(view, args)
 
     return _run(args, body)
 
@@ -777,7 +813,7 @@ def cmd_stats(args) -> int:
                     "tenants": [t.to_dict() for t in tenants],
                     "evictions": ev,
                     "node_counters": view.node_counters(),
-                    "agents_summed": len(view.nodes) - len(view.unreachable),
+                    "agents_summed": sum(n.reachable for n in view.nodes),
                     "agents_expected": view.expected_agents,
                     "missing": [m.to_dict() for m in view.missing_agents],
                     "stopped": [m.to_dict() for m in view.stopped_agents],
@@ -843,14 +879,16 @@ def cmd_stats(args) -> int:
             if not args.tenant:
                 print()
                 print(_node_counters_table(view))
-        summed = len(view.nodes) - len(view.unreachable)
+        summed = sum(n.reachable for n in view.nodes)
         if summed < view.expected_agents and args.output != "json":
-            short = view.unreachable + [m.member_id for m in view.missing_agents]
+            short = (
+                view.unreachable + view.auth_refused + [m.member_id for m in view.missing_agents]
+            )
             print(
                 f"\nPARTIAL: summed over {summed} of {view.expected_agents} agents "
                 f"({', '.join(short)} not counted)"
             )
-        return _unreachable_exit(view, "stats")
+        return _unreachable_exit(view, args)
 
     return _run(args, body)
 
@@ -927,14 +965,17 @@ def _common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     p.add_argument("--tls-key", metavar="FILE", help="mTLS: client key")
     if nodes:
         p.add_argument(
-            "--token-file", help=f"cluster token for the agents' Stats (default ${TOKEN_ENV})"
+            "--token-file",
+            help=f"cluster token for the agents' Stats (default ${TOKEN_ENV}); an agent "
+            "that refuses it is AUTH REFUSED (exit 1); an empty file is refused (exit 2)",
         )
         p.add_argument(
             "--node-timeout",
             type=seconds,
             default=3.0,
             metavar="S",
-            help="seconds to wait for each agent (default 3)",
+            help="seconds to wait for each agent's Stats and each router's health check "
+            "(default 3)",
         )
         p.add_argument(
             "--seen-window",

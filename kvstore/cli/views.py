@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.coord.admin import ROUTERS, Quota
 from kvstore.coord.etcd import (
@@ -140,6 +141,8 @@ class NodeView:
     evictions: dict = field(default_factory=dict)
     native_accel: str = ""  # Stats' native_accel: "python (...)" is the slow fallback
     counters: dict = field(default_factory=dict)  # NODE_COUNTERS it reported
+    # It answered, refusing kvctl's credential (UNAUTHENTICATED): up, but unread.
+    auth_refused: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -238,7 +241,18 @@ class ClusterView:
 
     @property
     def unreachable(self) -> list[str]:
-        return [n.node_id for n in self.nodes if not n.reachable]
+        return [n.node_id for n in self.nodes if not n.reachable and not n.auth_refused]
+
+    @property
+    def auth_refused(self) -> list[str]:
+        """Agents that answered but refused kvctl's credential (their Stats are unread)."""
+        return [n.node_id for n in self.nodes if n.auth_refused]
+
+    @property
+    def unreachable_routers(self) -> list[dict]:
+        """Registered routers whose gRPC health did not answer SERVING (their lease
+        outlives a killed router by up to its TTL)."""
+        return [r for r in self.routers if r.get("reachable") is False]
 
     @property
     def missing_agents(self) -> list[MissingMember]:
@@ -258,6 +272,10 @@ class ClusterView:
         """Why membership is short: unreachable or missing members, no router. Empty when
         every member expected is here (status exits 4 otherwise)."""
         out = [f"agent {n} unreachable" for n in self.unreachable]
+        out += [
+            f"router {r.get('router_id', '?')} at {r.get('address')} unreachable: {r['error']}"
+            for r in self.unreachable_routers
+        ]
         out += [m.describe() for m in self.missing]
         if not self.routers and (self.nodes or self.missing):
             out.append("no router registered in etcd: engines cannot route")
@@ -269,6 +287,8 @@ class ClusterView:
             return "no agents"
         if self.members_down or self.degraded_tiers:
             return "degraded"
+        if self.auth_refused:
+            return "unknown (agents refused the credential)"
         return "kill switch on" if self.killswitch else "healthy"
 
     def tenants(self, only: str | None = None) -> list[TenantView]:
@@ -305,6 +325,7 @@ class ClusterView:
             "nodes": [n.to_dict() for n in self.nodes],
             "routers": list(self.routers),
             "unreachable": self.unreachable,
+            "auth_refused": self.auth_refused,
             "missing": [m.to_dict() for m in self.missing],
             "stopped": [m.to_dict() for m in self.stopped],
             "problems": self.members_down,
@@ -353,6 +374,7 @@ async def node_view(
             rec.device,
             False,
             f"{exc.code().name}: {exc.details() or ''}".rstrip(": "),
+            auth_refused=exc.code() == grpc.StatusCode.UNAUTHENTICATED,
         )
     tiers = tuple(
         TierView(
@@ -385,6 +407,31 @@ async def node_view(
         resp.native_accel,
         counters,
     )
+
+
+async def router_problem(address: str, timeout_s: float, tls: TLSConfig | None) -> str:
+    """'' when the router at `address` answers its gRPC health check SERVING, else why
+    not (its health check needs no token)."""
+    try:
+        async with aio_channel(address, tls) as channel:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+    except grpc.aio.AioRpcError as exc:
+        return f"{exc.code().name}: {exc.details() or ''}".rstrip(": ")
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return ""
+
+
+async def _probe_routers(routers: list[dict], timeout_s: float, tls: TLSConfig | None) -> None:
+    """Mark each router record (in place) `reachable`, with `error` when it is not."""
+    probed = [r for r in routers if r.get("address")]
+    problems = await asyncio.gather(*(router_problem(r["address"], timeout_s, tls) for r in probed))
+    for r, problem in zip(probed, problems):
+        r["reachable"] = not problem
+        if problem:
+            r["error"] = problem
 
 
 async def etcd_status(etcd: EtcdClient) -> dict:
@@ -436,7 +483,10 @@ async def cluster_view(
         except ValueError:
             router_list.append({"router_id": kv.key[len(ROUTERS) :]})
     if with_stats:
-        views = await asyncio.gather(*(node_view(r, token, timeout_s, tenant, tls) for r in nodes))
+        views, _ = await asyncio.gather(
+            asyncio.gather(*(node_view(r, token, timeout_s, tenant, tls) for r in nodes)),
+            _probe_routers(router_list, timeout_s, tls),
+        )
     else:
         views = [NodeView(r.node_id, r.address, r.device, True) for r in nodes]
     live = {("agent", r.node_id) for r in nodes} | {

@@ -112,3 +112,89 @@ def test_stats_shows_node_counters_to_the_cluster_only(etcd, spawn_agent, tmp_pa
 
 def _json_out(r) -> dict:
     return json.loads(r.stdout)
+
+
+def test_status_lists_why_it_is_degraded(etcd, spawn_agent, start_router, tmp_path):
+    """An NVMe tier that started empty (its files unreadable, quarantined) made status say
+    `health: degraded` with exit 0 and no reason given."""
+    from support.nvme import delete_current
+
+    from kvstore.tiers.rocks import RocksTier
+
+    start_router()
+    data_dir = tmp_path / "damaged" / "data"
+    RocksTier(str(data_dir), 64 << 20).close()
+    delete_current(data_dir)
+    spawn_agent(**agent_cfg(etcd, data_dir=str(data_dir)))
+    r = kvctl("status", etcd=etcd)
+    assert r.returncode == 0, (r.stdout, r.stderr)  # degraded, still serving: documented
+    assert "health:      degraded" in r.stdout
+    assert "  - agent-0/nvme: started empty: unreadable files moved to " in r.stdout, r.stdout
+    st = kvctl_json("status", etcd=etcd)
+    assert st["health"] == "degraded" and st["degraded_tiers"][0].startswith("agent-0/nvme")
+
+
+def test_a_killed_router_is_unreachable_at_once(etcd, spawn_agent, start_router):
+    """Router rows came from etcd alone: a router killed with -9 stayed `up` until its
+    lease expired, while a killed agent was UNREACHABLE at once. Its record is held here
+    under a lease of the test's (fault injection: the killed router's lease not expired
+    yet, however long the checks take)."""
+    import asyncio
+    import signal
+
+    from kvstore.coord.etcd import EtcdClient
+
+    spawn_agent(**agent_cfg(etcd))
+    router = start_router("r0")
+    assert kvctl("status", etcd=etcd).returncode == 0
+
+    async def hold_record_of_killed_router(check):
+        async with EtcdClient(etcd.endpoint) as client:
+            record = await client.get("routers/r0")
+            assert record is not None
+            router.stop(signal.SIGKILL)
+            lease = await client.grant(60)
+            await client.put("routers/r0", record.value, lease=lease)
+            try:
+                await asyncio.to_thread(check)
+            finally:
+                await client.revoke(lease)
+
+    def check():
+        r = kvctl("status", "--node-timeout", "2", etcd=etcd)
+        assert r.returncode == 4, (r.stdout, r.stderr)
+        assert "health:      degraded" in r.stdout
+        row = next(line for line in r.stdout.splitlines() if line.startswith("router:r0"))
+        assert "UNREACHABLE" in row, r.stdout
+        assert "  - router r0 at " in r.stdout
+        assert "kvctl status: router r0 at " in r.stderr and "is unreachable" in r.stderr
+        r = kvctl("nodes", "--node-timeout", "2", etcd=etcd)
+        assert r.returncode == 4 and "UNREACHABLE" in r.stdout, (r.stdout, r.stderr)
+        st = kvctl_json("status", "--node-timeout", "2", etcd=etcd, expect_rc=4)
+        (rec,) = st["routers"]
+        assert rec["reachable"] is False and rec["error"], rec
+
+    asyncio.run(hold_record_of_killed_router(check))
+
+
+def test_a_refused_credential_is_not_an_unreachable_node(etcd, spawn_agent, tmp_path):
+    """A wrong --token-file was reported as UNREACHABLE (exit 4); an empty one was taken
+    for no token at all."""
+    spawn_agent(**agent_cfg(etcd, tenants=_tenants(), allow_unauthenticated=False))
+    wrong = _token_file(tmp_path, "wrong", "not-the-token\n")
+    r = kvctl("nodes", "--token-file", wrong, etcd=etcd)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "AUTH REFUSED" in r.stdout and "UNREACHABLE" not in r.stdout, r.stdout
+    assert f"refused the credential (--token-file {wrong})" in r.stderr, r.stderr
+    assert "unreachable" not in r.stderr
+    r = kvctl("stats", "--token-file", wrong, etcd=etcd)
+    assert r.returncode == 1 and "PARTIAL: summed over 0 of 1 agents" in r.stdout, r.stdout
+    r = kvctl("nodes", etcd=etcd)  # no token at all
+    assert r.returncode == 1 and "(no token): pass the cluster token" in r.stderr, r.stderr
+    empty = _token_file(tmp_path, "empty", "\n")
+    r = kvctl("status", "--token-file", empty, etcd=etcd)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"--token-file {empty} is empty" in r.stderr
+    good = _token_file(tmp_path, "good", TOKENS["_cluster"])
+    r = kvctl("nodes", "--token-file", good, etcd=etcd)
+    assert r.returncode == 0 and " up " in r.stdout, (r.stdout, r.stderr)
