@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from kvstore.cli.analyze import add_analyze_arguments, analyze_command
@@ -56,7 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def joined_negatives(argv: list[str]) -> list[str]:
+    """`--hbm -5GiB` as `--hbm=-5GiB`: argparse takes a value that starts with '-' for
+    an option and says only "expected one argument"; joined, the option's own check
+    says what is wrong with it (no kvctl option takes a negative value)."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if re.match(r"-\.?\d", arg) and prev.startswith("--") and "=" not in prev:
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = joined_negatives(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

@@ -410,5 +410,8 @@ def analyze_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"kvctl analyze: {args.trace}: {exc}", file=sys.stderr)
         return 1
+    if not report.overall.requests:  # an all-zero table would read as "no hits at all"
+        print(f"kvctl analyze: {args.trace}: the trace holds no requests", file=sys.stderr)
+        return 1
     print(text)
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import sys
@@ -82,6 +83,31 @@ def duration(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
     return value
+
+
+MAX_TENANT_CHARS = 256  # a namespace spec, its tenant included, is at most 2 KiB
+MAX_REASON_CHARS = 1024  # the kill switch's reason: etcd and every audit listing hold it
+
+
+def clip(text: str, n: int = 80) -> str:
+    """`text` as a message quotes it: repr'd, cut to `n` characters past which it says
+    how long it was (a 100 kB argument is not echoed back whole)."""
+    if len(text) <= n:
+        return repr(text)
+    return f"{text[:n]!r}… ({len(text)} chars)"
+
+
+def tenant_arg(text: str) -> str:
+    """An argparse type for a tenant name (`quota`, `stats --tenant`, `namespaces
+    --tenant`): the namespaces' rule, and a length a tenant can have."""
+    if len(text) > MAX_TENANT_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"tenant name {clip(text)} is longer than {MAX_TENANT_CHARS} characters: no "
+            "tenant can have it"
+        )
+    if problem := tenant_name_problem(text):
+        raise argparse.ArgumentTypeError(f"tenant name {clip(text)} {problem}")
+    return text
 
 
 def nonempty(text: str) -> str:
@@ -255,7 +281,16 @@ def cmd_flush(args) -> int:
     args.commits = True  # Ctrl-C before its commit: "nothing changed" (_interrupted)
     tenant, sep, name = args.target.partition("/")
     if not sep or not tenant or not name or "/" in name:
-        print(f"kvctl flush: target must be TENANT/NAMESPACE, got {args.target!r}", file=sys.stderr)
+        print(
+            f"kvctl flush: target must be TENANT/NAMESPACE, got {clip(args.target)}",
+            file=sys.stderr,
+        )
+        return USAGE
+    if len(args.target) > MAX_TENANT_CHARS + 1 + 2048:  # longer than any spec's name
+        print(
+            f"kvctl flush: target {clip(args.target)} is longer than any namespace's name",
+            file=sys.stderr,
+        )
         return USAGE
 
     async def body(etcd) -> int:
@@ -263,7 +298,8 @@ def cmd_flush(args) -> int:
         if not args.unregistered and (problem := await cp.flush_target_problem(tenant, name)):
             print(
                 f"kvctl flush: {problem} Nothing was flushed or written (`kvctl namespaces "
-                f"--tenant {tenant.strip().lower() or tenant}` lists the names). To flush "
+                f"--tenant {clip(tenant.strip().lower() or tenant)[1:-1]}` lists the names). "
+                "To flush "
                 "copies of a name that agents opened while etcd was unreachable and have "
                 "not registered yet, pass --unregistered.",
                 file=sys.stderr,
@@ -364,6 +400,8 @@ def cmd_killswitch(args) -> int:
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
         if args.state == "status":
+            if args.reason:
+                raise Usage("--reason goes with `killswitch on` only, not status")
             on, info = await cp.killswitch()
             if args.output == "json":
                 _json({"enabled": on, **({"info": info} if info else {})})
@@ -376,6 +414,13 @@ def cmd_killswitch(args) -> int:
                 print(f"kill switch: {'ON' if on else 'off'}{extra}")
             return OK
         on = args.state == "on"
+        if args.reason and not on:
+            raise Usage(f"--reason goes with `killswitch on` only, not {args.state}")
+        if len(args.reason) > MAX_REASON_CHARS:
+            raise Usage(
+                f"--reason is {len(args.reason)} characters; at most {MAX_REASON_CHARS} "
+                "(it is stored with the switch and in the audit log)"
+            )
         if on and not args.reason.strip():
             raise Usage(
                 'killswitch on needs --reason "…" (recorded with the switch and in the '
@@ -461,6 +506,17 @@ def _quota_rows(quotas: dict[str, Quota]) -> list[list]:
 
 
 def cmd_quota(args) -> int:
+    for flag, value in (
+        ("--hbm", getattr(args, "hbm", None)),
+        ("--nvme", getattr(args, "nvme", None)),
+    ):
+        if value is not None and value.strip().startswith("-"):  # before looking for etcd
+            print(
+                f"kvctl quota set: {flag} cannot be negative, got {clip(value)} (0: no limit)",
+                file=sys.stderr,
+            )
+            return USAGE
+
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
         if args.action == "set":
@@ -470,8 +526,6 @@ def cmd_quota(args) -> int:
                 None if args.hbm is None else parse_size(args.hbm),
                 None if args.nvme is None else parse_size(args.nvme),
             )
-            if problem := tenant_name_problem(args.tenant):  # before any warning
-                raise Usage(f"tenant name {args.tenant!r} {problem}")
             if not await etcd.list_namespaces(args.tenant):
                 unknown = (
                     f"no namespace of tenant {args.tenant!r} is registered in etcd (a typo? "
@@ -521,9 +575,26 @@ def cmd_quota(args) -> int:
     return _run(args, body)
 
 
+async def _no_such_tenant(etcd, tenant: str) -> str:
+    """'' when `tenant` has a namespace registered in etcd, else a message with the
+    registered tenants it may mean (case aside, or a letter or two off)."""
+    tenants = sorted({r.tenant for r in await etcd.list_namespaces("")})
+    if tenant in tenants:
+        return ""
+    near = [t for t in tenants if t.lower() == tenant.strip().lower()]
+    near += [t for t in difflib.get_close_matches(tenant, tenants, n=3) if t not in near]
+    hint = f" Did you mean {' or '.join(near)}?" if near else ""
+    return (
+        f"no such tenant {clip(tenant)}: no namespace of it is registered in etcd.{hint} "
+        "(`kvctl namespaces` lists the tenants)"
+    )
+
+
 def cmd_namespaces(args) -> int:
     async def body(etcd) -> int:
         records = await etcd.list_namespaces(args.tenant or "")
+        if args.tenant and not records:  # a note: a tenant yet to start lists nothing
+            print(f"kvctl namespaces: {await _no_such_tenant(etcd, args.tenant)}", file=sys.stderr)
         counts: dict[str, int] = {}
         for r in records:
             counts[r.tenant] = counts.get(r.tenant, 0) + 1
@@ -541,7 +612,7 @@ def cmd_namespaces(args) -> int:
                     [[r.ns_hex, r.name, r.model_name, r.generation] for r in records],
                 )
                 if records
-                else f"tenant {args.tenant} has no namespaces in etcd"
+                else f"no such tenant {args.tenant}: it has no namespaces in etcd"
             )
             print(
                 f"\n{args.tenant}: {len(records)} namespaces (limit: the agents' "
@@ -806,6 +877,8 @@ def cmd_stats(args) -> int:
     async def body(etcd) -> int:
         view = await _view(etcd, args, args.tenant)
         tenants = view.tenants(args.tenant)
+        if args.tenant and not tenants and (unknown := await _no_such_tenant(etcd, args.tenant)):
+            print(f"kvctl stats: {unknown}", file=sys.stderr)  # a note, as for namespaces
         ev = view.evictions()
         if args.output == "json":
             _json(
@@ -924,7 +997,12 @@ def cmd_audit(args) -> int:
                             r.action,
                             r.target,
                             "yes" if r.ok else "NO",
-                            r.result,
+                            r.result
+                            + (
+                                f" (reason: {clip(r.params['reason'], 60)[1:-1]})"
+                                if r.action == "killswitch" and r.params.get("reason")
+                                else ""
+                            ),
                         ]
                         for r in records
                     ],
@@ -1034,9 +1112,16 @@ def _register_actions(sub) -> None:
     p.add_argument(
         "--reason",
         default="",
-        help="why (required with on): recorded with the switch and in the audit log",
+        help="why (required with on): recorded with the switch and in the audit log; at "
+        f"most {MAX_REASON_CHARS} characters, refused with off and status",
     )
-    p.add_argument("--timeout", type=seconds, default=30.0, metavar="S")
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=30.0,
+        metavar="S",
+        help="how long on and off wait for acknowledgements (default 30; exit 5 after)",
+    )
     _common(p)
     p.set_defaults(func=cmd_killswitch, kvctl_command="killswitch")
 
@@ -1056,7 +1141,7 @@ def _register_actions(sub) -> None:
     ):
         q = qs.add_parser(action, help=helptext)
         if action != "list":
-            q.add_argument("tenant")
+            q.add_argument("tenant", type=tenant_arg)
         if action == "set":
             q.add_argument(
                 "--hbm",
@@ -1084,6 +1169,18 @@ def _register_actions(sub) -> None:
         q.set_defaults(func=cmd_quota, kvctl_command=f"quota {action}")
 
 
+_VIEW_DESCRIPTIONS = {
+    "status": "Cluster health at a glance: etcd, the kill switch, agents and routers "
+    "(each asked directly), namespaces, quotas, and why health is degraded. Exit 4 when "
+    "a member is unreachable or missing or no router is registered; 0 with health "
+    "degraded when only a tier reports a problem (listed).",
+    "stats": "Per tenant: request- and token-weighted hit rates, bytes held against "
+    "quotas, evictions by reason; without --tenant also the agents' node-wide counters "
+    "(lease fence, kill switch, NVMe). Summed over the agents that answered (PARTIAL "
+    "says which did not).",
+}
+
+
 def _register_views(sub) -> None:
 
     for name, fn, helptext in (
@@ -1095,9 +1192,9 @@ def _register_views(sub) -> None:
             "hit rates per tenant (request- and token-weighted), evictions by reason",
         ),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=_VIEW_DESCRIPTIONS.get(name))
         if name == "stats":
-            p.add_argument("--tenant", help="only this tenant")
+            p.add_argument("--tenant", type=tenant_arg, help="only this tenant")
         if name == "nodes":
             p.description = (
                 "Every agent and router: address, device, occupancy, state; agents and "
@@ -1118,11 +1215,20 @@ def _register_views(sub) -> None:
         "refuse a tenant's namespace beyond max_namespaces_per_tenant); with "
         "--tenant, list that tenant's namespaces and their generations.",
     )
-    p.add_argument("--tenant", help="list this tenant's namespaces")
+    p.add_argument("--tenant", type=tenant_arg, help="list this tenant's namespaces")
     _common(p)
     p.set_defaults(func=cmd_namespaces, kvctl_command="namespaces")
 
-    p = sub.add_parser("audit", help="admin actions recorded in etcd (who, what, when, result)")
-    p.add_argument("--limit", type=count, default=50, help="newest N records (0: all)")
+    p = sub.add_parser(
+        "audit",
+        help="admin actions recorded in etcd (who, what, when, result)",
+        description="Every admin action (flush, killswitch, quota, nodes forget) is "
+        "recorded in etcd in the transaction that makes it, then rewritten with its "
+        "outcome: ok NO with 'acknowledgements unconfirmed' is a change in force whose "
+        "acknowledgements kvctl did not see. Oldest first.",
+    )
+    p.add_argument(
+        "--limit", type=count, default=50, help="the newest N records (default 50; 0: all)"
+    )
     _common(p)
     p.set_defaults(func=cmd_audit, kvctl_command="audit")

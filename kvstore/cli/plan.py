@@ -354,6 +354,8 @@ def render_plan(report: PlanReport, output: str = "table") -> str:
 
 
 def _size_arg(text: str) -> int:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {text!r}")
     try:
         return parse_size(text)
     except ValueError as exc:

@@ -456,6 +456,8 @@ class ControlPlane:
         hint = f" Did you mean {' or '.join(sorted(near))}?" if near else ""
         target = f"{tenant}/{name}"
         shown = target if target == target.strip() and target.isprintable() else repr(target)
+        if len(shown) > 80:  # a 100 kB argument is not echoed whole
+            shown = f"{shown[:80]}… ({len(target)} chars)"
         return f"no namespace named {shown} is registered in etcd.{hint}"
 
     async def commit_flush(self, tenant: str, name: str) -> tuple[list[FlushedNamespace], int, str]:

@@ -146,3 +146,55 @@ def test_ctrl_c_before_the_commit_exits_130_and_changes_nothing():
 def _pid(proc) -> int:
     assert proc.proc is not None, "not running"
     return proc.proc.pid
+
+
+def test_usage_messages_are_specific_and_short(etcd, spawn_agent, tmp_path):
+    """Negative sizes and durations got argparse's "expected one argument"; a 100 kB
+    name was echoed whole, twice; --reason was taken and ignored with off and status; a
+    misspelt tenant listed nothing without a word; an empty trace analysed to zeros."""
+    AgentClient(spawn_agent(**agent_cfg(etcd)).address).open(SPEC)
+    for argv, says in (
+        (("quota", "set", "acme", "--hbm", "-5GiB"), "--hbm cannot be negative, got '-5GiB'"),
+        (("quota", "set", "acme", "--nvme=-1"), "--nvme cannot be negative"),
+        (("status", "--seen-window", "-1h"), "--seen-window: must be more than 0, got '-1h'"),
+        (("plan", "--hbm", "-40GiB"), "--hbm: a size cannot be negative, got '-40GiB'"),
+        (("audit", "--limit", "-3"), "--limit: must be 0 or more, got -3"),
+        (("killswitch", "off", "--reason", "why"), "--reason goes with `killswitch on` only"),
+        (("killswitch", "status", "--reason", "why"), "--reason goes with `killswitch on`"),
+        (("killswitch", "on", "--reason", "x" * 5000), "--reason is 5000 characters"),
+        (("quota", "set", "a" * 300, "--hbm", "1GiB"), "longer than 256 characters"),
+        (("stats", "--tenant", ""), "tenant name '' is empty"),
+    ):
+        r = kvctl(*argv, etcd=etcd)
+        assert r.returncode == 2, (argv[:3], r.stderr)
+        assert says in r.stderr, (argv[:3], r.stderr)
+        assert "expected one argument" not in r.stderr
+
+    huge = "n" * 100_000
+    r = kvctl("flush", f"acme/{huge}", etcd=etcd)
+    assert r.returncode in (1, 2) and len(r.stderr) < 1000, len(r.stderr)
+    assert "(100005 chars)" in r.stderr or "(100000 chars)" in r.stderr, r.stderr
+
+    r = kvctl("namespaces", "--tenant", "acmee", etcd=etcd)
+    assert r.returncode == 0 and "no such tenant 'acmee'" in r.stderr, r.stderr
+    assert "Did you mean acme?" in r.stderr
+    r = kvctl("stats", "--tenant", "ACME", etcd=etcd)
+    assert "no such tenant 'ACME'" in r.stderr and "Did you mean acme?" in r.stderr, r.stderr
+
+    assert kvctl("killswitch", "on", "--reason", "INC-9 pollution", etcd=etcd).returncode == 0
+    r = kvctl("audit", etcd=etcd)
+    assert "(reason: INC-9 pollution)" in r.stdout, r.stdout
+    r = kvctl("killswitch", "--help", etcd=None)
+    assert "acknowledgements (default 30" in " ".join(r.stdout.split())
+    for cmd, described in (
+        ("status", "0 with health degraded when only a tier reports a problem"),
+        ("stats", "node-wide counters"),
+        ("audit", "recorded in etcd in the transaction that makes it"),
+    ):
+        assert described in " ".join(kvctl(cmd, "--help").stdout.split()), cmd
+    assert "(default 50; 0: all)" in " ".join(kvctl("audit", "--help").stdout.split())
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = kvctl("analyze", str(empty))
+    assert r.returncode == 1 and "the trace holds no requests" in r.stderr, r.stderr
