@@ -169,7 +169,9 @@ class LaneChannel:
             self._sock.sendall(frame)
             return
         sent = socket.send_fds(self._sock, [frame], list(fds))  # fds ride on the first byte
-        self._sock.sendall(frame[sent:])
+        if sent < len(frame):  # never an empty send: one after an agent that refused the
+            # frame from its header (and hung up) fails EPIPE, losing its answer
+            self._sock.sendall(frame[sent:])
 
     def _recv(self, n: int) -> bytearray:
         buf = bytearray(n)
