@@ -32,7 +32,6 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     ResourceExhausted,
 )
 from kvstore.pages import map_shared
@@ -229,11 +228,11 @@ class ShmRegistry:
                 return rid
 
     def get(self, region_id: int, tenant: str | None) -> Region | DeviceRegion:
+        """Another tenant's region is an unknown region: one answer for both, so no
+        tenant learns which ids are live."""
         region = self._regions.get(region_id)
-        if region is None:
+        if region is None or region.tenant != tenant:
             raise NotFound(f"{UNKNOWN_REGION} {region_id}")
-        if region.tenant != tenant:
-            raise PermissionDenied(f"shared-memory region {region_id} belongs to another tenant")
         return region
 
     def unregister(self, region_id: int, tenant: str | None) -> None:

@@ -533,9 +533,9 @@ def test_tenant_auth_and_isolation(spawn_agent):
         expect_status(P, b.get, ns_priv, ids_priv)
         expect_status(P, b.put, ns_priv, ids_priv, blocks_priv)
         expect_status(P, b.stats, "acme")
-        # A's shared-memory region is A's alone.
+        # A's shared-memory region is A's alone: to B it is an unknown region.
         expect_status(
-            P,
+            grpc.StatusCode.NOT_FOUND,
             b.stub.Get,
             agent_pb2.GetRequest(
                 ns=ns_pub.ref,
