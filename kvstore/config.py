@@ -300,6 +300,11 @@ class AgentConfig:
     # A connection without a shared-memory region is closed after this long without a
     # frame; a frame once begun must arrive whole within it.
     local_lane_idle_timeout_s: float = 30.0
+    # The largest shared-memory region (host or device staging) a client may register,
+    # and the most bytes of regions one tenant may hold registered on this agent. A
+    # host region's pages must all be allocated already (the client pays for them).
+    local_lane_max_region_bytes: int = 1024 * MiB
+    local_lane_max_tenant_region_bytes: int = 4096 * MiB
     # File holding this agent's bearer token as the "_agent" identity (docs/security.md):
     # presented on pulls from registered agents (etcd nodes/); "": pulls forward the token
     # of the Prefetch's caller.
@@ -343,6 +348,7 @@ class AgentConfig:
         if self.nvme_bytes < 0:
             raise ValueError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
         _check_message_bytes(self)
+        _check_lane_limits(self)
         check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))
@@ -541,6 +547,20 @@ def _distinct_ports(cfg, *names: str) -> None:
 def _check_port(name: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{name} must be in 0..65535 (0: none, or a free one), got {port}")
+
+
+def _check_lane_limits(cfg: AgentConfig) -> None:
+    """The local lane's region limits (ValueError naming them)."""
+    if cfg.local_lane_max_region_bytes <= 0:
+        raise ValueError(
+            f"local_lane_max_region_bytes must be > 0, got {cfg.local_lane_max_region_bytes!r}"
+        )
+    if cfg.local_lane_max_tenant_region_bytes < cfg.local_lane_max_region_bytes:
+        raise ValueError(
+            "local_lane_max_tenant_region_bytes must be >= local_lane_max_region_bytes "
+            f"({cfg.local_lane_max_region_bytes}), got "
+            f"{cfg.local_lane_max_tenant_region_bytes!r}"
+        )
 
 
 def check_listen(name: str, address: str) -> None:

@@ -42,7 +42,7 @@ from node_agent.metrics import AgentTelemetry
 from node_agent.peer.service import PeerTransfer
 from node_agent.peer.ucx import direct
 from node_agent.servicer import AgentServicer
-from node_agent.shm import ShmRegistry
+from node_agent.shm import ShmLimits, ShmRegistry
 
 if TYPE_CHECKING:  # imported when etcd_endpoints is set (they bring the etcd client)
     from node_agent.control import AgentControl
@@ -193,7 +193,9 @@ class AgentServer:
         self.cfg = cfg
         self.store = build_store(cfg)
         self.hub = EventHub(self.store, cfg.node_id)
-        self.shm = ShmRegistry()
+        self.shm = ShmRegistry(
+            ShmLimits(cfg.local_lane_max_region_bytes, cfg.local_lane_max_tenant_region_bytes)
+        )
         self.servicer = AgentServicer(
             self.store,
             self.hub,

@@ -471,7 +471,7 @@ class AgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 pool.why_not_in_place,
             )
         else:
-            region = self.shm.register_fd(offer, request.size, current_tenant.get())
+            region = await self.shm.register_fd(offer, request.size, current_tenant.get())
         return agent_pb2.RegisterShmResponse(
             region_id=region.region_id,
             local_socket=self.lane.path if self.lane else "",

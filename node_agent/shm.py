@@ -16,6 +16,7 @@ it device to device (kvstore/tiers/pool.py, read_many) with no host memory betwe
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import fcntl
 import os
@@ -37,7 +38,15 @@ from kvstore.errors import (
 from kvstore.pages import map_shared
 
 SHM_DIR = "/dev/shm"
-MAX_REGION_BYTES = 1 << 40
+DEFAULT_MAX_REGION_BYTES = 1 << 30  # AgentConfig.local_lane_max_region_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLimits:
+    """How much memory clients may lend the agent (kvstore.config.AgentConfig fields)."""
+
+    max_region_bytes: int = DEFAULT_MAX_REGION_BYTES  # local_lane_max_region_bytes
+    max_bytes_per_tenant: int = 4 << 30  # local_lane_max_tenant_region_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +137,20 @@ class DeviceRegion:
         self.memory = None
 
 
-def check_memory_fd(fd: int, size: int) -> None:
-    """Refuse a descriptor that is not anonymous memory sealed against shrinking: a file
-    with a name is memory someone else may hold too, and memory that can shrink under the
-    agent's mapping would fault it (SIGBUS) mid-copy."""
-    if not 0 < size <= MAX_REGION_BYTES:
-        raise InvalidArgument(f"shared-memory size must be in (0, {MAX_REGION_BYTES}]")
+def check_region_size(size: int, max_bytes: int, what: str = "shared-memory") -> None:
+    if not 0 < size <= max_bytes:
+        raise InvalidArgument(
+            f"{what} size must be in (0, {max_bytes}] (local_lane_max_region_bytes), got {size}"
+        )
+
+
+def check_memory_fd(fd: int, size: int, max_bytes: int = DEFAULT_MAX_REGION_BYTES) -> None:
+    """Refuse a descriptor that is not anonymous memory sealed against shrinking, with
+    every page allocated: a file with a name is memory someone else may hold too, memory
+    that can shrink under the agent's mapping would fault it (SIGBUS) mid-copy, and the
+    pages of a sparse file would be allocated by the agent's populated mapping, charged
+    to the agent (a 2 GiB sparse memfd cost its sender nothing and the agent 2 GiB)."""
+    check_region_size(size, max_bytes)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument("shared memory must be a memory file (memfd), not a directory")
@@ -148,6 +165,13 @@ def check_memory_fd(fd: int, size: int) -> None:
         )
     if st.st_size < size:
         raise InvalidArgument(f"shared memory of {st.st_size} bytes is smaller than {size}")
+    # The whole file, not [0, size): which of its pages are allocated is not asked (that
+    # would move the sender's file offset), and a client's staging is all of its file.
+    if st.st_blocks * 512 < st.st_size:
+        raise InvalidArgument(
+            f"shared memory must have every page allocated (posix_fallocate before "
+            f"registering): {st.st_blocks * 512} of its {st.st_size} bytes are"
+        )
 
 
 def device_staging_refusal(pool_device: torch.device, in_place_why: str, uuid: bytes) -> str:
@@ -174,22 +198,71 @@ def device_staging_refusal(pool_device: torch.device, in_place_why: str, uuid: b
     return ""
 
 
-class ShmRegistry:
-    def __init__(self) -> None:
-        self._regions: dict[int, Region | DeviceRegion] = {}
+def _map_own_fd(fd: int, size: int) -> np.ndarray:
+    """map_shared of `fd`, which this call closes (a worker thread's own duplicate)."""
+    try:  # populated: page faults at registration, not mid-transfer; 2 MiB-aligned,
+        # so the kernel can put it on huge pages (kvstore/pages.py)
+        return map_shared(fd, size)
+    except OSError as exc:
+        raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
-    def register_fd(self, offer: FdOffer, size: int, tenant: str | None) -> Region:
-        """Map the memory behind `offer.fd` (the caller keeps and closes the descriptor)."""
-        check_memory_fd(offer.fd, size)
-        try:  # populated: page faults at registration, not mid-transfer; 2 MiB-aligned,
-            # so the kernel can put it on huge pages (kvstore/pages.py)
-            array = map_shared(offer.fd, size)
-        except OSError as exc:
-            raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
-        owner = f"pid {offer.pid} uid {offer.uid}"
-        region = Region(self._new_id(), owner, tenant, array)
-        self._regions[region.region_id] = region
+
+class ShmRegistry:
+    def __init__(self, limits: ShmLimits = ShmLimits()) -> None:
+        self._regions: dict[int, Region | DeviceRegion] = {}
+        self.limits = limits
+        self._held: dict[str | None, int] = {}  # bytes registered or being mapped, per tenant
+        self._charged: dict[int, int] = {}  # region id -> the bytes its tenant was charged
+
+    def _charge(self, tenant: str | None, size: int) -> None:
+        held = self._held.get(tenant, 0)
+        cap = self.limits.max_bytes_per_tenant
+        if held + size > cap:
+            raise ResourceExhausted(
+                f"this tenant holds {held} bytes of shared-memory regions on this agent; "
+                f"{size} more would pass its {cap} (local_lane_max_tenant_region_bytes)"
+            )
+        self._held[tenant] = held + size
+
+    def _refund(self, tenant: str | None, size: int) -> None:
+        left = self._held.get(tenant, 0) - size
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
+    async def register_fd(self, offer: FdOffer, size: int, tenant: str | None) -> Region:
+        """Map the memory behind `offer.fd` (the caller keeps and closes the descriptor).
+        The mapping is populated and its pages collapsed onto huge pages: seconds for
+        gigabytes, so it runs on a worker thread, over a duplicate descriptor the thread
+        closes (the caller's may be closed and its number reused meanwhile, if the call
+        is cancelled). Cancelled, the region is never registered and its bytes come back
+        to the tenant once the thread is done."""
+        check_memory_fd(offer.fd, size, self.limits.max_region_bytes)
+        self._charge(tenant, size)
+        try:
+            mapping = asyncio.ensure_future(asyncio.to_thread(_map_own_fd, os.dup(offer.fd), size))
+        except BaseException:
+            self._refund(tenant, size)
+            raise
+        try:
+            array = await asyncio.shield(mapping)
+        except asyncio.CancelledError:
+            mapping.add_done_callback(lambda fut: self._mapped_for_nobody(fut, tenant, size))
+            raise
+        except BaseException:
+            self._refund(tenant, size)
+            raise
+        region = Region(self._new_id(), f"pid {offer.pid} uid {offer.uid}", tenant, array)
+        self._add(region, size)
         return region
+
+    def _mapped_for_nobody(self, fut: asyncio.Future, tenant: str | None, size: int) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: its caller is gone; a mapping goes with the result
+        self._refund(tenant, size)
 
     def register_device_fd(
         self,
@@ -202,8 +275,7 @@ class ShmRegistry:
     ) -> DeviceRegion:
         """Map the GPU memory behind `offer.fd` (a CUDA VMM allocation's descriptor) for
         a pool on `pool_device`; FAILED_PRECONDITION when the pool cannot take it there."""
-        if not 0 < size <= MAX_REGION_BYTES:
-            raise InvalidArgument(f"device staging size must be in (0, {MAX_REGION_BYTES}]")
+        check_region_size(size, self.limits.max_region_bytes, "device staging")
         if len(uuid) != 16:
             raise InvalidArgument(f"device_uuid must be 16 bytes, got {len(uuid)}")
         why = device_staging_refusal(pool_device, in_place_why, uuid)
@@ -211,11 +283,20 @@ class ShmRegistry:
             raise FailedPrecondition(why)
         from kvstore import cuda_vmm
 
-        mem = cuda_vmm.DeviceMemory.import_fd(offer.fd, size, pool_device.index or 0)
-        owner = f"pid {offer.pid} uid {offer.uid}"
-        region = DeviceRegion(self._new_id(), owner, tenant, mem.tensor(), mem)
-        self._regions[region.region_id] = region
+        self._charge(tenant, size)
+        try:
+            mem = cuda_vmm.DeviceMemory.import_fd(offer.fd, size, pool_device.index or 0)
+            owner = f"pid {offer.pid} uid {offer.uid}"
+            region = DeviceRegion(self._new_id(), owner, tenant, mem.tensor(), mem)
+        except BaseException:
+            self._refund(tenant, size)
+            raise
+        self._add(region, size)
         return region
+
+    def _add(self, region: Region | DeviceRegion, charged: int) -> None:
+        self._regions[region.region_id] = region
+        self._charged[region.region_id] = charged
 
     def _new_id(self) -> int:
         """Random, never 0 (no region): a client of this agent's previous process at the
@@ -243,6 +324,7 @@ class ShmRegistry:
         """Forget a region whatever its tenant (its lane connection closed)."""
         region = self._regions.pop(region_id, None)
         if region is not None:
+            self._refund(region.tenant, self._charged.pop(region_id))
             region.release()
 
     def __len__(self) -> int:

@@ -64,6 +64,7 @@ def status_of(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
 def sealed_memfd(size: int, seal: bool = True) -> int:
     fd = os.memfd_create("attack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # allocated, as a client's staging is
     if seal:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     return fd

@@ -1,6 +1,10 @@
-"""Attacks on the local lane's shared-memory registration and its connection slots, each
-against a real agent process and real memfds (docs/security.md, "The local lane"):
+"""Attacks on the local lane's shared-memory registration, each against a real agent
+process and real memfds (docs/security.md, "The local lane"):
 
+- a tenant handed the agent a sparse memfd (2 GiB costing it nothing) that the agent
+  then allocated by mapping it populated, on its event loop: now memory whose pages are
+  not all allocated is refused, a region's size and a tenant's registered bytes on the
+  agent are capped, and the mapping runs on a worker thread;
 - another tenant's region id answered differently from an unknown one: now both are
   the one unknown-region answer."""
 
@@ -15,7 +19,7 @@ import socket
 import grpc
 import torch
 from support.common import make_namespace, prompt_tokens, wait_for
-from support.lane_raw import closed, connect, read_frame
+from support.lane_raw import connect, read_frame
 
 from kvstore import lane
 from kvstore.client import KVClient
@@ -86,6 +90,68 @@ def blocks_for(seed: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape, dtype = block_shape(SPEC_A), torch_dtype(SPEC_A.kv_dtype)
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ F1: memory nobody paid for
+def test_sparse_memory_is_refused_and_the_agent_allocates_none_of_it(spawn_agent):
+    """Before the fix a 64 MiB sparse memfd (the probe used 2 GiB) was registered, and the
+    agent's populated mapping allocated all of it, charged to the agent. Now memory whose
+    pages are not all allocated (none, or only the part past what the region would map)
+    is INVALID_ARGUMENT, and the agent's shared memory does not grow; the same memory
+    allocated, as the client's staging is (posix_fallocate), registers."""
+    agent = secure_agent(spawn_agent)
+    path = lane_path(agent)
+    size = 64 * MiB
+    sparse, tail_only, paid = memfd(size, None), memfd(2 * size, (size, -1)), memfd(size)
+    before = rss_shmem(agent.proc.pid)
+    try:
+        s, (greeting, _) = connect(path)
+        with s:
+            assert greeting == lane.OK
+            for fd in (sparse, tail_only):
+                status, body = register(s, fd, size)
+                assert status == code(grpc.StatusCode.INVALID_ARGUMENT), body
+                assert b"allocated" in body, body
+            assert rss_shmem(agent.proc.pid) - before < 16 * MiB
+            status, body = register(s, paid, size)
+            assert status == lane.OK, body
+    finally:
+        for fd in (sparse, tail_only, paid):
+            os.close(fd)
+
+
+def test_a_region_and_a_tenants_registered_bytes_are_capped(spawn_agent):
+    """local_lane_max_region_bytes and local_lane_max_tenant_region_bytes: a region
+    over the first is INVALID_ARGUMENT; a tenant's regions on the agent together (over
+    any number of connections) stop at the second, RESOURCE_EXHAUSTED; another tenant
+    is not held back by it, and bytes come back when their connection closes."""
+    agent = secure_agent(
+        spawn_agent,
+        local_lane_max_region_bytes="4MiB",
+        local_lane_max_tenant_region_bytes="8MiB",
+    )
+    path = lane_path(agent)
+    big, fd = memfd(8 * MiB), memfd(4 * MiB)
+    try:
+        s1, _ = connect(path)
+        s2, _ = connect(path)
+        with s1, s2:
+            status, body = register(s1, big, 8 * MiB)
+            assert status == code(grpc.StatusCode.INVALID_ARGUMENT), body
+            assert b"local_lane_max_region_bytes" in body, body
+            assert register(s1, fd, 4 * MiB)[0] == lane.OK
+            assert register(s2, fd, 4 * MiB)[0] == lane.OK
+            status, body = register(s2, fd, 4 * MiB)
+            assert status == code(grpc.StatusCode.RESOURCE_EXHAUSTED), body
+            assert b"local_lane_max_tenant_region_bytes" in body, body
+            a, _ = connect(path)
+            with a:
+                assert register(a, fd, 4 * MiB, A_MD)[0] == lane.OK  # acme: its own room
+            s1.close()  # beta's first region goes with its connection
+            wait_for(lambda: register(s2, fd, 4 * MiB)[0] == lane.OK, what="room given back")
+    finally:
+        os.close(big)
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ F5.1: region-id oracle

@@ -28,6 +28,7 @@ SPEC = make_namespace(name="device-staging")
 def memfd(size: int) -> int:
     fd = os.memfd_create("test-device", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # allocated, as a client's staging is
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     return fd
 

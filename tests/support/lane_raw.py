@@ -58,12 +58,14 @@ def closed(s: socket.socket) -> bool:
 @contextlib.contextmanager
 def lane_region(stub, size: int = 1 << 20, metadata=()):
     """A shared-memory region created and registered the way a client does it (a sealed
-    memfd handed over the agent's local lane); yields (lane path, region id). The region
+    memfd, every page allocated, handed over the agent's local lane); yields (lane path,
+    region id). The region
     lives while the block runs (it dies with its lane connection)."""
     where = stub.LocalLane(agent_pb2.LocalLaneRequest(), metadata=metadata)
     fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         s, (status, body) = connect(where.socket)
         with s:

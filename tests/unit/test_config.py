@@ -196,6 +196,42 @@ def test_a_tenant_may_pin_half_the_pool_by_default_in_whole_slots():
     assert cfg.tenant_pin_bytes == 3 * (64 << 10)  # 16 slots x 0.2: 3 whole slots
 
 
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"local_lane_max_region_bytes": 0}, r"^local_lane_max_region_bytes must be > 0, got 0"),
+        (
+            {"local_lane_max_region_bytes": "2GiB", "local_lane_max_tenant_region_bytes": "1GiB"},
+            r"^local_lane_max_tenant_region_bytes must be >= local_lane_max_region_bytes "
+            r"\(2147483648\), got 1073741824",
+        ),
+        ({"local_lane_max_tenant_region_bytes": "lots"}, "local_lane_max_tenant_region_bytes"),
+    ],
+)
+def test_lane_caps_are_checked_and_named(settings, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(AgentConfig, overrides=settings)
+
+
+def test_lane_region_caps_have_defaults_and_sizes_parse():
+    cfg = AgentConfig()
+    assert (cfg.local_lane_max_region_bytes, cfg.local_lane_max_tenant_region_bytes) == (
+        1 << 30,
+        4 << 30,
+    )
+    cfg = load_config(
+        AgentConfig,
+        overrides={
+            "local_lane_max_region_bytes": "64MiB",
+            "local_lane_max_tenant_region_bytes": "1GiB",
+        },
+    )
+    assert (cfg.local_lane_max_region_bytes, cfg.local_lane_max_tenant_region_bytes) == (
+        64 * MiB,
+        1 << 30,
+    )
+
+
 def test_pool_must_hold_a_slot():
     with pytest.raises(ValueError, match="pool_bytes"):
         AgentConfig(pool_bytes=MiB, slot_bytes=2 * MiB)

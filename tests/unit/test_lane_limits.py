@@ -4,6 +4,7 @@ as shared memory (node_agent/shm.py), and the client's staging memory (a sealed 
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 
@@ -11,8 +12,8 @@ import pytest
 
 from kvstore import lane
 from kvstore.client.staging import create_staging
-from kvstore.errors import InvalidArgument
-from node_agent.shm import FdOffer, ShmRegistry, check_memory_fd
+from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
+from node_agent.shm import FdOffer, ShmLimits, ShmRegistry, check_memory_fd
 
 
 def test_header_limits():
@@ -30,9 +31,11 @@ def test_register_is_a_lane_method():
     assert lane.METHODS[lane.REGISTER] == "RegisterShm"
 
 
-def _memfd(size: int, seal: bool) -> int:
+def _memfd(size: int, seal: bool, allocate: bool = True) -> int:
     fd = os.memfd_create("unit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
     if seal:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     return fd
@@ -58,13 +61,56 @@ def test_only_sealed_anonymous_memory_is_mapped(tmp_path):
         with pytest.raises(InvalidArgument, match="size"):
             check_memory_fd(good, 0)
         reg = ShmRegistry()
-        region = reg.register_fd(FdOffer(good, 1, 0), 1 << 16, "acme")
+        region = asyncio.run(reg.register_fd(FdOffer(good, 1, 0), 1 << 16, "acme"))
         assert region.owner == "pid 1 uid 0" and len(reg) == 1
         reg.drop(region.region_id)
         assert len(reg) == 0
     finally:
         for fd in (good, unsealed, named, directory):
             os.close(fd)
+
+
+def test_sparse_memory_and_oversize_regions_are_refused():
+    """A memfd whose pages are not all allocated would be allocated by the agent's
+    populated mapping, at the agent's cost: refused, before anything is mapped."""
+    sparse = _memfd(1 << 20, seal=True, allocate=False)
+    half = _memfd(1 << 20, seal=True, allocate=False)
+    os.posix_fallocate(half, 0, 1 << 19)
+    good = _memfd(1 << 20, seal=True)
+    try:
+        for fd in (sparse, half):
+            with pytest.raises(InvalidArgument, match="every page allocated"):
+                check_memory_fd(fd, 1 << 20)
+            with pytest.raises(InvalidArgument, match="every page allocated"):
+                check_memory_fd(fd, 1 << 18)  # the whole file must be, not just the region
+        with pytest.raises(InvalidArgument, match="local_lane_max_region_bytes"):
+            check_memory_fd(good, 1 << 20, max_bytes=1 << 19)
+    finally:
+        for fd in (sparse, half, good):
+            os.close(fd)
+
+
+def test_a_tenants_registered_bytes_are_capped_and_given_back():
+    fd = _memfd(1 << 20, seal=True)
+    reg = ShmRegistry(ShmLimits(max_region_bytes=1 << 20, max_bytes_per_tenant=2 << 20))
+    offer = FdOffer(fd, 1, 0)
+
+    def register(tenant: str):
+        return asyncio.run(reg.register_fd(offer, 1 << 20, tenant))
+
+    try:
+        first, _ = register("acme"), register("acme")
+        with pytest.raises(ResourceExhausted, match="local_lane_max_tenant_region_bytes"):
+            register("acme")
+        register("globex")  # its own room
+        with pytest.raises(NotFound, match="unknown shared-memory region"):
+            reg.get(first.region_id, "globex")  # the same answer as an id nobody holds
+        reg.drop(first.region_id)
+        register("acme")
+        assert len(reg) == 3
+    finally:
+        reg.close()
+        os.close(fd)
 
 
 def test_client_staging_is_a_sealed_memfd_with_no_name():
