@@ -300,6 +300,12 @@ class AgentConfig:
     # A connection without a shared-memory region is closed after this long without a
     # frame; a frame once begun must arrive whole within it.
     local_lane_idle_timeout_s: float = 30.0
+    # Connections one tenant may hold (counted from its first frame); 0: a quarter of
+    # local_lane_max_connections (at least 1), so no tenant can take every slot.
+    local_lane_max_connections_per_tenant: int = 0
+    # A connection holding a shared-memory region is closed after this long without a
+    # frame (the client registers again on its next call); >= local_lane_idle_timeout_s.
+    local_lane_region_idle_timeout_s: float = 600.0
     # The largest shared-memory region (host or device staging) a client may register,
     # and the most bytes of regions one tenant may hold registered on this agent. A
     # host region's pages must all be allocated already (the client pays for them).
@@ -550,7 +556,19 @@ def _check_port(name: str, port: int) -> None:
 
 
 def _check_lane_limits(cfg: AgentConfig) -> None:
-    """The local lane's region limits (ValueError naming them)."""
+    """The local lane's per-tenant caps and its region limits (ValueError naming them)."""
+    per_tenant = cfg.local_lane_max_connections_per_tenant
+    if not 0 <= per_tenant <= cfg.local_lane_max_connections:
+        raise ValueError(
+            "local_lane_max_connections_per_tenant must be from 0 (a quarter of "
+            f"local_lane_max_connections) to local_lane_max_connections "
+            f"({cfg.local_lane_max_connections}), got {per_tenant!r}"
+        )
+    if not cfg.local_lane_region_idle_timeout_s >= cfg.local_lane_idle_timeout_s:
+        raise ValueError(
+            "local_lane_region_idle_timeout_s must be >= local_lane_idle_timeout_s "
+            f"({cfg.local_lane_idle_timeout_s!r}), got {cfg.local_lane_region_idle_timeout_s!r}"
+        )
     if cfg.local_lane_max_region_bytes <= 0:
         raise ValueError(
             f"local_lane_max_region_bytes must be > 0, got {cfg.local_lane_max_region_bytes!r}"

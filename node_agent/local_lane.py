@@ -9,11 +9,16 @@ memory (/dev/shm, which containers on one host share to talk to their agent).
 The lane is a door into the agent's memory, so it is kept narrow: the socket is 0600 (0660
 with `local_lane_group`) from the moment it exists; a connecting peer's credentials
 (SO_PEERCRED) must be the agent's user, root or a member of that group; at most
-`local_lane_max_connections` connections; a connection holding no shared-memory region
-is closed after `local_lane_idle_timeout_s` without a frame, and a frame that has begun
-must arrive whole within that time; a frame's header and metadata are read and its
-caller authenticated before any of its message is read. Every refusal is answered with
-a status, logged and counted (Stats counters local_lane_*).
+`local_lane_max_connections` connections, of which one tenant holds at most
+`local_lane_max_connections_per_tenant` (a connection's tenant is its first frame's;
+at the cap a new connection takes the place of the oldest that has sent no frame yet,
+so connections that never authenticate cannot hold the lane either); a connection
+holding no shared-memory region is closed after `local_lane_idle_timeout_s` without a
+frame, one holding a region after `local_lane_region_idle_timeout_s` (the client
+registers again on its next call), and a frame that has begun must arrive whole within
+the first; a frame's header and metadata are read and its caller authenticated before
+any of its message is read. Every refusal is answered with a status, logged and counted
+(Stats counters local_lane_*).
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ class LaneLimits:
     group: str = ""  # "": socket 0600, the agent's user (and root) only
     max_connections: int = 64
     idle_timeout_s: float = 30.0
+    max_connections_per_tenant: int = 0  # 0: a quarter of max_connections, at least 1
+    region_idle_timeout_s: float = 600.0
+
+    @property
+    def per_tenant(self) -> int:
+        return self.max_connections_per_tenant or max(1, self.max_connections // 4)
 
 
 @dataclass(slots=True)
@@ -88,6 +99,8 @@ class LaneCounters:
     calls: int = 0  # framed calls answered
     connections: int = 0  # connections accepted
     refused_full: int = 0  # turned away at max_connections
+    refused_tenant_full: int = 0  # first frame of a tenant at max_connections_per_tenant
+    shed_unauthenticated: int = 0  # closed at max_connections to admit a new one
     refused_peer: int = 0  # peer credentials not allowed
     refused_frames: int = 0  # oversized or unauthenticated frames (connection closed)
     idle_closed: int = 0  # closed for idling or a frame that stalled
@@ -97,6 +110,8 @@ class LaneCounters:
             "local_lane_calls": self.calls,
             "local_lane_connections": self.connections,
             "local_lane_refused_full": self.refused_full,
+            "local_lane_refused_tenant_full": self.refused_tenant_full,
+            "local_lane_shed_unauthenticated": self.shed_unauthenticated,
             "local_lane_refused_peer": self.refused_peer,
             "local_lane_refused_frames": self.refused_frames,
             "local_lane_idle_closed": self.idle_closed,
@@ -110,6 +125,7 @@ class _Conn:
     cred: PeerCred
     tenant: Any = _ANY
     regions: set[int] = field(default_factory=set)
+    task: asyncio.Task | None = None  # the one serving it
 
 
 def lane_gid(group: str) -> int | None:
@@ -156,7 +172,7 @@ class LocalLane:
         }
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
-        self._conns: set[_Conn] = set()
+        self._conns: dict[_Conn, None] = {}  # in the order they were admitted
         self.counters = LaneCounters()
 
     async def start(self) -> None:
@@ -202,7 +218,7 @@ class LocalLane:
             pass  # the client went away
         finally:
             if conn is not None:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
                 for rid in conn.regions:  # a region lives as long as its connection
                     self._shm.drop(rid)
                 conn.reader.close_fds()
@@ -212,7 +228,7 @@ class LocalLane:
         """Greet an allowed peer with the lane id; refuse anyone else, with a status."""
         cred = peer_cred(sock)
         refusal = None
-        if len(self._conns) >= self._limits.max_connections:
+        if len(self._conns) >= self._limits.max_connections and not self._shed_silent():
             self.counters.refused_full += 1
             refusal = _error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -233,17 +249,33 @@ class LocalLane:
             return None
         self.counters.connections += 1
         await loop.sock_sendall(sock, lane.response_frame(lane.OK, self.lane_id))
-        conn = _Conn(sock, FrameReader(sock), cred)
-        self._conns.add(conn)
+        conn = _Conn(sock, FrameReader(sock), cred, task=asyncio.current_task())
+        self._conns[conn] = None
         return conn
+
+    def _shed_silent(self) -> bool:
+        """Close the oldest connection that has sent no frame yet (its tenant unknown,
+        so no per-tenant cap holds it), making room; False when every one has."""
+        silent = next((c for c in self._conns if c.tenant is _ANY), None)
+        if silent is None or silent.task is None:
+            return False
+        del self._conns[silent]
+        silent.task.cancel()  # its _serve closes the socket
+        self.counters.shed_unauthenticated += 1
+        log.warning(
+            "local lane full: closed a connection that sent no frame (pid %d)", silent.cred.pid
+        )
+        return True
 
     async def _frames(self, conn: _Conn, loop) -> None:
         idle = self._limits.idle_timeout_s
         while True:
             try:
-                # A connection holding a region is a client's lifeline; others may idle
+                # A connection holding a region is a client's lifeline: it may idle far
+                # longer (its client registers again when it finds it closed); others
                 # for `idle` seconds, and a frame once begun must arrive within it.
-                async with asyncio.timeout(None if conn.regions else idle):
+                wait = self._limits.region_idle_timeout_s if conn.regions else idle
+                async with asyncio.timeout(wait):
                     head = await conn.reader.read(lane.REQUEST_HEADER.size)
                 async with asyncio.timeout(idle):
                     reply, keep = await self._frame(conn, *lane.REQUEST_HEADER.unpack(head))
@@ -270,6 +302,14 @@ class LocalLane:
         except errors.Unauthenticated as exc:
             return self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if conn.tenant is _ANY:
+            if self._tenant_full(tenant):
+                self.counters.refused_tenant_full += 1
+                return self._refuse(
+                    conn,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this tenant holds its limit of {self._limits.per_tenant} local-lane "
+                    "connections (local_lane_max_connections_per_tenant); use gRPC",
+                )
             conn.tenant = tenant
         elif conn.tenant != tenant:
             return self._refuse(
@@ -284,6 +324,14 @@ class LocalLane:
             for fd in fds:
                 os.close(fd)
         return lane.response_frame(status, out), True
+
+    def _tenant_full(self, tenant: str | None) -> bool:
+        """Whether `tenant` holds its share of connections already (development callers
+        without a token, tenant None, are not capped: they may do anything anyway)."""
+        if tenant is None:
+            return False
+        held = sum(1 for c in self._conns if c.tenant == tenant)
+        return held >= self._limits.per_tenant
 
     def _refuse(self, conn: _Conn, code: grpc.StatusCode, details: str) -> tuple[bytes, bool]:
         self.counters.refused_frames += 1

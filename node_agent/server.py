@@ -283,6 +283,8 @@ class AgentServer:
                 self.cfg.local_lane_group,
                 self.cfg.local_lane_max_connections,
                 self.cfg.local_lane_idle_timeout_s,
+                self.cfg.local_lane_max_connections_per_tenant,
+                self.cfg.local_lane_region_idle_timeout_s,
             )
             self.lane = LocalLane(
                 self.servicer,

@@ -261,8 +261,14 @@ class KVClient:
                 deadline - time.monotonic(),
                 fds=(shm.fd,),
             )
-        except KVClientError:
+        except KVClientError as exc:
             ch.close()
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the agent's caps on lane
+                # connections and registered bytes: no shared memory, payloads over gRPC
+                raise KVClientError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"local lane {where.socket}: {exc.details()}",
+                ) from None
             raise
         except LaneBroken as exc:  # the agent went away mid-registration
             ch.close()

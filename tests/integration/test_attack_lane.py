@@ -261,10 +261,18 @@ def test_unauthenticated_frames_are_refused_before_their_body_is_read(spawn_agen
 
 
 def test_connections_beyond_the_cap_are_refused(spawn_agent):
-    agent = secure_agent(spawn_agent, local_lane_max_connections=3)
+    """At the cap, with every connection past its first frame (a silent one would make
+    room: tests/integration/test_attack_lane_memory.py), a new connection is refused."""
+    agent = secure_agent(
+        spawn_agent, local_lane_max_connections=3, local_lane_max_connections_per_tenant=3
+    )
     path = lane_path(agent)
     held = [connect(path) for _ in range(3)]
     assert all(greeting[0] == lane.OK for _, greeting in held)
+    lookup = lane.request_frame(lane.LOOKUP, lane.encode_meta(B_MD), b"")
+    for s, _ in held:  # each authenticated: its tenant known, it holds its slot
+        s.sendall(lookup)
+        read_frame(s)
     s, (status, body) = connect(path)
     with s:
         assert status == code(grpc.StatusCode.RESOURCE_EXHAUSTED) and b"limit of 3" in body

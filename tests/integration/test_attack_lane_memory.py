@@ -1,10 +1,14 @@
-"""Attacks on the local lane's shared-memory registration, each against a real agent
-process and real memfds (docs/security.md, "The local lane"):
+"""Attacks on the local lane's shared-memory registration and its connection slots, each
+against a real agent process and real memfds (docs/security.md, "The local lane"):
 
 - a tenant handed the agent a sparse memfd (2 GiB costing it nothing) that the agent
   then allocated by mapping it populated, on its event loop: now memory whose pages are
   not all allocated is refused, a region's size and a tenant's registered bytes on the
   agent are capped, and the mapping runs on a worker thread;
+- one tenant held every lane connection (a 4 KiB region on each keeps it open): now a
+  tenant holds at most its share, a connection that never authenticates makes room for
+  one that does, and a connection holding a region is closed after a long idle time (the
+  client registers again on its next call);
 - another tenant's region id answered differently from an unknown one: now both are
   the one unknown-region answer."""
 
@@ -19,7 +23,7 @@ import socket
 import grpc
 import torch
 from support.common import make_namespace, prompt_tokens, wait_for
-from support.lane_raw import connect, read_frame
+from support.lane_raw import closed, connect, read_frame
 
 from kvstore import lane
 from kvstore.client import KVClient
@@ -192,3 +196,94 @@ def test_another_tenants_region_id_is_answered_as_an_unknown_one(spawn_agent):
             assert get(acmes)[0] == grpc.StatusCode.NOT_FOUND
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------ F3: lane connections
+def _hold(path: str, fd: int, meta, n: int) -> tuple[list[socket.socket], tuple[int, bytes]]:
+    """Up to `n` lane connections, each holding a 4 KiB region; and the first refusal."""
+    held, refusal = [], (lane.OK, b"")
+    for _ in range(n):
+        s, (greeting, body) = connect(path)
+        if greeting != lane.OK:
+            s.close()
+            return held, (greeting, body)
+        status, body = register(s, fd, 4096, meta)
+        if status != lane.OK:
+            assert closed(s)
+            s.close()
+            return held, (status, body)
+        held.append(s)
+    return held, refusal
+
+
+def test_one_tenant_cannot_take_every_lane_connection(spawn_agent):
+    """Before the fix beta held all local_lane_max_connections (8 here), each kept past
+    the idle timeout by a 4 KiB region, and acme's client found the lane full. Now a
+    tenant holds at most local_lane_max_connections_per_tenant (default a quarter: 2);
+    its next connection is refused at its first frame, and acme's client gets the lane."""
+    agent = secure_agent(spawn_agent, local_lane_max_connections=8)
+    path = lane_path(agent)
+    fd = memfd(4096)
+    held: list[socket.socket] = []
+    try:
+        held, (status, body) = _hold(path, fd, B_MD, 8)
+        assert len(held) == 2, (len(held), body)
+        assert status == code(grpc.StatusCode.RESOURCE_EXHAUSTED), body
+        assert b"local_lane_max_connections_per_tenant" in body, body
+        with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a") as a:
+            assert a.uses_local_lane
+            ns = a.open_namespace(SPEC_A)
+            ids, blocks = a.block_ids(ns, prompt_tokens(5, 2 * BS)), blocks_for(5, 2)
+            assert a.put(ns, ids, blocks).stored == 2
+            assert all(torch.equal(x, y) for x, y in zip(a.get(ns, ids), blocks))
+        # beta's own client past its share is refused the lane and works over gRPC.
+        with KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b") as b:
+            assert not b.uses_shm
+            ns = b.open_namespace(SPEC_B)
+            ids, blocks = b.block_ids(ns, prompt_tokens(5, BS)), blocks_for(5, 1)
+            assert b.put(ns, ids, blocks).stored == 1
+        assert counters(agent)["local_lane_refused_tenant_full"] == 2
+    finally:
+        for s in held:
+            s.close()
+        os.close(fd)
+
+
+def test_connections_that_never_authenticate_make_room_for_one_that_does(spawn_agent):
+    """A connection's tenant is known at its first frame only, so silent connections
+    could fill the lane past every tenant's share (renewed before each idle timeout).
+    Now at the cap a new connection takes the place of the oldest that has sent no
+    frame yet: acme's client gets the lane beside 4 silent ones."""
+    agent = secure_agent(spawn_agent, local_lane_max_connections=4)
+    path = lane_path(agent)
+    silent = [connect(path) for _ in range(4)]
+    try:
+        assert all(greeting[0] == lane.OK for _, greeting in silent)
+        with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a") as a:
+            assert a.uses_local_lane
+            ns = a.open_namespace(SPEC_A)
+            ids, blocks = a.block_ids(ns, prompt_tokens(6, BS)), blocks_for(6, 1)
+            assert a.put(ns, ids, blocks).stored == 1
+        assert closed(silent[0][0])  # the oldest silent one made room
+        assert counters(agent)["local_lane_shed_unauthenticated"] >= 1
+    finally:
+        for s, _ in silent:
+            s.close()
+
+
+def test_an_idle_connection_holding_a_region_is_closed_and_the_client_carries_on(spawn_agent):
+    """Before the fix a connection holding a region was never closed for idling, so
+    regions kept lane slots forever. Now it is closed after
+    local_lane_region_idle_timeout_s without a frame; the client, whose next call finds
+    the connection gone, registers again and the call succeeds, on the lane."""
+    agent = secure_agent(
+        spawn_agent, local_lane_idle_timeout_s=0.5, local_lane_region_idle_timeout_s=1.0
+    )
+    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="a") as a:
+        assert a.uses_local_lane
+        ns = a.open_namespace(SPEC_A)
+        ids, blocks = a.block_ids(ns, prompt_tokens(7, 2 * BS)), blocks_for(7, 2)
+        assert a.put(ns, ids, blocks).stored == 2
+        wait_for(lambda: counters(agent)["local_lane_idle_closed"] >= 1, what="idle close")
+        assert all(torch.equal(x, y) for x, y in zip(a.get(ns, ids), blocks))
+        assert a.reregistrations == 1 and a.uses_local_lane

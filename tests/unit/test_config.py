@@ -199,6 +199,17 @@ def test_a_tenant_may_pin_half_the_pool_by_default_in_whole_slots():
 @pytest.mark.parametrize(
     "settings,match",
     [
+        (
+            {"local_lane_max_connections_per_tenant": 65},
+            r"^local_lane_max_connections_per_tenant must be from 0 \(a quarter of "
+            r"local_lane_max_connections\) to local_lane_max_connections \(64\), got 65",
+        ),
+        ({"local_lane_max_connections_per_tenant": -1}, "local_lane_max_connections_per_tenant"),
+        (
+            {"local_lane_idle_timeout_s": 60, "local_lane_region_idle_timeout_s": 30},
+            r"^local_lane_region_idle_timeout_s must be >= local_lane_idle_timeout_s "
+            r"\(60\.0\), got 30\.0",
+        ),
         ({"local_lane_max_region_bytes": 0}, r"^local_lane_max_region_bytes must be > 0, got 0"),
         (
             {"local_lane_max_region_bytes": "2GiB", "local_lane_max_tenant_region_bytes": "1GiB"},
@@ -215,6 +226,7 @@ def test_lane_caps_are_checked_and_named(settings, match):
 
 def test_lane_region_caps_have_defaults_and_sizes_parse():
     cfg = AgentConfig()
+    assert cfg.local_lane_max_connections_per_tenant == 0  # a quarter of the connections
     assert (cfg.local_lane_max_region_bytes, cfg.local_lane_max_tenant_region_bytes) == (
         1 << 30,
         4 << 30,
