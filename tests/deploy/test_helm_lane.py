@@ -1,7 +1,9 @@
 """The chart's agent.localLane values configure every agent's local lane (issue 18): the
 socket's group (`local_lane_group`: mode 0660 for its members instead of 0600), the
-connection cap and the idle timeout, loaded by the real config loader from the rendered
-agent.yaml; the agent pod belongs to that group so it can hand its socket to it."""
+connection caps (all tenants', one tenant's), the idle timeouts and the staging region
+caps (a region's size, a tenant's regions together), loaded by the real config loader
+from the rendered agent.yaml; the agent pod belongs to that group so it can hand its
+socket to it."""
 
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ def _agent_configs(docs, tmp_path, monkeypatch) -> list[AgentConfig]:
     ]
 
 
+def _limits(c: AgentConfig) -> tuple:
+    return (
+        c.local_lane_max_connections,
+        c.local_lane_max_connections_per_tenant,
+        c.local_lane_idle_timeout_s,
+        c.local_lane_region_idle_timeout_s,
+        c.local_lane_max_region_bytes,
+        c.local_lane_max_tenant_region_bytes,
+    )
+
+
 def _pod_security(docs) -> dict:
     return one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["securityContext"]
 
@@ -38,7 +51,7 @@ def test_lane_defaults_keep_the_socket_to_the_agents_user(helm, values, tmp_path
     cfgs = _agent_configs(docs, tmp_path, monkeypatch)
     assert {(c.local_lane, c.local_lane_group) for c in cfgs} == {(True, "")}
     defaults = AgentConfig()
-    assert {c.local_lane_max_connections for c in cfgs} == {defaults.local_lane_max_connections}
+    assert {_limits(c) for c in cfgs} == {_limits(defaults)}
     assert "supplementalGroups" not in _pod_security(docs)
 
 
@@ -49,13 +62,15 @@ def test_lane_group_and_limits_reach_every_agent(helm, tmp_path, monkeypatch):  
         "agent.localLane.group=2042",
         "agent.localLane.maxConnections=8",
         "agent.localLane.idleTimeoutSeconds=5",
+        "agent.localLane.maxConnectionsPerTenant=3",
+        "agent.localLane.regionIdleTimeoutSeconds=120",
+        "agent.localLane.maxRegionMiB=256",
+        "agent.localLane.maxTenantRegionMiB=512",
     )
     cfgs = _agent_configs(docs, tmp_path, monkeypatch)
     assert len(cfgs) > 1  # production values: several agents per pod, all alike
-    assert {
-        (c.local_lane_group, c.local_lane_max_connections, c.local_lane_idle_timeout_s)
-        for c in cfgs
-    } == {("2042", 8, 5.0)}
+    assert {c.local_lane_group for c in cfgs} == {"2042"}
+    assert {_limits(c) for c in cfgs} == {(8, 3, 5.0, 120.0, 256 << 20, 512 << 20)}
     assert _pod_security(docs)["supplementalGroups"] == [2042]
 
 
@@ -71,6 +86,10 @@ def test_lane_can_be_turned_off(helm, tmp_path, monkeypatch):  # noqa: F811
         ("agent.localLane.group=kvstore-workers", "agent.localLane.group"),
         ("agent.localLane.maxConnections=0", "agent.localLane.maxConnections"),
         ("agent.localLane.idleTimeoutSeconds=0", "agent.localLane.idleTimeoutSeconds"),
+        ("agent.localLane.maxConnectionsPerTenant=-1", "agent.localLane.maxConnectionsPerTenant"),
+        ("agent.localLane.regionIdleTimeoutSeconds=0", "agent.localLane.regionIdleTimeoutSeconds"),
+        ("agent.localLane.maxRegionMiB=0", "agent.localLane.maxRegionMiB"),
+        ("agent.localLane.maxTenantRegionMiB=0", "agent.localLane.maxTenantRegionMiB"),
         ("agent.localLane.mode=0666", "agent.localLane: Additional property mode"),
     ],
 )
