@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import socket
+import threading
 
 import grpc
 import torch
@@ -155,6 +156,41 @@ def test_a_region_and_a_tenants_registered_bytes_are_capped(spawn_agent):
             wait_for(lambda: register(s2, fd, 4 * MiB)[0] == lane.OK, what="room given back")
     finally:
         os.close(big)
+        os.close(fd)
+
+
+def test_the_agent_answers_other_calls_while_it_maps_a_region(spawn_agent):
+    """Before the fix the populated mapping ran on the agent's event loop: nothing else
+    was answered until it was done (4.8 s for the probe's 2 GiB; its etcd lease
+    expired). Now it runs on a worker thread: Stats calls sent meanwhile over gRPC are
+    answered while a 256 MiB registration is still unanswered (counted, not timed)."""
+    agent = secure_agent(spawn_agent)
+    size = 256 * MiB
+    fd = memfd(size)
+    answered, stop = [0], threading.Event()
+
+    def poll(op: KVClient) -> None:
+        while not stop.is_set():
+            op.stats()
+            answered[0] += 1
+
+    try:
+        s, _ = connect(lane_path(agent), timeout=120)
+        with s, KVClient(agent.address, token=TOKENS["_cluster"], use_shm=False) as op:
+            poller = threading.Thread(target=poll, args=(op,), daemon=True)
+            poller.start()
+            wait_for(lambda: answered[0] >= 3, what="stats answered")
+            req = agent_pb2.RegisterShmRequest(size=size).SerializeToString()
+            frame = lane.request_frame(lane.REGISTER, lane.encode_meta(B_MD), req)
+            before = answered[0]
+            socket.send_fds(s, [frame], [fd])
+            status, body = read_frame(s)
+            during = answered[0] - before
+            stop.set()
+            poller.join()
+            assert status == lane.OK, body
+            assert during >= 5, f"{during} Stats answered while the region was mapped"
+    finally:
         os.close(fd)
 
 
