@@ -354,12 +354,12 @@ class AgentConfig:
         if self.nvme_bytes < 0:
             raise ValueError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
         _check_message_bytes(self)
-        _check_lane_limits(self)
         check_listen("listen", self.listen)
         for name in ("metrics_port", "peer_port"):
             _check_port(name, getattr(self, name))
         _distinct_ports(self, "metrics_port", "peer_port")
         check_metrics(self)
+        _check_lane_limits(self)
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_namespaces_per_tenant < 0:
