@@ -22,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
-import hmac
-import json
 import logging
 
 from kvstore.config import TLSConfig
+from kvstore.coord import records
 from kvstore.coord.etcd import NODES, EtcdClient, KeyValue, NodeRecord, WatchEvent
 from node_agent.peer.transport import PeerRef
 
@@ -41,26 +39,25 @@ RECORD_CONTEXT = "kvstore node record v1"
 
 def record_key(agent_token: str) -> bytes:
     """The key agents sign their node records with: SHA-256(context + token)."""
-    return hashlib.sha256(RECORD_CONTEXT.encode() + agent_token.encode()).digest()
+    return records.record_key(RECORD_CONTEXT, agent_token)
 
 
 def record_signature(key: bytes, rec: NodeRecord) -> str:
     """HMAC-SHA256 (hex) over what decides trust: the node id and both addresses, as one
-    JSON array (unambiguous: no field can run into the next)."""
-    signed = json.dumps(
-        [RECORD_CONTEXT, rec.node_id, rec.address, rec.peer_address],
-        separators=(",", ":"),
-        ensure_ascii=True,
-    ).encode()
-    return hmac.new(key, signed, hashlib.sha256).hexdigest()
+    JSON array (unambiguous: no field can run into the next; kvstore/coord/records.py)."""
+    return records.record_hmac(key, RECORD_CONTEXT, rec.node_id, rec.address, rec.peer_address)
 
 
 def record_verifies(key: bytes, rec: NodeRecord) -> bool:
     """Whether `rec`, as it stands, was signed by an agent holding the token that `key`
-    comes from (a signature that is not a string, as a forger may write, is not)."""
-    if not key or not isinstance(rec.signature, str) or not rec.signature:
+    comes from (a signature that is not an ASCII string, as a forger may write, is not)."""
+    if not key:
         return False
-    return hmac.compare_digest(rec.signature, record_signature(key, rec))
+    try:
+        expected = record_signature(key, rec)
+    except ValueError:  # a field JSON cannot carry
+        return False
+    return records.signature_matches(rec.signature, expected)
 
 
 class PeerCredential:

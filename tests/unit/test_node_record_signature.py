@@ -13,7 +13,12 @@ import json
 import pytest
 
 from kvstore.coord.etcd import NODES, KeyValue, NodeRecord, WatchEvent
-from node_agent.peer.credential import PeerCredential, record_key, record_signature
+from node_agent.peer.credential import (
+    PeerCredential,
+    record_key,
+    record_signature,
+    record_verifies,
+)
 from node_agent.peer.transport import PeerRef
 
 TOKEN = "agent-token"
@@ -125,3 +130,16 @@ def test_without_an_agent_token_records_stay_unsigned_and_nothing_is_trusted():
 def test_the_signature_survives_the_etcd_encoding():
     rec = signed()
     assert NodeRecord.from_json(rec.to_json()) == rec
+
+
+def test_a_signature_that_is_not_ascii_is_refused_not_raised():
+    """A forged record whose signature holds non-ASCII text: hmac.compare_digest raises
+    TypeError on such a str, which escaped the etcd follow callback; it is refused like
+    any other forgery."""
+    forged = dataclasses.replace(signed(), signature="\u00e9" * 64)
+    cred = follower(("agent-0", forged.to_json()))
+    assert cred.for_pull(PEER, CALLER) == CALLER
+    cred._apply([WatchEvent(NODES + "agent-0", forged.to_json(), 2, False)])
+    assert cred.for_pull(PEER, CALLER) == CALLER
+    assert record_verifies(record_key(TOKEN), signed())
+    assert not record_verifies(record_key(TOKEN), forged)
