@@ -441,12 +441,23 @@ class RouterConfig:
     # A file holding the engine record key, the one the engines' registrars sign their
     # etcd records with (vllm_serve --record-key-file; docs/security.md, Engine records):
     # the gateway forwards to, and the KV-event subscriber follows, only records that
-    # verify. "": every record is taken as it stands (a warning at start).
+    # verify. "": every record is taken as it stands (a warning once a gateway starts or
+    # a record appears).
     engine_record_key_file: str = ""
+    # With the key, what of a record that carries no signature at all: "refuse" (it is
+    # treated as absent) or "accept" (taken, logged once per etcd key and counted: while
+    # registrars are being given the key, e.g. the first step of a chart upgrade). A
+    # record whose signature does not verify is refused either way.
+    engine_record_unsigned: str = "refuse"
     # mTLS on the router's port, to the agents' event streams and to etcd.
     tls: TLSConfig = field(default_factory=TLSConfig, metadata={"env_prefix": "KVSTORE_TLS_"})
 
     def __post_init__(self) -> None:
+        if self.engine_record_unsigned not in ("refuse", "accept"):
+            raise ValueError(
+                "engine_record_unsigned must be refuse or accept, got "
+                f"{self.engine_record_unsigned!r}"
+            )
         if not 0 <= self.engine_local_price < 1:
             raise ValueError("engine_local_price must be in [0, 1)")
         if self.max_inflight_per_tenant < 0:

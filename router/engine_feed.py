@@ -253,24 +253,7 @@ class EngineFeed:
         self.board.remove(engine_id)
 
     def _reset(self, items: list[KeyValue]) -> None:
-        seen = set()
-        for kv in items:
-            rec = self.records.read(kv.key, kv.value)
-            if rec is not None:
-                seen.add(rec.engine_id)
-                self.upsert(rec)
-        for engine_id in list(self.board.engines):
-            if engine_id not in seen:
-                self.remove(engine_id)
+        self.records.reset(items, self.board.engines, self.upsert, self.remove)
 
     def _apply(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.deleted:
-                self.records.forget(ev.key)
-                self.remove(ev.key[len(ENGINES) :])
-                continue
-            rec = self.records.read(ev.key, ev.value)
-            if rec is not None:
-                self.upsert(rec)
-            else:  # what the key holds now is no engine to follow
-                self.remove(ev.key[len(ENGINES) :])
+        self.records.apply(events, self.upsert, self.remove)

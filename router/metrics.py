@@ -25,6 +25,8 @@ Exposed names:
                                          because they do not verify under the engine record
                                          key (reader: router, the KV-event subscriber;
                                          gateway, its forwards)
+  kvstore_router_engine_records_unsigned{reader} engines/ records taken now without a
+                                         signature (engine_record_unsigned: accept)
   kvstore_rpc_duration_seconds{method}   (kvstore/coord/telemetry.RpcTelemetry)
 """
 
@@ -110,6 +112,12 @@ class RouterMetrics:
             description="Engine records in etcd ignored because they do not verify under "
             "the engine record key (forged, copied and changed, or unsigned)",
         )
+        meter.create_observable_gauge(
+            "kvstore_router_engine_records_unsigned",
+            [self._records_unsigned],
+            description="Engine records in etcd taken without a signature "
+            "(engine_record_unsigned: accept); 0 before setting refuse",
+        )
 
     def decision(self, chosen) -> None:
         """Count one routing decision; `chosen` is the winning Candidate."""
@@ -161,6 +169,9 @@ class RouterMetrics:
 
     def _records_refused(self, options: CallbackOptions):
         return [Observation(r.refused, {"reader": n}) for n, r in self.records.items()]
+
+    def _records_unsigned(self, options: CallbackOptions):
+        return [Observation(r.unsigned, {"reader": n}) for n, r in self.records.items()]
 
     def _nodes(self, options: CallbackOptions):
         states = [st.synced for st in list(self.core.nodes.values())]

@@ -240,7 +240,7 @@ class RouterServer:
         Weights.from_config(self.cfg)  # validated once, before serving
         # The gateway's files (tokenizers, API keys, secrets, TLS) are read before anything
         # waits for etcd: a bad one stops the router at once, saying which.
-        self.engine_records = engine_record_readers(self.cfg)
+        self.engine_records = engine_record_readers(self.cfg, self.gateway_cfg is not None)
         built = self._build_gateway(self.gateway_cfg) if self.gateway_cfg is not None else None
         self.telemetry = RouterTelemetry(self.cfg, self.core, self.engine_records)
         # The edge last: undecodable requests and unexpected errors get a precise status
@@ -331,19 +331,32 @@ class RouterServer:
         log.info("router %s stopped", self.cfg.router_id)
 
 
-def engine_record_readers(cfg: RouterConfig) -> dict[str, EngineRecordReader]:
+def engine_record_readers(
+    cfg: RouterConfig, gateway: bool = False
+) -> dict[str, EngineRecordReader]:
     """One reader of engines/ for the KV-event subscriber ("router") and one for the
     gateway, with the key from engine_record_key_file (StartupError naming the file when
-    it cannot be read); without one, a warning: records are taken as they stand."""
+    it cannot be read). Without one, records are taken as they stand: said at start when
+    this router runs a gateway (it forwards prompts by them), else when a record appears."""
     secret = read_token_file("engine_record_key_file", cfg.engine_record_key_file)
-    if not secret:
+    key = engine_record_key(secret) if secret else b""
+    accept = cfg.engine_record_unsigned == "accept"
+    if not key and gateway:
         log.warning(
             "engine records are not authenticated (no engine_record_key_file): whoever can "
             "write etcd can point the gateway's requests and the KV-event subscriber at a "
             "server of theirs (docs/security.md, Engine records)"
         )
-    key = engine_record_key(secret) if secret else b""
-    return {"router": EngineRecordReader(key), "gateway": EngineRecordReader(key)}
+    elif key and accept:
+        log.warning(
+            "engine records without a signature are taken (engine_record_unsigned: accept), "
+            "as are those that verify: set refuse once every registrar has the key "
+            "(docs/security.md, Engine records)"
+        )
+    return {
+        name: EngineRecordReader(key, accept, said_unauthenticated=gateway)
+        for name in ("router", "gateway")
+    }
 
 
 async def serve(

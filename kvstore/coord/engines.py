@@ -19,19 +19,27 @@ text), over every other field of the record as written (canonical JSON: sorted k
 spaces, ASCII), so no field that directs traffic (url, engine_id, node_id, models,
 namespace, KV-event endpoints, device, block_size) nor one added later can be changed
 or added without the key. Readers configured with the key (the router's
-`engine_record_key_file`) take only records that verify (EngineRecordReader).
+`engine_record_key_file`) take only records that verify (EngineRecordReader), or, with
+`engine_record_unsigned: accept` (while registrars are being given the key), also those
+that carry no signature at all; a signature that does not verify is refused either way.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
-from kvstore.coord.records import json_object, record_from_dict, record_from_json
+from kvstore.coord.records import (
+    json_object,
+    record_from_dict,
+    record_from_json,
+    record_hmac,
+    record_key,
+    signature_matches,
+)
 
 __all__ = [
     "ENGINES",
@@ -101,44 +109,53 @@ class RecordNotSigned(ValueError):
     """An engine record without a signature that verifies under the reader's key."""
 
 
+class _Put(Protocol):  # kvstore.coord.etcd.KeyValue (that module imports this one)
+    @property
+    def key(self) -> str: ...
+    @property
+    def value(self) -> bytes: ...
+
+
+class _Change(_Put, Protocol):  # kvstore.coord.etcd.WatchEvent
+    @property
+    def deleted(self) -> bool: ...
+
+
 def engine_record_key(secret: str) -> bytes:
     """The HMAC key of engine records: SHA-256(context + the key file's text)."""
-    return hashlib.sha256(RECORD_CONTEXT.encode() + secret.encode()).digest()
+    return record_key(RECORD_CONTEXT, secret)
 
 
 def record_signature(key: bytes, data: dict[str, Any]) -> str:
     """HMAC-SHA256 (hex) over the context and every field of `data` but `signature`, as
-    canonical JSON (one encoding per record: no field can run into the next). ValueError
-    for what JSON cannot carry (NaN), as a forger may write."""
-    body = {k: v for k, v in data.items() if k != SIGNATURE}
-    signed = json.dumps(
-        [RECORD_CONTEXT, body],
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=True,
-        allow_nan=False,
-    ).encode()
-    return hmac.new(key, signed, hashlib.sha256).hexdigest()
+    canonical JSON (kvstore/coord/records.py). ValueError for what JSON cannot carry
+    (NaN), as a forger may write."""
+    return record_hmac(key, RECORD_CONTEXT, {k: v for k, v in data.items() if k != SIGNATURE})
 
 
 def _verifies(key: bytes, data: dict[str, Any]) -> bool:
-    sig = data.get(SIGNATURE)
-    if not isinstance(sig, str) or not sig:
-        return False
     try:
         expected = record_signature(key, data)
     except ValueError:
         return False
-    return hmac.compare_digest(sig.encode(), expected.encode())  # constant time
+    return signature_matches(data.get(SIGNATURE), expected)  # constant time
 
 
-def read_engine_record(raw: bytes, key: bytes = b"") -> EngineRecord:
-    """The record in `raw`; with `key`, only when its signature verifies (RecordNotSigned
-    otherwise). ValueError for a value that is no engine record."""
+def read_engine_record(raw: bytes, key: bytes = b"", accept_unsigned: bool = False) -> EngineRecord:
+    """The record in `raw`; with `key`, only when its signature verifies, or, with
+    `accept_unsigned`, when it carries no signature at all (RecordNotSigned otherwise: a
+    signature that does not verify is refused in every mode). ValueError for a value
+    that is no engine record."""
+    return _read(raw, key, accept_unsigned)[0]
+
+
+def _read(raw: bytes, key: bytes, accept_unsigned: bool) -> tuple[EngineRecord, bool]:
+    """The record and whether it was taken without a signature under `key`."""
     data = json_object(raw, "engine record")
-    if key and not _verifies(key, data):
+    unsigned = bool(key) and accept_unsigned and SIGNATURE not in data
+    if key and not unsigned and not _verifies(key, data):
         raise RecordNotSigned("not signed with the engine record key")
-    return record_from_dict(EngineRecord, data, "engine record")
+    return record_from_dict(EngineRecord, data, "engine record"), unsigned
 
 
 class EngineRecordReader:
@@ -146,16 +163,35 @@ class EngineRecordReader:
     takes them: a record that does not decode, or sits under another engine's key, or
     (with a key) does not verify, is None. Refusals of unsigned or forged records are
     counted (`refused`, a metric) and logged once per key until the key is deleted or
-    holds a record that verifies; neither the key nor a signature is ever logged."""
+    holds a record that verifies; neither the key nor a signature is ever logged.
 
-    def __init__(self, key: bytes = b"") -> None:
+    `accept_unsigned` (the router's `engine_record_unsigned: accept`, while registrars
+    are being given the key): a record with no `signature` field is taken, logged once
+    per key and counted (`unsigned`: the etcd keys holding one now, a metric); one whose
+    signature does not verify is still refused. Without a key every record is taken as
+    it stands, and the first one read logs that records are not authenticated (unless
+    `said_unauthenticated`: the router said so at start)."""
+
+    def __init__(
+        self, key: bytes = b"", accept_unsigned: bool = False, said_unauthenticated: bool = False
+    ) -> None:
         self.key = key
+        self.accept_unsigned = accept_unsigned
         self.refused = 0
         self._said: set[str] = set()
+        self._unsigned: set[str] = set()  # etcd keys whose record was taken unsigned
+        self._said_unauthenticated = said_unauthenticated
+
+    @property
+    def unsigned(self) -> int:
+        """How many engines/ keys hold a record taken without a signature now."""
+        return len(self._unsigned)
 
     def read(self, etcd_key: str, value: bytes) -> EngineRecord | None:
+        was_unsigned = etcd_key in self._unsigned
+        self._unsigned.discard(etcd_key)
         try:
-            rec = read_engine_record(value, self.key)
+            rec, unsigned = _read(value, self.key, self.accept_unsigned)
         except RecordNotSigned:
             self.refused += 1
             if etcd_key not in self._said:
@@ -173,8 +209,68 @@ class EngineRecordReader:
             log.warning("ignoring engine record %s: it names engine %r", etcd_key, rec.engine_id)
             return None
         self._said.discard(etcd_key)
+        if unsigned:
+            self._unsigned.add(etcd_key)
+            if not was_unsigned:
+                log.warning(
+                    "engine record %s is unsigned and taken (engine_record_unsigned: accept): "
+                    "give its registrar the engine record key (--record-key-file) before "
+                    "the routers refuse unsigned records",
+                    etcd_key,
+                )
+        elif not self.key and not self._said_unauthenticated:
+            self._said_unauthenticated = True
+            log.warning(
+                "engine records are not authenticated (no engine_record_key_file): whoever "
+                "can write etcd can point the gateway's requests and the KV-event subscriber "
+                "at a server of theirs (docs/security.md, Engine records)"
+            )
         return rec
 
     def forget(self, etcd_key: str) -> None:
         """The key was deleted: a later refusal under it is logged again."""
         self._said.discard(etcd_key)
+        self._unsigned.discard(etcd_key)
+
+    # ------------------------------------------------------------ following engines/
+    # The gateway's EngineSet and the router's EngineFeed follow engines/ the same way:
+    # what they add or drop for each record is theirs (`upsert`, `remove`).
+
+    def reset(
+        self,
+        items: Iterable[_Put],
+        known: Iterable[str],
+        upsert: Callable[[EngineRecord], None],
+        remove: Callable[[str], None],
+    ) -> None:
+        """A listing of engines/: upsert what it holds that reads, then remove the engine
+        ids of `known` (read after, a live view) that it does not."""
+        items = list(items)
+        listed = {kv.key for kv in items}
+        for etcd_key in (self._said | self._unsigned) - listed:  # deleted while away
+            self.forget(etcd_key)
+        seen = set()
+        for kv in items:
+            rec = self.read(kv.key, kv.value)
+            if rec is not None:
+                seen.add(rec.engine_id)
+                upsert(rec)
+        for engine_id in [e for e in known if e not in seen]:
+            remove(engine_id)
+
+    def apply(
+        self,
+        events: Iterable[_Change],
+        upsert: Callable[[EngineRecord], None],
+        remove: Callable[[str], None],
+    ) -> None:
+        """Watch events on engines/: a record that reads is upserted; a deleted key, or
+        one now holding no engine to take, removes its engine."""
+        for ev in events:
+            rec = None if ev.deleted else self.read(ev.key, ev.value)
+            if ev.deleted:
+                self.forget(ev.key)
+            if rec is not None:
+                upsert(rec)
+            else:
+                remove(ev.key[len(ENGINES) :])

@@ -552,14 +552,18 @@ class EtcdClient:
                 log.warning("ignoring malformed node record %s: %s", kv.key, exc)
         return out
 
-    async def register_engine(self, record: EngineRecord, lease: int) -> None:
-        """Write engines/<id> under `lease` (the registrar owns its engine id)."""
-        await self.put(ENGINES + record.engine_id, record.to_json(), lease)
+    async def register_engine(self, record: EngineRecord, lease: int, key: bytes = b"") -> None:
+        """Write engines/<id> under `lease` (the registrar owns its engine id), signed with
+        `key` (engine_record_key; b"": unsigned, which routers with a key refuse unless
+        their engine_record_unsigned is accept)."""
+        await self.put(ENGINES + record.engine_id, record.to_json(key), lease)
 
     async def deregister_engine(self, engine_id: str) -> bool:
         return await self.delete(ENGINES + engine_id)
 
     async def list_engines(self) -> builtins.list[EngineRecord]:
+        """Every engines/ record that decodes, UNVERIFIED (no signature is checked: for
+        listings; the gateway and the router read through EngineRecordReader)."""
         _, items = await self.list(ENGINES)
         out = []
         for kv in items:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.coord.engines import ENGINES, EngineRecord, EngineRecordReader
+from kvstore.coord.engines import EngineRecord, EngineRecordReader
 from kvstore.coord.etcd import KeyValue, WatchEvent
 
 __all__ = ["EngineSet", "EngineState", "Pick"]
@@ -62,27 +62,10 @@ class EngineSet:
 
     # ------------------------------------------------------------ from etcd
     def reset(self, items: list[KeyValue]) -> None:
-        seen = set()
-        for kv in items:
-            rec = self.records.read(kv.key, kv.value)
-            if rec is not None:
-                seen.add(rec.engine_id)
-                self.upsert(rec)
-        for engine_id in set(self.engines) - seen:
-            self.remove(engine_id)
+        self.records.reset(items, self.engines, self.upsert, self.remove)
 
     def apply(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            engine_id = ev.key[len(ENGINES) :]
-            if ev.deleted:
-                self.records.forget(ev.key)
-                self.remove(engine_id)
-                continue
-            rec = self.records.read(ev.key, ev.value)
-            if rec is not None:
-                self.upsert(rec)
-            else:  # what the key holds now is not an engine to forward to
-                self.remove(engine_id)
+        self.records.apply(events, self.upsert, self.remove)
 
     def upsert(self, rec: EngineRecord) -> None:
         if self.refuse_plaintext and not rec.url.startswith("https://"):

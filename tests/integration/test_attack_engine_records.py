@@ -8,21 +8,29 @@ the attacker's (a stand-in with no registrar; a TCP listener for the event socke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from support.attack import etcd_delete, etcd_items, etcd_put
 from support.common import wait_for
-from support.gateway import MODEL, SPEC, StandIn, bare_standin, stop_proc, write_word_tokenizer
+from support.gateway import (
+    MODEL,
+    SPEC,
+    StandIn,
+    bare_standin,
+    register_engine,
+    stop_proc,
+    write_word_tokenizer,
+)
 
 from kvstore import devcluster
-from kvstore.coord.engines import ENGINES, EngineRecord, engine_record_key
+from kvstore.coord.engines import ENGINES, EngineRecord, engine_record_key, read_engine_record
 from kvstore.devcluster import UpOptions, engine_record_key_file
 
 ACME = {"authorization": "Bearer key-acme"}
@@ -177,12 +185,62 @@ def test_the_event_subscriber_follows_no_forged_record(world):
         kv_events_replay_endpoint=f"tcp://*:{replay.port}",
     )
     etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json())
-    _settled(gw, etcd)
-    time.sleep(2.0)  # a subscriber connects as soon as it takes a record
+    # The control, written after it: a signed record with listeners of its own. The
+    # feed takes etcd's events in order and starts a subscriber at once for each record
+    # it takes, so once the control's is connected, one for the forged record would
+    # have been started before it.
+    ctl_pub, ctl_replay = Listener(), Listener()
+    control = dataclasses.replace(
+        forged,
+        engine_id="ctl",
+        url="http://127.0.0.1:9",
+        kv_events_endpoint=f"tcp://*:{ctl_pub.port}",
+        kv_events_replay_endpoint=f"tcp://*:{ctl_replay.port}",
+    )
+    etcd_put(etcd.endpoint, ENGINES + "ctl", control.to_json(engine_record_key(SECRET)))
+    wait_for(lambda: ctl_pub.accepted > 0, 20, 0.1, what="the signed control followed")
     assert (pub.accepted, replay.accepted) == (0, 0)
     assert _refused(gw, "router") == 1
     etcd_put(etcd.endpoint, ENGINES + "evil", forged.to_json(engine_record_key(SECRET)))
     wait_for(lambda: pub.accepted > 0, 20, 0.1, what="the signed record followed")
+
+
+def _unsigned(gw, reader: str) -> float:
+    m = re.search(
+        rf'^kvstore_router_engine_records_unsigned\{{[^}}]*reader="{reader}"[^}}]*\}} (\S+)$',
+        gw.metrics(),
+        re.M,
+    )
+    return float(m.group(1)) if m else 0.0
+
+
+def test_accepting_unsigned_records_routes_an_old_registrar_and_refuses_bad_signatures(
+    tmp_path, etcd, start_gateway, start_standin
+):
+    """The first step of an upgrade (the chart's auth.engineRecords: sign): routers with
+    the key and `engine_record_unsigned: accept` keep routing to an engine whose
+    registrar has no key yet (it ran before the upgrade), logged once and counted; a
+    record whose signature does not verify still gets nothing."""
+    key_file = tmp_path / "engine-record-key"
+    key_file.write_text(SECRET + "\n")
+    tok = str(write_word_tokenizer(tmp_path / "tok"))
+    router = {"engine_record_key_file": str(key_file), "engine_record_unsigned": "accept"}
+    gw = start_gateway({MODEL: tok}, router=router)
+    w0 = start_standin("w0", MODEL)  # a registrar without --record-key-file
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the unsigned engine in the gateway")
+    bait = Bait(tmp_path / "bait")
+    try:
+        data = json.loads(EngineRecord("evil", bait.url, (MODEL,), "node-evil").to_json())
+        data["signature"] = "00" * 32
+        etcd_put(etcd.endpoint, ENGINES + "evil", json.dumps(data).encode())
+        _settled(gw, etcd)
+        assert _send(gw, 4) == [200] * 4
+        assert bait.seen() == [] and len(w0.seen()) == 4
+        assert (_unsigned(gw, "gateway"), _unsigned(gw, "router")) == (1, 1)
+        assert (_refused(gw, "gateway"), _refused(gw, "router")) == (1, 1)
+        assert gw.log.count("engine record engines/w0 is unsigned and taken") == 2
+    finally:
+        stop_proc(bait.proc)
 
 
 @pytest.fixture
@@ -226,3 +284,14 @@ def test_the_dev_cluster_takes_only_records_signed_with_its_key(tmp_path, dev_cl
     finally:
         w0.stop()
         stop_proc(bait.proc)
+
+
+def test_register_engine_signs_with_the_key_it_is_given(etcd):
+    """EtcdClient.register_engine (the tests' registrar of HTTPS engines) writes what the
+    registrar writes: signed with `key`, unsigned without one."""
+    rec = EngineRecord("e0", "http://127.0.0.1:9", (MODEL,), "node-0")
+    register_engine(etcd.endpoint, rec, engine_record_key(SECRET))
+    raw = etcd_items(etcd.endpoint)[ENGINES + "e0"]
+    assert read_engine_record(raw, engine_record_key(SECRET)) == rec
+    register_engine(etcd.endpoint, rec)
+    assert "signature" not in json.loads(etcd_items(etcd.endpoint)[ENGINES + "e0"])

@@ -241,16 +241,17 @@ def sse_events(raw: bytes) -> list[dict]:
     return out
 
 
-def register_engine(etcd_endpoint: str, record) -> None:
+def register_engine(etcd_endpoint: str, record, key: bytes = b"") -> None:
     """Write an EngineRecord to etcd as a registrar would (no lease: the test's etcd
-    goes away with it), for engines the registrar does not health-check (HTTPS)."""
+    goes away with it), signed with `key` (engine_record_key; b"": unsigned), for
+    engines the registrar does not health-check (HTTPS)."""
     import asyncio
 
     from kvstore.coord.etcd import EtcdClient
 
     async def main() -> None:
         async with EtcdClient(etcd_endpoint) as client:
-            await client.register_engine(record, 0)
+            await client.register_engine(record, 0, key)
 
     asyncio.run(main())
 

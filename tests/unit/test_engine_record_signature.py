@@ -129,3 +129,112 @@ def test_the_gateway_drops_an_engine_whose_key_now_holds_a_forged_record():
     unsigned = EngineSet(4, 5.0)  # no key: as before, every record is taken
     unsigned.reset([KeyValue(ENGINES + "e0", REAL.to_json(), 1)])
     assert list(unsigned.engines) == ["e0"]
+
+
+# ---- engine_record_unsigned: accept (a chart upgrade's first step) ----------------------
+
+
+def test_accept_unsigned_takes_an_unsigned_record_logged_once_per_key_and_counted(caplog):
+    """While registrars are being given the key, routers with `engine_record_unsigned:
+    accept` take records that carry no signature: each etcd key is logged once and
+    counted (`unsigned`, the etcd keys holding one now) until it holds a signed record
+    or is deleted."""
+    reader = EngineRecordReader(KEY, accept_unsigned=True)
+    unsigned = REAL.to_json()
+    assert "signature" not in json.loads(unsigned)
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert reader.read(ENGINES + "e0", unsigned) == REAL
+        assert reader.read(ENGINES + "e0", unsigned) == REAL  # rewritten: said once
+        other = EngineRecord("e1", "http://10.0.0.6:8000", ("tiny",), "agent-1")
+        assert reader.read(ENGINES + "e1", other.to_json()) == other
+    said = [r.getMessage() for r in caplog.records if "is unsigned and taken" in r.getMessage()]
+    assert len(said) == 2 and "engines/e0" in said[0] and "engines/e1" in said[1]
+    assert (reader.unsigned, reader.refused) == (2, 0)
+    assert reader.read(ENGINES + "e0", REAL.to_json(KEY)) == REAL  # the registrar signs now
+    assert reader.unsigned == 1
+    reader.forget(ENGINES + "e1")  # deleted
+    assert reader.unsigned == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):  # unsigned again: said again
+        assert reader.read(ENGINES + "e0", unsigned) == REAL
+    assert "is unsigned and taken" in caplog.text and reader.unsigned == 1
+
+
+@pytest.mark.parametrize("accept_unsigned", [False, True], ids=["refuse", "accept"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"url": "http://10.6.6.6:8000"},
+        {"added_by_a_forger": "x"},
+        {"signature": "0" * 64},
+        {"signature": ""},
+        {"signature": [1]},
+        {"signature": 7},
+        {"signature": "\u00e9" * 64},  # not ASCII
+    ],
+    ids=lambda c: f"{next(iter(c))}={next(iter(c.values()))!r}"[:40],
+)
+def test_a_signature_that_does_not_verify_is_refused_in_every_mode(change, accept_unsigned):
+    """A record that carries a signature field at all must verify, whether or not
+    unsigned records are accepted: accept mode lets old registrars in, not forgeries of
+    signed records."""
+    with pytest.raises(RecordNotSigned):
+        read_engine_record(changed(**change), KEY, accept_unsigned)
+    reader = EngineRecordReader(KEY, accept_unsigned)
+    assert reader.read(ENGINES + "e0", changed(**change)) is None
+    assert (reader.refused, reader.unsigned) == (1, 0)
+
+
+def test_the_gateway_in_accept_mode_routes_unsigned_engines_and_drops_forged_ones():
+    engines = EngineSet(4, 5.0, records=EngineRecordReader(KEY, accept_unsigned=True))
+    engines.reset([KeyValue(ENGINES + "e0", REAL.to_json(), 1)])
+    assert list(engines.engines) == ["e0"]
+    engines.apply([WatchEvent(ENGINES + "e0", changed(url="http://10.6.6.6:8000"), 2, False)])
+    assert engines.engines == {}
+    engines.apply([WatchEvent(ENGINES + "e0", REAL.to_json(KEY), 3, False)])
+    assert engines.engines["e0"].record == REAL
+    assert engines.records.unsigned == 0
+
+
+def test_without_a_key_the_first_record_says_records_are_not_authenticated(caplog):
+    """A router without a gateway says nothing at start (router/server.py); its reader
+    says it when an engine record first appears, once."""
+    reader = EngineRecordReader()
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert reader.read(ENGINES + "e0", REAL.to_json()) == REAL
+        assert reader.read(ENGINES + "e0", REAL.to_json(KEY)) == REAL
+    assert caplog.text.count("not authenticated") == 1
+    caplog.clear()
+    said = EngineRecordReader(said_unauthenticated=True)  # the router said so at start
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert said.read(ENGINES + "e0", REAL.to_json()) == REAL
+    assert "not authenticated" not in caplog.text
+
+
+def test_the_router_says_records_are_unauthenticated_at_start_only_with_a_gateway(caplog, tmp_path):
+    from kvstore.config import RouterConfig
+    from router.server import engine_record_readers
+
+    with caplog.at_level(logging.WARNING):
+        readers = engine_record_readers(RouterConfig())
+    assert "not authenticated" not in caplog.text  # no gateway, no engine yet: nothing
+    with caplog.at_level(logging.WARNING):
+        readers["router"].read(ENGINES + "e0", REAL.to_json())  # an engine appears
+    assert caplog.text.count("not authenticated") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        readers = engine_record_readers(RouterConfig(), gateway=True)
+        for reader in readers.values():
+            reader.read(ENGINES + "e0", REAL.to_json())
+    assert caplog.text.count("not authenticated") == 1  # at start, not again
+    key_file = tmp_path / "key"
+    key_file.write_text(SECRET)
+    caplog.clear()
+    cfg = RouterConfig(engine_record_key_file=str(key_file), engine_record_unsigned="accept")
+    with caplog.at_level(logging.WARNING):
+        readers = engine_record_readers(cfg, gateway=True)
+    assert "engine_record_unsigned: accept" in caplog.text
+    assert "not authenticated" not in caplog.text
+    assert all(r.key == KEY and r.accept_unsigned for r in readers.values())
+    with pytest.raises(ValueError, match="engine_record_unsigned"):
+        RouterConfig(engine_record_unsigned="maybe")
