@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
+
+import pytest
+import yaml
 
 from kvstore.config import RouterConfig
 from kvstore.coord.engines import engine_record_key, read_engine_record
 from kvstore.integrations.vllm_serve import engine_record, parse_args, record_key
 
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
+    CHART,
     FIELD_REFS,
     agent_containers,
     helm,
@@ -21,6 +26,7 @@ from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     one,
     render,
     render_error,
+    run_helm,
 )
 
 GATEWAY = "gateway-values.yaml"
@@ -106,3 +112,114 @@ def test_a_key_with_whitespace_is_refused(helm):  # noqa: F811
     """The registrar and the router strip the file's text: a key with spaces would be
     read as another key by one of them."""
     assert "engineRecordKey" in render_error(helm, GATEWAY, "auth.engineRecordKey=two words")
+
+
+# ---- auth.engineRecords: staging signatures through an upgrade -------------------------
+
+
+def _modes(docs, tmp_path, monkeypatch) -> tuple[set[str], list[bool]]:
+    """(the routers' and gateways' engine_record_unsigned, whether each engine container's
+    registrar is given --record-key-file), as the processes would read them."""
+    unsigned = set()
+    for suffix in ("-router", "-gateway"):
+        c = one(docs, "Deployment", suffix)["spec"]["template"]["spec"]["containers"][0]
+        cfg = load_as_container(
+            docs, c, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+        )
+        assert cfg.engine_record_key_file  # the key is there in every mode
+        unsigned.add(cfg.engine_record_unsigned)
+    signing = []
+    for c in one(docs, "DaemonSet", "-engine")["spec"]["template"]["spec"]["containers"]:
+        cmd = c["command"]
+        own = [a.replace("$(POD_IP)", FIELD_REFS["status.podIP"]) for a in cmd[3 : cmd.index("--")]]
+        args, _ = parse_args(own)
+        signing.append(args.record_key_file is not None)
+    return unsigned, signing
+
+
+@pytest.mark.parametrize(
+    "mode, unsigned, signs",
+    [
+        ("", "refuse", True),  # a fresh install: verify
+        ("verify", "refuse", True),
+        ("sign", "accept", True),
+        ("unsigned", "accept", False),  # an engine image without --record-key-file
+    ],
+)
+def test_each_engine_records_mode_renders(helm, tmp_path, monkeypatch, mode, unsigned, signs):  # noqa: F811
+    docs = render(helm, GATEWAY, "agent.gpusPerNode=2", f"auth.engineRecords={mode}")
+    assert _modes(docs, tmp_path, monkeypatch) == ({unsigned}, [signs, signs])
+
+
+def test_an_unknown_engine_records_mode_is_refused(helm):  # noqa: F811
+    assert "engineRecords" in render_error(helm, GATEWAY, "auth.engineRecords=off")
+
+
+def _upgrade(helm, tmp_path, live: str, *sets: str) -> tuple[str, str]:  # noqa: F811
+    """(router.yaml, NOTES) as `helm upgrade` renders them over a running release whose
+    router.yaml is `live`: `helm template` reaches no cluster, so a copy of the chart has
+    the lookup of the running ConfigMap replaced by `live` (and NOTES rendered into a
+    ConfigMap of its own)."""
+    chart = tmp_path / "kvstore"
+    shutil.rmtree(chart, ignore_errors=True)
+    shutil.copytree(CHART, chart)
+    helpers = chart / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    lookup = next(line for line in text.splitlines() if "lookup" in line and "router.yaml" in line)
+    helpers.write_text(text.replace(lookup, "{{- " + json.dumps(live) + " -}}"))
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
+    )
+    args = ["--is-upgrade", "-f", str(CHART / "ci" / GATEWAY)]
+    for s in sets:
+        args += ["--set", s]
+    out = {}
+    for show in ("configmap.yaml", "zz-notes.yaml"):
+        proc = run_helm(helm, "template", *args, "--show-only", f"templates/{show}", chart=chart)
+        assert proc.returncode == 0, proc.stderr
+        out[show] = yaml.safe_load(proc.stdout)["data"]
+    return out["configmap.yaml"]["router.yaml"], out["zz-notes.yaml"]["notes"]
+
+
+BEFORE_SIGNING = "router_id: router-0\nallow_unauthenticated: false\n"
+SIGNING = "router_id: router-0\nengine_record_key_file: /etc/kvstore/engine-record-key/key\n"
+
+
+def _router_unsigned(router_yaml: str) -> str:
+    return yaml.safe_load(router_yaml)["engine_record_unsigned"]
+
+
+def test_an_upgrade_from_a_release_before_signing_accepts_unsigned_records_first(
+    helm,  # noqa: F811
+    tmp_path,
+):
+    """The running routers hold no key: the upgraded routers, which restart within
+    seconds, keep taking the engines' unsigned records while the engines restart one by
+    one to sign theirs (no 503 in between); NOTES says how to finish."""
+    router, notes = _upgrade(helm, tmp_path, BEFORE_SIGNING)
+    assert _router_unsigned(router) == "accept"
+    assert "engine records: sign" in notes and "auth.engineRecords=verify" in notes
+    # the next upgrade, with the value still empty, keeps it: never verify by itself
+    router, _ = _upgrade(helm, tmp_path, router)
+    assert _router_unsigned(router) == "accept"
+    # the operator's word, once the engines sign
+    router, notes = _upgrade(helm, tmp_path, router, "auth.engineRecords=verify")
+    assert _router_unsigned(router) == "refuse" and "engine records:" not in notes
+    router, _ = _upgrade(helm, tmp_path, router)
+    assert _router_unsigned(router) == "refuse"
+
+
+def test_an_upgrade_keeps_the_running_releases_mode(helm, tmp_path):  # noqa: F811
+    # a release that verified (the first signing release wrote no mode): verify
+    router, notes = _upgrade(helm, tmp_path, SIGNING)
+    assert _router_unsigned(router) == "refuse" and "engine records:" not in notes
+    # unsigned (an old engine image) stays unsigned until the operator says otherwise
+    was, _ = _upgrade(helm, tmp_path, BEFORE_SIGNING, "auth.engineRecords=unsigned")
+    router, notes = _upgrade(helm, tmp_path, was)
+    assert "auth.engineRecords: unsigned" in router and _router_unsigned(router) == "accept"
+    assert "Rebuild the engine image" in notes
+    # helm template alone (no cluster): a fresh install's mode
+    docs = render(helm, GATEWAY, "agent.gpusPerNode=2", "auth.engineRecords=")
+    router = one(docs, "ConfigMap", "-config")["data"]["router.yaml"]
+    assert _router_unsigned(router) == "refuse"

@@ -113,6 +113,37 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 
 {{- define "kvstore.engineRecordKeyDir" -}}/etc/kvstore/engine-record-key{{- end -}}
 
+{{/* The router.yaml of the release running now, read at `helm upgrade` ("" on install,
+     and under `helm template`, which reaches no cluster). */}}
+{{- define "kvstore.liveRouterConfig" -}}
+{{- if .Release.IsUpgrade -}}
+{{- dig "data" "router.yaml" "" (lookup "v1" "ConfigMap" .Release.Namespace (printf "%s-config" (include "kvstore.fullname" .))) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* auth.engineRecords as it applies (verify, sign or unsigned; values.yaml says what
+     each does). "" keeps what the running release does (router.yaml records it), so an
+     upgrade never changes how engine records are trusted unless told: verify on install
+     and after a release that verified; sign after a release from before engine records
+     were signed (its routers held no key), so routers that restart within seconds of
+     the upgrade keep taking the engines' unsigned records while the engines restart,
+     one by one, to sign theirs. */}}
+{{- define "kvstore.engineRecords" -}}
+{{- $mode := .Values.auth.engineRecords -}}
+{{- if not $mode -}}
+{{- $live := include "kvstore.liveRouterConfig" . -}}
+{{- $was := regexFind "auth.engineRecords: [a-z]+" $live | trimPrefix "auth.engineRecords: " -}}
+{{- if not $live -}}
+{{- $mode = "verify" -}}
+{{- else if not (contains "engine_record_key_file:" $live) -}}
+{{- $mode = "sign" -}}
+{{- else -}}
+{{- $mode = $was | default "verify" -}}
+{{- end -}}
+{{- end -}}
+{{- $mode -}}
+{{- end -}}
+
 {{/* The volume and mount of the engine record key, for routers, gateways and engines. */}}
 {{- define "kvstore.engineRecordKeyVolume" -}}
 - name: engine-record-key
