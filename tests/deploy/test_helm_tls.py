@@ -108,7 +108,10 @@ def test_gateway_serves_https_from_the_tls_secret(helm, tmp_path, monkeypatch): 
     from router.gateway.tls import GatewayTLS
 
     def gateway(*sets: str) -> tuple[dict, GatewayConfig, RouterConfig]:
-        docs = render(helm, "gateway-values.yaml", *TLS, *sets)
+        # the chart's engines serve plain HTTP: with https they need allowPlaintextEngines
+        docs = render(
+            helm, "gateway-values.yaml", *TLS, "gateway.allowPlaintextEngines=true", *sets
+        )
         pod = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
         path = tmp_path / "gateway.yaml"
         path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
@@ -140,3 +143,78 @@ def test_gateway_serves_https_from_the_tls_secret(helm, tmp_path, monkeypatch): 
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
     err = render_error(helm, "gateway-values.yaml", *TLS, "gateway.requireClientCert=true")
     assert "gateway.requireClientCert needs gateway.https" in err
+
+
+def test_a_https_gateway_with_the_charts_plain_http_engines_is_refused(helm, tmp_path):  # noqa: F811
+    """The chart's engines register http://<pod IP>, and a gateway serving HTTPS forwards
+    only to https:// engines: rendered, it would have none and answer every request 503.
+    The chart says so and what to set; with allowPlaintextEngines the gateway takes them."""
+    from kvstore.config import load_config
+    from router.gateway.config import GatewayConfig
+
+    err = render_error(helm, "gateway-values.yaml", *TLS, "gateway.https=true")
+    assert "gateway.allowPlaintextEngines=true" in err and "engines.enabled=false" in err
+    docs = render(
+        helm,
+        "gateway-values.yaml",
+        *TLS,
+        "gateway.https=true",
+        "gateway.allowPlaintextEngines=true",
+    )
+    engine = one(docs, "DaemonSet", "-engine")["spec"]["template"]["spec"]["containers"][0]
+    assert any(a.startswith("--url=http://") for a in engine["command"])
+    path = tmp_path / "gateway.yaml"
+    path.write_text(one(docs, "ConfigMap", "-gateway")["data"]["gateway.yaml"])
+    cfg = load_config(GatewayConfig, str(path))
+    assert cfg.https and cfg.allow_plaintext_engines
+    # https without the chart's engines (registrars of your own): nothing to refuse
+    render(helm, "gateway-values.yaml", *TLS, "gateway.https=true", "engines.enabled=false")
+
+
+def _engine_settings(docs) -> list[tuple[dict, dict, object]]:
+    """Each engine container with its kv_connector_extra_config and registrar args."""
+    import json
+
+    from kvstore.integrations.vllm_serve import parse_args
+
+    out = []
+    for c in one(docs, "DaemonSet", "-engine")["spec"]["template"]["spec"]["containers"]:
+        cmd = c["command"]
+        kvt = next(a for a in cmd if a.startswith("--kv-transfer-config="))
+        extra = json.loads(kvt.split("=", 1)[1])["kv_connector_extra_config"]
+        args, _ = parse_args(cmd[3 : cmd.index("--")])
+        out.append((c, extra, args))
+    return out
+
+
+def test_engines_reach_tls_agents_and_etcd_with_the_releases_pair(helm, tmp_path, monkeypatch):  # noqa: F811
+    """With tls.enabled the agents and etcd require client certificates: the engines'
+    connector and registrar present the release's pair from the tls Secret (the connector
+    checks the agent's certificate, dialled by host IP, against the name it carries);
+    without them the connector was refused by the agent and the registrar by etcd, and no
+    engine ever registered."""
+    docs = render(helm, "gateway-values.yaml", *TLS, "agent.gpusPerNode=2")
+    pod = one(docs, "DaemonSet", "-engine")["spec"]["template"]["spec"]
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    rcfg = load_as_container(
+        docs, router, RouterConfig, "router.yaml", "KVSTORE_ROUTER_", tmp_path, monkeypatch
+    )
+    agent_pod = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    assert _volume_secret(pod, "tls") == _volume_secret(agent_pod, "tls")
+    settings = _engine_settings(docs)
+    assert len(settings) == 2
+    for c, extra, args in settings:
+        mount = _mount_of(c, "tls")
+        files = (f"{mount}/ca.crt", f"{mount}/tls.crt", f"{mount}/tls.key")
+        assert (rcfg.tls.ca_file, rcfg.tls.cert_file, rcfg.tls.key_file) == files
+        assert (extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"]) == files
+        assert extra["tls_server_name"] == rcfg.tls.server_name
+        assert (args.tls_ca, args.tls_cert, args.tls_key) == files
+    # etcd in plaintext: the registrar presents nothing to it; the connector still does
+    docs = render(helm, "gateway-values.yaml", *TLS, "tls.etcd=false")
+    ((_, extra, args),) = _engine_settings(docs)
+    assert extra["tls_cert_file"] and args.tls_cert is None
+    docs = render(helm, "gateway-values.yaml")  # no TLS: neither
+    ((c, extra, args),) = _engine_settings(docs)
+    assert not [k for k in extra if k.startswith("tls_")] and args.tls_cert is None
+    assert all(m["name"] != "tls" for m in c["volumeMounts"])
