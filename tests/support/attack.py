@@ -18,6 +18,7 @@ from kvstore.config import TLSConfig
 from kvstore.coord.etcd import EtcdClient
 from kvstore.hashing import pack_ids
 from kvstore.tls import channel
+from kvstore.wire import blocks_per_message
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 TOKENS = {
@@ -85,15 +86,20 @@ class As:
 
 
 def put_chain(who: "As", spec, ids: list[bytes], root: bytes) -> agent_pb2.PutResponse:
-    """Put the chain `ids` (payloads from block_payload) into `spec` as `who`."""
-    req = agent_pb2.PutRequest(ns=ref(spec), root=root)
+    """Put the chain `ids` (payloads from block_payload) into `spec` as `who`, in messages
+    as the client sends them (kvstore.wire.blocks_per_message: a few MiB each, what an
+    agent's max_message_bytes takes)."""
+    per = blocks_per_message(spec.block_bytes, len(ids))
+    reqs = []
     for k, bid in enumerate(ids):
-        req.blocks.add(
+        if k % per == 0:
+            reqs.append(agent_pb2.PutRequest(ns=ref(spec), root=root if k == 0 else b""))
+        reqs[-1].blocks.add(
             block_id=bid,
             parent_id=ids[k - 1] if k else root,
             data=block_payload(bid, spec.block_bytes),
         )
-    return who.call(who.agent.Put, iter([req]))
+    return who.call(who.agent.Put, iter(reqs))
 
 
 def refusal(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
