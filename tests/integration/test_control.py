@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 from support.cluster import spawn_many
-from support.common import PY, ROOT, make_namespace, wait_for
+from support.common import PY, ROOT, Lines, make_namespace, wait_for
 from support.control import (
     AgentClient,
     agent_cfg,
@@ -303,15 +303,19 @@ def test_flush_committed_then_etcd_lost_exits_5_not_3(etcd, spawn_agent):
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert p.stderr is not None
-        first = p.stderr.readline()
-        assert "committed at etcd revision" in first, first
-        etcd.stop()
+        out, err = Lines(p.stdout), Lines(p.stderr)
         try:
-            out, err = p.communicate(timeout=60)
+            err.wait_line("committed at etcd revision")
+            etcd.stop()
+            try:
+                p.wait(60)
+            finally:
+                etcd.start()
         finally:
-            etcd.start()
-        return p.returncode, out, first + err
+            if p.poll() is None:  # a failed wait: not left running to its --timeout
+                p.kill()
+                p.wait(30)
+        return p.returncode, out.rest(), err.rest()
 
     rc, out, err = with_fake_member(etcd.endpoint, "ghost", flush_then_lose_etcd)
     assert rc == 5, (out, err)

@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 
 import pytest
-from support.common import PY, ROOT, make_namespace
+from support.common import PY, ROOT, Lines, make_namespace
 from support.control import AgentClient, agent_cfg, kvctl, kvctl_json
 
 SPEC = make_namespace()
@@ -83,17 +83,18 @@ def test_ctrl_c_after_the_commit_exits_5_and_says_committed(etcd, spawn_agent, a
     frozen = spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
     AgentClient(frozen.address).open(SPEC)
     os.kill(_pid(frozen), signal.SIGSTOP)
+    p = _kvctl_process(etcd.endpoint, *argv, "--timeout", "120")
     try:
-        p = _kvctl_process(etcd.endpoint, *argv, "--timeout", "120")
-        assert p.stderr is not None
-        first = p.stderr.readline()
-        assert "at etcd revision" in first, first
+        out, err_lines = Lines(p.stdout), Lines(p.stderr)
+        first = err_lines.wait_line("at etcd revision")
         revision = re.search(r"at etcd revision (\d+)", first).group(1)  # type: ignore[union-attr]
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        p.wait(60)
+        err = err_lines.rest()
     finally:
+        _reap(p)
         os.kill(_pid(frozen), signal.SIGCONT)
-    assert p.returncode == 5, (out, first + err)
+    assert p.returncode == 5, (out.rest(), err)
     assert f"interrupted: COMMITTED at etcd revision {revision}" in err, err
     assert "acknowledgements unconfirmed" in err and "Traceback" not in err
     audit = kvctl_json("audit", etcd=etcd)[-1]
@@ -141,6 +142,13 @@ def test_ctrl_c_before_the_commit_exits_130_and_changes_nothing():
     assert "kvctl flush: interrupted; nothing changed" in err, err
     assert "Traceback" not in err
     assert mute.methods == ["/etcdserverpb.KV/Range"], mute.methods  # no Txn was sent
+
+
+def _reap(p: subprocess.Popen) -> None:
+    """A kvctl a failed test left waiting is killed, not left to its --timeout."""
+    if p.poll() is None:
+        p.kill()
+    p.wait(30)
 
 
 def _pid(proc) -> int:

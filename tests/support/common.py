@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,50 @@ def wait_for(pred, timeout: float = 20.0, interval: float = 0.05, what: str = "c
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Lines:
+    """A process's output pipe read line by line by a daemon thread, so that a test
+    waits for a line with a deadline: a bare readline() hangs when the process prints
+    something else first, or nothing. Failures quote what it printed."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._ended = threading.Event()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        try:
+            for line in iter(stream.readline, ""):
+                self.lines.append(line)
+        finally:
+            stream.close()
+            self._ended.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_line(self, needle: str, timeout: float = 60.0) -> str:
+        """The first line containing `needle`; AssertionError, with everything read so
+        far, when the output ends without it or `timeout` passes."""
+
+        def seen() -> str | bool:
+            found = next((line for line in list(self.lines) if needle in line), None)
+            return found or self._ended.is_set()
+
+        try:
+            found = wait_for(seen, timeout, what=f"a line with {needle!r}")
+        except TimeoutError:
+            found = None
+        if not isinstance(found, str):
+            raise AssertionError(f"no line with {needle!r} (output so far: {self.text()!r})")
+        return found
+
+    def rest(self, timeout: float = 60.0) -> str:
+        """All of it, once the pipe closed (the process exited)."""
+        if not self._ended.wait(timeout):
+            raise AssertionError(f"output still open after {timeout}s: {self.text()!r}")
+        return self.text()
 
 
 def _stop_proc(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 10.0) -> None:
