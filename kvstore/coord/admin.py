@@ -313,6 +313,25 @@ def _switch_info(raw: bytes) -> dict | None:
     return info if isinstance(info, dict) else {"raw": raw.decode(errors="replace")}
 
 
+def _switch_result(
+    state: AckProgress, changed: bool, before: dict | None, elapsed: float, timeout_s: float
+) -> str:
+    """The kill switch change's audit result."""
+    done = f"{len(state.acked)}/{len(state.members)} members"
+    if not changed:
+        what = "already off: nothing changed in etcd"
+        result = f"{what}; off on {done}" if state.done else f"{what}; still on at: "
+    elif state.done:
+        result = f"in force on {done} after {elapsed:.2f}s"
+    else:
+        result = f"set in etcd but not acknowledged within {timeout_s:g}s by: "
+    if not state.done:
+        result += ", ".join(state.missing)
+    if before is not None:
+        result += f" (was on already: {before.get('reason') or '-'}, by {before.get('by', '?')})"
+    return result
+
+
 # ----------------------------------------------------------------- etcd primitives
 async def txn(etcd: EtcdClient, what: str, compares: list[Compare], ops: list) -> tuple[bool, int]:
     """One etcd transaction over several keys (EtcdClient's own helpers take one key).
@@ -680,71 +699,78 @@ class ControlPlane:
         """Turn the switch on (a put: every member sees it and acknowledges, also when it
         was on already: its reason is replaced) or off (a delete, only of a key that is
         there: deleting an absent key makes no watch event, so nothing would be
-        acknowledged). `off` when off changes nothing in etcd and waits only for members
-        whose last acknowledgement says on (one that missed the change)."""
+        acknowledged). `off` when off writes nothing to etcd until its wait is over (only
+        for members whose last acknowledgement says on: one that missed the change), so
+        Ctrl-C or etcd lost in that wait leaves no record of a change that was not made;
+        its audit record is written after the wait."""
         t0 = time.monotonic()
         at = time.time()
         akey = audit_key(at)
         target = "on" if enabled else "off"
         params: dict = {"reason": reason}
         pending = self._audit_op(akey, "killswitch", target, False, UNCONFIRMED, params, at)
-        key = self.etcd._key(KILLSWITCH)
         if enabled:
-            value = {"enabled": True, "reason": reason, "by": self.who, "at": at}
-            put = KVService.txn_op_put(key, json.dumps(value).encode(), prev_kv=True)
-            resp = await txn_response(self.etcd, "kill switch on", [], [put, pending])
-            prev = resp.responses[0].response_put.prev_kv
-            before = _switch_info(prev.value) if prev.key else None
+            revision, before = await self._switch_on(reason, at, pending)
             changed = True
         else:
-            exists = KVService.txn_compare_create_revision(key, 0, result=Compare.GREATER)
-            resp = await txn_response(
-                self.etcd,
-                "kill switch off",
-                [exists],
-                [delete_op(self.etcd, KILLSWITCH), pending],
-                [pending],  # nothing to delete: only the audit record
-            )
-            before, changed = None, resp.succeeded
-        revision = resp.header.revision
-        if changed and on_commit is not None:
-            on_commit(revision)
+            revision, changed = await self._switch_off(pending)
+            before = None
         if before is not None:
             params["was_on"] = before
-        state = await self._wait_committed(
-            "killswitch",
-            target,
-            akey,
-            revision,
-            {**params, "revision": revision},
-            lambda: self.switch_progress(enabled, revision if changed else 0),
-            t0 + timeout_s,
-            progress,
+        if changed and on_commit is not None:
+            on_commit(revision)
+        state = await self._switch_wait(
+            enabled, changed, akey, revision, params, t0 + timeout_s, progress
         )
         elapsed = time.monotonic() - t0
-        done = f"{len(state.acked)}/{len(state.members)} members"
-        if not changed:
-            what = "already off: nothing changed in etcd"
-            result = f"{what}; off on {done}" if state.done else f"{what}; still on at: "
-        elif state.done:
-            result = f"in force on {done} after {elapsed:.2f}s"
-        else:
-            result = f"set in etcd but not acknowledged within {timeout_s:g}s by: "
-        if not state.done:
-            result += ", ".join(state.missing)
-        if before is not None:
-            result += (
-                f" (was on already: {before.get('reason') or '-'}, by {before.get('by', '?')})"
-            )
         await self.audit(
             "killswitch",
             target,
             state.done,
-            result,
+            _switch_result(state, changed, before, elapsed, timeout_s),
             {**params, "revision": revision, "missing": list(state.missing)},
             key=akey,
         )
         return SwitchReport(enabled, reason, revision, state, elapsed, changed, before)
+
+    async def _switch_wait(
+        self, enabled, changed, akey, revision, params, deadline, progress
+    ) -> AckProgress:
+        """Wait for the members' acknowledgements of a change (`_wait_committed`), or,
+        nothing changed, for those whose last one says on: a plain wait (nothing was
+        written, so etcd lost in it is Unavailable: no change)."""
+        if not changed:
+            return await self._wait(lambda: self.switch_progress(False, 0), deadline, progress)
+        return await self._wait_committed(
+            "killswitch",
+            "on" if enabled else "off",
+            akey,
+            revision,
+            {**params, "revision": revision},
+            lambda: self.switch_progress(enabled, revision),
+            deadline,
+            progress,
+        )
+
+    async def _switch_on(self, reason: str, at: float, audit_op) -> tuple[int, dict | None]:
+        """Put the switch on with its audit record, in one transaction; returns the
+        revision and the record it replaced when it was on already."""
+        value = {"enabled": True, "reason": reason, "by": self.who, "at": at}
+        key = self.etcd._key(KILLSWITCH)
+        put = KVService.txn_op_put(key, json.dumps(value).encode(), prev_kv=True)
+        resp = await txn_response(self.etcd, "kill switch on", [], [put, audit_op])
+        prev = resp.responses[0].response_put.prev_kv
+        return resp.header.revision, _switch_info(prev.value) if prev.key else None
+
+    async def _switch_off(self, audit_op) -> tuple[int, bool]:
+        """Delete the switch with its audit record, in one transaction, if it is there;
+        returns the revision and whether it was (nothing is written when not)."""
+        key = self.etcd._key(KILLSWITCH)
+        exists = KVService.txn_compare_create_revision(key, 0, result=Compare.GREATER)
+        resp = await txn_response(
+            self.etcd, "kill switch off", [exists], [delete_op(self.etcd, KILLSWITCH), audit_op]
+        )
+        return resp.header.revision, resp.succeeded
 
     async def switch_progress(self, enabled: bool, revision: int) -> AckProgress:
         members = await live_members(self.etcd)

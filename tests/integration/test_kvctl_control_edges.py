@@ -59,6 +59,36 @@ def test_killswitch_off_when_off_and_on_when_on(etcd, spawn_agent, start_router)
     assert kvctl_json("killswitch", "status", etcd=etcd) == {"enabled": False}
 
 
+def test_ctrl_c_while_off_when_off_waits_leaves_no_unconfirmed_record(etcd, spawn_agent):
+    """`off` when off changes nothing but waits for a member whose last acknowledgement
+    still says on (one frozen through the real `off`). Ctrl-C in that wait said "nothing
+    changed" and exited 130, yet left an audit record saying committed, unconfirmed."""
+    spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
+    frozen = spawn_agent(**agent_cfg(etcd, lease_ttl_s=30))
+    r = kvctl("killswitch", "on", "--reason", "INC-4", "--timeout", "30", etcd=etcd)
+    assert r.returncode == 0, r.stderr
+    os.kill(_pid(frozen), signal.SIGSTOP)
+    p = None
+    try:
+        r = kvctl("killswitch", "off", "--timeout", "1", etcd=etcd)
+        assert r.returncode == 5, r.stderr  # off in etcd; the frozen agent's ack says on
+        before = kvctl_json("audit", etcd=etcd)
+        p = _kvctl_process(etcd.endpoint, "killswitch", "off", "--timeout", "120")
+        out, err_lines = Lines(p.stdout), Lines(p.stderr)
+        err_lines.wait_line("waiting for")
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+        err = err_lines.rest()
+    finally:
+        if p is not None:
+            _reap(p)
+        os.kill(_pid(frozen), signal.SIGCONT)
+    assert p.returncode == 130, (out.rest(), err)
+    assert "kvctl killswitch: interrupted; nothing changed" in err, err
+    new = kvctl_json("audit", etcd=etcd)[len(before) :]
+    assert not [a for a in new if not a["ok"] or "unconfirmed" in a["result"]], new
+
+
 def _kvctl_process(endpoint: str, *argv: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ETCD"}
     return subprocess.Popen(
