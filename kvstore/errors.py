@@ -66,3 +66,12 @@ class DataLoss(KvError):
 class StartupError(Exception):
     """A server cannot start for a reason the operator must fix (the message says which);
     the process entry points print it as one line and exit 1, without a traceback."""
+
+
+def clip(text: str, n: int = 80, bare: bool = False) -> str:
+    """`text` as a message quotes a user's argument: repr'd (`bare`: as it is when it is
+    printable with no surrounding spaces), cut to `n` characters past which it says how
+    long it was, so a 100 kB argument is not echoed back whole."""
+    shown = text if len(text) <= n else text[:n]
+    quoted = shown if bare and text.isprintable() and text == text.strip() else repr(shown)
+    return quoted if len(text) <= n else f"{quoted}… ({len(text)} chars)"

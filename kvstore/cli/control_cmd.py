@@ -30,7 +30,7 @@ from kvstore.coord.etcd import EtcdClient
 from kvstore.process import seconds as process_seconds
 from kvstore.tls import TLSFilesError, read_files
 from kvstore import errors
-from kvstore.errors import StartupError
+from kvstore.errors import StartupError, clip
 from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size, parse_size
 from kvstore.cli import discover
@@ -87,14 +87,6 @@ def duration(text: str) -> float:
 
 MAX_TENANT_CHARS = 256  # a namespace spec, its tenant included, is at most 2 KiB
 MAX_REASON_CHARS = 1024  # the kill switch's reason: etcd and every audit listing hold it
-
-
-def clip(text: str, n: int = 80) -> str:
-    """`text` as a message quotes it: repr'd, cut to `n` characters past which it says
-    how long it was (a 100 kB argument is not echoed back whole)."""
-    if len(text) <= n:
-        return repr(text)
-    return f"{text[:n]!r}… ({len(text)} chars)"
 
 
 def tenant_arg(text: str) -> str:

@@ -56,6 +56,7 @@ from kvstore.coord.etcd import (
     ns_count_key,
 )
 from kvstore import errors
+from kvstore.errors import clip
 from kvstore.auth import RESERVED_TENANTS
 from kvstore.namespace import tenant_name_problem
 from kvstore.units import format_size
@@ -473,10 +474,7 @@ class ControlPlane:
                 if r.name.lower() == want or r.ns_hex == want:
                     near.add(f"{r.tenant}/{r.name}")
         hint = f" Did you mean {' or '.join(sorted(near))}?" if near else ""
-        target = f"{tenant}/{name}"
-        shown = target if target == target.strip() and target.isprintable() else repr(target)
-        if len(shown) > 80:  # a 100 kB argument is not echoed whole
-            shown = f"{shown[:80]}… ({len(target)} chars)"
+        shown = clip(f"{tenant}/{name}", bare=True)
         return f"no namespace named {shown} is registered in etcd.{hint}"
 
     async def commit_flush(self, tenant: str, name: str) -> tuple[list[FlushedNamespace], int, str]:

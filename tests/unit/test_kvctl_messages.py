@@ -53,3 +53,17 @@ def test_cluster_status_names_where_the_state_dir_came_from(tmp_path, capsys):
     rc, _, err = run(capsys, "cluster", "status", "--state-dir", str(state))
     assert rc == 1 and "start one with" in err, err
     assert "[--state-dir]" not in err and "(state directory from --state-dir)" in err
+
+
+def test_arguments_quoted_in_messages_are_clipped_with_their_length():
+    """One helper (kvstore.errors.clip) for kvctl's messages and the control plane's
+    "no namespace named …": repr'd, or as typed (`bare`) when printable, and a long one
+    cut at 80 characters with its length."""
+    from kvstore.errors import clip
+
+    assert clip("acme") == "'acme'" and clip("acme/chat", bare=True) == "acme/chat"
+    assert clip(" acme", bare=True) == "' acme'" and clip("a\nb", bare=True) == "'a\\nb'"
+    long = "n" * 100_000
+    assert clip(long) == repr("n" * 80) + "… (100000 chars)"
+    assert clip(long, bare=True) == "n" * 80 + "… (100000 chars)"
+    assert clip("x" * 100, 60).endswith("… (100 chars)")
