@@ -56,6 +56,7 @@ from kvstore.devengines import (
     start_engine,
     stop_engine,
     write_model,
+    write_private,
 )
 from kvstore.config import TLSConfig
 from kvstore.devprocs import (
@@ -366,12 +367,10 @@ def _start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, s
 
 def _secret_file(state: Path, name: str) -> Path:
     """A random secret in `state/name`, made once per state directory, readable by its
-    owner only."""
+    owner only (devengines.write_private, as the gateway's keys and kv secret)."""
     path = state / name
     if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+        write_private(path, secrets.token_urlsafe(32) + "\n")
     return path
 
 

@@ -30,3 +30,15 @@ def test_files_an_older_kvctl_left_readable_are_made_owner_only(tmp_path):
     assert (d / "kv.secret").read_text() == "old-secret"  # kept: engines were started with it
     assert mode(d / "keys.json") == 0o600
     assert mode(d / "kv.secret") == 0o600
+
+
+def test_the_clusters_own_secrets_are_made_once_owner_only(tmp_path):
+    """The engine record key and the agents' token (made by `kvctl cluster up`) are
+    written by the same owner-only writer as the gateway's files, once per state
+    directory: a second up keeps them (running engines signed with the key)."""
+    from kvstore.devcluster import engine_record_key_file
+
+    path = engine_record_key_file(tmp_path)
+    first = path.read_text()
+    assert mode(path) == 0o600 and len(first.strip()) >= 32
+    assert engine_record_key_file(tmp_path).read_text() == first
