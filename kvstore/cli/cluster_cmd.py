@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
-from kvstore.cli.control_cmd import seconds
+from kvstore.cli.control_run import seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 from kvstore.process import log_level
 from kvstore.process import seconds as process_seconds
