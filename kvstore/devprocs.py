@@ -1,4 +1,4 @@
-"""Processes of the local development cluster (kvctl cluster up, kvstore/devcluster.py):
+"""Processes of the local development cluster (kvctl cluster up, kvstore/devcluster/):
 starting one with a fresh log, telling whether a pid is still the process we started,
 whether etcd, an agent, the router or the gateway answers, waiting for them with an
 error that names the one that did not come up, what it waited for, and its log, and

@@ -2,7 +2,7 @@
 127.0.0.1, each on a port fixed for the whole run, so a restarted process comes back at
 the address clients and etcd already know (as a restarted pod keeps its service address).
 
-kvstore/devcluster.py (kvctl cluster up) starts detached clusters on free ports; here every
+kvstore/devcluster/ (kvctl cluster up) starts detached clusters on free ports; here every
 process is a child of the harness that it kills, pauses and restarts, and that it always
 tears down (umounting the small tmpfs it may put under one agent's RocksDB directory).
 """

@@ -1,4 +1,4 @@
-"""`kvctl cluster up|down|status`: a local development cluster (kvstore/devcluster.py)."""
+"""`kvctl cluster up|down|status`: a local development cluster (kvstore/devcluster/)."""
 
 from __future__ import annotations
 
