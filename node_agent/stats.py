@@ -89,10 +89,11 @@ def build_stats(
 
 def withhold_occupancy(resp: agent_pb2.StatsResponse) -> None:
     """A tenant's Stats: the node's occupancy is every tenant's (requests in flight, pool
-    utilization, each tier's used bytes, blocks and free slots), so it is left at 0; the
+    utilization, each tier's used bytes, blocks, free slots and NVMe bytes not flushed
+    yet: what every tenant spilled lately), so it is left at 0; the
     tenant's own usage is in its TenantStats, and capacities stay."""
     resp.in_flight = 0
     resp.utilization = 0.0
     for t in resp.tiers:
-        for name in ("used_bytes", "blocks", "slots_free"):
+        for name in ("used_bytes", "blocks", "slots_free", "unflushed_bytes"):
             t.ClearField(name)

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 import torch
+from support.attack import TOKENS, tenants
 from support.common import TEST_SECRET, make_namespace, prompt_tokens, wait_for
 from support.nvme import BIG, DAMAGE, flip_sst_byte, mount_small_fs
 
@@ -263,6 +264,31 @@ def test_nvme_used_says_how_much_is_not_on_disk_yet(spawn_agent):
         tier, _ = nvme_stats(c)
         assert tier.blocks == 10 and tier.unflushed_bytes == 0
     assert "unflushed" not in _tier_cells(asyncio.run(node_view(rec, None, 10.0)))[1]
+
+
+def test_a_tenants_stats_show_no_node_wide_unflushed_bytes(spawn_agent):
+    """A tenant's Stats leave the node's occupancy out (every tenant's blocks are in it),
+    but before the fix they carried the NVMe tier's unflushed_bytes: how much every
+    tenant had spilled lately. Now only the cluster identity sees it."""
+    agent = spawn_agent(
+        pool_bytes="256KiB",  # 4 slots: 6 of 10 blocks spill
+        nvme_flush_interval_s=3600,
+        allow_unauthenticated=False,
+        tenants=tenants(),
+    )
+    spec = make_namespace(tenant="acme")
+    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret=TEST_SECRET) as c:
+        ns = c.open_namespace(spec)
+        for seed in range(10):
+            put_one(c, ns, seed)
+        with KVClient(agent.address, token=TOKENS["_cluster"], use_shm=False) as op:
+            node, _ = nvme_stats(op)
+        assert node.blocks == 6 and 0 < node.unflushed_bytes
+        for who in ("acme", "globex"):
+            with KVClient(agent.address, token=TOKENS[who], use_shm=False) as t:
+                tier, _ = nvme_stats(t)
+            assert (tier.used_bytes, tier.blocks, tier.unflushed_bytes) == (0, 0, 0), (who, tier)
+            assert tier.capacity_bytes == node.capacity_bytes
 
 
 def test_kill9_loses_at_most_nvme_flush_bytes(spawn_agent):
