@@ -1,6 +1,7 @@
-"""gRPC edge of the agent: authentication (per-tenant bearer tokens) on top of the shared
-edge (kvstore/grpc_edge.py), the one place where undecodable requests and the core's error
-hierarchy become gRPC status codes."""
+"""gRPC edge of the agent: authentication (per-tenant bearer tokens) and each tenant's
+calls in flight (max_calls_per_tenant) on top of the shared edge (kvstore/grpc_edge.py),
+the one place where undecodable requests and the core's error hierarchy become gRPC
+status codes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import logging
 
 import grpc
 
-from kvstore import errors
-from kvstore.grpc_edge import refusal, wrap_handler
+from kvstore.auth import RESERVED_TENANTS
+from kvstore.grpc_edge import Admission, CallGate, authenticated
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent")
@@ -20,32 +21,30 @@ current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "current_tenant", default=None
 )
 
-_OPEN_METHODS = ("/grpc.health.v1.Health/",)
-
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller's tenant from `authorization: Bearer <token>`, then the shared
-    edge maps errors to status codes. Token hashes come from the agent config."""
+    """Resolves the caller's tenant from `authorization: Bearer <token>` and counts its
+    calls in flight, then the shared edge maps errors to status codes. Token hashes come
+    from the agent config. Health checks are open and never counted; the cluster and
+    agent identities (operators, peer agents) and development callers are not capped.
+    `stream_idle_s`: a request stream (Put) that sends no message this long is ended."""
 
-    def __init__(self, token_hashes: dict[str, str], allow_unauthenticated: bool) -> None:
+    def __init__(
+        self,
+        token_hashes: dict[str, str],
+        allow_unauthenticated: bool,
+        max_calls_per_tenant: int = 0,
+        stream_idle_s: float = 0.0,
+    ) -> None:
         self._tokens = TokenTable(token_hashes, allow_unauthenticated)
+        self.gate = CallGate(
+            max_calls_per_tenant, "max_calls_per_tenant", (None, *RESERVED_TENANTS)
+        )
+        self._admission = Admission(self.resolve, current_tenant.set, self.gate, stream_idle_s)
 
     def resolve(self, metadata) -> str | None:
         md = dict(metadata or ())
         return self._tokens.tenant(md.get("authorization", ""))
 
     async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        # Health checks are open to all; every method gets the shared edge (bad bytes ->
-        # INVALID_ARGUMENT, KvError -> its status, anything else INTERNAL, logged once).
-        if details.method.startswith(_OPEN_METHODS):
-            return wrap_handler(handler, details.method, log)
-        # The caller is resolved from the metadata alone, before its request is read: a
-        # refused caller's message is never received whole (grpc_edge.refusal).
-        try:
-            tenant = self.resolve(details.invocation_metadata)
-        except errors.Unauthenticated as exc:
-            return refusal(handler, details.method, exc)
-        return wrap_handler(handler, details.method, log, lambda _ctx: current_tenant.set(tenant))
+        return await authenticated(continuation, details, log, self._admission)

@@ -32,11 +32,10 @@ import grpc
 
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, NOT_YOURS, TokenTable
-from kvstore.grpc_edge import refusal, wrap_handler
+from kvstore.grpc_edge import Admission, authenticated
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
-_OPEN_METHODS = ("/grpc.health.v1.Health/",)
 # NOT_YOURS (kvstore/auth.py): one message for an unknown namespace and another tenant's,
 # the agents' too: they must not be told apart.
 MAX_LEARNED = 1 << 16  # namespaces admitted from specs, beyond those in etcd
@@ -160,19 +159,7 @@ class AuthEdge(grpc.aio.ServerInterceptor):
     def __init__(self, access: RouterAccess, log: logging.Logger) -> None:
         self.access = access
         self._log = log
+        self._admission = Admission(access.caller, current_caller.set)
 
     async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        if details.method.startswith(_OPEN_METHODS):
-            return wrap_handler(handler, details.method, self._log)
-        # From the metadata, before the request is read: a refused caller's message is
-        # never received whole (kvstore.grpc_edge.refusal).
-        try:
-            caller = self.access.caller(details.invocation_metadata)
-        except errors.Unauthenticated as exc:
-            return refusal(handler, details.method, exc)
-        return wrap_handler(
-            handler, details.method, self._log, lambda _ctx: current_caller.set(caller)
-        )
+        return await authenticated(continuation, details, self._log, self._admission)
