@@ -217,13 +217,13 @@ MESSAGE_PAYLOAD_BYTES = 4 * MiB
 
 
 def _check_message_bytes(cfg: "AgentConfig") -> None:
-    """max_message_bytes holds one block and one request's ids; max_concurrent_rpcs >= 0."""
-    if not isinstance(cfg.max_concurrent_rpcs, int) or isinstance(cfg.max_concurrent_rpcs, bool):
-        raise ValueError(f"max_concurrent_rpcs must be an integer, got {cfg.max_concurrent_rpcs!r}")
-    if cfg.max_concurrent_rpcs < 0:
-        raise ValueError(
-            f"max_concurrent_rpcs must be >= 0 (0: no cap), got {cfg.max_concurrent_rpcs}"
-        )
+    """max_message_bytes holds one block and one request's ids; the call caps >= 0."""
+    for name in ("max_concurrent_rpcs", "max_calls_per_tenant"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 (0: no cap), got {value}")
     # A client's Put message: up to 8 blocks and 4 MiB of them, or one larger block
     # (kvstore.wire.blocks_per_message); the agent's Get responses are no larger.
     put = max(cfg.slot_bytes, min(8 * cfg.slot_bytes, MESSAGE_PAYLOAD_BYTES))
@@ -267,12 +267,21 @@ class AgentConfig:
     # The largest gRPC message the agent receives or sends. The client sends Put blocks
     # and the agent its Get responses in messages of at most 4 MiB of payload (or one
     # block), so this needs one block (slot_bytes) or one request's ids, plus headroom
-    # (_check_message_bytes). Calls being received hold up to this much each: at most
-    # max_concurrent_rpcs of them (docs/security.md, "Memory before authentication").
+    # (_check_message_bytes). Calls being received hold up to this much each
+    # (docs/security.md, "Memory before authentication").
     max_message_bytes: int = 8 * MiB
-    # gRPC calls in progress at once on the agent's port (grpc.aio maximum_concurrent_rpcs;
-    # more are refused RESOURCE_EXHAUSTED at once, unread); 0: no cap.
-    max_concurrent_rpcs: int = 256
+    # gRPC calls in progress at once on the agent's whole port, health checks included
+    # (grpc.aio maximum_concurrent_rpcs; more are refused RESOURCE_EXHAUSTED, unread);
+    # 0: no cap. Off by default: one counter for every caller lets one tenant's calls
+    # starve the others and the liveness probe. max_calls_per_tenant caps each tenant.
+    max_concurrent_rpcs: int = 0
+    # Calls one tenant may have in progress on this agent at once, over gRPC and the
+    # local lane (more are refused RESOURCE_EXHAUSTED, naming this key); health checks,
+    # the cluster and agent identities are not counted. 0: no cap.
+    max_calls_per_tenant: int = 128
+    # A client stream (Put) that sends no message for this long is ended
+    # (DEADLINE_EXCEEDED): it would hold its call, one of its tenant's, for ever.
+    stream_idle_timeout_s: float = 30.0
     max_blocks_per_request: int = 8192
     expire_interval_s: float = 5.0
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
@@ -348,6 +357,7 @@ class AgentConfig:
             "lease_ttl_s",
             "local_lane_max_connections",
             "local_lane_idle_timeout_s",
+            "stream_idle_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

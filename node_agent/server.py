@@ -260,7 +260,12 @@ class AgentServer:
         tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
         interceptors = [
             *self.telemetry.interceptors,
-            EdgeInterceptor(tokens, self.cfg.allow_unauthenticated),
+            EdgeInterceptor(
+                tokens,
+                self.cfg.allow_unauthenticated,
+                self.cfg.max_calls_per_tenant,
+                self.cfg.stream_idle_timeout_s,
+            ),
         ]
         self.server = grpc.aio.server(
             interceptors=interceptors,
