@@ -992,14 +992,31 @@ def test_bracketed_ipv6_etcd_endpoints_render(helm):
     assert "[2001:db8::5]:2379" in json.dumps(docs)
 
 
-def test_agents_cap_message_size_and_concurrent_calls(helm, tmp_path):
-    """agent.maxMessageMiB and agent.maxConcurrentRpcs reach agent.yaml (docs/security.md,
-    "Memory before authentication"), and a slot over what 8 MiB holds is refused."""
+def test_agents_cap_message_size_and_calls_per_tenant(helm, tmp_path):
+    """agent.maxMessageMiB, maxCallsPerTenant, streamIdleTimeoutSeconds and
+    maxConcurrentRpcs reach agent.yaml (docs/security.md, "Memory before
+    authentication"): 8 MiB messages, 128 calls per tenant, no port-wide cap."""
     cm = one(render(helm, "minimal-values.yaml"), "ConfigMap", "-config")
     (tmp_path / "agent.yaml").write_text(cm["data"]["agent.yaml"])
     cfg = load_config(AgentConfig, str(tmp_path / "agent.yaml"))
-    assert (cfg.max_message_bytes, cfg.max_concurrent_rpcs) == (8 << 20, 256)
-    docs = render(helm, "minimal-values.yaml", "agent.slotKiB=16384")
+    assert (cfg.max_message_bytes, cfg.max_concurrent_rpcs) == (8 << 20, 0)
+    assert (cfg.max_calls_per_tenant, cfg.stream_idle_timeout_s) == (128, 30.0)
+
+
+@pytest.mark.parametrize(("slot_kib", "mib"), [(8128, 8), (8192, 9), (16384, 17)])
+def test_a_large_slot_gets_the_message_size_it_needs(helm, tmp_path, slot_kib, mib):
+    """Before the fix maxMessageMiB defaulted to 8 whatever the slot: with slotKiB from
+    8129 the chart rendered and every agent refused to start. Now "auto" renders what a
+    slot needs (one block plus 64 KiB, whole MiB) where that is over 8 MiB, and the
+    agent's own config check takes it."""
+    docs = render(helm, "minimal-values.yaml", f"agent.slotKiB={slot_kib}")
     (tmp_path / "big.yaml").write_text(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
-    with pytest.raises(ValueError, match="max_message_bytes"):
-        load_config(AgentConfig, str(tmp_path / "big.yaml"))
+    cfg = load_config(AgentConfig, str(tmp_path / "big.yaml"))
+    assert cfg.max_message_bytes == mib << 20
+
+
+def test_a_message_size_too_small_for_the_slot_fails_the_render(helm):
+    """An explicit maxMessageMiB that cannot hold a slot stops `helm template` naming the
+    least it takes, instead of agents that would not start."""
+    err = render_error(helm, "minimal-values.yaml", "agent.slotKiB=16384", "agent.maxMessageMiB=8")
+    assert "agent.maxMessageMiB 8 cannot hold" in err and "at least 17" in err, err

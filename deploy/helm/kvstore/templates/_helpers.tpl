@@ -190,6 +190,28 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 {{- end -}}
 
+{{/* What an agent's max_message_bytes must hold, in KiB (kvstore.config
+     _check_message_bytes): a client's Put message (4 MiB of blocks, at most 8 slots, at
+     least one slot) or one request's ids (32 bytes each), plus 64 KiB. */}}
+{{- define "kvstore.agentMessageNeedKiB" -}}
+{{- $v := .Values.agent -}}
+{{- $slot := int $v.slotKiB -}}
+{{- $put := max $slot (min (mul 8 $slot) 4096) -}}
+{{- $ids := div (add (mul 32 (int $v.maxBlocksPerRequest)) 1023) 1024 -}}
+{{- add (max $put $ids) 64 -}}
+{{- end -}}
+
+{{/* agent.maxMessageMiB as rendered: "auto" is 8, or what the slot and the request's ids
+     need where that is more (a large slotKiB would otherwise stop the agent at start). */}}
+{{- define "kvstore.agentMessageMiB" -}}
+{{- $m := .Values.agent.maxMessageMiB -}}
+{{- if eq (toString $m) "auto" -}}
+{{- max 8 (div (add (include "kvstore.agentMessageNeedKiB" . | int) 1023) 1024) -}}
+{{- else -}}
+{{- int $m -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The agents' data dir on the node (storage.type hostPath). */}}
 {{- define "kvstore.agentHostPath" -}}
 {{- printf "%s/%s/%s" (trimSuffix "/" .Values.agent.storage.hostPath.path) .Release.Namespace (include "kvstore.fullname" .) -}}
