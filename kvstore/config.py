@@ -305,21 +305,25 @@ class AgentConfig:
     # Who may connect: the agent's user and root (socket mode 0600), plus this group's
     # members when set (mode 0660; name or gid).
     local_lane_group: str = ""
-    local_lane_max_connections: int = 64  # more are refused (RESOURCE_EXHAUSTED)
+    local_lane_max_connections: int = 80  # more are refused (RESOURCE_EXHAUSTED)
     # A connection without a shared-memory region is closed after this long without a
     # frame; a frame once begun must arrive whole within it.
     local_lane_idle_timeout_s: float = 30.0
-    # Connections one tenant may hold (counted from its first frame); 0: a quarter of
-    # local_lane_max_connections (at least 1), so no tenant can take every slot.
+    # Connections one tenant may hold (counted from its first frame; more are refused
+    # FAILED_PRECONDITION, and clients go on over gRPC); 0: all but a fifth of
+    # local_lane_max_connections (64 of 80), so no tenant can take every one and a lone
+    # tenant keeps the 64 the lane had before.
     local_lane_max_connections_per_tenant: int = 0
     # A connection holding a shared-memory region is closed after this long without a
     # frame (the client registers again on its next call); >= local_lane_idle_timeout_s.
     local_lane_region_idle_timeout_s: float = 600.0
     # The largest shared-memory region (host or device staging) a client may register,
-    # and the most bytes of regions one tenant may hold registered on this agent. A
-    # host region's pages must all be allocated already (the client pays for them).
-    local_lane_max_region_bytes: int = 1024 * MiB
-    local_lane_max_tenant_region_bytes: int = 4096 * MiB
+    # and the most bytes of regions one tenant may hold registered on this agent (0: no
+    # cap). A host region's pages must all be allocated already (the client pays for
+    # them). Past either, registration is refused FAILED_PRECONDITION and the client
+    # goes on over gRPC.
+    local_lane_max_region_bytes: int = 64 * 1024 * MiB
+    local_lane_max_tenant_region_bytes: int = 0
     # File holding this agent's bearer token as the "_agent" identity (docs/security.md):
     # presented on pulls from registered agents (etcd nodes/); "": pulls forward the token
     # of the Prefetch's caller.
@@ -581,7 +585,7 @@ def _check_lane_limits(cfg: AgentConfig) -> None:
     per_tenant = cfg.local_lane_max_connections_per_tenant
     if not 0 <= per_tenant <= cfg.local_lane_max_connections:
         raise ValueError(
-            "local_lane_max_connections_per_tenant must be from 0 (a quarter of "
+            "local_lane_max_connections_per_tenant must be from 0 (all but a fifth of "
             f"local_lane_max_connections) to local_lane_max_connections "
             f"({cfg.local_lane_max_connections}), got {per_tenant!r}"
         )
@@ -594,10 +598,11 @@ def _check_lane_limits(cfg: AgentConfig) -> None:
         raise ValueError(
             f"local_lane_max_region_bytes must be > 0, got {cfg.local_lane_max_region_bytes!r}"
         )
-    if cfg.local_lane_max_tenant_region_bytes < cfg.local_lane_max_region_bytes:
+    tenant_cap = cfg.local_lane_max_tenant_region_bytes
+    if tenant_cap and tenant_cap < cfg.local_lane_max_region_bytes:
         raise ValueError(
-            "local_lane_max_tenant_region_bytes must be >= local_lane_max_region_bytes "
-            f"({cfg.local_lane_max_region_bytes}), got "
+            "local_lane_max_tenant_region_bytes must be 0 (no cap) or >= "
+            f"local_lane_max_region_bytes ({cfg.local_lane_max_region_bytes}), got "
             f"{cfg.local_lane_max_tenant_region_bytes!r}"
         )
 

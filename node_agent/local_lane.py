@@ -10,7 +10,8 @@ The lane is a door into the agent's memory, so it is kept narrow: the socket is 
 with `local_lane_group`) from the moment it exists; a connecting peer's credentials
 (SO_PEERCRED) must be the agent's user, root or a member of that group; at most
 `local_lane_max_connections` connections, of which one tenant holds at most
-`local_lane_max_connections_per_tenant` (a connection's tenant is its first frame's;
+`local_lane_max_connections_per_tenant` (refused FAILED_PRECONDITION, which clients take
+for "no lane" and go on over gRPC; a connection's tenant is its first frame's;
 at the cap a new connection takes the place of the oldest that has sent no frame yet,
 so connections that never authenticate cannot hold the lane either); a connection
 holding no shared-memory region is closed after `local_lane_idle_timeout_s` without a
@@ -84,14 +85,17 @@ async def _once(item):
 @dataclass(frozen=True, slots=True)
 class LaneLimits:
     group: str = ""  # "": socket 0600, the agent's user (and root) only
-    max_connections: int = 64
+    max_connections: int = 80
     idle_timeout_s: float = 30.0
-    max_connections_per_tenant: int = 0  # 0: a quarter of max_connections, at least 1
+    # 0: all but a fifth of max_connections (at least 1 kept for the others): a lone
+    # tenant keeps the 64 connections the lane had before per-tenant caps at the default
+    max_connections_per_tenant: int = 0
     region_idle_timeout_s: float = 600.0
 
     @property
     def per_tenant(self) -> int:
-        return self.max_connections_per_tenant or max(1, self.max_connections // 4)
+        n = self.max_connections
+        return self.max_connections_per_tenant or max(1, n - max(1, n // 5))
 
 
 @dataclass(slots=True)
@@ -304,9 +308,11 @@ class LocalLane:
         if conn.tenant is _ANY:
             if self._tenant_full(tenant):
                 self.counters.refused_tenant_full += 1
+                # FAILED_PRECONDITION: what clients (old ones too) take for "no lane
+                # here" on RegisterShm, their first frame, and carry on over gRPC.
                 return self._refuse(
                     conn,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
                     f"this tenant holds its limit of {self._limits.per_tenant} local-lane "
                     "connections (local_lane_max_connections_per_tenant); use gRPC",
                 )
@@ -392,7 +398,7 @@ class LocalLane:
             )
         if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
             return _error(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION,
                 f"a local-lane connection holds at most {MAX_REGIONS_PER_CONNECTION} regions",
             )
         return FdOffer(fds[0], conn.cred.pid, conn.cred.uid)

@@ -33,20 +33,21 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
 from kvstore.pages import map_shared
 
 SHM_DIR = "/dev/shm"
-DEFAULT_MAX_REGION_BYTES = 1 << 30  # AgentConfig.local_lane_max_region_bytes
+DEFAULT_MAX_REGION_BYTES = 64 << 30  # AgentConfig.local_lane_max_region_bytes
 
 
 @dataclass(frozen=True, slots=True)
 class ShmLimits:
-    """How much memory clients may lend the agent (kvstore.config.AgentConfig fields)."""
+    """How much memory clients may lend the agent (kvstore.config.AgentConfig fields).
+    A refusal by either is FAILED_PRECONDITION: what clients, old ones included, take for
+    "no shared memory here" and carry on over gRPC."""
 
     max_region_bytes: int = DEFAULT_MAX_REGION_BYTES  # local_lane_max_region_bytes
-    max_bytes_per_tenant: int = 4 << 30  # local_lane_max_tenant_region_bytes
+    max_bytes_per_tenant: int = 0  # local_lane_max_tenant_region_bytes; 0: no cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +139,12 @@ class DeviceRegion:
 
 
 def check_region_size(size: int, max_bytes: int, what: str = "shared-memory") -> None:
-    if not 0 < size <= max_bytes:
-        raise InvalidArgument(
-            f"{what} size must be in (0, {max_bytes}] (local_lane_max_region_bytes), got {size}"
+    if size <= 0:
+        raise InvalidArgument(f"{what} size must be > 0, got {size}")
+    if size > max_bytes:  # a policy of this agent's, not a bad request: no lane for it
+        raise FailedPrecondition(
+            f"{what} of {size} bytes is larger than this agent takes ({max_bytes}, "
+            "local_lane_max_region_bytes): payloads go over gRPC"
         )
 
 
@@ -204,7 +208,7 @@ def _map_own_fd(fd: int, size: int) -> np.ndarray:
         # so the kernel can put it on huge pages (kvstore/pages.py)
         return map_shared(fd, size)
     except OSError as exc:
-        raise ResourceExhausted(f"shared memory cannot be mapped: {exc.strerror}") from None
+        raise FailedPrecondition(f"shared memory cannot be mapped: {exc.strerror}") from None
     finally:
         os.close(fd)
 
@@ -219,10 +223,11 @@ class ShmRegistry:
     def _charge(self, tenant: str | None, size: int) -> None:
         held = self._held.get(tenant, 0)
         cap = self.limits.max_bytes_per_tenant
-        if held + size > cap:
-            raise ResourceExhausted(
+        if cap and held + size > cap:
+            raise FailedPrecondition(
                 f"this tenant holds {held} bytes of shared-memory regions on this agent; "
-                f"{size} more would pass its {cap} (local_lane_max_tenant_region_bytes)"
+                f"{size} more would pass its {cap} (local_lane_max_tenant_region_bytes): "
+                "payloads go over gRPC"
             )
         self._held[tenant] = held + size
 

@@ -50,7 +50,7 @@ from kvstore.client.convert import (
     torch_dtype,
 )
 from kvstore import lane
-from kvstore.client.errors import DeadlineExceeded, KVClientError, from_rpc
+from kvstore.client.errors import DeadlineExceeded, KVClientError, StagingGone, from_rpc
 from kvstore.client.local_lane import AnswerGone, LaneBroken, LaneChannel, LaneDeadline, Sent
 from kvstore.client.results import AgentStats, LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.device_staging import DeviceStaging, allocate_device_staging, close_quietly
@@ -198,6 +198,7 @@ class KVClient:
         self._lane: LaneChannel | None = None
         self._lane_ok = local_lane
         self._stale = False  # the lane broke or timed out: register again before a call
+        self._staging_gone = ""  # why the agent refused our staging again, once it has
         self._session_lock = threading.Lock()
         self.reregistrations = 0  # times this client registered again (agent restarts)
         self._staging_cache: dict[tuple, torch.Tensor] = {}
@@ -334,11 +335,19 @@ class KVClient:
 
     def _reregister(self, deadline: float) -> None:
         """The agent lost our registration (it restarted) or the lane broke: close the
-        old connection (the agent drops the region with it), then register again."""
+        old connection (the agent drops the region with it), then register again. When
+        the agent refuses (FAILED_PRECONDITION: one of its caps, or no lane any more),
+        give the staging area up and go on over gRPC, as a client refused at start does."""
         with self._session_lock:
             self._drop_lane()
             self._stale = True  # until registered: a failure here is tried again next call
-            self._register(deadline)
+            try:
+                self._register(deadline)
+            except KVClientError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                self._give_up_staging(exc.details())
+                return
             self.reregistrations += 1
         log.info(
             "registered again with agent %s (region %d, lane %s)",
@@ -346,6 +355,23 @@ class KVClient:
             self._region_id,
             "on" if self.uses_local_lane else "off",
         )
+
+    def _give_up_staging(self, why: str) -> None:
+        log.warning(
+            "agent %s refused our shared memory again (%s): payloads go over gRPC from now on",
+            self.address,
+            why,
+        )
+        self._staging_gone = why
+        self._stale = False
+        self._region_id = 0
+        self._close_staging()
+
+    def _need_staging(self, what: str) -> None:
+        if self._staging is None:
+            if self._staging_gone:
+                raise StagingGone(f"{what}: no shared memory any more ({self._staging_gone})")
+            raise RuntimeError(f"{what} needs the same-host shared-memory path")
 
     def _drop_lane(self) -> None:
         if self._lane is not None:
@@ -425,6 +451,10 @@ class KVClient:
 
     def close(self) -> None:
         self._drop_lane()  # the agent drops our regions with the connection
+        self._close_staging()
+        self.channel.close()
+
+    def _close_staging(self) -> None:
         if self._device is not None:
             self._device.close()
             self._device = None
@@ -434,7 +464,6 @@ class KVClient:
             self._slot_view_cache.clear()
             self._shm.close()
             self._shm = None
-        self.channel.close()
 
     def __enter__(self) -> "KVClient":
         return self
@@ -659,8 +688,7 @@ class KVClient:
         """The builder of a Get into staging slots first_slot.. (of the device staging area
         with `device`) for the zero-copy call `what`: it needs the shared-memory path and
         those slots within the staging area."""
-        if self._staging is None:
-            raise RuntimeError(f"{what} needs the same-host shared-memory path")
+        self._need_staging(what)
         cap = self.device_staging_capacity(ns) if device else self.staging_capacity(ns)
         if first_slot < 0 or first_slot + len(ids) > cap:
             raise ValueError(
@@ -672,8 +700,10 @@ class KVClient:
         offsets = range(start, start + len(ids) * ns.block_bytes, ns.block_bytes)
         packed = pack_ids(ids)
 
-        # Built per attempt: the region id changes when the client registers again.
+        # Built per attempt: the region id changes when the client registers again (or
+        # the staging area is gone, refused by the agent).
         def build(deadline: float) -> agent_pb2.GetRequest:
+            self._need_staging(what)
             until, sent = staging_times(deadline)
             return agent_pb2.GetRequest(
                 ns=ns.ref,
@@ -727,31 +757,12 @@ class KVClient:
         """`get`, with the tier each block was served from (kvstore.events.Tier: HBM for
         the device pool, NVME for a block read from RocksDB and promoted)."""
         parent = ns.root if parent is None else parent
-        out = Blocks([], [])
         if self._staging is not None:
-            cap = self.staging_capacity(ns)
-            for start in range(0, len(ids), cap):
-                chunk = ids[start : start + cap]
-                resp = self._get_staged(
-                    "get",
-                    ns,
-                    chunk,
-                    parent if start == 0 else ids[start - 1],
-                    timeout,
-                    request_id,
-                )
-                # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
-                # per block costs ~20 us each on small blocks, and one huge buffer is
-                # freshly mapped (page faults) on every call.
-                stage = self._staging_blocks(ns)
-                per = max(1, _COPY_OUT_BYTES // ns.block_bytes)
-                for i in range(0, resp.count, per):
-                    piece = stage[i : min(i + per, resp.count)].to(device, copy=True)
-                    out.blocks.extend(piece.unbind(0))
-                out.tiers.extend(resp.tiers)
-                if resp.count < len(chunk):
-                    break
-            return out
+            try:
+                return self._get_tiered_staged(ns, ids, parent, device, timeout, request_id)
+            except StagingGone:
+                pass  # given up mid-call: the whole Get again, over gRPC
+        out = Blocks([], [])
         req = agent_pb2.GetRequest(
             ns=ns.ref, block_ids=pack_ids(ids), parent_id=parent, request_id=request_id
         )
@@ -764,6 +775,41 @@ class KVClient:
                 out.tiers.extend(resp.tiers)
         except grpc.RpcError as exc:
             raise from_rpc(exc) from None
+        return out
+
+    def _get_tiered_staged(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        parent: bytes,
+        device: str | torch.device,
+        timeout: float | None,
+        request_id: str,
+    ) -> "Blocks":
+        """get_tiered through the staging area, copied out of it."""
+        out = Blocks([], [])
+        cap = self.staging_capacity(ns)
+        for start in range(0, len(ids), cap):
+            chunk = ids[start : start + cap]
+            resp = self._get_staged(
+                "get",
+                ns,
+                chunk,
+                parent if start == 0 else ids[start - 1],
+                timeout,
+                request_id,
+            )
+            # Copy out in pieces of up to 4 MiB, the blocks views of them: one copy
+            # per block costs ~20 us each on small blocks, and one huge buffer is
+            # freshly mapped (page faults) on every call.
+            stage = self._staging_blocks(ns)
+            per = max(1, _COPY_OUT_BYTES // ns.block_bytes)
+            for i in range(0, resp.count, per):
+                piece = stage[i : min(i + per, resp.count)].to(device, copy=True)
+                out.blocks.extend(piece.unbind(0))
+            out.tiers.extend(resp.tiers)
+            if resp.count < len(chunk):
+                break
         return out
 
     def put_staged(
@@ -780,6 +826,7 @@ class KVClient:
         first = ns.root if parent is None else parent
 
         def build(deadline: float) -> agent_pb2.PutRequest:
+            self._need_staging("put_staged")
             size = ns.block_bytes
             until, sent = staging_times(deadline)
             if self._chain_puts:  # one packed field: no BlockPut per block to build, parse
@@ -839,23 +886,10 @@ class KVClient:
         if not ids:
             return PutResult(0, 0)
         if self._staging is not None:
-            stored = already = 0
-            not_stored = ""
-            cap = self.staging_capacity(ns)
-            for start in range(0, len(ids), cap):
-                views = self.staging_views(ns, min(cap, len(ids) - start))
-                for v, b in zip(views, blocks[start : start + cap]):
-                    v.copy_(b.reshape(v.shape))
-                r = self.put_staged(
-                    ns,
-                    ids[start : start + cap],
-                    parent if start == 0 else ids[start - 1],
-                    timeout=timeout,
-                )
-                stored += r.stored
-                already += r.already_present
-                not_stored = not_stored or r.not_stored
-            return PutResult(stored, already, not_stored)
+            try:
+                return self._put_through_staging(ns, ids, blocks, parent, timeout)
+            except StagingGone:
+                pass  # given up mid-call: the whole Put again (idempotent), over gRPC
         return PutResult.from_proto(
             self._grpc(
                 self.stub.Put,
@@ -863,6 +897,32 @@ class KVClient:
                 self._deadline(timeout),
             )
         )
+
+    def _put_through_staging(
+        self,
+        ns: NamespaceHandle,
+        ids: list[bytes],
+        blocks: list[torch.Tensor],
+        parent: bytes,
+        timeout: float | None,
+    ) -> PutResult:
+        stored = already = 0
+        not_stored = ""
+        cap = self.staging_capacity(ns)
+        for start in range(0, len(ids), cap):
+            views = self.staging_views(ns, min(cap, len(ids) - start))
+            for v, b in zip(views, blocks[start : start + cap]):
+                v.copy_(b.reshape(v.shape))
+            r = self.put_staged(
+                ns,
+                ids[start : start + cap],
+                parent if start == 0 else ids[start - 1],
+                timeout=timeout,
+            )
+            stored += r.stored
+            already += r.already_present
+            not_stored = not_stored or r.not_stored
+        return PutResult(stored, already, not_stored)
 
     def _grpc_put_stream(self, ns, ids, blocks, parent):
         # Messages of at most MESSAGE_PAYLOAD_BYTES (or one block): agents receive a few

@@ -33,6 +33,15 @@ class DeadlineExceeded(KVClientError):
         super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
 
+class StagingGone(KVClientError):
+    """The agent refused to take our shared memory back (a cap of its own, FAILED_
+    PRECONDITION) after the lane connection holding it closed: the client gave its staging
+    area up and carries payloads over gRPC; a zero-copy call that needs it raises this."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, details)
+
+
 def client_error(code: grpc.StatusCode, details: str) -> KVClientError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(details)

@@ -198,6 +198,12 @@ class AgentLink:
 
         def run(client: KVClient) -> int:
             ns = self._handle(client, salt)
+            if not client.uses_shm:  # no shared memory (refused, or another host): gRPC
+                blocks = client.get(ns, ids, parent, request_id=request_id)
+                if blocks:
+                    sink(0, torch.stack(blocks))
+                progress[0] = len(blocks)
+                return len(blocks)
             on_device = client.uses_device_staging
             get = client.get_device_staged_tensor if on_device else client.get_staged_tensor
             cap = client.device_staging_capacity(ns) if on_device else client.staging_capacity(ns)

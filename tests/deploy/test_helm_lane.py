@@ -89,7 +89,7 @@ def test_lane_can_be_turned_off(helm, tmp_path, monkeypatch):  # noqa: F811
         ("agent.localLane.maxConnectionsPerTenant=-1", "agent.localLane.maxConnectionsPerTenant"),
         ("agent.localLane.regionIdleTimeoutSeconds=0", "agent.localLane.regionIdleTimeoutSeconds"),
         ("agent.localLane.maxRegionMiB=0", "agent.localLane.maxRegionMiB"),
-        ("agent.localLane.maxTenantRegionMiB=0", "agent.localLane.maxTenantRegionMiB"),
+        ("agent.localLane.maxTenantRegionMiB=-1", "agent.localLane.maxTenantRegionMiB"),
         ("agent.localLane.mode=0666", "agent.localLane: Additional property mode"),
     ],
 )

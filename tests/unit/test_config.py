@@ -200,9 +200,9 @@ def test_a_tenant_may_pin_half_the_pool_by_default_in_whole_slots():
     "settings,match",
     [
         (
-            {"local_lane_max_connections_per_tenant": 65},
-            r"^local_lane_max_connections_per_tenant must be from 0 \(a quarter of "
-            r"local_lane_max_connections\) to local_lane_max_connections \(64\), got 65",
+            {"local_lane_max_connections_per_tenant": 81},
+            r"^local_lane_max_connections_per_tenant must be from 0 \(all but a fifth of "
+            r"local_lane_max_connections\) to local_lane_max_connections \(80\), got 81",
         ),
         ({"local_lane_max_connections_per_tenant": -1}, "local_lane_max_connections_per_tenant"),
         (
@@ -213,7 +213,8 @@ def test_a_tenant_may_pin_half_the_pool_by_default_in_whole_slots():
         ({"local_lane_max_region_bytes": 0}, r"^local_lane_max_region_bytes must be > 0, got 0"),
         (
             {"local_lane_max_region_bytes": "2GiB", "local_lane_max_tenant_region_bytes": "1GiB"},
-            r"^local_lane_max_tenant_region_bytes must be >= local_lane_max_region_bytes "
+            r"^local_lane_max_tenant_region_bytes must be 0 \(no cap\) or >= "
+            r"local_lane_max_region_bytes "
             r"\(2147483648\), got 1073741824",
         ),
         ({"local_lane_max_tenant_region_bytes": "lots"}, "local_lane_max_tenant_region_bytes"),
@@ -226,10 +227,12 @@ def test_lane_caps_are_checked_and_named(settings, match):
 
 def test_lane_region_caps_have_defaults_and_sizes_parse():
     cfg = AgentConfig()
-    assert cfg.local_lane_max_connections_per_tenant == 0  # a quarter of the connections
+    # 0: all but a fifth of the 80 connections, the 64 a lone tenant had before caps
+    assert (cfg.local_lane_max_connections, cfg.local_lane_max_connections_per_tenant) == (80, 0)
+    # Staging of up to 64 GiB registers, and a tenant's regions are not capped together
     assert (cfg.local_lane_max_region_bytes, cfg.local_lane_max_tenant_region_bytes) == (
-        1 << 30,
-        4 << 30,
+        64 << 30,
+        0,
     )
     cfg = load_config(
         AgentConfig,

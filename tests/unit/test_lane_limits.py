@@ -12,7 +12,7 @@ import pytest
 
 from kvstore import lane
 from kvstore.client.staging import create_staging
-from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from node_agent.shm import FdOffer, ShmLimits, ShmRegistry, check_memory_fd
 
 
@@ -83,7 +83,9 @@ def test_sparse_memory_and_oversize_regions_are_refused():
                 check_memory_fd(fd, 1 << 20)
             with pytest.raises(InvalidArgument, match="every page allocated"):
                 check_memory_fd(fd, 1 << 18)  # the whole file must be, not just the region
-        with pytest.raises(InvalidArgument, match="local_lane_max_region_bytes"):
+        # A policy of the agent's, not a bad request: FAILED_PRECONDITION, which clients
+        # (old ones too) take for "no shared memory here" and go on over gRPC.
+        with pytest.raises(FailedPrecondition, match="local_lane_max_region_bytes"):
             check_memory_fd(good, 1 << 20, max_bytes=1 << 19)
     finally:
         for fd in (sparse, half, good):
@@ -100,7 +102,7 @@ def test_a_tenants_registered_bytes_are_capped_and_given_back():
 
     try:
         first, _ = register("acme"), register("acme")
-        with pytest.raises(ResourceExhausted, match="local_lane_max_tenant_region_bytes"):
+        with pytest.raises(FailedPrecondition, match="local_lane_max_tenant_region_bytes"):
             register("acme")
         register("globex")  # its own room
         with pytest.raises(NotFound, match="unknown shared-memory region"):
