@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from kvstore.config import RouterConfig, load_config, tls_fields
+from kvstore.config import RouterConfig, load_config, read_token_file, tls_fields
+from kvstore.errors import StartupError
 from kvstore.process import log_level
 
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
@@ -76,9 +77,11 @@ def main(argv=None) -> int:
             if cfg.tls.for_etcd().enabled:
                 read_files(cfg.tls.for_etcd())
         token = os.environ.get(TOKEN_ENV) or None
-        if args.cluster_token_file:
-            with open(args.cluster_token_file) as f:
-                token = f.read().strip() or None
+        if args.cluster_token_file:  # empty or unreadable: exit 2, never silently no token
+            try:
+                token = read_token_file("--cluster-token-file", args.cluster_token_file)
+            except StartupError as exc:
+                raise ValueError(str(exc)) from None
         from kvstore.coord.etcd import parse_endpoints
 
         parse_endpoints(cfg.etcd_endpoints)
@@ -103,7 +106,6 @@ def main(argv=None) -> int:
         print(f"kvstore-router: bad configuration: {exc}", file=sys.stderr)
         return 2
     from router.server import serve
-    from kvstore.process import StartupError
 
     try:
         asyncio.run(

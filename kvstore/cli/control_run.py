@@ -277,7 +277,8 @@ def add_common(p: argparse.ArgumentParser, nodes: bool = False) -> None:
         p.add_argument(
             "--token-file",
             help=f"cluster token for the agents' Stats (default ${TOKEN_ENV}); an agent "
-            "that refuses it is AUTH REFUSED (exit 1); an empty file is refused (exit 2)",
+            "that refuses it is AUTH REFUSED (exit 1); an empty or unreadable file is refused "
+            "(exit 2)",
         )
         p.add_argument(
             "--node-timeout",

@@ -266,3 +266,22 @@ def test_an_agent_whose_ucx_listener_cannot_bind_serves_and_still_stops_on_sigte
                 proc.wait()
     assert proc.returncode == 0, err[-2000:]
     assert "UCX unavailable" in err and "peers use the gRPC fallback" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("content", [None, "", "  \n"])
+def test_a_router_cluster_token_file_that_is_missing_or_empty_exits_2(tmp_path, content):
+    """An empty --cluster-token-file was taken as no token at all, without a word."""
+    from support.common import free_port
+
+    path = tmp_path / "cluster-token"
+    if content is not None:
+        path.write_text(content)
+    nobody = f"127.0.0.1:{free_port()}"  # refused before anything waits for etcd
+    r = _run("-m", "router", "--listen", "127.0.0.1:0", "--etcd-endpoints", nobody,
+             "--cluster-token-file", str(path))  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    why = "No such file or directory" if content is None else "is empty"
+    assert r.stderr.strip() == (
+        f"kvstore-router: bad configuration: --cluster-token-file {path}"
+        + (f": {why}" if content is None else f" {why}")
+    )
