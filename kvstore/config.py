@@ -216,14 +216,24 @@ _BYTES_PER_ID = 32
 MESSAGE_PAYLOAD_BYTES = 4 * MiB
 
 
-def _check_message_bytes(cfg: "AgentConfig") -> None:
-    """max_message_bytes holds one block and one request's ids; the call caps >= 0."""
-    for name in ("max_concurrent_rpcs", "max_calls_per_tenant"):
+def check_call_caps(cfg, *more: str) -> None:
+    """The call caps an agent and a router share (and `more`): integers >= 0 (0: no cap);
+    stream_idle_timeout_s > 0."""
+    caps = ("max_calls_per_tenant", "max_health_watches", "max_health_watches_per_peer")
+    for name in (*caps, *more):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0 (0: no cap), got {value}")
+    idle = cfg.stream_idle_timeout_s
+    if not (isinstance(idle, (int, float)) and math.isfinite(idle) and idle > 0):
+        raise ValueError(f"stream_idle_timeout_s must be > 0, got {idle!r}")
+
+
+def _check_message_bytes(cfg: "AgentConfig") -> None:
+    """max_message_bytes holds one block and one request's ids; the call caps >= 0."""
+    check_call_caps(cfg, "max_concurrent_rpcs")
     # A client's Put message: up to 8 blocks and 4 MiB of them, or one larger block
     # (kvstore.wire.blocks_per_message); the agent's Get responses are no larger.
     put = max(cfg.slot_bytes, min(8 * cfg.slot_bytes, MESSAGE_PAYLOAD_BYTES))
@@ -276,12 +286,19 @@ class AgentConfig:
     # starve the others and the liveness probe. max_calls_per_tenant caps each tenant.
     max_concurrent_rpcs: int = 0
     # Calls one tenant may have in progress on this agent at once, over gRPC and the
-    # local lane (more are refused RESOURCE_EXHAUSTED, naming this key); health checks,
-    # the cluster and agent identities are not counted. 0: no cap.
+    # local lane (more are refused RESOURCE_EXHAUSTED, naming this key), counted from the
+    # call's start, before its message has arrived; health checks, the cluster and agent
+    # identities are not counted. 0: no cap.
     max_calls_per_tenant: int = 128
-    # A client stream (Put) that sends no message for this long is ended
-    # (DEADLINE_EXCEEDED): it would hold its call, one of its tenant's, for ever.
+    # A call whose request sends no message for this long is ended (DEADLINE_EXCEEDED): a
+    # unary call whose message has not arrived whole, a client stream (Put) between two
+    # messages. It would hold its call, one of its tenant's, and what it sent, for ever.
     stream_idle_timeout_s: float = 30.0
+    # Health.Watch streams (open to anyone, never ended by the server) open at once on the
+    # whole port and from one peer address (host); more are refused RESOURCE_EXHAUSTED.
+    # Health.Check is never capped (the chart's probes). 0: no cap.
+    max_health_watches: int = 64
+    max_health_watches_per_peer: int = 8
     max_blocks_per_request: int = 8192
     expire_interval_s: float = 5.0
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
@@ -439,6 +456,19 @@ class RouterConfig:
     allow_unauthenticated: bool = False  # dev only: callers without a token act as the cluster
     # Routed requests in flight per tenant (TenantConfig.max_inflight overrides); 0: no cap
     max_inflight_per_tenant: int = 1024
+    # gRPC calls one tenant may have in progress on this router at once, counted from the
+    # call's start, before its message has arrived (more are refused RESOURCE_EXHAUSTED,
+    # naming this key); the cluster identity, development callers and health checks are
+    # not counted. 0: no cap. Each call being received holds up to 4 MiB (gRPC's default
+    # largest message).
+    max_calls_per_tenant: int = 128
+    # A call whose message has not arrived whole this long after it started is ended
+    # (DEADLINE_EXCEEDED), its call given back to its tenant.
+    stream_idle_timeout_s: float = 30.0
+    # Health.Watch streams open at once, on the whole port and from one peer address
+    # (host), as the agent's; Health.Check is never capped. 0: no cap.
+    max_health_watches: int = 64
+    max_health_watches_per_peer: int = 8
     # What a tenant's routes may queue as prefill work (blocks; 0: no cap), one request
     # and all of its requests on one node: a Route's block ids are the caller's word, and
     # queued work steers every tenant's routes away from a node. Work beyond is not
@@ -476,6 +506,7 @@ class RouterConfig:
             raise ValueError("engine_local_price must be in [0, 1)")
         if self.max_inflight_per_tenant < 0:
             raise ValueError("max_inflight_per_tenant must be >= 0")
+        check_call_caps(self)
         for name in ("max_route_work_blocks", "max_queued_blocks_per_tenant"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no cap)")

@@ -11,9 +11,18 @@ after the servicer runs, so that bad input reads the same on every method.
   raise) is UNIMPLEMENTED. Any other exception is a bug: logged once, on one line (the
   innermost frames, no traceback), and answered INTERNAL, never UNKNOWN.
 
-- A request stream that sends no message for `idle_s` seconds is ended with
-  DEADLINE_EXCEEDED (a client stream has no server deadline of its own: an idle one would
-  hold its call, and its caller's share of calls, for ever).
+- Every method is served as a request stream, unary ones included, so that its handler
+  starts (and its caller is counted, `CallGate`) when the call's headers arrive. grpc.aio
+  starts a unary-request handler only once the whole message has arrived: a call that
+  sent part of its message, or none, was held in memory, uncounted, for as long as its
+  caller kept the connection open. A unary method's one message is read by the wrapper
+  (`_one_message`) and handed to the real handler as grpc.aio would have. (A caller of
+  the interceptors that hands them whole messages, the agent's local lane, says so in
+  the call details, `message_whole`: its unary methods stay unary.)
+- A request that sends no message for `idle_s` seconds is ended with DEADLINE_EXCEEDED:
+  a unary call whose message has not arrived whole, a request stream between messages
+  (a client stream has no server deadline of its own: an idle one would hold its call,
+  and its caller's share of calls, for ever).
 
 `authenticated` adds authentication on top of this (the agent's EdgeInterceptor in
 node_agent/interceptors.py, the router's AuthEdge in router/access.py), and a `CallGate`
@@ -84,26 +93,45 @@ def check_decoded(request) -> None:
         raise errors.InvalidArgument(request.message)
 
 
+_ENDED = object()  # what _next returns at the end of a request stream
+
+
+async def _next(it, method: str, idle_s: float, what: str):
+    """The next request message of `it`, checked, or _ENDED; DeadlineExceeded when it
+    does not arrive whole within `idle_s` seconds (0: no limit)."""
+    try:
+        if idle_s > 0:
+            async with asyncio.timeout(idle_s):
+                request = await anext(it)
+        else:
+            request = await anext(it)
+    except StopAsyncIteration:
+        return _ENDED
+    except TimeoutError:
+        name = method.rsplit("/", 1)[-1]
+        raise errors.DeadlineExceeded(
+            f"{name} {what} for {idle_s:g} s (stream_idle_timeout_s): ended"
+        ) from None
+    check_decoded(request)
+    return request
+
+
 async def _checked_stream(requests, method: str, idle_s: float):
     """The request stream, each message checked; DeadlineExceeded when none comes for
     `idle_s` seconds (0: no limit)."""
     it = aiter(requests)
-    while True:
-        try:
-            if idle_s > 0:
-                async with asyncio.timeout(idle_s):
-                    request = await anext(it)
-            else:
-                request = await anext(it)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            what = method.rsplit("/", 1)[-1]
-            raise errors.DeadlineExceeded(
-                f"{what} stream sent no message for {idle_s:g} s (stream_idle_timeout_s): ended"
-            ) from None
-        check_decoded(request)
+    while (request := await _next(it, method, idle_s, "stream sent no message")) is not _ENDED:
         yield request
+
+
+async def _one_message(requests, method: str, idle_s: float):
+    """A unary method's request: the first message of its stream, checked, when it has
+    arrived whole within `idle_s` seconds (anything sent after it is never read)."""
+    request = await _next(aiter(requests), method, idle_s, "request did not arrive whole")
+    if request is _ENDED:
+        name = method.rsplit("/", 1)[-1]
+        raise errors.InvalidArgument(f"{name} call sent no request message")
+    return request
 
 
 def log_unexpected(log: logging.Logger, method: str, exc: BaseException) -> str:
@@ -117,11 +145,15 @@ def log_unexpected(log: logging.Logger, method: str, exc: BaseException) -> str:
 
 
 class _Call:
-    """One method's wrapping: `before(context)` runs first (authentication, admission) and
-    may return a function to run once the call is over (its release)."""
+    """One method's wrapping: `before(context)` runs first, as the call starts and before
+    its request is read (authentication, admission), and may return a function to run
+    once the call is over (its release), whatever ends it."""
 
-    def __init__(self, method: str, log: logging.Logger, before=None, idle_s: float = 0.0):
+    def __init__(
+        self, method: str, log: logging.Logger, before=None, idle_s: float = 0.0, whole=False
+    ):
         self.method, self.log, self.before, self.idle_s = method, log, before, idle_s
+        self.whole = whole  # a unary method's handler gets its message, not a stream
 
     async def _fail(self, context, exc: Exception):
         if isinstance(exc, grpc.aio.AbortError):
@@ -132,19 +164,22 @@ class _Call:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented")
         await context.abort(grpc.StatusCode.INTERNAL, log_unexpected(self.log, self.method, exc))
 
-    def _admit(self, request, context, stream_request: bool):
-        """(the request as the handler gets it, the release to run when the call ends)."""
-        release = self.before(context) if self.before is not None else None
+    async def _request(self, requests, stream_request: bool):
+        """The request as the servicer's handler takes it, from the request stream."""
         if stream_request:
-            return _checked_stream(request, self.method, self.idle_s), release
-        check_decoded(request)
-        return request, release
+            return _checked_stream(requests, self.method, self.idle_s)
+        if self.whole:
+            check_decoded(requests)
+            return requests
+        return await _one_message(requests, self.method, self.idle_s)
 
     def unary(self, fn, stream_request: bool):
-        async def handler(request, context):
+        async def handler(requests, context):
             release = None
             try:
-                request, release = self._admit(request, context, stream_request)
+                if self.before is not None:
+                    release = self.before(context)
+                request = await self._request(requests, stream_request)
                 return await fn(request, context)
             except Exception as exc:
                 await self._fail(context, exc)
@@ -160,10 +195,12 @@ class _Call:
             # aio Watch does: awaited, not iterated.
             return self.unary(fn, stream_request)
 
-        async def handler(request, context):
+        async def handler(requests, context):
             release = None
             try:
-                request, release = self._admit(request, context, stream_request)
+                if self.before is not None:
+                    release = self.before(context)
+                request = await self._request(requests, stream_request)
                 async for item in fn(request, context):
                     yield item
             except Exception as exc:
@@ -181,22 +218,26 @@ def wrap_handler(
     log: logging.Logger,
     before=None,
     idle_s: float = 0.0,
+    whole: bool = False,
 ) -> grpc.RpcMethodHandler:
-    """`handler` with a safe deserializer and the error mapping above; `idle_s`: how long
-    a request stream may go without a message (0: no limit)."""
-    call = _Call(method, log, before, idle_s)
+    """`handler` with a safe deserializer and the error mapping above, served as a request
+    stream whatever its kind (`before` runs as the call starts); `idle_s`: how long a
+    request may go without a message (0: no limit). `whole`: the caller hands unary
+    methods their message whole (the local lane): they stay unary."""
+    call = _Call(method, log, before, idle_s, whole)
     deser = handler.request_deserializer
     if deser is not None:
         deser = safe_deserializer(deser, method)
     ser = handler.response_serializer
+    unary_kinds = (
+        (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler)
+        if whole
+        else (grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler)
+    )
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(
-            call.unary(handler.unary_unary, False), deser, ser
-        )
+        return unary_kinds[0](call.unary(handler.unary_unary, False), deser, ser)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(
-            call.stream(handler.unary_stream, False), deser, ser
-        )
+        return unary_kinds[1](call.stream(handler.unary_stream, False), deser, ser)
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
             call.unary(handler.stream_unary, True), deser, ser
@@ -242,17 +283,22 @@ class ErrorEdge(grpc.aio.ServerInterceptor):
         return wrap_handler(handler, details.method, self._log)
 
 
-OPEN_METHODS = ("/grpc.health.v1.Health/",)  # served to anyone, never counted
+# Served to anyone, never counted against a caller; Watch streams are counted by peer
+# address (WatchGate), Check never (the chart's probes ask it).
+OPEN_METHODS = ("/grpc.health.v1.Health/",)
+WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 
 
 class CallGate:
     """Calls in flight per caller, at most `cap` each (0: no cap), so that one caller
     cannot hold every call a server serves at once; callers in `exempt` (None: a
     development caller without a token) are not counted. `setting` names the cap in
-    the refusal."""
+    the refusal, `who` whose calls they are."""
 
-    def __init__(self, cap: int, setting: str, exempt: tuple = (None,)) -> None:
-        self.cap, self.setting, self.exempt = cap, setting, exempt
+    def __init__(
+        self, cap: int, setting: str, exempt: tuple = (None,), who: str = "this caller"
+    ) -> None:
+        self.cap, self.setting, self.exempt, self.who = cap, setting, exempt, who
         self._held: dict[Hashable, int] = {}
 
     def enter(self, caller: Hashable) -> Callable[[], None] | None:
@@ -262,7 +308,7 @@ class CallGate:
         held = self._held.get(caller, 0)
         if held >= self.cap:
             raise errors.ResourceExhausted(
-                f"this caller has {held} calls in progress here, its limit ({self.setting}: "
+                f"{self.who} has {held} calls in progress here, its limit ({self.setting}: "
                 f"{self.cap}); retry once some have ended"
             )
         self._held[caller] = held + 1
@@ -279,36 +325,76 @@ class CallGate:
         return self._held.get(caller, 0)
 
 
+def peer_host(peer: str) -> str:
+    """A gRPC peer string's address without its port ("ipv4:10.0.0.5:41234" ->
+    "ipv4:10.0.0.5", "ipv6:[::1]:5" -> "ipv6:[::1]"); others ("unix:...") as they are."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+class WatchGate:
+    """Health.Watch streams open at once: at most `total` (max_health_watches) on the
+    server and `per_peer` (max_health_watches_per_peer) from one peer address; 0: no
+    cap. Watch is open to anyone and a stream lasts as long as its caller wants."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self._all = CallGate(total, "max_health_watches", (), "this server")
+        self._peer = CallGate(per_peer, "max_health_watches_per_peer", (), "this address")
+
+    def enter(self, context) -> Callable[[], None] | None:
+        first = self._all.enter("")
+        try:
+            second = self._peer.enter(peer_host(context.peer()))
+        except errors.ResourceExhausted:
+            if first is not None:
+                first()
+            raise
+        releases = [r for r in (first, second) if r is not None]
+
+        def release() -> None:
+            for r in releases:
+                r()
+
+        return release
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     """How an authenticating edge admits a call: `resolve(metadata)` names the caller
     (Unauthenticated when it cannot), `bind(caller)` hands it to the servicer (a context
-    variable); `gate` counts its calls in flight; `idle_s` as in wrap_handler."""
+    variable); `gate` counts its calls in flight, `watches` the open Health.Watch
+    streams; `idle_s` as in wrap_handler (stream_idle_timeout_s)."""
 
     resolve: Callable
     bind: Callable
     gate: CallGate | None = None
     idle_s: float = 0.0
+    watches: WatchGate | None = None
 
 
 async def authenticated(continuation, details, log: logging.Logger, admission: Admission):
     """What an authenticating interceptor's intercept_service returns: health checks open
-    to all, any other method's caller resolved from the metadata alone, before its
-    request is read (a refused caller's message is never received whole: `refusal`),
-    then bound and counted as the call starts, released when it ends."""
+    to all (Watch streams capped), any other method's caller resolved from the metadata
+    alone, before its request is read (a refused caller's message is never received
+    whole: `refusal`), then bound and counted as the call starts (its headers), before
+    its message is read, and released when it ends, however it ends."""
     handler = await continuation(details)
     if handler is None:
         return None
+    whole = getattr(details, "message_whole", False)  # the local lane's (whole frames)
     if details.method.startswith(OPEN_METHODS):
-        return wrap_handler(handler, details.method, log)
+        watches = admission.watches if details.method == WATCH_METHOD else None
+        before = None if watches is None else watches.enter
+        return wrap_handler(handler, details.method, log, before, admission.idle_s, whole)
     try:
         caller = admission.resolve(details.invocation_metadata)
     except errors.Unauthenticated as exc:
         return refusal(handler, details.method, exc)
     gate = admission.gate
 
-    def before(_ctx):
+    def admit(_ctx):
         admission.bind(caller)
         return None if gate is None else gate.enter(caller)
 
-    return wrap_handler(handler, details.method, log, before, admission.idle_s)
+    return wrap_handler(handler, details.method, log, admit, admission.idle_s, whole)

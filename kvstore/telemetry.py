@@ -201,9 +201,29 @@ def pending_attributes() -> dict | None:
     return _pending.get()
 
 
-# Called with (request or None for client streams, response, seconds) after a unary
-# response: how an agent or router turns an RPC into domain metrics and span attributes.
+# Called with (the request, or None when the call sent more than one message, response,
+# seconds) after a unary response: how an agent or router turns an RPC into domain
+# metrics and span attributes. (The shared edge serves unary methods as request streams,
+# kvstore/grpc_edge.py: their one message is taken from the stream as it is read.)
 Observer = Callable[[object, object, float], None]
+
+
+class _Taken:
+    """A request stream as the handler reads it, keeping its message while it sent one."""
+
+    __slots__ = ("_it", "message", "count")
+
+    def __init__(self, requests) -> None:
+        self._it, self.message, self.count = aiter(requests), None, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        msg = await anext(self._it)
+        self.count += 1
+        self.message = msg if self.count == 1 else None
+        return msg
 
 
 class _Md:
@@ -361,11 +381,15 @@ class _Rpc:
     def unary(self, fn, unary_request: bool):
         async def handler(request, context):
             t0 = time.perf_counter()
+            taken = None
+            if not unary_request and self.observer is not None:
+                request = taken = _Taken(request)
             try:
                 with self._span():
                     response = await fn(request, context)
                     if self.observer is not None and response is not None:
-                        self._observe(request if unary_request else None, response, t0)
+                        seen = request if taken is None else taken.message
+                        self._observe(seen, response, t0)
                     return response
             finally:
                 self._record(t0)

@@ -11,7 +11,7 @@ import logging
 import grpc
 
 from kvstore.auth import RESERVED_TENANTS
-from kvstore.grpc_edge import Admission, CallGate, authenticated
+from kvstore.grpc_edge import Admission, CallGate, WatchGate, authenticated
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent")
@@ -27,7 +27,9 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     calls in flight, then the shared edge maps errors to status codes. Token hashes come
     from the agent config. Health checks are open and never counted; the cluster and
     agent identities (operators, peer agents) and development callers are not capped.
-    `stream_idle_s`: a request stream (Put) that sends no message this long is ended."""
+    A call is counted from its start, before its message has arrived; `stream_idle_s`: a
+    call whose request sends no message this long (a unary message not whole, a Put
+    stream between messages) is ended. `watches`: the open Health.Watch streams' caps."""
 
     def __init__(
         self,
@@ -35,12 +37,15 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         allow_unauthenticated: bool,
         max_calls_per_tenant: int = 0,
         stream_idle_s: float = 0.0,
+        watches: WatchGate | None = None,
     ) -> None:
         self._tokens = TokenTable(token_hashes, allow_unauthenticated)
         self.gate = CallGate(
             max_calls_per_tenant, "max_calls_per_tenant", (None, *RESERVED_TENANTS)
         )
-        self._admission = Admission(self.resolve, current_tenant.set, self.gate, stream_idle_s)
+        self._admission = Admission(
+            self.resolve, current_tenant.set, self.gate, stream_idle_s, watches
+        )
 
     def resolve(self, metadata) -> str | None:
         md = dict(metadata or ())

@@ -52,6 +52,9 @@ _ANY = object()  # a connection's tenant before its first frame
 class _Details(NamedTuple):  # what grpc.HandlerCallDetails carries
     method: str
     invocation_metadata: tuple
+    # A frame is read whole before its call starts (under the lane's own caps and idle
+    # timeout): the shared edge keeps unary methods unary (kvstore/grpc_edge.py).
+    message_whole: bool = True
 
 
 class _Abort(grpc.aio.AbortError):  # what context.abort raises, so the edge passes it on

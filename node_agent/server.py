@@ -36,6 +36,7 @@ from kvstore.tiers.sealing import KeyFileError, Sealer
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
+from kvstore.grpc_edge import WatchGate
 from node_agent.interceptors import EdgeInterceptor
 from node_agent.local_lane import LaneLimits, LocalLane, lane_gid
 from node_agent.metrics import AgentTelemetry
@@ -265,6 +266,7 @@ class AgentServer:
                 self.cfg.allow_unauthenticated,
                 self.cfg.max_calls_per_tenant,
                 self.cfg.stream_idle_timeout_s,
+                WatchGate(self.cfg.max_health_watches, self.cfg.max_health_watches_per_peer),
             ),
         ]
         self.server = grpc.aio.server(

@@ -32,7 +32,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, NOT_YOURS, TokenTable
-from kvstore.grpc_edge import Admission, authenticated
+from kvstore.grpc_edge import Admission, CallGate, WatchGate, authenticated
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
@@ -153,13 +153,28 @@ def _may_route(owner: Owner | None, caller: Caller) -> bool:
 
 class AuthEdge(grpc.aio.ServerInterceptor):
     """The shared edge (kvstore/grpc_edge.py) on every method, with the caller resolved
-    into `current_caller` before a Router method runs (health checks are open): an
-    unauthenticated call is refused before the request is even looked at."""
+    into `current_caller` before a Router method runs (health checks are open, Watch
+    streams capped): an unauthenticated call is refused before the request is even
+    looked at; a tenant's calls in flight are counted from their start, before their
+    message has arrived (max_calls_per_tenant; the cluster identity and development
+    callers are not capped), and a call whose message has not arrived whole after
+    stream_idle_timeout_s is ended."""
 
-    def __init__(self, access: RouterAccess, log: logging.Logger) -> None:
+    def __init__(self, access: RouterAccess, log: logging.Logger, cfg: RouterConfig) -> None:
         self.access = access
         self._log = log
-        self._admission = Admission(access.caller, current_caller.set)
+        self.gate = CallGate(
+            cfg.max_calls_per_tenant,
+            "max_calls_per_tenant",
+            (Caller(None), Caller(CLUSTER_TENANT)),
+        )
+        self._admission = Admission(
+            access.caller,
+            current_caller.set,
+            self.gate,
+            cfg.stream_idle_timeout_s,
+            WatchGate(cfg.max_health_watches, cfg.max_health_watches_per_peer),
+        )
 
     async def intercept_service(self, continuation, details):
         return await authenticated(continuation, details, self._log, self._admission)

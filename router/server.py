@@ -248,7 +248,7 @@ class RouterServer:
         # servicer runs (router/access.py), and telemetry still times them.
         access = RouterAccess(self.cfg, self.owners)
         self.server = grpc.aio.server(
-            interceptors=[*self.telemetry.interceptors, AuthEdge(access, log)],
+            interceptors=[*self.telemetry.interceptors, AuthEdge(access, log, self.cfg)],
             options=[("grpc.so_reuseport", 0)],
         )
         self.servicer = RouterServicer(self.core, access)
