@@ -168,9 +168,12 @@ class EngineRecordReader:
     `accept_unsigned` (the router's `engine_record_unsigned: accept`, while registrars
     are being given the key): a record with no `signature` field is taken, logged once
     per key and counted (`unsigned`: the etcd keys holding one now, a metric); one whose
-    signature does not verify is still refused. Without a key every record is taken as
-    it stands, and the first one read logs that records are not authenticated (unless
-    `said_unauthenticated`: the router said so at start)."""
+    signature does not verify is still refused, and so is an unsigned record under a key
+    that held a verified one since this reader was made (a registrar that signs never
+    goes back to unsigned: that is someone replacing its record), counted as refused and
+    logged once. Without a key every record is taken as it stands, and the first one
+    read logs that records are not authenticated (unless `said_unauthenticated`: the
+    router said so at start)."""
 
     def __init__(
         self, key: bytes = b"", accept_unsigned: bool = False, said_unauthenticated: bool = False
@@ -180,6 +183,8 @@ class EngineRecordReader:
         self.refused = 0
         self._said: set[str] = set()
         self._unsigned: set[str] = set()  # etcd keys whose record was taken unsigned
+        # etcd keys that held a record that verified, deleted since or not: never unsigned
+        self._verified: set[str] = set()
         self._said_unauthenticated = said_unauthenticated
 
     @property
@@ -192,15 +197,10 @@ class EngineRecordReader:
         self._unsigned.discard(etcd_key)
         try:
             rec, unsigned = _read(value, self.key, self.accept_unsigned)
-        except RecordNotSigned:
-            self.refused += 1
-            if etcd_key not in self._said:
-                self._said.add(etcd_key)
-                log.warning(
-                    "ignoring engine record %s: not signed with the engine record key "
-                    "(engine_record_key_file); no request goes to the url it names",
-                    etcd_key,
-                )
+            if unsigned and etcd_key in self._verified:
+                raise RecordNotSigned("unsigned, where a signed record was")
+        except RecordNotSigned as exc:
+            self._refuse(etcd_key, str(exc))
             return None
         except (ValueError, TypeError) as exc:
             log.warning("ignoring engine record %s: %s", etcd_key, exc)
@@ -209,6 +209,8 @@ class EngineRecordReader:
             log.warning("ignoring engine record %s: it names engine %r", etcd_key, rec.engine_id)
             return None
         self._said.discard(etcd_key)
+        if self.key and not unsigned:
+            self._verified.add(etcd_key)
         if unsigned:
             self._unsigned.add(etcd_key)
             if not was_unsigned:
@@ -226,6 +228,18 @@ class EngineRecordReader:
                 "at a server of theirs (docs/security.md, Engine records)"
             )
         return rec
+
+    def _refuse(self, etcd_key: str, why: str) -> None:
+        """Count a refused record; log it once per key (until deleted or verified)."""
+        self.refused += 1
+        if etcd_key not in self._said:
+            self._said.add(etcd_key)
+            log.warning(
+                "ignoring engine record %s: %s (engine_record_key_file); no request goes "
+                "to the url it names",
+                etcd_key,
+                why,
+            )
 
     def forget(self, etcd_key: str) -> None:
         """The key was deleted: a later refusal under it is logged again."""

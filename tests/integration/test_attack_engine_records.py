@@ -243,6 +243,44 @@ def test_accepting_unsigned_records_routes_an_old_registrar_and_refuses_bad_sign
         stop_proc(bait.proc)
 
 
+def test_accept_mode_takes_no_unsigned_record_where_a_signed_one_was(
+    tmp_path, etcd, start_gateway, start_standin
+):
+    """Before the fix, with `engine_record_unsigned: accept`, the registrar's signed
+    record copied with its signature stripped and its url pointed at the attacker's
+    server was taken (it carries no signature, so it was an "old registrar's"): the
+    prompts went to the attacker. Now a key that held a record that verified takes only
+    records that verify, in the gateway and in the router's event feed alike; the
+    engine drops out (503) until its signed record is back."""
+    key_file = tmp_path / "engine-record-key"
+    key_file.write_text(SECRET + "\n")
+    tok = str(write_word_tokenizer(tmp_path / "tok"))
+    router = {"engine_record_key_file": str(key_file), "engine_record_unsigned": "accept"}
+    gw = start_gateway({MODEL: tok}, router=router)
+    w0 = start_standin("w0", MODEL, registrar_args=["--record-key-file", str(key_file)])
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the signed engine in the gateway")
+    bait = Bait(tmp_path / "bait")
+    try:
+        key = ENGINES + "w0"
+        genuine = etcd_items(etcd.endpoint)[key]
+        stripped = json.loads(genuine)
+        del stripped["signature"]
+        stripped["url"] = bait.url
+        etcd_put(etcd.endpoint, key, json.dumps(stripped).encode())
+        _settled(gw, etcd)
+        assert set(_send(gw, 3)) == {503}
+        assert bait.seen() == [] and gw.engines() == 0
+        assert (_refused(gw, "gateway"), _refused(gw, "router")) == (1, 1)
+        assert (_unsigned(gw, "gateway"), _unsigned(gw, "router")) == (0, 0)
+        assert gw.log.count("ignoring engine record engines/w0: unsigned, where a signed") == 2
+        etcd_put(etcd.endpoint, key, genuine)
+        wait_for(lambda: gw.engines() == 1, 20, 0.1, what="w0 back")
+        assert _send(gw, 2) == [200, 200]
+        assert bait.seen() == [] and len(w0.seen()) == 2
+    finally:
+        stop_proc(bait.proc)
+
+
 @pytest.fixture
 def dev_cluster(tmp_path):
     state = tmp_path / "cluster"

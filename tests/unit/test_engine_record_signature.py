@@ -156,8 +156,32 @@ def test_accept_unsigned_takes_an_unsigned_record_logged_once_per_key_and_counte
     assert reader.unsigned == 0
     caplog.clear()
     with caplog.at_level(logging.WARNING, "kvstore.engines"):  # unsigned again: said again
-        assert reader.read(ENGINES + "e0", unsigned) == REAL
+        assert reader.read(ENGINES + "e1", other.to_json()) == other
     assert "is unsigned and taken" in caplog.text and reader.unsigned == 1
+
+
+def test_accept_unsigned_never_takes_an_unsigned_record_where_a_signed_one_was(caplog):
+    """Before the fix accept mode took a record with its signature stripped (and its url
+    changed) under a key that had just held the registrar's signed record: anyone who can
+    write etcd could move a signed engine. Now a key that held a verified record, deleted
+    since or not, takes only records that verify: the unsigned one is refused, counted
+    and logged once; keys that never held a signed record still take unsigned ones."""
+    reader = EngineRecordReader(KEY, accept_unsigned=True)
+    assert reader.read(ENGINES + "e0", REAL.to_json(KEY)) == REAL
+    stripped = json.loads(REAL.to_json(KEY))
+    del stripped["signature"]
+    stripped["url"] = "http://10.6.6.6:8000"
+    with caplog.at_level(logging.WARNING, "kvstore.engines"):
+        assert reader.read(ENGINES + "e0", json.dumps(stripped).encode()) is None
+        reader.forget(ENGINES + "e0")  # deleted, then put again unsigned
+        assert reader.read(ENGINES + "e0", REAL.to_json()) is None
+        assert reader.read(ENGINES + "e0", REAL.to_json()) is None
+    said = [r.getMessage() for r in caplog.records if "where a signed record was" in r.getMessage()]
+    assert len(said) == 2 and all("engines/e0" in m for m in said), said
+    assert (reader.refused, reader.unsigned) == (3, 0)
+    other = EngineRecord("e1", "http://10.0.0.6:8000", ("tiny",), "agent-1")
+    assert reader.read(ENGINES + "e1", other.to_json()) == other
+    assert reader.read(ENGINES + "e0", REAL.to_json(KEY)) == REAL  # signed: taken again
 
 
 @pytest.mark.parametrize("accept_unsigned", [False, True], ids=["refuse", "accept"])
