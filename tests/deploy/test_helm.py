@@ -1001,6 +1001,35 @@ def test_agents_cap_message_size_and_calls_per_tenant(helm, tmp_path):
     cfg = load_config(AgentConfig, str(tmp_path / "agent.yaml"))
     assert (cfg.max_message_bytes, cfg.max_concurrent_rpcs) == (8 << 20, 0)
     assert (cfg.max_calls_per_tenant, cfg.stream_idle_timeout_s) == (128, 30.0)
+    assert (cfg.max_health_watches, cfg.max_health_watches_per_peer) == (64, 8)
+
+
+def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
+    """router.maxCallsPerTenant, streamIdleTimeoutSeconds, maxHealthWatches and
+    maxHealthWatchesPerPeer reach router.yaml (docs/security.md, "Calls at once, per
+    tenant" and "Health checks"), defaults and values set alike."""
+    for sets, want in (
+        ((), (128, 30.0, 64, 8)),
+        (
+            (
+                "router.maxCallsPerTenant=7",
+                "router.streamIdleTimeoutSeconds=4",
+                "router.maxHealthWatches=3",
+                "router.maxHealthWatchesPerPeer=1",
+            ),
+            (7, 4.0, 3, 1),
+        ),
+    ):
+        cm = one(render(helm, "minimal-values.yaml", *sets), "ConfigMap", "-config")
+        (tmp_path / "router.yaml").write_text(cm["data"]["router.yaml"])
+        cfg = load_config(RouterConfig, str(tmp_path / "router.yaml"))
+        got = (
+            cfg.max_calls_per_tenant,
+            cfg.stream_idle_timeout_s,
+            cfg.max_health_watches,
+            cfg.max_health_watches_per_peer,
+        )
+        assert got == want, sets
 
 
 @pytest.mark.parametrize(("slot_kib", "mib"), [(8128, 8), (8192, 9), (16384, 17)])
