@@ -73,7 +73,10 @@ def test_unauthenticated_calls_are_refused_before_their_message_is_received(spaw
     # grew by hundreds of MiB (224 MiB of messages per round, deserialized copies on
     # top); refused unread, each call holds at most its stream's flow-control window.
     grown = peak_rss_mib(pid) - before
-    assert grown < 96, f"the agent's peak RSS grew {grown} MiB for refused calls"
+    # Received, each round's messages would be CALLS x MESSAGE (224 MiB; the code before
+    # grew 238). Refused from their headers, each call costs at most its flow-control
+    # window: 57-101 MiB measured here for both rounds, up to 119 beside a full make test.
+    assert grown < CALLS * MESSAGE * 3 // 4 // MiB, f"the peak RSS grew {grown} MiB"
     # A tenant's call is still received and answered on its merits.
     codes = _lookups(agent.address, (("authorization", f"Bearer {TOKENS['acme']}"),))
     assert set(codes) == {grpc.StatusCode.PERMISSION_DENIED}, codes

@@ -180,7 +180,8 @@ def test_the_agent_answers_other_calls_while_it_maps_a_region(spawn_agent, tmp_p
     the test has had Stats answered over gRPC while the registration is unanswered; on
     the event loop, those Stats run out their deadline."""
     size = 8 * MiB
-    monkeypatch.setenv("PYTHONPATH", f"{HOLD_MAPPING}{os.pathsep}{os.environ['PYTHONPATH']}")
+    paths = [str(HOLD_MAPPING), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # make test sets none
     monkeypatch.setenv("KVSTORE_FAULT_HOLD_MAP_DIR", str(tmp_path))
     monkeypatch.setenv("KVSTORE_FAULT_HOLD_MAP_BYTES", str(size))
     agent = secure_agent(spawn_agent)
