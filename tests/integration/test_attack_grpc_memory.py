@@ -11,7 +11,7 @@ import threading
 import grpc
 import torch
 from support.attack import TOKENS, tenants
-from support.common import make_namespace, prompt_tokens
+from support.common import make_namespace, proc_status_bytes, prompt_tokens
 
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape, torch_dtype
@@ -21,15 +21,6 @@ from kvstore.v1 import agent_pb2, agent_pb2_grpc
 
 CALLS = 32
 MESSAGE = 7 * MiB  # under the agent's max_message_bytes (8 MiB): gRPC would take it
-
-
-def peak_rss_mib(pid: int) -> int:
-    """The process's peak resident set (VmHWM) so far."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) // 1024
-    raise AssertionError("no VmHWM")
 
 
 def _lookups(address: str, metadata: tuple) -> list[grpc.StatusCode]:
@@ -65,14 +56,14 @@ def _lookups(address: str, metadata: tuple) -> list[grpc.StatusCode]:
 def test_unauthenticated_calls_are_refused_before_their_message_is_received(spawn_agent):
     agent = spawn_agent(allow_unauthenticated=False, tenants=tenants())
     pid = agent.proc.pid
-    before = peak_rss_mib(pid)
+    before = proc_status_bytes(pid, "VmHWM") // MiB
     for md in ((), (("authorization", "Bearer not-a-token"),)):
         codes = _lookups(agent.address, md)
         assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
     # 64 calls of 7 MiB: received whole before the refusal (as before), the agent's peak
     # grew by hundreds of MiB (224 MiB of messages per round, deserialized copies on
     # top); refused unread, each call holds at most its stream's flow-control window.
-    grown = peak_rss_mib(pid) - before
+    grown = proc_status_bytes(pid, "VmHWM") // MiB - before
     # Received, each round's messages would be CALLS x MESSAGE (224 MiB; the code before
     # grew 238). Refused from their headers, each call costs at most its flow-control
     # window: 57-101 MiB measured here for both rounds, up to 119 beside a full make test.

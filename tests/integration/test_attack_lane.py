@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 import grpc
 import pytest
 import torch
-from support.common import make_namespace, prompt_tokens, wait_for
+from support.common import make_namespace, proc_status_bytes, prompt_tokens, wait_for
 from support.lane_raw import closed, connect, raw_call, read_frame
 
 from kvstore import lane
@@ -184,12 +184,6 @@ def test_the_lane_maps_only_sealed_memory_the_caller_hands_over(spawn_agent):
 
 
 # ------------------------------------------------------------------- item 5: lane limits
-def vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 def test_socket_is_owner_only_and_peers_are_checked(spawn_agent):
@@ -231,7 +225,7 @@ def test_unauthenticated_frames_are_refused_before_their_body_is_read(spawn_agen
     path = lane_path(agent)
     n = lane.MAX_FRAME_BYTES
     chunk = bytes(1 << 20)
-    rss0 = vm_rss(agent.proc.pid)
+    rss0 = proc_status_bytes(agent.proc.pid, "VmRSS")
     socks = []
     for _ in range(8):
         s, (greeting, _) = connect(path, timeout=60)
@@ -244,7 +238,7 @@ def test_unauthenticated_frames_are_refused_before_their_body_is_read(spawn_agen
             s.sendall(bytes((n - 1) % len(chunk)))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the agent hung up on us mid-body: what it should do
-    grown = vm_rss(agent.proc.pid) - rss0
+    grown = proc_status_bytes(agent.proc.pid, "VmRSS") - rss0
     for s in socks:
         status, body = read_frame(s)
         assert status == code(grpc.StatusCode.UNAUTHENTICATED), body

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from support.common import make_namespace, prompt_tokens, wait_for
+from support.common import make_namespace, proc_status_bytes, prompt_tokens, wait_for
 from support.lane_raw import closed, connect, read_frame
 
 from kvstore import lane
@@ -85,15 +85,6 @@ def region_id(body: bytes) -> int:
     return agent_pb2.RegisterShmResponse.FromString(body).region_id
 
 
-def rss_shmem(pid: int) -> int:
-    """Shared memory resident in process `pid` (what mapping a memfd populated adds)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no RssShmem")
-
-
 def counters(agent) -> dict:
     with KVClient(agent.address, token=TOKENS["_cluster"], use_shm=False) as op:
         return dict(op.stats().counters)
@@ -116,7 +107,7 @@ def test_sparse_memory_is_refused_and_the_agent_allocates_none_of_it(spawn_agent
     path = lane_path(agent)
     size = 64 * MiB
     sparse, tail_only, paid = memfd(size, None), memfd(2 * size, (size, -1)), memfd(size)
-    before = rss_shmem(agent.proc.pid)
+    before = proc_status_bytes(agent.proc.pid, "RssShmem")
     try:
         s, (greeting, _) = connect(path)
         with s:
@@ -125,7 +116,7 @@ def test_sparse_memory_is_refused_and_the_agent_allocates_none_of_it(spawn_agent
                 status, body = register(s, fd, size)
                 assert status == code(grpc.StatusCode.INVALID_ARGUMENT), body
                 assert b"allocated" in body, body
-            assert rss_shmem(agent.proc.pid) - before < 16 * MiB
+            assert proc_status_bytes(agent.proc.pid, "RssShmem") - before < 16 * MiB
             status, body = register(s, paid, size)
             assert status == lane.OK, body
     finally:

@@ -235,6 +235,15 @@ NS_DEFAULTS = dict(
 )
 
 
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A size line of /proc/PID/status (VmRSS, VmHWM, RssShmem, ...), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def make_namespace(**overrides) -> Namespace:
     return Namespace(**{**NS_DEFAULTS, **overrides})
 
