@@ -28,8 +28,8 @@ from support.h2raw import H2, grpc_frame
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, router_pb2, router_pb2_grpc
 
 CAP = 2
-IDLE_S = 15.0  # stream_idle_timeout_s: long enough to be refused while they are held (5 s
-# was not, once, with the host loaded: the held calls had ended before a call was refused)
+IDLE_S = 15.0  # stream_idle_timeout_s: the checks made while the calls are held take
+# milliseconds; this leaves room for a loaded host
 LOOKUP = "/kvstore.v1.NodeAgent/Lookup"
 ROUTE = "/kvstore.v1.Router/Route"
 WATCH = "/grpc.health.v1.Health/Watch"
@@ -59,28 +59,44 @@ async def _code(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-async def _until_refused(call) -> str:
-    """Repeats `call()` until it is refused RESOURCE_EXHAUSTED (the held calls reached
-    the server); its details."""
-    while True:
-        code, details = await _code(call())
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return details
-        await asyncio.sleep(0.05)
+async def _held_calls_count_until_they_time_out(
+    address: str, path: str, body: bytes, call, server_log=lambda: ""
+):
+    """`call(who)`: one ordinary call of `who`; `server_log()`: the server's log, shown
+    when a check fails. acme opens CAP + 1 calls that send `body` and then nothing: the
+    server refuses one of them at once, naming max_calls_per_tenant, and holds the
+    others; then acme's next call is refused too, globex's is not; once the server ends
+    the held calls (stream_idle_timeout_s), acme's next call is served again.
 
+    (No call of acme is made until the server has refused the extra one, that is until
+    it has counted the held ones: a call made while they were still arriving could take
+    one of acme's calls and have a held one refused in its place.)"""
+    h2, sids = await _held(address, path, "acme", CAP + 1, body)
 
-async def _held_calls_count_until_they_time_out(address: str, path: str, body: bytes, call):
-    """`call(who)`: one ordinary call of `who`. acme holds CAP calls with `body`: its
-    next call is refused naming max_calls_per_tenant, globex's is not; once the server
-    ends the held calls (stream_idle_timeout_s), acme's next call is served again."""
-    h2, sids = await _held(address, path, "acme", CAP, body)
+    def state() -> str:
+        return (
+            f"ended {sorted(h2.closed)} of {sids}, answered {sorted(h2.answered)}, "
+            f"connection gone {h2.gone}, endings {h2.endings}; server log:\n"
+            f"{server_log()[-3000:]}"
+        )
+
     try:
-        details = await asyncio.wait_for(_until_refused(lambda: call("acme")), 60)
+        async with asyncio.timeout(60):
+            async with h2.cond:
+                await h2.cond.wait_for(lambda: h2.gone or h2.closed)
+        assert len(h2.closed) == 1 and not h2.gone and not h2.answered, state()
+        (refused,) = h2.closed
+        assert b"max_calls_per_tenant" in h2.endings[refused], state()
+        held = [sid for sid in sids if sid != refused]
+        code, details = await _code(call("acme"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details, state())
         assert "max_calls_per_tenant" in details, details
-        code, _ = await _code(call("globex"))
-        assert code != grpc.StatusCode.RESOURCE_EXHAUSTED
-        await asyncio.wait_for(h2.ended(sids), 120)
-        assert not h2.gone and not h2.answered  # ended with a status, no answer
+        code, details = await _code(call("globex"))
+        assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        async with asyncio.timeout(120):
+            await h2.ended(held)
+        assert not h2.gone and not h2.answered, state()  # ended with a status, no answer
+        assert all(b"stream_idle_timeout_s" in h2.endings[sid] for sid in held), state()
         code, details = await _code(call("acme"))
         assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, details
     finally:
@@ -105,7 +121,9 @@ def test_a_tenants_unfinished_lookups_are_counted_and_ended(spawn_agent, body):
             def stats(who: str):
                 return stub.Stats(agent_pb2.StatsRequest(), metadata=auth(who), timeout=30)
 
-            await _held_calls_count_until_they_time_out(agent.address, LOOKUP, BODIES[body], stats)
+            await _held_calls_count_until_they_time_out(
+                agent.address, LOOKUP, BODIES[body], stats, lambda: agent.log
+            )
 
     asyncio.run(run())
 
@@ -132,7 +150,9 @@ def test_a_tenants_unfinished_routes_are_counted_and_ended(etcd, start_router):
                 return stub.ListNodes(router_pb2.ListNodesRequest(), metadata=auth(who), timeout=30)
 
             body = BODIES["part of a message"]
-            await _held_calls_count_until_they_time_out(router.address, ROUTE, body, nodes)
+            await _held_calls_count_until_they_time_out(
+                router.address, ROUTE, body, nodes, lambda: router.log
+            )
 
     asyncio.run(run())
 

@@ -43,7 +43,8 @@ def grpc_frame(message: bytes, declared: int | None = None) -> bytes:
 
 class H2:
     """One connection; `closed`: the streams the server ended, `answered`: those it sent
-    DATA on."""
+    DATA on, `endings`: the payload of the frame that ended each (trailers are HPACK: a
+    status message the server sends as a plain literal can be found in them)."""
 
     def __init__(self, host: str, port: int, local_host: str | None = None) -> None:
         self.host, self.port, self.local_host = host, port, local_host
@@ -52,6 +53,7 @@ class H2:
         self.win: dict[int, int] = {}
         self.closed: set[int] = set()
         self.answered: set[int] = set()
+        self.endings: dict[int, bytes] = {}
         self.cond = asyncio.Condition()
         self.max_frame = 16384
         self.gone = False
@@ -96,6 +98,7 @@ class H2:
             self.answered.add(sid)
         if typ == RST_STREAM or (typ in (DATA, HEADERS) and flags & END_STREAM):
             self.closed.add(sid)
+            self.endings.setdefault(sid, payload)
         elif typ == GOAWAY:
             self.gone = True
 
