@@ -57,6 +57,11 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 << 10  # request line and headers; more: 431, connection closed
+    # A client that reads nothing of its answer for send_timeout_s while the gateway has
+    # more to send (the connection's buffers full) is cut off: its connection is closed
+    # and its request released (the engine's request aborted, its engine and tenant slots
+    # given back), as when a client leaves. A slow reader that keeps reading is not.
+    send_timeout_s: float = 60.0
     # Open client connections. A new one beyond it makes room by closing the connection
     # that matters least: one with no request being served (idle keep-alive, silent since
     # it opened, or its request's head or body still arriving: that one is answered 503),
@@ -139,6 +144,7 @@ class GatewayConfig:
             "request_timeout_s",
             "header_timeout_s",
             "body_timeout_s",
+            "send_timeout_s",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # nan > 0 is False, inf > 0 True

@@ -44,6 +44,13 @@ class GatewayMetrics:
             ["limit", "reason"],
             registry=r,
         )
+        # Client connections closed because they read nothing of an answer for
+        # send_timeout_s while the gateway had more to send.
+        self.clients_stalled = Counter(
+            "kvstore_gateway_clients_stalled",
+            "Client connections closed for reading nothing of an answer for send_timeout_s",
+            registry=r,
+        )
         # Requests refused with 503 because every connection counted against the limit
         # (`reason`: max_connections or max_connections_per_client) had a request in flight.
         self.connections_refused = Counter(

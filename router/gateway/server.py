@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import socket
+import sys
+import termios
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -181,7 +184,16 @@ class _OneSendProtocol(HttpToolsProtocol):
     HTTP: clients retry on a new one); one whose request's head or body was arriving is
     answered 503 with Retry-After, and the application, if it was reading the body, sees
     the client gone. 503 rather than 408: the request was not late by its deadline, the
-    gateway is full and the client may retry."""
+    gateway is full and the client may retry.
+
+    And it cuts off a client that reads nothing of an answer for send_timeout_s while the
+    gateway has more to send (the transport paused writing: the kernel's buffers and the
+    transport's are full): the connection is dropped, and the application sees the client
+    gone, which releases its request. Without it a client that never reads kept its
+    request's engine and tenant slots for as long as the engine streamed, or for ever once
+    the stream ended in the buffers. Like nginx's send_timeout: the clock runs between two
+    writes the client lets through (the transport's buffer going down), so a slow reader
+    that keeps reading stays."""
 
     # header_timeout_s, body_timeout_s, max_header_bytes, the connection limits and
     # retry_after_s: set by _protocol, as is `book`, the server's open connections
@@ -201,6 +213,8 @@ class _OneSendProtocol(HttpToolsProtocol):
         self.peer = ""  # the client's address (host), for max_connections_per_client
         self._admitted = False  # within the connection limits (once, for good)
         self._served: list[Any] = []  # cycles of requests received whole, answers unfinished
+        self._stall: asyncio.TimerHandle | None = None  # writing paused: send_timeout_s
+        self._stall_at = 0  # bytes waiting in the transport when that clock started
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -211,6 +225,7 @@ class _OneSendProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         self.book.drop(self)
         super().connection_lost(exc)
 
@@ -348,6 +363,57 @@ class _OneSendProtocol(HttpToolsProtocol):
             self._refuse(408, f"the request's headers took over {self.limits.header_timeout_s} s")
         else:
             self._refuse(408, f"the request's body took over {self.limits.body_timeout_s} s")
+
+    # Writing to a client that does not read
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall_at = self._unsent()
+            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _unsent(self) -> int:
+        """Bytes of answers the client has not taken: in the transport's buffer and in
+        the kernel's send queue (not yet acknowledged; the transport's buffer alone goes
+        down only when that queue has drained to half, seconds apart for a slow reader
+        behind megabytes of socket buffer)."""
+        n = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                n += int.from_bytes(queued, sys.byteorder, signed=True)
+            except OSError:  # a socket whose send queue the kernel does not report
+                pass
+        return n
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.transport.is_closing():
+            return
+        left = self._unsent()
+        if left < self._stall_at:  # the client took some (not yet down to resume_writing)
+            self._stall_at = left
+            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+            return
+        self._cut = True
+        self._disarm()
+        self.book.drop(self)
+        self.book.metrics.clients_stalled.inc()
+        log.warning(
+            "closed a connection from %s: it read nothing of its answer for %g s (send_timeout_s)",
+            self.peer or "?",
+            self.limits.send_timeout_s,
+        )
+        self.transport.abort()  # close() would wait for the buffers to drain
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer `status` where it can be this connection's next answer, and close. The

@@ -282,3 +282,96 @@ def test_oversize_request_headers_are_431_before_they_are_buffered(start_gateway
     assert not answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert peak_kib() - before < 16 << 10, (before, peak_kib())
     assert httpx.get(gw.url + "/health", timeout=10).status_code == 200
+
+
+STALLED = "kvstore_gateway_clients_stalled_total"
+
+
+def _streamed_request(chunks: int) -> bytes:
+    """A whole streamed POST /v1/completions of key-acme, `chunks` SSE events long."""
+    return _held_request(
+        {
+            "model": MODEL,
+            "prompt": "w1 w2",
+            "max_tokens": 1,
+            "stream": True,
+            "standin_chunks": chunks,
+        }
+    )
+
+
+def _dechunk(answer: bytes) -> bytes:
+    """The body of an HTTP/1.1 answer sent with chunked transfer coding."""
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    body = b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if not n:
+            return body
+        body, rest = body + rest[:n], rest[n + 2 :]
+
+
+def _small_window_connect(address: str) -> socket.socket:
+    """A connection whose receive buffer is small, so that a stream fills it soon."""
+    host, port = address.rsplit(":", 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(30)
+    s.connect((host, int(port)))
+    return s
+
+
+def test_a_client_that_reads_none_of_its_stream_is_cut_off_and_its_request_released(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """Before the fix a client that asked for a stream and read none of it kept its
+    request in flight, with its engine's and its tenant's slots, for as long as it kept
+    the connection open (the gateway waited for it to make room, with no deadline). Now,
+    once the gateway has had more to send for send_timeout_s and the client took none of
+    it, the connection is closed, counted, and the request released: the tenant's next
+    request is served although max_inflight_per_tenant is 1. A client that reads the
+    same stream slowly, but never stops for send_timeout_s, gets all of it."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"send_timeout_s": 2, "max_inflight_per_tenant": 1})
+    start_standin("w0", MODEL)
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+    chunks = 40_000  # ~3 MB of events: more than the buffers between engine and client
+    with _small_window_connect(gw.address) as slow:  # the control: reads, with pauses
+        slow.sendall(_streamed_request(chunks))
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body
+            chunk = slow.recv(1 << 16)
+            assert chunk, got[-300:]  # closed before the end
+            got += chunk
+            time.sleep(0.02)
+        events = _dechunk(got).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""], events[-3:]
+        assert len(events) == chunks + 2, len(events)
+    assert _metric(gw, STALLED) == 0
+    stalled = _small_window_connect(gw.address)
+    try:
+        stalled.sendall(_streamed_request(chunks))
+        wait_for(lambda: _metric(gw, STALLED) == 1, 60, 0.1, what="the stalled client cut off")
+        wait_for(
+            lambda: _metric(gw, "kvstore_gateway_inflight") == 0,
+            30,
+            0.05,
+            what="its request released",
+        )
+        received = b""
+        try:  # what the buffers held (a reset may discard it), and no more
+            while chunk := stalled.recv(1 << 16):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert b"data: [DONE]" not in received, received[-200:]
+    finally:
+        stalled.close()
+    answer = httpx.post(
+        gw.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 1},
+        headers={"authorization": "Bearer key-acme"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text

@@ -110,6 +110,8 @@ def test_a_bad_gateway_listen_is_refused_by_the_config(tmp_path, listen):
         ("header_timeout_s", float("nan")),
         ("body_timeout_s", -1),
         ("body_timeout_s", float("inf")),
+        ("send_timeout_s", 0),
+        ("send_timeout_s", float("nan")),
         ("request_timeout_s", float("nan")),
         ("max_header_bytes", 0),
         ("max_connections", 0),
