@@ -108,19 +108,17 @@ async def run_until_signalled(server, ready_file: str | None = None) -> None:
     await server.stop()
 
 
-def freeze_startup_objects() -> int:
+def freeze_startup_objects() -> None:
     """Leave the objects made while starting (modules, the store's and the servers'
-    structures: about 200,000) out of every later garbage collection; how many.
+    structures: about 200,000 in an agent) out of every later garbage collection.
 
-    Python's full collections traverse every tracked object, and one ran about every
-    fortieth Prefetch of a serving agent, taking 40-50 ms of its event loop each (4 in
-    200 small Prefetches, bench_peer's 60 x 8 KiB: 190 ms in all, a third of the agent's
-    busy time, and the tail of every call that met one). Objects made later, the blocks'
+    Python's full collections traverse every tracked object on the event loop: an agent
+    storing 90,000 8 KiB blocks paused 127.5 ms for one; with its start-up objects frozen,
+    16.5 ms (docs/benchmarks.md, 2026-12-06 13:33). Objects made later, the blocks'
     records among them, are collected as before; frozen ones are freed as ever when their
     last reference goes, only a cycle among them is never reclaimed."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 # glibc's mallopt parameters (malloc.h)

@@ -33,10 +33,10 @@ from kvstore.tiers.rocks import (
     quarantine,
 )
 from kvstore.tiers.sealing import KeyFileError, Sealer
+from kvstore.grpc_edge import WatchGate
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
-from kvstore.grpc_edge import WatchGate
 from node_agent.interceptors import EdgeInterceptor
 from node_agent.local_lane import LaneLimits, LocalLane, lane_gid
 from node_agent.metrics import AgentTelemetry
