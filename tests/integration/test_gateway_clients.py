@@ -26,9 +26,17 @@ def tokenizer_dir(tmp_path):
     return str(write_word_tokenizer(tmp_path / "tok"))
 
 
-def _connect(address: str, timeout: float = 15) -> socket.socket:
+def _connect(address: str, timeout: float = 15, rcvbuf: int = 0) -> socket.socket:
+    """A client connection; `rcvbuf`: its receive buffer, set small before connecting
+    (so that a stream fills it soon)."""
     host, port = address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=timeout)
+    if not rcvbuf:
+        return socket.create_connection((host, int(port)), timeout=timeout)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(timeout)
+    s.connect((host, int(port)))
+    return s
 
 
 def _until_closed(s: socket.socket) -> bytes:
@@ -313,16 +321,6 @@ def _dechunk(answer: bytes) -> bytes:
         body, rest = body + rest[:n], rest[n + 2 :]
 
 
-def _small_window_connect(address: str) -> socket.socket:
-    """A connection whose receive buffer is small, so that a stream fills it soon."""
-    host, port = address.rsplit(":", 1)
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.settimeout(30)
-    s.connect((host, int(port)))
-    return s
-
-
 def test_a_client_that_reads_none_of_its_stream_is_cut_off_and_its_request_released(
     start_gateway, start_standin, tokenizer_dir
 ):
@@ -337,7 +335,7 @@ def test_a_client_that_reads_none_of_its_stream_is_cut_off_and_its_request_relea
     start_standin("w0", MODEL)
     wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
     chunks = 40_000  # ~3 MB of events: more than the buffers between engine and client
-    with _small_window_connect(gw.address) as slow:  # the control: reads, with pauses
+    with _connect(gw.address, 30, rcvbuf=4096) as slow:  # the control: reads, with pauses
         slow.sendall(_streamed_request(chunks))
         got = b""
         while not got.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of a chunked body
@@ -349,7 +347,7 @@ def test_a_client_that_reads_none_of_its_stream_is_cut_off_and_its_request_relea
         assert events[-2:] == [b"data: [DONE]", b""], events[-3:]
         assert len(events) == chunks + 2, len(events)
     assert _metric(gw, STALLED) == 0
-    stalled = _small_window_connect(gw.address)
+    stalled = _connect(gw.address, 30, rcvbuf=4096)
     try:
         stalled.sendall(_streamed_request(chunks))
         wait_for(lambda: _metric(gw, STALLED) == 1, 60, 0.1, what="the stalled client cut off")
