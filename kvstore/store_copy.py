@@ -38,6 +38,12 @@ class BatchCopier:
             return pool.write_many(slots, srcs, self.threads_for(nbytes))
         return self.map(lambda a: pool.write(*a), list(zip(slots, srcs)), nbytes)
 
+    def copy_into(self, dsts: list[Any], srcs: list[Any]) -> list[int]:
+        """Fused copy + XXH64 of host buffers into host buffers (`dsts`, views the
+        caller made of slots it holds); the digests of what was copied."""
+        nbytes = sum(memoryview(s).nbytes for s in srcs)
+        return cks.copy_with_checksum_many(dsts, srcs, self.threads_for(nbytes))
+
     def read(
         self, pool: DevicePool, slots: list[int], sizes: list[int], dsts: list[Any]
     ) -> list[int]:

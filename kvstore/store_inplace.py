@@ -29,6 +29,7 @@ from kvstore.store_types import (
     Borrowed,
     NsState,
     Payload,
+    PlannedSlot,
     PutItem,
     Reservation,
     ServedBlock,
@@ -75,6 +76,15 @@ class InPlaceTransfers:
         if self.pool.tensor_views:
             return self.pool.digests(views)
         return self.copier.checksums(views)
+
+    def _fill(self, plan: list[PlannedSlot], sources: list[Payload]) -> list[int]:
+        """Copy `sources` into the reserved slots of `plan` and hash what landed (one
+        fused pass). On a host pool straight into the slot views reserve() made (each
+        checked RESERVED then, and only commit, abort and trim end a reservation), not
+        into views made again per slot."""
+        if self.pool.host and not self.pool.tensor_views:  # the views are host arrays
+            return self.copier.copy_into([p.item.data for p in plan], sources)
+        return self.copier.write(self.pool, [p.slot for p in plan], sources)
 
     # ----------------------------------------------------------------- writes
     def reserve(
@@ -157,7 +167,8 @@ class InPlaceTransfers:
                     break
                 res.plan.append(planned)  # freed with the others if the view fails
                 view = self.pool.slot_view(planned.slot, size, writable=True)
-                res.plan[-1] = planned._replace(item=planned.item._replace(data=view))
+                # (built anew: NamedTuple._replace costs several times a construction)
+                res.plan[-1] = PlannedSlot(PutItem(bid, parent_id, view), *planned[1:])
                 parent_id, parent, depth = bid, None, depth + 1
         except BaseException:
             self.writes.abort_plan(res.plan)
@@ -201,7 +212,7 @@ class InPlaceTransfers:
                 digests = list(digests[:n])
             elif sources is not None:
                 n = min(n, len(sources))
-                digests = self.copier.write(self.pool, [p.slot for p in plan[:n]], sources[:n])
+                digests = self._fill(plan[:n], sources[:n])
             else:
                 digests = self._digests([p.item.data for p in plan[:n]])
         except BaseException:
