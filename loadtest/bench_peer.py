@@ -61,7 +61,15 @@ Reported (one JSON line on stdout at the end; progress on stderr):
 - prefetch_60x8k_ms_ucx / prefetch_60x8k_ms_grpc: median latency of a Prefetch of 60
   blocks of 8 KiB (the replay's tiny model), on two more agents with 8 KiB slots: the
   per-call and per-message costs that bandwidth figures hide (`--small-rounds`; each
-  round one call per transport back to back, the order alternating)
+  round one call per transport back to back, the order alternating);
+  prefetch_60x8k_ucx_minus_grpc_ms: the median over rounds of each round's UCX time
+  minus its gRPC time (paired: both calls under the same load), and
+  prefetch_60x8k_ucx_no_slower_share the share of rounds in which UCX took no longer;
+  prefetch_60x8k_ucx_no_slower: the goal, UCX's median at or below gRPC's
+- `--contended`: the same four 60 x 8 KiB figures again (contended_*) on fresh agents
+  while bench_agent's --contended load runs beside them (one core copying 64 MiB
+  buffers, as an engine beside the agents would keep it busy); contended_load_gbps:
+  what the load copied meanwhile
 """
 
 from __future__ import annotations
@@ -624,12 +632,14 @@ def measure(
     return {**out, **ratios}
 
 
-def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
+def small_latency(workdir: Path, rounds: int, tag: str = "") -> dict[str, float]:
     """Median ms of a Prefetch of SMALL_BLOCKS 8 KiB blocks, per transport (fresh blocks
     every call; one warm-up call each, as in service the connection is kept). Each round
     times one Prefetch per transport back to back, the order alternating from round to
     round: the load on a shared host moves within seconds, and pairing exposes both
-    transports to the same load."""
+    transports to the same load. Also the paired figures: `diff`, the median over rounds
+    of that round's UCX time minus its gRPC time (below 0: UCX faster), and `le`, the
+    share of rounds in which UCX took no longer than gRPC."""
     spec = bench_agent.llama3_8b("peer-small", num_layers=2, num_kv_heads=2, head_dim=32)
     assert spec.block_bytes == 8192
     agents: list[Agent] = []
@@ -638,7 +648,7 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
         for name in ("b", "a"):
             agents.append(
                 Agent(
-                    workdir / f"small-{name}",
+                    workdir / f"small{tag}-{name}",
                     f"peer-small-{name}",
                     pool_bytes="64MiB",
                     slot_bytes="8KiB",
@@ -662,8 +672,36 @@ def small_latency(workdir: Path, rounds: int) -> dict[str, float]:
         for ag in agents:
             ag.stop()
     out = {t: round(statistics.median(v), 2) for t, v in times.items()}
+    diffs = [u - g for u, g in zip(times["ucx"], times["grpc"])]
+    out["diff"] = round(statistics.median(diffs), 3)
+    out["le"] = round(sum(d <= 0 for d in diffs) / len(diffs), 3)
     for t, v in times.items():
         log(f"  {SMALL_BLOCKS} x 8 KiB over {t}: p50 {out[t]} ms (min {min(v):.2f})")
+    log(f"  UCX minus gRPC per round: median {out['diff']} ms; UCX no slower in {out['le']:.0%}")
+    return out
+
+
+def small_figures(small: dict[str, float], prefix: str = "") -> dict[str, object]:
+    """The JSON fields of a small_latency result (empty: the phase was skipped)."""
+    if not small:
+        return {}
+    return {
+        f"{prefix}prefetch_60x8k_ms_ucx": small["ucx"],
+        f"{prefix}prefetch_60x8k_ms_grpc": small["grpc"],
+        f"{prefix}prefetch_60x8k_ucx_minus_grpc_ms": small["diff"],
+        f"{prefix}prefetch_60x8k_ucx_no_slower_share": small["le"],
+        f"{prefix}prefetch_60x8k_ucx_no_slower": small["ucx"] <= small["grpc"],
+    }
+
+
+def contended_small(workdir: Path, rounds: int) -> dict[str, object]:
+    """The 60 x 8 KiB figures again beside bench_agent's --contended load (one core
+    copying 64 MiB buffers, as an engine beside the agents would keep it busy)."""
+    log("60 x 8 KiB Prefetches beside a CPU and memory load ...")
+    with bench_agent.MemoryLoad() as load:
+        small = small_latency(workdir, rounds, "-contended")
+    out = small_figures(small, "contended_")
+    out["contended_load_gbps"] = round(load.gbps, 2)
     return out
 
 
@@ -685,8 +723,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--small-rounds",
         type=int,
-        default=15,
+        default=30,
         help="rounds of the 60 x 8 KiB latency figure (0: skip it)",
+    )
+    ap.add_argument(
+        "--contended",
+        action="store_true",
+        help="also the 60 x 8 KiB figure beside a CPU and memory load (contended_*)",
     )
     ap.add_argument(
         "--tcp",
@@ -742,6 +785,7 @@ def main(argv=None) -> int:
                 ag.stop()
         transport = used_transports(Path(tmp) / "b" / "agent.log")
         small = small_latency(Path(tmp), args.small_rounds) if args.small_rounds else {}
+        busy = contended_small(Path(tmp), args.small_rounds) if args.contended else {}
     med = {k: round(statistics.median(v), 3) if v else None for k, v in m.items()}
     result.update(
         limit_gbps=med["limit"],
@@ -771,9 +815,9 @@ def main(argv=None) -> int:
         direct_blocks=direct_blocks,
         mapped_blocks=mapped_blocks,
         ucx_transport=transport,
-        prefetch_60x8k_ms_ucx=small.get("ucx"),
-        prefetch_60x8k_ms_grpc=small.get("grpc"),
     )
+    result.update(small_figures(small))
+    result.update(busy)
     print(json.dumps(result), flush=True)
     return 0
 

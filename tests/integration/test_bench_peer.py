@@ -34,6 +34,7 @@ def test_bench_peer_runs_and_reports_every_figure():
             "1",
             "--perftest-iters",
             "5",
+            "--contended",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -54,6 +55,22 @@ def test_bench_peer_runs_and_reports_every_figure():
         "prefetch_60x8k_ms_grpc",
     ):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
+    # The 60 x 8 KiB figures, quiet and beside the load: one round each here, so the
+    # paired difference is that round's, and the verdict follows the medians.
+    for prefix in ("", "contended_"):
+        ucx, grpc = (
+            result[f"{prefix}prefetch_60x8k_ms_ucx"],
+            result[f"{prefix}prefetch_60x8k_ms_grpc"],
+        )
+        assert ucx > 0 and grpc > 0, result
+        diff = result[f"{prefix}prefetch_60x8k_ucx_minus_grpc_ms"]
+        assert diff == pytest.approx(ucx - grpc, abs=0.011), result
+        share = result[f"{prefix}prefetch_60x8k_ucx_no_slower_share"]
+        assert share in (0.0, 1.0), result
+        if abs(diff) >= 0.001:  # (a difference that rounds to 0 may lie on either side)
+            assert share == (1.0 if diff < 0 else 0.0), result
+        assert result[f"{prefix}prefetch_60x8k_ucx_no_slower"] is (ucx <= grpc), result
+    assert result["contended_load_gbps"] > 0, result
     assert result["batch_blocks"] == 64 and result["blocks"] == 4 and result["burst"] == 2
     assert result["limit_method"] in (
         "ucx_perftest tcp, the agents' UCX settings and lanes",
