@@ -46,6 +46,7 @@ MID = make_namespace(name="mid", num_layers=4, num_kv_heads=8, head_dim=128)
 assert MID.block_bytes == 256 << 10
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_SCRIPT = ROOT / "tests" / "support" / "peer_fault.py"
+NOTIFY_SCRIPT = ROOT / "tests" / "support" / "ucx_notify.py"
 
 
 def random_blocks(spec, n: int, seed: int) -> list[torch.Tensor]:
@@ -926,6 +927,26 @@ def test_control_frames_carry_their_length_and_refuse_impossible_ones():
     assert asyncio.run(recv_control(wire, buf)) == b"ok"
     wire.data = (26).to_bytes(4, "little")
     assert asyncio.run(recv_control(wire, buf)) == bytes(26)
+
+
+@needs_ucx
+def test_completions_reach_the_event_loop_through_the_lean_notifier():
+    """init_ucx has ucxx start wire._notify as its request notifier thread: 500 small
+    messages sent at once and echoed back at once (bursts of completions, several per
+    wake-up) all complete, intact and in order, and ucxx's own stop ends the thread (an
+    agent's exit waits for it)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(NOTIFY_SCRIPT), "500"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"ours": True, "echoed": True, "stopped": True}, (got, proc.stderr[-2000:])
 
 
 @needs_ucx

@@ -137,6 +137,8 @@ def is_ip(host: str) -> bool:
 # UCX options of every agent (init_ucx): rendezvous without the fragmented copy-in/out
 # variant (see there).
 UCX_OPTIONS = {"RNDV_SCHEME": "auto", "PROTOS": "^rndv/am*"}
+# How often the request notifier thread looks for a stop request while nothing completes
+NOTIFIER_PERIOD_NS = 10**9
 
 
 def ucx_env(shared_memory: bool) -> dict[str, str]:
@@ -168,12 +170,16 @@ def init_ucx(shared_memory: bool = True):
     after a connection is closed) and a zero-copy *read* from the sender over CMA: the
     receiver's memory is only ever written by the receiver itself, so a peer that wakes up
     after a timeout cannot write into a pool slot reused meanwhile. Environment variables
-    (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune."""
+    (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune.
+
+    Completed requests reach the event loop through _notify, not ucxx's own notifier
+    thread (one thread hand-off less per completion)."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     for name in ("UCX_MM_ERROR_HANDLING", "UCX_CMA_MEMORY_INVALIDATE"):
         os.environ.setdefault(name, ucx_env(shared_memory)[name])
     import ucxx
 
+    _lean_notifier()
     try:
         ucxx.init(
             options=dict(UCX_OPTIONS),
@@ -184,6 +190,50 @@ def init_ucx(shared_memory: bool = True):
     except RuntimeError:
         pass  # already initialised in this process
     return ucxx
+
+
+def _notify(loop, worker, stop) -> None:
+    """The request notifier thread ucxx starts (installed by _lean_notifier), leaner than
+    its own. UCX's progress thread queues the future of each request it completes and
+    signals; this thread wakes (the GIL once), asks the event loop to set the queued
+    futures (call_soon_threadsafe) and goes straight back to waiting. ucxx's thread also
+    makes a task per wake-up, waits for the loop to have run it and takes the GIL again
+    after: a second wake-up of this thread and GIL hand-off per completion. A small
+    Prefetch completes about eight requests on the two agents, and where every core is
+    busy each hand-off waits for a time slice (docs/benchmarks.md, 2026-12-06 16:30).
+
+    A wait returns Ready once per signal since the last one, so a completion queued
+    while a call is on its way is set by that call, and the next one finds nothing left:
+    harmless. Stops on any message in `stop` (ucxx's stop_notifier_thread puts one),
+    seen within the wait's period."""
+    import asyncio
+
+    from ucxx._lib.libucxx import PythonRequestNotifierWaitState as State
+
+    asyncio.set_event_loop(loop)  # the futures made here for the pool belong to that loop
+    run = worker.run_request_notifier
+    while True:
+        worker.populate_python_futures_pool()
+        state = worker.wait_request_notifier(period_ns=NOTIFIER_PERIOD_NS)
+        if not stop.empty() or state == State.Shutdown:
+            break
+        if state == State.Ready:
+            try:
+                loop.call_soon_threadsafe(run)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                break
+    worker.clear_python_futures_pool()  # no reference to the worker outlives the thread
+
+
+def _lean_notifier() -> None:
+    """Have ucxx start _notify as its request notifier thread, with the arguments and
+    stop protocol of its own (ucxx internals, 0.52: left as they are when not found)."""
+    try:
+        from ucxx._lib_async import application_context
+    except ImportError:
+        return
+    if callable(getattr(application_context, "_notifierThread", None)):
+        application_context._notifierThread = _notify
 
 
 def ucx_cuda_support(ucxx) -> bool:
