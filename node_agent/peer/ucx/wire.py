@@ -200,7 +200,7 @@ def _notify(loop, worker, stop) -> None:
     makes a task per wake-up, waits for the loop to have run it and takes the GIL again
     after: a second wake-up of this thread and GIL hand-off per completion. A small
     Prefetch completes about eight requests on the two agents, and where every core is
-    busy each hand-off waits for a time slice (docs/benchmarks.md, 2026-12-06 16:30).
+    busy each hand-off waits for a time slice (docs/benchmarks.md, 2026-12-06 15:35).
 
     A wait returns Ready once per signal since the last one, so a completion queued
     while a call is on its way is set by that call, and the next one finds nothing left:
