@@ -66,7 +66,7 @@ Reported (one JSON line on stdout at the end; progress on stderr):
   minus its gRPC time (paired: both calls under the same load), and
   prefetch_60x8k_ucx_no_slower_share the share of rounds in which UCX took no longer;
   prefetch_60x8k_ucx_no_slower: the goal, UCX's median at or below gRPC's
-- `--contended`: the same four 60 x 8 KiB figures again (contended_*) on fresh agents
+- `--contended`: the same 60 x 8 KiB figures again (contended_*) on fresh agents
   while bench_agent's --contended load runs beside them (one core copying 64 MiB
   buffers, as an engine beside the agents would keep it busy); contended_load_gbps:
   what the load copied meanwhile
