@@ -332,8 +332,7 @@ class _OneSendProtocol(HttpToolsProtocol):
         """Close this waiting connection to make room for another (_Connections._shed):
         why, for the metrics."""
         if self._head_open and not self._begun:  # nothing of a request: nobody to answer
-            self._cut = True
-            self._disarm()
+            self._cut_off()
             self.transport.close()
             return "idle"
         self._refuse(503, "the gateway is at its connection limit; this request was the slowest")
@@ -351,13 +350,19 @@ class _OneSendProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
 
+    def _cut_off(self) -> None:
+        """This connection is closing: no timer left, and out of the server's open
+        connections (idempotent)."""
+        self._cut = True
+        self._disarm()
+        self.book.drop(self)
+
     def _expired(self) -> None:
         self._timer = None
         if self._cut or self.transport.is_closing():
             return
         if self._head_open and not self._begun:  # nothing sent: nobody to answer
-            self._cut = True
-            self.book.drop(self)
+            self._cut_off()
             self.transport.close()
         elif self._head_open:
             self._refuse(408, f"the request's headers took over {self.limits.header_timeout_s} s")
@@ -368,8 +373,12 @@ class _OneSendProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._stall_at = self._unsent()
-            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+            self._watch_stall(self._unsent())
+
+    def _watch_stall(self, unsent: int) -> None:
+        """Check in send_timeout_s whether the client took any of the `unsent` bytes."""
+        self._stall_at = unsent
+        self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -401,12 +410,9 @@ class _OneSendProtocol(HttpToolsProtocol):
             return
         left = self._unsent()
         if left < self._stall_at:  # the client took some (not yet down to resume_writing)
-            self._stall_at = left
-            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+            self._watch_stall(left)
             return
-        self._cut = True
-        self._disarm()
-        self.book.drop(self)
+        self._cut_off()
         self.book.metrics.clients_stalled.inc()
         log.warning(
             "closed a connection from %s: it read nothing of its answer for %g s (send_timeout_s)",
@@ -419,9 +425,7 @@ class _OneSendProtocol(HttpToolsProtocol):
         """Answer `status` where it can be this connection's next answer, and close. The
         application, if it waits for the body, sees the client gone (as uvicorn tells it
         when one leaves)."""
-        self._cut = True
-        self._disarm()
-        self.book.drop(self)
+        self._cut_off()
         cycle = self.cycle
         if self._body_open:  # the answer to this request, unless the application began one
             if cycle.response_started or self.pipeline:
