@@ -5,44 +5,32 @@ Figures are not checked (benchmarks, not timed tests); their presence and sanity
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from support.common import python_json
 
-ROOT = Path(__file__).resolve().parents[2]
 # bench_peer rounds its ratios to 3 decimals: 0.0425 prints as 0.043, 1.2 % off a small one
 RATIO_ROUNDING = 5e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
 def test_bench_peer_runs_and_reports_every_figure():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loadtest.bench_peer",
-            "--blocks",
-            "4",
-            "--rounds",
-            "1",
-            "--burst",
-            "2",
-            "--small-rounds",
-            "1",
-            "--perftest-iters",
-            "5",
-            "--contended",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = python_json(
+        "-m",
+        "loadtest.bench_peer",
+        "--blocks",
+        "4",
+        "--rounds",
+        "1",
+        "--burst",
+        "2",
+        "--small-rounds",
+        "1",
+        "--perftest-iters",
+        "5",
+        "--contended",
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in (
         "limit_gbps",
         "limit_footprint_gbps",

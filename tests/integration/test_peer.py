@@ -24,6 +24,7 @@ from support.common import (
     free_port,
     make_namespace,
     prompt_tokens,
+    python_json,
     wait_for,
 )
 
@@ -935,18 +936,8 @@ def test_completions_reach_the_event_loop_through_the_lean_notifier():
     messages sent at once and echoed back at once (bursts of completions, several per
     wake-up) all complete, intact and in order, and ucxx's own stop ends the thread (an
     agent's exit waits for it)."""
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, str(NOTIFY_SCRIPT), "500"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"ours": True, "echoed": True, "stopped": True}, (got, proc.stderr[-2000:])
+    got = python_json(str(NOTIFY_SCRIPT), "500")
+    assert got == {"ours": True, "echoed": True, "stopped": True}, got
 
 
 @needs_ucx

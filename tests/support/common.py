@@ -28,6 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_json(*args: str, timeout: float = 120) -> dict:
+    """Run `python *args` from the checkout in a fresh interpreter and return the JSON line
+    its output ends with; a non-zero exit fails the test with the end of its stderr."""
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def wait_for(pred, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

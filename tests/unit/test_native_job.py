@@ -7,20 +7,17 @@ result is taken, and nothing leaked (threads, descriptors) however the job ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import select
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+from support.common import python_json
 
 from kvstore import checksum as cks
 
@@ -31,7 +28,6 @@ except ImportError:  # pragma: no cover - extension not built
 
 pytestmark = pytest.mark.skipif(_native is None, reason="kvstore._native not built")
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _blocks(seed: int, sizes: list[int]):
@@ -201,15 +197,7 @@ print(json.dumps({"before": before, "after": counts()}))
 def test_a_job_dropped_unfinished_waits_for_its_threads_and_leaks_nothing():
     """In a process of its own: in the test process, threads other tests left behind
     (a gRPC channel's, an event loop's) open and close descriptors of their own."""
-    r = subprocess.run(
-        [sys.executable, "-c", _DROPPED_UNFINISHED],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = python_json("-c", _DROPPED_UNFINISHED)
     assert seen["after"] == seen["before"], seen  # [descriptors, threads]
 
 
