@@ -259,8 +259,22 @@ def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start
         pack_ids(ids_for(51, 9)),
     ]
 
+    def reported(x: RouterProc) -> bool:
+        """Whether `x` prices each agent's pool at its present utilization (the node record
+        carries it to 2 decimals, rewritten within a heartbeat of a change)."""
+        now = {}
+        for i, agent in enumerate(agents):
+            with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+                now[f"agent-{i}"] = round(c.stats().utilization, 2)
+        seen = x.route(NS_ID, prompts[3], dry_run=True).candidates
+        return {c.node_id: round(c.utilization, 2) for c in seen} == now
+
     def same_decisions(x: RouterProc, y: RouterProc) -> None:
         # Utilization reaches each replica through its own etcd watch: equal once settled.
+        # Both must hold the agents' present figure, not merely the same one: agreeing on
+        # a stale figure, a record rewritten between x's and y's stateful routes below
+        # would part them.
+        wait_for(lambda: reported(x) and reported(y), 15, what="the present utilization")
         wait_for(
             lambda: all(
                 decision(x.route(NS_ID, p, dry_run=True))
