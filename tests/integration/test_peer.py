@@ -935,9 +935,16 @@ def test_completions_reach_the_event_loop_through_the_lean_notifier():
     """init_ucx has ucxx start wire._notify as its request notifier thread: 500 small
     messages sent at once and echoed back at once (bursts of completions, several per
     wake-up) all complete, intact and in order, and ucxx's own stop ends the thread (an
-    agent's exit waits for it)."""
+    agent's exit waits for it). wire.notifier_state, which a UCX connect that times out
+    reports, follows the thread."""
     got = python_json(str(NOTIFY_SCRIPT), "500")
-    assert got == {"ours": True, "echoed": True, "stopped": True}, got
+    assert got == {
+        "ours": True,
+        "state": "alive",
+        "echoed": True,
+        "stopped": True,
+        "state_after": "not running",  # what a connect that times out then reports
+    }, got
 
 
 @needs_ucx

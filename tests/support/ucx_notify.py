@@ -2,8 +2,9 @@
 wire._notify): one process, one event loop, a listener and an endpoint to it; N small
 messages sent at once and echoed back at once (bursts of completions, several per
 wake-up), then ucxx's own stop of the notifier thread. Prints one JSON line:
-{"ours": the thread ucxx started runs wire._notify, "echoed": every message came back
-intact and in order, "stopped": the thread ended after ucxx's stop}. A subprocess, so
+{"ours": the thread ucxx started runs wire._notify, "state": wire.notifier_state then,
+"echoed": every message came back intact and in order, "stopped": the thread ended after
+ucxx's stop, "state_after": notifier_state after it}. A subprocess, so
 that ucxx stays out of pytest.
 
 Usage: python tests/support/ucx_notify.py N
@@ -26,7 +27,10 @@ async def main(n: int) -> dict:
     ucx = wire.init_ucx()
     ctx = ucx.core._get_ctx()
     thread = ctx.notifier_thread
-    out = {"ours": getattr(thread, "_target", None) is wire._notify}
+    out = {
+        "ours": getattr(thread, "_target", None) is wire._notify,
+        "state": wire.notifier_state(ucx),
+    }
     served = asyncio.get_running_loop().create_future()
 
     async def echo(ep) -> None:
@@ -49,6 +53,7 @@ async def main(n: int) -> dict:
     ucx.stop_notifier_thread()
     thread.join(5)
     out["stopped"] = not thread.is_alive()
+    out["state_after"] = wire.notifier_state(ucx)
     return out
 
 

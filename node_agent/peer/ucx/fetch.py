@@ -31,6 +31,7 @@ from node_agent.peer.ucx.wire import (
     connect_endpoint,
     control_buffer,
     is_ip,
+    notifier_state,
     packed,
     post_control,
     recv_control,
@@ -426,8 +427,10 @@ class UcxFetcher:
                 timeout,
                 f"UCX connect to {address}",
             )
-        except PeerTransportError:
-            raise
+        except PeerTransportError as exc:
+            # A peer gone or slow times out too; the notifier's state tells those apart
+            # from this process's UCX no longer completing anything.
+            raise PeerTransportError(f"{exc} (notifier {notifier_state(self._ucx)})") from exc
         except Exception as exc:
             raise PeerTransportError(
                 f"UCX connect to {address}: {type(exc).__name__}: {exc}"

@@ -236,6 +236,19 @@ def _lean_notifier() -> None:
         application_context._notifierThread = _notify
 
 
+def notifier_state(ucxx) -> str:
+    """'alive', 'dead' or 'not running': ucxx's request notifier thread, without which no
+    UCX request of this process completes (every connect then times out); 'unknown'
+    where ucxx's internals (0.52) differ."""
+    try:
+        thread = ucxx.core._get_ctx().notifier_thread
+    except Exception:  # noqa: BLE001 - a private attribute of ucxx
+        return "unknown"
+    if thread is None:
+        return "not running"
+    return "alive" if thread.is_alive() else "dead"
+
+
 def ucx_cuda_support(ucxx) -> bool:
     """Whether this process's UCX context can move CUDA memory (a UCX built with CUDA
     and its CUDA transports loaded). False when it cannot be told."""
