@@ -25,6 +25,19 @@ def log_level(text: str) -> str:
     return level
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """--log-level for kvstore's own loggers ("kvstore.*"); the libraries underneath log
+    INFO and above whatever it says. At DEBUG grpc logged a line per call about its event
+    loop and each cancelled stream (an etcd watch closed) as a traceback, burying the
+    routing terms DEBUG is there for, and a log read for tracebacks found grpc's."""
+    wanted = logging.getLevelNamesMapping()[level]
+    logging.basicConfig(level=max(wanted, logging.INFO), format=LOG_FORMAT)
+    logging.getLogger("kvstore").setLevel(wanted)
+
+
 def seconds(low: float, high: float):
     """An argparse type: a number of seconds from `low` to `high` (0, negative, NaN or
     infinite values made a timeout fire at once or a loop spin at full CPU, reported as

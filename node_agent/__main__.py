@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 
 from kvstore.config import AgentConfig, load_config, tls_fields
-from kvstore.process import log_level
+from kvstore.process import configure_logging, log_level
 from kvstore.units import format_size
 
 
@@ -65,7 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-cert", help="mTLS: this process's certificate (tls.cert_file)")
     p.add_argument("--tls-key", help="mTLS: its private key (tls.key_file)")
     p.add_argument("--ready-file", help="write the bound address here once serving")
-    p.add_argument("--log-level", default="INFO", type=log_level)
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=log_level,
+        help="kvstore's own log level (libraries underneath stay at INFO)",
+    )
     return p.parse_args(argv)
 
 
@@ -112,9 +116,7 @@ def check_device_and_memory(cfg: AgentConfig) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level)
     overrides = {
         k: getattr(args, k)
         for k in (

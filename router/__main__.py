@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
 from kvstore.config import RouterConfig, load_config, read_token_file, tls_fields
 from kvstore.errors import StartupError
-from kvstore.process import log_level
+from kvstore.process import configure_logging, log_level
 
 TOKEN_ENV = "KVSTORE_CLUSTER_TOKEN"
 
@@ -52,16 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--log-level",
         default="INFO",
         type=log_level,
-        help="DEBUG logs every routing decision's terms (block counts only)",
+        help="kvstore's own log level (libraries underneath stay at INFO); DEBUG logs "
+        "every routing decision's terms (block counts only)",
     )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level)
     overrides = {
         "router_id": args.router_id,
         "listen": args.listen,

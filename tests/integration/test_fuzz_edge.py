@@ -251,7 +251,7 @@ _RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) ", re.M)
 
 def records(log: str) -> list[str]:
     """The log's records at INFO and above, each with its continuation lines (a
-    traceback). DEBUG is left out: the router under test logs gRPC's own chatter."""
+    traceback). DEBUG is left out: the routing terms the router under test logs there."""
     starts = list(_RECORD.finditer(log))
     out = []
     for m, nxt in zip(starts, starts[1:] + [None]):
