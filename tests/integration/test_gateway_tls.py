@@ -6,6 +6,8 @@ refusals of plaintext and foreign clients are in test_attack_gateway.py."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import trustme
@@ -144,8 +146,15 @@ def test_plaintext_engines_are_left_out_when_the_gateway_serves_tls(
     gw = start_gateway({MODEL: tokenizer_dir}, router=tls_router(pki))
     gw.http = {"verify": _ctx(pki.server.ca_file)}
     plain = start_standin("w0", MODEL)  # registers http://127.0.0.1:PORT
+    # The counter's line is there from the start (at 0): wait for the refusal itself.
+    refused = re.compile(
+        r'^kvstore_gateway_engines_refused_total\{reason="plaintext"\} (\S+)$', re.M
+    )
     wait_for(
-        lambda: 'reason="plaintext"' in gw.metrics(), 30, 0.1, what="the http:// engine refused"
+        lambda: (m := refused.search(gw.metrics())) is not None and float(m.group(1)) >= 1,
+        30,
+        0.1,
+        what="the http:// engine refused",
     )
     assert gw.engines() == 0
     assert _post(gw, pki.server.ca_file).status_code == 503  # no engine serves the model
