@@ -259,13 +259,15 @@ def test_router_restart_and_replicas_decide_identically(etcd, spawn_agent, start
         pack_ids(ids_for(51, 9)),
     ]
 
+    # Each agent's present pool utilization, as its node record carries it (2 decimals,
+    # rewritten within a heartbeat of a change); nothing is put from here on.
+    now = {}
+    for i, agent in enumerate(agents):
+        with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
+            now[f"agent-{i}"] = round(c.stats().utilization, 2)
+
     def reported(x: RouterProc) -> bool:
-        """Whether `x` prices each agent's pool at its present utilization (the node record
-        carries it to 2 decimals, rewritten within a heartbeat of a change)."""
-        now = {}
-        for i, agent in enumerate(agents):
-            with KVClient(agent.address, tenant_secret=TEST_SECRET, use_shm=False) as c:
-                now[f"agent-{i}"] = round(c.stats().utilization, 2)
+        """Whether `x` prices each agent's pool at its present utilization."""
         seen = x.route(NS_ID, prompts[3], dry_run=True).candidates
         return {c.node_id: round(c.utilization, 2) for c in seen} == now
 
