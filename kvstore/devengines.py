@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.devprocs import fresh_log
+from kvstore.devprocs import CLUSTER_ENV, fresh_log
 
 __all__ = ["EngineLaunch", "VLLM_ENV", "VLLM_PY", "gateway_files", "start_engine", "stop_engine"]
 
@@ -149,12 +149,17 @@ class EngineLaunch:
         ]  # fmt: skip
 
 
-def start_engine(launch: EngineLaunch, new_session: bool = False) -> subprocess.Popen:
-    """Start the registrar (which starts vLLM); its log is <workdir>/engine.log (fresh_log)."""
+def start_engine(
+    launch: EngineLaunch, new_session: bool = False, cluster: Path | None = None
+) -> subprocess.Popen:
+    """Start the registrar (which starts vLLM); its log is <workdir>/engine.log (fresh_log).
+    `cluster`: the state directory of the `kvctl cluster up` starting it (CLUSTER_ENV)."""
     d = Path(launch.workdir)
     d.mkdir(parents=True, exist_ok=True)
     (d / "namespace.json").unlink(missing_ok=True)  # the connector writes it afresh
     env = dict(os.environ, **VLLM_ENV, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    if cluster is not None:
+        env[CLUSTER_ENV] = str(cluster.resolve())
     with fresh_log(d / "engine.log") as log:
         return subprocess.Popen(
             launch.command(),

@@ -29,6 +29,48 @@ ROOT = Path(__file__).resolve().parent.parent
 # What a live process of each kind has in its command line (alive: pids are recycled).
 _MARKERS = {"etcd": "etcd", "agent": "node_agent", "router": "router", "engine": "vllm_serve"}
 KINDS = tuple(_MARKERS)  # the kinds of process a local cluster starts
+# The module each python kind runs (`python -m <module>`): program_kind's exact match.
+_MODULES = {"node_agent": "agent", "router": "router", "kvstore.integrations.vllm_serve": "engine"}
+# In the environment of every process `kvctl cluster up` starts: its state directory.
+CLUSTER_ENV = "KVSTORE_DEV_CLUSTER"
+
+
+def program_kind(argv: list[str]) -> str | None:
+    """The kind a local cluster process has by its program (etcd's binary, or python -m
+    one of our modules), not by a substring anywhere in its command line; None otherwise."""
+    if argv and os.path.basename(argv[0]) == "etcd":
+        return "etcd"
+    if len(argv) >= 3 and argv[1] == "-m":
+        return _MODULES.get(argv[2])
+    return None
+
+
+def started_for(state: Path) -> list[tuple[int, str]]:
+    """(pid, kind) of this user's live processes of a local cluster's kinds
+    (program_kind) that an `up` in `state` started: CLUSTER_ENV=`state` in their
+    environment. The same command started by hand has no such mark and is not ours."""
+    mark = f"{CLUSTER_ENV}={state.resolve()}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid != os.getuid():
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")[:-1]
+            kind = program_kind(argv)
+            if kind is None:
+                continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                ours = mark in f.read().split(b"\0")
+            with open(f"/proc/{d}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue  # exited meanwhile
+        if ours and not zombie:
+            found.append((int(d), kind))
+    return found
 
 
 def free_port() -> int:
@@ -178,9 +220,10 @@ def fresh_log(path: Path) -> BinaryIO:
     return open(path, "wb")
 
 
-def spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def spawn(cmd: list[str], log_path: Path, state: Path) -> subprocess.Popen:
+    """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log), marked
+    as started for the cluster in `state` (CLUSTER_ENV)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_ENV: str(state.resolve())})
     env["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
     )
@@ -190,7 +233,7 @@ def spawn(cmd: list[str], log_path: Path, cwd: Path | None = None) -> subprocess
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            cwd=cwd or ROOT,
+            cwd=ROOT,
             env=env,
             start_new_session=True,
         )

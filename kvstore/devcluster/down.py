@@ -17,8 +17,10 @@ from kvstore.devcluster.state import (
     Proc,
     check_state_dir,
     lock_holder,
+    named,
     starting_procs,
     try_lock,
+    unrecorded,
 )
 from kvstore.devengines import stop_engine
 from kvstore.devprocs import Ended, alive, terminate
@@ -45,8 +47,9 @@ def down(state_dir: str | os.PathLike, grace_s: float = 10.0, say=quiet) -> list
     """Stop the engines, router and agents (they revoke their leases), then etcd: SIGTERM
     (and SIGCONT, for a stopped process), SIGKILL after `grace_s`; `say` gets progress
     (whom it waits for, whom it kills). An `up` still starting there is stopped first
-    (SIGTERM; it stops what it started), and whatever a dead `up` left in starting.json
-    is stopped too. Holds the up lock, so no `up` starts in the middle."""
+    (SIGTERM; it stops what it started), and whatever a dead `up` left in starting.json,
+    or running unrecorded (state.unrecorded), is stopped too. Holds the up lock, so no
+    `up` starts in the middle."""
     state = check_state_dir(state_dir)
     if not state.is_dir():
         raise ClusterError(f"no local cluster in {state_dir} (no such directory)")
@@ -89,7 +92,14 @@ def _stop_starting_up(state: Path, grace_s: float, say) -> tuple[int, list[Ended
 
 
 def _stop_starting_leftovers(state: Path, grace_s: float, say) -> list[Ended]:
-    stopped = _stop_in_order(list(starting_procs(state)), grace_s, say)
+    """What a dead `up` listed in starting.json, and what it started but never listed
+    (state.unrecorded: killed between the two), in one order: engines, agents and
+    router, etcd."""
+    strays = unrecorded(state)
+    if strays:
+        say(f"found {named(strays)}, started by an up in {state} and recorded nowhere (that "
+            "up killed while starting it); stopping it too")  # fmt: skip
+    stopped = _stop_in_order([*starting_procs(state), *strays], grace_s, say)
     (state / STARTING_FILE).unlink(missing_ok=True)
     return stopped
 

@@ -145,7 +145,7 @@ def start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, st
     scheme = "https" if tls is not None else "http"
     cu, pu = f"{scheme}://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     log = state / "etcd.log"
-    proc = spawn(etcd_command(binary, "local", data, cu, pu, tls), log)
+    proc = spawn(etcd_command(binary, "local", data, cu, pu, tls), log, state)
     return proc, f"127.0.0.1:{cport}", log
 
 
@@ -220,6 +220,7 @@ def start_agent(state: Path, i: int, etcd: str, opts: UpOptions, tls: TLSConfig 
             str(ready),
         ],
         log,
+        state,
     )
     return proc, ready, log
 
@@ -270,6 +271,7 @@ def start_router(state: Path, etcd: str, opts: UpOptions, tls: TLSConfig | None)
             *gateway,
         ],
         log,
+        state,
     )
     port = rcfg.get("metrics_port")
     return proc, ready, log, f"http://127.0.0.1:{port}/metrics" if port else ""
@@ -305,7 +307,7 @@ def start_engines(state, opts, etcd, agents, gw_url, say, started, client, watch
     for i in range(opts.engines):
         d = state / f"engine-{i}"
         launch = engine_launch(state, opts, i, etcd, agents)
-        proc = start_engine(launch, new_session=True)
+        proc = start_engine(launch, new_session=True, cluster=state)
         p = Proc(launch.engine_id, "engine", proc.pid, launch.url, str(d / "engine.log"))
         started.append(p)
         procs.append(p)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvstore.config import TLSConfig
-from kvstore.devprocs import KINDS, alive
+from kvstore.devprocs import KINDS, alive, started_for
 from kvstore.tls import files_in
 
 STATE_FILE = "cluster.json"
@@ -134,8 +134,25 @@ def starting_procs(state: Path) -> tuple[Proc, ...]:
 
 def left_running(state_dir: str | os.PathLike) -> list[Proc]:
     """What a `kvctl cluster up` that did not finish left running (killed: one that
-    fails stops what it started), by its starting.json; [] when nothing."""
-    return [p for p in starting_procs(Path(state_dir)) if alive(p.pid, p.kind)]
+    fails stops what it started), by its starting.json and unrecorded(); [] when
+    nothing."""
+    listed = [p for p in starting_procs(Path(state_dir)) if alive(p.pid, p.kind)]
+    return listed + unrecorded(Path(state_dir))
+
+
+def unrecorded(state: Path) -> list[Proc]:
+    """Processes an `up` in `state` started (devprocs.started_for: marked so in their
+    environment) that neither cluster.json nor starting.json lists: an `up` killed
+    (SIGKILL) after starting a process and before writing it to starting.json leaves one.
+    Named by kind ("router", not "router-0": the record that named it is what is missing)."""
+    known = {p.pid for p in starting_procs(state)}
+    try:
+        if (state / STATE_FILE).exists():
+            known |= {p.pid for p in ClusterState.load(state).procs}
+    except ClusterError:
+        pass  # an unreadable cluster.json: its processes count as unrecorded
+    return [Proc(kind, kind, pid, "", "") for pid, kind in started_for(state)
+            if pid not in known]  # fmt: skip
 
 
 def named(procs) -> str:
@@ -157,7 +174,7 @@ def _no_cluster(state: Path, given: str | os.PathLike) -> str:
         return (
             f"no cluster recorded in {given} (no {STATE_FILE}), but a kvctl cluster up "
             f"that did not finish (killed?) left {named(left)} running (listed in "
-            f"{state / STARTING_FILE}); stop them with: {down}"
+            f"{state / STARTING_FILE}, or marked as its own); stop them with: {down}"
         )
     return (
         f"no local cluster in {given} (no {STATE_FILE}); start one with: kvctl cluster up "

@@ -1,0 +1,98 @@
+"""What `kvctl cluster down` finds running that an `up` in its state directory started
+and no record lists (devprocs.started_for, state.unrecorded): a process of a kind a local
+cluster starts (by its program, not a substring), owned by this user, marked with the
+directory in its environment (CLUSTER_ENV). The processes here are idle Pythons whose
+command lines look like the cluster's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.common import wait_for
+
+from kvstore.devcluster import STARTING_FILE
+from kvstore.devcluster.state import unrecorded
+from kvstore.devprocs import CLUSTER_ENV, program_kind, started_for
+
+IDLE = "import time; time.sleep(120)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind"),
+    [
+        (["/usr/bin/etcd", "--data-dir", "/x/etcd"], "etcd"),
+        (["python", "-m", "node_agent", "--config", "a.json"], "agent"),
+        (["python", "-m", "router", "--router-id", "r"], "router"),
+        (["python", "-m", "kvstore.integrations.vllm_serve", "--"], "engine"),
+        (["python", "-m", "kvstore.cli", "cluster", "down", "--state-dir", "/x/router"], None),
+        (["python", "-c", "router node_agent etcd"], None),
+        (["/usr/bin/etcdctl", "get", "x"], None),
+        ([], None),
+    ],
+)
+def test_program_kind_is_the_program_not_a_substring(argv, kind):
+    assert program_kind(argv) == kind
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """start(state, argv0, *args): an idle Python under that argv[0], marked as started
+    for `state` (None: unmarked); `-m node_agent` and `-m router` run idle stand-ins from
+    tmp_path (first on the module path with -m)."""
+    for module in ("node_agent", "router"):
+        (tmp_path / f"{module}.py").write_text(IDLE + "\n")
+    started: list[subprocess.Popen] = []
+
+    def start(state: Path | None, argv0: str, *args: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV}
+        if state is not None:
+            env[CLUSTER_ENV] = str(state.resolve())
+        p = subprocess.Popen([argv0, *args], executable=sys.executable, cwd=tmp_path, env=env)
+        started.append(p)
+        return p.pid
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_only_our_kinds_started_for_the_directory_are_found(tmp_path, procs):
+    state, sibling = tmp_path / "cluster", tmp_path / "cluster2"
+    etcd_args = ("-c", IDLE, "--data-dir", str(state / "etcd"))
+    etcd = procs(state, "etcd", *etcd_args)
+    agent = procs(state, "python3", "-m", "node_agent", "--config", "agent.json")
+    router = procs(state, "python3", "-m", "router", "--router-id", "router-0")
+    by_hand = procs(None, "etcd", *etcd_args)  # the same command, not started by an up
+    other_dir = procs(sibling, "etcd", *etcd_args)
+    other_kind = procs(state, "python3", "-c", IDLE, "-m", "router")
+    everyone = (etcd, agent, router, by_hand, other_dir, other_kind)
+    wait_for(lambda: all(_running(p) for p in everyone), 10, what="the idle processes")
+    assert sorted(started_for(state)) == sorted(
+        [(etcd, "etcd"), (agent, "agent"), (router, "router")]
+    )
+    assert started_for(sibling) == [(other_dir, "etcd")]
+
+
+def test_unrecorded_leaves_out_what_starting_json_lists(tmp_path, procs):
+    state = tmp_path / "cluster"
+    state.mkdir()
+    listed = procs(state, "etcd", "-c", IDLE)
+    stray = procs(state, "etcd", "-c", IDLE)
+    wait_for(lambda: _running(listed) and _running(stray), 10, what="the idle processes")
+    entry = {"name": "etcd", "kind": "etcd", "pid": listed, "address": "", "log": ""}
+    (state / STARTING_FILE).write_text(json.dumps({"up_pid": 1, "procs": [entry]}))
+    assert [(p.name, p.pid) for p in unrecorded(state)] == [("etcd", stray)]
