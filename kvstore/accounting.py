@@ -37,9 +37,10 @@ class TenantAccounts:
     def blocks(self, tenant: str, tier: Tier) -> int:
         return self._blocks.get((tenant, tier), 0)
 
-    def add(self, tenant: str, tier: Tier, nbytes: int) -> None:
+    def add(self, tenant: str, tier: Tier, nbytes: int, blocks: int = 1) -> None:
+        """`nbytes` more in `tier` for `tenant`, over `blocks` blocks."""
         self._used[(tenant, tier)] += nbytes
-        self._blocks[(tenant, tier)] += 1
+        self._blocks[(tenant, tier)] += blocks
 
     def sub(self, tenant: str, tier: Tier, nbytes: int) -> None:
         key = (tenant, tier)

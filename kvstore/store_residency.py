@@ -272,14 +272,25 @@ class Residency:
         re-filed for eviction once, at the end (EvictionQueue.deferred)."""
         return self.queue.deferred()
 
-    def attach_slot(self, m: BlockMeta, slot: int) -> None:
+    def attach_slot(
+        self, m: BlockMeta, slot: int, parent: BlockMeta | None = None, charge: bool = True
+    ) -> None:
+        """`parent`: m's parent, where the caller has it at hand (else looked up).
+        `charge=False`: the caller charges the slot itself (charge_slots, for a batch)."""
         m.slot = slot
-        self.accounts.add(m.ns.tenant, _HBM, self.pool.slot_bytes)
-        parent = m.ns.blocks.get(m.parent_id) if m.depth else None
+        if charge:
+            self.accounts.add(m.ns.tenant, _HBM, self.pool.slot_bytes)
+        if parent is None and m.depth:
+            parent = m.ns.blocks.get(m.parent_id)
         if parent is not None:
             parent.hbm_children += 1
             self.queue.refile(parent)
         self.queue.refile(m)
+
+    def charge_slots(self, tenant: str, n: int) -> None:
+        """Charge `tenant` n pool slots attached with attach_slot(charge=False)."""
+        if n:
+            self.accounts.add(tenant, _HBM, n * self.pool.slot_bytes, n)
 
     def _give_back_slot(self, m: BlockMeta) -> None:
         """Free m's slot, or park it while a get still copies out of it."""

@@ -94,8 +94,9 @@ class Writes:
                     f"block {i} is {n} bytes; namespace {st.spec.key} blocks are {size} bytes"
                 )
         depths: dict[bytes, int] = {}
-        for it in items:
-            parent = st.blocks.get(it.parent_id)
+        get = st.blocks.get
+        parents = [get(it.parent_id) for it in items]  # as held now, for _plan_items too
+        for it, parent in zip(items, parents):
             depths[it.block_id] = parent.depth + 1 if parent else depths.get(it.parent_id, -1) + 1
         if items and max(depths.values()) + 1 < st.policy.min_prefix_blocks:
             self.counters["below_min_prefix"] += 1
@@ -106,7 +107,7 @@ class Writes:
             )
         out = PutPlan()
         try:
-            self._plan_items(st, items, root, depths, out)
+            self._plan_items(st, items, parents, root, depths, out)
         except BaseException:
             self.abort_plan(out.slots)
             raise
@@ -116,20 +117,36 @@ class Writes:
         self,
         st: NsState,
         items: list[PutItem],
+        parents: list[BlockMeta | None],
         root: bytes | None,
         depths: dict[bytes, int],
         out: PutPlan,
     ) -> None:
+        """`parents`: each item's parent as st.blocks held it before planning."""
         skipped: set[bytes] = set()
         planned: set[bytes] = set()
+        get = st.blocks.get
+        # Every block has a free slot within the tenant's quota and no parent is to be
+        # brought back from NVMe (as fits()): nothing below evicts or promotes, so each
+        # block takes a free slot directly and the parents looked up before stay as they
+        # were. Otherwise making room for one block may evict another's parent: each
+        # parent is looked up again when its block is planned.
+        size = self.pool.slot_bytes
+        roomy = (
+            self.pool.free_slots >= len(items)
+            and all(p is None or p.slot >= 0 for p in parents)
+            and not self.residency.accounts.overflow(
+                st.tenant, Tier.HBM, len(items) * size + self._inflight[st.tenant]
+            )
+        )
         for i, it in enumerate(items):
-            known = st.blocks.get(it.block_id)
+            parent = parents[i] if roomy else get(it.parent_id)
+            known = get(it.block_id)
             if known is not None or it.block_id in planned:
                 out.already += 1
                 if known is not None and st.policy.ttl_seconds:  # a re-put is a touch
                     raise_expiry(known, self.clock() + st.policy.ttl_seconds)
                 continue
-            parent = st.blocks.get(it.parent_id)
             if (
                 root is not None
                 and parent is None
@@ -156,7 +173,7 @@ class Writes:
                     "stored, nor what hangs under it"
                 )
                 continue
-            planned_slot = self.plan_slot(st, it, depths[it.block_id], parent)
+            planned_slot = self.plan_slot(st, it, depths[it.block_id], parent, roomy)
             if planned_slot is None:
                 if out.slots:  # keep the leading blocks that fit; the rest would be orphans
                     self.counters["put_truncated"] += 1
@@ -173,16 +190,26 @@ class Writes:
             planned.add(it.block_id)
 
     def plan_slot(
-        self, st: NsState, item: PutItem, depth: int, parent: BlockMeta | None
+        self,
+        st: NsState,
+        item: PutItem,
+        depth: int,
+        parent: BlockMeta | None,
+        roomy: bool = False,
     ) -> PlannedSlot | None:
         """Reserve a pool slot for one block of a write, within the tenant's quota counting
         every slot already in flight for it (this write's and concurrent ones'), and hold
         the parent so making room later cannot evict it. None when no slot can be had.
-        The quota is charged the whole slot (Residency.attach_slot does the same)."""
+        The quota is charged the whole slot (Residency.attach_slot does the same).
+        `roomy`: the caller checked that a free slot within the quota is there (nothing
+        to evict), under the same lock."""
         size = self.pool.slot_bytes
         if parent is not None:
             parent.readers += 1
-        slot = self.residency.reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
+        if roomy:
+            slot = self.pool.reserve()
+        else:
+            slot = self.residency.reserve_slot(st.tenant, extra=size + self._inflight[st.tenant])
         if slot is None:
             if parent is not None:
                 self.residency.done_reading(parent)
@@ -223,32 +250,41 @@ class Writes:
         now = self.clock()
         stored: list[BlockMeta] = []
         raced = 0
-        for w in written:
-            item, slot = w.planned.item, w.planned.slot
-            self._end_planned(w.planned)
-            parent_meta = st.blocks.get(item.parent_id)
-            depth = parent_meta.depth + 1 if parent_meta else w.planned.depth
-            if st.generation != generation or (depth and not parent_meta):
-                self.pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
-                continue
-            if item.block_id in st.blocks:
-                self.pool.abort(slot)
-                self.counters["put_raced"] += 1
-                raced += 1
-                continue
-            if parent_meta is not None and parent_meta.slot < 0:
-                self.pool.abort(slot)
-                self.counters["put_parent_cold"] += 1
-                continue
-            self.pool.commit(slot)
-            stored.append(self._visible(st, w, depth, parent_meta, now))
+        blocks, pool, residency = st.blocks, self.pool, self.residency
+        flushed = st.generation != generation
+        try:
+            for w in written:
+                planned = w.planned
+                item, slot = planned.item, planned.slot
+                if planned.parent is not None:  # no longer held for this write
+                    residency.done_reading(planned.parent)
+                parent_meta = blocks.get(item.parent_id)
+                depth = parent_meta.depth + 1 if parent_meta else planned.depth
+                if flushed or (depth and not parent_meta):
+                    pool.abort(slot)  # flushed meanwhile, or the parent left: not stored
+                    continue
+                if item.block_id in blocks:
+                    pool.abort(slot)
+                    self.counters["put_raced"] += 1
+                    raced += 1
+                    continue
+                if parent_meta is not None and parent_meta.slot < 0:
+                    pool.abort(slot)
+                    self.counters["put_parent_cold"] += 1
+                    continue
+                pool.commit(slot)
+                stored.append(self._visible(st, w, depth, parent_meta, now))
+        finally:  # every written slot is out of flight, stored or not (the lock is held)
+            self._inflight[st.tenant] -= sum(w.planned.nbytes for w in written)
+            residency.charge_slots(st.tenant, len(stored))
         self._stored_events(st, stored)
         return CommitResult(len(stored), raced)
 
     def _visible(
         self, st: NsState, w: Written, depth: int, parent_meta: BlockMeta | None, now: float
     ) -> BlockMeta:
-        """Index a committed block and attach its slot."""
+        """Index a committed block and attach its slot (charged by the caller, for the
+        whole commit at once: Residency.charge_slots)."""
         item = w.planned.item
         ttl = st.policy.ttl_seconds
         m = BlockMeta(
@@ -266,7 +302,7 @@ class Writes:
             parent_meta.children += 1
             if ttl:
                 raise_expiry(parent_meta, m.expires_at)
-        self.residency.attach_slot(m, w.planned.slot)
+        self.residency.attach_slot(m, w.planned.slot, parent_meta, charge=False)
         return m
 
     def _stored_events(self, st: NsState, stored: list[BlockMeta]) -> None:
