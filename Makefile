@@ -84,8 +84,9 @@ check: install
 lint: check
 	$(VENV)/bin/mypy
 
+# --durations: the slowest tests, at the end of the output (CI's time is bounded).
 test: install lint vllm-env
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=25
 
 # The unit tests alone (no processes, no network): well under a minute.
 test-unit: install
