@@ -77,8 +77,7 @@ def _refuse_if_running(state: Path, given: str | os.PathLike) -> None:
         raise ClusterError(
             f"a kvctl cluster up that did not finish (killed?) left {named(left)} running "
             f"in {state} (listed in {STARTING_FILE}, or marked as its own; a new up would not "
-            f"know them); stop "
-            f"them first: kvctl cluster down --state-dir {given}"
+            f"know them); stop them first: kvctl cluster down --state-dir {given}"
         )
     if not (state / STATE_FILE).exists():
         return
