@@ -64,11 +64,9 @@ def started_for(state: Path) -> list[tuple[int, str]]:
                 continue
             with open(f"/proc/{d}/environ", "rb") as f:
                 ours = mark in f.read().split(b"\0")
-            with open(f"/proc/{d}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             continue  # exited meanwhile
-        if ours and not zombie:
+        if ours and proc_state(int(d)) not in ("", "exited"):
             found.append((int(d), kind))
     return found
 
