@@ -126,19 +126,12 @@ class Writes:
         skipped: set[bytes] = set()
         planned: set[bytes] = set()
         get = st.blocks.get
-        # Every block has a free slot within the tenant's quota and no parent is to be
-        # brought back from NVMe (as fits()): nothing below evicts or promotes, so each
-        # block takes a free slot directly and the parents looked up before stay as they
-        # were. Otherwise making room for one block may evict another's parent: each
-        # parent is looked up again when its block is planned.
-        size = self.pool.slot_bytes
-        roomy = (
-            self.pool.free_slots >= len(items)
-            and all(p is None or p.slot >= 0 for p in parents)
-            and not self.residency.accounts.overflow(
-                st.tenant, Tier.HBM, len(items) * size + self._inflight[st.tenant]
-            )
-        )
+        # fits(): every block has a free slot within the tenant's quota and no parent is
+        # to be brought back from NVMe, so nothing below evicts or promotes: each block
+        # takes a free slot directly and the parents looked up before stay as they were.
+        # Otherwise making room for one block may evict another's parent: each parent is
+        # looked up again when its block is planned.
+        roomy = self.fits(st, items)
         for i, it in enumerate(items):
             parent = parents[i] if roomy else get(it.parent_id)
             known = get(it.block_id)
