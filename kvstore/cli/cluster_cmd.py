@@ -99,7 +99,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "seconds after SIGTERM is killed (SIGKILL). Progress on stderr: whom it waits "
         "for (pid, state, for how long) and whom it kills; the last line names what "
         "had to be killed. A cluster still starting is stopped too (its kvctl cluster up "
-        "is told to stop and exits 1). Data and logs stay in the state directory. "
+        "is told to stop and exits 1), and so is what a killed one left running, even "
+        "a process it had not yet written down (each carries KVSTORE_DEV_CLUSTER=<state "
+        "dir> in its environment). Data and logs stay in the state directory. "
         "Exit status: 0 stopped (killed ones included), 1 a process still there after "
         "SIGKILL (uninterruptible I/O), 2 a state directory that cannot be used.",
     )
