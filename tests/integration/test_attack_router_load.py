@@ -76,8 +76,12 @@ def test_made_up_ids_weigh_on_another_tenants_route_no_more_than_the_cap(
     node's cost in globex's decision is its request (weight_load, 4) and at most
     max_route_work_blocks (8192) of queued work; before, 65,536 + 4. (Whether globex still
     goes there depends on what else it would pay: here a pull from that node is cheap,
-    so even the request alone can move it, as real load would.)"""
-    agents, stub = _cluster(etcd, spawn_agent, start_router)
+    so even the request alone can move it, as real load would.)
+
+    The router prices no pool utilization here: the target's node record, rewritten
+    within a heartbeat of globex's put, would otherwise move its cost between `before`
+    and after, and keep every attacking route off it once it has landed."""
+    agents, stub = _cluster(etcd, spawn_agent, start_router, weight_utilization=0)
     bs = VICTIM.block_size
     ids = hash_chain(VICTIM.root(0, TEST_SECRET), prompt_tokens(3, NB * bs), bs)
     with KVClient(
