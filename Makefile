@@ -85,8 +85,13 @@ lint: check
 	$(VENV)/bin/mypy
 
 # --durations: the slowest tests, at the end of the output (CI's time is bounded).
+# TEST_WORKERS pytest-xdist workers (worksteal: an idle worker takes the other's queued
+# tests). Most of an integration test is waiting on processes it started, so two workers
+# on two cores take 30 min where one took 49 (2026-12-07, docs/benchmarks.md); every
+# fixture uses its own tmp dir and free ports. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: install lint vllm-env
-	$(VPY) -m pytest -q --durations=25
+	$(VPY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist worksteal
 
 # The unit tests alone (no processes, no network): well under a minute.
 test-unit: install
