@@ -94,7 +94,8 @@ class UpOptions:
 
 
 def _etcd_tls_flags(tls: TLSConfig | None) -> list[str]:
-    """etcd's own TLS: clients must present a certificate of the CA."""
+    """etcd's own TLS: clients must present a certificate of the CA, and so must a peer
+    on the peer port (the same pair, as the chart's members present)."""
     if tls is None:
         return []
     return [
@@ -105,6 +106,13 @@ def _etcd_tls_flags(tls: TLSConfig | None) -> list[str]:
         "--trusted-ca-file",
         tls.ca_file,
         "--client-cert-auth",
+        "--peer-cert-file",
+        tls.cert_file,
+        "--peer-key-file",
+        tls.key_file,
+        "--peer-trusted-ca-file",
+        tls.ca_file,
+        "--peer-client-cert-auth",
     ]
 
 
@@ -112,7 +120,9 @@ def etcd_command(
     binary: str, name: str, data_dir: Path, client_url: str, peer_url: str, tls=None
 ) -> list[str]:
     """etcd's command line for a one-member cluster (kvctl cluster up, the chaos harness,
-    the tests' fixture); `tls` (a TLSConfig) as _etcd_tls_flags."""
+    the tests' fixture); `tls` (a TLSConfig) as _etcd_tls_flags, with https:// URLs."""
+    if tls is not None and not all(u.startswith("https://") for u in (client_url, peer_url)):
+        raise ValueError(f"etcd with TLS needs https:// URLs, not {client_url} and {peer_url}")
     return [
         binary,
         "--name",
@@ -143,7 +153,7 @@ def start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, st
     shutil.rmtree(data, ignore_errors=True)  # coordination state is fresh on every up
     cport, pport = free_port(), free_port()
     scheme = "https" if tls is not None else "http"
-    cu, pu = f"{scheme}://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
+    cu, pu = f"{scheme}://127.0.0.1:{cport}", f"{scheme}://127.0.0.1:{pport}"
     log = state / "etcd.log"
     proc = spawn(etcd_command(binary, "local", data, cu, pu, tls), log, state)
     return proc, f"127.0.0.1:{cport}", log

@@ -151,7 +151,7 @@ class EtcdProc:
 
         scheme = "https" if self.tls is not None else "http"
         cu = f"{scheme}://127.0.0.1:{self.client_port}"
-        pu = f"http://127.0.0.1:{self.peer_port}"
+        pu = f"{scheme}://127.0.0.1:{self.peer_port}"
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         return etcd_command(binary, "test", self.data_dir, cu, pu, self.tls)
 

@@ -60,3 +60,23 @@ def test_kvctl_cluster_up_refuses_a_bad_size_before_starting_anything(tmp_path, 
         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
     )
     assert not state.exists()  # no etcd, no agent, not even the state directory
+
+
+def test_etcd_with_tls_serves_clients_and_its_peer_port_over_mutual_tls(tmp_path):
+    from kvstore.config import TLSConfig
+    from kvstore.devcluster import etcd_command
+
+    tls = TLSConfig(ca_file="/p/ca.crt", cert_file="/p/tls.crt", key_file="/p/tls.key")
+    argv = etcd_command("etcd", "one", tmp_path, "https://h:1", "https://h:2", tls)
+    pairs = dict(zip(argv, argv[1:]))
+    assert (
+        pairs["--listen-peer-urls"] == "https://h:2"
+        and pairs["--listen-client-urls"] == "https://h:1"
+    )
+    assert pairs["--peer-cert-file"] == "/p/tls.crt" and pairs["--peer-key-file"] == "/p/tls.key"
+    assert pairs["--peer-trusted-ca-file"] == "/p/ca.crt"
+    assert "--peer-client-cert-auth" in argv and "--client-cert-auth" in argv
+    with pytest.raises(ValueError, match="needs https:// URLs"):
+        etcd_command("etcd", "one", tmp_path, "https://h:1", "http://h:2", tls)
+    plain = etcd_command("etcd", "one", tmp_path, "http://h:1", "http://h:2")
+    assert not [a for a in plain if "cert" in a]

@@ -144,6 +144,53 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- $mode -}}
 {{- end -}}
 
+{{/* The peer scheme the running release's etcd members serve ("https" or "http", from
+     its StatefulSet's --listen-peer-urls), read at `helm upgrade`; "" on install, when
+     there is no such StatefulSet, and under `helm template` (which reaches no cluster). */}}
+{{- define "kvstore.liveEtcdPeerScheme" -}}
+{{- $live := dict -}}
+{{- if .Release.IsUpgrade -}}
+{{- $live = lookup "apps/v1" "StatefulSet" .Release.Namespace (include "kvstore.etcdName" .) | default dict -}}
+{{- end -}}
+{{- $args := list -}}
+{{- range (dig "spec" "template" "spec" "containers" list $live) -}}
+{{- $args = concat $args (.args | default list) -}}
+{{- end -}}
+{{- if has "--listen-peer-urls=https://0.0.0.0:2380" $args -}}
+https
+{{- else if has "--listen-peer-urls=http://0.0.0.0:2380" $args -}}
+http
+{{- end -}}
+{{- end -}}
+
+{{/* How the bundled etcd's members reach each other: "https" (mutual TLS with the
+     release's pair, as their clients do) or "http". tls.etcdPeers: tls or plaintext; ""
+     keeps what the running members do, tls on install. etcd records each member's peer
+     URL in its data when the cluster is made and ignores the flag afterwards, so a
+     change of scheme alone would cut the members off from each other: the chart never
+     makes one by itself, and refuses to let turning TLS off make one unannounced (chart
+     README, "Upgrading: etcd peers to TLS"). */}}
+{{- define "kvstore.etcdPeerScheme" -}}
+{{- $mode := .Values.tls.etcdPeers -}}
+{{- $live := include "kvstore.liveEtcdPeerScheme" . -}}
+{{- if not (and .Values.tls.enabled .Values.tls.etcd) -}}
+{{- if eq $mode "tls" -}}
+{{- fail "tls.etcdPeers is tls, but etcd's members can only talk TLS with tls.enabled and tls.etcd true" -}}
+{{- else if and (eq $live "https") (ne $mode "plaintext") -}}
+{{- fail "the bundled etcd's members talk to each other over TLS, and etcd keeps their https:// peer URLs in its data: turning tls.enabled or tls.etcd off alone would cut them off from each other. Set tls.etcdPeers=plaintext to go on, then record each member's http:// peer URL as it restarts (chart README, \"Upgrading: etcd peers to TLS\", the steps in reverse)" -}}
+{{- end -}}
+http
+{{- else if eq $mode "tls" -}}
+https
+{{- else if eq $mode "plaintext" -}}
+http
+{{- else if eq $live "http" -}}
+http
+{{- else -}}
+https
+{{- end -}}
+{{- end -}}
+
 {{/* The volume and mount of the engine record key, for routers, gateways and engines. */}}
 {{- define "kvstore.engineRecordKeyVolume" -}}
 - name: engine-record-key
