@@ -13,10 +13,16 @@ from kvstore.devcluster.state import ClusterState, Proc
 from kvstore.devprocs import alive, etcd_healthy, grpc_healthy, http_ok, router_nodes
 
 
+# Seconds status waits for etcd's /health and for its node listing: kvctl's per-call
+# default (--etcd-timeout). At 1 s (health) and 2 s (listing) a healthy etcd on a busy
+# host could be reported unreachable; a dead one still answers at once (refused).
+ETCD_TIMEOUT_S = 3.0
+
+
 async def _registered(endpoint: str, tls: TLSConfig | None) -> set[str]:
     from kvstore.coord.etcd import EtcdClient
 
-    async with EtcdClient(endpoint, timeout=2.0, tls=tls) as c:
+    async with EtcdClient(endpoint, timeout=ETCD_TIMEOUT_S, tls=tls) as c:
         return {r.node_id for r in await c.list_nodes()}
 
 
@@ -25,7 +31,7 @@ def status(state_dir: str | os.PathLike) -> dict:
     the caller decides the exit status from the report."""
     st = ClusterState.load(state_dir)
     tls = st.client_tls
-    etcd_ok = etcd_healthy(st.etcd_endpoint, tls=tls)
+    etcd_ok = etcd_healthy(st.etcd_endpoint, ETCD_TIMEOUT_S, tls=tls)
     registered: set[str] = set()
     if etcd_ok:
         try:
