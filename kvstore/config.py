@@ -219,7 +219,12 @@ MESSAGE_PAYLOAD_BYTES = 4 * MiB
 def check_call_caps(cfg, *more: str) -> None:
     """The call caps an agent and a router share (and `more`): integers >= 0 (0: no cap);
     stream_idle_timeout_s > 0."""
-    caps = ("max_calls_per_tenant", "max_health_watches", "max_health_watches_per_peer")
+    caps = (
+        "max_calls_per_tenant",
+        "max_health_watches",
+        "max_health_watches_per_peer",
+        "max_health_checks_per_peer",
+    )
     for name in (*caps, *more):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -296,9 +301,15 @@ class AgentConfig:
     stream_idle_timeout_s: float = 30.0
     # Health.Watch streams (open to anyone, never ended by the server) open at once on the
     # whole port and from one peer address (host); more are refused RESOURCE_EXHAUSTED.
-    # Health.Check is never capped (the chart's probes). 0: no cap.
+    # 0: no cap.
     max_health_watches: int = 64
     max_health_watches_per_peer: int = 8
+    # Health.Check calls in progress from one peer address (open to anyone; one whose
+    # message arrives slowly holds up to max_message_bytes for up to
+    # stream_idle_timeout_s). Per address only, so that no caller crowds out the probes
+    # (the kubelet makes one call per probe at a time); the local lane is not counted.
+    # More are refused RESOURCE_EXHAUSTED. 0: no cap.
+    max_health_checks_per_peer: int = 16
     max_blocks_per_request: int = 8192
     expire_interval_s: float = 5.0
     etcd_endpoints: str = ""  # host:port[,host:port]; empty: run without etcd
@@ -466,9 +477,11 @@ class RouterConfig:
     # (DEADLINE_EXCEEDED), its call given back to its tenant.
     stream_idle_timeout_s: float = 30.0
     # Health.Watch streams open at once, on the whole port and from one peer address
-    # (host), as the agent's; Health.Check is never capped. 0: no cap.
+    # (host), and Health.Check calls in progress from one address, as the agent's. 0: no
+    # cap.
     max_health_watches: int = 64
     max_health_watches_per_peer: int = 8
+    max_health_checks_per_peer: int = 16
     # What a tenant's routes may queue as prefill work (blocks; 0: no cap), one request
     # and all of its requests on one node: a Route's block ids are the caller's word, and
     # queued work steers every tenant's routes away from a node. Work beyond is not

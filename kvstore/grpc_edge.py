@@ -284,9 +284,14 @@ class ErrorEdge(grpc.aio.ServerInterceptor):
 
 
 # Served to anyone, never counted against a caller; Watch streams are counted by peer
-# address (WatchGate), Check never (the chart's probes ask it).
+# address and on the whole port (WatchGate), Check calls in progress by peer address only
+# (check_gate): a cap on the whole port would let one caller crowd out the probes.
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+CHECK_METHOD = "/grpc.health.v1.Health/Check"
+# The local lane's peer (node_agent/local_lane.LaneContext): its callers are processes of
+# the host the socket's permissions let in, and its messages arrive whole.
+LANE_PEER = "unix:local-lane"
 
 
 class CallGate:
@@ -333,6 +338,15 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+def check_gate(per_peer: int) -> CallGate:
+    """Health.Check calls in progress from one peer address (its host), at most
+    `per_peer` (max_health_checks_per_peer; 0: no cap). A Check is answered at once once
+    its message has arrived, but one whose message arrives slowly holds up to
+    max_message_bytes for up to stream_idle_timeout_s; the kubelet's probes make at most
+    one call per probe at a time. The local lane is not counted."""
+    return CallGate(per_peer, "max_health_checks_per_peer", (LANE_PEER,), "this address")
+
+
 class WatchGate:
     """Health.Watch streams open at once: at most `total` (max_health_watches) on the
     server and `per_peer` (max_health_watches_per_peer) from one peer address; 0: no
@@ -364,29 +378,48 @@ class Admission:
     """How an authenticating edge admits a call: `resolve(metadata)` names the caller
     (Unauthenticated when it cannot), `bind(caller)` hands it to the servicer (a context
     variable); `gate` counts its calls in flight, `watches` the open Health.Watch
-    streams; `idle_s` as in wrap_handler (stream_idle_timeout_s)."""
+    streams, `checks` the Health.Check calls in progress per address (check_gate);
+    `idle_s` as in wrap_handler (stream_idle_timeout_s)."""
 
     resolve: Callable
     bind: Callable
     gate: CallGate | None = None
     idle_s: float = 0.0
     watches: WatchGate | None = None
+    checks: CallGate | None = None
+
+
+def _open_gate(method: str, admission: Admission) -> Callable | None:
+    """What counts an open (health) call as it starts: Watch streams, Check calls by peer
+    address; None: not counted."""
+    if method == WATCH_METHOD and admission.watches is not None:
+        return admission.watches.enter
+    checks = admission.checks
+    if method == CHECK_METHOD and checks is not None:
+        return lambda context: checks.enter(peer_host(context.peer()))
+    return None
 
 
 async def authenticated(continuation, details, log: logging.Logger, admission: Admission):
     """What an authenticating interceptor's intercept_service returns: health checks open
-    to all (Watch streams capped), any other method's caller resolved from the metadata
-    alone, before its request is read (a refused caller's message is never received
-    whole: `refusal`), then bound and counted as the call starts (its headers), before
-    its message is read, and released when it ends, however it ends."""
+    to all (Watch streams, and Check calls per address, capped), any other method's
+    caller resolved from the metadata alone, before its request is read (a refused
+    caller's message is never received whole: `refusal`), then bound and counted as the
+    call starts (its headers), before its message is read, and released when it ends,
+    however it ends."""
     handler = await continuation(details)
     if handler is None:
         return None
     whole = getattr(details, "message_whole", False)  # the local lane's (whole frames)
     if details.method.startswith(OPEN_METHODS):
-        watches = admission.watches if details.method == WATCH_METHOD else None
-        before = None if watches is None else watches.enter
-        return wrap_handler(handler, details.method, log, before, admission.idle_s, whole)
+        return wrap_handler(
+            handler,
+            details.method,
+            log,
+            _open_gate(details.method, admission),
+            admission.idle_s,
+            whole,
+        )
     try:
         caller = admission.resolve(details.invocation_metadata)
     except errors.Unauthenticated as exc:

@@ -29,7 +29,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     agent identities (operators, peer agents) and development callers are not capped.
     A call is counted from its start, before its message has arrived; `stream_idle_s`: a
     call whose request sends no message this long (a unary message not whole, a Put
-    stream between messages) is ended. `watches`: the open Health.Watch streams' caps."""
+    stream between messages) is ended. `watches`: the open Health.Watch streams' caps;
+    `checks`: the Health.Check calls in progress per address (grpc_edge.check_gate)."""
 
     def __init__(
         self,
@@ -38,13 +39,14 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         max_calls_per_tenant: int = 0,
         stream_idle_s: float = 0.0,
         watches: WatchGate | None = None,
+        checks: CallGate | None = None,
     ) -> None:
         self._tokens = TokenTable(token_hashes, allow_unauthenticated)
         self.gate = CallGate(
             max_calls_per_tenant, "max_calls_per_tenant", (None, *RESERVED_TENANTS)
         )
         self._admission = Admission(
-            self.resolve, current_tenant.set, self.gate, stream_idle_s, watches
+            self.resolve, current_tenant.set, self.gate, stream_idle_s, watches, checks
         )
 
     def resolve(self, metadata) -> str | None:

@@ -33,7 +33,7 @@ from kvstore.tiers.rocks import (
     quarantine,
 )
 from kvstore.tiers.sealing import KeyFileError, Sealer
-from kvstore.grpc_edge import WatchGate
+from kvstore.grpc_edge import WatchGate, check_gate
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -267,6 +267,7 @@ class AgentServer:
                 self.cfg.max_calls_per_tenant,
                 self.cfg.stream_idle_timeout_s,
                 WatchGate(self.cfg.max_health_watches, self.cfg.max_health_watches_per_peer),
+                check_gate(self.cfg.max_health_checks_per_peer),
             ),
         ]
         self.server = grpc.aio.server(

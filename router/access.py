@@ -32,7 +32,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.auth import CLUSTER_TENANT, NOT_YOURS, TokenTable
-from kvstore.grpc_edge import Admission, CallGate, WatchGate, authenticated
+from kvstore.grpc_edge import Admission, CallGate, WatchGate, authenticated, check_gate
 from kvstore.config import RouterConfig
 from kvstore.wire import namespace_from_proto
 
@@ -174,6 +174,7 @@ class AuthEdge(grpc.aio.ServerInterceptor):
             self.gate,
             cfg.stream_idle_timeout_s,
             WatchGate(cfg.max_health_watches, cfg.max_health_watches_per_peer),
+            check_gate(cfg.max_health_checks_per_peer),
         )
 
     async def intercept_service(self, continuation, details):

@@ -1002,22 +1002,27 @@ def test_agents_cap_message_size_and_calls_per_tenant(helm, tmp_path):
     assert (cfg.max_message_bytes, cfg.max_concurrent_rpcs) == (8 << 20, 0)
     assert (cfg.max_calls_per_tenant, cfg.stream_idle_timeout_s) == (128, 30.0)
     assert (cfg.max_health_watches, cfg.max_health_watches_per_peer) == (64, 8)
+    assert cfg.max_health_checks_per_peer == 16
+    docs = render(helm, "minimal-values.yaml", "agent.maxHealthChecksPerPeer=3")
+    (tmp_path / "agent.yaml").write_text(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
+    assert load_config(AgentConfig, str(tmp_path / "agent.yaml")).max_health_checks_per_peer == 3
 
 
 def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
-    """router.maxCallsPerTenant, streamIdleTimeoutSeconds, maxHealthWatches and
-    maxHealthWatchesPerPeer reach router.yaml (docs/security.md, "Calls at once, per
-    tenant" and "Health checks"), defaults and values set alike."""
+    """router.maxCallsPerTenant, streamIdleTimeoutSeconds, maxHealthWatches,
+    maxHealthWatchesPerPeer and maxHealthChecksPerPeer reach router.yaml (docs/security.md,
+    "Calls at once, per tenant" and "Health checks"), defaults and values set alike."""
     for sets, want in (
-        ((), (128, 30.0, 64, 8)),
+        ((), (128, 30.0, 64, 8, 16)),
         (
             (
                 "router.maxCallsPerTenant=7",
                 "router.streamIdleTimeoutSeconds=4",
                 "router.maxHealthWatches=3",
                 "router.maxHealthWatchesPerPeer=1",
+                "router.maxHealthChecksPerPeer=2",
             ),
-            (7, 4.0, 3, 1),
+            (7, 4.0, 3, 1, 2),
         ),
     ):
         cm = one(render(helm, "minimal-values.yaml", *sets), "ConfigMap", "-config")
@@ -1028,6 +1033,7 @@ def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
             cfg.stream_idle_timeout_s,
             cfg.max_health_watches,
             cfg.max_health_watches_per_peer,
+            cfg.max_health_checks_per_peer,
         )
         assert got == want, sets
 

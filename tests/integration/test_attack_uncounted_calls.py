@@ -222,3 +222,67 @@ def test_health_watch_streams_are_capped_per_address_and_in_all(spawn_agent):
                     w.cancel()
 
     asyncio.run(run())
+
+
+CHECK = "/grpc.health.v1.Health/Check"
+
+
+async def _checks_held_are_capped_per_address(address: str, server_log) -> None:
+    """127.0.0.1 holds CAP Checks whose message never arrives whole (each can hold up to
+    max_message_bytes): its next Check is refused naming max_health_checks_per_peer,
+    while another address (127.0.0.2) is still answered; once the server ends the held
+    ones (stream_idle_timeout_s), 127.0.0.1 is answered again."""
+    host, port = address.rsplit(":", 1)
+    h2 = await H2(host, int(port)).connect()
+    sids = [await h2.open(CHECK) for _ in range(CAP)]
+    for sid in sids:
+        await h2.send(sid, BODIES["part of a message"])
+
+    def state() -> str:
+        return (
+            f"ended {sorted(h2.closed)} of {sids}, answered {sorted(h2.answered)}, "
+            f"endings {h2.endings}; server log:\n{server_log()[-3000:]}"
+        )
+
+    async def check(ch) -> tuple[grpc.StatusCode, str]:
+        call = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        return await _code(call)
+
+    whole = grpc_frame(health_pb2.HealthCheckRequest().SerializeToString())
+    other = await H2(host, int(port), local_host="127.0.0.2").connect()
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            # the held ones are counted as their headers arrive: until then a Check made
+            # here may still be answered (it ends at once, and gives its count back)
+            async def refused() -> str | None:
+                code, details = await check(ch)
+                return details if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+
+            async with asyncio.timeout(60):
+                while (details := await refused()) is None:
+                    await asyncio.sleep(0.05)
+            assert "max_health_checks_per_peer" in details and "this address" in details, details
+            assert not h2.closed and not h2.answered, state()  # the held ones still held
+            served = await other.open(CHECK)
+            await other.send(served, whole, end=True)
+            assert await asyncio.wait_for(other.answered_or_ended(served), 60), state()
+            async with asyncio.timeout(120):
+                await h2.ended(sids)
+            assert not h2.answered, state()  # ended with a status, no answer
+            assert all(b"stream_idle_timeout_s" in h2.endings[sid] for sid in sids), state()
+            assert await check(ch) == (grpc.StatusCode.OK, "")
+    finally:
+        await other.close()
+        await h2.close()
+
+
+def test_health_checks_in_progress_are_capped_per_address(spawn_agent, etcd, start_router):
+    """Check, open to anyone, had no cap at all: any number of Checks whose message never
+    arrives whole, each holding up to max_message_bytes for stream_idle_timeout_s. Now
+    max_health_checks_per_peer (CAP here) per address, on an agent and on a router; no
+    cap on the whole port, so one address cannot crowd out the kubelet's probes."""
+    caps = {"max_health_checks_per_peer": CAP, "stream_idle_timeout_s": IDLE_S}
+    agent = spawn_agent(**caps)
+    asyncio.run(_checks_held_are_capped_per_address(agent.address, lambda: agent.log))
+    router = start_router(config=caps)
+    asyncio.run(_checks_held_are_capped_per_address(router.address, lambda: router.log))

@@ -148,6 +148,11 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         ("max_message_bytes", "512KiB", r"max_message_bytes \(524288\) must be at least 589824"),
         ("max_concurrent_rpcs", -1, r"max_concurrent_rpcs must be >= 0 \(0: no cap\), got -1"),
         ("max_concurrent_rpcs", "lots", "max_concurrent_rpcs"),
+        (
+            "max_health_checks_per_peer",
+            -2,
+            r"max_health_checks_per_peer must be >= 0 \(0: no cap\), got -2",
+        ),
         ("expire_interval_s", "soon", "expire_interval_s"),
         ("expire_interval_s", 0, "expire_interval_s"),
         ("lease_ttl_s", -1, "lease_ttl_s"),
