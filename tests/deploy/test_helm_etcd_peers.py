@@ -172,6 +172,7 @@ class Member:
     peer: int = field(default_factory=free_port)
     metrics: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    client_tls: bool = True  # its client port serves TLS (as started last)
 
     @property
     def endpoint(self) -> str:
@@ -202,7 +203,8 @@ class Members:
         ports moved to 127.0.0.1 and its mounts to this test's files."""
         sts = one(docs, "StatefulSet", "-etcd")
         container = sts["spec"]["template"]["spec"]["containers"][0]
-        mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "tls")
+        mounts = container["volumeMounts"]
+        mount = next((m["mountPath"] for m in mounts if m["name"] == "tls"), None)
         me = self.members[i]
         out = [self.binary]
         for a in container["args"]:
@@ -214,7 +216,8 @@ class Members:
             a = a.replace("0.0.0.0:2379", f"127.0.0.1:{me.client}")
             a = a.replace("0.0.0.0:2380", f"127.0.0.1:{me.peer}")
             a = a.replace("0.0.0.0:2381", f"127.0.0.1:{me.metrics}")
-            a = a.replace(mount + "/", str(self.tls_dir) + "/")
+            if mount is not None:
+                a = a.replace(mount + "/", str(self.tls_dir) + "/")
             if a.startswith("--data-dir="):
                 a = f"--data-dir={self.tmp / me.name}"
             out.append(a)
@@ -223,8 +226,10 @@ class Members:
 
     def start(self, docs: list[dict], i: int) -> None:
         m = self.members[i]
+        argv = self.argv(docs, i)
+        m.client_tls = f"--listen-client-urls=https://127.0.0.1:{m.client}" in argv
         with open(self.tmp / f"{m.name}.log", "ab") as log:
-            m.proc = subprocess.Popen(self.argv(docs, i), stdout=log, stderr=subprocess.STDOUT)
+            m.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self, i: int) -> None:
         m = self.members[i]
@@ -255,7 +260,10 @@ class Members:
             for m in self.members:
                 if m.proc is not None and m.proc.poll() is not None:
                     raise AssertionError(f"{m.name} exited:\n{self.logs()}")
-            return all(etcd_healthy(m.endpoint, 2.0, self.client_tls) for m in self.members)
+            return all(
+                etcd_healthy(m.endpoint, 2.0, self.client_tls if m.client_tls else None)
+                for m in self.members
+            )
 
         try:
             wait_for(healthy, 60, what="every etcd member healthy")
@@ -263,11 +271,15 @@ class Members:
             raise AssertionError(f"{exc}\n{self.logs()}") from exc
 
     def v3(self, i: int, path: str, body: dict) -> dict:
-        """etcd's JSON gateway on member i's client port, as a client of the CA."""
-        ctx = ssl.create_default_context(cafile=self.client_tls.ca_file)
-        ctx.load_cert_chain(self.client_tls.cert_file, self.client_tls.key_file)
+        """etcd's JSON gateway on member i's client port, as a client of the CA (over
+        plain HTTP where that member serves no TLS)."""
+        m, ctx = self.members[i], None
+        if m.client_tls:
+            ctx = ssl.create_default_context(cafile=self.client_tls.ca_file)
+            ctx.load_cert_chain(self.client_tls.cert_file, self.client_tls.key_file)
+        scheme = "https" if ctx else "http"
         req = urllib.request.Request(
-            f"https://{self.members[i].endpoint}/v3/{path}", data=json.dumps(body).encode()
+            f"{scheme}://{m.endpoint}/v3/{path}", data=json.dumps(body).encode()
         )
         with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
             return json.loads(r.read())
@@ -356,6 +368,47 @@ def test_the_rendered_members_form_a_cluster_over_mutual_tls(helm, tmp_path, pki
         members.stop_all()
 
 
+def _move_peers(members: Members, after: list[dict], scheme: str) -> None:
+    """The README's steps: each member restarted from the highest ordinal as the
+    StatefulSet rolls (its args from `after`), then its new peer URL recorded from
+    another member (a single member records its own), and the cluster healthy again
+    with a write through the restarted member before the next."""
+    n = len(members.members)
+    member_ids = {m["name"]: m["ID"] for m in members.v3(0, "cluster/member/list", {})["members"]}
+    for i in reversed(range(n)):  # the StatefulSet's rolling order
+        members.stop(i)
+        members.start(after, i)
+        other = next((j for j in range(n) if j != i), i)
+        new_url = f"{scheme}://127.0.0.1:{members.members[i].peer}"
+        update = {"ID": member_ids[members.members[i].name], "peerURLs": [new_url]}
+        # the member restarted may have been the leader: until another is elected the
+        # update times out, and the operator runs it again (the README says so)
+        wait_for(lambda o=other, u=update: members.try_v3(o, "cluster/member/update", u), 60)
+        members.wait_healthy()
+        members.put(i, f"/moved/{i}".encode(), b"yes")  # reaches the others (below)
+
+
+def _every_key_kept(members: Members, scheme: str) -> None:
+    n = len(members.members)
+    urls = members.peer_urls()
+    assert len(urls) == n and all(u[0].startswith(f"{scheme}://") for u in urls.values()), urls
+    for i in range(n):
+        for k in range(20):
+            assert members.get(i, f"/keys/{k}".encode()) == f"value {k}".encode()
+        for j in range(n):
+            assert wait_for(lambda i=i, j=j: members.get(i, f"/moved/{j}".encode()), 30)
+
+
+def _started_with_keys(members: Members, docs: list[dict], scheme: str) -> None:
+    n = len(members.members)
+    for i in range(n):
+        members.start(docs, i)
+    members.wait_healthy()
+    assert all(u[0].startswith(f"{scheme}://") for u in members.peer_urls().values())
+    for k in range(20):
+        members.put(k % n, f"/keys/{k}".encode(), f"value {k}".encode())
+
+
 @pytest.mark.parametrize("replicas", [3, 1])
 def test_the_readmes_steps_move_plaintext_peers_to_tls_keeping_every_key(
     helm,  # noqa: F811
@@ -372,37 +425,27 @@ def test_the_readmes_steps_move_plaintext_peers_to_tls_keeping_every_key(
     before = render(helm, VALUES, *TLS, sized, "tls.etcdPeers=plaintext")
     after = render(helm, VALUES, *TLS, sized, "tls.etcdPeers=tls")
     members = Members(before, tmp_path, pki)
-    n = len(members.members)
-    assert n == replicas
+    assert len(members.members) == replicas
     try:
-        for i in range(n):
-            members.start(before, i)
-        members.wait_healthy()
-        assert all(u[0].startswith("http://") for u in members.peer_urls().values())
-        for k in range(20):
-            members.put(k % n, f"/keys/{k}".encode(), f"value {k}".encode())
-        member_ids = {
-            m["name"]: m["ID"] for m in members.v3(0, "cluster/member/list", {})["members"]
-        }
-        for i in reversed(range(n)):  # the StatefulSet's rolling order
-            members.stop(i)
-            members.start(after, i)
-            other = next((j for j in range(n) if j != i), i)
-            new_url = f"https://127.0.0.1:{members.members[i].peer}"
-            update = {"ID": member_ids[members.members[i].name], "peerURLs": [new_url]}
-            # the member restarted may have been the leader: until another is elected
-            # the update times out, and the operator runs it again (the README says so)
-            wait_for(lambda o=other, u=update: members.try_v3(o, "cluster/member/update", u), 60)
-            members.wait_healthy()
-            # a write through the restarted member reaches the others
-            members.put(i, f"/moved/{i}".encode(), b"yes")
-        urls = members.peer_urls()
-        assert len(urls) == n and all(u[0].startswith("https://") for u in urls.values()), urls
-        for i in range(n):
-            for k in range(20):
-                assert members.get(i, f"/keys/{k}".encode()) == f"value {k}".encode()
-            for j in range(n):
-                assert wait_for(lambda i=i, j=j: members.get(i, f"/moved/{j}".encode()), 30)
+        _started_with_keys(members, before, "http")
+        _move_peers(members, after, "https")
+        _every_key_kept(members, "https")
         _peer_tls_refusals(members, pki)
+    finally:
+        members.stop_all()
+
+
+def test_the_steps_in_reverse_move_tls_peers_back_to_plaintext(helm, tmp_path, pki):  # noqa: F811
+    """Turning tls.etcd off over members that talk TLS (the chart asks for
+    tls.etcdPeers=plaintext too): the same steps, each member's http:// URL recorded as
+    it restarts without its certificates; every key is kept."""
+    before = render(helm, VALUES, *TLS)
+    after = render(helm, VALUES, *TLS, "tls.etcd=false", "tls.etcdPeers=plaintext")
+    members = Members(before, tmp_path, pki)
+    try:
+        _started_with_keys(members, before, "https")
+        _move_peers(members, after, "http")
+        _every_key_kept(members, "http")
+        assert all(not m.client_tls for m in members.members)
     finally:
         members.stop_all()
