@@ -4,8 +4,9 @@ plaintext. The members are run here for real: the rendered StatefulSet's argumen
 its names and ports moved to 127.0.0.1 and its Secret to a test CA, against the etcd
 binary the suite uses (3.4, from Debian; the chart's image is 3.5). An upgrade keeps
 members made with http:// peer URLs as they are (etcd keeps those URLs in its data: the
-flag alone changing would cut the members off from each other), and the chart README's
-steps move them to TLS with every key kept."""
+flag alone changing would cut the members off from each other); the chart README's steps
+(one member at a time, with the StatefulSet's partition) move them to TLS and back with
+every key kept, where a free rollout of every member loses etcd's quorum."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,10 +84,14 @@ def test_tls_releases_run_their_etcd_peers_on_mutual_tls(helm):  # noqa: F811
         assert "https://" not in cluster, sets
 
 
-def _upgrade_chart(tmp_path: Path, live: dict | None) -> Path:
+PVC_LOOKUP = '(lookup "v1" "PersistentVolumeClaim" .Release.Namespace (printf "data-%s-0" $name))'
+
+
+def _upgrade_chart(tmp_path: Path, live: dict | None, volume: bool = False) -> Path:
     """A copy of the chart whose lookup of the running etcd StatefulSet answers `live`
-    (None: there is none), with NOTES rendered into a ConfigMap of its own: `helm
-    template` reaches no cluster."""
+    (None: there is none) and that of its first member's data volume finds one when
+    `volume`, with NOTES rendered into a ConfigMap of its own: `helm template` reaches
+    no cluster."""
     chart = tmp_path / "kvstore"
     shutil.rmtree(chart, ignore_errors=True)
     shutil.copytree(CHART, chart)
@@ -93,7 +99,11 @@ def _upgrade_chart(tmp_path: Path, live: dict | None) -> Path:
     text = helpers.read_text()
     lookup = next(line for line in text.splitlines() if "lookup" in line and "StatefulSet" in line)
     literal = json.dumps(json.dumps(live or {}))
-    helpers.write_text(text.replace(lookup, "{{- $live = fromJson " + literal + " -}}"))
+    text = text.replace(lookup, "{{- $live := fromJson " + literal + " -}}")
+    assert text.count(PVC_LOOKUP) == 1
+    pvc = {"kind": "PersistentVolumeClaim"} if volume else {}
+    text = text.replace(PVC_LOOKUP, "(fromJson " + json.dumps(json.dumps(pvc)) + ")")
+    helpers.write_text(text)
     (chart / "templates" / "zz-notes.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
         'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
@@ -120,8 +130,14 @@ def _upgrade(helm, tmp_path: Path, live: dict | None, *sets: str) -> tuple[list[
     return etcd_args(out["etcd.yaml"]), out["zz-notes.yaml"][0]["data"]["notes"]
 
 
-def _upgrade_error(helm, tmp_path: Path, live: dict | None, *sets: str) -> str:  # noqa: F811
-    chart = _upgrade_chart(tmp_path, live)
+def _upgrade_error(
+    helm,  # noqa: F811
+    tmp_path: Path,
+    live: dict | None,
+    *sets: str,
+    volume: bool = False,
+) -> str:
+    chart = _upgrade_chart(tmp_path, live, volume)
     proc = run_helm(helm, "template", *_upgrade_argv(*sets), chart=chart)
     assert proc.returncode != 0, f"helm accepted {sets} over {live}"
     return proc.stderr
@@ -160,6 +176,16 @@ def test_an_upgrade_keeps_plaintext_peers_until_told(helm, tmp_path):  # noqa: F
     # an upgrade that finds no StatefulSet (etcd was external before): as an install
     args, _ = _upgrade(helm, tmp_path, None, *TLS)
     assert peer_scheme(args) == "https"
+    # a reinstall that kept the data volumes: what they recorded is unknown, so the
+    # chart asks instead of guessing (either guess could cut the members off)
+    err = _upgrade_error(helm, tmp_path, None, *TLS, volume=True)
+    assert "data volumes" in err and "Set tls.etcdPeers" in err, err
+    for said, scheme in (("plaintext", "http"), ("tls", "https")):
+        chart = _upgrade_chart(tmp_path, None, volume=True)
+        argv = _upgrade_argv(*TLS, f"tls.etcdPeers={said}")
+        proc = run_helm(helm, "template", *argv, "--show-only", "templates/etcd.yaml", chart=chart)
+        assert proc.returncode == 0, proc.stderr
+        assert peer_scheme(etcd_args([d for d in yaml.safe_load_all(proc.stdout) if d])) == scheme
 
 
 # ---- the rendered members, run ------------------------------------------------------
@@ -447,5 +473,54 @@ def test_the_steps_in_reverse_move_tls_peers_back_to_plaintext(helm, tmp_path, p
         _move_peers(members, after, "http")
         _every_key_kept(members, "http")
         assert all(not m.client_tls for m in members.members)
+    finally:
+        members.stop_all()
+
+
+def test_a_rollout_of_every_member_onto_tls_without_the_steps_loses_quorum(
+    helm,  # noqa: F811
+    tmp_path,
+    pki,
+):
+    """Why the README moves one member at a time with the StatefulSet's partition: a
+    member restarted with TLS-only peers still reaches the others (it dials their
+    recorded http:// URLs itself), so it is healthy again and a free rollout goes on;
+    once every member has restarted, no member takes the plaintext the records ask for
+    and none is healthy. The partition holds the rollout back (rendered here)."""
+    before = render(helm, VALUES, *TLS, "tls.etcdPeers=plaintext")
+    after = render(helm, VALUES, *TLS, "tls.etcdPeers=tls")
+    held = render(helm, VALUES, *TLS, "tls.etcdPeers=tls", "etcd.bundled.updatePartition=3")
+    sts = one(held, "StatefulSet", "-etcd")["spec"]
+    assert sts["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 3}}
+    assert one(after, "StatefulSet", "-etcd")["spec"]["updateStrategy"]["rollingUpdate"] == {
+        "partition": 0
+    }
+    members = Members(before, tmp_path, pki)
+    try:
+        _started_with_keys(members, before, "http")
+        for i in (2, 1):  # each comes back healthy: nothing would stop the rollout
+            members.stop(i)
+            members.start(after, i)
+            members.wait_healthy()
+        members.stop(0)
+        members.start(after, 0)
+        first = members.members[0]
+
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", first.client), timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(listening, 30, what="the last member to listen")
+        # the others came back healthy within seconds above; now none does, for 15 s
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            healthy = [
+                m.name for m in members.members if etcd_healthy(m.endpoint, 2.0, members.client_tls)
+            ]
+            assert not healthy, f"{healthy} healthy:\n{members.logs()}"
+            time.sleep(0.5)
     finally:
         members.stop_all()

@@ -145,13 +145,14 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 
 {{/* The peer scheme the running release's etcd members serve ("https" or "http", from
-     its StatefulSet's --listen-peer-urls), read at `helm upgrade`; "" on install, when
-     there is no such StatefulSet, and under `helm template` (which reaches no cluster). */}}
+     its StatefulSet's --listen-peer-urls), read at `helm upgrade`; "data" where there is
+     no StatefulSet but its first member's data volume is there (a reinstall that kept
+     the volumes: the peer URLs recorded in them are unknown); "" on install and under
+     `helm template`, which reaches no cluster (GitOps tools that render with it must
+     set tls.etcdPeers: values.yaml). */}}
 {{- define "kvstore.liveEtcdPeerScheme" -}}
-{{- $live := dict -}}
-{{- if .Release.IsUpgrade -}}
-{{- $live = lookup "apps/v1" "StatefulSet" .Release.Namespace (include "kvstore.etcdName" .) | default dict -}}
-{{- end -}}
+{{- $name := include "kvstore.etcdName" . -}}
+{{- $live := lookup "apps/v1" "StatefulSet" .Release.Namespace $name | default dict -}}
 {{- $args := list -}}
 {{- range (dig "spec" "template" "spec" "containers" list $live) -}}
 {{- $args = concat $args (.args | default list) -}}
@@ -160,6 +161,8 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 https
 {{- else if has "--listen-peer-urls=http://0.0.0.0:2380" $args -}}
 http
+{{- else if and (not $live) (lookup "v1" "PersistentVolumeClaim" .Release.Namespace (printf "data-%s-0" $name)) -}}
+data
 {{- end -}}
 {{- end -}}
 
@@ -186,6 +189,8 @@ https
 http
 {{- else if eq $live "http" -}}
 http
+{{- else if eq $live "data" -}}
+{{- fail (printf "the bundled etcd's data volumes (data-%s-*) are there without its StatefulSet: the peer URLs its members recorded in them are unknown to the chart, and the wrong scheme would cut them off from each other. Set tls.etcdPeers to what they were made with: plaintext for a release before peers used TLS or with tls.etcdPeers=plaintext, tls otherwise" (include "kvstore.etcdName" .)) -}}
 {{- else -}}
 https
 {{- end -}}
