@@ -216,6 +216,9 @@ _BYTES_PER_ID = 32
 MESSAGE_PAYLOAD_BYTES = 4 * MiB
 
 
+MIN_HEALTH_CHECKS_PER_PEER = 4
+
+
 def check_call_caps(cfg, *more: str) -> None:
     """The call caps an agent and a router share (and `more`): integers >= 0 (0: no cap);
     stream_idle_timeout_s > 0."""
@@ -231,6 +234,14 @@ def check_call_caps(cfg, *more: str) -> None:
             raise ValueError(f"{name} must be an integer, got {value!r}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0 (0: no cap), got {value}")
+    checks = cfg.max_health_checks_per_peer
+    if 0 < checks < MIN_HEALTH_CHECKS_PER_PEER:
+        raise ValueError(
+            f"max_health_checks_per_peer must be 0 (no cap) or at least "
+            f"{MIN_HEALTH_CHECKS_PER_PEER}: the kubelet's startup, liveness and readiness "
+            f"probes and an operator's check can be in progress at once from one address, "
+            f"got {checks}"
+        )
     idle = cfg.stream_idle_timeout_s
     if not (isinstance(idle, (int, float)) and math.isfinite(idle) and idle > 0):
         raise ValueError(f"stream_idle_timeout_s must be > 0, got {idle!r}")
@@ -306,9 +317,9 @@ class AgentConfig:
     max_health_watches_per_peer: int = 8
     # Health.Check calls in progress from one peer address (open to anyone; one whose
     # message arrives slowly holds up to max_message_bytes for up to
-    # stream_idle_timeout_s). Per address only, so that no caller crowds out the probes
-    # (the kubelet makes one call per probe at a time); the local lane is not counted.
-    # More are refused RESOURCE_EXHAUSTED. 0: no cap.
+    # stream_idle_timeout_s). Per address only, so that no caller elsewhere crowds out
+    # the probes (the kubelet makes one call per probe at a time). More are refused
+    # RESOURCE_EXHAUSTED. 0: no cap; else at least 4 (the probes may overlap).
     max_health_checks_per_peer: int = 16
     max_blocks_per_request: int = 8192
     expire_interval_s: float = 5.0

@@ -289,9 +289,6 @@ class ErrorEdge(grpc.aio.ServerInterceptor):
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
-# The local lane's peer (node_agent/local_lane.LaneContext): its callers are processes of
-# the host the socket's permissions let in, and its messages arrive whole.
-LANE_PEER = "unix:local-lane"
 
 
 class CallGate:
@@ -342,9 +339,11 @@ def check_gate(per_peer: int) -> CallGate:
     """Health.Check calls in progress from one peer address (its host), at most
     `per_peer` (max_health_checks_per_peer; 0: no cap). A Check is answered at once once
     its message has arrived, but one whose message arrives slowly holds up to
-    max_message_bytes for up to stream_idle_timeout_s; the kubelet's probes make at most
-    one call per probe at a time. The local lane is not counted."""
-    return CallGate(per_peer, "max_health_checks_per_peer", (LANE_PEER,), "this address")
+    max_message_bytes for up to stream_idle_timeout_s. The kubelet's probes make one call
+    per probe at a time, from the node's address (gRPC probes) or the pod's loopback
+    (the chart's exec probes with TLS): a caller sharing that address (a host-network
+    pod, a process of the node) shares the cap with them."""
+    return CallGate(per_peer, "max_health_checks_per_peer", (), "this address")
 
 
 class WatchGate:

@@ -1003,9 +1003,9 @@ def test_agents_cap_message_size_and_calls_per_tenant(helm, tmp_path):
     assert (cfg.max_calls_per_tenant, cfg.stream_idle_timeout_s) == (128, 30.0)
     assert (cfg.max_health_watches, cfg.max_health_watches_per_peer) == (64, 8)
     assert cfg.max_health_checks_per_peer == 16
-    docs = render(helm, "minimal-values.yaml", "agent.maxHealthChecksPerPeer=3")
+    docs = render(helm, "minimal-values.yaml", "agent.maxHealthChecksPerPeer=6")
     (tmp_path / "agent.yaml").write_text(one(docs, "ConfigMap", "-config")["data"]["agent.yaml"])
-    assert load_config(AgentConfig, str(tmp_path / "agent.yaml")).max_health_checks_per_peer == 3
+    assert load_config(AgentConfig, str(tmp_path / "agent.yaml")).max_health_checks_per_peer == 6
 
 
 def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
@@ -1020,9 +1020,9 @@ def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
                 "router.streamIdleTimeoutSeconds=4",
                 "router.maxHealthWatches=3",
                 "router.maxHealthWatchesPerPeer=1",
-                "router.maxHealthChecksPerPeer=2",
+                "router.maxHealthChecksPerPeer=5",
             ),
-            (7, 4.0, 3, 1, 2),
+            (7, 4.0, 3, 1, 5),
         ),
     ):
         cm = one(render(helm, "minimal-values.yaml", *sets), "ConfigMap", "-config")
@@ -1036,6 +1036,10 @@ def test_routers_cap_calls_per_tenant_and_health_watches(helm, tmp_path):
             cfg.max_health_checks_per_peer,
         )
         assert got == want, sets
+    # below 4 the kubelet's overlapping probes could be refused: the schema says so
+    for key in ("router", "agent"):
+        err = render_error(helm, "minimal-values.yaml", f"{key}.maxHealthChecksPerPeer=2")
+        assert f"{key}.maxHealthChecksPerPeer" in err, err
 
 
 @pytest.mark.parametrize(("slot_kib", "mib"), [(8128, 8), (8192, 9), (16384, 17)])

@@ -153,6 +153,11 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
             -2,
             r"max_health_checks_per_peer must be >= 0 \(0: no cap\), got -2",
         ),
+        (
+            "max_health_checks_per_peer",
+            3,
+            r"max_health_checks_per_peer must be 0 \(no cap\) or at least 4: .* got 3",
+        ),
         ("expire_interval_s", "soon", "expire_interval_s"),
         ("expire_interval_s", 0, "expire_interval_s"),
         ("lease_ttl_s", -1, "lease_ttl_s"),
