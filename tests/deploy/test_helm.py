@@ -154,6 +154,23 @@ def render_error(helm: str, values: str | None, *sets: str) -> str:
     return proc.stderr
 
 
+def chart_as_upgrade(tmp_path: Path, edit_helpers) -> Path:
+    """A copy of the chart for rendering what `helm upgrade` would over a running release:
+    `helm template` reaches no cluster, so `edit_helpers` (text -> text) replaces the
+    lookups in _helpers.tpl with what the test says the cluster holds, and NOTES (which
+    only install and upgrade render) is rendered into a ConfigMap `notes` of its own."""
+    chart = tmp_path / "kvstore"
+    shutil.rmtree(chart, ignore_errors=True)
+    shutil.copytree(CHART, chart)
+    helpers = chart / "templates" / "_helpers.tpl"
+    helpers.write_text(edit_helpers(helpers.read_text()))
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
+    )
+    return chart
+
+
 def of_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 

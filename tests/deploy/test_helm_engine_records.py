@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 
 import pytest
 import yaml
@@ -21,6 +20,7 @@ from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     CHART,
     FIELD_REFS,
     agent_containers,
+    chart_as_upgrade,
     helm,
     load_as_container,
     one,
@@ -160,17 +160,12 @@ def _upgrade(helm, tmp_path, live: str, *sets: str) -> tuple[str, str]:  # noqa:
     router.yaml is `live`: `helm template` reaches no cluster, so a copy of the chart has
     the lookup of the running ConfigMap replaced by `live` (and NOTES rendered into a
     ConfigMap of its own)."""
-    chart = tmp_path / "kvstore"
-    shutil.rmtree(chart, ignore_errors=True)
-    shutil.copytree(CHART, chart)
-    helpers = chart / "templates" / "_helpers.tpl"
-    text = helpers.read_text()
-    lookup = next(line for line in text.splitlines() if "lookup" in line and "router.yaml" in line)
-    helpers.write_text(text.replace(lookup, "{{- " + json.dumps(live) + " -}}"))
-    (chart / "templates" / "zz-notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
-        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
-    )
+
+    def answer(text: str) -> str:
+        lookup = next(ln for ln in text.splitlines() if "lookup" in ln and "router.yaml" in ln)
+        return text.replace(lookup, "{{- " + json.dumps(live) + " -}}")
+
+    chart = chart_as_upgrade(tmp_path, answer)
     args = ["--is-upgrade", "-f", str(CHART / "ci" / GATEWAY)]
     for s in sets:
         args += ["--set", s]

@@ -29,12 +29,13 @@ from kvstore.devprocs import etcd_healthy
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     CHART,
     NAMESPACE,
+    chart_as_upgrade,
     helm,
     one,
     render,
     run_helm,
 )
-from tests.support.common import free_port, wait_for
+from tests.support.common import _stop_proc, free_port, wait_for
 
 TLS = (
     "tls.enabled=true",
@@ -92,23 +93,16 @@ def _upgrade_chart(tmp_path: Path, live: dict | None, volume: bool = False) -> P
     (None: there is none) and that of its first member's data volume finds one when
     `volume`, with NOTES rendered into a ConfigMap of its own: `helm template` reaches
     no cluster."""
-    chart = tmp_path / "kvstore"
-    shutil.rmtree(chart, ignore_errors=True)
-    shutil.copytree(CHART, chart)
-    helpers = chart / "templates" / "_helpers.tpl"
-    text = helpers.read_text()
-    lookup = next(line for line in text.splitlines() if "lookup" in line and "StatefulSet" in line)
-    literal = json.dumps(json.dumps(live or {}))
-    text = text.replace(lookup, "{{- $live := fromJson " + literal + " -}}")
-    assert text.count(PVC_LOOKUP) == 1
-    pvc = {"kind": "PersistentVolumeClaim"} if volume else {}
-    text = text.replace(PVC_LOOKUP, "(fromJson " + json.dumps(json.dumps(pvc)) + ")")
-    helpers.write_text(text)
-    (chart / "templates" / "zz-notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
-        'data: {notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | quote }}}\n'
-    )
-    return chart
+
+    def answer(text: str) -> str:
+        lookup = next(ln for ln in text.splitlines() if "lookup" in ln and "StatefulSet" in ln)
+        literal = json.dumps(json.dumps(live or {}))
+        text = text.replace(lookup, "{{- $live := fromJson " + literal + " -}}")
+        assert text.count(PVC_LOOKUP) == 1
+        pvc = {"kind": "PersistentVolumeClaim"} if volume else {}
+        return text.replace(PVC_LOOKUP, "(fromJson " + json.dumps(json.dumps(pvc)) + ")")
+
+    return chart_as_upgrade(tmp_path, answer)
 
 
 def _upgrade_argv(*sets: str) -> list[str]:
@@ -259,13 +253,8 @@ class Members:
 
     def stop(self, i: int) -> None:
         m = self.members[i]
-        if m.proc is not None and m.proc.poll() is None:
-            m.proc.terminate()
-            try:
-                m.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                m.proc.kill()
-                m.proc.wait(5)
+        if m.proc is not None:
+            _stop_proc(m.proc, timeout=20)
         m.proc = None
 
     def stop_all(self) -> None:
