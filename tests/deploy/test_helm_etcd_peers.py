@@ -33,6 +33,7 @@ from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     helm,
     one,
     render,
+    render_error,
     run_helm,
 )
 from tests.support.common import _stop_proc, free_port, wait_for
@@ -152,6 +153,10 @@ def test_turning_tls_off_never_cuts_tls_peers_off_unannounced(helm, tmp_path):  
     # TLS between members asked for without TLS on etcd: refused with the reason
     err = _upgrade_error(helm, tmp_path, None, *TLS, "tls.etcd=false", "tls.etcdPeers=tls")
     assert "tls.etcdPeers is tls" in err and "tls.etcd true" in err, err
+    # and for an external etcd, whose members are not the chart's
+    for said in ("tls", "plaintext"):
+        err = render_error(helm, "external-etcd-values.yaml", *TLS, f"tls.etcdPeers={said}")
+        assert "applies to the bundled etcd's members only" in err, err
 
 
 def test_an_upgrade_keeps_plaintext_peers_until_told(helm, tmp_path):  # noqa: F811

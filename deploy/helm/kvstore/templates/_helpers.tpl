@@ -72,6 +72,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- if not .Values.etcd.external.endpoints -}}
 {{- fail "etcd.mode is external but etcd.external.endpoints is empty" -}}
 {{- end -}}
+{{- if .Values.tls.etcdPeers -}}
+{{- fail (printf "tls.etcdPeers (%s) applies to the bundled etcd's members only; with etcd.mode external, how its members talk to each other is that etcd's own configuration: leave tls.etcdPeers empty" .Values.tls.etcdPeers) -}}
+{{- end -}}
 {{- join "," .Values.etcd.external.endpoints -}}
 {{- else -}}
 {{- /* One name for every member: the headless Service resolves to all of their
