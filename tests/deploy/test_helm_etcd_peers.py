@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstore.devprocs import etcd_healthy
+from kvstore.devprocs import client_context, etcd_healthy
 
 from tests.deploy.test_helm import (  # noqa: F401 - helm is a fixture
     CHART,
@@ -113,10 +113,16 @@ def _upgrade_argv(*sets: str) -> list[str]:
     return argv
 
 
-def _upgrade(helm, tmp_path: Path, live: dict | None, *sets: str) -> tuple[list[str], str]:  # noqa: F811
+def _upgrade(
+    helm,  # noqa: F811
+    tmp_path: Path,
+    live: dict | None,
+    *sets: str,
+    volume: bool = False,
+) -> tuple[list[str], str]:
     """(etcd's args, NOTES) as `helm upgrade` renders them over a running release whose
-    etcd StatefulSet is `live` (None: there is none)."""
-    chart, argv = _upgrade_chart(tmp_path, live), _upgrade_argv(*sets)
+    etcd StatefulSet is `live` (None: there is none; `volume`: its data volume is there)."""
+    chart, argv = _upgrade_chart(tmp_path, live, volume), _upgrade_argv(*sets)
     out = {}
     for show in ("etcd.yaml", "zz-notes.yaml"):
         proc = run_helm(helm, "template", *argv, "--show-only", f"templates/{show}", chart=chart)
@@ -180,11 +186,8 @@ def test_an_upgrade_keeps_plaintext_peers_until_told(helm, tmp_path):  # noqa: F
     err = _upgrade_error(helm, tmp_path, None, *TLS, volume=True)
     assert "data volumes" in err and "Set tls.etcdPeers" in err, err
     for said, scheme in (("plaintext", "http"), ("tls", "https")):
-        chart = _upgrade_chart(tmp_path, None, volume=True)
-        argv = _upgrade_argv(*TLS, f"tls.etcdPeers={said}")
-        proc = run_helm(helm, "template", *argv, "--show-only", "templates/etcd.yaml", chart=chart)
-        assert proc.returncode == 0, proc.stderr
-        assert peer_scheme(etcd_args([d for d in yaml.safe_load_all(proc.stdout) if d])) == scheme
+        args, _ = _upgrade(helm, tmp_path, None, *TLS, f"tls.etcdPeers={said}", volume=True)
+        assert peer_scheme(args) == scheme
 
 
 # ---- the rendered members, run ------------------------------------------------------
@@ -197,7 +200,7 @@ class Member:
     peer: int = field(default_factory=free_port)
     metrics: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
-    client_tls: bool = True  # its client port serves TLS (as started last)
+    serves_tls: bool = True  # its client port serves TLS (as started last)
 
     @property
     def endpoint(self) -> str:
@@ -252,7 +255,7 @@ class Members:
     def start(self, docs: list[dict], i: int) -> None:
         m = self.members[i]
         argv = self.argv(docs, i)
-        m.client_tls = f"--listen-client-urls=https://127.0.0.1:{m.client}" in argv
+        m.serves_tls = f"--listen-client-urls=https://127.0.0.1:{m.client}" in argv
         with open(self.tmp / f"{m.name}.log", "ab") as log:
             m.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
@@ -273,17 +276,18 @@ class Members:
             if (self.tmp / f"{m.name}.log").exists()
         )
 
+    def healthy(self, m: Member) -> bool:
+        """m answers /health true (a leader, a quorum read) to a client of the CA."""
+        return etcd_healthy(m.endpoint, 2.0, self.client_tls if m.serves_tls else None)
+
     def wait_healthy(self) -> None:
-        """Every member answers /health true (a leader, a quorum read) to a client of the CA."""
+        """Every member healthy."""
 
         def healthy() -> bool:
             for m in self.members:
                 if m.proc is not None and m.proc.poll() is not None:
                     raise AssertionError(f"{m.name} exited:\n{self.logs()}")
-            return all(
-                etcd_healthy(m.endpoint, 2.0, self.client_tls if m.client_tls else None)
-                for m in self.members
-            )
+            return all(self.healthy(m) for m in self.members)
 
         try:
             wait_for(healthy, 60, what="every etcd member healthy")
@@ -293,10 +297,8 @@ class Members:
     def v3(self, i: int, path: str, body: dict) -> dict:
         """etcd's JSON gateway on member i's client port, as a client of the CA (over
         plain HTTP where that member serves no TLS)."""
-        m, ctx = self.members[i], None
-        if m.client_tls:
-            ctx = ssl.create_default_context(cafile=self.client_tls.ca_file)
-            ctx.load_cert_chain(self.client_tls.cert_file, self.client_tls.key_file)
+        m = self.members[i]
+        ctx = client_context(self.client_tls) if m.serves_tls else None
         scheme = "https" if ctx else "http"
         req = urllib.request.Request(
             f"{scheme}://{m.endpoint}/v3/{path}", data=json.dumps(body).encode()
@@ -466,7 +468,7 @@ def test_the_steps_in_reverse_move_tls_peers_back_to_plaintext(helm, tmp_path, p
         _started_with_keys(members, before, "https")
         _move_peers(members, after, "http")
         _every_key_kept(members, "http")
-        assert all(not m.client_tls for m in members.members)
+        assert all(not m.serves_tls for m in members.members)
     finally:
         members.stop_all()
 
@@ -511,9 +513,7 @@ def test_a_rollout_of_every_member_onto_tls_without_the_steps_loses_quorum(
         # the others came back healthy within seconds above; now none does, for 15 s
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            healthy = [
-                m.name for m in members.members if etcd_healthy(m.endpoint, 2.0, members.client_tls)
-            ]
+            healthy = [m.name for m in members.members if members.healthy(m)]
             assert not healthy, f"{healthy} healthy:\n{members.logs()}"
             time.sleep(0.5)
     finally:
