@@ -7,6 +7,7 @@ stopping them (SIGTERM, SIGCONT, SIGKILL after a grace period, with progress).""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import ssl
@@ -71,7 +72,67 @@ def started_for(state: Path) -> list[tuple[int, str]]:
     return found
 
 
+# free_port's ports: below Linux's ephemeral range (32768-60999 by default), from which the
+# kernel gives every outgoing connection its own port, so that none takes a port between
+# free_port() and its server's bind; and below the chaos cluster's (loadtest/chaos_cluster).
+FREE_PORTS = range(10000, 20000)
+
+
+def _share_of_free_ports() -> range:
+    """This process's share of FREE_PORTS: all of it, or under pytest-xdist
+    (PYTEST_XDIST_WORKER=gwN of PYTEST_XDIST_WORKER_COUNT) the worker's own slice, which
+    the processes it starts inherit with its environment."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return FREE_PORTS
+    n = max(int(count), 1)
+    share = len(FREE_PORTS) // n
+    lo = FREE_PORTS.start + (int(worker[2:]) % n) * share
+    return range(lo, lo + share)
+
+
+class _FreePorts:
+    """This process's share of FREE_PORTS, handed out in turn from a random start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._share: range | None = None
+        self._next = 0
+
+    def take(self) -> int | None:
+        with self._lock:
+            if self._share is None:
+                self._share = _share_of_free_ports()
+                self._next = random.randrange(len(self._share))
+            for _ in range(len(self._share)):
+                port = self._share[self._next]
+                self._next = (self._next + 1) % len(self._share)
+                if _bindable(port):
+                    return port
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:  # held, or a connection of it lingers (TIME_WAIT)
+            return False
+    return True
+
+
+_free_ports = _FreePorts()
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, for a server about to start: the
+    next bindable one of this process's share of FREE_PORTS, so that the process hands
+    none out twice within thousands, another test worker never, and no outgoing
+    connection takes it meanwhile. Where the whole share is held, the kernel's pick."""
+    port = _free_ports.take()
+    if port is not None:
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -21,7 +21,6 @@ import asyncio
 import hashlib
 import json
 import random
-import socket
 import time
 
 import msgpack
@@ -29,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kvstore.coord.engines import EngineRecord
+from kvstore.devprocs import free_port
 from router.engines import EngineBoard
 
 BS = 32
@@ -131,12 +131,6 @@ async def subscriber_rate(frames: list[bytes], per_batch: int, port: int) -> tup
     blocks = board.index.engine_blocks("bench-0")
     await feed.stop()
     return total / elapsed, blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -97,6 +97,7 @@ from loadtest import bench_agent
 from kvstore.client import KVClient
 from kvstore.client.convert import block_shape
 from kvstore.config import AgentConfig, load_config
+from kvstore.devprocs import free_port
 from kvstore.hashing import pack_ids
 from kvstore.namespace import Namespace
 from kvstore.tiers.pool import host_memory
@@ -110,12 +111,6 @@ SMALL_BLOCKS = 60  # a replay prompt's worth of 8 KiB blocks
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Agent(bench_agent.Agent):

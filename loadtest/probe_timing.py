@@ -33,7 +33,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kvstore.devprocs import free_port
 from kvstore.hashing import BlockId, hash_chain, pack_ids
 from kvstore.namespace import Namespace
 from kvstore.v1 import agent_pb2, agent_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
@@ -294,12 +294,6 @@ def measure(address: str, router_address: str, samples: int) -> dict[str, object
         "control_own_get": {**summary(times[("own", "cached")]), **control},
         "control_detects": float(control["mann_whitney_p"]) < threshold,  # type: ignore[arg-type]
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -774,7 +774,10 @@ def test_runs_of_adjacent_slots_and_fragmented_pools_on_either_side(
                 peer_ucx_address=f"127.0.0.1:{b_port}",
             )
             r = stub.Prefetch(req, timeout=60)
-            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), r
+            assert (r.present, r.fetched, r.transport, r.stopped) == (n, n, "ucx", ""), (
+                r,
+                ucx_lines(a, b),
+            )
             assert same_bytes(ca.get(na, ids), blocks)
             after = Counter(dict(ca.stats().counters))
             # The first prompt lands in the expired chain's slots (two apart): staged.

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,16 +15,11 @@ import time
 from pathlib import Path
 
 
+from kvstore.devprocs import free_port
 from kvstore.namespace import Namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def python_json(*args: str, timeout: float = 120) -> dict:
