@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
+from kvstore.devcluster.status import ETCD_TIMEOUT_S
 from kvstore.cli.control_run import seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 from kvstore.process import log_level
@@ -132,6 +133,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output", choices=("table", "json"), default="table", help="table (default) or json"
     )
+    p.add_argument(
+        "--etcd-timeout",
+        type=seconds,
+        default=ETCD_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for etcd's health and for its node listing, each (default "
+        f"{ETCD_TIMEOUT_S:g}); past them etcd counts as unreachable (exit 3)",
+    )
 
 
 def _up(args) -> int:
@@ -234,7 +243,7 @@ def _status(args) -> int:
 
     state = state_dir(args.state_dir)
     try:
-        report = status(state.value)
+        report = status(state.value, etcd_timeout=args.etcd_timeout)
     except ClusterError as exc:  # the same kind (its exit status), naming the source
         raise type(exc)(f"{exc} (state directory from {state.source})") from None
     print(json.dumps(report, indent=2) if args.output == "json" else render_status(report))

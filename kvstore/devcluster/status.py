@@ -13,29 +13,31 @@ from kvstore.devcluster.state import ClusterState, Proc
 from kvstore.devprocs import alive, etcd_healthy, grpc_healthy, http_ok, router_nodes
 
 
-# Seconds status waits for etcd's /health and for its node listing: kvctl's per-call
-# default (--etcd-timeout). At 1 s (health) and 2 s (listing) a healthy etcd on a busy
-# host could be reported unreachable; a dead one still answers at once (refused).
+# Seconds status waits for etcd's /health and for its node listing unless told otherwise
+# (kvctl cluster status --etcd-timeout): kvctl's per-call default. At 1 s (health) and 2 s
+# (listing) a healthy etcd on a busy host could be reported unreachable; a dead one still
+# answers at once (refused).
 ETCD_TIMEOUT_S = 3.0
 
 
-async def _registered(endpoint: str, tls: TLSConfig | None) -> set[str]:
+async def _registered(endpoint: str, tls: TLSConfig | None, timeout: float) -> set[str]:
     from kvstore.coord.etcd import EtcdClient
 
-    async with EtcdClient(endpoint, timeout=ETCD_TIMEOUT_S, tls=tls) as c:
+    async with EtcdClient(endpoint, timeout=timeout, tls=tls) as c:
         return {r.node_id for r in await c.list_nodes()}
 
 
-def status(state_dir: str | os.PathLike) -> dict:
+def status(state_dir: str | os.PathLike, etcd_timeout: float = ETCD_TIMEOUT_S) -> dict:
     """What runs, what answers, what the router knows. Raises nothing for dead parts:
-    the caller decides the exit status from the report."""
+    the caller decides the exit status from the report. `etcd_timeout`: seconds for
+    etcd's health, then as much for its node listing."""
     st = ClusterState.load(state_dir)
     tls = st.client_tls
-    etcd_ok = etcd_healthy(st.etcd_endpoint, ETCD_TIMEOUT_S, tls=tls)
+    etcd_ok = etcd_healthy(st.etcd_endpoint, etcd_timeout, tls=tls)
     registered: set[str] = set()
     if etcd_ok:
         try:
-            registered = asyncio.run(_registered(st.etcd_endpoint, tls))
+            registered = asyncio.run(_registered(st.etcd_endpoint, tls, etcd_timeout))
         except Exception:  # noqa: BLE001 - status reports, it does not fail
             etcd_ok = False
     indexed: dict[str, tuple[int, bool]] = {}

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -413,6 +414,7 @@ def test_local_cluster_up_demo_status_down(local_cluster):
     assert "agent-0" in table.stdout and "blocks indexed" in table.stdout
 
     etcd_pid = next(p.pid for p in st.procs if p.kind == "etcd")
+    _status_waits_as_long_as_told_for_a_frozen_etcd(local_cluster, etcd_pid)
     os.kill(etcd_pid, signal.SIGKILL)
     wait_for(lambda: not alive(etcd_pid, "etcd"), 10, what="etcd to die")
     assert kvctl("cluster", "status", "--state-dir", str(local_cluster)).returncode == 3
@@ -421,6 +423,32 @@ def test_local_cluster_up_demo_status_down(local_cluster):
     assert r.returncode == 0 and "agent-0" in r.stdout
     assert not any(alive(p.pid, p.kind) for p in st.procs)
     assert kvctl("cluster", "status", "--state-dir", str(local_cluster)).returncode == 1
+
+
+def _status_waits_as_long_as_told_for_a_frozen_etcd(state, etcd_pid: int) -> None:
+    """--etcd-timeout: a frozen etcd is unreachable (exit 3) once the wait is over; one
+    resumed before the wait is over (here after more than the default 3 s) is healthy."""
+    status = [sys.executable, "-m", "kvstore.cli", "cluster", "status", "--state-dir", str(state)]
+    bad = kvctl(*status[3:], "--etcd-timeout", "0")
+    assert bad.returncode == 2 and "--etcd-timeout" in bad.stderr, bad.stderr
+    os.kill(etcd_pid, signal.SIGSTOP)
+    try:
+        short = kvctl(*status[3:], "--etcd-timeout", "0.5", "--output", "json")
+        assert short.returncode == 3, short.stdout + short.stderr
+        etcd = next(c for c in json.loads(short.stdout)["components"] if c["kind"] == "etcd")
+        assert etcd["alive"] and not etcd["healthy"]
+        long = subprocess.Popen(
+            [*status, "--etcd-timeout", "60"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(8)  # its start-up (1-2 s) and more than the default wait
+    finally:
+        os.kill(etcd_pid, signal.SIGCONT)
+    out, err = long.communicate(timeout=120)
+    assert long.returncode == 0, out + err
 
 
 def _hit(cc: ClusterClient, ns, tokens):
