@@ -32,7 +32,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvstore.coord.admin import Quota
+from kvstore.coord.admin_records import Quota
 from kvstore.coord.follow import ControlFollower
 from kvstore.config import TLSConfig
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient

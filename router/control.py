@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 
-from kvstore.coord.admin import ROUTERS, router_member
+from kvstore.coord.admin_records import ROUTERS, router_member
 from kvstore.coord.follow import ControlFollower, LeasedKey
 from kvstore.coord.seen import SeenWriter
 from kvstore.coord.etcd import EtcdClient

@@ -25,7 +25,8 @@ from kvstore.cli.control_run import (
     table,
     unconfirmed,
 )
-from kvstore.coord.admin import ROUTER_MEMBER, ControlPlane, FlushReport, SwitchReport
+from kvstore.coord.admin import ControlPlane
+from kvstore.coord.admin_records import ROUTER_MEMBER, FlushReport, SwitchReport
 from kvstore.errors import clip
 
 MAX_REASON_CHARS = 1024  # the kill switch's reason: etcd and every audit listing hold it

@@ -17,7 +17,7 @@ from kvstore.cli import discover
 from kvstore.cli.discover import ETCD_ENV, STATE_ENV
 from kvstore.cli.views import SEEN_WINDOW_S
 from kvstore.config import TLSConfig, read_token_file, tls_fields
-from kvstore.coord.admin import AckProgress
+from kvstore.coord.admin_records import AckProgress
 from kvstore.coord.etcd import EtcdClient
 from kvstore.errors import StartupError, clip
 from kvstore.namespace import tenant_name_problem

@@ -20,7 +20,8 @@ from kvstore.cli.control_run import (
     table,
     tenant_arg,
 )
-from kvstore.coord.admin import ControlPlane, Quota
+from kvstore.coord.admin import ControlPlane
+from kvstore.coord.admin_records import Quota
 from kvstore.errors import clip
 from kvstore.units import format_size, parse_size
 

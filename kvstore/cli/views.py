@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.coord.admin import ROUTERS, Quota
+from kvstore.coord.admin_records import ROUTERS, Quota
 from kvstore.coord.etcd import (
     KILLSWITCH,
     NAMESPACES,

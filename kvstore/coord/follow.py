@@ -26,7 +26,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from kvstore.coord.admin import (
+from kvstore.coord.admin import put_many
+from kvstore.coord.admin_records import (
     SWITCH_ACKS,
     Ack,
     NameAck,
@@ -34,7 +35,6 @@ from kvstore.coord.admin import (
     SwitchAck,
     ack_key,
     name_ack_key,
-    put_many,
 )
 from kvstore.coord.etcd import (
     FLUSHES,

@@ -26,7 +26,8 @@ from support.control import (
     with_fake_member,
 )
 
-from kvstore.coord.admin import ROUTERS, ControlPlane
+from kvstore.coord.admin import ControlPlane
+from kvstore.coord.admin_records import ROUTERS
 from kvstore.coord.etcd import EtcdClient, NodeRecord
 from kvstore import errors
 from kvstore.hashing import pack_ids

@@ -28,7 +28,7 @@ from support.control import AgentClient, agent_cfg, chain, kvctl, kvctl_json
 from support.metrics import scrape, val
 from support.tcp_count import CountingRelay
 
-from kvstore.coord.admin import ROUTERS
+from kvstore.coord.admin_records import ROUTERS
 from kvstore.coord.etcd import EtcdClient
 from kvstore.coord.seen import seen_key
 from kvstore.hashing import pack_ids
