@@ -8,7 +8,7 @@ import sys
 
 from kvstore.devcluster import ClusterError, EtcdUnreachable, NodeUnreachable, UpOptions
 from kvstore.devcluster.status import ETCD_TIMEOUT_S
-from kvstore.cli.control_run import seconds
+from kvstore.cli.control_run import nonempty, seconds
 from kvstore.cli.discover import DEFAULT_STATE, STATE_ENV, state_dir
 from kvstore.process import log_level
 from kvstore.process import seconds as process_seconds
@@ -53,7 +53,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM CPU engines (tiny local model, our connector, .venv-vllm) behind the "
         "router's OpenAI gateway, on the agents in turn (default 0: none, no gateway)",
     )
-    p.add_argument("--state-dir", help=state_help)
+    p.add_argument("--state-dir", type=nonempty, help=state_help)
     p.add_argument("--pool-bytes", default="256MiB", help="device pool per agent (256MiB)")
     p.add_argument(
         "--slot-bytes", default="64KiB", help="largest block payload an agent accepts (64KiB)"
@@ -106,7 +106,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "Exit status: 0 stopped (killed ones included), 1 a process still there after "
         "SIGKILL (uninterruptible I/O), 2 a state directory that cannot be used.",
     )
-    p.add_argument("--state-dir", help=state_help)
+    p.add_argument("--state-dir", type=nonempty, help=state_help)
     p.add_argument(
         "--grace",
         type=process_seconds(0, 3600),
@@ -129,7 +129,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "up still starting), 2 a state directory or cluster.json that cannot be "
         "used (not a directory, unreadable, corrupt, an entry of an unknown kind).",
     )
-    p.add_argument("--state-dir", help=state_help)
+    p.add_argument("--state-dir", type=nonempty, help=state_help)
     p.add_argument(
         "--output", choices=("table", "json"), default="table", help="table (default) or json"
     )

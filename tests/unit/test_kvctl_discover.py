@@ -78,6 +78,10 @@ def test_search_stops_at_the_repository_root(tmp_path):
         (["status", "--etcd", ""], "argument --etcd: is empty"),
         (["status", "--etcd", " "], "argument --etcd: is empty"),
         (["status", "--state-dir", ""], "argument --state-dir: is empty"),
+        # `cluster down --state-dir "$UNSET"` stopped the cluster of a parent directory
+        (["cluster", "down", "--state-dir", ""], "argument --state-dir: is empty"),
+        (["cluster", "status", "--state-dir", " "], "argument --state-dir: is empty"),
+        (["cluster", "up", "--state-dir", ""], "argument --state-dir: is empty"),
         (["audit", "--limit", "-3"], "argument --limit: must be 0 or more"),  # was exit 0
     ],
 )
