@@ -123,6 +123,12 @@ class Namespace:
             raise InvalidArgument(
                 "namespace is missing required fields (empty or zero): " + ", ".join(missing)
             )
+        # Names reach operators' terminals (kvctl namespaces, logs): no escape sequences.
+        if unprintable := [f for f in _STR_FIELDS if not getattr(self, f).isprintable()]:
+            raise InvalidArgument(
+                f"namespace {', '.join(unprintable)} must not contain control characters "
+                "(newline, tab, escape sequences)"
+            )
         if "/" in self.tenant or "/" in self.name:
             raise InvalidArgument("namespace tenant and name must not contain '/'")
         if problem := tenant_name_problem(self.tenant):

@@ -22,6 +22,7 @@ from kvstore.cli.control_run import (
     progress_printer,
     run,
     seconds,
+    shown,
     table,
     unconfirmed,
 )
@@ -191,7 +192,7 @@ async def _killswitch_status(cp: ControlPlane, args) -> int:
         print_json({"enabled": on, **({"info": info} if info else {})})
     else:
         extra = f" (reason: {info.get('reason') or '-'}, by {info.get('by', '?')})" if on else ""
-        print(f"kill switch: {'ON' if on else 'off'}{extra}")
+        print(f"kill switch: {'ON' if on else 'off'}{shown(extra)}")
     return OK
 
 
@@ -204,6 +205,11 @@ def _check_reason(args) -> None:
         raise Usage(
             f"--reason is {len(args.reason)} characters; at most {MAX_REASON_CHARS} "
             "(it is stored with the switch and in the audit log)"
+        )
+    if not args.reason.isprintable():
+        raise Usage(
+            f"--reason {clip(args.reason)} has control characters (newline, tab, escape "
+            "sequences): give it on one line of plain text"
         )
     if on and not args.reason.strip():
         raise Usage(

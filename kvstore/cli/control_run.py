@@ -193,8 +193,21 @@ def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
+def shown(text: object) -> str:
+    """`text` for the operator's terminal: every character that does not print (ESC, CR,
+    newline, other control characters) as its escape (\\x1b, \\r, \\n), so that what etcd or
+    an agent holds (a reason, an operator's login name) cannot move the cursor, recolour
+    or rewrite what the terminal shows."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in s)
+
+
 def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    """Columns padded to their widest cell; every cell shown() (None as "-")."""
+    cells = [[shown(c) for c in headers]]
+    cells += [["-" if c is None else shown(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 

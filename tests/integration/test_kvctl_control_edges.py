@@ -200,6 +200,8 @@ def test_usage_messages_are_specific_and_short(etcd, spawn_agent, tmp_path):
         (("killswitch", "off", "--reason", "why"), "--reason goes with `killswitch on` only"),
         (("killswitch", "status", "--reason", "why"), "--reason goes with `killswitch on`"),
         (("killswitch", "on", "--reason", "x" * 5000), "--reason is 5000 characters"),
+        (("killswitch", "on", "--reason", "INC\x1b[2J"), "--reason 'INC\\x1b[2J' has control"),
+        (("killswitch", "on", "--reason", "two\nlines"), "has control characters"),
         (("quota", "set", "a" * 300, "--hbm", "1GiB"), "longer than 256 characters"),
         (("stats", "--tenant", ""), "tenant name '' is empty"),
     ):
@@ -236,3 +238,18 @@ def test_usage_messages_are_specific_and_short(etcd, spawn_agent, tmp_path):
     empty.write_text("")
     r = kvctl("analyze", str(empty))
     assert r.returncode == 1 and "the trace holds no requests" in r.stderr, r.stderr
+
+
+def test_what_etcd_holds_reaches_the_terminal_escaped(etcd):
+    """An operator's login name (KVSTORE_OPERATOR, else LOGNAME) is stored as it is: with
+    an escape sequence in it, `audit` and `killswitch status` printed it raw, and the
+    terminal obeyed it. Every table cell and the switch's line show such characters
+    escaped; the JSON output keeps the value as stored."""
+    who = "mallory\x1b[2J\x1b[31m"
+    r = kvctl("killswitch", "on", "--reason", "INC-7", etcd=etcd, KVSTORE_OPERATOR=who)
+    assert r.returncode == 0, r.stderr
+    for argv in (("audit",), ("killswitch", "status")):
+        out = kvctl(*argv, etcd=etcd).stdout
+        assert "\x1b" not in out and "mallory\\x1b[2J\\x1b[31m" in out, (argv, out)
+    assert kvctl_json("killswitch", "status", etcd=etcd)["info"]["by"].startswith(who)
+    assert kvctl("killswitch", "off", etcd=etcd).returncode == 0

@@ -117,6 +117,19 @@ def test_empty_string_field_is_refused_by_name(field, bad):
         ns(**{field: bad})
 
 
+@pytest.mark.parametrize("field", STR_FIELDS)
+@pytest.mark.parametrize("bad", ["evil\x1b[31mRED\x1b[0m", "two\nlines", "a\tb", "cr\rx"])
+def test_control_characters_in_a_string_field_are_refused_by_name(field, bad):
+    """Names reach the operator's terminal (kvctl namespaces): a tenant's escape
+    sequences must not recolour or rewrite it."""
+    with pytest.raises(InvalidArgument, match=rf"namespace {field} must not contain control"):
+        ns(**{field: bad})
+
+
+def test_spaces_and_non_ascii_letters_stay_allowed_in_names():
+    assert ns(name="chat v2 ünï", model_name="Llama 3 8B").name == "chat v2 ünï"
+
+
 @pytest.mark.parametrize("field", INT_FIELDS)
 @pytest.mark.parametrize("bad", [0, -1])
 def test_zero_int_field_is_refused_by_name(field, bad):
