@@ -4,6 +4,7 @@ from their etcd watch) and kvctl audit (the admin actions recorded in etcd)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -44,6 +45,15 @@ def cmd_quota(args) -> int:
                 file=sys.stderr,
             )
             return USAGE
+        if value is not None and _bare_number(value):
+            # `--hbm 5` meant 5 bytes: under one block, every block of the tenant evicted
+            print(
+                f"kvctl quota set: {flag} {clip(value)} has no unit; give one, e.g. "
+                f"{clip(value.strip(), bare=True)}GiB or {clip(value.strip(), bare=True)}GB "
+                "(0: no limit)",
+                file=sys.stderr,
+            )
+            return USAGE
 
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
@@ -77,6 +87,11 @@ def cmd_quota(args) -> int:
         return OK
 
     return run(args, body)
+
+
+def _bare_number(value: str) -> bool:
+    """A size with no unit other than 0 (which needs none): a number of bytes."""
+    return re.fullmatch(r"\s*[0-9]+(\.[0-9]*)?\s*", value) is not None and float(value) != 0
 
 
 async def _quota_set(cp: ControlPlane, etcd, args) -> dict[str, Quota] | None:
@@ -169,13 +184,13 @@ def register_quota(sub) -> None:
             q.add_argument(
                 "--hbm",
                 metavar="SIZE",
-                help="device pool bytes per node, e.g. 10GiB; 0 removes the limit "
-                "(unlimited, whatever the agents' config says)",
+                help="device pool bytes per node, with a unit (10GiB, 10GB; 5B for bytes); "
+                "0 removes the limit (unlimited, whatever the agents' config says)",
             )
             q.add_argument(
                 "--nvme",
                 metavar="SIZE",
-                help="NVMe bytes per node, e.g. 200GiB; 0 removes the limit",
+                help="NVMe bytes per node, with a unit (200GiB); 0 removes the limit",
             )
             q.add_argument(
                 "--strict",

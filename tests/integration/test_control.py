@@ -468,7 +468,7 @@ def test_quotas_isolate_tenants(etcd, spawn_agent):
         c.open(spec)
     quiet_ids = [c.put_chain(quiet, 100 + i, 4, 0) for i in range(5)]
     blk = SPEC.block_bytes
-    r = kvctl("quota", "set", "noisy", "--hbm", str(8 * blk), "--nvme", str(12 * blk), etcd=etcd)
+    r = kvctl("quota", "set", "noisy", "--hbm", f"{8 * blk}B", "--nvme", f"{12 * blk}B", etcd=etcd)
     assert r.returncode == 0, r.stderr
     wait_for(lambda: c.tenant("noisy").hbm_limit_bytes == 8 * blk, 10, what="quota applied")
     for i in range(12):  # 48 blocks through an 8-block quota
@@ -481,7 +481,7 @@ def test_quotas_isolate_tenants(etcd, spawn_agent):
     assert c.tenant("quiet").lookup_hit_blocks == c.tenant("quiet").lookup_blocks
 
     # lowered live below what it holds: evicted down at once, its own blocks only
-    assert kvctl("quota", "set", "noisy", "--hbm", str(2 * blk), etcd=etcd).returncode == 0
+    assert kvctl("quota", "set", "noisy", "--hbm", f"{2 * blk}B", etcd=etcd).returncode == 0
     wait_for(lambda: c.tenant("noisy").hbm_bytes <= 2 * blk, 10, what="noisy shrunk")
     assert c.tenant("noisy").nvme_limit_bytes == 12 * blk, "--nvme kept its value"
     # admission that cannot fit: RESOURCE_EXHAUSTED, and only for that tenant

@@ -194,6 +194,8 @@ def test_usage_messages_are_specific_and_short(etcd, spawn_agent, tmp_path):
     for argv, says in (
         (("quota", "set", "acme", "--hbm", "-5GiB"), "--hbm cannot be negative, got '-5GiB'"),
         (("quota", "set", "acme", "--nvme=-1"), "--nvme cannot be negative"),
+        # 5 bytes, under one block: every block of the tenant evicted at once
+        (("quota", "set", "acme", "--hbm", "5"), "--hbm '5' has no unit; give one, e.g. 5GiB"),
         (("status", "--seen-window", "-1h"), "--seen-window: must be more than 0, got '-1h'"),
         (("plan", "--hbm", "-40GiB"), "--hbm: a size cannot be negative, got '-40GiB'"),
         (("audit", "--limit", "-3"), "--limit: must be 0 or more, got -3"),
