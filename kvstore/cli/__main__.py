@@ -2,7 +2,8 @@
 
 Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, 4 node unreachable,
 5 a flush or kill switch change not acknowledged in time (or interrupted once committed),
-130 interrupted (Ctrl-C) before anything was written.
+130 interrupted (Ctrl-C) before anything was written, 141 the reader of its output went
+away (`| head`), as a shell reports a command killed by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 
 from kvstore.cli.analyze import add_analyze_arguments, analyze_command
@@ -24,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Operator CLI for kvstore, the distributed KV-cache store.",
         epilog="Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, "
         "4 node unreachable, 5 not acknowledged in time (or Ctrl-C once committed), "
-        "130 Ctrl-C before anything was written. 'kvctl COMMAND --help' "
+        "130 Ctrl-C before anything was written, 141 its output's reader went away "
+        "(| head). 'kvctl COMMAND --help' "
         "describes each command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -79,14 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at interpreter exit, where a failure is a traceback
         return rc
     except BrokenPipeError:
-        # The reader went away (`kvctl status | head -5`): stop quietly, like other CLIs.
+        # The reader went away (`kvctl status | head -5`): stop quietly, like other CLIs,
+        # with the status they exit with then (killed by SIGPIPE), not failure's 1.
         # stdout goes to /dev/null so the interpreter's flush at exit does not fail again.
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         except (OSError, ValueError):  # no real stdout (in-process callers)
             pass
-        return 1
+        return 128 + signal.SIGPIPE  # 141, what a shell reports for `yes | head -1`
 
 
 if __name__ == "__main__":

@@ -154,9 +154,9 @@ def run(args, body) -> int:
         return USAGE
     except errors.Unavailable as exc:
         print(
-            f"kvctl {args.kvctl_command}: {exc}\n  (etcd from {target.source}; is etcd "
-            f"running? pass --etcd HOST:PORT, --state-dir, or set ${ETCD_ENV}; no change "
-            "was made unless stated above)",
+            f"kvctl {args.kvctl_command}: {exc}\n  (etcd from {target.source}; "
+            f"{_etcd_hint(str(exc), getattr(args, 'tls', None))}; no change was made unless "
+            "stated above)",
             file=sys.stderr,
         )
         return ETCD_DOWN
@@ -165,6 +165,22 @@ def run(args, body) -> int:
         return FAILED
     except (KeyboardInterrupt, asyncio.CancelledError):
         return _interrupted(args)
+
+
+def _etcd_hint(error: str, tls: TLSConfig | None) -> str:
+    """What to check when etcd could not be reached, from how the connection failed."""
+    if "handshake" in error.lower():
+        return (
+            "the TLS handshake failed: --tls-ca must be the CA that signed etcd's "
+            "certificate, and --tls-cert/--tls-key a client pair that etcd's CA signed"
+        )
+    if tls is None and "Socket closed" in error:
+        return (
+            "it closed the connection at once, as an etcd that serves TLS does to a "
+            "plaintext client: pass --tls-ca, --tls-cert and --tls-key (a local cluster's "
+            "are under <state dir>/tls, found with --state-dir)"
+        )
+    return f"is etcd running? pass --etcd HOST:PORT, --state-dir, or set ${ETCD_ENV}"
 
 
 def _interrupted(args) -> int:

@@ -219,6 +219,35 @@ def test_kvctl_cluster_up_tls_then_a_bare_status(tmp_path):
         _kvctl(work, "cluster", "down", "--state-dir", str(state), "--grace", "5")
 
 
+def test_kvctl_to_a_tls_etcd_says_what_to_check(tmp_path, tls_etcd, pki):
+    """kvctl without the client pair got "Socket closed ... is etcd running?", and with a
+    CA that did not sign etcd's certificate also a line of gRPC's own log first."""
+    env = {k: v for k, v in os.environ.items() if k not in (ETCD_ENV, "GRPC_VERBOSITY")}
+    env["PYTHONPATH"] = str(ROOT)
+    at = ["--etcd", tls_etcd.endpoint]
+
+    def kvctl(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PY, "-m", "kvstore.cli", "status", *at, *flags],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    plain = kvctl()
+    assert plain.returncode == 3, plain.stderr
+    assert "pass --tls-ca, --tls-cert and --tls-key" in plain.stderr, plain.stderr
+    own_ca = ["--tls-ca", pki.stranger_own_ca]  # not the CA that signed etcd's certificate
+    wrong = kvctl(*own_ca, "--tls-cert", pki.stranger.cert_file, "--tls-key", pki.stranger.key_file)
+    assert wrong.returncode == 3, wrong.stderr
+    assert "the TLS handshake failed: --tls-ca must be the CA" in wrong.stderr, wrong.stderr
+    assert wrong.stderr.startswith("kvctl status: etcd unreachable"), wrong.stderr  # no log line
+    right = ["--tls-ca", pki.client.ca_file, "--tls-cert", pki.client.cert_file]
+    assert kvctl(*right, "--tls-key", pki.client.key_file).returncode == 0
+
+
 def test_unreadable_tls_files_are_a_configuration_error_not_a_traceback(tmp_path, pki):
     cfg = tmp_path / "agent.json"
     missing = str(tmp_path / "missing.crt")
