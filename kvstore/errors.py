@@ -75,3 +75,14 @@ def clip(text: str, n: int = 80, bare: bool = False) -> str:
     shown = text if len(text) <= n else text[:n]
     quoted = shown if bare and text.isprintable() and text == text.strip() else repr(shown)
     return quoted if len(text) <= n else f"{quoted}… ({len(text)} chars)"
+
+
+def shown(text: object) -> str:
+    """`text` for the operator's terminal: every character that does not print (ESC, CR,
+    newline, other control characters) as its escape (\\x1b, \\r, \\n), so that what etcd or
+    an agent holds (a reason, an operator's login name) cannot move the cursor, recolour
+    or rewrite what the terminal shows."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in s)

@@ -22,13 +22,12 @@ from kvstore.cli.control_run import (
     progress_printer,
     run,
     seconds,
-    shown,
     table,
     unconfirmed,
 )
 from kvstore.coord.admin import ControlPlane
 from kvstore.coord.admin_records import ROUTER_MEMBER, FlushReport, SwitchReport
-from kvstore.errors import clip
+from kvstore.errors import clip, shown
 
 MAX_REASON_CHARS = 1024  # the kill switch's reason: etcd and every audit listing hold it
 

@@ -19,7 +19,7 @@ from kvstore.cli.views import SEEN_WINDOW_S
 from kvstore.config import TLSConfig, read_token_file, tls_fields
 from kvstore.coord.admin_records import AckProgress
 from kvstore.coord.etcd import EtcdClient
-from kvstore.errors import StartupError, clip
+from kvstore.errors import StartupError, clip, shown
 from kvstore.namespace import tenant_name_problem
 from kvstore.process import seconds as process_seconds
 from kvstore.tls import TLSFilesError, read_files
@@ -207,17 +207,6 @@ def _interrupted(args) -> int:
 
 def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
-
-
-def shown(text: object) -> str:
-    """`text` for the operator's terminal: every character that does not print (ESC, CR,
-    newline, other control characters) as its escape (\\x1b, \\r, \\n), so that what etcd or
-    an agent holds (a reason, an operator's login name) cannot move the cursor, recolour
-    or rewrite what the terminal shows."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in s)
 
 
 def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:

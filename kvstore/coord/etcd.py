@@ -429,6 +429,16 @@ class EtcdClient:
         except errors.NotFound:
             pass  # already expired
 
+    async def revoke_every_lease(self) -> int:
+        """Revoke every lease this etcd holds, and with them the keys attached (members'
+        records: nodes/, routers/, engines/); returns how many. Whole-etcd: only for an
+        etcd of one cluster's own, as `kvctl cluster up` keeps from its last run, whose
+        members' leases etcd restored (and extended) at its restart."""
+        resp = await self._call("lease list", self._lease.leases())
+        for lease in resp.leases:
+            await self.revoke(lease.ID)
+        return len(resp.leases)
+
     # ----------------------------------------------------------------------- watch
     async def watch(
         self, prefix: str, start_revision: int

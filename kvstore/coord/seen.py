@@ -86,6 +86,15 @@ async def forget(etcd: EtcdClient, member_id: str) -> list[str]:
     return gone
 
 
+async def forget_every_member(etcd: EtcdClient) -> int:
+    """Delete every seen record (a new set of members starts: `kvctl cluster up` on the
+    etcd of its last run); returns how many."""
+    _, items = await etcd.list(SEEN)
+    for kv in items:
+        await etcd.delete(kv.key)
+    return len(items)
+
+
 class SeenWriter:
     """Write seen/<kind>/<id> whenever `live` is set, then every `interval_s` while it
     stays set. Failures are retried quietly (etcd down: the data path keeps serving).

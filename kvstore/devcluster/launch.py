@@ -149,8 +149,11 @@ def start_etcd(state: Path, tls: TLSConfig | None) -> tuple[subprocess.Popen, st
     binary = shutil.which("etcd") or "/usr/bin/etcd"
     if not os.access(binary, os.X_OK):
         raise ClusterError("etcd is not installed (apt-get install etcd-server)")
+    # Kept from the last run, as a production etcd is: namespaces and their generations
+    # (a flush made while an agent was down stays in force when it comes back with the
+    # old blocks on NVMe), quotas, the kill switch, the audit log. up forgets the last
+    # run's members (forget_last_run).
     data = state / "etcd"
-    shutil.rmtree(data, ignore_errors=True)  # coordination state is fresh on every up
     cport, pport = free_port(), free_port()
     scheme = "https" if tls is not None else "http"
     cu, pu = f"{scheme}://127.0.0.1:{cport}", f"{scheme}://127.0.0.1:{pport}"

@@ -3,6 +3,7 @@ answers and the router follows every agent, and record the cluster in cluster.js
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -38,6 +39,7 @@ from kvstore.devcluster.state import (
 )
 from kvstore.devengines import write_model
 from kvstore.devprocs import Watched, alive, etcd_healthy, grpc_healthy, router_nodes
+from kvstore.errors import shown
 
 _DEFAULTS = UpOptions()
 
@@ -118,6 +120,8 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
         "etcd": f"its health check {scheme}://{endpoint}/health to say true"
     }, "etcd to become healthy", [etcd_w])  # fmt: skip
     say(f"etcd      {endpoint}")
+    for line in asyncio.run(forget_last_run(endpoint, client)):
+        say(line)
     m = _start_members(state, endpoint, opts, server_tls, started, etcd_w)
     addrs, raddr = _wait_members(m, wait, client)
     procs = [started[0]] + [
@@ -137,6 +141,29 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     st.save()
     _say_up(st, opts, say, t0)
     return st
+
+
+async def forget_last_run(endpoint: str, tls) -> list[str]:
+    """On the etcd this state directory kept from its last run: revoke its members'
+    leases (their records go with them: the same ids register again at once instead of
+    waiting out a dead process's lease) and their seen/ records (a member of the last
+    run that this one does not start is not "missing"). Returns what an operator should
+    know: a kill switch still on from the last run."""
+    from kvstore.coord.admin import ControlPlane
+    from kvstore.coord.etcd import EtcdClient
+    from kvstore.coord.seen import forget_every_member
+
+    async with EtcdClient(endpoint, timeout=10.0, tls=tls) as etcd:
+        await etcd.revoke_every_lease()
+        await forget_every_member(etcd)
+        on, info = await ControlPlane(etcd).killswitch()
+    if not on:
+        return []
+    return [
+        f"warning: the kill switch is ON since the last run (reason: "
+        f"{shown(info.get('reason') or '-')}, by {shown(info.get('by', '?'))}): nothing is "
+        "cached or served until `kvctl killswitch off`"
+    ]
 
 
 @dataclass(frozen=True, slots=True)
