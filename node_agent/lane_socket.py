@@ -12,10 +12,15 @@ import shutil
 import socket
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_FDS = 2  # descriptors accepted with one message; more are cut off by the kernel
+# Descriptors a connection holds at once (for the frame being read): RegisterShm takes one.
+# Past it, each one that arrives is closed at once: 1-byte messages carrying 2 each
+# otherwise piled up, unauthenticated, until the agent ran out of descriptors.
+MAX_HELD_FDS = 2
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
@@ -78,11 +83,13 @@ class FrameReader:
     """Reads exactly n bytes at a time from a non-blocking socket, collecting any file
     descriptors that arrive with them (the caller takes or closes them)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, dropped: Callable[[int], None] | None = None) -> None:
+        """`dropped(n)`: told of descriptors closed on arrival (past MAX_HELD_FDS)."""
         self._sock = sock
         self._loop = asyncio.get_running_loop()
+        self._dropped = dropped
         self.fds: list[int] = []
-        self.truncated = False  # the sender attached more descriptors than MAX_FDS
+        self.truncated = False  # the sender attached more descriptors than this frame keeps
 
     async def read(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -101,13 +108,21 @@ class FrameReader:
         return buf
 
     def _keep(self, anc: list, flags: int) -> None:
+        """Keep what arrived, up to MAX_HELD_FDS; close the rest (and say so: truncated)."""
         if flags & socket.MSG_CTRUNC:
             self.truncated = True
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-                self.fds.extend(fds)
+                kept = max(0, min(len(fds), MAX_HELD_FDS - len(self.fds)))
+                self.fds.extend(fds[:kept])
+                for fd in fds[kept:]:
+                    os.close(fd)
+                if kept < len(fds):
+                    self.truncated = True
+                    if self._dropped is not None:
+                        self._dropped(len(fds) - kept)
 
     async def _readable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()

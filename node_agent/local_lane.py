@@ -111,6 +111,8 @@ class LaneCounters:
     refused_peer: int = 0  # peer credentials not allowed
     refused_frames: int = 0  # oversized or unauthenticated frames (connection closed)
     idle_closed: int = 0  # closed for idling or a frame that stalled
+    fds_closed: int = 0  # descriptors past MAX_HELD_FDS, closed as they arrived
+    accept_failed: int = 0  # accepts that failed (out of descriptors), retried
 
     def as_stats(self) -> dict[str, int]:
         return {
@@ -122,6 +124,8 @@ class LaneCounters:
             "local_lane_refused_peer": self.refused_peer,
             "local_lane_refused_frames": self.refused_frames,
             "local_lane_idle_closed": self.idle_closed,
+            "local_lane_fds_closed": self.fds_closed,
+            "local_lane_accept_failed": self.accept_failed,
         }
 
 
@@ -208,7 +212,17 @@ class LocalLane:
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
         while self._listener is not None:
-            sock, _ = await loop.sock_accept(self._listener)
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or the
+                # caller gone before its accept (ECONNABORTED): this loop is the lane's
+                # only way in, so it waits and goes on (as asyncio's own servers do)
+                # rather than end, which left the lane dead until the agent restarted.
+                self.counters.accept_failed += 1
+                log.warning("local lane: accept failed (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+                continue
             sock.setblocking(False)
             task = asyncio.create_task(self._serve(sock))
             tasks.add(task)
@@ -256,9 +270,13 @@ class LocalLane:
             return None
         self.counters.connections += 1
         await loop.sock_sendall(sock, lane.response_frame(lane.OK, self.lane_id))
-        conn = _Conn(sock, FrameReader(sock), cred, task=asyncio.current_task())
+        reader = FrameReader(sock, dropped=self._fds_closed)
+        conn = _Conn(sock, reader, cred, task=asyncio.current_task())
         self._conns[conn] = None
         return conn
+
+    def _fds_closed(self, n: int) -> None:
+        self.counters.fds_closed += n
 
     def _shed_silent(self) -> bool:
         """Close the oldest connection that has sent no frame yet (its tenant unknown,

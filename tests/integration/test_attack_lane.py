@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import os
 import re
+import resource
 import socket
 import stat
 import time
@@ -309,3 +310,63 @@ def test_idle_and_stalled_connections_are_closed(spawn_agent):
         assert all(torch.equal(x, y) for x, y in zip(c.get(ns, ids), blocks))
         assert c.reregistrations == 0 and c.uses_local_lane
     assert lane_counters(agent)["local_lane_idle_closed"] == 3
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_descriptors_sent_along_are_not_held_past_two(spawn_agent):
+    """Before its token was checked, one connection sending a frame's metadata a byte at a
+    time with two descriptors on each byte made the agent hold every one of them: 20,000
+    in 1.6 s, its limit, and then neither gRPC nor the lane could accept a connection.
+    Now the agent holds two for the frame and closes the rest as they arrive."""
+    agent = secure_agent(spawn_agent)
+    path, pid = lane_path(agent), agent.proc.pid
+    before = open_fds(pid)
+    s, (greeting, _) = connect(path, timeout=60)
+    assert greeting == lane.OK
+    meta = lane.MAX_META_BYTES
+    s.sendall(lane.REQUEST_HEADER.pack(meta + 10, lane.LOOKUP, meta))
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for _ in range(2000):
+            socket.send_fds(s, [b"x"], [null, null])
+    finally:
+        os.close(null)
+
+    def settled() -> bool:  # every descriptor read (closed, or held: the old agent)
+        closed = lane_counters(agent).get("local_lane_fds_closed", 0)
+        return closed >= 2 * 2000 - 2 or open_fds(pid) > before + 2000
+
+    wait_for(settled, 30, what="the agent to read what was sent")
+    assert open_fds(pid) <= before + 4, (before, open_fds(pid))  # its socket, two held
+    s.close()
+    with KVClient(agent.address, token=TOKENS["beta"], tenant_secret="b") as c:
+        assert c.uses_local_lane  # another tenant still gets the lane
+
+
+def test_the_lane_accepts_again_once_the_agent_has_descriptors_again(spawn_agent):
+    """An accept that failed for want of descriptors (EMFILE) ended the lane's accept
+    loop, unlogged: the lane stayed dead until the agent restarted. Here the agent's own
+    limit is lowered to what it holds, a connection is refused by the kernel's accept,
+    then the limit is raised again: the lane greets the next one."""
+    agent = secure_agent(spawn_agent)
+    path, pid = lane_path(agent), agent.proc.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid), hard))
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(2)
+        s.connect(path)  # queued by the kernel; the agent's accept fails
+        # (no Stats meanwhile: the agent's gRPC port cannot accept either)
+        wait_for(lambda: "local lane: accept failed" in agent.log, 30, what="EMFILE")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    s.settimeout(30)
+    assert read_frame(s)[0] == lane.OK  # the same connection, accepted on the retry
+    s.close()
+    t, (greeting, _) = connect(path)
+    with t:
+        assert greeting == lane.OK
+    assert lane_counters(agent)["local_lane_accept_failed"] >= 1
