@@ -12,6 +12,18 @@ class PeerTransportError(errors.Unavailable):
     """The transfer broke (connection, timeout, protocol): another transport may work."""
 
 
+class PeerUnreachable(PeerTransportError):
+    """The connection to the peer failed or was not a kvstore peer's. Its message (for
+    the log) quotes what the network said; `public` (for the Prefetch's caller, who chose
+    the address) only which transport and address, and the status name: the network's
+    words told a tenant whether a port of any host was open, what served there, and
+    whether a name resolved."""
+
+    def __init__(self, message: str, public: str) -> None:
+        super().__init__(message)
+        self.public = public
+
+
 class PeerRefused(errors.KvError):
     """The peer answered but will not serve (unknown namespace, generation, access)."""
 

@@ -16,7 +16,7 @@ from kvstore.telemetry import trace_metadata
 from kvstore.tls import aio_channel
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from node_agent.interceptors import current_tenant
-from node_agent.peer.errors import PeerRefused, PeerTransportError, within
+from node_agent.peer.errors import PeerUnreachable, PeerRefused, PeerTransportError, within
 from node_agent.peer.prefetch import Prefetcher
 from node_agent.peer.serve import BlockSource, ServeRequest
 from node_agent.peer.sink import BatchSink
@@ -162,8 +162,10 @@ class GrpcTransport:
                     break
             await sink.drain()
         except grpc.aio.AioRpcError as exc:
-            cls = PeerRefused if exc.code().name in REFUSALS else PeerTransportError
-            raise cls(f"{address}: {exc.code().name} {exc.details()}") from None
+            said = f"{address}: {exc.code().name} {exc.details()}"
+            if exc.code().name in REFUSALS:  # a kvstore peer's own answer
+                raise PeerRefused(said) from None
+            raise PeerUnreachable(said, f"{address}: {exc.code().name}") from None
         finally:
             call.cancel()
             await sink.drain_quietly()

@@ -22,7 +22,7 @@ from kvstore.wire import check_host_port, namespace_to_proto
 from node_agent.peer.claims import ClaimRun, Claims
 from node_agent.peer.counters import Counters
 from node_agent.peer.credential import PeerCredential
-from node_agent.peer.errors import PeerRefused, PeerTransportError, within
+from node_agent.peer.errors import PeerRefused, PeerTransportError, PeerUnreachable, within
 from node_agent.peer.requests import PeerRequests
 from node_agent.peer.sink import BatchSink, present_prefix
 from node_agent.peer.staging import StagingPool
@@ -272,7 +272,9 @@ class Prefetcher:
             sink.stop_reason = str(exc)
         except PeerTransportError as exc:
             self._counters.add(f"peer_{transport.name}_failures")
-            job.stopped = f"{transport.name}: {exc}"
+            job.stopped = (
+                f"{transport.name}: {exc.public if isinstance(exc, PeerUnreachable) else exc}"
+            )
             # The last chunk's header may have come before its payloads failed: what the
             # peer announced did not arrive, so the next transport may still get it.
             sink.remote_done = False

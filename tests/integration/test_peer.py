@@ -269,6 +269,48 @@ def test_grpc_fallback_when_nothing_listens_on_the_ucx_address(cluster):
     assert da.now()["peer_ucx_failures"] == 1
 
 
+def test_a_prefetch_from_an_address_that_is_no_peer_says_only_the_status(cluster):
+    """The caller chooses the address a Prefetch pulls from, and `stopped` quoted what
+    the network said: "Connection refused", "Connection reset by peer", "Domain name not
+    found", "unknown service kvstore.v1.Peer": a port scan and a service probe of any
+    host the agent reaches, for a tenant. Now it names the address and the status only
+    (the agent's log keeps the rest)."""
+    import socket
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    na, ids, _ = cluster.seed(SMALL, 4, seed=61)
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # gRPC, not a peer
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+    grpc_port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    plain = socket.socket()  # not gRPC: takes the connection and closes it
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    closer = threading.Thread(target=lambda: [plain.accept()[0].close() for _ in range(8)])
+    closer.daemon = True
+    closer.start()
+    targets = {
+        f"127.0.0.1:{free_port()}": "UNAVAILABLE",  # nothing listens
+        f"127.0.0.1:{plain.getsockname()[1]}": "UNAVAILABLE",
+        "no-such-host.invalid:50051": "UNAVAILABLE",
+        f"127.0.0.1:{grpc_port}": "UNIMPLEMENTED",
+    }
+    try:
+        for address, status in targets.items():
+            req = cluster.request(na, ids, ucx="")
+            req.peer_address = address
+            r = cluster.peer_stub("a").Prefetch(req, timeout=60)
+            assert (r.present, r.transport) == (0, "grpc"), r
+            assert r.stopped == f"grpc: {address}: {status}", r.stopped
+    finally:
+        other.stop(0)
+        plain.close()
+    said = cluster.procs["a"].log
+    assert "UNIMPLEMENTED Method not found" in said  # the operator still reads it
+
+
 def test_concurrent_prefetches_of_overlapping_blocks_transfer_each_block_once(cluster):
     n = 96
     na, ids, blocks = cluster.seed(BIG, n, seed=7)

@@ -19,7 +19,7 @@ from kvstore.store import BlockStore
 from kvstore.store_types import Reservation
 from kvstore.v1 import peer_pb2
 from node_agent.peer.counters import Counters
-from node_agent.peer.errors import PeerRefused, PeerTransportError, within
+from node_agent.peer.errors import PeerRefused, PeerTransportError, PeerUnreachable, within
 from node_agent.peer.offload import in_thread_owned
 from node_agent.peer.sink import BatchSink, Landing
 from node_agent.peer.staging import StagingPool, contiguous, spans
@@ -134,8 +134,9 @@ class UcxFetcher:
                 if isinstance(exc, PeerTransportError) or not isinstance(exc, Exception):
                     raise
                 # The listener aborts a connection whose proof it refused: UCX errors.
-                raise PeerTransportError(
-                    f"UCX handshake with {address}: {type(exc).__name__}: {exc}"
+                raise PeerUnreachable(
+                    f"UCX handshake with {address}: {type(exc).__name__}: {exc}",
+                    f"UCX handshake with {address} failed",
                 ) from exc
         await self._transfer(ep, address, req, sink, batch, deadline, False)
 
@@ -432,8 +433,9 @@ class UcxFetcher:
             # from this process's UCX no longer completing anything.
             raise PeerTransportError(f"{exc} (notifier {notifier_state(self._ucx)})") from exc
         except Exception as exc:
-            raise PeerTransportError(
-                f"UCX connect to {address}: {type(exc).__name__}: {exc}"
+            raise PeerUnreachable(
+                f"UCX connect to {address}: {type(exc).__name__}: {exc}",
+                f"UCX connect to {address} failed",
             ) from exc
 
     def _reserve_ahead(self, sink: BatchSink, count: int) -> Reservation | None:
