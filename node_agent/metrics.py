@@ -5,6 +5,9 @@ Per-lookup work on the data path is a few integer additions (`AgentMetrics.looku
 Everything else is read from the store when Prometheus scrapes (observable instruments):
 occupancy per tier and tenant from `store.accounts`, evictions from `store.counters`.
 
+The request figures are the calling tenant's (a reader of another's public namespace
+counts its own requests), the occupancy figures the owner's.
+
 Exposed names (deploy/grafana and deploy/prometheus query them):
   kvstore_requests_total{tenant}, kvstore_requests_hit_total{tenant}   request-weighted
   kvstore_lookup_tokens_total{tenant}, kvstore_lookup_hit_tokens_total{tenant}  token-weighted
@@ -37,6 +40,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from kvstore.telemetry import RpcTelemetry, ServiceTelemetry, pending_attributes, tracing_enabled
 from kvstore.events import Tier
 from kvstore.tiers.sealing import Failure
+from node_agent.interceptors import current_tenant
 from node_agent.request_tally import RequestDelta, RequestLedger
 
 log = logging.getLogger("kvstore.agent")
@@ -152,11 +156,20 @@ class AgentMetrics:
             row = self._tally[tenant] = [0] * _ROW
         return row
 
+    @staticmethod
+    def _caller(st) -> str:
+        """Whose request it is: the caller's tenant (a reader of another tenant's public
+        namespace counts in its own rates and ledger, not the owner's: its lookups
+        rewrote the owner's hit rates and pushed the owner's request ids out), or the
+        namespace's where calls are unauthenticated."""
+        return current_tenant.get() or st.tenant
+
     def _count(self, st, d: RequestDelta) -> None:
         if d.requests == 0 and d.hit_blocks == 0:
             return
         bs = st.spec.block_size
-        row = self._row(st.tenant)
+        tenant = self._caller(st)
+        row = self._row(tenant)
         row[REQUESTS] += d.requests
         row[REQUESTS_HIT] += d.hits
         row[LOOKUP_TOKENS] += d.asked_blocks * bs
@@ -164,13 +177,14 @@ class AgentMetrics:
         row[ASKED_BLOCKS] += d.asked_blocks
         row[HIT_BLOCKS] += d.hit_blocks
         if d.first and self._hit_length is not None:
-            self._hit_length.record(d.hit_blocks * bs, self._labels[st.tenant])
+            self._hit_length.record(d.hit_blocks * bs, self._labels[tenant])
 
     def lookup(self, st, n_blocks: int, res, request_id: str = "", caller_held: int = 0) -> None:
         """One Lookup of `n_blocks` ids in namespace `st` answered with `res`; the caller
         held the leading `caller_held` itself (request_tally.RequestLedger.lookup)."""
         self._count(
-            st, self.ledger.lookup(st.tenant, request_id, n_blocks, res.matched, caller_held)
+            st,
+            self.ledger.lookup(self._caller(st), request_id, n_blocks, res.matched, caller_held),
         )
         attrs = pending_attributes()
         if attrs is not None:
@@ -188,13 +202,13 @@ class AgentMetrics:
     def get_done(self, st, request_id: str, n_blocks: int, n_served: int) -> None:
         """A Get of `n_blocks` ids ended having served `n_served` (counts the request when
         no earlier call of it did)."""
-        self._count(st, self.ledger.get(st.tenant, request_id, n_blocks, n_served))
+        self._count(st, self.ledger.get(self._caller(st), request_id, n_blocks, n_served))
 
     def served(self, st, served) -> None:
         """Blocks a Get served (called per chunk of a streamed Get)."""
         if not served:
             return
-        self._row(st.tenant)[SAVED_TOKENS] += len(served) * st.spec.block_size
+        self._row(self._caller(st))[SAVED_TOKENS] += len(served) * st.spec.block_size
         attrs = pending_attributes()
         if attrs is not None:
             hbm = sum(1 for s in served if s.tier == Tier.HBM)

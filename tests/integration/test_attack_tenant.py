@@ -360,3 +360,40 @@ def test_one_tenants_pins_across_its_namespaces_leave_room_for_others(etcd, spaw
 async def _set_quota(etcd, tenant: str, hbm: int) -> None:
     async with EtcdClient(etcd.endpoint) as c:
         await c.put_tenant(tenant, {"hbm_limit_bytes": hbm})
+
+
+def test_reading_a_public_namespace_counts_in_the_readers_rates_not_the_owners(spawn_agent):
+    """B's Lookups of junk ids in A's public namespace turned A's hit rate from 100 % to
+    4 % (A's Stats and metrics) and pushed A's request ids out of A's ledger, while B's
+    own Stats showed nothing. A request counts for the tenant that makes it."""
+    agent = spawn_agent(tenants=tenants(), allow_unauthenticated=False)
+    spec = make_namespace(tenant="acme", name="docs", public=True)
+    tokens = prompt_tokens(21, 4 * BS)
+
+    def usage(who: str):
+        with KVClient(agent.address, token=TOKENS[who], use_shm=False) as c:
+            return next(t for t in c.stats().tenants if t.tenant == who)
+
+    with KVClient(agent.address, token=TOKENS["acme"], tenant_secret="s", use_shm=False) as a:
+        ns = a.open_namespace(spec)
+        ids = a.block_ids(ns, tokens)
+        blocks = [block_payload(i, spec.block_bytes) for i in ids]
+        tensors = [
+            torch.frombuffer(bytearray(b), dtype=torch.uint8)
+            .view(torch_dtype(spec.kv_dtype))
+            .view(block_shape(spec))
+            for b in blocks
+        ]
+        assert a.put(ns, ids, tensors).stored == 4
+        assert a.lookup(ns, ids, request_id="a-1").matched == 4
+    owner = usage("acme")
+    assert (owner.lookups, owner.lookup_hits) == (1, 1)
+    with KVClient(agent.address, token=TOKENS["globex"], tenant_secret="s", use_shm=False) as b:
+        nb = b.open_namespace(spec)  # public: B may read
+        assert b.lookup(nb, ids, request_id="b-1").matched == 4
+        junk = hash_chain(nb.root, prompt_tokens(22, 64 * BS), BS)
+        for i in range(20):
+            assert b.lookup(nb, junk, request_id=f"b-junk-{i}").matched == 0
+    assert usage("acme") == owner  # A's rates as A left them
+    reader = usage("globex")
+    assert (reader.lookups, reader.lookup_hits, reader.lookup_hit_blocks) == (21, 1, 4)
