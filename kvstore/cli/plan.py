@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from kvstore.config import DEFAULT_SLOT_BYTES
-from kvstore.namespace import MAX_BLOCK_SIZE
+from kvstore.namespace import KV_DTYPE_BYTES, MAX_BLOCK_SIZE
 from kvstore.units import parse_size  # noqa: F401 (kvctl plan's size parser, re-exported)
 
 # Bits rather than bytes per element so that sub-byte dtypes stay integral:
@@ -39,7 +39,11 @@ DTYPE_BITS: dict[str, int] = {
     "int8": 8,
     "int4": 4,
     "fp4": 4,
+    # the names a namespace's kv_dtype takes (kvstore.namespace.KV_DTYPE_BYTES)
+    **{name: 8 * size for name, size in KV_DTYPE_BYTES.items()},
 }
+# Short names for dtypes a namespace accepts; int4 and fp4 it does not (yet).
+_STORE_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -215,6 +219,11 @@ def _warnings(r: PlanReport) -> tuple[str, ...]:
             f"({format_size(r.shortfall_blocks * r.slot_bytes)}); "
             "no room is left for cached prefixes"
         )
+    if r.kv_dtype not in KV_DTYPE_BYTES and r.kv_dtype not in _STORE_DTYPE:
+        out.append(
+            f"kv dtype {r.kv_dtype}: agents store no such blocks yet (a namespace's kv_dtype "
+            f"is one of {', '.join(KV_DTYPE_BYTES)})"
+        )
     if r.gpu_headroom_bytes is not None and r.gpu_headroom_bytes < 0:
         out.append(
             f"weights + device pool exceed GPU memory by {format_size(-r.gpu_headroom_bytes)}"
@@ -377,7 +386,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default="fp16",
-        help=f"KV element type: {', '.join(DTYPE_BITS)} (default fp16)",
+        help=f"KV element type: {', '.join(DTYPE_BITS)} (default fp16; fp16 is a "
+        "namespace's float16, bf16 its bfloat16, fp8 its float8_e4m3fn; int4 and fp4 are "
+        "planned for, not stored yet)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     parser.add_argument(

@@ -53,6 +53,12 @@ def test_llama3_8b_fp16_block_is_exactly_2_mib():
         ("int8", 65536),
         ("int4", 32768),
         ("fp4", 32768),
+        # a namespace's names for them: plan took fp16, the store only float16
+        ("float32", 262144),
+        ("float16", 131072),
+        ("bfloat16", 131072),
+        ("float8_e4m3fn", 65536),
+        ("float8_e5m2", 65536),
     ],
 )
 def test_bytes_per_element_by_dtype(dtype, per_token):
@@ -305,8 +311,8 @@ def test_small_blocks_take_a_whole_slot_each():
 
 
 def test_slots_sized_for_the_blocks_hold_more_of_them():
-    report = _plan(kv_dtype="int4", slot_bytes=512 * 2**10)
-    assert report.hbm_blocks == 20480
+    report = _plan(kv_dtype="fp8", slot_bytes=2**20)
+    assert report.hbm_blocks == 10240
     assert report.warnings == ()
     # Qwen2.5-7B fp16: 896 KiB blocks, 2 in a 2 MiB slot's room but 1 per slot.
     qwen = _plan(model=PRESETS["qwen2.5-7b"], concurrency=0)
@@ -345,3 +351,9 @@ def test_plan_command_slot_bytes(capsys):
     big = _parser().parse_args(["--model", "llama-3-70b", "--hbm", "10GiB"])
     assert plan_command(big) == 2
     assert "--slot-bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["int4", "fp4"])
+def test_a_dtype_no_agent_stores_is_planned_with_a_warning(dtype):
+    assert any("agents store no such blocks yet" in w for w in _plan(kv_dtype=dtype).warnings)
+    assert not any("no such blocks" in w for w in _plan(kv_dtype="float16").warnings)
