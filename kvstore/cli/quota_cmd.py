@@ -23,7 +23,7 @@ from kvstore.cli.control_run import (
 )
 from kvstore.coord.admin import ControlPlane
 from kvstore.coord.admin_records import Quota
-from kvstore.errors import clip
+from kvstore.errors import clip, shown
 from kvstore.units import format_size, parse_size
 
 
@@ -57,6 +57,7 @@ def cmd_quota(args) -> int:
 
     async def body(etcd) -> int:
         cp = ControlPlane(etcd)
+        unreadable: dict[str, str] = {}
         if args.action == "set":
             quotas = await _quota_set(cp, etcd, args)
             if quotas is None:
@@ -77,14 +78,19 @@ def cmd_quota(args) -> int:
                 return FAILED
             quotas = {}
         else:
-            quotas = await cp.list_quotas()
+            quotas, unreadable = await cp.list_quotas()
+            for why in unreadable.values():
+                print(f"kvctl quota list: {shown(why)}", file=sys.stderr)
+            if unreadable and not quotas:
+                print("no readable quotas")
+                return FAILED
         if args.output == "json":
             print_json({t: json.loads(q.to_json()) for t, q in quotas.items()})
         elif quotas:
             print(table(["tenant", "hbm per node", "nvme per node"], _quota_rows(quotas)))
         else:
             print("no quotas set" if args.action == "list" else f"quota of {args.tenant} removed")
-        return OK
+        return FAILED if args.action == "list" and unreadable else OK
 
     return run(args, body)
 

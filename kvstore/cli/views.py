@@ -228,6 +228,7 @@ class ClusterView:
     quotas: dict  # tenant -> Quota fields
     missing: tuple[MissingMember, ...] = ()  # seen within the window, not live now
     stopped: tuple[StoppedMember, ...] = ()  # stopped cleanly within the window, not back
+    quotas_unreadable: tuple[str, ...] = ()  # tenants/ records that do not read (ignored)
 
     @property
     def degraded_tiers(self) -> list[str]:
@@ -332,6 +333,7 @@ class ClusterView:
             "degraded_tiers": self.degraded_tiers,
             "namespaces": self.namespaces,
             "quotas": self.quotas,
+            "quotas_unreadable": list(self.quotas_unreadable),
             "tenants": [t.to_dict() for t in self.tenants(tenant)],
             "evictions": self.evictions(),
         }
@@ -470,12 +472,12 @@ async def cluster_view(
     switch = await etcd.get(KILLSWITCH)
     _, namespaces = await etcd.list(NAMESPACES)
     _, tenants = await etcd.list(TENANTS)
-    quotas = {}
+    quotas, unreadable = {}, []
     for kv in tenants:
         try:
             quotas[kv.key[len(TENANTS) :]] = json.loads(Quota.parse(kv.value).to_json())
         except (ValueError, TypeError):
-            continue
+            unreadable.append(kv.key[len(TENANTS) :])
     router_list = []
     for kv in routers:
         try:
@@ -520,4 +522,5 @@ async def cluster_view(
         quotas,
         missing,
         stopped,
+        tuple(unreadable),
     )

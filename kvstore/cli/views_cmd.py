@@ -271,7 +271,11 @@ def cmd_status(args) -> int:
                 + ("" if view.routers else " (none registered: engines cannot route)")
             )
             print(f"namespaces:  {view.namespaces}")
-            print(f"quotas:      {len(view.quotas)} tenants")
+            bad = view.quotas_unreadable
+            print(
+                f"quotas:      {len(view.quotas)} tenants"
+                + (f", {len(bad)} unreadable records (kvctl quota list names them)" if bad else "")
+            )
             for problem in view.members_down + view.degraded_tiers:
                 print(f"  - {problem}")
             for m in view.stopped:  # informational: it left etcd itself

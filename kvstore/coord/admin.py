@@ -114,6 +114,14 @@ def _switch_result(
     return result
 
 
+def _unreadable_quota(tenant: str, exc: Exception) -> str:
+    return (
+        f"etcd key {TENANTS}{tenant} holds no readable quota ({clip(str(exc))}); the agents "
+        f"ignore it: `kvctl quota clear {tenant}` removes it, `kvctl quota set {tenant}` "
+        "replaces it"
+    )
+
+
 # ----------------------------------------------------------------- etcd primitives
 async def txn(etcd: EtcdClient, what: str, compares: list[Compare], ops: list) -> tuple[bool, int]:
     """One etcd transaction over several keys (EtcdClient's own helpers take one key).
@@ -645,15 +653,24 @@ class ControlPlane:
         return ok
 
     async def get_quota(self, tenant: str) -> Quota | None:
+        """The tenant's quota; DataLoss naming the key when its record does not read
+        (written by hand or by another tool: the agents ignore it too)."""
         kv = await self.etcd.get(TENANTS + tenant)
-        return Quota.parse(kv.value) if kv is not None else None
+        if kv is None:
+            return None
+        try:
+            return Quota.parse(kv.value)
+        except (ValueError, TypeError) as exc:
+            raise errors.DataLoss(_unreadable_quota(tenant, exc)) from None
 
-    async def list_quotas(self) -> dict[str, Quota]:
+    async def list_quotas(self) -> tuple[dict[str, Quota], dict[str, str]]:
+        """(every tenant's quota that reads, {tenant: why} for the records that do not)."""
         _, items = await self.etcd.list(TENANTS)
-        out = {}
+        out, bad = {}, {}
         for kv in items:
+            tenant = kv.key[len(TENANTS) :]
             try:
-                out[kv.key[len(TENANTS) :]] = Quota.parse(kv.value)
-            except (ValueError, TypeError):
-                continue
-        return out
+                out[tenant] = Quota.parse(kv.value)
+            except (ValueError, TypeError) as exc:
+                bad[tenant] = _unreadable_quota(tenant, exc)
+        return out, bad

@@ -41,6 +41,37 @@ def run_json(capsys, *argv: str, rc: int = 0):
     return json.loads(out)
 
 
+def test_unreadable_quota_records_are_named_not_hidden(etcd, capsys):
+    """Records under tenants/ written by hand or another tool, which the agents ignore:
+    `quota list` said "no quotas set" and `status` "0 tenants"; `quota get` said "not
+    JSON" as a usage error (exit 2), naming neither the key nor what fixes it."""
+    import asyncio
+
+    from kvstore.coord.etcd import TENANTS, EtcdClient
+
+    async def put(key: str, value: bytes) -> None:
+        async with EtcdClient(etcd.endpoint, timeout=5) as c:
+            await c.put(key, value)
+
+    asyncio.run(put(TENANTS + "junk", b"not json"))
+    asyncio.run(put(TENANTS + "odd", b'{"hbm_limit_bytes": "lots"}'))
+    e = ("--etcd", etcd.endpoint)
+    assert run(capsys, "quota", "set", "acme", "--hbm", "1GiB", *e)[0] == 0
+    rc, out, err = run(capsys, "quota", "get", "junk", *e)
+    assert rc == 1, (out, err)
+    assert "etcd key tenants/junk holds no readable quota" in err
+    assert "kvctl quota clear junk` removes it" in err
+    rc, out, err = run(capsys, "quota", "list", *e)
+    assert rc == 1 and "acme" in out, (out, err)
+    assert "tenants/junk" in err and "tenants/odd" in err
+    rc, out, _ = run(capsys, "status", *e)
+    assert "quotas:      1 tenants, 2 unreadable records (kvctl quota list names them)" in out
+    assert run_json(capsys, "status", *e, rc=rc)["quotas_unreadable"] == ["junk", "odd"]
+    for tenant in ("junk", "odd"):
+        assert run(capsys, "quota", "clear", tenant, *e)[0] == 0
+    assert run(capsys, "quota", "list", *e)[0] == 0
+
+
 def test_quota_commands_in_both_formats(etcd, capsys):
     e = ("--etcd", etcd.endpoint)
     rc, out, err = run(capsys, "quota", "set", "acme", "--hbm", "10GiB", "--nvme", "200GiB", *e)
