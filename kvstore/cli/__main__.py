@@ -20,6 +20,16 @@ from kvstore.cli.control_cmd import register as register_control_commands
 from kvstore.cli.plan import add_plan_arguments, plan_command
 
 
+def _version() -> str:
+    """The installed kvstore's version (pyproject.toml), or where it runs from a tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvstore")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvctl",
@@ -30,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(| head). 'kvctl COMMAND --help' "
         "describes each command.",
     )
+    parser.add_argument("--version", action="version", version=f"kvctl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     commands = (

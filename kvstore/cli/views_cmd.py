@@ -26,7 +26,7 @@ from kvstore.cli.control_run import (
 from kvstore.cli.views import EVICTION_REASONS, ClusterView, cluster_view, node_counter_meaning
 from kvstore.coord.admin import ControlPlane
 from kvstore.coord.seen import forget as forget_seen
-from kvstore.errors import clip
+from kvstore.errors import clip, shown
 from kvstore.units import format_size
 
 
@@ -61,16 +61,16 @@ def cmd_namespaces(args) -> int:
                 }
             )
         elif args.tenant:
-            print(
-                table(
-                    ["namespace id", "name", "model", "generation"],
-                    [[r.ns_hex, r.name, r.model_name, r.generation] for r in records],
+            if records:  # none: stderr said so, with the tenants it may mean
+                print(
+                    table(
+                        ["namespace id", "name", "model", "generation"],
+                        [[r.ns_hex, r.name, r.model_name, r.generation] for r in records],
+                    )
                 )
-                if records
-                else f"no such tenant {args.tenant}: it has no namespaces in etcd"
-            )
+                print()
             print(
-                f"\n{args.tenant}: {len(records)} namespaces (limit: the agents' "
+                f"{shown(args.tenant)}: {len(records)} namespaces (limit: the agents' "
                 "max_namespaces_per_tenant, default 1024)"
             )
         else:

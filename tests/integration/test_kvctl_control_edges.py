@@ -219,6 +219,7 @@ def test_usage_messages_are_specific_and_short(etcd, spawn_agent, tmp_path):
 
     r = kvctl("namespaces", "--tenant", "acmee", etcd=etcd)
     assert r.returncode == 0 and "no such tenant 'acmee'" in r.stderr, r.stderr
+    assert "no such tenant" not in r.stdout and "acmee: 0 namespaces" in r.stdout  # said once
     assert "Did you mean acme?" in r.stderr
     r = kvctl("stats", "--tenant", "ACME", etcd=etcd)
     assert "no such tenant 'ACME'" in r.stderr and "Did you mean acme?" in r.stderr, r.stderr

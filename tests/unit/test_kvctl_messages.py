@@ -67,3 +67,10 @@ def test_arguments_quoted_in_messages_are_clipped_with_their_length():
     assert clip(long) == repr("n" * 80) + "… (100000 chars)"
     assert clip(long, bare=True) == "n" * 80 + "… (100000 chars)"
     assert clip("x" * 100, 60).endswith("… (100 chars)")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"kvctl {version('kvstore')}"
