@@ -18,6 +18,7 @@ from kvstore.cli.analyze import add_analyze_arguments, analyze_command
 from kvstore.cli.cluster_cmd import add_cluster_arguments, cluster_command
 from kvstore.cli.control_cmd import register as register_control_commands
 from kvstore.cli.plan import add_plan_arguments, plan_command
+from kvstore.errors import clip
 
 
 def _version() -> str:
@@ -30,8 +31,19 @@ def _version() -> str:
         return "(not installed: run from a source tree)"
 
 
+_QUOTED = re.compile(r"'[^']{81,}'|\"[^\"]{81,}\"")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the values its errors quote cut at 80 characters (and their length
+    said), as kvctl's own messages cut them: a 100 kB argument is not echoed back whole."""
+
+    def error(self, message: str):
+        super().error(_QUOTED.sub(lambda m: clip(m.group()[1:-1]), message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvctl",
         description="Operator CLI for kvstore, the distributed KV-cache store.",
         epilog="Exit status: 0 ok, 1 failure, 2 bad usage, 3 etcd unreachable, "

@@ -26,6 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from kvstore.config import DEFAULT_SLOT_BYTES
+from kvstore.errors import clip
 from kvstore.namespace import KV_DTYPE_BYTES, MAX_BLOCK_SIZE
 from kvstore.units import parse_size  # noqa: F401 (kvctl plan's size parser, re-exported)
 
@@ -134,7 +135,7 @@ def kv_bytes_per_token(model: ModelShape, kv_dtype: str) -> int:
     bits = DTYPE_BITS.get(kv_dtype)
     if bits is None:
         raise ValueError(
-            f"unknown kv dtype {kv_dtype!r}: accepted dtypes are {', '.join(DTYPE_BITS)}"
+            f"unknown kv dtype {clip(kv_dtype)}: accepted dtypes are {', '.join(DTYPE_BITS)}"
         )
     return 2 * model.layers * model.kv_heads * model.head_dim * bits // 8
 
@@ -143,7 +144,7 @@ def resolve_model(name: str) -> ModelShape:
     """Look up a preset model shape by name."""
     shape = PRESETS.get(name.lower())
     if shape is None:
-        raise ValueError(f"unknown model preset {name!r}: presets are {', '.join(PRESETS)}")
+        raise ValueError(f"unknown model preset {clip(name)}: presets are {', '.join(PRESETS)}")
     return shape
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore import errors
 from kvstore.coord.records import json_object
+from kvstore.errors import clip
 from kvstore.units import format_size
 
 
@@ -139,7 +140,10 @@ class Quota:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"quota {name} must be a byte count >= 0, got {v!r}")
             if v is not None and v > MAX_QUOTA_BYTES:  # the agents report limits as uint64
-                raise ValueError(f"quota {name} must be at most {MAX_QUOTA_BYTES} bytes, got {v}")
+                raise ValueError(
+                    f"quota {name} must be at most {MAX_QUOTA_BYTES} bytes, got "
+                    f"{clip(str(v), bare=True)}"
+                )
 
     def merged(self, other: "Quota") -> "Quota":
         """`other`'s fields where set, ours elsewhere."""

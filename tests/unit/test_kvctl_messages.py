@@ -74,3 +74,21 @@ def test_version(capsys):
 
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and out.strip() == f"kvctl {version('kvstore')}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("status", "--seen-window", "y" * 300),  # argparse's own error, our type's words
+        ("killswitch", "k" * 300),  # argparse's invalid choice
+        ("plan", "--hbm", "1GiB", "--model", "m" * 300),
+        ("plan", "--hbm", "1GiB", "--model", "llama-3-8b", "--kv-dtype", "d" * 300),
+        ("quota", "set", "acme", "--hbm", "9" * 300 + "GiB"),
+    ],
+)
+def test_a_long_argument_is_echoed_cut_at_80_characters(capsys, argv):
+    """docs/api.md: arguments echoed in messages are cut at 80 characters with their
+    length; these echoed all 300."""
+    rc, _, err = run(capsys, *argv, *(("--etcd", "127.0.0.1:1") if argv[0] != "plan" else ()))
+    assert rc == 2, err
+    assert "chars)" in err and max(map(len, err.split())) < 100, err
