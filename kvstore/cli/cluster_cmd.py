@@ -265,7 +265,12 @@ def cluster_command(args: argparse.Namespace) -> int:
         print(f"kvctl cluster {args.cluster_cmd}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"kvctl cluster {args.cluster_cmd}: interrupted", file=sys.stderr)
+        done = (
+            "; what it had started is stopped (logs stay in the state directory)"
+            if args.cluster_cmd == "up"
+            else ""
+        )
+        print(f"kvctl cluster {args.cluster_cmd}: interrupted{done}", file=sys.stderr)
         return EXIT_FAIL
 
 

@@ -202,6 +202,15 @@ def test_down_while_up_is_starting_stops_it(local_cluster):
     assert not _ours(local_cluster)
 
 
+def test_ctrl_c_while_up_is_starting_stops_what_it_started_and_says_so(local_cluster):
+    starting = _start_up(local_cluster)
+    starting.send_signal(signal.SIGINT)
+    _, err = starting.communicate(timeout=60)
+    assert starting.returncode == 1, err
+    assert "interrupted; what it had started is stopped" in err, err
+    assert "Traceback" not in err and not _ours(local_cluster)
+
+
 def _launched(state, name: str) -> bool:
     """`up` recorded `name` as started (starting.json; its log appears a moment before,
     when the process is not yet started: a kill then leaves nothing for `down` to know)."""
