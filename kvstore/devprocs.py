@@ -36,6 +36,10 @@ _MODULES = {"node_agent": "agent", "router": "router", "kvstore.integrations.vll
 CLUSTER_ENV = "KVSTORE_DEV_CLUSTER"
 
 
+# Set by kvstore/cli/__init__.py (its QUIETED) when kvctl set GRPC_VERBOSITY itself.
+_KVCTL_QUIETED = "KVSTORE_KVCTL_SET_GRPC_VERBOSITY"
+
+
 def program_kind(argv: list[str]) -> str | None:
     """The kind a local cluster process has by its program (etcd's binary, or python -m
     one of our modules), not by a substring anywhere in its command line; None otherwise."""
@@ -283,6 +287,8 @@ def spawn(cmd: list[str], log_path: Path, state: Path) -> subprocess.Popen:
     """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log), marked
     as started for the cluster in `state` (CLUSTER_ENV)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_ENV: str(state.resolve())})
+    if env.pop(_KVCTL_QUIETED, None):  # kvctl's own quieting of gRPC is not theirs
+        env.pop("GRPC_VERBOSITY", None)
     env["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
     )

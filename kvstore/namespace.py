@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import unicodedata
 from dataclasses import dataclass, fields
 from typing import NewType
 
@@ -38,6 +39,18 @@ def tenant_name_problem(tenant: str) -> str:
     if not tenant.isprintable() or any(c.isspace() for c in tenant):
         return "contains whitespace or control characters"
     return ""
+
+
+# Bidirectional embeddings, overrides and isolates: they reorder what a terminal shows.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _moves_a_terminal(text: str) -> bool:
+    """Whether `text` holds a character that acts on a terminal or splits a log line:
+    a control character (Cc: newline, tab, CR, ESC ...), a line or paragraph separator,
+    a bidirectional control. Spaces of any script and joiners (ZWJ in emoji, ZWNJ in
+    Persian) are text."""
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") or c in _BIDI_CONTROLS for c in text)
 
 
 _MAGIC = b"kvns1"
@@ -124,10 +137,10 @@ class Namespace:
                 "namespace is missing required fields (empty or zero): " + ", ".join(missing)
             )
         # Names reach operators' terminals (kvctl namespaces, logs): no escape sequences.
-        if unprintable := [f for f in _STR_FIELDS if not getattr(self, f).isprintable()]:
+        if unsafe := [f for f in _STR_FIELDS if _moves_a_terminal(getattr(self, f))]:
             raise InvalidArgument(
-                f"namespace {', '.join(unprintable)} must not contain control characters "
-                "(newline, tab, escape sequences)"
+                f"namespace {', '.join(unsafe)} must not contain control characters "
+                "(newline, tab, escape sequences, line separators, bidirectional overrides)"
             )
         if "/" in self.tenant or "/" in self.name:
             raise InvalidArgument("namespace tenant and name must not contain '/'")

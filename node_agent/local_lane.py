@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -129,6 +130,10 @@ class LaneCounters:
         }
 
 
+# accept() errors that pass once descriptors or memory are free again
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
 @dataclass(slots=True, eq=False)
 class _Conn:
     sock: socket.socket
@@ -214,11 +219,15 @@ class LocalLane:
         while self._listener is not None:
             try:
                 sock, _ = await loop.sock_accept(self._listener)
+            except ConnectionAbortedError:
+                continue  # the caller left before its accept
             except OSError as exc:
-                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or the
-                # caller gone before its accept (ECONNABORTED): this loop is the lane's
-                # only way in, so it waits and goes on (as asyncio's own servers do)
-                # rather than end, which left the lane dead until the agent restarted.
+                if exc.errno not in _ACCEPT_RETRY:
+                    log.exception("local lane: accept failed; the lane takes no connections")
+                    raise
+                # Out of descriptors or memory: this loop is the lane's only way in, so it
+                # waits and goes on (as asyncio's own servers do) rather than end, which
+                # left the lane dead until the agent restarted.
                 self.counters.accept_failed += 1
                 log.warning("local lane: accept failed (%s); retrying in 1 s", exc)
                 await asyncio.sleep(1.0)

@@ -81,11 +81,12 @@ def cmd_quota(args) -> int:
             quotas, unreadable = await cp.list_quotas()
             for why in unreadable.values():
                 print(f"kvctl quota list: {shown(why)}", file=sys.stderr)
-            if unreadable and not quotas:
+            if unreadable and not quotas and args.output != "json":
                 print("no readable quotas")
                 return FAILED
         if args.output == "json":
             print_json({t: json.loads(q.to_json()) for t, q in quotas.items()})
+            return FAILED if unreadable else OK
         elif quotas:
             print(table(["tenant", "hbm per node", "nvme per node"], _quota_rows(quotas)))
         else:

@@ -9,7 +9,8 @@ Everything lives under a state directory::
     starting.json         while `up` runs: what it has started (a killed `up`'s are
                           stopped by `down`; while they run, `up` is refused and
                           `status` names them)
-    etcd/  etcd.log       etcd data (fresh on every `up`) and log
+    etcd/  etcd.log       etcd data (kept from one `up` to the next, as the agents'
+                          data/ is; `up` forgets the last run's members) and log
     agent-<i>/            agent.json (config), data/ (RocksDB), agent.log
     router/               router.log
     model/, engine-<i>/   with --engines: the tiny model; each engine's engine.log

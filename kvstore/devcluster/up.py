@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvstore.devcluster.state import (
     BadStateDir,
     ClusterError,
     ClusterState,
+    EtcdUnreachable,
     Launched,
     Proc,
     check_state_dir,
@@ -39,7 +41,7 @@ from kvstore.devcluster.state import (
 )
 from kvstore.devengines import write_model
 from kvstore.devprocs import Watched, alive, etcd_healthy, grpc_healthy, router_nodes
-from kvstore.errors import shown
+from kvstore.errors import KvError, shown
 
 _DEFAULTS = UpOptions()
 
@@ -106,6 +108,7 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
     if opts.engines:  # before anything runs: a failure here leaves nothing behind
         say("writing the tiny model (vLLM venv)")
         write_model(state / "model")
+    kept = (state / "etcd").is_dir()  # etcd's data from the last run
     etcd, endpoint, elog = start_etcd(state, server_tls)
     started.append(Proc("etcd", "etcd", etcd.pid, endpoint, str(elog)))
     deadline = time.monotonic() + opts.timeout_s  # --timeout: etcd to the gateway
@@ -116,12 +119,28 @@ def _up(state: Path, opts: UpOptions, say, started: list[Proc]) -> ClusterState:
 
     scheme = "https" if opts.tls else "http"
     etcd_w = Watched("etcd", etcd, elog)
-    wait(lambda: {} if etcd_healthy(endpoint, tls=client) else {
-        "etcd": f"its health check {scheme}://{endpoint}/health to say true"
-    }, "etcd to become healthy", [etcd_w])  # fmt: skip
+    try:
+        wait(lambda: {} if etcd_healthy(endpoint, tls=client) else {
+            "etcd": f"its health check {scheme}://{endpoint}/health to say true"
+        }, "etcd to become healthy", [etcd_w])  # fmt: skip
+    except ClusterError as exc:
+        if not kept:
+            raise
+        raise type(exc)(
+            f"{exc}\netcd's data is kept from the last run in {state / 'etcd'}: if etcd "
+            "cannot open it, move the state directory aside (or remove it) and run up again "
+            "(namespaces, quotas, the kill switch and the audit log go with it)"
+        ) from None
     say(f"etcd      {endpoint}")
-    for line in asyncio.run(forget_last_run(endpoint, client)):
-        say(line)
+    try:
+        warnings = asyncio.run(forget_last_run(endpoint, client))
+    except KvError as exc:  # etcd healthy a moment ago, then not (still replaying its log)
+        raise EtcdUnreachable(
+            f"etcd at {endpoint} did not answer while up forgot the last run's members "
+            f"({exc}); its log: {elog}"
+        ) from None
+    for line in warnings:  # whatever the output mode: the cluster serves nothing
+        print(line, file=sys.stderr)
     m = _start_members(state, endpoint, opts, server_tls, started, etcd_w)
     addrs, raddr = _wait_members(m, wait, client)
     procs = [started[0]] + [

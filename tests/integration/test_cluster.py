@@ -202,6 +202,21 @@ def test_down_while_up_is_starting_stops_it(local_cluster):
     assert not _ours(local_cluster)
 
 
+def test_an_etcd_data_dir_etcd_cannot_open_is_named_with_what_to_do(local_cluster):
+    """etcd's data is kept from run to run: one it cannot open (a crash mid-write, a
+    disk that filled) failed every up the same way, with etcd's panic and no way out."""
+    db = local_cluster / "etcd" / "member" / "snap" / "db"
+    db.parent.mkdir(parents=True)
+    db.write_bytes(b"not a bolt database" * 512)
+    (local_cluster / "etcd" / "member" / "wal").mkdir()
+    state = ["--state-dir", str(local_cluster)]
+    r = kvctl("cluster", "up", "--agents", "1", *state, "--timeout", "30")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "etcd's data is kept from the last run in" in r.stderr, r.stderr
+    assert "move the state directory aside (or remove it)" in r.stderr
+    assert not _ours(local_cluster)
+
+
 def test_ctrl_c_while_up_is_starting_stops_what_it_started_and_says_so(local_cluster):
     starting = _start_up(local_cluster)
     starting.send_signal(signal.SIGINT)
@@ -494,7 +509,7 @@ def test_a_flush_made_while_an_agent_was_down_outlives_down_and_up(local_cluster
 
     r = kvctl("cluster", "up", "--agents", "2", *state)
     assert r.returncode == 0, r.stderr
-    assert "kill switch is ON since the last run (reason: INC-12" in r.stdout, r.stdout
+    assert "kill switch is ON since the last run (reason: INC-12" in r.stderr, r.stderr
     assert kvctl("killswitch", "off", *state).returncode == 0
     st = ClusterState.load(local_cluster)
     with KVClient(st.agents[1].address, tenant_secret=TEST_SECRET, use_shm=False) as c:

@@ -64,6 +64,7 @@ def test_unreadable_quota_records_are_named_not_hidden(etcd, capsys):
     rc, out, err = run(capsys, "quota", "list", *e)
     assert rc == 1 and "acme" in out, (out, err)
     assert "tenants/junk" in err and "tenants/odd" in err
+    assert set(run_json(capsys, "quota", "list", *e, rc=1)) == {"acme"}  # JSON, still exit 1
     rc, out, _ = run(capsys, "status", *e)
     assert "quotas:      1 tenants, 2 unreadable records (kvctl quota list names them)" in out
     assert run_json(capsys, "status", *e, rc=rc)["quotas_unreadable"] == ["junk", "odd"]

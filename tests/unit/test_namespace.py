@@ -118,7 +118,9 @@ def test_empty_string_field_is_refused_by_name(field, bad):
 
 
 @pytest.mark.parametrize("field", STR_FIELDS)
-@pytest.mark.parametrize("bad", ["evil\x1b[31mRED\x1b[0m", "two\nlines", "a\tb", "cr\rx"])
+@pytest.mark.parametrize(
+    "bad", ["evil\x1b[31mRED\x1b[0m", "two\nlines", "a\tb", "cr\rx", "a\u2028b", "\u202egnp.exe"]
+)
 def test_control_characters_in_a_string_field_are_refused_by_name(field, bad):
     """Names reach the operator's terminal (kvctl namespaces): a tenant's escape
     sequences must not recolour or rewrite it."""
@@ -126,8 +128,18 @@ def test_control_characters_in_a_string_field_are_refused_by_name(field, bad):
         ns(**{field: bad})
 
 
-def test_spaces_and_non_ascii_letters_stay_allowed_in_names():
-    assert ns(name="chat v2 ünï", model_name="Llama 3 8B").name == "chat v2 ünï"
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chat v2 ünï",
+        "no\u00a0break",  # a space of another kind
+        "\u200cنیم\u200cفاصله",  # ZWNJ: ordinary Persian text
+        "family \U0001f468\u200d\U0001f469\u200d\U0001f467",  # ZWJ in an emoji sequence
+        "soft\u00adhyphen",
+    ],
+)
+def test_spaces_joiners_and_non_ascii_letters_stay_allowed_in_names(name):
+    assert ns(name=name, model_name="Llama 3 8B").name == name
 
 
 @pytest.mark.parametrize("field", INT_FIELDS)
