@@ -275,6 +275,7 @@ def test_a_prefetch_from_an_address_that_is_no_peer_says_only_the_status(cluster
     found", "unknown service kvstore.v1.Peer": a port scan and a service probe of any
     host the agent reaches, for a tenant. Now it names the address and the status only
     (the agent's log keeps the rest)."""
+    import contextlib
     import socket
     from concurrent import futures
 
@@ -288,8 +289,13 @@ def test_a_prefetch_from_an_address_that_is_no_peer_says_only_the_status(cluster
     plain = socket.socket()  # not gRPC: takes the connection and closes it
     plain.bind(("127.0.0.1", 0))
     plain.listen()
-    closer = threading.Thread(target=lambda: [plain.accept()[0].close() for _ in range(8)])
-    closer.daemon = True
+
+    def close_each() -> None:
+        with contextlib.suppress(OSError):  # until the listener is closed below
+            while True:
+                plain.accept()[0].close()
+
+    closer = threading.Thread(target=close_each, daemon=True)
     closer.start()
     targets = {
         f"127.0.0.1:{free_port()}": "UNAVAILABLE",  # nothing listens
