@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import socket
+import struct
 import sys
 import termios
 from collections import Counter
@@ -419,6 +420,11 @@ class _OneSendProtocol(HttpToolsProtocol):
             self.peer or "?",
             self.limits.send_timeout_s,
         )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset: the kernel drops the send queue with the socket
+            with contextlib.suppress(OSError):  # (else an orphaned socket kept sending
+                # the megabytes queued for minutes, held in kernel memory meanwhile)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()  # close() would wait for the buffers to drain
 
     def _refuse(self, status: int, message: str) -> None:
