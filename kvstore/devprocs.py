@@ -112,12 +112,13 @@ class _FreePorts:
             for _ in range(len(self._share)):
                 port = self._share[self._next]
                 self._next = (self._next + 1) % len(self._share)
-                if _bindable(port):
+                if bindable(port):
                     return port
         return None
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a socket could bind `port` on 127.0.0.1 now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.devcluster import etcd_command
-from kvstore.devprocs import ROOT, etcd_healthy, grpc_healthy, router_nodes
+from kvstore.devprocs import ROOT, bindable, etcd_healthy, grpc_healthy, router_nodes
 
 MiB = 1 << 20
 
@@ -128,15 +127,6 @@ class ClusterSpec:
 _PORTS = range(20000, 32000)
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @dataclass
 class ChaosCluster:
     state: Path
@@ -149,7 +139,7 @@ class ChaosCluster:
         """A port no process of this cluster has, that nothing listens on now."""
         while True:
             port = random.choice(_PORTS)
-            if port not in self._taken and _bindable(port):
+            if port not in self._taken and bindable(port):
                 self._taken.add(port)
                 return port
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from kvstore.devprocs import free_port
 from node_agent.peer.ucx.direct import serves_connection
 
 LISTEN = (
@@ -37,14 +38,8 @@ def _listener(ip: str, port: int) -> subprocess.Popen:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_only_the_far_end_of_our_own_connection_passes():
-    port = _free_port()
+    port = free_port()
     try:
         agent = _listener("127.0.0.1", port)  # the process a liar would name
         liar = _listener("127.0.0.2", port)  # what the connection really reached
