@@ -241,6 +241,19 @@ def check_call_caps(cfg, *more: str) -> None:
     idle = cfg.stream_idle_timeout_s
     if not (isinstance(idle, (int, float)) and math.isfinite(idle) and idle > 0):
         raise ValueError(f"stream_idle_timeout_s must be > 0, got {idle!r}")
+    for name in ("keepalive_s", "keepalive_timeout_s"):
+        value = getattr(cfg, name)
+        if not _seconds(value) or value < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if cfg.keepalive_s > 0 and cfg.keepalive_timeout_s <= 0:
+        raise ValueError(
+            f"keepalive_timeout_s must be > 0 while keepalive_s is on ({cfg.keepalive_s:g}), "
+            f"got {cfg.keepalive_timeout_s!r}"
+        )
+
+
+def _seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_message_bytes(cfg: "AgentConfig") -> None:
@@ -306,6 +319,13 @@ class AgentConfig:
     # unary call whose message has not arrived whole, a client stream (Put) between two
     # messages. It would hold its call, one of its tenant's, and what it sent, for ever.
     stream_idle_timeout_s: float = 30.0
+    # Every gRPC connection is pinged (HTTP/2 PING) every keepalive_s; one whose client
+    # does not answer within keepalive_timeout_s is closed, and its calls end. A client
+    # whose host died or was cut off, or whose process is stopped, would otherwise hold
+    # its calls (its tenant's share of them) and the responses queued for it until the
+    # kernel gave up on the connection (~15 min). 0: no pings.
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
     # Health.Watch streams (open to anyone, never ended by the server) open at once on the
     # whole port and from one peer address (host); more are refused RESOURCE_EXHAUSTED.
     # 0: no cap.
@@ -483,6 +503,9 @@ class RouterConfig:
     # A call whose message has not arrived whole this long after it started is ended
     # (DEADLINE_EXCEEDED), its call given back to its tenant.
     stream_idle_timeout_s: float = 30.0
+    # Connections pinged and closed when their client does not answer, as the agent's.
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
     # Health.Watch streams open at once, on the whole port and from one peer address
     # (host), and Health.Check calls in progress from one address, as the agent's. 0: no
     # cap.

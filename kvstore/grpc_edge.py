@@ -291,6 +291,24 @@ WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 
+def keepalive_options(every_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """A server's options for pinging its clients (keepalive_s, keepalive_timeout_s): a
+    PING every `every_s` on every connection, idle or not, whether or not the server has
+    sent data since the last one; a connection whose client does not answer within
+    `timeout_s` is closed and its calls cancelled. None when `every_s` is 0."""
+    if every_s <= 0:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", max(1, round(every_s * 1000))),
+        ("grpc.keepalive_timeout_ms", max(1, round(timeout_s * 1000))),
+        # Any PING, the transport's own (BDP) included: one unanswered holds back the
+        # keepalive PINGs, and gRPC's default wait for it is a minute.
+        ("grpc.http2.ping_timeout_ms", max(1, round(timeout_s * 1000))),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 class CallGate:
     """Calls in flight per caller, at most `cap` each (0: no cap), so that one caller
     cannot hold every call a server serves at once; callers in `exempt` (None: a

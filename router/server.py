@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
-from kvstore.grpc_edge import status_for
+from kvstore.grpc_edge import keepalive_options, status_for
 from kvstore import errors
 from kvstore.process import (
     StartupError,
@@ -249,7 +249,10 @@ class RouterServer:
         access = RouterAccess(self.cfg, self.owners)
         self.server = grpc.aio.server(
             interceptors=[*self.telemetry.interceptors, AuthEdge(access, log, self.cfg)],
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                *keepalive_options(self.cfg.keepalive_s, self.cfg.keepalive_timeout_s),
+            ],
         )
         self.servicer = RouterServicer(self.core, access)
         self.servicer.observe = self.telemetry.observe_route

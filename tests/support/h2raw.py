@@ -1,8 +1,9 @@
 """A bare HTTP/2 (cleartext) client for gRPC attacker tests: open calls with the headers
 a gRPC client sends, then send a message in part, or none, or whole, as no gRPC library
-would let a test do. Responses are not decoded (HPACK): what a test sees is whether the
-server sent a stream DATA (a response message) and whether it ended it (trailers or
-RST_STREAM)."""
+would let a test do. It never reads a response: each stream's flow-control window stays
+at the server's first 64 KiB. It answers the server's PINGs unless told not to.
+Responses are not decoded (HPACK): what a test sees is whether the server sent a stream
+DATA (a response message) and whether it ended it (trailers or RST_STREAM)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ class H2:
     DATA on, `endings`: the payload of the frame that ended each (trailers are HPACK: a
     status message the server sends as a plain literal can be found in them)."""
 
-    def __init__(self, host: str, port: int, local_host: str | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, local_host: str | None = None, answer_pings: bool = True
+    ) -> None:
         self.host, self.port, self.local_host = host, port, local_host
+        self.answer_pings = answer_pings  # False: as a client whose host or process is gone
+        self.pings = 0  # PINGs the server sent
         self.next_id = 1
         self.conn_win = self.init_win = 65535
         self.win: dict[int, int] = {}
@@ -87,7 +92,9 @@ class H2:
         if typ == SETTINGS and not flags & ACK:
             self._settings(payload)
         elif typ == PING and not flags & ACK:
-            self._frame(PING, ACK, 0, payload)
+            self.pings += 1
+            if self.answer_pings:
+                self._frame(PING, ACK, 0, payload)
         elif typ == WINDOW_UPDATE:
             inc = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
             if sid == 0:

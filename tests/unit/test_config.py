@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.config import AgentConfig, PeerConfig, RouterConfig, TenantConfig, load_config, to_dict
 from kvstore.policy import NamespacePolicy
+from kvstore.grpc_edge import keepalive_options
 
 MiB = 1 << 20
 YAML = """\
@@ -183,6 +184,14 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         ("tenant_pin_fraction", -0.1, "tenant_pin_fraction must be a number from 0 to 1"),
         ("tenant_pin_fraction", "nan", "tenant_pin_fraction must be a number from 0 to 1"),
         ("tenant_pin_fraction", "half", "tenant_pin_fraction"),
+        ("keepalive_s", -1, r"keepalive_s must be a number of seconds >= 0, got -1"),
+        ("keepalive_s", "nan", "keepalive_s must be a number of seconds >= 0, got nan"),
+        ("keepalive_timeout_s", "inf", "keepalive_timeout_s must be a number of seconds"),
+        (
+            "keepalive_timeout_s",
+            0,
+            r"keepalive_timeout_s must be > 0 while keepalive_s is on \(60\), got 0",
+        ),
     ],
 )
 def test_bad_values_name_the_field(field, value, match):
@@ -438,3 +447,15 @@ def test_encryption_section_from_file_and_env(tmp_path, monkeypatch):
 def test_bad_encryption_settings_name_the_field(section, match):
     with pytest.raises(ValueError, match=match):
         load_config(AgentConfig, overrides={"encryption": section})
+
+
+def test_keepalive_can_be_turned_off_and_is_checked_on_routers_too():
+    base = {"pool_bytes": "1MiB", "slot_bytes": "64KiB"}
+    off = load_config(AgentConfig, overrides={**base, "keepalive_s": 0, "keepalive_timeout_s": 0})
+    assert (off.keepalive_s, off.keepalive_timeout_s) == (0, 0)
+    assert keepalive_options(off.keepalive_s, off.keepalive_timeout_s) == []
+    on = dict(keepalive_options(1.5, 0.25))
+    assert on["grpc.keepalive_time_ms"] == 1500 and on["grpc.keepalive_timeout_ms"] == 250
+    assert on["grpc.http2.max_pings_without_data"] == 0  # pings go on while nothing is sent
+    with pytest.raises(ValueError, match=r"keepalive_timeout_s must be > 0 while keepalive_s"):
+        load_config(RouterConfig, overrides={"keepalive_timeout_s": 0})
