@@ -41,6 +41,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         super().error(_QUOTED.sub(lambda m: clip(m.group()[1:-1]), message))
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Arguments no parser knows are refused by the command's own parser, with its
+        usage ('kvctl status --bogus' showed kvctl's top-level usage)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {clip(' '.join(extras), bare=True)}")
+        return parsed, extras
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(

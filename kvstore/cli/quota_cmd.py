@@ -135,7 +135,9 @@ async def _quota_set(cp: ControlPlane, etcd, args) -> dict[str, Quota] | None:
 
 def cmd_audit(args) -> int:
     async def body(etcd) -> int:
-        records = await ControlPlane(etcd).audit_log(args.limit)
+        records, unreadable = await ControlPlane(etcd).audit_log(args.limit)
+        for why in unreadable:
+            print(f"kvctl audit: {shown(why)}", file=sys.stderr)
         if args.output == "json":
             print_json([asdict(r) for r in records])
         elif records:
@@ -160,9 +162,9 @@ def cmd_audit(args) -> int:
                     ],
                 )
             )
-        else:
+        elif not unreadable:
             print("no admin actions recorded")
-        return OK
+        return FAILED if unreadable else OK
 
     return run(args, body)
 

@@ -223,15 +223,21 @@ class ControlPlane:
         await self.etcd.put(key, rec.to_json())
         return key
 
-    async def audit_log(self, limit: int = 50) -> list[AuditRecord]:
+    async def audit_log(self, limit: int = 50) -> tuple[list[AuditRecord], list[str]]:
+        """(the last `limit` audit records that read, oldest first (0: all), why each of
+        the others among them does not): a damaged record does not end the listing, and
+        is not passed over in silence either."""
         _, items = await self.etcd.list(AUDIT)
-        out = []
+        out, bad = [], []
         for kv in items[-limit:] if limit else items:
             try:
                 out.append(AuditRecord.parse(kv.value))
-            except (ValueError, KeyError, TypeError):
-                continue  # a damaged record is skipped, not fatal to the listing
-        return out
+            except (ValueError, KeyError, TypeError) as exc:
+                bad.append(
+                    f"etcd key {kv.key} holds no readable audit record "
+                    f"({clip(f'{type(exc).__name__}: {exc}')}): not shown"
+                )
+        return out, bad
 
     # ------------------------------------------------------------------- flush
     async def _matching(self, tenant: str, name: str):

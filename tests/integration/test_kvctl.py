@@ -127,6 +127,30 @@ def test_quota_commands_in_both_formats(etcd, capsys):
     assert "quota-clear" in lines[1] and "ops@test" in lines[1]
 
 
+def test_damaged_audit_records_are_named_not_skipped(etcd, capsys):
+    """`kvctl audit` passed over a record it could not read without a word (exit 0): an
+    edit by hand or a record cut short went unnoticed in the one log of what operators
+    did. The others are still listed; the damaged ones are named on stderr, exit 1."""
+    import asyncio
+
+    from kvstore.coord.admin_records import AUDIT
+    from kvstore.coord.etcd import EtcdClient
+
+    async def put(key: str, value: bytes) -> None:
+        async with EtcdClient(etcd.endpoint, timeout=5) as c:
+            await c.put(key, value)
+
+    e = ("--etcd", etcd.endpoint)
+    assert run(capsys, "quota", "set", "acme", "--hbm", "1GiB", *e)[0] == 0
+    asyncio.run(put(AUDIT + "99999999999999999999-zz", b'{"at": "soon"}'))
+    rc, out, err = run(capsys, "audit", *e)
+    assert rc == 1 and "quota-set" in out, (out, err)
+    assert f"kvctl audit: etcd key {AUDIT}99999999999999999999-zz holds no readable" in err, err
+    assert [a["action"] for a in run_json(capsys, "audit", *e, rc=1)] == ["quota-set"]
+    assert run(capsys, "audit", "--limit", "1", *e)[0] == 1  # the damaged one is the last
+    assert run(capsys, "audit", "--limit", "0", *e)[0] == 1
+
+
 def _traffic(client: AgentClient) -> None:
     """acme: one full hit (4/4 blocks) and one miss (0/12): request-weighted 50%,
     token-weighted 25%. beta: one full hit."""

@@ -84,6 +84,7 @@ def test_version(capsys):
         ("plan", "--hbm", "1GiB", "--model", "m" * 300),
         ("plan", "--hbm", "1GiB", "--model", "llama-3-8b", "--kv-dtype", "d" * 300),
         ("quota", "set", "acme", "--hbm", "9" * 300 + "GiB"),
+        ("status", "--bogus", "u" * 300),  # unrecognized arguments
     ],
 )
 def test_a_long_argument_is_echoed_cut_at_80_characters(capsys, argv):
@@ -92,3 +93,19 @@ def test_a_long_argument_is_echoed_cut_at_80_characters(capsys, argv):
     rc, _, err = run(capsys, *argv, *(("--etcd", "127.0.0.1:1") if argv[0] != "plan" else ()))
     assert rc == 2, err
     assert "chars)" in err and max(map(len, err.split())) < 100, err
+
+
+@pytest.mark.parametrize(
+    "argv,command,extras",
+    [
+        (("status", "--bogus"), "kvctl status", "--bogus"),
+        (("cluster", "status", "--bogus"), "kvctl cluster status", "--bogus"),
+        (("quota", "get", "acme", "--x", "1"), "kvctl quota get", "--x 1"),
+    ],
+)
+def test_an_unknown_option_is_refused_with_its_commands_usage(capsys, argv, command, extras):
+    """It was refused with kvctl's top-level usage ("kvctl [-h] [--version] COMMAND"),
+    which says nothing of the command's options."""
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and err.startswith(f"usage: {command} "), err
+    assert f"{command}: error: unrecognized arguments: {extras}\n" in err, err
