@@ -26,19 +26,19 @@ Every etcd failure (connection refused, timeout, lost quorum) surfaces as
 never see etcd3aio or grpc exceptions. Watches resume from the revision after the last
 event they delivered (etcd keeps revisions across restarts) and report a compaction so
 the caller relists.
+
+The key names and the records (etcd_records.py) and the endpoints (etcd_endpoints.py) are
+in modules of their own; this one imports them back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import ipaddress
 import json
 import logging
-import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
 
 import grpc
 from etcd3aio import (
@@ -62,197 +62,32 @@ from etcd3aio.lease import LeaseService
 
 from kvstore import errors
 from kvstore.coord.engines import ENGINES, EngineRecord
-from kvstore.coord.records import record_from_json
+from kvstore.coord.etcd_endpoints import _CHANNEL_OPTIONS, channel_target, parse_endpoints
+from kvstore.coord.etcd_records import (  # FLUSHES, NS_COUNTS: for importers of this module
+    FLUSHES as FLUSHES,
+    KILLSWITCH,
+    NAMESPACES,
+    NODES,
+    NS_COUNTS as NS_COUNTS,
+    TENANTS,
+    KeyValue,
+    NamespaceClaim,
+    NamespaceRecord,
+    NodeRecord,
+    WatchEvent,
+    _NsSnapshot,
+    flush_marker_key,
+    killswitch_enabled,
+    namespace_key,
+    ns_count_key,
+)
 from kvstore.config import TLSConfig
 from kvstore.tls import channel_credentials
-from kvstore.units import host_problem, split_port
 
 log = logging.getLogger("kvstore.etcd")
 
 DEFAULT_PREFIX = "/kvstore/"
-NODES = "nodes/"
-NAMESPACES = "namespaces/"
-TENANTS = "tenants/"
-KILLSWITCH = "killswitch"
-FLUSHES = "flushes/"
-NS_COUNTS = "ns-counts/"
 _CAS_ATTEMPTS = 16
-# Reconnect quickly after an etcd restart; grpc's default backoff grows to two minutes.
-_CHANNEL_OPTIONS = [
-    ("grpc.lb_policy_name", "round_robin"),
-    ("grpc.keepalive_time_ms", 5_000),
-    ("grpc.keepalive_timeout_ms", 3_000),
-    ("grpc.keepalive_permit_without_calls", True),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
-
-
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """'host:port[,host:port]' (an http:// scheme is accepted and dropped)."""
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    out = []
-    for item in items:
-        item = item.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme) :]
-        item = item.rstrip("/")
-        if item:
-            parts = split_port(item)
-            if parts is None:
-                raise ValueError(f"etcd endpoint {item!r} is not host:port")
-            host, port = parts
-            if not 0 < port < 65536:
-                raise ValueError(f"etcd endpoint {item!r}: the port must be in 1..65535")
-            if problem := host_problem(host):
-                raise ValueError(f"etcd endpoint {item!r}: {problem}")
-            out.append(f"127.0.0.1:{port}" if host == "localhost" else item)
-    if not out:
-        raise ValueError("no etcd endpoints given")
-    return out
-
-
-def _ip_family(host: str) -> int | None:
-    """4 or 6 for an IP address literal ([bracketed] for IPv6), None for a name."""
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).version
-    except ValueError:
-        return None
-
-
-def channel_target(endpoints: list[str]) -> str:
-    """The gRPC target of one channel over `endpoints` (parse_endpoints). IP addresses of
-    one family: all of them (gRPC spreads calls and fails over among them). One name:
-    `dns:///name:port`, which gRPC resolves, and re-resolves when connections fail, to
-    every address it has (a name for every member, e.g. a headless Service, fails over
-    the same way). Several names, or IPv4 beside IPv6, cannot share one channel: the
-    first endpoint only, with a warning saying what to give instead."""
-    families = {_ip_family(e.rsplit(":", 1)[0]) for e in endpoints}
-    if families == {4}:
-        return "ipv4:" + ",".join(endpoints)
-    if families == {6}:
-        return "ipv6:" + ",".join(endpoints)
-    if len(endpoints) > 1:
-        log.warning(
-            "etcd endpoints %s: one connection balances over IP addresses of one family or "
-            "over the addresses of one name, not over several names; using %s only. For "
-            "failover give IP addresses, or one name that resolves to every member (e.g. "
-            "etcd's headless Service)",
-            ",".join(endpoints),
-            endpoints[0],
-        )
-    first = endpoints[0]
-    return first if _ip_family(first.rsplit(":", 1)[0]) else f"dns:///{first}"
-
-
-# ------------------------------------------------------------------------- records
-@dataclass(frozen=True, slots=True)
-class NodeRecord:
-    """What an agent publishes about itself under nodes/<node_id>."""
-
-    node_id: str
-    address: str  # gRPC data plane host:port
-    peer_address: str = ""  # peer-transfer endpoint (empty until peer transfer exists)
-    device: str = ""
-    hbm_capacity_bytes: int = 0
-    nvme_capacity_bytes: int = 0
-    utilization: float = 0.0  # device pool occupancy 0..1
-    blocks: int = 0  # blocks held, every tier
-    epoch: str = ""  # changes when the agent process restarts
-    # Measured cost of this agent's peer pulls (kvstore/pullcost.py): seconds = fixed +
-    # bytes x per byte, fitted over `pull_samples` pulls (0: none yet, use the router's
-    # configured peer_gbps).
-    pull_fixed_ms: float = 0.0
-    pull_ms_per_mib: float = 0.0
-    pull_samples: int = 0
-    # The agent's proof that an agent wrote node_id and its addresses: HMAC-SHA256 under a
-    # key derived from the agent token (node_agent/peer/credential.py). Only agents check
-    # it, to decide where a pull may show the agent credential; every other reader
-    # (router, kvctl) ignores it. "": an agent without an agent token.
-    signature: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.node_id or "/" in self.node_id:
-            raise ValueError(f"node_id must be non-empty without '/', got {self.node_id!r}")
-        if not self.address:
-            raise ValueError(f"node {self.node_id}: address is empty")
-        if not (
-            isinstance(self.utilization, (int, float))
-            and math.isfinite(self.utilization)
-            and 0.0 <= self.utilization <= 1.0
-        ):
-            raise ValueError(f"node {self.node_id}: utilization must be in [0, 1]")
-        for name in ("pull_fixed_ms", "pull_ms_per_mib", "pull_samples"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"node {self.node_id}: {name} must be a finite number >= 0")
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "NodeRecord":
-        # Newer agents may add fields; an older router ignores what it does not know.
-        return record_from_json(cls, raw, "node record")
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: str  # relative to the client's prefix
-    value: bytes
-    mod_revision: int
-    lease: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    key: str  # relative to the client's prefix
-    value: bytes  # empty for deletes
-    mod_revision: int
-    deleted: bool
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceClaim:
-    """What `EtcdClient.claim_namespace` found or wrote."""
-
-    generation: int  # recorded in etcd now (0 and nothing written when flushed_at > seen)
-    created: bool  # this claim created the record
-    flushed_at: int  # mod revision of the name's flush marker (0: never flushed)
-    count: int  # the tenant's namespace records, as of the claim
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceRecord:
-    """One namespaces/<tenant>/<id> record, as operators list them."""
-
-    tenant: str
-    ns_hex: str
-    name: str
-    model_name: str
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class _NsSnapshot:
-    record: KeyValue | None
-    flushed_at: int
-    count: int
-    count_mod: int  # mod revision of the tenant's counter (0: none yet)
-
-
-def namespace_key(tenant: str, ns_id: bytes) -> str:
-    return f"{NAMESPACES}{tenant}/{ns_id.hex()}"
-
-
-def ns_count_key(tenant: str) -> str:
-    return f"{NS_COUNTS}{tenant}"
-
-
-def flush_marker_key(tenant: str, name: str) -> str:
-    return f"{FLUSHES}{tenant}/{name}"
 
 
 class Compacted(Exception):
@@ -773,14 +608,3 @@ class EtcdClient:
     async def get_killswitch(self) -> bool:
         kv = await self.get(KILLSWITCH)
         return killswitch_enabled(kv.value if kv else b"")
-
-
-def killswitch_enabled(raw: bytes) -> bool:
-    """A present, parseable killswitch key with enabled=true; garbage counts as on, since
-    a half-written switch is more likely a pollution alarm than a typo worth ignoring."""
-    if not raw:
-        return False
-    try:
-        return bool(json.loads(raw).get("enabled", True))
-    except (ValueError, AttributeError):
-        return True
