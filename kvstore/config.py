@@ -323,7 +323,8 @@ class AgentConfig:
     # does not answer within keepalive_timeout_s is closed, and its calls end. A client
     # whose host died or was cut off, or whose process is stopped, would otherwise hold
     # its calls (its tenant's share of them) and the responses queued for it until the
-    # kernel gave up on the connection (~15 min). 0: no pings.
+    # connection broke: ~15 min of retransmissions for a host that died, never for a
+    # stopped process or a frozen VM. 0: no pings.
     keepalive_s: float = 60.0
     keepalive_timeout_s: float = 20.0
     # Health.Watch streams (open to anyone, never ended by the server) open at once on the

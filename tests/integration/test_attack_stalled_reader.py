@@ -6,10 +6,10 @@ PINGs or, like a client whose host died or whose process is stopped, does not:
 - a Get whose caller reads nothing holds its call, one of its tenant's
   max_calls_per_tenant, and the responses queued for it, for as long as the connection
   lasts. A server cannot end such a call itself: gRPC sends its status behind the data
-  already queued. With no PINGs the connection of a caller that is gone lasted until the
-  kernel gave up on it (~15 min); now the server pings every connection (keepalive_s)
-  and closes one whose client does not answer within keepalive_timeout_s, and its calls
-  end;
+  already queued. With no PINGs the connection of a caller that is gone lasted until it
+  broke (~15 min of retransmissions for a host that died; never, for a stopped process);
+  now the server pings every connection (keepalive_s) and closes one whose client does
+  not answer within keepalive_timeout_s, and its calls end;
 - a caller that answers the PINGs but reads nothing keeps its calls: those are bounded by
   max_calls_per_tenant, as every call of a tenant is."""
 
