@@ -32,13 +32,21 @@ class Admission:
         self._waiting: Counter[str] = Counter()  # holders and waiters of each semaphore
 
     @contextlib.contextmanager
-    def prepare(self, tenant: str) -> Iterator[None]:
-        """Counts the request as the tenant's while the body holds."""
+    def prepare(self, tenant: str) -> Iterator[Callable[[int], None]]:
+        """Counts the request as the tenant's while the body holds: as one, and more
+        once the function it yields is called (its other choices, once its body says)."""
+        held = 1
         self.preparing[tenant] += 1
+
+        def more(n: int) -> None:
+            nonlocal held
+            self.preparing[tenant] += n
+            held += n
+
         try:
-            yield
+            yield more
         finally:
-            self.preparing[tenant] -= 1
+            self.preparing[tenant] -= held
             if self.preparing[tenant] <= 0:
                 del self.preparing[tenant]
 

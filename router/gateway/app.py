@@ -26,6 +26,7 @@ StreamingResponse, which watches for the client going away.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -41,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from router.gateway.admission import Admission
-from router.gateway.body import BadBody, check_fields, read_json
+from router.gateway.body import BadBody, check_fields, choices, read_json
 from router.gateway.config import ApiKeys, GatewayConfig, Grant, ReloadingApiKeys
 from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
@@ -391,15 +392,22 @@ class Gateway:
             # Before the body is parsed or its prompt tokenized, and counted from here
             # (router/gateway/admission.py).
             self._admit(tenant)
-            with self.admission.prepare(tenant):
+            with self.admission.prepare(tenant) as prepared:
                 read = await self._body(scope, receive, tenant)
                 if read is None:
                     return None  # nothing to answer: the client is gone
                 body, size = read
                 self._permit(grant, body.get("model"))
                 model, codec = self._codec(body)
+                sequences = choices(body)
+                # Its other choices count from here too, before its prompt is tokenized.
+                more = self._tenant_weight(sequences) - 1
+                if more:
+                    self._admit(tenant, more, sequences)
+                    prepared(more)
                 ids = await self._tokens(body, codec, chat, size, tenant)
                 plan = self.planner.plan(self.engines.namespace_of(model), ids, tenant, model)
+                plan = dataclasses.replace(plan, weight=sequences)
             # Server-side, always: a caller must not pick (or probe) another's salt, nor
             # talk to the connector directly.
             body["cache_salt"] = plan.salt
@@ -420,24 +428,38 @@ class Gateway:
         if isinstance(model, str) and model and not grant.allows(model):
             raise HTTPFailure(403, f"this API key may not use model {model!r}", "permission_error")
 
-    def _admit(self, tenant: str) -> None:
+    def _admit(self, tenant: str, more: int = 1, sequences: int = 1) -> None:
+        """Room for `more` of the tenant's in-flight cap: 1 as a request arrives, before
+        its body is read; then its other choices (`sequences` in all), once it is."""
         cap = self.cfg.max_inflight_per_tenant
-        if cap and self.tenant_inflight[tenant] + self.admission.preparing[tenant] >= cap:
+        if cap and self.tenant_inflight[tenant] + self.admission.preparing[tenant] + more > cap:
+            asks = f" (this one asks {sequences} choices, which count as that many)"
             raise HTTPFailure(
                 429,
-                f"this API key's tenant has {cap} requests in flight; retry later",
+                f"this API key's tenant has {cap} requests in flight"
+                f"{asks if sequences > 1 else ''}; retry later",
                 "rate_limit_error",
                 {"Retry-After": str(self.cfg.retry_after_s)},
             )
 
+    def _tenant_weight(self, sequences: int) -> int:
+        """What a request of `sequences` choices counts against max_inflight_per_tenant:
+        that many, at most the whole cap (so it runs when the tenant has nothing else)."""
+        cap = self.cfg.max_inflight_per_tenant
+        return max(1, min(sequences, cap) if cap else sequences)
+
     def _choose(self, model: str, plan: Plan, tried: set[str]) -> EngineState:
-        pick = self.engines.pick(model, self.cfg.policy, plan.engines, plan.first_block, tried)
+        pick = self.engines.pick(
+            model, self.cfg.policy, plan.engines, plan.first_block, tried, plan.weight
+        )
         if pick.engine is not None:
             return pick.engine
         if pick.saturated:
             raise HTTPFailure(
                 429,
-                "every engine serving this model is at its in-flight limit; retry later",
+                "every engine serving this model is at its in-flight limit"
+                + (f" for {plan.weight} more sequences" if plan.weight > 1 else "")
+                + "; retry later",
                 "rate_limit_error",
                 {"Retry-After": str(self.cfg.retry_after_s)},
             )
@@ -528,16 +550,16 @@ class Gateway:
         return self._whole(upstream, st, plan, first)
 
     def _hold(self, st: EngineState, plan: Plan) -> None:
-        self.engines.acquire(st)
+        self.engines.acquire(st, plan.weight)
         self.planner.hold(plan, st.record)
         self.metrics.inflight.inc()
-        self.tenant_inflight[plan.tenant] += 1
+        self.tenant_inflight[plan.tenant] += self._tenant_weight(plan.weight)
 
     def _done(self, st: EngineState, plan: Plan) -> None:
-        self.engines.release(st)
+        self.engines.release(st, plan.weight)
         self.planner.release(plan)
         self.metrics.inflight.dec()
-        self.tenant_inflight[plan.tenant] -= 1
+        self.tenant_inflight[plan.tenant] -= self._tenant_weight(plan.weight)
         if self.tenant_inflight[plan.tenant] <= 0:
             del self.tenant_inflight[plan.tenant]
 

@@ -169,5 +169,11 @@ def check_fields(body: dict[str, Any], max_choices: int) -> None:
             raise BadBody(f"{name} must be a number")
 
 
+def choices(body: dict[str, Any]) -> int:
+    """The sequences a request (checked by check_fields) has the engine generate at once:
+    `n`, or `best_of` where larger (vLLM generates best_of and returns the best n)."""
+    return max(body.get("n") or 1, body.get("best_of") or 1)
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -84,8 +84,8 @@ class GatewayConfig:
     tokenize_threads: int = 2
     max_tokenizing_per_tenant: int = 1
     # The most completions one request may ask of the engine (`n`, `best_of`); more is
-    # refused (400): a request's n choices weigh on the engine like n requests, while the
-    # tenant's in-flight cap counts it once.
+    # refused (400). A request's n choices weigh on the engine like n requests, and count
+    # as n against max_inflight_per_engine and max_inflight_per_tenant (at most the cap).
     max_choices: int = 16
     # /metrics on the gateway's own port. Off by default: the page counts every tenant's
     # requests, and any caller reaching the port would read them. The same page is always

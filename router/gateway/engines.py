@@ -98,11 +98,16 @@ class EngineSet:
             log.info("engine %s left", engine_id)
 
     # ------------------------------------------------------------ load
-    def acquire(self, st: EngineState) -> None:
-        st.inflight += 1
+    def weight(self, sequences: int) -> int:
+        """What a request asking `sequences` at once counts against an engine's
+        max_inflight: that many, at most the whole cap (so it runs on an idle engine)."""
+        return max(1, min(sequences, self.max_inflight))
 
-    def release(self, st: EngineState) -> None:
-        st.inflight = max(0, st.inflight - 1)
+    def acquire(self, st: EngineState, sequences: int = 1) -> None:
+        st.inflight += self.weight(sequences)
+
+    def release(self, st: EngineState, sequences: int = 1) -> None:
+        st.inflight = max(0, st.inflight - self.weight(sequences))
 
     def suspend(self, st: EngineState) -> None:
         st.suspended_until = self.clock() + self.suspend_s
@@ -114,13 +119,16 @@ class EngineSet:
             key=lambda s: s.record.engine_id,
         )
 
-    def _eligible(self, model: str, exclude: set[str]) -> tuple[list[EngineState], Pick | None]:
+    def _eligible(
+        self, model: str, exclude: set[str], sequences: int
+    ) -> tuple[list[EngineState], Pick | None]:
         all_ = self.serving(model)
         if not all_:
             return [], Pick(None, known=False)
         now = self.clock()
         live = [s for s in all_ if s.record.engine_id not in exclude and s.suspended_until <= now]
-        free = [s for s in live if s.inflight < self.max_inflight]
+        need = self.weight(sequences)
+        free = [s for s in live if s.inflight + need <= self.max_inflight]
         if not free:
             return [], Pick(None, saturated=bool(live))
         return free, None
@@ -132,10 +140,12 @@ class EngineSet:
         ranked_engines: Sequence[str] = (),
         key: bytes = b"",
         exclude: set[str] | None = None,
+        sequences: int = 1,
     ) -> Pick:
         """`ranked_engines`: the router's candidate engine ids, cheapest first (policy
-        "cache"); `key`: what "hash" hashes (the prompt's first block id)."""
-        free, none = self._eligible(model, exclude or set())
+        "cache"); `key`: what "hash" hashes (the prompt's first block id); `sequences`:
+        what the request asks at once (n choices weigh like n requests: `weight`)."""
+        free, none = self._eligible(model, exclude or set(), sequences)
         if none is not None:
             return none
         if policy == "round_robin":

@@ -42,6 +42,9 @@ class Plan:
     salt: str
     first_block: bytes  # the prompt's first chain id ("hash" policy); b"": shorter than one
     scores: tuple[EngineScore, ...] = ()  # the router's candidate engines, cheapest first
+    # The sequences the request asks the engine for (body.choices: n, best_of): what it
+    # counts against the engines' and its tenant's in-flight caps.
+    weight: int = 1
 
     @property
     def engines(self) -> list[str]:

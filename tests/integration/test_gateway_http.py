@@ -142,6 +142,53 @@ def test_every_engine_saturated_is_429_with_retry_after(
     assert httpx.post(url, json=_chat(), headers=GLOBEX).status_code == 200  # released
 
 
+def test_n_choices_count_as_n_against_the_engines_and_the_tenants_caps(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """A request's n choices (or best_of) weigh on an engine like n requests, and now
+    count so: both caps counted a request once whatever its n, and one tenant within
+    its cap (8) put 8 x 16 sequences on one engine (cap 16) in a probe, where vLLM's API
+    server stopped answering /health and every tenant got 503 for two minutes."""
+    gw = start_gateway(
+        {MODEL: tokenizer_dir}, {"max_inflight_per_engine": 4, "max_inflight_per_tenant": 3}
+    )
+    start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    url = gw.url + "/v1/chat/completions"
+    held: list[httpx.Response] = []
+    t = threading.Thread(
+        target=lambda: held.append(
+            httpx.post(url, json=_chat(n=3, standin_delay_s=6), headers=ACME, timeout=30)
+        )
+    )
+    t.start()
+    wait_for(
+        lambda: "kvstore_gateway_inflight 1.0" in gw.metrics(),
+        20,
+        0.05,
+        what="one request in flight",
+    )
+    try:
+        # acme: 3 of its 3 in flight, as one request of n=3.
+        r = httpx.post(url, json=_chat(), headers=ACME)
+        assert r.status_code == 429 and "3 requests in flight" in r.text, r.text
+        # The engine: 3 of its 4 taken. One more sequence fits; two do not, n or best_of.
+        for extra in ({"n": 2}, {"best_of": 2}):
+            r = httpx.post(url, json=_chat(**extra), headers=GLOBEX)
+            assert r.status_code == 429, r.text
+            assert "at its in-flight limit for 2 more sequences" in r.text, r.text
+        r = httpx.post(url, json=_chat(), headers=GLOBEX)
+        assert r.status_code == 200, r.text
+    finally:
+        t.join()
+    assert held[0].status_code == 200, held[0].text
+    # Released by its weight: then a request asking more than either cap runs alone,
+    # counting as the whole cap.
+    r = httpx.post(url, json=_chat(n=6), headers=ACME)
+    assert r.status_code == 200, r.text
+    assert "kvstore_gateway_inflight 0.0" in gw.metrics()
+
+
 def test_streaming_answer_is_the_engines_bytes(start_gateway, start_standin, tokenizer_dir):
     gw = start_gateway({MODEL: tokenizer_dir})
     w = start_standin("w0", MODEL)
