@@ -245,10 +245,15 @@ def check_call_caps(cfg, *more: str) -> None:
         value = getattr(cfg, name)
         if not _seconds(value) or value < 0:
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    if cfg.keepalive_s > 0 and cfg.keepalive_timeout_s <= 0:
+    if 0 < cfg.keepalive_s < 1:
         raise ValueError(
-            f"keepalive_timeout_s must be > 0 while keepalive_s is on ({cfg.keepalive_s:g}), "
-            f"got {cfg.keepalive_timeout_s!r}"
+            f"keepalive_s must be 0 (no pings) or at least 1 s (a PING on every connection "
+            f"that often), got {cfg.keepalive_s!r}"
+        )
+    if cfg.keepalive_s > 0 and cfg.keepalive_timeout_s < 1:
+        raise ValueError(
+            f"keepalive_timeout_s must be at least 1 s while keepalive_s is on "
+            f"({cfg.keepalive_s:g}), got {cfg.keepalive_timeout_s!r}"
         )
 
 

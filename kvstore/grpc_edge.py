@@ -295,7 +295,8 @@ def keepalive_options(every_s: float, timeout_s: float) -> list[tuple[str, int]]
     """A server's options for pinging its clients (keepalive_s, keepalive_timeout_s): a
     PING every `every_s` on every connection, idle or not, whether or not the server has
     sent data since the last one; a connection whose client does not answer within
-    `timeout_s` is closed and its calls cancelled. None when `every_s` is 0."""
+    `timeout_s` is closed and its calls cancelled. No options (no pings) when `every_s`
+    is 0."""
     if every_s <= 0:
         return []
     return [

@@ -174,9 +174,12 @@ class Quota:
         return f"hbm {one(self.hbm_limit_bytes)}, nvme {one(self.nvme_limit_bytes)}"
 
 
+_LATEST_AT = 253402300800  # 10000-01-01: the first second time.gmtime cannot show
+
+
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
-    at: float  # unix seconds
+    at: float  # unix seconds, from 0 to _LATEST_AT
     who: str
     action: str  # flush | killswitch | quota-set | quota-clear
     target: str
@@ -189,9 +192,16 @@ class AuditRecord:
 
     @classmethod
     def parse(cls, raw: bytes) -> "AuditRecord":
+        """ValueError (or KeyError, TypeError) for a record that is not one, its time
+        included: a number of seconds a calendar can show (kvctl audit prints it)."""
         d = json_object(raw, "audit record")
+        at = d["at"]
+        if isinstance(at, bool) or not isinstance(at, (int, float)):
+            raise ValueError(f"audit record's at is not a number of seconds: {clip(repr(at))}")
+        if not 0 <= at < _LATEST_AT:
+            raise ValueError(f"audit record's at is out of range: {clip(repr(at))}")
         return cls(
-            float(d["at"]),
+            float(at),
             str(d["who"]),
             str(d["action"]),
             str(d["target"]),

@@ -433,11 +433,11 @@ class Gateway:
         its body is read; then its other choices (`sequences` in all), once it is."""
         cap = self.cfg.max_inflight_per_tenant
         if cap and self.tenant_inflight[tenant] + self.admission.preparing[tenant] + more > cap:
-            asks = f" (this one asks {sequences} choices, which count as that many)"
+            asks = f"; this one asks {sequences} choices, counted as {more + 1}"
             raise HTTPFailure(
                 429,
-                f"this API key's tenant has {cap} requests in flight"
-                f"{asks if sequences > 1 else ''}; retry later",
+                f"this API key's tenant is at its cap of {cap} requests in flight (a request "
+                f"of n choices counts as n{asks if sequences > 1 else ''}); retry later",
                 "rate_limit_error",
                 {"Retry-After": str(self.cfg.retry_after_s)},
             )
@@ -458,7 +458,12 @@ class Gateway:
             raise HTTPFailure(
                 429,
                 "every engine serving this model is at its in-flight limit"
-                + (f" for {plan.weight} more sequences" if plan.weight > 1 else "")
+                + (
+                    f" for a request of {plan.weight} choices (counted as "
+                    f"{self.engines.weight(plan.weight)})"
+                    if plan.weight > 1
+                    else ""
+                )
                 + "; retry later",
                 "rate_limit_error",
                 {"Retry-After": str(self.cfg.retry_after_s)},

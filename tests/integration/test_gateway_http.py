@@ -158,7 +158,7 @@ def test_n_choices_count_as_n_against_the_engines_and_the_tenants_caps(
     held: list[httpx.Response] = []
     t = threading.Thread(
         target=lambda: held.append(
-            httpx.post(url, json=_chat(n=3, standin_delay_s=6), headers=ACME, timeout=30)
+            httpx.post(url, json=_chat(n=2, standin_delay_s=6), headers=ACME, timeout=30)
         )
     )
     t.start()
@@ -169,21 +169,30 @@ def test_n_choices_count_as_n_against_the_engines_and_the_tenants_caps(
         what="one request in flight",
     )
     try:
-        # acme: 3 of its 3 in flight, as one request of n=3.
-        r = httpx.post(url, json=_chat(), headers=ACME)
-        assert r.status_code == 429 and "3 requests in flight" in r.text, r.text
-        # The engine: 3 of its 4 taken. One more sequence fits; two do not, n or best_of.
-        for extra in ({"n": 2}, {"best_of": 2}):
+        # acme: 2 of its 3 in flight, as one request of n=2. One more fits; two do not,
+        # refused once the body says so (the request itself was admitted as one).
+        r = httpx.post(url, json=_chat(n=2), headers=ACME)
+        assert r.status_code == 429, r.text
+        assert "cap of 3 requests in flight" in r.text, r.text
+        assert "this one asks 2 choices, counted as 2" in r.text, r.text
+        # The engine: 2 of its 4 taken. Two more sequences fit; three do not.
+        for extra in ({"n": 3}, {"best_of": 3}):
             r = httpx.post(url, json=_chat(**extra), headers=GLOBEX)
             assert r.status_code == 429, r.text
-            assert "at its in-flight limit for 2 more sequences" in r.text, r.text
-        r = httpx.post(url, json=_chat(), headers=GLOBEX)
+            assert "for a request of 3 choices (counted as 3)" in r.text, r.text
+        r = httpx.post(url, json=_chat(n=2), headers=GLOBEX)
+        assert r.status_code == 200, r.text
+        r = httpx.post(url, json=_chat(), headers=ACME)
         assert r.status_code == 200, r.text
     finally:
         t.join()
     assert held[0].status_code == 200, held[0].text
-    # Released by its weight: then a request asking more than either cap runs alone,
-    # counting as the whole cap.
+    # A request refused once its choices were counted (tokenizing: an id out of the
+    # vocabulary) gives them back with it.
+    r = httpx.post(url, json={"model": MODEL, "prompt": [10**9], "n": 3}, headers=ACME)
+    assert r.status_code == 400, r.text
+    # Everything given back by its weight: a request asking more than either cap runs
+    # alone, counted as the whole cap.
     r = httpx.post(url, json=_chat(n=6), headers=ACME)
     assert r.status_code == 200, r.text
     assert "kvstore_gateway_inflight 0.0" in gw.metrics()

@@ -147,6 +147,15 @@ def test_damaged_audit_records_are_named_not_skipped(etcd, capsys):
     assert rc == 1 and "quota-set" in out, (out, err)
     assert f"kvctl audit: etcd key {AUDIT}99999999999999999999-zz holds no readable" in err, err
     assert [a["action"] for a in run_json(capsys, "audit", *e, rc=1)] == ["quota-set"]
+    # Times no calendar shows: they parsed, then printing them raised (a traceback, or
+    # exit 2 "Invalid value NaN" with nothing listed).
+    fields = b'"who": "x", "action": "flush", "target": "t", "ok": true, "result": "r"'
+    for i, at in enumerate((b"1e300", b"-1e20", b"NaN", b"9" * 400)):
+        asyncio.run(
+            put(f"{AUDIT}9999999999999999999{i}-bad", b'{"at": ' + at + b", " + fields + b"}")
+        )
+    rc, out, err = run(capsys, "audit", "--limit", "0", *e)
+    assert rc == 1 and "quota-set" in out and err.count("holds no readable") == 5, (out, err)
     assert run(capsys, "audit", "--limit", "1", *e)[0] == 1  # the damaged one is the last
     assert run(capsys, "audit", "--limit", "0", *e)[0] == 1
 

@@ -190,8 +190,9 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
         (
             "keepalive_timeout_s",
             0,
-            r"keepalive_timeout_s must be > 0 while keepalive_s is on \(60\), got 0",
+            r"keepalive_timeout_s must be at least 1 s while keepalive_s is on \(60\), got 0",
         ),
+        ("keepalive_s", 0.001, r"keepalive_s must be 0 \(no pings\) or at least 1 s"),
     ],
 )
 def test_bad_values_name_the_field(field, value, match):
@@ -457,5 +458,5 @@ def test_keepalive_can_be_turned_off_and_is_checked_on_routers_too():
     on = dict(keepalive_options(1.5, 0.25))
     assert on["grpc.keepalive_time_ms"] == 1500 and on["grpc.keepalive_timeout_ms"] == 250
     assert on["grpc.http2.max_pings_without_data"] == 0  # pings go on while nothing is sent
-    with pytest.raises(ValueError, match=r"keepalive_timeout_s must be > 0 while keepalive_s"):
+    with pytest.raises(ValueError, match=r"keepalive_timeout_s must be at least 1 s while"):
         load_config(RouterConfig, overrides={"keepalive_timeout_s": 0})
