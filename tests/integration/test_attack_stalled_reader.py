@@ -92,6 +92,16 @@ async def _stats(address: str, who: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+async def _closed_and_acme_served(gone: H2, address: str) -> None:
+    """Until the agent has closed `gone`'s connection and then serves acme again."""
+    async with asyncio.timeout(60):
+        async with gone.cond:
+            await gone.cond.wait_for(lambda: gone.gone)
+    async with asyncio.timeout(30):
+        while await _stats(address, "acme") != grpc.StatusCode.OK:
+            await asyncio.sleep(0.1)
+
+
 def test_the_gets_of_a_caller_that_is_gone_end_when_it_stops_answering_pings(spawn_agent):
     """Before keepalive_s, acme stayed refused on both agents until the connection was
     closed from the client's side."""
@@ -105,12 +115,7 @@ def test_the_gets_of_a_caller_that_is_gone_end_when_it_stops_answering_pings(spa
             # Every call of acme's is held on both: its next one is refused.
             for agent in (pinging, silent):
                 assert await _stats(agent.address, "acme") == grpc.StatusCode.RESOURCE_EXHAUSTED
-            async with asyncio.timeout(60):
-                async with gone.cond:
-                    await gone.cond.wait_for(lambda: gone.gone)
-            async with asyncio.timeout(30):
-                while await _stats(pinging.address, "acme") != grpc.StatusCode.OK:
-                    await asyncio.sleep(0.1)
+            await _closed_and_acme_served(gone, pinging.address)
             # Without PINGs nothing ended the other connection, nor gave acme its calls.
             assert not held.gone and not held.closed
             assert await _stats(silent.address, "acme") == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -133,12 +138,7 @@ def test_a_caller_that_answers_pings_keeps_its_calls_within_its_tenants_cap(spaw
         gone, _ = await _gets(agent.address, body, 1, answer_pings=False)
         try:
             assert await _stats(agent.address, "acme") == grpc.StatusCode.RESOURCE_EXHAUSTED
-            async with asyncio.timeout(60):
-                async with gone.cond:
-                    await gone.cond.wait_for(lambda: gone.gone)
-            async with asyncio.timeout(30):
-                while await _stats(agent.address, "acme") != grpc.StatusCode.OK:
-                    await asyncio.sleep(0.1)
+            await _closed_and_acme_served(gone, agent.address)
             pinged = live.pings
             async with asyncio.timeout(60):  # three more PINGs answered
                 async with live.cond:
