@@ -42,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from router.gateway.admission import Admission
-from router.gateway.body import BadBody, check_fields, choices, read_json
+from router.gateway.body import BadBody, check_fields, choices, counted, read_json
 from router.gateway.config import ApiKeys, GatewayConfig, Grant, ReloadingApiKeys
 from router.gateway.engines import EngineSet, EngineState
 from router.gateway.metrics import GatewayMetrics
@@ -443,10 +443,9 @@ class Gateway:
             )
 
     def _tenant_weight(self, sequences: int) -> int:
-        """What a request of `sequences` choices counts against max_inflight_per_tenant:
-        that many, at most the whole cap (so it runs when the tenant has nothing else)."""
-        cap = self.cfg.max_inflight_per_tenant
-        return max(1, min(sequences, cap) if cap else sequences)
+        """What a request of `sequences` choices counts against max_inflight_per_tenant
+        (body.counted)."""
+        return counted(sequences, self.cfg.max_inflight_per_tenant)
 
     def _choose(self, model: str, plan: Plan, tried: set[str]) -> EngineState:
         pick = self.engines.pick(

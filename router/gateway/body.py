@@ -175,5 +175,12 @@ def choices(body: dict[str, Any]) -> int:
     return max(body.get("n") or 1, body.get("best_of") or 1)
 
 
+def counted(sequences: int, cap: int) -> int:
+    """What a request of `sequences` choices counts against an in-flight cap (an engine's,
+    a tenant's): that many, at most the whole cap, so that it runs once nothing else
+    holds it (0: no cap)."""
+    return max(1, min(sequences, cap) if cap else sequences)
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvstore.coord.engines import EngineRecord, EngineRecordReader
 from kvstore.coord.etcd import KeyValue, WatchEvent
+from router.gateway.body import counted
 
 __all__ = ["EngineSet", "EngineState", "Pick"]
 
@@ -100,8 +101,8 @@ class EngineSet:
     # ------------------------------------------------------------ load
     def weight(self, sequences: int) -> int:
         """What a request asking `sequences` at once counts against an engine's
-        max_inflight: that many, at most the whole cap (so it runs on an idle engine)."""
-        return max(1, min(sequences, self.max_inflight))
+        max_inflight (body.counted)."""
+        return counted(sequences, self.max_inflight)
 
     def acquire(self, st: EngineState, sequences: int = 1) -> None:
         st.inflight += self.weight(sequences)

@@ -113,6 +113,23 @@ def test_cache_salt_is_the_tenants_whatever_the_caller_sends(
     assert all(s["kv_transfer_params"] is None for s in seen)
 
 
+def _held(gw, url: str, body: dict) -> tuple[threading.Thread, list[httpx.Response]]:
+    """acme's request of `body` (held by the stand-in) on a thread, returned once it is
+    in flight by the gateway's gauge; its answer lands in the list."""
+    held: list[httpx.Response] = []
+    t = threading.Thread(
+        target=lambda: held.append(httpx.post(url, json=body, headers=ACME, timeout=30))
+    )
+    t.start()
+    wait_for(
+        lambda: "kvstore_gateway_inflight 1.0" in gw.metrics(),
+        20,
+        0.05,
+        what="one request in flight",
+    )
+    return t, held
+
+
 def test_every_engine_saturated_is_429_with_retry_after(
     start_gateway, start_standin, tokenizer_dir
 ):
@@ -120,20 +137,7 @@ def test_every_engine_saturated_is_429_with_retry_after(
     start_standin("w0", MODEL)
     _wait_engines(gw, 1)
     url = gw.url + "/v1/chat/completions"
-    held: list[httpx.Response] = []
-    t = threading.Thread(
-        target=lambda: held.append(
-            httpx.post(url, json=_chat(standin_delay_s=4), headers=ACME, timeout=30)
-        )
-    )
-    t.start()
-    # The held request is in flight once the gateway's gauge says so.
-    wait_for(
-        lambda: "kvstore_gateway_inflight 1.0" in gw.metrics(),
-        20,
-        0.05,
-        what="one request in flight",
-    )
+    t, held = _held(gw, url, _chat(standin_delay_s=4))
     r = httpx.post(url, json=_chat(), headers=GLOBEX)
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "3"
@@ -155,19 +159,7 @@ def test_n_choices_count_as_n_against_the_engines_and_the_tenants_caps(
     start_standin("w0", MODEL)
     _wait_engines(gw, 1)
     url = gw.url + "/v1/chat/completions"
-    held: list[httpx.Response] = []
-    t = threading.Thread(
-        target=lambda: held.append(
-            httpx.post(url, json=_chat(n=2, standin_delay_s=6), headers=ACME, timeout=30)
-        )
-    )
-    t.start()
-    wait_for(
-        lambda: "kvstore_gateway_inflight 1.0" in gw.metrics(),
-        20,
-        0.05,
-        what="one request in flight",
-    )
+    t, held = _held(gw, url, _chat(n=2, standin_delay_s=6))
     try:
         # acme: 2 of its 3 in flight, as one request of n=2. One more fits; two do not,
         # refused once the body says so (the request itself was admitted as one).
