@@ -56,6 +56,7 @@ def make_app(name: str, fail_status: int = 0) -> Starlette:
             "ec_transfer_params": body.get("ec_transfer_params"),
             "vllm_xargs": body.get("vllm_xargs"),
             "n": body.get("n"),
+            "priority": body.get("priority"),
         }
         seen.append(entry)
         if fail_status:

@@ -344,7 +344,7 @@ class Gateway:
         if codec is None:
             raise HTTPFailure(404, f"model {model!r} is not served here", "not_found_error")
         try:
-            check_fields(body, self.cfg.max_choices)
+            check_fields(body, self.cfg.max_choices, self.cfg.caller_priority)
         except BadBody as exc:
             raise HTTPFailure(400, str(exc), "invalid_request_error") from None
         return model, codec

@@ -25,6 +25,7 @@ MAX_DEPTH = 64
 # max_tokens and max_completion_tokens above this are refused: the gateway does not know
 # the model's length, and no model's reaches it (vLLM keeps token counts in int32).
 MAX_TOKENS = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds on `priority`
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _NESTED = frozenset((str, dict, list))  # what json.loads makes that can hold a string
 _COUNTS = ("max_tokens", "max_completion_tokens")
@@ -146,10 +147,21 @@ def _name(path: tuple[str | int, ...]) -> str:
     return out.removeprefix(".") or "body"
 
 
-def check_fields(body: dict[str, Any], max_choices: int) -> None:
-    """BadBody for a field passed to the engine with a type or value it must not get."""
+def check_fields(body: dict[str, Any], max_choices: int, caller_priority: bool = False) -> None:
+    """BadBody for a field passed to the engine with a type or value it must not get, or
+    a `priority` other than 0 where callers may not set it (`caller_priority`)."""
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadBody("stream must be true or false")
+    priority = body.get("priority")
+    if priority is not None:
+        if not _whole(priority) or not INT64_MIN <= priority <= INT64_MAX:
+            raise BadBody("priority must be a whole number (64-bit)")
+        if priority and not caller_priority:
+            raise BadBody(
+                "priority is not taken from callers here: the engines are shared, and a "
+                "request's priority would move it ahead of other callers' (the gateway's "
+                "caller_priority is off)"
+            )
     choices = f"{max_choices} (the gateway's max_choices)"
     for names, least, most, over in (
         (("n", "best_of"), 1, max_choices, choices),

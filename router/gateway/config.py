@@ -87,6 +87,11 @@ class GatewayConfig:
     # refused (400). A request's n choices weigh on the engine like n requests, and count
     # as n against max_inflight_per_engine and max_inflight_per_tenant (at most the cap).
     max_choices: int = 16
+    # vLLM's `priority` (lower is served first, under its priority scheduling): callers
+    # share the engines, so one that sets it would jump the others' queue. Off: a
+    # request with a priority other than 0 is refused (400). True passes the caller's
+    # through (one tenant's gateway, or callers trusted alike).
+    caller_priority: bool = False
     # /metrics on the gateway's own port. Off by default: the page counts every tenant's
     # requests, and any caller reaching the port would read them. The same page is always
     # on the router's Prometheus port (metrics_port), the operator's.

@@ -157,6 +157,38 @@ def test_a_request_for_more_choices_than_max_choices_is_400_before_any_work(worl
     assert world.w.seen()[-1]["n"] == 16
 
 
+def test_a_caller_cannot_move_its_requests_ahead_of_other_tenants(world, tmp_path, start_gateway):
+    """vLLM serves a lower `priority` first under its priority scheduling, and the
+    engines are shared: a caller's priority other than 0 is 400 before any work, as is
+    one vLLM would refuse. 0 (vLLM's default) passes. With caller_priority the caller's
+    reaches the engine (the positive control: a second gateway on the same engine)."""
+    url = world.gw.url + "/v1/chat/completions"
+    before = world.state()
+    for priority, said in (
+        (-1, "priority is not taken from callers here"),
+        (2**40, "priority is not taken from callers here"),
+        (2**63, "priority must be a whole number (64-bit)"),
+        ("-1", "priority must be a whole number (64-bit)"),
+        (True, "priority must be a whole number (64-bit)"),
+        (0.5, "priority must be a whole number (64-bit)"),
+    ):
+        r = httpx.post(url, json=_chat(priority=priority), headers=ACME, timeout=30)
+        assert r.status_code == 400, (priority, r.text)
+        assert said in r.json()["error"]["message"], r.text
+    assert world.state() == before
+    r = httpx.post(url, json=_chat(priority=0), headers=ACME, timeout=30)
+    assert r.status_code == 200, r.text
+    assert world.w.seen()[-1]["priority"] == 0
+    tok = str(write_word_tokenizer(tmp_path / "tok-priority"))
+    trusted = start_gateway({MODEL: tok}, {"caller_priority": True})
+    wait_for(lambda: trusted.engines() == 1, 30, 0.1, what="the engine in the second gateway")
+    r = httpx.post(
+        trusted.url + "/v1/chat/completions", json=_chat(priority=-7), headers=ACME, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert world.w.seen()[-1]["priority"] == -7
+
+
 def test_a_tenant_cannot_choose_the_salt_nor_talk_to_the_connector(world):
     evil = {"cache_salt": "guessed", "kv_transfer_params": {"kvstore": {"peer_node": "x"}}}
     for headers in (ACME, GLOBEX):
