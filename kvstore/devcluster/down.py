@@ -95,11 +95,12 @@ def _stop_starting_leftovers(state: Path, grace_s: float, say) -> list[Ended]:
     """What a dead `up` listed in starting.json, and what it started but never listed
     (state.unrecorded: killed between the two), in one order: engines, agents and
     router, etcd."""
-    strays = unrecorded(state)
+    listed = starting_procs(state)
+    strays = unrecorded(state, listed)
     if strays:
         say(f"found {named(strays)}, started by an up in {state} and recorded nowhere (that "
             "up killed while starting it); stopping it too")  # fmt: skip
-    stopped = _stop_in_order([*starting_procs(state), *strays], grace_s, say)
+    stopped = _stop_in_order([*listed, *strays], grace_s, say)
     (state / STARTING_FILE).unlink(missing_ok=True)
     return stopped
 

@@ -136,16 +136,18 @@ def left_running(state_dir: str | os.PathLike) -> list[Proc]:
     """What a `kvctl cluster up` that did not finish left running (killed: one that
     fails stops what it started), by its starting.json and unrecorded(); [] when
     nothing."""
-    listed = [p for p in starting_procs(Path(state_dir)) if alive(p.pid, p.kind)]
-    return listed + unrecorded(Path(state_dir))
+    listed = starting_procs(Path(state_dir))
+    return [p for p in listed if alive(p.pid, p.kind)] + unrecorded(Path(state_dir), listed)
 
 
-def unrecorded(state: Path) -> list[Proc]:
+def unrecorded(state: Path, listed: tuple[Proc, ...] | None = None) -> list[Proc]:
     """Processes an `up` in `state` started (devprocs.started_for: marked so in their
     environment) that neither cluster.json nor starting.json lists: an `up` killed
     (SIGKILL) after starting a process and before writing it to starting.json leaves one.
-    Named by kind ("router", not "router-0": the record that named it is what is missing)."""
-    known = {p.pid for p in starting_procs(state)}
+    Named by kind ("router", not "router-0": the record that named it is what is missing).
+    `listed`: starting.json's processes, where the caller has read it already (one read,
+    so that both see the same file)."""
+    known = {p.pid for p in (starting_procs(state) if listed is None else listed)}
     try:
         if (state / STATE_FILE).exists():
             known |= {p.pid for p in ClusterState.load(state).procs}
