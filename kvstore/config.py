@@ -65,6 +65,9 @@ def check_tenants(tenants: dict[str, TenantConfig]) -> None:
             )
 
 
+_NET_DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+
+
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
     """Peer transfer tuning (node_agent/peer/). Defaults suit 2 MiB blocks on a 1-25 GB/s
@@ -102,8 +105,22 @@ class PeerConfig:
     # a host-memory pool on the fetching side, and the right to ptrace the peer (same
     # user); where the kernel refuses, that peer's payloads go back to UCX messages.
     same_host_reads: bool = True
+    # The network devices UCX's transports open (UCX_NET_DEVICES; that variable in the
+    # agent's environment wins). UCX's own TCP transport listens on a port of every
+    # device it uses, apart from the peer listener, and what arrives there is not
+    # authenticated: whoever reaches those ports can write into the agent's memory
+    # (docs/tls.md, "What UCX's transports trust"). "auto": only the loopback device
+    # when the agent listens on a loopback address (its peers are on this host), else
+    # every device (keep them reachable by agents only: the chart's NetworkPolicy).
+    # "all": every device. Else UCX's list: "eth1", "eth1,mlx5_0:1".
+    ucx_net_devices: str = "auto"
 
     def __post_init__(self) -> None:
+        if not _NET_DEVICES.fullmatch(self.ucx_net_devices):
+            raise ValueError(
+                'peer.ucx_net_devices must be "auto", "all" or UCX device names separated '
+                f'by commas ("eth1,mlx5_0:1"), got {self.ucx_net_devices!r}'
+            )
         for name in ("max_transfers", "batch_bytes", "max_batch_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"peer.{name} must be >= 1, got {getattr(self, name)!r}")

@@ -7,11 +7,14 @@ the configured 127.0.0.1 does, and the refusal is counted."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import os
 import socket
 import struct
 import subprocess
+from pathlib import Path
 
 import pytest
 from support.common import PY, ROOT, free_port
@@ -58,7 +61,10 @@ def test_ucx_listener_serves_only_the_configured_interface(spawn_agent):
     if not there:
         pytest.skip("this host has no non-loopback IPv4 address to dial")
     port = free_port()
-    agent = spawn_agent(listen="127.0.0.1:0", peer_port=port)
+    # UCX on every device, as on an agent told a wildcard or a routable address: the
+    # interface check alone stops the other address (with "auto" UCX's own connection
+    # setup fails first: the next test).
+    agent = spawn_agent(listen="127.0.0.1:0", peer_port=port, peer={"ucx_net_devices": "all"})
     assert f"UCX peer listener on 127.0.0.1:{port}" in agent.log
 
     # Dialled where the agent was told to listen: the request is answered (a refusal of
@@ -71,6 +77,50 @@ def test_ucx_listener_serves_only_the_configured_interface(spawn_agent):
     away = dial(there, port)
     assert "closed" in away, away
     assert counter(agent.address, "peer_ucx_wrong_interface") == 1
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (IPv4 address, port) pairs process `pid` listens on over TCP."""
+    mine = set()
+    for fd in (Path(f"/proc/{pid}/fd")).iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+    out = set()
+    for row in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = row.split()
+        if f[3] == "0A" and f[9] in mine:  # TCP_LISTEN, one of its sockets
+            ip_hex, port_hex = f[1].split(":")
+            out.add((socket.inet_ntoa(struct.pack("<I", int(ip_hex, 16))), int(port_hex, 16)))
+    return out
+
+
+def test_ucx_transports_of_a_loopback_agent_listen_on_loopback_only(spawn_agent):
+    """UCX's TCP transport listens on a port of every network device it uses, besides
+    the peer listener, and takes what arrives there with no handshake: a probe wrote into
+    an agent's pool (and crashed one) through such a port on the host's other address,
+    without a token (2026-12-07). An agent told to listen on 127.0.0.1 now keeps UCX to
+    the loopback device (peer.ucx_net_devices "auto"): it listens nowhere else but on the
+    peer listener's wildcard port, which the interface check guards (above). With "all"
+    (UCX's default; the positive control) its transport listens on the other address."""
+    there = other_address()
+    if not there:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    port = free_port()
+    agent = spawn_agent(listen="127.0.0.1:0", peer_port=port)
+    assert "UCX transports on lo" in agent.log, agent.log[-2000:]
+    socks = listening(agent.proc.pid)
+    assert ("0.0.0.0", port) in socks, socks
+    transports = {s for s in socks if s[1] != port and s[0] != "0.0.0.0"}
+    assert transports, socks  # the gRPC port at least
+    assert {ip for ip, _ in socks - {("0.0.0.0", port)}} == {"127.0.0.1"}, socks
+    assert dial("127.0.0.1", port).get("answer"), "UCX still serves its peers"
+    assert "closed" in dial(there, port)  # and none that dialled the other address
+
+    wide = spawn_agent(listen="127.0.0.1:0", peer={"ucx_net_devices": "all"})
+    assert "UCX transports on every network device" in wide.log
+    assert there in {ip for ip, _ in listening(wide.proc.pid)}
 
 
 def test_a_refused_request_ends_its_connection(spawn_agent):

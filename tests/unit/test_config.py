@@ -405,6 +405,9 @@ def test_peer_section_merges_file_env_and_overrides_field_by_field(tmp_path, mon
         ("KVSTORE_PEER_BATCH_BYTES", "lots", "KVSTORE_PEER_BATCH_BYTES: "),
         ("KVSTORE_PEER_BATCH_BYTES", "0", r"peer\.batch_bytes must be >= 1"),
         ("KVSTORE_PEER_STAGING_SETS", "2", r"peer\.staging_sets must be >= 3"),
+        ("KVSTORE_PEER_UCX_NET_DEVICES", "", r"peer\.ucx_net_devices must be \"auto\""),
+        ("KVSTORE_PEER_UCX_NET_DEVICES", "eth0 ;rm", r"got 'eth0 ;rm'"),
+        ("KVSTORE_PEER_UCX_NET_DEVICES", "eth0,,lo", r"peer\.ucx_net_devices must be"),
         ("KVSTORE_PEER_IO_TIMEOUT_S", "soon", "KVSTORE_PEER_IO_TIMEOUT_S: "),
         (
             "KVSTORE_PEER_INPLACE",
@@ -460,3 +463,22 @@ def test_keepalive_can_be_turned_off_and_is_checked_on_routers_too():
     assert on["grpc.http2.max_pings_without_data"] == 0  # pings go on while nothing is sent
     with pytest.raises(ValueError, match=r"keepalive_timeout_s must be at least 1 s while"):
         load_config(RouterConfig, overrides={"keepalive_timeout_s": 0})
+
+
+@pytest.mark.parametrize(
+    "setting,host,devices",
+    [
+        ("auto", "127.0.0.1", "lo"),
+        ("auto", "::1", "lo"),
+        ("auto", "localhost", "lo"),
+        ("auto", "0.0.0.0", ""),  # every device: peers on other hosts
+        ("auto", "10.0.0.7", ""),
+        ("all", "127.0.0.1", ""),
+        ("eth1,mlx5_0:1", "0.0.0.0", "eth1,mlx5_0:1"),
+    ],
+)
+def test_ucx_net_devices_keep_a_loopback_agents_transports_on_loopback(setting, host, devices):
+    from node_agent.peer.ucx.wire import net_devices
+
+    assert PeerConfig(ucx_net_devices=setting).ucx_net_devices == setting
+    assert net_devices(setting, host) == devices

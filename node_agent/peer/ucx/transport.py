@@ -5,6 +5,7 @@ start. The protocol: node_agent/peer/__init__.py."""
 from __future__ import annotations
 
 import logging
+import os
 
 from kvstore.config import PeerConfig, TLSConfig
 from kvstore.store import BlockStore
@@ -20,7 +21,7 @@ from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.bind import InterfaceGuard
 from node_agent.peer.ucx.fetch import UcxFetcher
 from node_agent.peer.ucx.serve import UcxServer
-from node_agent.peer.ucx.wire import init_ucx, ucx_cuda_support
+from node_agent.peer.ucx.wire import init_ucx, net_devices, ucx_cuda_support
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent.peer")
@@ -70,7 +71,8 @@ class UcxTransport:
         """Initialise ucxx (inside the running loop) and listen; on failure stay down."""
         ucx = None
         try:
-            ucx = init_ucx(self._pcfg.shared_memory)
+            devices = net_devices(self._pcfg.ucx_net_devices, self._bind_host)
+            ucx = init_ucx(self._pcfg.shared_memory, devices)
             self.in_place = self._decide_in_place(ucx_cuda_support(ucx))
             same_host = self._same_host()
             server = UcxServer(
@@ -122,7 +124,12 @@ class UcxTransport:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         self.address = f"{host}:{listener.port}"
-        log.info("UCX peer listener on %s (ucx %s)", self.address, ucx.__ucx_version__)
+        log.info(
+            "UCX peer listener on %s (ucx %s); UCX transports on %s",
+            self.address,
+            ucx.__ucx_version__,
+            os.environ.get("UCX_NET_DEVICES") or "every network device",
+        )
         if self._store.pool.is_cuda:
             why = self._store.pool.why_not_in_place or (
                 "UCX has no CUDA support" if self._pcfg.in_place else "peer.in_place is off"

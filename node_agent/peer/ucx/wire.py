@@ -153,7 +153,23 @@ def ucx_env(shared_memory: bool) -> dict[str, str]:
     }
 
 
-def init_ucx(shared_memory: bool = True):
+def net_devices(setting: str, bind_host: str) -> str:
+    """UCX_NET_DEVICES for an agent listening on `bind_host` with peer.ucx_net_devices
+    `setting` ("": UCX's default, every device). "auto" keeps an agent that listens on a
+    loopback address to the loopback device: UCX's TCP transport listens on every device
+    it uses, unauthenticated (docs/tls.md), and such an agent's peers are all on this host."""
+    if setting == "all":
+        return ""
+    if setting != "auto":
+        return setting
+    try:
+        loopback = ipaddress.ip_address(bind_host).is_loopback
+    except ValueError:
+        loopback = bind_host == "localhost"
+    return "lo" if loopback else ""
+
+
+def init_ucx(shared_memory: bool = True, devices: str = ""):
     """Import and initialise ucxx once per process, inside the running event loop (its
     progress thread and request notifier bind to that loop).
 
@@ -173,8 +189,12 @@ def init_ucx(shared_memory: bool = True):
     (UCX_RNDV_SCHEME, UCX_PROTOS ...) still win, so operators can retune.
 
     Completed requests reach the event loop through _notify, not ucxx's own notifier
-    thread (one thread hand-off less per completion)."""
+    thread (one thread hand-off less per completion).
+
+    `devices`: UCX_NET_DEVICES (net_devices; the environment's wins), "": every device."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if devices:
+        os.environ.setdefault("UCX_NET_DEVICES", devices)
     for name in ("UCX_MM_ERROR_HANDLING", "UCX_CMA_MEMORY_INVALIDATE"):
         os.environ.setdefault(name, ucx_env(shared_memory)[name])
     import ucxx
