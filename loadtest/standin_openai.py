@@ -61,6 +61,8 @@ def make_app(name: str, fail_status: int = 0) -> Starlette:
         seen.append(entry)
         if fail_status:
             return JSONResponse({"error": {"message": "stand-in failure"}}, fail_status)
+        if body.get("standin_location"):  # an engine redirecting (the gateway must not follow)
+            return Response(b"", 307, headers={"location": str(body["standin_location"])})
         status = int(body.get("standin_status", 0)) or _vllm_refusal(body)
         if status:
             return JSONResponse({"error": {"message": f"stand-in: HTTP {status}"}}, status)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
@@ -60,6 +61,9 @@ RECORD_CONTEXT = "kvstore engine record v1"
 log = logging.getLogger("kvstore.engines")
 
 
+_ENGINE_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,253}")  # printable ASCII, no '/'
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRecord:
     engine_id: str
@@ -75,8 +79,13 @@ class EngineRecord:
     device: str = ""
 
     def __post_init__(self) -> None:
-        if not self.engine_id or "/" in self.engine_id:
-            raise ValueError(f"engine_id must be non-empty without '/', got {self.engine_id!r}")
+        if not isinstance(self.engine_id, str) or not _ENGINE_ID.fullmatch(self.engine_id):
+            # It names the engine in the gateway's answers (a header), metrics and logs: a
+            # CR/LF or a non-ASCII character there would split or break an answer.
+            raise ValueError(
+                "engine_id must be 1-253 printable ASCII characters without '/' or spaces, "
+                f"got {str(self.engine_id)[:80]!r}"
+            )
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine {self.engine_id}: url must be http(s)://, got {self.url!r}")
         if not self.models or not all(isinstance(m, str) and m for m in self.models):

@@ -536,9 +536,22 @@ class Gateway:
                 upstream = await self.http.post(st.record.url + path, content)
                 if upstream.status_code in _RETRY_STATUSES and not last:
                     raise _Failed(f"HTTP {upstream.status_code}", suspend=False)
+                if 300 <= upstream.status_code < 400:  # not followed (upstream.py)
+                    raise _Failed(f"HTTP {upstream.status_code}, a redirect", suspend=True)
                 streamed = upstream.content_type.startswith("text/event-stream")
                 first = await (upstream.first_chunk() if streamed else upstream.aread())
             except UpstreamError as exc:
+                if exc.read_timeout:
+                    # The engine took the request and is still at it (a long answer, not
+                    # streamed): this request's own answer, like a 500. Suspending the
+                    # engine and retrying let one tenant's slow requests take every engine
+                    # from the others (503), and ran the request twice.
+                    raise HTTPFailure(
+                        504,
+                        f"the engine sent nothing for {self.cfg.request_timeout_s:g} s "
+                        "(request_timeout_s); ask for fewer tokens, or stream the answer",
+                        "timeout_error",
+                    ) from None
                 raise _Failed(str(exc), suspend=True) from None
         except BaseException:
             if upstream is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import socket
@@ -42,11 +43,36 @@ log = logging.getLogger("kvstore.gateway")
 
 
 class _Embedded(uvicorn.Server):
-    """uvicorn without its signal handlers: the router process owns SIGTERM."""
+    """uvicorn without its signal handlers: the router process owns SIGTERM.
+
+    With TLS, a client's handshake must end within `handshake_timeout_s` (the gateway's
+    header_timeout_s: the headers' clock starts once it has). uvicorn passes no
+    ssl_handshake_timeout to create_server, which left asyncio's default, 60 s: a probe
+    held 6,000 connections that sent nothing, or a part of a ClientHello, for a minute
+    each, at ~315 KiB of the router's memory apiece (Python's TLS buffers) and one file
+    descriptor, before the connection limits see them (they count connections from the
+    end of the handshake)."""
+
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float) -> None:
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if self.config.ssl is None:
+            await super().startup(sockets)
+            return
+        loop.create_server = functools.partial(  # type: ignore[method-assign]
+            type(loop).create_server, loop, ssl_handshake_timeout=self.handshake_timeout_s
+        )
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
 
 
 class _HeadWithBody(asyncio.Transport):
@@ -216,6 +242,7 @@ class _OneSendProtocol(HttpToolsProtocol):
         self._served: list[Any] = []  # cycles of requests received whole, answers unfinished
         self._stall: asyncio.TimerHandle | None = None  # writing paused: send_timeout_s
         self._stall_at = 0  # bytes waiting in the transport when that clock started
+        self._aborted = False  # cut off by _stalled
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -406,14 +433,19 @@ class _OneSendProtocol(HttpToolsProtocol):
         return n
 
     def _stalled(self) -> None:
+        """A closing transport is held to the same clock: closed with an answer still
+        unsent (uvicorn's keep-alive timeout after a whole answer was written, a shed), it
+        would wait for a client that reads nothing for ever, holding the answer (a probe
+        piled up 90 MiB per 16 such connections, outside every cap)."""
         self._stall = None
-        if self.transport.is_closing():
+        if self._aborted:
             return
         left = self._unsent()
         if left < self._stall_at:  # the client took some (not yet down to resume_writing)
             self._watch_stall(left)
             return
         self._cut_off()
+        self._aborted = True
         self.book.metrics.clients_stalled.inc()
         log.warning(
             "closed a connection from %s: it read nothing of its answer for %g s (send_timeout_s)",
@@ -562,7 +594,7 @@ class GatewayServer:
         if self.etcd is not None:
             e = self.gateway.engines
             self._tasks.append(asyncio.create_task(self.etcd.follow(ENGINES, e.reset, e.apply)))
-        self._server = _Embedded(self._uvicorn_config())
+        self._server = _Embedded(self._uvicorn_config(), self.cfg.header_timeout_s)
         task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._tasks.append(task)
         while not self._server.started:

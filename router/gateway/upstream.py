@@ -41,7 +41,17 @@ _SKIP = ("User-Agent", "Accept-Encoding")
 
 
 class UpstreamError(Exception):
-    """A forward failed at the transport level (the message is the failure's kind)."""
+    """A forward failed at the transport level (the message is the failure's kind).
+    `read_timeout`: the engine took the request and sent nothing for request_timeout_s
+    (a slow answer, not a broken engine)."""
+
+    def __init__(self, kind: str, read_timeout: bool = False) -> None:
+        super().__init__(kind)
+        self.read_timeout = read_timeout
+
+
+def _failed(exc: BaseException) -> UpstreamError:
+    return UpstreamError(type(exc).__name__, isinstance(exc, aiohttp.SocketTimeoutError))
 
 
 @dataclass(slots=True)
@@ -62,7 +72,7 @@ class EngineAnswer:
         try:
             return await self.response.read()
         except _FAILURES as exc:
-            raise UpstreamError(type(exc).__name__) from None
+            raise _failed(exc) from None
 
     async def first_chunk(self) -> bytes:
         """The body's first bytes as they arrive (b"": it ended empty); aiter_raw then
@@ -70,14 +80,14 @@ class EngineAnswer:
         try:
             return await self.response.content.readany()
         except _FAILURES as exc:
-            raise UpstreamError(type(exc).__name__) from None
+            raise _failed(exc) from None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self.response.content.iter_any():
                 yield chunk
         except _FAILURES as exc:
-            raise UpstreamError(type(exc).__name__) from None
+            raise _failed(exc) from None
 
     async def aclose(self) -> None:
         """Closing before the end drops the connection, which aborts the engine's request;
@@ -121,11 +131,18 @@ class Upstream:
 
     async def post(self, url: str, body: bytes) -> EngineAnswer:
         try:
+            # No redirects: an engine's Location would take the tenant's prompt to any
+            # address, http:// included (past allow_plaintext_engines); a 3xx is the
+            # engine failing (app.py).
             response = await self._client().post(
-                url, data=body, headers=_HEADERS, server_hostname=self._server_name
+                url,
+                data=body,
+                headers=_HEADERS,
+                server_hostname=self._server_name,
+                allow_redirects=False,
             )
         except _FAILURES as exc:
-            raise UpstreamError(type(exc).__name__) from None
+            raise _failed(exc) from None
         return EngineAnswer(response)
 
     async def aclose(self) -> None:

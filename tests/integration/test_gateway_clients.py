@@ -8,6 +8,8 @@ and, where requests must be in flight, a stand-in engine that holds them
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import socket
 import time
@@ -319,6 +321,36 @@ def _dechunk(answer: bytes) -> bytes:
         if not n:
             return body
         body, rest = body + rest[:n], rest[n + 2 :]
+
+
+def test_an_unread_answer_on_a_closing_connection_is_cut_off_too(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """A whole answer (not streamed) goes into the connection's buffers at once, and the
+    request is done with; when the connection is then closed by the gateway (uvicorn's
+    keep-alive timeout, or shed to make room, as here) before send_timeout_s has passed,
+    the transport waited to drain for ever: a probe piled up 90 MiB of such answers per
+    16 connections, outside every cap (2026-12-07). Now a closing connection whose client
+    took none of its answer for send_timeout_s is cut off like an open one."""
+    gw = start_gateway({MODEL: tokenizer_dir}, {"send_timeout_s": 3, "max_connections": 2})
+    start_standin("w0", MODEL)
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+    body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 1, "standin_chunks": 1_000_000}
+    unread = _connect(gw.address, 30, rcvbuf=4096)  # ~8 MB of answer: more than buffers
+    others: list[socket.socket] = []
+    try:
+        unread.sendall(_held_request(body))
+        assert unread.recv(12).startswith(b"HTTP/1.1 200"), "the answer began"
+        others = [_connect(gw.address) for _ in range(2)]  # the unread one is shed
+        wait_for(lambda: _metric(gw, STALLED) == 1, 60, 0.1, what="the unread answer cut off")
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := unread.recv(1 << 16):
+                received += chunk
+        assert len(received) < 4 << 20, len(received)  # not the whole answer
+    finally:
+        for s in [unread, *others]:
+            s.close()
 
 
 def test_a_client_that_reads_none_of_its_stream_is_cut_off_and_its_request_released(

@@ -6,6 +6,7 @@ gateway is tests/integration/test_gateway_vllm.py."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import httpx
@@ -222,6 +223,60 @@ def test_a_killed_engine_costs_one_retry_and_drops_out(start_gateway, start_stan
     metrics = gw.metrics()
     assert "kvstore_gateway_retries_total 1.0" in metrics
     _wait_engines(gw, 1)  # the registrar saw /health fail and revoked the lease
+
+
+def test_one_tenants_slow_answer_is_its_own_504_not_every_engines_suspension(
+    start_gateway, start_standin, tokenizer_dir
+):
+    """An answer (not streamed) that sends nothing for request_timeout_s used to count as
+    the engine's transport failing: the engine was suspended and the request sent again
+    to the next, which was suspended in turn, so one tenant's slow requests left the
+    others 503 "no engine serves" (a probe, 2026-12-07). Now it is the request's own
+    504, sent nowhere else, and the other tenant is served at once."""
+    gw = start_gateway(
+        {MODEL: tokenizer_dir},
+        {"policy": "round_robin", "request_timeout_s": 1, "engine_suspend_s": 30},
+    )
+    workers = [start_standin("w0", MODEL), start_standin("w1", MODEL)]
+    _wait_engines(gw, 2)
+    url = gw.url + "/v1/chat/completions"
+    r = httpx.post(url, json=_chat(standin_delay_s=3), headers=ACME, timeout=30)
+    assert r.status_code == 504, r.text
+    assert "request_timeout_s" in r.json()["error"]["message"]
+    assert sum(len(w.seen()) for w in workers) == 1  # not retried elsewhere
+    for i in range(4):  # round robin: both engines, neither suspended
+        other = httpx.post(url, json=_chat(f"w{i + 20}"), headers=GLOBEX, timeout=30)
+        assert other.status_code == 200, other.text
+    assert sorted(len(w.seen()) for w in workers) == [2, 3]  # 5 requests, both engines
+    assert "kvstore_gateway_retries_total 0.0" in gw.metrics()
+
+
+def test_an_engines_redirect_is_not_followed(start_gateway, start_standin, tokenizer_dir):
+    """An engine's 3xx sent the tenant's prompt wherever its Location said, http://
+    included, past allow_plaintext_engines (a probe, 2026-12-07). Now it is not followed:
+    the engine counts as failing (suspended; the next one is tried), and nothing reaches
+    the Location."""
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.settimeout(0.5)
+    gw = start_gateway({MODEL: tokenizer_dir}, {"engine_suspend_s": 30})
+    start_standin("w0", MODEL)
+    _wait_engines(gw, 1)
+    where = f"http://127.0.0.1:{trap.getsockname()[1]}/v1/chat/completions"
+    try:
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json=_chat(standin_location=where),
+            headers=ACME,
+            timeout=30,
+        )
+        assert r.status_code == 502, r.text
+        with pytest.raises(TimeoutError):
+            trap.accept()[0].close()  # nobody came
+    finally:
+        trap.close()
+    assert "redirect" in gw.log
 
 
 def test_no_engine_left_is_503_and_models_lists_the_registered(

@@ -7,6 +7,7 @@ refusals of plaintext and foreign clients are in test_attack_gateway.py."""
 from __future__ import annotations
 
 import re
+import socket
 
 import httpx
 import pytest
@@ -171,3 +172,32 @@ def test_plaintext_engines_are_left_out_when_the_gateway_serves_tls(
         stop_proc(proc)
     assert plain.seen() == []  # no prompt reached the plaintext engine
     assert gw.log.count("engine w0 left out: its URL http://") == 1  # logged once
+
+
+def test_a_tls_handshake_that_does_not_finish_is_closed_at_header_timeout_s(
+    start_gateway, start_standin, tokenizer_dir, pki
+):
+    """Connections that open and send nothing, or a part of a ClientHello, used to be held
+    for asyncio's default 60 s (uvicorn passes no handshake timeout), each with ~315 KiB
+    of the router's memory and a file descriptor, before the connection limits count
+    them: a probe held 6,000 (2026-12-07). The handshake now has header_timeout_s (1 s
+    here); a client that completes it is served as before."""
+    gw = start_gateway(
+        {MODEL: tokenizer_dir}, {"header_timeout_s": 1, **PLAIN_OK}, router=tls_router(pki)
+    )
+    gw.http = {"verify": _ctx(pki.server.ca_file)}
+    start_standin("w0", MODEL)
+    wait_for(lambda: gw.engines() == 1, 30, 0.1, what="the engine in the gateway")
+    host, port = gw.address.rsplit(":", 1)
+    # The first bytes of a TLS 1.2 ClientHello record (type, version, length), cut short.
+    for sent in (b"", bytes.fromhex("160301020001000200fc03")):
+        s = socket.create_connection((host, int(port)), timeout=20)
+        try:
+            s.sendall(sent)
+            try:
+                assert s.recv(1) == b"", sent  # closed by the gateway
+            except ConnectionResetError:
+                pass
+        finally:
+            s.close()
+    assert _post(gw, pki.server.ca_file).status_code == 200
