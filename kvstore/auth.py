@@ -45,6 +45,10 @@ class TokenTable:
     def from_config(cls, cfg: _HasTenants) -> "TokenTable":
         return cls({t: tc.token_sha256 for t, tc in cfg.tenants.items()}, cfg.allow_unauthenticated)
 
+    def knows(self, tenant: str) -> bool:
+        """Whether some token names `tenant` (e.g. the agent identity is configured)."""
+        return tenant in self._tenant_by_hash.values()
+
     def tenant(self, authorization: str) -> str | None:
         """The tenant of `authorization` ("Bearer <token>"); None when it is empty and
         unauthenticated requests are allowed. Unauthenticated otherwise."""

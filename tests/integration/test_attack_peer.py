@@ -317,3 +317,58 @@ def test_one_tenants_stalled_transfers_leave_slots_for_the_others(spawn_agent):
     finally:
         stall.kill()
         stall.wait(10)
+
+
+BIG_ACME = make_namespace(tenant="acme", name="direct", num_layers=32, num_kv_heads=8, head_dim=128)
+
+
+def _direct_header(holder, who: str, ids: list[bytes], root: bytes) -> dict:
+    """The first chunk header of a UCX fetch of acme's `ids` on `holder` with `who`'s
+    token, offering direct reads as an agent of this host would (tests/support/ucx_dial.py)."""
+    req = peer_pb2.FetchRequest(
+        ns=ref(BIG_ACME),
+        spec=ns_msg(BIG_ACME),
+        block_ids=pack_ids(ids),
+        parent_id=root,
+        authorization=f"Bearer {TOKENS[who]}",
+    )
+    port = holder.config["peer_port"]
+    dial = ROOT / "tests" / "support" / "ucx_dial.py"
+    r = subprocess.run(
+        [PY, str(dial), "127.0.0.1", str(port), "header", req.SerializeToString().hex()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, (r.returncode, r.stdout, r.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
+def test_direct_reads_name_the_agents_memory_to_the_agent_credential_only(spawn_agent):
+    """A direct-read header names the serving agent's process, its pool's descriptor and
+    the address of every block: a same-host tenant offering the host's identity (anyone
+    on the host can compute it) learned them with its own token, which helps aim a write
+    through UCX's unauthenticated ports (an attacker probe, 2026-12-07). Where agents have
+    a credential of their own, only a caller presenting it gets direct reads; a tenant's
+    pull gets its blocks as UCX messages. Without an agent identity (the control), every
+    caller is offered them, as before."""
+    big = dict(allow_unauthenticated=False, slot_bytes="2MiB", pool_bytes="64MiB")
+    without_agent = {t: v for t, v in tenants().items() if t != "_agent"}
+    for table, tenant_gets_direct in ((tenants(), False), (without_agent, True)):
+        holder = spawn_agent(tenants=table, peer_port=free_port(), **big)
+        root = BIG_ACME.root(0, TEST_SECRET)
+        ids = hash_chain(root, prompt_tokens(31, 2 * BIG_ACME.block_size), BIG_ACME.block_size)
+        acme = As(holder.address, "acme")
+        acme.call(acme.agent.OpenNamespace, agent_pb2.OpenNamespaceRequest(spec=ns_msg(BIG_ACME)))
+        assert put_chain(acme, BIG_ACME, ids, root).stored == 2
+        acme.close()
+        got = _direct_header(holder, "acme", ids, root)
+        assert (got["error"], got["count"]) == ("", 2), got
+        if tenant_gets_direct:
+            assert (got["direct_pid"], got["addresses"]) == (holder.proc.pid, 2), got
+        else:
+            assert (got["direct_pid"], got["addresses"], got["direct_fd"]) == (0, 0, 0), got
+            agent = _direct_header(holder, "_agent", ids, root)
+            assert (agent["direct_pid"], agent["addresses"]) == (holder.proc.pid, 2), agent

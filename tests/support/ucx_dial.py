@@ -10,6 +10,11 @@ it means to follow with another (wire.ACK), keeps its end open that long, and ad
 
 Usage: python tests/support/ucx_dial.py HOST PORT [LINGER]
 
+Or `ucx_dial.py HOST PORT header REQUEST_HEX`: send the FetchRequest REQUEST_HEX, offering
+direct reads (same_host: this host's identity, as a fetching agent of the host would), and print
+what its first chunk header discloses: {"error": ..., "direct_pid": ..., "addresses": n,
+"direct_fd": ...} (direct reads name the server's process and where its blocks lie).
+
 Or `ucx_dial.py HOST PORT hold N REQUEST_HEX`: N connections each send the FetchRequest
 REQUEST_HEX (its serialized bytes in hex) and read its first chunk header, then never
 receive a payload (a stalled receiver); prints {"held": K}, the number of them served a
@@ -26,6 +31,7 @@ import time
 
 import numpy as np
 
+from node_agent.peer.ucx import direct
 from node_agent.peer.ucx.wire import ACK, init_ucx
 from kvstore.v1 import agent_pb2, peer_pb2
 
@@ -78,8 +84,32 @@ async def hold(host: str, port: int, n: int, raw: bytes) -> None:
     await asyncio.sleep(3600)
 
 
+async def header(host: str, port: int, raw: bytes) -> dict:
+    req = peer_pb2.FetchRequest.FromString(raw)
+    req.same_host = direct.host_identity()
+    raw = req.SerializeToString()
+    ucx = init_ucx()
+    ep = await ucx.create_endpoint(host, port, endpoint_error_handling=True)
+    frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
+    await asyncio.wait_for(ep.send(frame), 10)
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    await asyncio.wait_for(ep.recv(buf), 10)
+    n = int.from_bytes(buf[:4].tobytes(), "little")
+    chunk = peer_pb2.FetchChunk.FromString(buf[4 : 4 + n].tobytes())
+    return {
+        "error": chunk.error,
+        "count": chunk.count,
+        "direct_pid": chunk.direct_pid,
+        "addresses": len(chunk.addresses),
+        "direct_fd": chunk.direct_fd,
+    }
+
+
 def main() -> None:
     host, port = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[3] == "header":
+        print(json.dumps(asyncio.run(header(host, port, bytes.fromhex(sys.argv[4])))), flush=True)
+        os._exit(0)
     if len(sys.argv) > 3 and sys.argv[3] == "hold":
         asyncio.run(hold(host, port, int(sys.argv[4]), bytes.fromhex(sys.argv[5])))
         return

@@ -15,6 +15,7 @@ from contextlib import aclosing
 import numpy as np
 
 from kvstore import errors
+from kvstore.auth import AGENT_TENANT
 from kvstore.config import PeerConfig
 from kvstore.tiers.pool import PoolShare
 from kvstore.v1 import peer_pb2
@@ -143,10 +144,21 @@ class UcxServer:
                 post_control(ep, err.SerializeToString()), far, self._pcfg.io_timeout_s, "refusal"
             )
             return False
-        same_host = bool(self._same_host) and req.same_host == self._same_host
+        same_host = (
+            bool(self._same_host)
+            and req.same_host == self._same_host
+            and self._may_read_directly(tenant)
+        )
         async with self._source.slots.hold(src.share):
             await self._send_batches(ep, src, same_host)
         return True
+
+    def _may_read_directly(self, tenant: str | None) -> bool:
+        """Direct reads name this process, its pool's descriptor and where each block
+        lies in memory: where agents have a credential of their own, only a caller
+        presenting it learns them (a same-host tenant's token pull gets the payloads as
+        UCX messages); elsewhere (no agent identity configured) every caller, as before."""
+        return tenant in (None, AGENT_TENANT) or not self._tokens.knows(AGENT_TENANT)
 
     async def _send_batches(self, ep, src: ServeRequest, same_host: bool = False) -> None:
         """Header then payloads per batch, all posted at once (one completion wait per
