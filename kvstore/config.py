@@ -65,7 +65,7 @@ def check_tenants(tenants: dict[str, TenantConfig]) -> None:
             )
 
 
-_NET_DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+_NET_DEVICES = re.compile(r"\^?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")  # UCX's list, or ^excluded
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +112,14 @@ class PeerConfig:
     # (docs/tls.md, "What UCX's transports trust"). "auto": only the loopback device
     # when the agent listens on a loopback address (its peers are on this host), else
     # every device (keep them reachable by agents only: the chart's NetworkPolicy).
-    # "all": every device. Else UCX's list: "eth1", "eth1,mlx5_0:1".
+    # "all": every device. Else UCX's list: "eth1", "eth1,mlx5_0:1" ("^eth0": all but).
     ucx_net_devices: str = "auto"
 
     def __post_init__(self) -> None:
         if not _NET_DEVICES.fullmatch(self.ucx_net_devices):
             raise ValueError(
                 'peer.ucx_net_devices must be "auto", "all" or UCX device names separated '
-                f'by commas ("eth1,mlx5_0:1"), got {self.ucx_net_devices!r}'
+                f'by commas ("eth1,mlx5_0:1", "^eth0"), got {self.ucx_net_devices!r}'
             )
         for name in ("max_transfers", "batch_bytes", "max_batch_blocks"):
             if getattr(self, name) < 1:

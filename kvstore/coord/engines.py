@@ -61,7 +61,8 @@ RECORD_CONTEXT = "kvstore engine record v1"
 log = logging.getLogger("kvstore.engines")
 
 
-_ENGINE_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,253}")  # printable ASCII, no '/'
+# Printable ASCII, no '/': the chart's `<node name>-gpu<i>` fits (node names: 253).
+_ENGINE_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,512}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class EngineRecord:
             # It names the engine in the gateway's answers (a header), metrics and logs: a
             # CR/LF or a non-ASCII character there would split or break an answer.
             raise ValueError(
-                "engine_id must be 1-253 printable ASCII characters without '/' or spaces, "
+                "engine_id must be 1-512 printable ASCII characters without '/' or spaces, "
                 f"got {str(self.engine_id)[:80]!r}"
             )
         if not self.url.startswith(("http://", "https://")):

@@ -8,8 +8,9 @@ the tenant and drop the caller's connector parameters (whatever the caller sent)
 forward with aiohttp. The client's answer waits for the engine's head and first body
 bytes (vLLM sends a stream's head before its first token): a forward that fails before
 them (transport, or a 502/503/504 answer) is retried once on the next choice, and only a
-transport failure suspends the engine; any other answer, a 500 included, goes back byte
-for byte with the engine's status and content type. Engines are reached through one
+transport failure (or a redirect, not followed) suspends the engine; no first bytes within
+request_timeout_s is the request's own 504; any other answer, a 500 included, goes back
+byte for byte with the engine's status and content type. Engines are reached through one
 shared keep-alive connection pool (upstream.py). The engine's first body bytes mark
 prefill done; the end of the answer, or the client going away (watched while the engine
 works, too), releases the request and closes the engine's.
@@ -545,7 +546,15 @@ class Gateway:
                     # The engine took the request and is still at it (a long answer, not
                     # streamed): this request's own answer, like a 500. Suspending the
                     # engine and retrying let one tenant's slow requests take every engine
-                    # from the others (503), and ran the request twice.
+                    # from the others (503), and ran the request twice. A hung engine
+                    # fails its registrar's health check instead.
+                    log.warning(
+                        "engine %s sent nothing of request %s's answer for %g s "
+                        "(request_timeout_s): 504",
+                        st.record.engine_id,
+                        plan.request_id,
+                        self.cfg.request_timeout_s,
+                    )
                     raise HTTPFailure(
                         504,
                         f"the engine sent nothing for {self.cfg.request_timeout_s:g} s "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import json
 import logging
 import socket
@@ -66,13 +65,22 @@ class _Embedded(uvicorn.Server):
         if self.config.ssl is None:
             await super().startup(sockets)
             return
-        loop.create_server = functools.partial(  # type: ignore[method-assign]
-            type(loop).create_server, loop, ssl_handshake_timeout=self.handshake_timeout_s
-        )
+        own = type(loop).create_server
+        timeout = self.handshake_timeout_s
+
+        async def create_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+            # uvicorn's TLS listener only: a call of anyone else's in the meantime (no
+            # ssl, or a timeout of its own) goes through unchanged
+            if kwargs.get("ssl") is not None and kwargs.get("ssl_handshake_timeout") is None:
+                kwargs["ssl_handshake_timeout"] = timeout
+            return await own(loop, *args, **kwargs)
+
+        loop.create_server = create_server  # type: ignore[method-assign]
         try:
             await super().startup(sockets)
         finally:
-            del loop.create_server  # the loop's own method again
+            if loop.__dict__.get("create_server") is create_server:
+                del loop.create_server  # the loop's own method again
 
 
 class _HeadWithBody(asyncio.Transport):
@@ -323,7 +331,10 @@ class _OneSendProtocol(HttpToolsProtocol):
         self._served = [c for c in self._served if not c.response_complete]
         if not self._served and not self.transport.is_closing():
             self.book.wait(self)
-        if self._timer is not None or self.transport.is_closing():
+        if self.transport.is_closing():  # connection: close
+            self._closing_with_unsent()
+            return
+        if self._timer is not None:
             return
         # The next request's head, or body, came in part while this one was served: the
         # deadline runs from now.
@@ -362,6 +373,7 @@ class _OneSendProtocol(HttpToolsProtocol):
         if self._head_open and not self._begun:  # nothing of a request: nobody to answer
             self._cut_off()
             self.transport.close()
+            self._closing_with_unsent()  # an earlier answer's end, still unread
             return "idle"
         self._refuse(503, "the gateway is at its connection limit; this request was the slowest")
         return "incomplete_request"
@@ -397,7 +409,21 @@ class _OneSendProtocol(HttpToolsProtocol):
         else:
             self._refuse(408, f"the request's body took over {self.limits.body_timeout_s} s")
 
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._closing_with_unsent()
+
     # Writing to a client that does not read
+    def _closing_with_unsent(self) -> None:
+        """The gateway closed this connection with some of an answer not yet taken (less
+        than the buffer's high-water mark, so writing never paused): the same clock as a
+        paused writer's, so that a client that reads nothing cannot keep the rest, nor
+        the connection's file descriptor, for ever."""
+        if self._stall is None and not self._aborted and self.transport.is_closing():
+            unsent = self._unsent()
+            if unsent:
+                self._watch_stall(unsent)
+
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:

@@ -39,6 +39,7 @@ from support.common import (
     wait_for,
 )
 
+from kvstore.client import KVClient
 from kvstore.coord.etcd import NodeRecord
 from kvstore.hashing import hash_chain, pack_ids
 from kvstore.v1 import agent_pb2, peer_pb2
@@ -372,3 +373,6 @@ def test_direct_reads_name_the_agents_memory_to_the_agent_credential_only(spawn_
             assert (got["direct_pid"], got["addresses"], got["direct_fd"]) == (0, 0, 0), got
             agent = _direct_header(holder, "_agent", ids, root)
             assert (agent["direct_pid"], agent["addresses"]) == (holder.proc.pid, 2), agent
+            with KVClient(holder.address, token=TOKENS["_cluster"], use_shm=False) as c:
+                counted = dict(c.stats().counters)
+            assert counted.get("peer_direct_withheld") == 1, counted

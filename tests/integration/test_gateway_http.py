@@ -254,8 +254,8 @@ def test_one_tenants_slow_answer_is_its_own_504_not_every_engines_suspension(
 def test_an_engines_redirect_is_not_followed(start_gateway, start_standin, tokenizer_dir):
     """An engine's 3xx sent the tenant's prompt wherever its Location said, http://
     included, past allow_plaintext_engines (a probe, 2026-12-07). Now it is not followed:
-    the engine counts as failing (suspended; the next one is tried), and nothing reaches
-    the Location."""
+    the engine counts as failing (suspended), the lone engine leaves nothing to try next
+    (502), and nothing reaches the Location."""
     trap = socket.socket()
     trap.bind(("127.0.0.1", 0))
     trap.listen(8)

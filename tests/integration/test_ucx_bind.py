@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
 import socket
@@ -80,7 +81,7 @@ def test_ucx_listener_serves_only_the_configured_interface(spawn_agent):
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
-    """The (IPv4 address, port) pairs process `pid` listens on over TCP."""
+    """The (address, port) pairs process `pid` listens on over TCP (IPv4 and IPv6)."""
     mine = set()
     for fd in (Path(f"/proc/{pid}/fd")).iterdir():
         with contextlib.suppress(OSError):
@@ -88,11 +89,20 @@ def listening(pid: int) -> set[tuple[str, int]]:
             if link.startswith("socket:["):
                 mine.add(link[8:-1])
     out = set()
-    for row in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        f = row.split()
-        if f[3] == "0A" and f[9] in mine:  # TCP_LISTEN, one of its sockets
-            ip_hex, port_hex = f[1].split(":")
-            out.add((socket.inet_ntoa(struct.pack("<I", int(ip_hex, 16))), int(port_hex, 16)))
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        path = Path(f"/proc/{pid}/net/{table}")
+        rows = path.read_text().splitlines()[1:] if path.exists() else []
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and f[9] in mine:  # TCP_LISTEN, one of its sockets
+                ip_hex, port_hex = f[1].split(":")
+                raw = b"".join(  # /proc prints each 32-bit word in host order
+                    struct.pack("<I", int(ip_hex[i : i + 8], 16)) for i in range(0, len(ip_hex), 8)
+                )
+                ip = ipaddress.ip_address(socket.inet_ntop(family, raw))
+                if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                    ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 listens on 127.0.0.1
+                out.add((str(ip), int(port_hex, 16)))
     return out
 
 
@@ -112,8 +122,9 @@ def test_ucx_transports_of_a_loopback_agent_listen_on_loopback_only(spawn_agent)
     assert "UCX transports on lo" in agent.log, agent.log[-2000:]
     socks = listening(agent.proc.pid)
     assert ("0.0.0.0", port) in socks, socks
-    transports = {s for s in socks if s[1] != port and s[0] != "0.0.0.0"}
-    assert transports, socks  # the gRPC port at least
+    grpc_port = int(agent.address.rsplit(":", 1)[1])
+    transports = {s for s in socks if s[1] not in (port, grpc_port)}
+    assert transports, socks  # UCX's TCP transport listens, on loopback
     assert {ip for ip, _ in socks - {("0.0.0.0", port)}} == {"127.0.0.1"}, socks
     assert dial("127.0.0.1", port).get("answer"), "UCX still serves its peers"
     assert "closed" in dial(there, port)  # and none that dialled the other address

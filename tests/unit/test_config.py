@@ -471,6 +471,10 @@ def test_keepalive_can_be_turned_off_and_is_checked_on_routers_too():
         ("auto", "127.0.0.1", "lo"),
         ("auto", "::1", "lo"),
         ("auto", "localhost", "lo"),
+        ("auto", "[::1]", "lo"),  # as the agent passes an IPv6 listen host
+        ("auto", "::ffff:127.0.0.1", "lo"),
+        ("auto", "no-such-host.invalid", ""),  # unresolvable: every device, as UCX's default
+        ("^eth0", "127.0.0.1", "^eth0"),
         ("auto", "0.0.0.0", ""),  # every device: peers on other hosts
         ("auto", "10.0.0.7", ""),
         ("all", "127.0.0.1", ""),

@@ -71,6 +71,9 @@ class UcxServer:
         self._address = address
         self._source = source
         self._tokens = tokens
+        # Agents have a credential of their own: direct reads for it only (the table is
+        # built once per process)
+        self._direct_for_agents_only = tokens.knows(AGENT_TENANT)
         self._pcfg = pcfg
         self._counters = counters
         self._borrow = borrow
@@ -144,11 +147,10 @@ class UcxServer:
                 post_control(ep, err.SerializeToString()), far, self._pcfg.io_timeout_s, "refusal"
             )
             return False
-        same_host = (
-            bool(self._same_host)
-            and req.same_host == self._same_host
-            and self._may_read_directly(tenant)
-        )
+        same_host = bool(self._same_host) and req.same_host == self._same_host
+        if same_host and not self._may_read_directly(tenant):
+            same_host = False
+            self._counters.add("peer_direct_withheld")
         async with self._source.slots.hold(src.share):
             await self._send_batches(ep, src, same_host)
         return True
@@ -157,8 +159,10 @@ class UcxServer:
         """Direct reads name this process, its pool's descriptor and where each block
         lies in memory: where agents have a credential of their own, only a caller
         presenting it learns them (a same-host tenant's token pull gets the payloads as
-        UCX messages); elsewhere (no agent identity configured) every caller, as before."""
-        return tenant in (None, AGENT_TENANT) or not self._tokens.knows(AGENT_TENANT)
+        UCX messages, counted in peer_direct_withheld), or one without a token where
+        allow_unauthenticated lets such a caller read everything anyway; elsewhere (no
+        agent identity configured) every caller, as before."""
+        return tenant in (None, AGENT_TENANT) or not self._direct_for_agents_only
 
     async def _send_batches(self, ep, src: ServeRequest, same_host: bool = False) -> None:
         """Header then payloads per batch, all posted at once (one completion wait per

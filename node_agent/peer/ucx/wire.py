@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import mmap
 import os
+import socket
 import struct
 
 import numpy as np
@@ -162,11 +163,26 @@ def net_devices(setting: str, bind_host: str) -> str:
         return ""
     if setting != "auto":
         return setting
+    return "lo" if _loopback(bind_host) else ""
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address `host` (an IP, [IPv6] or a name) stands for is loopback."""
+    host = host.strip("[]")
     try:
-        loopback = ipaddress.ip_address(bind_host).is_loopback
+        ips = [ipaddress.ip_address(host)]
     except ValueError:
-        loopback = bind_host == "localhost"
-    return "lo" if loopback else ""
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return False
+        ips = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
+    return bool(ips) and all(
+        (ip.ipv4_mapped or ip).is_loopback
+        if isinstance(ip, ipaddress.IPv6Address)
+        else ip.is_loopback
+        for ip in ips
+    )
 
 
 def init_ucx(shared_memory: bool = True, devices: str = ""):
