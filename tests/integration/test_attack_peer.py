@@ -36,6 +36,7 @@ from support.common import (
     block_payload,
     make_namespace,
     prompt_tokens,
+    ucx_dial,
     wait_for,
 )
 
@@ -333,18 +334,8 @@ def _direct_header(holder, who: str, ids: list[bytes], root: bytes) -> dict:
         parent_id=root,
         authorization=f"Bearer {TOKENS[who]}",
     )
-    port = holder.config["peer_port"]
-    dial = ROOT / "tests" / "support" / "ucx_dial.py"
-    r = subprocess.run(
-        [PY, str(dial), "127.0.0.1", str(port), "header", req.SerializeToString().hex()],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    assert lines, (r.returncode, r.stdout, r.stderr[-3000:])
-    return json.loads(lines[-1])
+    port = str(holder.config["peer_port"])
+    return ucx_dial("127.0.0.1", port, "header", req.SerializeToString().hex())
 
 
 def test_direct_reads_name_the_agents_memory_to_the_agent_credential_only(spawn_agent):

@@ -10,19 +10,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
-import json
 import os
 import socket
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
-from support.common import PY, ROOT, free_port
+from support.common import free_port, ucx_dial
 
 from kvstore.client import KVClient
-
-DIAL = ROOT / "tests" / "support" / "ucx_dial.py"
 
 
 def other_address() -> str:
@@ -40,16 +36,7 @@ def other_address() -> str:
 
 
 def dial(host: str, port: int, linger: float = 0.0) -> dict:
-    r = subprocess.run(
-        [PY, str(DIAL), host, str(port), str(linger)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    assert lines, (r.returncode, r.stdout, r.stderr[-3000:])
-    return json.loads(lines[-1])
+    return ucx_dial(host, str(port), str(linger))
 
 
 def counter(address: str, name: str) -> int:

@@ -22,6 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
+def ucx_dial(*args: str) -> dict:
+    """Run tests/support/ucx_dial.py with `args` (a subprocess: ucxx stays out of pytest);
+    its last JSON line."""
+    r = subprocess.run(
+        [PY, str(ROOT / "tests" / "support" / "ucx_dial.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, (r.returncode, r.stdout, r.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
 def python_json(*args: str, timeout: float = 120) -> dict:
     """Run `python *args` from the checkout in a fresh interpreter and return the JSON line
     its output ends with; a non-zero exit fails the test with the end of its stderr."""
