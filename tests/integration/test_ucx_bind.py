@@ -7,10 +7,8 @@ the configured 127.0.0.1 does, and the refusal is counted."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 from support.common import free_port, ucx_dial
 
 from kvstore.client import KVClient
+from node_agent.peer.ucx import direct
 
 
 def other_address() -> str:
@@ -69,12 +68,7 @@ def test_ucx_listener_serves_only_the_configured_interface(spawn_agent):
 
 def listening(pid: int) -> set[tuple[str, int]]:
     """The (address, port) pairs process `pid` listens on over TCP (IPv4 and IPv6)."""
-    mine = set()
-    for fd in (Path(f"/proc/{pid}/fd")).iterdir():
-        with contextlib.suppress(OSError):
-            link = os.readlink(fd)
-            if link.startswith("socket:["):
-                mine.add(link[8:-1])
+    mine = direct._sockets(str(pid))  # its socket inodes
     out = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         path = Path(f"/proc/{pid}/net/{table}")

@@ -32,8 +32,15 @@ import time
 import numpy as np
 
 from node_agent.peer.ucx import direct
-from node_agent.peer.ucx.wire import ACK, init_ucx
+from node_agent.peer.ucx.wire import ACK, control_buffer, init_ucx, post_control, recv_control
 from kvstore.v1 import agent_pb2, peer_pb2
+
+
+async def _first_header(ep, raw: bytes) -> peer_pb2.FetchChunk:
+    """Send the FetchRequest `raw` as a fetcher does and read the answer's first header."""
+    await asyncio.wait_for(post_control(ep, raw), 10)
+    got = await asyncio.wait_for(recv_control(ep, control_buffer()), 10)
+    return peer_pb2.FetchChunk.FromString(got)
 
 
 async def dial(host: str, port: int, linger: float = 0.0) -> dict:
@@ -45,14 +52,7 @@ async def dial(host: str, port: int, linger: float = 0.0) -> dict:
         req = peer_pb2.FetchRequest(
             ns=agent_pb2.NamespaceRef(namespace_id=b"\x01" * 16), block_ids=b"\x02" * 16
         )
-        raw = req.SerializeToString()
-        await asyncio.wait_for(
-            ep.send(np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)), 10
-        )
-        buf = np.zeros(1 << 16, dtype=np.uint8)
-        await asyncio.wait_for(ep.recv(buf), 10)
-        n = int.from_bytes(buf[:4].tobytes(), "little")
-        chunk = peer_pb2.FetchChunk.FromString(buf[4 : 4 + n].tobytes())
+        chunk = await _first_header(ep, req.SerializeToString())
         out: dict = {"answer": chunk.error or "ok"}
         if linger:
             await asyncio.wait_for(ep.send(np.frombuffer(ACK, dtype=np.uint8)), 10)
@@ -90,12 +90,7 @@ async def header(host: str, port: int, raw: bytes) -> dict:
     raw = req.SerializeToString()
     ucx = init_ucx()
     ep = await ucx.create_endpoint(host, port, endpoint_error_handling=True)
-    frame = np.frombuffer(len(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
-    await asyncio.wait_for(ep.send(frame), 10)
-    buf = np.zeros(1 << 16, dtype=np.uint8)
-    await asyncio.wait_for(ep.recv(buf), 10)
-    n = int.from_bytes(buf[:4].tobytes(), "little")
-    chunk = peer_pb2.FetchChunk.FromString(buf[4 : 4 + n].tobytes())
+    chunk = await _first_header(ep, req.SerializeToString())
     return {
         "error": chunk.error,
         "count": chunk.count,

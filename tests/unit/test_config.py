@@ -482,7 +482,7 @@ def test_keepalive_can_be_turned_off_and_is_checked_on_routers_too():
     ],
 )
 def test_ucx_net_devices_keep_a_loopback_agents_transports_on_loopback(setting, host, devices):
-    from node_agent.peer.ucx.wire import net_devices
+    from node_agent.peer.ucx.bind import net_devices
 
     assert PeerConfig(ucx_net_devices=setting).ucx_net_devices == setting
     assert net_devices(setting, host) == devices

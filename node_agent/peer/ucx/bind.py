@@ -84,6 +84,24 @@ def _normal(ip: str) -> str:
     return str(addr)
 
 
+def net_devices(setting: str, bind_host: str) -> str:
+    """UCX_NET_DEVICES for an agent listening on `bind_host` with peer.ucx_net_devices
+    `setting` ("": UCX's default, every device). "auto" keeps an agent whose listen host
+    stands only for loopback addresses to the loopback device: UCX's TCP transport listens
+    on every device it uses, unauthenticated (docs/tls.md), and such an agent's peers are
+    all on this host. A host that does not resolve: every device (UCX's default)."""
+    if setting == "all":
+        return ""
+    if setting != "auto":
+        return setting
+    try:
+        ips = _ips(bind_host)
+    except OSError:
+        return ""
+    loopback = ips and all(ipaddress.ip_address(_normal(ip)).is_loopback for ip in ips)
+    return "lo" if loopback else ""
+
+
 class InterfaceGuard:
     """Wraps the listener's callback: connections that did not arrive on `host` are
     aborted before the handler sees them, and `refused()` is called."""

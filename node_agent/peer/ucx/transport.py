@@ -18,10 +18,10 @@ from node_agent.peer.staging import StagingPool
 from node_agent.peer.transport import PeerRef
 from node_agent.peer.ucx.auth import UcxAuth
 from node_agent.peer.ucx import direct
-from node_agent.peer.ucx.bind import InterfaceGuard
+from node_agent.peer.ucx.bind import InterfaceGuard, net_devices
 from node_agent.peer.ucx.fetch import UcxFetcher
 from node_agent.peer.ucx.serve import UcxServer
-from node_agent.peer.ucx.wire import init_ucx, net_devices, ucx_cuda_support
+from node_agent.peer.ucx.wire import init_ucx, ucx_cuda_support
 from node_agent.tokens import TokenTable
 
 log = logging.getLogger("kvstore.agent.peer")

@@ -7,7 +7,6 @@ import asyncio
 import ipaddress
 import mmap
 import os
-import socket
 import struct
 
 import numpy as np
@@ -154,37 +153,6 @@ def ucx_env(shared_memory: bool) -> dict[str, str]:
     }
 
 
-def net_devices(setting: str, bind_host: str) -> str:
-    """UCX_NET_DEVICES for an agent listening on `bind_host` with peer.ucx_net_devices
-    `setting` ("": UCX's default, every device). "auto" keeps an agent that listens on a
-    loopback address to the loopback device: UCX's TCP transport listens on every device
-    it uses, unauthenticated (docs/tls.md), and such an agent's peers are all on this host."""
-    if setting == "all":
-        return ""
-    if setting != "auto":
-        return setting
-    return "lo" if _loopback(bind_host) else ""
-
-
-def _loopback(host: str) -> bool:
-    """Whether every address `host` (an IP, [IPv6] or a name) stands for is loopback."""
-    host = host.strip("[]")
-    try:
-        ips = [ipaddress.ip_address(host)]
-    except ValueError:
-        try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except OSError:
-            return False
-        ips = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos]
-    return bool(ips) and all(
-        (ip.ipv4_mapped or ip).is_loopback
-        if isinstance(ip, ipaddress.IPv6Address)
-        else ip.is_loopback
-        for ip in ips
-    )
-
-
 def init_ucx(shared_memory: bool = True, devices: str = ""):
     """Import and initialise ucxx once per process, inside the running event loop (its
     progress thread and request notifier bind to that loop).
@@ -207,7 +175,8 @@ def init_ucx(shared_memory: bool = True, devices: str = ""):
     Completed requests reach the event loop through _notify, not ucxx's own notifier
     thread (one thread hand-off less per completion).
 
-    `devices`: UCX_NET_DEVICES (net_devices; the environment's wins), "": every device."""
+    `devices`: UCX_NET_DEVICES (bind.net_devices; the environment's wins), "": every
+    device."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if devices:
         os.environ.setdefault("UCX_NET_DEVICES", devices)
