@@ -152,8 +152,8 @@ def check_fields(body: dict[str, Any], max_choices: int, caller_priority: bool =
     a `priority` other than 0 where callers may not set it (`caller_priority`)."""
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadBody("stream must be true or false")
-    priority = body.get("priority")
-    if priority is not None:
+    if "priority" in body:  # null too: vLLM's priority is a number, never null
+        priority = body["priority"]
         if not _whole(priority) or not INT64_MIN <= priority <= INT64_MAX:
             raise BadBody("priority must be a whole number (64-bit)")
         if priority and not caller_priority:

@@ -396,6 +396,16 @@ def test_gateway_config_loads_and_engines_reach_their_agents(helm, tmp_path, mon
     # https engines only when serving HTTPS; large prompts on 2 threads, 1 per tenant.
     assert cfg.allow_plaintext_engines is False
     assert (cfg.tokenize_threads, cfg.max_tokenizing_per_tenant) == (2, 1)
+    assert cfg.caller_priority is False  # shared engines: callers' priorities refused
+    on = tmp_path / "gateway-priority.yaml"
+    on.write_text(
+        one(
+            render(helm, "gateway-values.yaml", "gateway.callerPriority=true"),
+            "ConfigMap",
+            "-gateway",
+        )["data"]["gateway.yaml"]
+    )
+    assert load_config(GatewayConfig, str(on)).caller_priority is True
     c = gw["containers"][0]
     assert c["command"][-1] in {m["mountPath"] for m in c["volumeMounts"]}
     assert cfg.listen.endswith(f":{c['ports'][0]['containerPort']}")

@@ -171,6 +171,7 @@ def test_a_caller_cannot_move_its_requests_ahead_of_other_tenants(world, tmp_pat
         ("-1", "priority must be a whole number (64-bit)"),
         (True, "priority must be a whole number (64-bit)"),
         (0.5, "priority must be a whole number (64-bit)"),
+        (None, "priority must be a whole number (64-bit)"),  # vLLM's is an int, never null
     ):
         r = httpx.post(url, json=_chat(priority=priority), headers=ACME, timeout=30)
         assert r.status_code == 400, (priority, r.text)
