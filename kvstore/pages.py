@@ -59,7 +59,10 @@ def first_touch(arr: np.ndarray) -> None:
     ~50 us, and the same-host Put's control path ran 2-4x slower in those agents (a 2 MiB
     block pays it once per slot not yet written: a small share of its ~100 us copy).
     Reading once per huge page here moves that to start-up (0-23 ms for 3 GiB;
-    docs/benchmarks.md, 2026-12-05 21:30)."""
+    docs/benchmarks.md, 2026-12-05 21:30). The same cost comes back, after this read,
+    while other processes of the guest allocate and free memory fast, on virtual
+    machines that report freed pages to their host at once: not something a touch here
+    can keep away (docs/benchmarks.md, 2026-12-07 19:59)."""
     if arr.size:
         int(arr[::HUGE_PAGE].max())
 

@@ -344,13 +344,14 @@ def copy_rounds(
     staging area included) of `blocks`, `rounds` times under fresh ids: seconds per call.
 
     Run after the shared-memory rounds, not between them: each get allocates 128 MiB of
-    output tensors and frees the previous call's, and on a virtual machine whose balloon
-    reports freed guest pages to its host (virtio_balloon free page reporting) that churn
-    made the first write into each of the agent's pool slots cost 30-60 us for seconds
-    after, in about a third of the processes (a standalone repro without kvstore's agent:
-    3 of 8 processes slow with a 128 MiB allocate/free loop beside them, 0 of 6 without;
-    no guest page fault, migration or compaction counted meanwhile; docs/benchmarks.md,
-    2026-12-07 20:00)."""
+    output tensors and frees the previous call's. On this project's virtual machines
+    (their balloon reports freed guest pages to the host at once) that churn made the
+    agent's first write into each pool slot cost 30-60 us for seconds after, in about a
+    third of the agent processes, with no page fault, migration or compaction counted in
+    the guest: 10 of 27 standalone processes writing into a pool mapped as the agent maps
+    it were slow beside a 128 MiB allocate/free loop, 0 of 6 without it, and 0 of 8 with
+    it while the guest held freed pages back from the host for 20 s
+    (docs/benchmarks.md, 2026-12-07 19:59)."""
     batch = len(blocks)
     put_t, get_t = [], []
     got = None
