@@ -35,6 +35,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,13 @@ from support.tls import make_pki
 
 KINDS = ("unit", "integration", "gpu", "deploy")
 HERE = Path(__file__).resolve().parent
+
+# Started in the background by a shell without job control (`make test &` in a script,
+# some CI runners), this process inherits SIGINT ignored, and so would every process the
+# tests start: the tests of what Ctrl-C does to kvctl and `kvctl cluster up` would see
+# their SIGINT ignored. Python runs its own handler again; children exec with the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items) -> None:
