@@ -62,6 +62,23 @@ def procs(tmp_path):
         p.wait()
 
 
+def _seen(pid: int) -> dict[str, object]:
+    """What started_for reads of `pid` (for a failure's message)."""
+    out: dict[str, object] = {"pid": pid}
+    for name in ("cmdline", "environ", "stat"):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            out[name] = repr(exc)
+            continue
+        if name == "environ":
+            out[name] = [v for v in raw.split(b"\0") if v.startswith(CLUSTER_ENV.encode())]
+        else:
+            out[name] = raw[:200]
+    return out
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -95,4 +112,5 @@ def test_unrecorded_leaves_out_what_starting_json_lists(tmp_path, procs):
     wait_for(lambda: _running(listed) and _running(stray), 10, what="the idle processes")
     entry = {"name": "etcd", "kind": "etcd", "pid": listed, "address": "", "log": ""}
     (state / STARTING_FILE).write_text(json.dumps({"up_pid": 1, "procs": [entry]}))
-    assert [(p.name, p.pid) for p in unrecorded(state)] == [("etcd", stray)]
+    found = [(p.name, p.pid) for p in unrecorded(state)]
+    assert found == [("etcd", stray)], (found, _seen(listed), _seen(stray), started_for(state))
