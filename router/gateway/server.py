@@ -15,9 +15,10 @@ import socket
 import struct
 import sys
 import termios
+from asyncio import sslproto
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -44,17 +45,22 @@ log = logging.getLogger("kvstore.gateway")
 class _Embedded(uvicorn.Server):
     """uvicorn without its signal handlers: the router process owns SIGTERM.
 
-    With TLS, a client's handshake must end within `handshake_timeout_s` (the gateway's
-    header_timeout_s: the headers' clock starts once it has). uvicorn passes no
-    ssl_handshake_timeout to create_server, which left asyncio's default, 60 s: a probe
-    held 6,000 connections that sent nothing, or a part of a ClientHello, for a minute
-    each, at ~315 KiB of the router's memory apiece (Python's TLS buffers) and one file
-    descriptor, before the connection limits see them (they count connections from the
-    end of the handshake)."""
+    With TLS, uvicorn's listener accepts plain TCP and each connection's handshake is
+    _TLSHandshake's: counted in the connection limits (`book`) from the moment it opens,
+    and held to `handshake_timeout_s` (the gateway's header_timeout_s: the headers' clock
+    starts once it is done). uvicorn hands ssl to create_server, whose handshakes the
+    limits never saw and which had asyncio's default timeout, 60 s: a probe held 6,000
+    connections that sent nothing, or a part of a ClientHello, for a minute each, at
+    ~315 KiB of the router's memory apiece (Python's TLS buffers) and one file
+    descriptor; with the timeout alone, a client opening connections faster than it let
+    them go still held as many as it liked."""
 
-    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, handshake_timeout_s: float, book: _Connections
+    ) -> None:
         super().__init__(config)
         self.handshake_timeout_s = handshake_timeout_s
+        self.book = book
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -66,21 +72,97 @@ class _Embedded(uvicorn.Server):
             await super().startup(sockets)
             return
         own = type(loop).create_server
-        timeout = self.handshake_timeout_s
+        timeout, book = self.handshake_timeout_s, self.book
 
-        async def create_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+        async def create_server(factory: Any, *args: Any, **kwargs: Any) -> asyncio.Server:
             # uvicorn's TLS listener only: a call of anyone else's in the meantime (no
             # ssl, or a timeout of its own) goes through unchanged
-            if kwargs.get("ssl") is not None and kwargs.get("ssl_handshake_timeout") is None:
-                kwargs["ssl_handshake_timeout"] = timeout
-            return await own(loop, *args, **kwargs)
+            ctx = kwargs.get("ssl")
+            if ctx is not None and kwargs.get("ssl_handshake_timeout") is None:
+                kwargs["ssl"] = None
+                accept = lambda: _TLSHandshake(factory, ctx, timeout, book)  # noqa: E731
+                return await own(loop, accept, *args, **kwargs)
+            return await own(loop, factory, *args, **kwargs)
 
-        loop.create_server = create_server  # type: ignore[method-assign]
+        loop.create_server = create_server  # type: ignore[method-assign,assignment]
         try:
             await super().startup(sockets)
         finally:
             if loop.__dict__.get("create_server") is create_server:
                 del loop.create_server  # the loop's own method again
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for conn in list(self.book.open):  # uvicorn knows connections once their handshake is done
+            if isinstance(conn, _TLSHandshake):
+                conn.transport.abort()
+        await super().shutdown(sockets)
+
+
+class _SSLProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, reading 32 KiB at a time instead of 256: each connection
+    holds a read buffer of that size from the moment it opens (a zero-filled bytearray:
+    256 KiB resident per connection, most of the ~315 KiB a silent one cost). A TLS record
+    is at most 16 KiB; a large request body takes more, cheaper reads."""
+
+    max_size = 32 * 1024
+
+
+class _TLSHandshake(asyncio.Protocol):
+    """A TLS connection until its handshake is done, counted in the connection limits
+    (_Connections) from the moment it opens as a `waiting` connection (nothing of a
+    request received): over max_connections or max_connections_per_client, the one
+    waiting longest is closed, a handshake among them, so connections that never finish
+    a handshake, however fast a stranger opens them, hold no more than the limits allow.
+    The handshake is asyncio's own (SSLProtocol, as create_server(ssl=) runs it, with
+    `timeout_s`); once done, uvicorn's protocol takes the connection over, counted from
+    then on as itself. A handshake that fails or times out closes the connection."""
+
+    def __init__(
+        self,
+        app_factory: Callable[[], Any],
+        ctx: Any,
+        timeout_s: float,
+        book: _Connections,
+    ) -> None:
+        self.app_factory, self.ctx, self.timeout_s, self.book = app_factory, ctx, timeout_s, book
+        self.peer = ""
+        self.transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        # Not read here: the handshake reads from the first byte (as in start_tls).
+        transport.pause_reading()
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if peer else ""  # uvicorn's client[0]
+        self.book.add(self)
+        self.book.admit(self)  # over a limit still (all serving): its request will be 503
+        app = self.app_factory()
+        app.handshake = self  # out of the book as it takes over (_OneSendProtocol)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        tls = _SSLProtocol(
+            loop,
+            app,
+            self.ctx,
+            done,
+            server_side=True,
+            ssl_handshake_timeout=self.timeout_s,  # type: ignore[arg-type]  # (a float)
+        )
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        transport.resume_reading()
+        done.add_done_callback(self._done)
+
+    def _done(self, done: asyncio.Future) -> None:
+        self.book.drop(self)
+        if done.cancelled() or done.exception() is not None:
+            self.transport.abort()
+
+    def _shed(self) -> str:
+        """Closed to make room for another (_Connections._shed): nobody to answer."""
+        self.transport.abort()
+        return "tls_handshake"
 
 
 class _HeadWithBody(asyncio.Transport):
@@ -123,6 +205,16 @@ class _HeadWithBody(asyncio.Transport):
         return self._transport.get_extra_info(name, default)
 
 
+class _Counted(Protocol):
+    """A connection _Connections counts: _OneSendProtocol, or _TLSHandshake before it."""
+
+    peer: str
+
+    @property
+    def transport(self) -> asyncio.BaseTransport: ...
+    def _shed(self) -> str: ...
+
+
 class _Connections:
     """A gateway's open client connections, held to max_connections and
     max_connections_per_client (one per server, shared by its connections).
@@ -130,7 +222,8 @@ class _Connections:
     A connection over a limit does not wait for a free place: it takes the place of a
     connection that is `waiting` (no request being served: nothing received since it
     opened, idle between keep-alive requests, or a request's head or body still arriving),
-    the one waiting longest, which is closed (`_OneSendProtocol._shed`). Only when every
+    the one waiting longest, which is closed (`_shed`: _OneSendProtocol's, or
+    _TLSHandshake's for a TLS connection whose handshake is not done). Only when every
     other connection counted against the limit is serving a request (received whole, its
     answer not yet complete: with an engine, or streaming) does the newcomer stay over the
     limit, and its request is refused with 503. So silent or idle connections, however
@@ -139,15 +232,15 @@ class _Connections:
     def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.cap, self.per_client = cfg.max_connections, cfg.max_connections_per_client
         self.metrics = metrics
-        self.open: dict[_OneSendProtocol, None] = {}  # not closed by us
-        self.waiting: dict[_OneSendProtocol, None] = {}  # longest waiting first
+        self.open: dict[_Counted, None] = {}  # not closed by us
+        self.waiting: dict[_Counted, None] = {}  # longest waiting first
         self.clients: Counter[str] = Counter()  # client address -> its open connections
 
-    def add(self, conn: _OneSendProtocol) -> None:
+    def add(self, conn: _Counted) -> None:
         self.open[conn] = self.waiting[conn] = None
         self.clients[conn.peer] += 1
 
-    def drop(self, conn: _OneSendProtocol) -> None:
+    def drop(self, conn: _Counted) -> None:
         """`conn` is closing or closed (idempotent)."""
         self.waiting.pop(conn, None)
         if self.open.pop(conn, 0) is None:
@@ -155,16 +248,16 @@ class _Connections:
             if not self.clients[conn.peer]:
                 del self.clients[conn.peer]
 
-    def wait(self, conn: _OneSendProtocol) -> None:
+    def wait(self, conn: _Counted) -> None:
         """`conn` serves no request from now (last among the waiting)."""
         if conn in self.open:
             self.waiting.pop(conn, None)
             self.waiting[conn] = None
 
-    def serve(self, conn: _OneSendProtocol) -> None:
+    def serve(self, conn: _Counted) -> None:
         self.waiting.pop(conn, None)
 
-    def admit(self, conn: _OneSendProtocol) -> str | None:
+    def admit(self, conn: _Counted) -> str | None:
         """Make room for `conn` (counted already) within both limits by shedding waiting
         connections; the limit it stays over, if any."""
         if self.per_client and self.clients[conn.peer] > self.per_client:
@@ -186,7 +279,7 @@ class _Connections:
         for conn in [c for c in self.open if c.transport.is_closing()]:
             self.drop(conn)
 
-    def _shed(self, asking: _OneSendProtocol, limit: str, peer: str | None = None) -> bool:
+    def _shed(self, asking: _Counted, limit: str, peer: str | None = None) -> bool:
         for conn in self.waiting:
             if conn is not asking and (peer is None or conn.peer == peer):
                 break
@@ -251,10 +344,13 @@ class _OneSendProtocol(HttpToolsProtocol):
         self._stall: asyncio.TimerHandle | None = None  # writing paused: send_timeout_s
         self._stall_at = 0  # bytes waiting in the transport when that clock started
         self._aborted = False  # cut off by _stalled
+        self.handshake: _TLSHandshake | None = None  # that counted this TLS connection before
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.peer = self.client[0] if self.client else ""
+        if self.handshake is not None:  # done: this protocol is counted in its place
+            self.book.drop(self.handshake)
         self.book.add(self)
         self._admitted = self.book.admit(self) is None
         self._arm(self.limits.header_timeout_s)  # from the connection opening
@@ -620,7 +716,9 @@ class GatewayServer:
         if self.etcd is not None:
             e = self.gateway.engines
             self._tasks.append(asyncio.create_task(self.etcd.follow(ENGINES, e.reset, e.apply)))
-        self._server = _Embedded(self._uvicorn_config(), self.cfg.header_timeout_s)
+        config = self._uvicorn_config()
+        book = config.http.book  # type: ignore[union-attr]  # (_protocol's class)
+        self._server = _Embedded(config, self.cfg.header_timeout_s, book)
         task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._tasks.append(task)
         while not self._server.started:

@@ -12,6 +12,7 @@ import contextlib
 
 import json
 import socket
+import ssl
 import time
 
 import httpx
@@ -211,6 +212,38 @@ def test_at_max_connections_all_serving_a_new_request_is_503_and_none_is_shed(
     finally:
         for s in held:
             s.close()
+
+
+def test_tls_handshakes_count_against_max_connections(start_gateway, tokenizer_dir, pki):
+    """Before the fix a TLS connection was counted only once its handshake was done: a
+    stranger opening connections that send nothing, or a part of a ClientHello, faster
+    than header_timeout_s closed them held as many as it liked, each ~315 KiB of the
+    router's memory and a file descriptor. Now a handshake is a waiting connection from
+    the moment it opens: over max_connections the one waiting longest is closed without
+    a word, and a client that completes its handshake is served in the oldest's place."""
+    tls = {"tls": {**pki.section()["tls"], "etcd": False}}
+    # (a handshake deadline longer than the test: only the limit closes anything here)
+    limits = {"max_connections": 4, "header_timeout_s": 60}
+    gw = start_gateway({MODEL: tokenizer_dir}, limits, router=tls)
+    ctx = ssl.create_default_context(cafile=pki.server.ca_file)
+    strangers = [_connect(gw.address) for _ in range(6)]  # no handshake done
+    # The first bytes of a TLS 1.2 ClientHello record (type, version, length), cut short.
+    strangers[-1].sendall(bytes.fromhex("160301020001000200fc03"))
+    try:
+        for i in (0, 1):  # closed to make room for the 5th and the 6th
+            assert _until_closed(strangers[i]) == b"", i
+        assert all(_open(s) for s in strangers[2:])
+        assert _metric(gw, SHED % ("max_connections", "tls_handshake")) == 2
+        with httpx.Client(verify=ctx) as client:
+            assert client.get(gw.url + "/health", timeout=10).status_code == 200
+        assert _until_closed(strangers[2]) == b""
+        assert all(_open(s) for s in strangers[3:])
+        assert _metric(gw, SHED % ("max_connections", "tls_handshake")) == 3
+        assert _metric(gw, SHED % ("max_connections", "idle")) == 0
+    finally:
+        for s in strangers:
+            s.close()
+    assert "Traceback" not in gw.log, gw.log[-2000:]
 
 
 def test_max_connections_per_client_sheds_that_clients_own_or_refuses_it_alone(
