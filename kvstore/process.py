@@ -9,9 +9,12 @@ import logging
 import os
 import signal
 
+from kvstore import heap
 from kvstore.config import TLSConfig
 from kvstore.errors import StartupError
 from kvstore.tls import TLSFilesError, add_port
+
+log = logging.getLogger("kvstore.process")
 
 
 def log_level(text: str) -> str:
@@ -117,8 +120,37 @@ async def run_until_signalled(server, ready_file: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    returning = asyncio.create_task(return_freed_memory())
     await stop.wait()
+    returning.cancel()
     await server.stop()
+
+
+# return_freed_memory: how often it looks, and how much must be free before it trims
+TRIM_EVERY_S = 10.0
+TRIM_ABOVE = 64 << 20
+
+
+async def return_freed_memory(every_s: float = TRIM_EVERY_S, above: int = TRIM_ABOVE) -> None:
+    """Give back to the kernel what a burst left free in the allocator (kvstore/heap.py):
+    every `every_s` it asks how much is free, and trims once that has grown by `above`
+    since the last trim (what was trimmed stays free in the allocator's count until
+    reused; reuse lowers the mark). Both calls run off the event loop: walking the free
+    lists took 0.01 ms after 3,000 TLS connections were freed, but 23 ms with 100,000
+    scattered free chunks, and the trim 103 ms for 700 MiB (scratch heaps, 2026-12-07),
+    each holding an arena's lock meanwhile (a malloc on the loop may wait)."""
+    loop = asyncio.get_running_loop()
+    mark = 0  # free bytes after the last trim
+    while True:
+        await asyncio.sleep(every_s)
+        free = await loop.run_in_executor(None, heap.free_held)
+        mark = min(mark, free)
+        if free - mark < above:
+            continue
+        returned = await loop.run_in_executor(None, heap.trim)
+        mark = free
+        if returned:
+            log.info("gave %d MiB of freed memory back to the system", returned >> 20)
 
 
 def freeze_startup_objects() -> None:
