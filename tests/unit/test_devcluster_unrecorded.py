@@ -13,11 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.common import wait_for
 
 from kvstore.devcluster import STARTING_FILE
 from kvstore.devcluster.state import unrecorded
-from kvstore.devprocs import CLUSTER_ENV, program_kind, started_for
+from kvstore.devprocs import (
+    CLUSTER_ENV,
+    alive,
+    proc_state,
+    program_kind,
+    spawn,
+    started_for,
+    until_execed,
+)
 
 IDLE = "import time; time.sleep(120)"
 
@@ -54,6 +61,7 @@ def procs(tmp_path):
             env[CLUSTER_ENV] = str(state.resolve())
         p = subprocess.Popen([argv0, *args], executable=sys.executable, cwd=tmp_path, env=env)
         started.append(p)
+        until_execed(p)  # (as spawn does: cmdline reads empty until the exec is done)
         return p.pid
 
     yield start
@@ -64,8 +72,8 @@ def procs(tmp_path):
 
 def _seen(pid: int) -> dict[str, object]:
     """What started_for reads of `pid` (for a failure's message)."""
-    out: dict[str, object] = {"pid": pid}
-    for name in ("cmdline", "environ", "stat"):
+    out: dict[str, object] = {"pid": pid, "state": proc_state(pid)}
+    for name in ("cmdline", "environ"):
         try:
             with open(f"/proc/{pid}/{name}", "rb") as f:
                 raw = f.read()
@@ -79,25 +87,15 @@ def _seen(pid: int) -> dict[str, object]:
     return out
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_only_our_kinds_started_for_the_directory_are_found(tmp_path, procs):
     state, sibling = tmp_path / "cluster", tmp_path / "cluster2"
     etcd_args = ("-c", IDLE, "--data-dir", str(state / "etcd"))
     etcd = procs(state, "etcd", *etcd_args)
     agent = procs(state, "python3", "-m", "node_agent", "--config", "agent.json")
     router = procs(state, "python3", "-m", "router", "--router-id", "router-0")
-    by_hand = procs(None, "etcd", *etcd_args)  # the same command, not started by an up
+    procs(None, "etcd", *etcd_args)  # the same command, not started by an up
     other_dir = procs(sibling, "etcd", *etcd_args)
-    other_kind = procs(state, "python3", "-c", IDLE, "-m", "router")
-    everyone = (etcd, agent, router, by_hand, other_dir, other_kind)
-    wait_for(lambda: all(_running(p) for p in everyone), 10, what="the idle processes")
+    procs(state, "python3", "-c", IDLE, "-m", "router")  # not of a kind an up starts
     assert sorted(started_for(state)) == sorted(
         [(etcd, "etcd"), (agent, "agent"), (router, "router")]
     )
@@ -109,8 +107,26 @@ def test_unrecorded_leaves_out_what_starting_json_lists(tmp_path, procs):
     state.mkdir()
     listed = procs(state, "etcd", "-c", IDLE)
     stray = procs(state, "etcd", "-c", IDLE)
-    wait_for(lambda: _running(listed) and _running(stray), 10, what="the idle processes")
     entry = {"name": "etcd", "kind": "etcd", "pid": listed, "address": "", "log": ""}
     (state / STARTING_FILE).write_text(json.dumps({"up_pid": 1, "procs": [entry]}))
     found = [(p.name, p.pid) for p in unrecorded(state)]
     assert found == [("etcd", stray)], (found, _seen(listed), _seen(stray), started_for(state))
+
+
+def test_spawn_returns_once_proc_shows_the_new_program(tmp_path):
+    """Popen returns with the child still inside its exec, its cmdline read empty (in 1024
+    of 1500 starts here, 2026-12-07): alive() then said no, so a stop right after a start
+    passed the process over and left it running, and started_for missed it (this file's
+    test above failed so in 2 of 4 full runs). spawn now returns once /proc shows it."""
+    state = tmp_path / "cluster"
+    state.mkdir()
+    started = []
+    try:
+        for i in range(20):
+            cmd = [sys.executable, "-c", IDLE, "--data-dir", str(state / "etcd")]
+            started.append(spawn(cmd, tmp_path / f"etcd-{i}.log", state))
+            assert alive(started[-1].pid, "etcd"), (i, _seen(started[-1].pid))
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
