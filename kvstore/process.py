@@ -105,8 +105,14 @@ def check_ready_file(path: str | None, what: str = "--ready-file") -> None:
         raise StartupError(f"{what} {path}: directory {folder} is not writable")
 
 
-async def run_until_signalled(server, ready_file: str | None = None) -> None:
-    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT."""
+async def run_until_signalled(
+    server, ready_file: str | None = None, return_freed: bool = False
+) -> None:
+    """`server` has async start()/stop() and an `address`; stop on SIGTERM or SIGINT.
+    `return_freed`: give what bursts leave free in the allocator back to the kernel
+    (return_freed_memory): the router's bursts (connections, requests) are transient;
+    an agent's heap holds the copy path's buffers for reuse, and a trim would make its
+    next transfer fault them in again."""
     check_ready_file(ready_file)
     await server.start()
     freeze_startup_objects()
@@ -120,9 +126,10 @@ async def run_until_signalled(server, ready_file: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    returning = asyncio.create_task(return_freed_memory())
+    returning = asyncio.create_task(return_freed_memory()) if return_freed else None
     await stop.wait()
-    returning.cancel()
+    if returning is not None:
+        returning.cancel()
     await server.stop()
 
 

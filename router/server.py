@@ -373,4 +373,4 @@ async def serve(
     server = RouterServer(cfg, token, etcd_prefix, with_control=True, gateway=gateway)
     server.gateway_ready_file = gateway_ready_file
     check_ready_file(gateway_ready_file, "--gateway-ready-file")
-    await run_until_signalled(server, ready_file)
+    await run_until_signalled(server, ready_file, return_freed=True)
