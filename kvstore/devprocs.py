@@ -286,7 +286,8 @@ def fresh_log(path: Path) -> BinaryIO:
 
 def spawn(cmd: list[str], log_path: Path, state: Path) -> subprocess.Popen:
     """Start `cmd` in its own session, logging to a fresh `log_path` (fresh_log), marked
-    as started for the cluster in `state` (CLUSTER_ENV)."""
+    as started for the cluster in `state` (CLUSTER_ENV); returns once /proc shows it
+    running its program (until_execed)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{CLUSTER_ENV: str(state.resolve())})
     if env.pop(_KVCTL_QUIETED, None):  # kvctl's own quieting of gRPC is not theirs
         env.pop("GRPC_VERBOSITY", None)

@@ -156,7 +156,7 @@ async def return_freed_memory(every_s: float = TRIM_EVERY_S, above: int = TRIM_A
             continue
         returned = await loop.run_in_executor(None, heap.trim)
         mark = free
-        if returned:
+        if returned >= 1 << 20:
             log.info("gave %d MiB of freed memory back to the system", returned >> 20)
 
 
