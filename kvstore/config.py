@@ -240,6 +240,7 @@ def check_call_caps(cfg, *more: str) -> None:
         "max_health_watches",
         "max_health_watches_per_peer",
         "max_health_checks_per_peer",
+        "max_connections",
     )
     for name in (*caps, *more):
         value = getattr(cfg, name)
@@ -262,6 +263,11 @@ def check_call_caps(cfg, *more: str) -> None:
         value = getattr(cfg, name)
         if not _seconds(value) or value < 0:
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if not _seconds(cfg.handshake_timeout_s) or cfg.handshake_timeout_s < 1:
+        raise ValueError(
+            f"handshake_timeout_s must be at least 1 s (a TLS handshake and HTTP/2's "
+            f"preface take milliseconds), got {cfg.handshake_timeout_s!r}"
+        )
     if 0 < cfg.keepalive_s < 1:
         raise ValueError(
             f"keepalive_s must be 0 (no pings) or at least 1 s (a PING on every connection "
@@ -349,6 +355,14 @@ class AgentConfig:
     # stopped process or a frozen VM. 0: no pings.
     keepalive_s: float = 60.0
     keepalive_timeout_s: float = 20.0
+    # TCP connections open at once on the gRPC port (one over it is closed as it arrives,
+    # until one goes; 0: no cap), and how long a connection has to finish its handshake
+    # (TLS, then HTTP/2's preface) before it is closed. Before, connections that sent
+    # nothing were held 30-60 s each, uncapped: 20,000 of them, no token needed, took
+    # every file descriptor of the agent (gRPC stopped accepting, so did RocksDB's
+    # files). Engines, peers, routers and kvctl each keep a few.
+    max_connections: int = 4096
+    handshake_timeout_s: float = 10.0
     # Health.Watch streams (open to anyone, never ended by the server) open at once on the
     # whole port and from one peer address (host); more are refused RESOURCE_EXHAUSTED.
     # 0: no cap.
@@ -529,6 +543,10 @@ class RouterConfig:
     # Connections pinged and closed when their client does not answer, as the agent's.
     keepalive_s: float = 60.0
     keepalive_timeout_s: float = 20.0
+    # TCP connections open at once on the gRPC port and the time each has to finish its
+    # handshake, as the agent's (0: no cap). The gateway's are `gateway.max_connections`.
+    max_connections: int = 4096
+    handshake_timeout_s: float = 10.0
     # Health.Watch streams open at once, on the whole port and from one peer address
     # (host), and Health.Check calls in progress from one address, as the agent's. 0: no
     # cap.

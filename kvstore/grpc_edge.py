@@ -310,6 +310,18 @@ def keepalive_options(every_s: float, timeout_s: float) -> list[tuple[str, int]]
     ]
 
 
+def connection_options(max_connections: int, handshake_timeout_s: float) -> list[tuple[str, int]]:
+    """A server's options for its TCP connections (max_connections, handshake_timeout_s):
+    at most `max_connections` open at once (gRPC closes one over it as it arrives; 0: no
+    cap), and each closed unless its handshake (TLS, HTTP/2's preface) is done within
+    `handshake_timeout_s`. A connection that sends nothing costs its client nothing and
+    the server a file descriptor: uncapped, a stranger's took all of an agent's."""
+    options = [("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1000)))]
+    if max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
+    return options
+
+
 class CallGate:
     """Calls in flight per caller, at most `cap` each (0: no cap), so that one caller
     cannot hold every call a server serves at once; callers in `exempt` (None: a

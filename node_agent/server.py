@@ -33,7 +33,7 @@ from kvstore.tiers.rocks import (
     quarantine,
 )
 from kvstore.tiers.sealing import KeyFileError, Sealer
-from kvstore.grpc_edge import WatchGate, check_gate, keepalive_options
+from kvstore.grpc_edge import WatchGate, check_gate, connection_options, keepalive_options
 from kvstore.v1 import agent_pb2_grpc
 from kvstore.v1 import peer_pb2_grpc
 from node_agent.events import EventHub
@@ -258,6 +258,7 @@ class AgentServer:
             ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
             *keepalive_options(self.cfg.keepalive_s, self.cfg.keepalive_timeout_s),
+            *connection_options(self.cfg.max_connections, self.cfg.handshake_timeout_s),
         ]
         tokens = {t: tc.token_sha256 for t, tc in self.cfg.tenants.items()}
         interceptors = [

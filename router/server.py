@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.coord.etcd import DEFAULT_PREFIX, EtcdClient
-from kvstore.grpc_edge import keepalive_options, status_for
+from kvstore.grpc_edge import connection_options, keepalive_options, status_for
 from kvstore import errors
 from kvstore.process import (
     StartupError,
@@ -252,6 +252,7 @@ class RouterServer:
             options=[
                 ("grpc.so_reuseport", 0),
                 *keepalive_options(self.cfg.keepalive_s, self.cfg.keepalive_timeout_s),
+                *connection_options(self.cfg.max_connections, self.cfg.handshake_timeout_s),
             ],
         )
         self.servicer = RouterServicer(self.core, access)

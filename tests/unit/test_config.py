@@ -193,6 +193,10 @@ def test_precedence_file_then_env_then_overrides(tmp_path, monkeypatch):
             r"keepalive_timeout_s must be at least 1 s while keepalive_s is on \(60\), got 0",
         ),
         ("keepalive_s", 0.001, r"keepalive_s must be 0 \(no pings\) or at least 1 s"),
+        ("max_connections", -1, r"max_connections must be >= 0 \(0: no cap\), got -1"),
+        ("max_connections", "many", "max_connections"),
+        ("handshake_timeout_s", 0.5, r"handshake_timeout_s must be at least 1 s .*got 0\.5"),
+        ("handshake_timeout_s", "inf", "handshake_timeout_s must be at least 1 s"),
     ],
 )
 def test_bad_values_name_the_field(field, value, match):
@@ -200,6 +204,13 @@ def test_bad_values_name_the_field(field, value, match):
         load_config(
             AgentConfig, overrides={"pool_bytes": "1MiB", "slot_bytes": "64KiB", field: value}
         )
+
+
+def test_router_connection_limits_are_checked_as_the_agents():
+    with pytest.raises(ValueError, match=r"max_connections must be >= 0 \(0: no cap\), got -5"):
+        RouterConfig(max_connections=-5)
+    with pytest.raises(ValueError, match=r"handshake_timeout_s must be at least 1 s"):
+        RouterConfig(handshake_timeout_s=0)
 
 
 def test_router_tenant_names_follow_the_same_rule():

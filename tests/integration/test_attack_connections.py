@@ -1,0 +1,89 @@
+"""Connections that never finish a handshake, against real agent and router processes
+(docs/security.md, "Connections that send nothing"). Anyone who reaches a gRPC port can
+open TCP connections to it, no token needed. Before, each was held 30-60 s, without a
+cap: 20,000 from one stranger took every file descriptor of an agent (gRPC stopped
+accepting, RocksDB could not open its files, every client's call timed out). Now at most
+max_connections are open at once, one over it closed as it arrives, and each has
+handshake_timeout_s to finish its handshake; a client connected before keeps working."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from support.common import wait_for
+
+from kvstore.client import KVClient
+
+CAP = 32
+SLACK = 8  # descriptors the server may open meanwhile for itself
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _silent(address: str, n: int) -> list[socket.socket]:
+    """`n` connections to `address` that send nothing (each accepted by the kernel,
+    whatever the server then does with it)."""
+    host, port = address.rsplit(":", 1)
+    return [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
+
+
+def _closed(s: socket.socket) -> bool:
+    """The server closed `s` (end of stream, or a reset), asked without waiting; what it
+    sent first (an HTTP/2 server sends its SETTINGS at once) is read past."""
+    s.setblocking(False)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.settimeout(10)
+
+
+def test_an_agent_holds_at_most_max_connections_silent_ones_and_only_for_the_handshake(
+    spawn_agent,
+):
+    agent = spawn_agent(max_connections=CAP, handshake_timeout_s=2)
+    assert agent.proc is not None
+    pid = agent.proc.pid
+    with KVClient(agent.address) as client:
+        client.stats()  # connected before the flood
+        base = _fds(pid)
+        silent = _silent(agent.address, 4 * CAP)
+        try:
+            time.sleep(0.5)  # the server has seen them all
+            held = _fds(pid) - base
+            assert held <= CAP + SLACK, held  # before the fix: all 128
+            assert client.stats().node_id == agent.config["node_id"]  # the old connection
+            # Each is closed once its handshake time is up, without a word.
+            wait_for(lambda: all(_closed(s) for s in silent), 15, 0.2, what="all closed")
+            wait_for(lambda: _fds(pid) <= base + SLACK, 15, 0.2, what="their descriptors")
+        finally:
+            for s in silent:
+                s.close()
+    with KVClient(agent.address) as client:  # a new client gets in once they are gone
+        assert client.stats().node_id == agent.config["node_id"]
+    assert "Traceback" not in agent.log
+
+
+def test_a_router_holds_at_most_max_connections_silent_ones(start_router):
+    router = start_router(config={"max_connections": CAP, "handshake_timeout_s": 2})
+    assert router.proc is not None
+    pid = router.proc.pid
+    base = _fds(pid)
+    silent = _silent(router.address, 4 * CAP)
+    try:
+        time.sleep(0.5)
+        held = _fds(pid) - base
+        assert held <= CAP + SLACK, held
+        wait_for(lambda: all(_closed(s) for s in silent), 15, 0.2, what="all closed")
+    finally:
+        for s in silent:
+            s.close()
