@@ -107,11 +107,26 @@ class MetricsEndpoint:
             app = _bearer_only(app, hashlib.sha256(token.encode()).digest())
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
+        slots = _ScrapeSlots(METRICS_MAX_CONNECTIONS)
+
         class Server(ThreadingWSGIServer):
             address_family = family
 
+            def process_request(self, request, client_address) -> None:
+                if not slots.admit(request):  # every one mid-answer: refused
+                    self.shutdown_request(request)
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.done(request)
+
+        handler = type("_Handler", (_QuietHandler,), {"slots": slots})  # this port's
         try:
-            self._server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+            self._server = make_server(host, port, app, Server, handler_class=handler)
         except OSError as exc:
             self.provider.shutdown()
             raise RuntimeError(f"could not serve metrics on {host}:{port}: {exc}") from None
@@ -131,9 +146,68 @@ class MetricsEndpoint:
         self.provider.shutdown()
 
 
+# The metrics port's connections (one thread each): at most this many at once, and each
+# closed when a read or write waits longer than METRICS_TIMEOUT_S. Before, a connection
+# that sent nothing held its thread and descriptor for ever: 500 took an agent from 16
+# to 517 threads, still there a minute later, and enough would take every descriptor of
+# the process the metrics share with gRPC and RocksDB.
+METRICS_MAX_CONNECTIONS = 64
+METRICS_TIMEOUT_S = 10.0
+
+
+class _ScrapeSlots:
+    """The metrics port's open connections, at most `cap`: one over it takes the place
+    of the connection waiting longest for its request (shut down: its read ends and its
+    thread with it), as the gateway's connection limits do, so silent connections cannot
+    keep a scraper out; only when every one is mid-answer is the newcomer closed."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._open = 0
+        self._waiting: dict[socket.socket, None] = {}  # no request read yet, oldest first
+
+    def admit(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._open >= self.cap:
+                if not self._waiting:
+                    return False
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._open += 1
+            self._waiting[sock] = None
+            return True
+
+    def serving(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._waiting.pop(sock, None)
+
+    def done(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._waiting.pop(sock, None)
+            self._open -= 1
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # on every read and write of the connection
+    slots: _ScrapeSlots | None = None  # the port's (MetricsEndpoint's subclass)
+
     def log_message(self, format: str, *args) -> None:  # no line per scrape on stderr
         pass
+
+    def handle(self) -> None:
+        # A connection that timed out or was shut down to make room ends here, quietly
+        # (socketserver would print a traceback per connection).
+        with contextlib.suppress(OSError):
+            super().handle()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        if self.slots is not None:
+            self.slots.serving(self.connection)
+        return parsed
 
 
 def _bearer_only(app, token_sha256: bytes):

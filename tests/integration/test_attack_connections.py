@@ -12,9 +12,12 @@ import os
 import socket
 import time
 
+import httpx
 from support.common import wait_for
 
 from kvstore.client import KVClient
+from kvstore.devprocs import free_port
+from kvstore.telemetry import METRICS_MAX_CONNECTIONS, METRICS_TIMEOUT_S
 
 CAP = 32
 SLACK = 8  # descriptors the server may open meanwhile for itself
@@ -22,6 +25,11 @@ SLACK = 8  # descriptors the server may open meanwhile for itself
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("Threads:")[1].split()[0])
 
 
 def _silent(address: str, n: int) -> list[socket.socket]:
@@ -87,3 +95,34 @@ def test_a_router_holds_at_most_max_connections_silent_ones(start_router):
     finally:
         for s in silent:
             s.close()
+
+
+def test_the_metrics_port_holds_at_most_its_cap_and_a_scrape_still_gets_in(spawn_agent):
+    """The metrics port (a thread per connection) held a silent connection for ever: 500
+    took an agent from 16 to 517 threads, all still there a minute later. Now it holds
+    METRICS_MAX_CONNECTIONS: one over takes the place of the one waiting longest for its
+    request, so a scrape gets in, and each is closed after METRICS_TIMEOUT_S of silence."""
+    port = free_port()
+    agent = spawn_agent(metrics_port=port)
+    assert agent.proc is not None
+    pid = agent.proc.pid
+    base = _threads(pid)
+    cap = METRICS_MAX_CONNECTIONS
+    silent = _silent(f"127.0.0.1:{port}", 2 * cap)
+    try:
+        time.sleep(0.5)
+        assert _threads(pid) - base <= cap + SLACK, _threads(pid) - base  # before: 128 more
+        wait_for(lambda: all(_closed(s) for s in silent[:cap]), 10, 0.1, what="the oldest shed")
+        scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert scrape.status_code == 200 and "kvstore_" in scrape.text
+        wait_for(lambda: _closed(silent[cap]), 10, 0.1, what="the scrape's place")
+        wait_for(
+            lambda: all(_closed(s) for s in silent),
+            METRICS_TIMEOUT_S + 10,
+            0.2,
+            what="the rest closed after METRICS_TIMEOUT_S",
+        )
+    finally:
+        for s in silent:
+            s.close()
+    assert "Traceback" not in agent.log
