@@ -171,28 +171,3 @@ def freeze_startup_objects() -> None:
     last reference goes, only a cycle among them is never reclaimed."""
     gc.collect()
     gc.freeze()
-
-
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_message_buffers(largest: int) -> bool:
-    """Serve allocations up to `largest` bytes (a gRPC message and its copies) from the
-    heap, and keep up to twice that much freed memory for the next ones.
-
-    With glibc's defaults the agent handed each Get's multi-MiB buffers back to the kernel
-    (unmapped or trimmed) and faulted them in again for the next: about 760 page faults
-    per MiB served over gRPC, half the Get throughput (tests/integration/
-    test_grpc_message_memory.py, bench_agent's grpc_get_gbps). Fixed thresholds end that
-    (glibc caps the mmap threshold at 32 MiB). False where the C library has no mallopt
-    (musl) or refuses; nothing else changes.
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    size = min(max(largest, 1 << 20), 32 << 20)
-    return bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * size))

@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         print(f"kvstore-agent: bad configuration: {exc}", file=sys.stderr)
         return 2
     from node_agent.server import serve
-    from kvstore.process import StartupError, keep_message_buffers
+    from kvstore.heap import keep_message_buffers
+    from kvstore.process import StartupError
 
     # Messages and their copies (protobuf, gRPC's slices) reused from the heap, not mapped
     # and faulted in afresh each: gRPC Gets ran at half speed without it.
